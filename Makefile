@@ -1,0 +1,28 @@
+# The two commands that matter (see README.md):
+#   make demo   sets up redirection in a real namespace and shows captured connections
+#   make test   installs what it needs, then runs lint, types and the whole test suite
+PY := .venv/bin/python
+
+.PHONY: bootstrap demo test lint bench bench-quick clean
+
+bootstrap:
+	bash scripts/bootstrap.sh
+
+demo: bootstrap
+	$(PY) -m redirect.demo
+
+lint: bootstrap
+	.venv/bin/ruff check redirect tests benches
+	.venv/bin/mypy redirect/
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+bench: bootstrap
+	$(PY) -m benches $(BENCH_ARGS)
+
+bench-quick: bootstrap
+	$(PY) -m benches --quick $(BENCH_ARGS)
+
+clean:
+	rm -rf .venv build *.egg-info redirect/_native* .pytest_cache .mypy_cache .ruff_cache
