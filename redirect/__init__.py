@@ -1,0 +1,39 @@
+"""redirect: capture a pod's traffic and hand it to a local proxy.
+
+    import redirect
+    redirect.setup("pod1")                              # Istio sidecar defaults
+    redirect.setup("pod1", redirect.RedirectConfig(outbound_exclude_ports=(22,)))
+    redirect.check("pod1", cfg)                         # CheckResult(ok, differences)
+    redirect.teardown("pod1")
+
+``netns`` is a name under /run/netns, a path, ``redirect.Pid(n)``, ``redirect.Fd(n)``,
+or an int (an open netns fd, else a pid).
+"""
+
+from __future__ import annotations
+
+from .api import check, render, setup, show, teardown
+from .backends.base import CheckResult, Installed
+from .config import RedirectConfig
+from .errors import BackendUnavailable, ConfigError, NetnsError, RedirectError, SetupError
+from .netns import Fd, Pid
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "setup",
+    "teardown",
+    "check",
+    "show",
+    "render",
+    "RedirectConfig",
+    "Installed",
+    "CheckResult",
+    "ConfigError",
+    "BackendUnavailable",
+    "SetupError",
+    "NetnsError",
+    "RedirectError",
+    "Pid",
+    "Fd",
+]

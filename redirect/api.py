@@ -1,0 +1,104 @@
+"""The public entry points: ``setup``, ``teardown``, ``check``, ``show``, ``render``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from . import netns as _netns
+from .backends import get_backend
+from .backends.base import CheckResult, Installed
+from .config import RedirectConfig
+from .errors import ConfigError
+from .plan import build_plan
+
+log = logging.getLogger("redirect")
+
+_locks_guard = threading.Lock()
+_locks: dict[int, threading.Lock] = {}
+
+
+def _lock_for(inode: int) -> threading.Lock:
+    """One in-process lock per namespace: two threads never rewrite one netns at once."""
+    with _locks_guard:
+        return _locks.setdefault(inode, threading.Lock())
+
+
+def _families(cfg: RedirectConfig) -> tuple[int, ...]:
+    from .routes import ipv6_enabled
+
+    if cfg.ipv6 is None:
+        return (4, 6) if ipv6_enabled() else (4,)
+    return (4, 6) if cfg.ipv6 else (4,)
+
+
+def _config(config: RedirectConfig | None) -> RedirectConfig:
+    if config is None:
+        return RedirectConfig()
+    if not isinstance(config, RedirectConfig):
+        raise ConfigError("config", type(config).__name__, "expected a RedirectConfig (or None for Istio's defaults)")
+    return config
+
+
+def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> Installed:
+    """Install redirection for ``config`` (Istio's injection defaults when None) in ``netns``.
+
+    Atomic: on any failure the namespace is left as it was and ``SetupError`` is raised.
+    Idempotent: the same config again changes nothing (``Installed.changed`` is False);
+    a different config replaces ours.
+    """
+    cfg = _config(config)
+    plan = build_plan(cfg)
+    impl = get_backend(backend, cfg)
+    name = _netns.describe(netns)
+    t0 = time.perf_counter()
+    with _netns.enter(netns):
+        with _lock_for(_netns.current_inode()):
+            families = _families(cfg)
+            res = impl.apply(plan, cfg, families)
+    res = Installed(res.backend, name, res.families, res.changed, res.detail)
+    log.info(
+        "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms",
+        name, res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), res.changed,
+        (time.perf_counter() - t0) * 1e3,
+    )
+    return res
+
+
+def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
+    """Remove our redirection from ``netns`` (nothing else). True if anything was removed."""
+    impl = get_backend(backend, None)
+    name = _netns.describe(netns)
+    with _netns.enter(netns):
+        with _lock_for(_netns.current_inode()):
+            removed = impl.remove()
+    log.info("teardown netns=%s backend=%s removed=%s", name, impl.name, removed)
+    return removed
+
+
+def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> CheckResult:
+    """Whether what is installed in ``netns`` equals what ``config`` wants; the differences if not."""
+    cfg = _config(config)
+    plan = build_plan(cfg)
+    impl = get_backend(backend, cfg)
+    with _netns.enter(netns):
+        return impl.check(plan, cfg, _families(cfg))
+
+
+def show(netns: _netns.NetnsRef, backend: str = "iptables") -> dict[str, Any]:
+    """What of ours is installed in ``netns``, read from the kernel."""
+    impl = get_backend(backend, None)
+    with _netns.enter(netns):
+        out = impl.show()
+    out["netns"] = _netns.describe(netns)
+    return out
+
+
+def render(config: RedirectConfig | None = None, backend: str = "iptables", ipv6: bool = True) -> str:
+    """What ``setup`` would install, as text, without touching any kernel (``--dry-run``)."""
+    cfg = _config(config)
+    impl = get_backend(backend, cfg)
+    fams = (4, 6) if (cfg.ipv6 if cfg.ipv6 is not None else ipv6) else (4,)
+    return impl.render(build_plan(cfg), fams)

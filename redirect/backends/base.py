@@ -1,0 +1,51 @@
+"""What every backend provides, and the results it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..config import RedirectConfig
+from ..plan import Plan
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What ``setup`` did: which backend, which families, and whether anything changed."""
+
+    backend: str
+    netns: str
+    families: tuple[int, ...]
+    changed: bool
+    #: Backend-specific detail (iptables variant, nft table names, BPF link ids...).
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Whether what is installed equals what the config wants; ``differences`` says how not."""
+
+    ok: bool
+    backend: str
+    differences: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Backend(Protocol):
+    """A backend turns a plan into kernel state in the netns the calling thread is in."""
+
+    name: str
+
+    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed: ...
+
+    def remove(self) -> bool: ...
+
+    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult: ...
+
+    def show(self) -> dict[str, Any]: ...
+
+    def render(self, plan: Plan, families: tuple[int, ...]) -> str: ...
+
+    def installed(self) -> bool: ...

@@ -1,0 +1,448 @@
+"""``RedirectConfig``: one frozen, validated description of what to capture.
+
+Build it from Python keywords (``RedirectConfig(outbound_exclude_ports=(22,))``), a
+mapping (``from_dict``), JSON or YAML text (``from_json`` / ``from_yaml``), Istio's
+``istio-iptables`` flags and env vars (``redirect.istio.config_from_istio_args``) or pod
+annotations (``redirect.annotations``). Every value is checked once here; a bad one
+raises ``ConfigError`` naming the field and the value, before anything touches a
+kernel. Nothing downstream re-validates.
+
+Port, CIDR and id lists accept Python sequences or comma-separated strings; ``"*"``
+means "all" where a field allows it, and an empty value means "none".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import ipaddress
+import json
+import pwd
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Union
+
+from .errors import ConfigError
+
+Mode = Literal["sidecar", "ambient"]
+Interception = Literal["REDIRECT", "TPROXY"]
+#: A uid/gid: one id, or an inclusive range ``(low, high)``.
+IdSpec = Union[int, tuple[int, int]]
+Ports = Union[Literal["*"], tuple[int, ...]]
+Cidrs = Union[Literal["*"], tuple[str, ...]]
+Groups = Union[Literal["*"], tuple[IdSpec, ...]]
+
+_IFNAME = re.compile(r"^[^\s/:]{1,15}$")
+_MAX_ID = 2**32 - 2  # (uid_t)-1 is "no id"
+
+
+@dataclass(frozen=True)
+class RedirectConfig:
+    """What to capture in one pod network namespace (Istio's defaults)."""
+
+    mode: Mode = "sidecar"
+    #: Proxy outbound capture port (Istio 15001).
+    proxy_port: int = 15001
+    #: Proxy inbound capture port (Istio 15006).
+    inbound_port: int = 15006
+    #: HBONE tunnel port, never captured inbound (Istio 15008).
+    tunnel_port: int = 15008
+    #: DNS proxy port (Istio 15053).
+    dns_port: int = 15053
+    #: Proxy identity in sidecar mode: its traffic is never captured again.
+    proxy_uids: tuple[IdSpec, ...] = (1337,)
+    proxy_gids: tuple[IdSpec, ...] = (1337,)
+    #: How inbound reaches the proxy: NAT ``REDIRECT`` or ``TPROXY`` (keeps the original dst).
+    inbound_interception: Interception = "REDIRECT"
+    tproxy_mark: int = 1337
+    tproxy_route_table: int = 133
+    #: Inbound ports to capture: ``"*"`` = all, ``()`` = none.
+    inbound_ports: Ports = "*"
+    inbound_exclude_ports: tuple[int, ...] = (15090, 15021, 15020)
+    #: Outbound destinations to capture: ``"*"`` = all, ``()`` = none.
+    outbound_cidrs: Cidrs = "*"
+    outbound_exclude_cidrs: tuple[str, ...] = ()
+    #: Outbound ports captured even when their destination is not in ``outbound_cidrs``.
+    outbound_ports: tuple[int, ...] = ()
+    outbound_exclude_ports: tuple[int, ...] = ()
+    #: Only traffic of processes in these groups is captured (``"*"`` = all).
+    owner_groups: Groups = "*"
+    #: Traffic of processes in these groups is never captured.
+    owner_groups_exclude: tuple[IdSpec, ...] = ()
+    #: Interfaces whose traffic is never captured.
+    exclude_interfaces: tuple[str, ...] = ()
+    #: Interfaces whose inbound traffic is sent to the outbound port (Istio's kube-virt).
+    reroute_interfaces: tuple[str, ...] = ()
+    #: DNS to port 53 goes to ``dns_port``.
+    dns_capture: bool = False
+    #: Capture DNS to every server, not just ``dns_servers``.
+    capture_all_dns: bool = False
+    dns_servers: tuple[str, ...] = ()
+    #: Drop packets conntrack deems INVALID (out-of-window) instead of letting them reset.
+    drop_invalid: bool = False
+    #: The loopback range that is never captured (Istio's ``ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR``).
+    ipv4_loopback_cidr: str = "127.0.0.1/32"
+    #: IPv6 rules: True, False, or None = whenever the namespace has IPv6.
+    ipv6: bool | None = None
+    # --- ambient mode -----------------------------------------------------------
+    #: The node proxy's socket mark and its mask (Istio 0x539/0xfff).
+    proxy_mark: int = 0x539
+    proxy_mark_mask: int = 0xFFF
+    #: Connmark of connections the node proxy owns; their replies route locally.
+    conn_mark: int = 0x111
+    #: Policy-routing table for those replies (Istio 100).
+    route_table: int = 100
+    #: Istio's ingress mode: inbound is not captured.
+    bypass_inbound_capture: bool = False
+    #: Source addresses kubelet probes are SNAT'd to, accepted in-pod.
+    probe_snat_ipv4: str = "169.254.7.127"
+    probe_snat_ipv6: str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- builders ----------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RedirectConfig:
+        """Build from a mapping of field names (``-`` and ``_`` both accepted)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("config", data, "must be a mapping of field names to values")
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                raise ConfigError(str(key), value, f"unknown field; known fields: {', '.join(sorted(known))}")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> RedirectConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("config", text[:80], f"not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> RedirectConfig:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError("config", text[:80], f"not valid YAML: {e}") from None
+        return cls.from_dict(data or {})
+
+    @classmethod
+    def from_file(cls, path: str) -> RedirectConfig:
+        """Build from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError("config", path, f"cannot read: {e.strerror}") from None
+        return cls.from_json(text) if path.endswith(".json") else cls.from_yaml(text)
+
+    def replace(self, **changes: Any) -> RedirectConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: tuples become lists, id ranges become ``"low-high"``."""
+
+        def conv(v: Any) -> Any:
+            if isinstance(v, tuple):
+                return [f"{x[0]}-{x[1]}" if isinstance(x, tuple) else x for x in v]
+            return v
+
+        return {f.name: conv(getattr(self, f.name)) for f in fields(self)}
+
+    # --- derived views used by the planner ---------------------------------------------
+    def cidrs_of_family(self, cidrs: Iterable[str], family: int) -> tuple[str, ...]:
+        return tuple(c for c in cidrs if ipaddress.ip_network(c).version == family)
+
+    def dns_servers_of_family(self, family: int) -> tuple[str, ...]:
+        return tuple(s for s in self.dns_servers if ipaddress.ip_address(s).version == family)
+
+    @property
+    def dns_effective(self) -> bool:
+        """Istio turns DNS capture off when neither all DNS nor any server is named."""
+        return self.dns_capture and (self.capture_all_dns or bool(self.dns_servers))
+
+
+# --- validation ----------------------------------------------------------------------
+
+
+def _set(cfg: RedirectConfig, name: str, value: object) -> None:
+    object.__setattr__(cfg, name, value)
+
+
+def _split(value: object) -> list[object]:
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    raise TypeError
+
+
+def _port(name: str, raw: object, value: object) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(name, raw, "ports must be integers 1-65535, not booleans")
+    try:
+        port = int(value) if not isinstance(value, float) else None  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        port = None
+    if port is None or not 1 <= port <= 65535 or (isinstance(value, str) and not value.strip().isdigit()):
+        raise ConfigError(name, raw, f"{value!r} is not a port (1-65535)")
+    return port
+
+
+def _ports(name: str, value: object, star: bool) -> Ports:
+    if star and (value == "*" or value == ["*"] or value == ("*",)):
+        return "*"
+    try:
+        items = _split(value)
+    except TypeError:
+        raise ConfigError(name, value, "expected a list of ports or a comma-separated string") from None
+    if "*" in items:
+        raise ConfigError(name, value, '"*" is not allowed here' if not star else '"*" must stand alone')
+    out: list[int] = []
+    for item in items:
+        p = _port(name, value, item)
+        if p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def _cidr(name: str, raw: object, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(name, raw, f"{value!r} is not a CIDR string")
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise ConfigError(name, raw, f"{value!r} is not an IPv4 or IPv6 CIDR") from None
+    return str(net)
+
+
+def _cidrs(name: str, value: object, star: bool) -> Cidrs:
+    if star and (value == "*" or value == ["*"] or value == ("*",)):
+        return "*"
+    try:
+        items = _split(value)
+    except TypeError:
+        raise ConfigError(name, value, "expected a list of CIDRs or a comma-separated string") from None
+    if "*" in items:
+        raise ConfigError(name, value, '"*" is not allowed here' if not star else '"*" must stand alone')
+    out: list[str] = []
+    for item in items:
+        c = _cidr(name, value, item)
+        if c not in out:
+            out.append(c)
+    return tuple(out)
+
+
+def _id(name: str, raw: object, value: object, kind: str) -> IdSpec:
+    if isinstance(value, bool):
+        raise ConfigError(name, raw, f"{value!r} is not a {kind} id")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        lo = _id(name, raw, value[0], kind)
+        hi = _id(name, raw, value[1], kind)
+        if not isinstance(lo, int) or not isinstance(hi, int) or lo > hi:
+            raise ConfigError(name, raw, f"{value!r} is not a {kind} id range low-high")
+        return (lo, hi) if lo != hi else lo
+    elif isinstance(value, str):
+        s = value.strip()
+        if re.fullmatch(r"\d+", s):
+            n = int(s)
+        elif re.fullmatch(r"\d+-\d+", s):
+            lo_s, hi_s = s.split("-")
+            return _id(name, raw, (int(lo_s), int(hi_s)), kind)
+        else:
+            try:
+                n = pwd.getpwnam(s).pw_uid if kind == "user" else grp.getgrnam(s).gr_gid
+            except KeyError:
+                raise ConfigError(name, raw, f"{s!r} is not a number, a range, or a known {kind} name") from None
+    else:
+        raise ConfigError(name, raw, f"{value!r} is not a {kind} id")
+    if not 0 <= n <= _MAX_ID:
+        raise ConfigError(name, raw, f"{n} is out of range for a {kind} id (0-{_MAX_ID})")
+    return n
+
+
+def _ids(name: str, value: object, kind: str, star: bool = False) -> Any:
+    if star and (value == "*" or value == ["*"] or value == ("*",)):
+        return "*"
+    try:
+        items = _split(value)
+    except TypeError:
+        raise ConfigError(name, value, f"expected a list of {kind} ids or a comma-separated string") from None
+    if "*" in items:
+        raise ConfigError(name, value, '"*" is not allowed here' if not star else '"*" must stand alone')
+    out: list[IdSpec] = []
+    for item in items:
+        i = _id(name, value, item, kind)
+        if i not in out:
+            out.append(i)
+    return tuple(out)
+
+
+def _ifaces(name: str, value: object) -> tuple[str, ...]:
+    try:
+        items = _split(value)
+    except TypeError:
+        raise ConfigError(name, value, "expected a list of interface names") from None
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not _IFNAME.match(item) or item in (".", ".."):
+            raise ConfigError(name, value, f"{item!r} is not a valid interface name (1-15 chars, no / : or space)")
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
+def _int(name: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(name, value, f"expected an integer {lo}-{hi}")
+    if isinstance(value, str):
+        s = value.strip().lower()
+        try:
+            value = int(s, 16) if s.startswith("0x") else int(s)
+        except ValueError:
+            raise ConfigError(name, value, f"expected an integer {lo}-{hi}") from None
+    if not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(name, value, f"expected an integer {lo}-{hi}")
+    return value
+
+
+def _bool(name: str, value: object, allow_none: bool = False) -> bool | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower()
+        if s in ("true", "1", "yes", "on"):
+            return True
+        if s in ("false", "0", "no", "off"):
+            return False
+        if allow_none and s in ("auto", ""):
+            return None
+    raise ConfigError(name, value, "expected true or false" + (" or auto" if allow_none else ""))
+
+
+def _addr(name: str, value: object, version: int) -> str:
+    try:
+        a = ipaddress.ip_address(str(value).strip())
+    except ValueError:
+        raise ConfigError(name, value, f"not an IPv{version} address") from None
+    if a.version != version:
+        raise ConfigError(name, value, f"not an IPv{version} address")
+    return str(a)
+
+
+def _validate(cfg: RedirectConfig) -> None:
+    if cfg.mode not in ("sidecar", "ambient"):
+        raise ConfigError("mode", cfg.mode, 'expected "sidecar" or "ambient"')
+    mode = str(cfg.inbound_interception).upper() if isinstance(cfg.inbound_interception, str) else None
+    if mode not in ("REDIRECT", "TPROXY"):
+        raise ConfigError("inbound_interception", cfg.inbound_interception, 'expected "REDIRECT" or "TPROXY"')
+    _set(cfg, "inbound_interception", mode)
+
+    for name in ("proxy_port", "inbound_port", "tunnel_port", "dns_port"):
+        _set(cfg, name, _port(name, getattr(cfg, name), getattr(cfg, name)))
+    for name in ("inbound_exclude_ports", "outbound_ports", "outbound_exclude_ports"):
+        _set(cfg, name, _ports(name, getattr(cfg, name), star=False))
+    _set(cfg, "inbound_ports", _ports("inbound_ports", cfg.inbound_ports, star=True))
+
+    _set(cfg, "outbound_cidrs", _cidrs("outbound_cidrs", cfg.outbound_cidrs, star=True))
+    # Istio rejects "*" for the exclude list (OUTBOUND_IP_RANGES_EXCLUDE).
+    _set(cfg, "outbound_exclude_cidrs", _cidrs("outbound_exclude_cidrs", cfg.outbound_exclude_cidrs, star=False))
+    _set(cfg, "ipv4_loopback_cidr", _cidr("ipv4_loopback_cidr", cfg.ipv4_loopback_cidr, cfg.ipv4_loopback_cidr))
+    lo_net = ipaddress.ip_network(cfg.ipv4_loopback_cidr)
+    if lo_net.version != 4 or not lo_net.subnet_of(ipaddress.ip_network("127.0.0.0/8")):  # type: ignore[arg-type]
+        raise ConfigError("ipv4_loopback_cidr", cfg.ipv4_loopback_cidr, "must be an IPv4 range inside 127.0.0.0/8")
+
+    _set(cfg, "proxy_uids", _ids("proxy_uids", cfg.proxy_uids, "user"))
+    _set(cfg, "proxy_gids", _ids("proxy_gids", cfg.proxy_gids, "group"))
+    _set(cfg, "owner_groups", _ids("owner_groups", cfg.owner_groups, "group", star=True))
+    _set(cfg, "owner_groups_exclude", _ids("owner_groups_exclude", cfg.owner_groups_exclude, "group"))
+    if cfg.owner_groups != "*" and cfg.owner_groups_exclude:
+        raise ConfigError(
+            "owner_groups_exclude",
+            cfg.owner_groups_exclude,
+            "set either owner_groups (a list) or owner_groups_exclude, not both",
+        )
+    if cfg.owner_groups == ():
+        raise ConfigError("owner_groups", "", 'empty: use "*" for every group')
+
+    _set(cfg, "exclude_interfaces", _ifaces("exclude_interfaces", cfg.exclude_interfaces))
+    _set(cfg, "reroute_interfaces", _ifaces("reroute_interfaces", cfg.reroute_interfaces))
+    both = set(cfg.exclude_interfaces) & set(cfg.reroute_interfaces)
+    if both:
+        raise ConfigError("reroute_interfaces", cfg.reroute_interfaces, f"also excluded: {', '.join(sorted(both))}")
+    if "lo" in cfg.exclude_interfaces or "lo" in cfg.reroute_interfaces:
+        bad = "exclude_interfaces" if "lo" in cfg.exclude_interfaces else "reroute_interfaces"
+        raise ConfigError(bad, getattr(cfg, bad), '"lo" carries the proxy hand-off and cannot be listed')
+
+    for name in ("dns_capture", "capture_all_dns", "drop_invalid", "bypass_inbound_capture"):
+        _set(cfg, name, _bool(name, getattr(cfg, name)))
+    _set(cfg, "ipv6", _bool("ipv6", cfg.ipv6, allow_none=True))
+    try:
+        servers = _split(cfg.dns_servers)
+    except TypeError:
+        raise ConfigError("dns_servers", cfg.dns_servers, "expected a list of IP addresses") from None
+    out: list[str] = []
+    for s in servers:
+        try:
+            a = str(ipaddress.ip_address(str(s).strip()))
+        except ValueError:
+            raise ConfigError("dns_servers", cfg.dns_servers, f"{s!r} is not an IP address") from None
+        if a not in out:
+            out.append(a)
+    _set(cfg, "dns_servers", tuple(out))
+
+    _set(cfg, "tproxy_mark", _int("tproxy_mark", cfg.tproxy_mark, 1, 2**32 - 1))
+    _set(cfg, "tproxy_route_table", _int("tproxy_route_table", cfg.tproxy_route_table, 1, 2**31 - 1))
+    _set(cfg, "route_table", _int("route_table", cfg.route_table, 1, 2**31 - 1))
+    for name in ("tproxy_route_table", "route_table"):
+        if getattr(cfg, name) in (253, 254, 255):
+            raise ConfigError(name, getattr(cfg, name), "253-255 are the kernel's default/main/local tables")
+    _set(cfg, "proxy_mark", _int("proxy_mark", cfg.proxy_mark, 1, 2**32 - 1))
+    _set(cfg, "proxy_mark_mask", _int("proxy_mark_mask", cfg.proxy_mark_mask, 1, 2**32 - 1))
+    _set(cfg, "conn_mark", _int("conn_mark", cfg.conn_mark, 1, 2**32 - 1))
+    if cfg.proxy_mark & ~cfg.proxy_mark_mask:
+        raise ConfigError("proxy_mark", hex(cfg.proxy_mark), f"has bits outside proxy_mark_mask {cfg.proxy_mark_mask:#x}")
+    if cfg.conn_mark & ~cfg.proxy_mark_mask:
+        raise ConfigError("conn_mark", hex(cfg.conn_mark), f"has bits outside proxy_mark_mask {cfg.proxy_mark_mask:#x}")
+    if cfg.conn_mark == cfg.proxy_mark:
+        raise ConfigError("conn_mark", hex(cfg.conn_mark), "must differ from proxy_mark")
+    if cfg.tproxy_mark == 1338:
+        raise ConfigError("tproxy_mark", 1338, "1338 is the mark of proxy-to-app traffic over lo; pick another")
+    _set(cfg, "probe_snat_ipv4", _addr("probe_snat_ipv4", cfg.probe_snat_ipv4, 4))
+    _set(cfg, "probe_snat_ipv6", _addr("probe_snat_ipv6", cfg.probe_snat_ipv6, 6))
+
+    ports = {"proxy_port": cfg.proxy_port, "inbound_port": cfg.inbound_port, "tunnel_port": cfg.tunnel_port}
+    if cfg.dns_capture:
+        ports["dns_port"] = cfg.dns_port
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in seen:
+            raise ConfigError(name, port, f"same port as {seen[port]}")
+        seen[port] = name
+    if cfg.mode == "ambient" and cfg.inbound_interception == "TPROXY":
+        raise ConfigError("inbound_interception", "TPROXY", "ambient mode has no inbound interception choice")
+    if cfg.mode == "sidecar" and not cfg.proxy_uids and not cfg.proxy_gids:
+        raise ConfigError("proxy_uids", (), "sidecar mode needs a proxy uid or gid, or the proxy captures itself")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(RedirectConfig)]
+
+
+__all__ = ["RedirectConfig", "IdSpec", "field_names"]

@@ -1,0 +1,552 @@
+"""The plan: a pure function ``config -> Plan`` in a small typed vocabulary.
+
+A ``Plan`` is what every backend renders. It says, per netfilter-style table and
+hook, which ordered rules to run (matches + one action), which policy routes and
+local addresses come with them, and for which address families. It never touches
+a kernel, so it is unit-testable without root, and each behaviour is written here
+once however many backends there are.
+
+Chain names are logical (``"OUTBOUND"``); each backend adds its own prefix. A chain
+with ``hook`` set is an entry point: the backend hooks it into that table's built-in
+chain (iptables: one unconditional jump appended to ``PREROUTING``/``OUTPUT``;
+nftables: a base chain at the table's priority).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from .config import IdSpec, RedirectConfig
+
+Table = Literal["raw", "mangle", "nat"]
+Hook = Literal["prerouting", "output"]
+Family = Literal[4, 6]
+
+# Istio's fixed values that are not configurable there either.
+INBOUND_PASSTHROUGH_V4 = "127.0.0.6/32"
+INBOUND_PASSTHROUGH_V6 = "::6/128"
+LOOPBACK_V6 = "::1/128"
+OUTBOUND_MARK = 1338  # TPROXY: proxy-to-app over lo, so inbound does not capture it again
+DNS_PORT = 53
+DNS_ZONE_PROXY = 1  # proxy <-> upstream resolver
+DNS_ZONE_APP = 2  # app <-> proxy
+
+
+# --- matches -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proto:
+    name: Literal["tcp", "udp"]
+
+
+@dataclass(frozen=True)
+class Addr:
+    """Source or destination address in a CIDR (the rule's family follows from it)."""
+
+    side: Literal["src", "dst"]
+    cidr: str
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class Port:
+    """Source or destination port(s); needs a ``Proto`` in the same rule.
+
+    Several ports mean "any of" (``neg``: "none of").
+    """
+
+    side: Literal["src", "dst"]
+    ports: tuple[int, ...]
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class Iface:
+    side: Literal["in", "out"]
+    name: str
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Socket owner (only meaningful on locally generated traffic)."""
+
+    kind: Literal["uid", "gid"]
+    id: IdSpec
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class Mark:
+    value: int
+    mask: int = 0xFFFFFFFF
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class ConnMark:
+    value: int
+    mask: int = 0xFFFFFFFF
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class CtState:
+    states: tuple[Literal["INVALID", "NEW", "ESTABLISHED", "RELATED"], ...]
+
+
+@dataclass(frozen=True)
+class Socket:
+    """A local socket exists for the packet (``transparent``: only IP_TRANSPARENT ones)."""
+
+    transparent: bool = False
+    nowildcard: bool = False
+
+
+Match = Union[Proto, Addr, Port, Iface, Owner, Mark, ConnMark, CtState, Socket]
+
+
+# --- actions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """NAT to a local port; the proxy reads the original destination with SO_ORIGINAL_DST."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class TProxy:
+    """Deliver to a local transparent listener on ``port`` and mark the packet."""
+
+    port: int
+    mark: int
+    mask: int = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Return:
+    """Stop evaluating this chain; back to the caller (and on to other rules of the hook)."""
+
+
+@dataclass(frozen=True)
+class Accept:
+    """Accept the packet in this table's hook (skips later rules of that hook)."""
+
+
+@dataclass(frozen=True)
+class Drop:
+    pass
+
+
+@dataclass(frozen=True)
+class Jump:
+    chain: str
+
+
+@dataclass(frozen=True)
+class SetMark:
+    value: int
+    mask: int = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SetConnMark:
+    value: int
+    mask: int = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SaveMark:
+    """Copy the packet mark into the connmark (under ``mask``)."""
+
+    mask: int = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class RestoreMark:
+    """Copy the connmark into the packet mark (under ``mask``)."""
+
+    mask: int = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class CtZone:
+    zone: int
+
+
+Action = Union[Redirect, TProxy, Return, Accept, Drop, Jump, SetMark, SetConnMark, SaveMark, RestoreMark, CtZone]
+
+
+# --- structure -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    matches: tuple[Match, ...]
+    action: Action
+    #: None: both families; 4 or 6: only that one (set from address matches).
+    family: Family | None = None
+    #: Why the rule exists, for ``--dry-run``, ``show`` and review.
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class Chain:
+    table: Table
+    name: str
+    rules: tuple[Rule, ...]
+    hook: Hook | None = None
+
+
+@dataclass(frozen=True)
+class PolicyRoute:
+    """``ip rule fwmark MARK/MASK lookup TABLE`` + ``local default dev lo table TABLE``."""
+
+    family: Family
+    fwmark: int
+    mask: int
+    table: int
+
+
+@dataclass(frozen=True)
+class LocalAddress:
+    """An address the plan needs on an interface (TPROXY/IPv6: ``::6`` on ``lo``)."""
+
+    family: Family
+    cidr: str
+    dev: str = "lo"
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    chains: tuple[Chain, ...]
+    routes: tuple[PolicyRoute, ...] = ()
+    addresses: tuple[LocalAddress, ...] = ()
+    #: Families the plan wants; ``None`` entries are resolved by the backend (auto IPv6).
+    ipv6: bool | None = None
+
+    def chains_for(self, family: Family) -> tuple[Chain, ...]:
+        """The chains with only the rules of ``family``; empty non-hook chains are kept
+        (they are jump targets), empty hook chains are dropped."""
+        out = []
+        for c in self.chains:
+            rules = tuple(r for r in c.rules if r.family in (None, family))
+            if c.hook is not None and not rules:
+                continue
+            out.append(Chain(c.table, c.name, rules, c.hook))
+        return _prune(tuple(out))
+
+    def routes_for(self, family: Family) -> tuple[PolicyRoute, ...]:
+        return tuple(r for r in self.routes if r.family == family)
+
+    def addresses_for(self, family: Family) -> tuple[LocalAddress, ...]:
+        return tuple(a for a in self.addresses if a.family == family)
+
+    def tables_for(self, family: Family) -> tuple[Table, ...]:
+        return tuple(dict.fromkeys(c.table for c in self.chains_for(family)))
+
+
+def _prune(chains: tuple[Chain, ...]) -> tuple[Chain, ...]:
+    """Drop non-hook chains that nothing jumps to (per table), repeatedly."""
+    while True:
+        used = {
+            (c.table, r.action.chain) for c in chains for r in c.rules if isinstance(r.action, Jump)
+        }
+        kept = tuple(c for c in chains if c.hook is not None or (c.table, c.name) in used)
+        if len(kept) == len(chains):
+            return kept
+        chains = kept
+
+
+def _family_of(cidr: str) -> Family:
+    return 4 if ipaddress.ip_network(cidr).version == 4 else 6
+
+
+class _Builder:
+    """Collects rules per (table, chain) in order of creation."""
+
+    def __init__(self) -> None:
+        self._chains: dict[tuple[Table, str], list[Rule]] = {}
+        self._hooks: dict[tuple[Table, str], Hook | None] = {}
+
+    def chain(self, table: Table, name: str, hook: Hook | None = None) -> None:
+        key = (table, name)
+        if key not in self._chains:
+            self._chains[key] = []
+            self._hooks[key] = hook
+
+    def add(
+        self,
+        table: Table,
+        chain: str,
+        matches: tuple[Match, ...] | list[Match],
+        action: Action,
+        comment: str = "",
+        family: Family | None = None,
+    ) -> None:
+        self.chain(table, chain, _HOOKS.get(chain))
+        for m in matches:
+            if isinstance(m, Addr):
+                fam = _family_of(m.cidr)
+                if family is not None and family != fam:
+                    raise AssertionError(f"rule mixes families: {matches}")
+                family = fam
+        self._chains[(table, chain)].append(Rule(tuple(matches), action, family, comment))
+
+    def build(self) -> tuple[Chain, ...]:
+        return tuple(
+            Chain(t, n, tuple(rules), self._hooks[(t, n)]) for (t, n), rules in self._chains.items()
+        )
+
+
+#: Logical chain names that are hook entry points.
+_HOOKS: dict[str, Hook] = {"PREROUTING": "prerouting", "OUTPUT": "output"}
+
+TCP = Proto("tcp")
+UDP = Proto("udp")
+
+
+def _loopbacks(cfg: RedirectConfig) -> dict[Family, str]:
+    return {4: cfg.ipv4_loopback_cidr, 6: LOOPBACK_V6}
+
+
+def build_plan(cfg: RedirectConfig) -> Plan:
+    """The plan for ``cfg`` (dispatches on ``cfg.mode``)."""
+    if cfg.mode == "ambient":
+        from .ambient import build_ambient_plan
+
+        return build_ambient_plan(cfg)
+    return _sidecar_plan(cfg)
+
+
+def _sidecar_plan(cfg: RedirectConfig) -> Plan:
+    """Istio ``istio-iptables`` semantics, rule purposes in Istio's order."""
+    b = _Builder()
+    tproxy = cfg.inbound_interception == "TPROXY"
+    inbound_table: Table = "mangle" if tproxy else "nat"
+    dns = cfg.dns_effective
+    uids, gids = cfg.proxy_uids, cfg.proxy_gids
+    loop = _loopbacks(cfg)
+
+    # Hook chains first, so each table's entry is created in a stable order.
+    b.chain("nat", "PREROUTING", "prerouting")
+    b.chain("nat", "OUTPUT", "output")
+
+    # 1. Excluded interfaces: nothing on them is captured.
+    for ifname in cfg.exclude_interfaces:
+        b.add("nat", "PREROUTING", [Iface("in", ifname)], Return(), f"exclude interface {ifname}")
+        b.add("nat", "OUTPUT", [Iface("out", ifname)], Return(), f"exclude interface {ifname}")
+        if tproxy:
+            b.add("mangle", "PREROUTING", [Iface("in", ifname)], Return(), f"exclude interface {ifname}")
+            b.add("mangle", "OUTPUT", [Iface("out", ifname)], Return(), f"exclude interface {ifname}")
+
+    # 2. Reroute (kube-virt) interfaces: their inbound goes to the outbound port.
+    #    Istio inserts these at the top of nat PREROUTING (return when not capturing all).
+    reroute_rules: list[tuple[tuple[Match, ...], Action, str]] = []
+    for ifname in cfg.reroute_interfaces:
+        if cfg.outbound_cidrs == "*":
+            reroute_rules.append(((Iface("in", ifname),), Jump("REDIRECT"), f"reroute {ifname} to outbound"))
+        elif cfg.outbound_cidrs:
+            for cidr in cfg.outbound_cidrs:
+                reroute_rules.append(
+                    ((Iface("in", ifname), Addr("dst", cidr)), Jump("REDIRECT"), f"reroute {ifname} {cidr}")
+                )
+        reroute_rules.append(((Iface("in", ifname),), Return(), f"rest of {ifname} is not captured"))
+    for matches, action, comment in reroute_rules:
+        b.add("nat", "PREROUTING", matches, action, comment)
+
+    # 3. Drop conntrack-INVALID packets rather than letting them reset connections.
+    if cfg.drop_invalid:
+        b.add("mangle", "PREROUTING", [CtState(("INVALID",))], Jump("DROP"), "drop invalid")
+        b.add("mangle", "DROP", [], Drop(), "drop invalid")
+
+    # 4. The redirect targets.
+    b.add("nat", "REDIRECT", [TCP], Redirect(cfg.proxy_port), "to the proxy outbound port")
+    b.add("nat", "IN_REDIRECT", [TCP], Redirect(cfg.inbound_port), "to the proxy inbound port")
+
+    # 5. Inbound.
+    if cfg.inbound_ports != ():
+        if tproxy:
+            b.add("mangle", "DIVERT", [], SetMark(cfg.tproxy_mark), "mark for the policy route to lo")
+            b.add("mangle", "DIVERT", [], Accept(), "deliver locally")
+            for fam, lo in loop.items():
+                b.add(
+                    "mangle",
+                    "TPROXY",
+                    [Addr("dst", lo, neg=True), TCP],
+                    TProxy(cfg.inbound_port, cfg.tproxy_mark),
+                    "new inbound to the proxy inbound port",
+                    family=fam,
+                )
+            # Prevent loops: ours and proxy -> app traffic is not captured again.
+            b.add("mangle", "INBOUND", [TCP, Mark(cfg.tproxy_mark)], Return(), "already diverted")
+            b.add("mangle", "INBOUND", [TCP, Addr("src", INBOUND_PASSTHROUGH_V4), Iface("in", "lo")], Return(),
+                  "inbound passthrough from the proxy")
+            b.add("mangle", "INBOUND", [TCP, Addr("src", INBOUND_PASSTHROUGH_V6), Iface("in", "lo")], Return(),
+                  "inbound passthrough from the proxy")
+            b.add("mangle", "INBOUND", [TCP, Iface("in", "lo"), Mark(OUTBOUND_MARK, neg=True)], Return(),
+                  "app to itself over lo")
+        b.add(inbound_table, "PREROUTING", [TCP], Jump("INBOUND"), "inbound TCP")
+        b.add(inbound_table, "INBOUND", [TCP, Port("dst", (cfg.tunnel_port,))], Return(), "tunnel (HBONE) port")
+        if cfg.inbound_ports == "*":
+            for p in cfg.inbound_exclude_ports:
+                b.add(inbound_table, "INBOUND", [TCP, Port("dst", (p,))], Return(), f"excluded inbound port {p}")
+            if tproxy:
+                b.add("mangle", "INBOUND", [TCP, CtState(("RELATED", "ESTABLISHED"))], Jump("DIVERT"),
+                      "established: route to lo")
+                b.add("mangle", "INBOUND", [TCP], Jump("TPROXY"), "new: to the proxy")
+            else:
+                b.add("nat", "INBOUND", [TCP], Jump("IN_REDIRECT"), "inbound to the proxy")
+        else:
+            for p in cfg.inbound_ports:
+                if p in cfg.inbound_exclude_ports or p == cfg.tunnel_port:
+                    continue
+                if tproxy:
+                    b.add("mangle", "INBOUND", [TCP, Port("dst", (p,)), CtState(("RELATED", "ESTABLISHED"))],
+                          Jump("DIVERT"), f"established inbound port {p}")
+                    b.add("mangle", "INBOUND", [TCP, Port("dst", (p,))], Jump("TPROXY"), f"inbound port {p}")
+                else:
+                    b.add("nat", "INBOUND", [TCP, Port("dst", (p,))], Jump("IN_REDIRECT"), f"inbound port {p}")
+
+    # 6. Outbound.
+    b.add("nat", "OUTPUT", [], Jump("OUTBOUND"), "outbound")
+    for p in cfg.outbound_exclude_ports:
+        b.add("nat", "OUTBOUND", [TCP, Port("dst", (p,))], Return(), f"excluded outbound port {p}")
+        b.add("nat", "OUTBOUND", [UDP, Port("dst", (p,))], Return(), f"excluded outbound port {p}")
+    b.add("nat", "OUTBOUND", [Iface("out", "lo"), Addr("src", INBOUND_PASSTHROUGH_V4)], Return(),
+          "inbound passthrough from the proxy")
+    b.add("nat", "OUTBOUND", [Iface("out", "lo"), Addr("src", INBOUND_PASSTHROUGH_V6)], Return(),
+          "inbound passthrough from the proxy")
+
+    include = cfg.outbound_cidrs
+    include_has_loopback = include != "*" and any(ipaddress.ip_network(c).is_loopback for c in include)
+    hairpin_exclude = (DNS_PORT, cfg.tunnel_port) if dns else (cfg.tunnel_port,)
+    for kind, ids in (("uid", uids), ("gid", gids)):
+        for i in ids:
+            # app -> own service VIP -> proxy -> app: the proxy's lo traffic to a
+            # non-loopback address goes to inbound capture. (Istio skips port 53 only
+            # for uids; we apply it to both, the DNS listener lives on lo too.)
+            for fam, lo in loop.items():
+                b.add("nat", "OUTBOUND",
+                      [Iface("out", "lo"), Addr("dst", lo, neg=True), TCP, Port("dst", hairpin_exclude, neg=True),
+                       Owner(kind, i)],  # type: ignore[arg-type]
+                      Jump("IN_REDIRECT"), f"proxy {kind} {_id(i)} hairpin over lo", family=fam)
+            if not include_has_loopback:
+                m: list[Match] = [Iface("out", "lo")]
+                if dns:
+                    m += [TCP, Port("dst", (DNS_PORT,), neg=True)]
+                m.append(Owner(kind, i, neg=True))  # type: ignore[arg-type]
+                b.add("nat", "OUTBOUND", m, Return(), f"app traffic over lo (not {kind} {_id(i)})")
+            b.add("nat", "OUTBOUND", [Owner(kind, i)], Return(), f"proxy {kind} {_id(i)}")  # type: ignore[arg-type]
+
+    # Owner groups: only (or all but) these groups' traffic is captured.
+    if cfg.owner_groups_exclude:
+        for g in cfg.owner_groups_exclude:
+            b.add("nat", "OUTBOUND", [Owner("gid", g)], Return(), f"owner group {_id(g)} not captured")
+    elif cfg.owner_groups != "*":
+        b.add("nat", "OUTBOUND", [Owner("gid", g, neg=True) for g in cfg.owner_groups], Return(),
+              "not in a captured owner group")
+
+    if dns:
+        _sidecar_dns(b, cfg)
+
+    for fam, lo in loop.items():
+        b.add("nat", "OUTBOUND", [Addr("dst", lo)], Return(), "loopback", family=fam)
+    for cidr in cfg.outbound_exclude_cidrs:
+        b.add("nat", "OUTBOUND", [Addr("dst", cidr)], Return(), f"excluded CIDR {cidr}")
+    for p in cfg.outbound_ports:
+        b.add("nat", "OUTBOUND", [TCP, Port("dst", (p,))], Jump("REDIRECT"), f"included outbound port {p}")
+    if include == "*":
+        b.add("nat", "OUTBOUND", [], Jump("REDIRECT"), "all other outbound to the proxy")
+    else:
+        for cidr in include:
+            b.add("nat", "OUTBOUND", [Addr("dst", cidr)], Jump("REDIRECT"), f"included CIDR {cidr}")
+
+    routes: list[PolicyRoute] = []
+    addresses: list[LocalAddress] = []
+    if tproxy and cfg.inbound_ports != ():
+        b.add("mangle", "PREROUTING", [TCP, Mark(cfg.tproxy_mark)], SaveMark(), "remember the divert mark")
+        b.add("mangle", "OUTPUT", [TCP, Iface("out", "lo"), Mark(cfg.tproxy_mark)], Return(), "proxy to app, marked")
+        for kind, ids in (("uid", uids), ("gid", gids)):
+            for i in ids:
+                for fam, lo in loop.items():
+                    b.add("mangle", "OUTPUT",
+                          [Addr("dst", lo, neg=True), TCP, Iface("out", "lo"), Owner(kind, i)],  # type: ignore[arg-type]
+                          SetMark(OUTBOUND_MARK), f"proxy {kind} {_id(i)} to app over lo", family=fam)
+        b.add("mangle", "OUTPUT", [TCP, ConnMark(cfg.tproxy_mark)], RestoreMark(), "replies follow the policy route")
+        for fam in (4, 6):
+            routes.append(PolicyRoute(fam, cfg.tproxy_mark, 0xFFFFFFFF, cfg.tproxy_route_table))  # type: ignore[arg-type]
+    if cfg.inbound_ports != ():
+        # The proxy's inbound passthrough binds ::6 (IPv4 has all of 127/8 on lo already).
+        addresses.append(LocalAddress(6, INBOUND_PASSTHROUGH_V6))
+
+    return Plan("sidecar", b.build(), tuple(routes), tuple(addresses), cfg.ipv6)
+
+
+def _sidecar_dns(b: _Builder, cfg: RedirectConfig) -> None:
+    """DNS to port 53 goes to the DNS proxy, with conntrack zones splitting the flows."""
+    servers: dict[Family, tuple[str, ...]] = {
+        4: tuple(f"{s}/32" for s in cfg.dns_servers_of_family(4)),
+        6: tuple(f"{s}/128" for s in cfg.dns_servers_of_family(6)),
+    }
+    owners = [("uid", i) for i in cfg.proxy_uids] + [("gid", i) for i in cfg.proxy_gids]
+    dns53 = Port("dst", (DNS_PORT,))
+    # nat: TCP and UDP to 53 -> dns_port, except the proxy's own queries.
+    b.chain("nat", "DNS")
+    for fam in (4, 6):
+        if cfg.capture_all_dns or servers[fam]:
+            b.add("nat", "OUTBOUND", [], Jump("DNS"), "DNS", family=fam)
+    if cfg.capture_all_dns:
+        b.add("nat", "DNS", [TCP, dns53], Redirect(cfg.dns_port), "TCP DNS to the DNS proxy")
+    else:
+        for fam in (4, 6):
+            for s in servers[fam]:
+                b.add("nat", "DNS", [TCP, dns53, Addr("dst", s)], Redirect(cfg.dns_port), f"TCP DNS to {s}")
+    for kind, i in owners:
+        b.add("nat", "DNS", [UDP, dns53, Owner(kind, i)], Return(), f"proxy {kind} {_id(i)} DNS upstream")  # type: ignore[arg-type]
+    if cfg.capture_all_dns:
+        b.add("nat", "DNS", [UDP, dns53], Redirect(cfg.dns_port), "UDP DNS to the DNS proxy")
+    else:
+        for fam in (4, 6):
+            for s in servers[fam]:
+                b.add("nat", "DNS", [UDP, dns53, Addr("dst", s)], Redirect(cfg.dns_port), f"UDP DNS to {s}")
+
+    # raw: conntrack zones, so the proxy's upstream flow and the app's flow to the
+    # proxy never share a conntrack entry (UDP races).
+    b.chain("raw", "OUTPUT", "output")
+    b.add("raw", "OUTPUT", [], Jump("DNS"), "DNS conntrack zones")
+    for kind, i in owners:
+        b.add("raw", "DNS", [UDP, dns53, Owner(kind, i)], CtZone(DNS_ZONE_PROXY),  # type: ignore[arg-type]
+              "proxy upstream queries")
+        b.add("raw", "DNS", [UDP, Port("src", (cfg.dns_port,)), Owner(kind, i)], CtZone(DNS_ZONE_APP),  # type: ignore[arg-type]
+              "proxy answers to apps")
+    if cfg.capture_all_dns:
+        b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones")
+        b.add("raw", "DNS", [UDP, dns53], CtZone(DNS_ZONE_APP), "app queries")
+        b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,))], CtZone(DNS_ZONE_PROXY), "resolver answers")
+    else:
+        for fam in (4, 6):
+            if servers[fam]:
+                b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones", family=fam)
+            for s in servers[fam]:
+                b.add("raw", "DNS", [UDP, dns53, Addr("dst", s)], CtZone(DNS_ZONE_APP), f"app queries to {s}")
+                b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,)), Addr("src", s)], CtZone(DNS_ZONE_PROXY),
+                      f"answers from {s}")
+
+
+def _id(i: IdSpec) -> str:
+    return f"{i[0]}-{i[1]}" if isinstance(i, tuple) else str(i)
+
+
+__all__ = [
+    "Plan", "Chain", "Rule", "PolicyRoute", "LocalAddress", "build_plan",
+    "Proto", "Addr", "Port", "Iface", "Owner", "Mark", "ConnMark", "CtState", "Socket",
+    "Redirect", "TProxy", "Return", "Accept", "Drop", "Jump", "SetMark", "SetConnMark",
+    "SaveMark", "RestoreMark", "CtZone", "field",
+]
