@@ -1,0 +1,77 @@
+"""Fixtures for the integration tests: pods, and a check that no namespace leaks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+import pytest
+
+from tests import netkit
+from tests.netkit import Pod
+
+# Tests that use any of these need root; without it the session stops at once.
+ROOT_FIXTURES = {"pod", "pod_pair", "make_pod", "pod_with_extra_iface"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0:
+        return
+    needing = [it.nodeid for it in items if ROOT_FIXTURES & set(getattr(it, "fixturenames", ()))]
+    if needing:
+        pytest.exit(
+            f"{len(needing)} collected tests (e.g. {needing[0]}) create network namespaces and need root;"
+            " run as root (e.g. `sudo make test`), or deselect them",
+            returncode=4,
+        )
+
+
+@pytest.fixture
+def make_pod() -> Iterator[Callable[..., Pod]]:
+    """A factory: ``make_pod(extra_iface=False)`` returns a new Pod, removed after the test."""
+    with ExitStack() as stack:
+
+        def factory(**kw: Any) -> Pod:
+            cm: AbstractContextManager[Pod] = netkit.make_pod(**kw)
+            return stack.enter_context(cm)
+
+        yield factory
+
+
+@pytest.fixture
+def pod(make_pod: Callable[..., Pod]) -> Pod:
+    return make_pod()
+
+
+@pytest.fixture
+def pod_with_extra_iface(make_pod: Callable[..., Pod]) -> Pod:
+    return make_pod(extra_iface=True)
+
+
+@pytest.fixture
+def pod_pair(make_pod: Callable[..., Pod]) -> tuple[Pod, Pod]:
+    return make_pod(), make_pod()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_netns() -> Iterator[None]:
+    """Fail the test that leaves a namespace this process created behind (and remove it)."""
+    before = netkit.live_namespaces()
+    yield
+    leaked = netkit.live_namespaces() - before
+    for name in sorted(leaked):
+        netkit.remove_netns(name)
+    if leaked:
+        pytest.fail(f"test left network namespaces behind (now removed): {sorted(leaked)}", pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove whatever this process still holds, and say so."""
+    left = netkit.live_namespaces()
+    for name in sorted(left):
+        netkit.remove_netns(name)
+    if left:
+        print(f"\nnetkit: removed leftover namespaces at session end: {sorted(left)}", file=sys.stderr)
