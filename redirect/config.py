@@ -417,9 +417,11 @@ def _validate(cfg: RedirectConfig) -> None:
     _set(cfg, "proxy_mark_mask", _int("proxy_mark_mask", cfg.proxy_mark_mask, 1, 2**32 - 1))
     _set(cfg, "conn_mark", _int("conn_mark", cfg.conn_mark, 1, 2**32 - 1))
     if cfg.proxy_mark & ~cfg.proxy_mark_mask:
-        raise ConfigError("proxy_mark", hex(cfg.proxy_mark), f"has bits outside proxy_mark_mask {cfg.proxy_mark_mask:#x}")
+        raise ConfigError("proxy_mark", hex(cfg.proxy_mark),
+                          f"has bits outside proxy_mark_mask {cfg.proxy_mark_mask:#x}")
     if cfg.conn_mark & ~cfg.proxy_mark_mask:
-        raise ConfigError("conn_mark", hex(cfg.conn_mark), f"has bits outside proxy_mark_mask {cfg.proxy_mark_mask:#x}")
+        raise ConfigError("conn_mark", hex(cfg.conn_mark),
+                          f"has bits outside proxy_mark_mask {cfg.proxy_mark_mask:#x}")
     if cfg.conn_mark == cfg.proxy_mark:
         raise ConfigError("conn_mark", hex(cfg.conn_mark), "must differ from proxy_mark")
     if cfg.tproxy_mark == 1338:

@@ -15,7 +15,7 @@ nftables: a base chain at the table's priority).
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Union
 
 from .config import IdSpec, RedirectConfig
@@ -308,6 +308,7 @@ class _Builder:
 #: Logical chain names that are hook entry points.
 _HOOKS: dict[str, Hook] = {"PREROUTING": "prerouting", "OUTPUT": "output"}
 
+FAMILIES: tuple[Family, ...] = (4, 6)
 TCP = Proto("tcp")
 UDP = Proto("udp")
 
@@ -480,7 +481,7 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
                           [Addr("dst", lo, neg=True), TCP, Iface("out", "lo"), Owner(kind, i)],  # type: ignore[arg-type]
                           SetMark(OUTBOUND_MARK), f"proxy {kind} {_id(i)} to app over lo", family=fam)
         b.add("mangle", "OUTPUT", [TCP, ConnMark(cfg.tproxy_mark)], RestoreMark(), "replies follow the policy route")
-        for fam in (4, 6):
+        for fam in FAMILIES:
             routes.append(PolicyRoute(fam, cfg.tproxy_mark, 0xFFFFFFFF, cfg.tproxy_route_table))  # type: ignore[arg-type]
     if cfg.inbound_ports != ():
         # The proxy's inbound passthrough binds ::6 (IPv4 has all of 127/8 on lo already).
@@ -499,13 +500,13 @@ def _sidecar_dns(b: _Builder, cfg: RedirectConfig) -> None:
     dns53 = Port("dst", (DNS_PORT,))
     # nat: TCP and UDP to 53 -> dns_port, except the proxy's own queries.
     b.chain("nat", "DNS")
-    for fam in (4, 6):
+    for fam in FAMILIES:
         if cfg.capture_all_dns or servers[fam]:
             b.add("nat", "OUTBOUND", [], Jump("DNS"), "DNS", family=fam)
     if cfg.capture_all_dns:
         b.add("nat", "DNS", [TCP, dns53], Redirect(cfg.dns_port), "TCP DNS to the DNS proxy")
     else:
-        for fam in (4, 6):
+        for fam in FAMILIES:
             for s in servers[fam]:
                 b.add("nat", "DNS", [TCP, dns53, Addr("dst", s)], Redirect(cfg.dns_port), f"TCP DNS to {s}")
     for kind, i in owners:
@@ -513,7 +514,7 @@ def _sidecar_dns(b: _Builder, cfg: RedirectConfig) -> None:
     if cfg.capture_all_dns:
         b.add("nat", "DNS", [UDP, dns53], Redirect(cfg.dns_port), "UDP DNS to the DNS proxy")
     else:
-        for fam in (4, 6):
+        for fam in FAMILIES:
             for s in servers[fam]:
                 b.add("nat", "DNS", [UDP, dns53, Addr("dst", s)], Redirect(cfg.dns_port), f"UDP DNS to {s}")
 
@@ -531,7 +532,7 @@ def _sidecar_dns(b: _Builder, cfg: RedirectConfig) -> None:
         b.add("raw", "DNS", [UDP, dns53], CtZone(DNS_ZONE_APP), "app queries")
         b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,))], CtZone(DNS_ZONE_PROXY), "resolver answers")
     else:
-        for fam in (4, 6):
+        for fam in FAMILIES:
             if servers[fam]:
                 b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones", family=fam)
             for s in servers[fam]:
@@ -548,5 +549,5 @@ __all__ = [
     "Plan", "Chain", "Rule", "PolicyRoute", "LocalAddress", "build_plan",
     "Proto", "Addr", "Port", "Iface", "Owner", "Mark", "ConnMark", "CtState", "Socket",
     "Redirect", "TProxy", "Return", "Accept", "Drop", "Jump", "SetMark", "SetConnMark",
-    "SaveMark", "RestoreMark", "CtZone", "field",
+    "SaveMark", "RestoreMark", "CtZone",
 ]

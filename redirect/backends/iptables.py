@@ -24,6 +24,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import routes as rt
 from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, SetupError
 from ..plan import (
@@ -37,7 +38,6 @@ from ..plan import (
     Iface,
     Jump,
     Mark,
-    Match,
     Owner,
     Plan,
     Port,
@@ -52,7 +52,6 @@ from ..plan import (
     Socket,
     TProxy,
 )
-from .. import routes as rt
 from .base import CheckResult, Installed
 
 log = logging.getLogger("redirect.iptables")

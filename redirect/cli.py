@@ -1,0 +1,282 @@
+"""The ``redirect`` command line.
+
+    redirect setup NETNS [--config FILE] [--set FIELD=VALUE ...] [--backend B] [--dry-run]
+    redirect teardown NETNS [--backend B]
+    redirect check NETNS [--config FILE] [--set ...] [--json]
+    redirect show NETNS [--json]
+    redirect init [istio-iptables flags]      (drop-in for istio-iptables)
+
+Exit codes: 0 ok, 2 bad configuration or usage, 1 failure (nothing was left half-installed).
+Imports are lazy so that a per-pod exec (``redirect init``) starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAIL = 1
+EXIT_CONFIG = 2
+EXIT_VALIDATION = 126  # istio-iptables' validation error code
+
+BACKEND_HELP = "iptables (default), iptables-legacy, iptables-nft, nftables, ebpf or auto"
+
+#: Extra subcommands registered by other modules: name -> module with register(subparsers).
+EXTRA_COMMANDS = ("redirect.cli_node",)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-f", metavar="FILE", help="RedirectConfig as JSON or YAML (field names as keys)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
+                   help="set one config field (repeatable), e.g. --set outbound_exclude_ports=22,80")
+    p.add_argument("--mode", choices=("sidecar", "ambient"), help="shorthand for --set mode=...")
+
+
+def _netns_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("netns", help="network namespace: a name under /run/netns, a path, or a pid")
+
+
+def _backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", "-b", default=os.environ.get("REDIRECT_BACKEND", "iptables"), help=BACKEND_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="redirect",
+        description="Capture a pod network namespace's traffic and hand it to a local proxy "
+                    "(Istio-compatible sidecar and ambient modes).",
+        epilog="Exit codes: 0 ok, 2 bad configuration, 1 failure. "
+               "See README.md for the config fields and the backends.",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: rule payloads)")
+    p.add_argument("--log-json", action="store_true", help="log as JSON lines on stderr")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("setup", help="install redirection in a netns (atomic, idempotent)")
+    _netns_arg(s)
+    _config_args(s)
+    _backend_arg(s)
+    s.add_argument("--dry-run", "-n", action="store_true", help="print the rules; touch nothing")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_setup)
+
+    t = sub.add_parser("teardown", help="remove our redirection from a netns (nothing else)")
+    _netns_arg(t)
+    _backend_arg(t)
+    t.set_defaults(func=cmd_teardown)
+
+    c = sub.add_parser("check", help="compare what is installed with a config; exit 1 on drift")
+    _netns_arg(c)
+    _config_args(c)
+    _backend_arg(c)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+
+    w = sub.add_parser("show", help="what of ours is installed in a netns")
+    _netns_arg(w)
+    _backend_arg(w)
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=cmd_show)
+
+    i = sub.add_parser(
+        "init",
+        help="drop-in for istio-iptables: same flags and env vars",
+        description="Install sidecar capture from istio-iptables flags (env vars as fallbacks), "
+                    "in the current netns or --network-namespace/--netns.",
+    )
+    from .istio import add_arguments
+
+    add_arguments(i)
+    i.add_argument("--netns", dest="netns_alias", metavar="NETNS", help="same as --network-namespace")
+    i.set_defaults(func=cmd_init)
+
+    for modname in EXTRA_COMMANDS:
+        try:
+            mod = __import__(modname, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return p
+
+
+def _load_config(args: argparse.Namespace) -> Any:
+    from .config import RedirectConfig
+    from .errors import ConfigError
+
+    data: dict[str, Any] = {}
+    if args.config:
+        data.update(RedirectConfig.from_file(args.config).to_dict())
+    if getattr(args, "mode", None):
+        data["mode"] = args.mode
+    for item in args.sets:
+        if "=" not in item:
+            raise ConfigError("--set", item, "expected FIELD=VALUE")
+        k, v = item.split("=", 1)
+        data[k.strip()] = _parse_value(v)
+    return RedirectConfig.from_dict(data) if data else RedirectConfig()
+
+
+def _parse_value(v: str) -> Any:
+    s = v.strip()
+    if s.startswith(("[", "{", '"')):
+        try:
+            return json.loads(s)
+        except json.JSONDecodeError:
+            return s
+    return s
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    import redirect
+
+    cfg = _load_config(args)
+    if args.dry_run:
+        sys.stdout.write(redirect.render(cfg, backend=args.backend))
+        return EXIT_OK
+    res = redirect.setup(args.netns, cfg, backend=args.backend)
+    if args.json:
+        _print_json({"backend": res.backend, "netns": res.netns, "families": list(res.families),
+                     "changed": res.changed, "detail": res.detail})
+    else:
+        fams = "+".join(f"IPv{f}" for f in res.families)
+        print(f"{res.netns}: {cfg.mode} capture {'installed' if res.changed else 'already in place'} "
+              f"({res.backend}, {fams})")
+    return EXIT_OK
+
+
+def cmd_teardown(args: argparse.Namespace) -> int:
+    import redirect
+
+    removed = redirect.teardown(args.netns, backend=args.backend)
+    print(f"{args.netns}: {'removed' if removed else 'nothing of ours was installed'}")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import redirect
+
+    cfg = _load_config(args)
+    res = redirect.check(args.netns, cfg, backend=args.backend)
+    if args.json:
+        _print_json({"ok": res.ok, "backend": res.backend, "differences": list(res.differences)})
+    elif res.ok:
+        print(f"{args.netns}: installed rules match the config ({res.backend})")
+    else:
+        print(f"{args.netns}: {len(res.differences)} difference(s) ({res.backend}):")
+        for d in res.differences:
+            print(f"  {d}")
+    return EXIT_OK if res.ok else EXIT_FAIL
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    import redirect
+
+    info = redirect.show(args.netns, backend=args.backend)
+    if args.json:
+        _print_json(info)
+        return EXIT_OK
+    print(f"netns {info['netns']}: backend {info.get('backend')}, "
+          f"{'redirection installed' if info.get('installed') else 'nothing of ours installed'}")
+    for variant, fams in info.get("variants", {}).items():
+        for fam, tables in fams.items():
+            for table, st in tables.items():
+                print(f"  [{variant} {fam} {table}]")
+                for j in st["jumps"]:
+                    print(f"    {j}")
+                for rules in st["chains"].values():
+                    for r in rules:
+                        print(f"    {r}")
+    for key in ("routes", "addresses"):
+        for item in info.get(key, []):
+            print(f"  {key[:-1]}: {item}")
+    for key, value in info.items():
+        if key not in ("netns", "backend", "installed", "variants", "routes", "addresses"):
+            print(f"  {key}: {json.dumps(value, default=str)}")
+    return EXIT_OK
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    import redirect
+
+    from .istio import options_from_args
+
+    if args.netns_alias:
+        args.network_namespace = args.netns_alias
+    opts = options_from_args(args)
+    log = logging.getLogger("redirect.init")
+    log.info("istio-iptables config: %s", json.dumps(opts.config.to_dict(), sort_keys=True))
+    target = opts.netns or "/proc/self/ns/net"
+    if opts.dry_run:
+        sys.stdout.write(redirect.render(opts.config, backend=opts.backend))
+        return EXIT_OK
+    if opts.cleanup_only:
+        removed = redirect.teardown(target, backend=opts.backend)
+        print("removed redirect rules" if removed else "nothing of ours was installed")
+        return EXIT_OK
+    if not opts.skip_rule_apply:
+        res = redirect.setup(target, opts.config, backend=opts.backend)
+        print(f"{'installed' if res.changed else 'already in place'}: sidecar capture ({res.backend}, "
+              f"{'+'.join(f'IPv{f}' for f in res.families)})")
+    if opts.run_validation:
+        from .validate import validate_outbound
+
+        ok, msg = validate_outbound(target, opts.config, opts.probe_port, opts.probe_timeout)
+        print(msg)
+        if not ok:
+            return EXIT_VALIDATION
+    return EXIT_OK
+
+
+def _setup_logging(verbose: int, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        class _Json(logging.Formatter):
+            def format(self, r: logging.LogRecord) -> str:
+                return json.dumps({"ts": round(r.created, 3), "level": r.levelname.lower(), "logger": r.name,
+                                   "msg": r.getMessage()})
+        handler.setFormatter(_Json())
+    else:
+        handler.setFormatter(logging.Formatter("redirect: %(levelname)s %(message)s"))
+    root = logging.getLogger("redirect")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose >= 2 else (logging.INFO if verbose else logging.WARNING))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import BackendUnavailable, ConfigError, NetnsError, RedirectError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose, args.log_json)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as e:
+        print(f"redirect: bad configuration: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except NetnsError as e:
+        print(f"redirect: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except BackendUnavailable as e:
+        print(f"redirect: backend unavailable: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except RedirectError as e:
+        print(f"redirect: failed: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
