@@ -19,10 +19,12 @@ loopback or to addresses inside the namespaces the kit made.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import itertools
 import json
 import os
+import platform
 import random
 import select
 import signal
@@ -123,7 +125,9 @@ def in_netns(ns: rnetns.NetnsRef, fn: Callable[..., T], *args: Any, timeout: flo
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise TimeoutError(f"in_netns({rnetns.describe(ns)!r}, {getattr(fn, '__name__', fn)}) still running after {timeout} s")
+        raise TimeoutError(
+            f"in_netns({rnetns.describe(ns)!r}, {getattr(fn, '__name__', fn)}) still running after {timeout} s"
+        )
     if "error" in box:
         raise box["error"]
     return box["result"]  # type: ignore[no-any-return]
@@ -222,7 +226,6 @@ class Pod:
     @property
     def peer_ip6(self) -> str:
         return self.main.peer_ip6
-
 
     def pod_ip(self, family: int) -> str:
         return self.pod_ip4 if family == 4 else self.pod_ip6
@@ -467,7 +470,9 @@ class Listener:
                     self._sock = self._make_socket()
                 except OSError as e:
                     raise OSError(
-                        e.errno, f"listener {self.label}: bind {self.host}:{self.port} in {rnetns.describe(self.netns)}: {e.strerror}"
+                        e.errno,
+                        f"listener {self.label}: bind {self.host}:{self.port}"
+                        f" in {rnetns.describe(self.netns)}: {e.strerror}",
                     ) from None
                 self.port = self._sock.getsockname()[1]
                 self._started.set()
@@ -482,10 +487,10 @@ class Listener:
     def _wait_readable(self, s: socket.socket) -> bool:
         """Block until ``s`` is readable (True) or the listener is closing (False)."""
         while not self._stopping:
-            r, _, _ = select.select([s, self._wake_r], [], [], 1.0)
+            r, _, _ = select.select([s.fileno(), self._wake_r], [], [], 1.0)
             if self._wake_r in r or self._stopping:
                 return False
-            if s in r:
+            if r:
                 return True
         return False
 
@@ -527,7 +532,8 @@ class Listener:
             self.conns.clear()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.label} {rnetns.describe(self.netns)} [{self.host}]:{self.port} conns={len(self.conns)}>"
+        where = f"{rnetns.describe(self.netns)} [{self.host}]:{self.port}"
+        return f"<{type(self).__name__} {self.label} {where} conns={len(self.conns)}>"
 
 
 class TcpListener(Listener):
@@ -719,7 +725,68 @@ def _attempt(
     return out
 
 
-def _in_child(ns: rnetns.NetnsRef, uid: int | None, gid: int | None, timeout: float, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+# Raw syscall numbers: the kernel keeps credentials per thread, but glibc's set*id()
+# change every thread of the process; the raw syscalls change only the caller.
+_SYSCALLS = {
+    "x86_64": {"setgroups": 116, "setresuid": 117, "setresgid": 119},
+    "aarch64": {"setgroups": 159, "setresuid": 147, "setresgid": 149},
+}
+_libc: Any = None
+
+
+def _raw_syscall(name: str, *args: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    nr = _SYSCALLS[platform.machine()][name]
+    if _libc.syscall(ctypes.c_long(nr), *(ctypes.c_long(a) for a in args)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}{args}: {os.strerror(err)}")
+
+
+def _in_thread_as(
+    ns: rnetns.NetnsRef, uid: int | None, gid: int | None, timeout: float, fn: Callable[..., dict[str, Any]], *args: Any
+) -> dict[str, Any]:
+    """Run ``fn`` in a throwaway thread that entered ``ns`` and dropped to ``uid``/``gid``.
+
+    Only that thread changes credentials (raw setresuid/setresgid/setgroups), so the
+    sockets it opens belong to ``uid``/``gid`` for netfilter's owner match while the
+    rest of the process stays root. The thread can't come back (no capabilities
+    left), so it never tries: it exits after the probe.
+    """
+    from redirect._native import lib
+
+    box: dict[str, Any] = {}
+    nsfd = rnetns.open_netns(ns)
+
+    def run() -> None:
+        try:
+            rc = lib.rdr_setns(nsfd, rnetns.CLONE_NEWNET)
+            if rc < 0:
+                raise OSError(-rc, f"setns: {os.strerror(-rc)}")
+            if gid is not None:
+                _raw_syscall("setgroups", 0, 0)
+                _raw_syscall("setresgid", gid, gid, gid)
+            if uid is not None:
+                _raw_syscall("setresuid", uid, uid, uid)
+            box["result"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001
+            box["result"] = {"label": None, "error": f"probe thread: {e!r}"}
+
+    try:
+        t = threading.Thread(target=run, name=f"probe-as-{uid}:{gid}", daemon=True)
+        t.start()
+        t.join(timeout + 2.0)
+        if t.is_alive():
+            return {"label": None, "error": "probe thread did not finish"}
+    finally:
+        os.close(nsfd)
+    return box["result"]  # type: ignore[no-any-return]
+
+
+def _in_child(
+    ns: rnetns.NetnsRef, uid: int | None, gid: int | None, timeout: float, fn: Callable[..., dict[str, Any]], *args: Any
+) -> dict[str, Any]:
     """Run ``fn`` in a forked child that entered ``ns`` and dropped to ``uid``/``gid``.
 
     The child only makes syscalls (setns, set*id, socket calls), reports one JSON
@@ -788,6 +855,7 @@ def _probe(
     src: str | Addr | None,
     timeout: float,
     mark: int | None,
+    fork: bool,
 ) -> ProbeResult:
     if mark is not None and uid not in (None, 0):
         raise ValueError("mark with a non-root uid: setting SO_MARK needs CAP_NET_ADMIN, which the uid drops")
@@ -797,8 +865,10 @@ def _probe(
     if uid is None and gid is None:
         with rnetns.enter(netns):
             res = _attempt(*args)
-    else:
+    elif fork:
         res = _in_child(netns, uid, gid, timeout, _attempt, *args)
+    else:
+        res = _in_thread_as(netns, uid, gid, timeout, _attempt, *args)
     return ProbeResult(
         label=res.get("label"),
         error=res.get("error"),
@@ -819,9 +889,15 @@ def tcp_probe_detail(
     src: str | Addr | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     mark: int | None = None,
+    *,
+    fork: bool = False,
 ) -> ProbeResult:
-    """Connect from ``netns`` (as ``uid``/``gid`` in a forked child if given), send a token line, read the answer."""
-    return _probe("tcp", netns, dst_ip, port, uid, gid, src, timeout, mark)
+    """Connect from ``netns``, send a unique token line, read the answer.
+
+    With ``uid``/``gid`` the probe runs in a throwaway thread holding those
+    credentials (``fork=True``: in a forked child instead).
+    """
+    return _probe("tcp", netns, dst_ip, port, uid, gid, src, timeout, mark, fork)
 
 
 def tcp_probe(
@@ -833,9 +909,11 @@ def tcp_probe(
     src: str | Addr | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     mark: int | None = None,
+    *,
+    fork: bool = False,
 ) -> str | None:
     """The label of the listener a TCP connection from ``netns`` reached, or None (refused/timeout/...)."""
-    return tcp_probe_detail(netns, dst_ip, port, uid, gid, src, timeout, mark).label
+    return tcp_probe_detail(netns, dst_ip, port, uid, gid, src, timeout, mark, fork=fork).label
 
 
 def udp_probe_detail(
@@ -847,9 +925,11 @@ def udp_probe_detail(
     src: str | Addr | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     mark: int | None = None,
+    *,
+    fork: bool = False,
 ) -> ProbeResult:
     """Send one datagram from a connected UDP socket in ``netns`` and wait for the answer."""
-    return _probe("udp", netns, dst_ip, port, uid, gid, src, timeout, mark)
+    return _probe("udp", netns, dst_ip, port, uid, gid, src, timeout, mark, fork)
 
 
 def udp_probe(
@@ -861,9 +941,11 @@ def udp_probe(
     src: str | Addr | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     mark: int | None = None,
+    *,
+    fork: bool = False,
 ) -> str | None:
     """The label of the UDP listener that answered a datagram from ``netns``, or None."""
-    return udp_probe_detail(netns, dst_ip, port, uid, gid, src, timeout, mark).label
+    return udp_probe_detail(netns, dst_ip, port, uid, gid, src, timeout, mark, fork=fork).label
 
 
 # --------------------------------------------------------------------------- landing
