@@ -220,3 +220,42 @@ def test_probe_speed(pod: Pod) -> None:
         plain, as_uid, forked = median_ms(), median_ms(uid=1337, gid=1337), median_ms(uid=1337, fork=True)
         print(f"\nprobe median: plain {plain:.2f} ms, as uid {as_uid:.2f} ms, as uid forked {forked:.2f} ms")
         assert plain < 20 and as_uid < 20 and forked < 100
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_the_kit_sees_what_a_redirect_does(pod: Pod, family: int) -> None:
+    # A plain nft REDIRECT in the pod, to check the kit's reading of SO_ORIGINAL_DST (both
+    # families) and that a UDP answer survives reverse NAT to a connected client.
+    rules = (
+        "table inet rdrt_kit {\n chain out { type nat hook output priority -100;"
+        " tcp dport 8080 redirect to :15001; udp dport 53 redirect to :15053; }\n}\n"
+    )
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "-f", "-"], input=rules, text=True, check=True, timeout=10)
+    dst = pod.peer_ip(family)
+    with (
+        TcpListener(pod.name, 15001, family=family, label="proxy-out") as proxy,
+        TcpListener(pod.peer_name, 8080, family=family, label="app") as app,
+        UdpListener(pod.name, 15053, family=family, label="dns-proxy") as dns,
+    ):
+        hit = landing(pod.name, dst, 8080, proxy, app)
+        assert hit.label == "proxy-out" and hit.listener is proxy
+        assert hit.orig_dst == (dst, 8080)
+        assert hit.local == ("127.0.0.1" if family == 4 else "::1", 15001)
+        udp = landing(pod.name, dst, 53, dns, proto="udp")
+        assert udp.label == "dns-proxy" and udp.local is not None and udp.local[1] == 15053
+
+
+def test_transparent_listener_sees_the_original_destination_under_tproxy(pod: Pod) -> None:
+    rules = (
+        "table ip rdrt_kit {\n chain pre { type filter hook prerouting priority mangle;"
+        " tcp dport 9080 tproxy to :15006 meta mark set 1337 accept; }\n}\n"
+    )
+    ns = ["ip", "netns", "exec", pod.name]
+    subprocess.run([*ns, "nft", "-f", "-"], input=rules, text=True, check=True, timeout=10)
+    subprocess.run([*ns, "ip", "rule", "add", "fwmark", "1337", "lookup", "133"], check=True, timeout=10)
+    subprocess.run([*ns, "ip", "route", "add", "local", "default", "dev", "lo", "table", "133"], check=True, timeout=10)
+    with TcpListener(pod.name, 15006, transparent=True, label="proxy-in") as proxy:
+        hit = landing(pod.peer_name, pod.pod_ip4, 9080, proxy)
+        assert hit.label == "proxy-in"
+        assert hit.local == (pod.pod_ip4, 9080)
+        assert hit.peer is not None and hit.peer[0] == pod.peer_ip4
