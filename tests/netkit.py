@@ -241,16 +241,22 @@ class Pod:
         return in_netns(self.peer_name, fn, *args, **kwargs)
 
 
-def _add_link(pod_ipr: IPRoute, peer_ipr: IPRoute, peer_name: str, n: int, rx: tuple[int, int]) -> Link:
+def link_for(n: int, rx: tuple[int, int]) -> Link:
+    """The names and addresses of a pod's ``eth<n>`` on subnet 10.R.x.0/24, fd00:R:x::/64."""
     r, x = rx
-    link = Link(
+    return Link(
         pod_if=f"eth{n}",
         peer_if=f"peer{n}",
         pod_ip4=f"10.{r}.{x}.2",
         peer_ip4=f"10.{r}.{x}.1",
-        pod_ip6=f"fd00:{r:x}:{x:x}::2",
-        peer_ip6=f"fd00:{r:x}:{x:x}::1",
+        # Canonical text (as the kernel and inet_ntop write it): fd00:16:0::1 is fd00:16::1.
+        pod_ip6=str(ipaddress.IPv6Address(f"fd00:{r:x}:{x:x}::2")),
+        peer_ip6=str(ipaddress.IPv6Address(f"fd00:{r:x}:{x:x}::1")),
     )
+
+
+def _add_link(pod_ipr: IPRoute, peer_ipr: IPRoute, peer_name: str, n: int, rx: tuple[int, int]) -> Link:
+    link = link_for(n, rx)
     pod_ipr.link("add", ifname=link.pod_if, kind="veth", peer={"ifname": link.peer_if, "net_ns_fd": peer_name})
     for ipr, ifname, ip4, ip6 in (
         (pod_ipr, link.pod_if, link.pod_ip4, link.pod_ip6),
@@ -370,6 +376,26 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> str | None:
 # --------------------------------------------------------------------------- listeners
 
 
+def _socket_owned_by(owner: tuple[int, int] | None, af: int, kind: int) -> socket.socket:
+    """A socket whose file credentials are ``owner``'s (what ``-m owner``/``meta skuid`` match).
+
+    The kernel records the creating thread's fsuid/fsgid on the socket file; setfsuid and
+    setfsgid change only the calling thread, and a root thread can change them back.
+    """
+    if owner is None:
+        return socket.socket(af, kind)
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.setfsgid(owner[1])
+    _libc.setfsuid(owner[0])
+    try:
+        return socket.socket(af, kind)
+    finally:
+        _libc.setfsuid(0)
+        _libc.setfsgid(0)
+
+
 class Listener:
     """Common part of TCP and UDP listeners: a thread in a netns that records ``Conn``s."""
 
@@ -385,6 +411,7 @@ class Listener:
         transparent: bool = False,
         mark: int | None = None,
         label: str | None = None,
+        owner: tuple[int, int] | None = None,
     ) -> None:
         if family not in (4, 6):
             raise ValueError(f"family={family!r}: must be 4 or 6")
@@ -394,6 +421,8 @@ class Listener:
         self.port = port  # the bound port once started (useful with port=0)
         self.transparent = transparent
         self.mark = mark
+        # (uid, gid) owning the socket, as netfilter's owner match sees it (e.g. a proxy's 1337).
+        self.owner = owner
         self.label = label or f"{self.proto}{family}-{rnetns.describe(netns)}-{port}"
         self.conns: list[Conn] = []
         self._cond = threading.Condition()
@@ -439,7 +468,7 @@ class Listener:
 
     def _make_socket(self) -> socket.socket:
         af = socket.AF_INET if self.family == 4 else socket.AF_INET6
-        s = socket.socket(af, self.sock_type)
+        s = _socket_owned_by(self.owner, af, self.sock_type)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if self.family == 6:

@@ -52,6 +52,19 @@ def test_pod_has_two_namespaces_joined_by_a_veth(pod: Pod) -> None:
     assert {pod.peer_ip4, pod.peer_ip6} <= set(peer[pod.peer_if])
 
 
+def test_pod_addresses_are_written_as_the_kernel_writes_them() -> None:
+    # Listeners report inet_ntop's text, so fd00:16:0::1 must be spelled fd00:16::1.
+    link = netkit.link_for(1, (22, 0))
+    assert (link.pod_if, link.peer_if) == ("eth1", "peer1")
+    assert (link.pod_ip4, link.peer_ip4, link.pod_ip6, link.peer_ip6) == (
+        "10.22.0.2",
+        "10.22.0.1",
+        "fd00:16::2",
+        "fd00:16::1",
+    )
+    assert (link.subnet4, link.subnet6) == ("10.22.0.0/24", "fd00:16::/64")
+
+
 def test_extra_iface_is_a_second_veth_to_the_same_peer(pod_with_extra_iface: Pod) -> None:
     pod = pod_with_extra_iface
     extra = pod.extra
