@@ -390,6 +390,8 @@ class IptablesBackend:
                     self.restore(variant, fam, transition(now, current[fam]))
                 except Exception as re:  # pragma: no cover - reported, not hidden
                     log.error("rollback of IPv%d failed: %s", fam, re)
+            if variant == "nft":
+                _drop_empty_xtables_nft()
             try:
                 txn.rollback()
             except Exception as re:  # pragma: no cover

@@ -1,0 +1,420 @@
+"""Sidecar capture, with real traffic: where each connection lands, and with what original destination.
+
+Every test builds a pod netns joined to a peer netns, installs redirection, runs
+listeners standing for the proxy (15001 outbound, 15006 inbound, 15053 DNS) and for
+real servers, sends traffic as the app or as the proxy, and asserts which listener
+saw it. Parametrized over backends: add a backend to ``BACKENDS`` once it renders
+the sidecar plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import redirect
+from redirect import RedirectConfig
+from redirect import netns as rnetns
+from tests.netkit import Pod, TcpListener, UdpListener, landing, tcp_probe_detail, udp_probe_detail
+
+BACKENDS = ["iptables-nft", "iptables-legacy"]
+APP_UID = 1000
+PROXY_UID = 1337
+PROXY = (PROXY_UID, PROXY_UID)
+FAMILIES = [4, 6]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@contextlib.contextmanager
+def installed(pod: Pod, cfg: RedirectConfig | None, backend: str) -> Iterator[redirect.Installed]:
+    res = redirect.setup(pod.name, cfg, backend=backend)
+    try:
+        yield res
+    finally:
+        redirect.teardown(pod.name, backend=backend)
+
+
+@contextlib.contextmanager
+def listeners(*specs: tuple[str, int, int, str]) -> Iterator[dict[str, TcpListener]]:
+    """Start TCP listeners given as (netns, port, family, label); yield them by label."""
+    with contextlib.ExitStack() as st:
+        out = {}
+        for ns, port, fam, label in specs:
+            out[label] = st.enter_context(TcpListener(ns, port, family=fam, label=label))
+        yield out
+
+
+def proxy_and_app(pod: Pod, fam: int, app_port: int = 8080) -> contextlib.AbstractContextManager[dict[str, TcpListener]]:
+    return listeners(
+        (pod.name, 15001, fam, "proxy-out"),
+        (pod.name, 15006, fam, "proxy-in"),
+        (pod.peer_name, app_port, fam, "peer-app"),
+    )
+
+
+def save_all(ns: str) -> str:
+    """Both families and both iptables variants, minus comments and counters.
+
+    A table with no rules is left out: legacy xtables can't unload a table once
+    something touched it, and an empty table changes nothing for traffic.
+    """
+    out = []
+    for tool in ("iptables-nft-save", "ip6tables-nft-save", "iptables-legacy-save", "ip6tables-legacy-save"):
+        p = subprocess.run(["ip", "netns", "exec", ns, tool], capture_output=True, text=True, check=True)
+        out.append(tool)
+        block: list[str] = []
+        for ln in p.stdout.splitlines():
+            if ln.startswith("#"):
+                continue
+            block.append(ln)
+            if ln == "COMMIT":
+                if any(x.startswith(("-A", ":RDR", ":FOREIGN")) for x in block):
+                    out += [x for x in block if not x.startswith(":") or x.startswith((":RDR", ":FOREIGN"))]
+                block = []
+    return "\n".join(out)
+
+
+def rules_only(ns: str) -> str:
+    """The rules (-A lines) of every table, both variants and families."""
+    return "\n".join(ln for ln in save_all(ns).splitlines() if ln.startswith("-A") or "save" in ln)
+
+
+def routing_state(ns: str) -> str:
+    cmds = [["ip", "rule"], ["ip", "-6", "rule"], ["ip", "route", "show", "table", "all"],
+            ["ip", "-6", "route", "show", "table", "all"], ["ip", "-o", "addr"]]
+    return "\n".join(subprocess.run(["ip", "-n", ns, *c[1:]], capture_output=True, text=True).stdout for c in cmds)
+
+
+# --------------------------------------------------------------------------- outbound
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_outbound_from_app_is_captured_with_original_destination(pod: Pod, backend: str, fam: int) -> None:
+    with installed(pod, None, backend), proxy_and_app(pod, fam) as L:
+        hit = landing(pod.name, pod.peer_ip(fam), 8080, *L.values(), uid=APP_UID)
+        assert hit.label == "proxy-out"
+        assert hit.orig_dst == (pod.peer_ip(fam), 8080)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("who", [{"uid": PROXY_UID}, {"uid": APP_UID, "gid": PROXY_UID}])
+def test_outbound_from_proxy_uid_or_gid_is_not_captured(pod: Pod, backend: str, fam: int, who: dict) -> None:
+    with installed(pod, None, backend), proxy_and_app(pod, fam) as L:
+        hit = landing(pod.name, pod.peer_ip(fam), 8080, *L.values(), **who)
+        assert hit.label == "peer-app"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_excluded_outbound_port_and_cidr_are_not_captured(pod: Pod, backend: str, fam: int) -> None:
+    cfg = RedirectConfig(outbound_exclude_ports=(9090,), outbound_exclude_cidrs=(pod.main.subnet4 if fam == 4 else pod.main.subnet6,))
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.peer_name, 9090, fam, "peer-9090"),
+        (pod.peer_name, 8080, fam, "peer-8080"),
+    ) as L:
+        # The whole peer subnet is excluded, so even 8080 goes direct...
+        assert landing(pod.name, pod.peer_ip(fam), 8080, *L.values(), uid=APP_UID).label == "peer-8080"
+        assert landing(pod.name, pod.peer_ip(fam), 9090, *L.values(), uid=APP_UID).label == "peer-9090"
+    # ...and without the CIDR exclusion only the excluded port does.
+    with installed(pod, RedirectConfig(outbound_exclude_ports=(9090,)), backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.peer_name, 9090, fam, "peer-9090"),
+        (pod.peer_name, 8080, fam, "peer-8080"),
+    ) as L:
+        assert landing(pod.name, pod.peer_ip(fam), 8080, *L.values(), uid=APP_UID).label == "proxy-out"
+        assert landing(pod.name, pod.peer_ip(fam), 9090, *L.values(), uid=APP_UID).label == "peer-9090"
+
+
+def test_only_included_cidrs_and_ports_are_captured(pod: Pod, backend: str) -> None:
+    other = "10.255.255.0/24"  # a CIDR the pod never talks to
+    cfg = RedirectConfig(outbound_cidrs=(other,), outbound_ports=(9090,))
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15001, 4, "proxy-out"), (pod.peer_name, 9090, 4, "peer-9090"),
+        (pod.peer_name, 8080, 4, "peer-8080"),
+    ) as L:
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID).label == "peer-8080"
+        hit = landing(pod.name, pod.peer_ip4, 9090, *L.values(), uid=APP_UID)
+        assert hit.label == "proxy-out" and hit.orig_dst == (pod.peer_ip4, 9090)
+
+
+def test_empty_outbound_cidrs_capture_nothing_outbound(pod: Pod, backend: str) -> None:
+    with installed(pod, RedirectConfig(outbound_cidrs=()), backend), proxy_and_app(pod, 4) as L:
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID).label == "peer-app"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_loopback_and_inbound_passthrough_are_not_captured(pod: Pod, backend: str, fam: int) -> None:
+    lo = "127.0.0.1" if fam == 4 else "::1"
+    with installed(pod, None, backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.name, 15006, fam, "proxy-in"), (pod.name, 7000, fam, "local-app"),
+    ) as L:
+        assert landing(pod.name, lo, 7000, *L.values(), uid=APP_UID).label == "local-app"
+        # The app talking to its own pod IP over lo stays local too (Istio: lo, not the proxy uid).
+        assert landing(pod.name, pod.pod_ip(fam), 7000, *L.values(), uid=APP_UID).label == "local-app"
+        # The proxy's inbound passthrough (from 127.0.0.6 / ::6) reaches the app directly.
+        src = "127.0.0.6" if fam == 4 else "::6"
+        hit = landing(pod.name, pod.pod_ip(fam), 7000, *L.values(), uid=PROXY_UID, src=src)
+        assert hit.label == "local-app"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_proxy_calling_own_pod_ip_hairpins_to_inbound(pod: Pod, backend: str, fam: int) -> None:
+    """app -> service VIP -> proxy (uid 1337) -> pod IP: the proxy's call goes to inbound capture."""
+    with installed(pod, None, backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.name, 15006, fam, "proxy-in"), (pod.name, 7000, fam, "local-app"),
+    ) as L:
+        hit = landing(pod.name, pod.pod_ip(fam), 7000, *L.values(), uid=PROXY_UID)
+        assert hit.label == "proxy-in"
+        assert hit.orig_dst == (pod.pod_ip(fam), 7000)
+
+
+def test_owner_groups_limit_what_is_captured(pod: Pod, backend: str) -> None:
+    with installed(pod, RedirectConfig(owner_groups=(2000,)), backend), proxy_and_app(pod, 4) as L:
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID, gid=2000).label == "proxy-out"
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID, gid=3000).label == "peer-app"
+    with installed(pod, RedirectConfig(owner_groups_exclude=(3000,)), backend), proxy_and_app(pod, 4) as L:
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID, gid=2000).label == "proxy-out"
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID, gid=3000).label == "peer-app"
+
+
+def test_uid_range_is_not_captured(pod: Pod, backend: str) -> None:
+    with installed(pod, RedirectConfig(proxy_uids=((1300, 1400),), proxy_gids=()), backend), \
+            proxy_and_app(pod, 4) as L:
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=1350).label == "peer-app"
+        assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=1401).label == "proxy-out"
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_inbound_to_app_port_lands_on_15006(pod: Pod, backend: str, fam: int) -> None:
+    with installed(pod, None, backend), listeners(
+        (pod.name, 15006, fam, "proxy-in"), (pod.name, 8000, fam, "pod-app"),
+    ) as L:
+        hit = landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values())
+        assert hit.label == "proxy-in"
+        assert hit.orig_dst == (pod.pod_ip(fam), 8000)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("port", [15008, 15021, 15090])
+def test_tunnel_and_excluded_inbound_ports_are_not_captured(pod: Pod, backend: str, fam: int, port: int) -> None:
+    with installed(pod, None, backend), listeners(
+        (pod.name, 15006, fam, "proxy-in"), (pod.name, port, fam, "direct"),
+    ) as L:
+        assert landing(pod.peer_name, pod.pod_ip(fam), port, *L.values()).label == "direct"
+
+
+def test_only_included_inbound_ports_are_captured(pod: Pod, backend: str) -> None:
+    cfg = RedirectConfig(inbound_ports=(8000,))
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15006, 4, "proxy-in"), (pod.name, 8000, 4, "app-8000"), (pod.name, 8001, 4, "app-8001"),
+    ) as L:
+        assert landing(pod.peer_name, pod.pod_ip4, 8000, *L.values()).label == "proxy-in"
+        assert landing(pod.peer_name, pod.pod_ip4, 8001, *L.values()).label == "app-8001"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend: str, fam: int) -> None:
+    cfg = RedirectConfig(inbound_interception="TPROXY")
+    with installed(pod, cfg, backend), contextlib.ExitStack() as st:
+        proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
+        app = st.enter_context(TcpListener(pod.name, 8000, family=fam, label="pod-app"))
+        hit = landing(pod.peer_name, pod.pod_ip(fam), 8000, proxy, app)
+        assert hit.label == "proxy-in"
+        assert hit.local == (pod.pod_ip(fam), 8000)
+        # Excluded ports still go straight to the app.
+        with TcpListener(pod.name, 15021, family=fam, label="health") as health:
+            assert landing(pod.peer_name, pod.pod_ip(fam), 15021, proxy, health).label == "health"
+    assert redirect.check(pod.name, cfg, backend=backend).ok is False  # torn down: nothing matches
+
+
+def test_excluded_interface_is_not_captured(pod_with_extra_iface: Pod, backend: str) -> None:
+    pod = pod_with_extra_iface
+    extra = pod.extra
+    assert extra is not None
+    cfg = RedirectConfig(exclude_interfaces=(extra.pod_if,))
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15006, 4, "proxy-in"), (pod.name, 8000, 4, "pod-app"),
+    ) as L:
+        assert landing(pod.peer_name, pod.pod_ip4, 8000, *L.values()).label == "proxy-in"
+        assert landing(pod.peer_name, extra.pod_ip4, 8000, *L.values()).label == "pod-app"
+
+
+# --------------------------------------------------------------------------- DNS
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_dns_udp_and_tcp_go_to_the_dns_proxy(pod: Pod, backend: str, fam: int) -> None:
+    server = pod.peer_ip(fam)
+    cfg = RedirectConfig(dns_capture=True, dns_servers=(server,))
+    with installed(pod, cfg, backend), contextlib.ExitStack() as st:
+        # The DNS proxy runs as the proxy uid: its answers are what conntrack zone 2 un-NATs.
+        dns_proxy_u = st.enter_context(UdpListener(pod.name, 15053, family=fam, label="dns-proxy", owner=PROXY))
+        dns_proxy_t = st.enter_context(TcpListener(pod.name, 15053, family=fam, label="dns-proxy-tcp"))
+        real_u = st.enter_context(UdpListener(pod.peer_name, 53, family=fam, label="resolver"))
+        real_t = st.enter_context(TcpListener(pod.peer_name, 53, family=fam, label="resolver-tcp"))
+        out = st.enter_context(TcpListener(pod.name, 15001, family=fam, label="proxy-out"))
+        r = udp_probe_detail(pod.name, server, 53, uid=APP_UID)
+        assert r.label == "dns-proxy", r
+        t = landing(pod.name, server, 53, dns_proxy_t, real_t, out, uid=APP_UID)
+        assert t.label == "dns-proxy-tcp"
+        assert t.orig_dst == (server, 53)
+        # The proxy's own upstream queries are not captured.
+        assert udp_probe_detail(pod.name, server, 53, uid=PROXY_UID).label == "resolver"
+        assert landing(pod.name, server, 53, dns_proxy_t, real_t, out, uid=PROXY_UID).label == "resolver-tcp"
+        assert dns_proxy_u.conns and real_u.conns
+
+
+def test_dns_is_not_captured_without_dns_capture(pod: Pod, backend: str) -> None:
+    with installed(pod, None, backend), UdpListener(pod.name, 15053, label="dns-proxy"), \
+            UdpListener(pod.peer_name, 53, label="resolver"):
+        assert udp_probe_detail(pod.name, pod.peer_ip4, 53, uid=APP_UID).label == "resolver"
+
+
+def test_capture_all_dns_catches_any_server(pod: Pod, backend: str) -> None:
+    cfg = RedirectConfig(dns_capture=True, capture_all_dns=True)
+    with installed(pod, cfg, backend), UdpListener(pod.name, 15053, label="dns-proxy", owner=PROXY), \
+            UdpListener(pod.peer_name, 53, label="resolver"):
+        assert udp_probe_detail(pod.name, pod.peer_ip4, 53, uid=APP_UID).label == "dns-proxy"
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def _foreign_rules(ns: str) -> None:
+    payload = (
+        "*nat\n:FOREIGN - [0:0]\n-A FOREIGN -p tcp -m tcp --dport 4444 -j RETURN\n"
+        "-A OUTPUT -p udp -m udp --dport 4445 -j RETURN\n-A PREROUTING -j FOREIGN\nCOMMIT\n"
+        "*filter\n-A INPUT -p tcp -m tcp --dport 4446 -j ACCEPT\nCOMMIT\n"
+    )
+    for tool in ("iptables-restore", "ip6tables-restore"):
+        subprocess.run(["ip", "netns", "exec", ns, tool, "--noflush"], input=payload, text=True, check=True)
+
+
+def test_foreign_rules_survive_setup_and_teardown(pod: Pod) -> None:
+    backend = "iptables-nft"
+    _foreign_rules(pod.name)
+    before = save_all(pod.name)
+    cfg = RedirectConfig(inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True, drop_invalid=True)
+    redirect.setup(pod.name, cfg, backend=backend)
+    during = save_all(pod.name)
+    for line in before.splitlines():
+        assert line in during, f"foreign line lost during setup: {line}"
+    redirect.setup(pod.name, RedirectConfig(), backend=backend)  # a config change
+    redirect.teardown(pod.name, backend=backend)
+    assert save_all(pod.name) == before
+
+
+def test_setup_twice_is_setup_once_and_a_new_config_replaces(pod: Pod, backend: str) -> None:
+    first = redirect.setup(pod.name, None, backend=backend)
+    try:
+        assert first.changed
+        snapshot = save_all(pod.name)
+        assert redirect.setup(pod.name, None, backend=backend).changed is False
+        assert save_all(pod.name) == snapshot
+        cfg = RedirectConfig(outbound_exclude_ports=(8080,))
+        assert redirect.setup(pod.name, cfg, backend=backend).changed
+        assert redirect.check(pod.name, cfg, backend=backend).ok
+        assert not redirect.check(pod.name, None, backend=backend).ok
+        with proxy_and_app(pod, 4) as L:
+            assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID).label == "peer-app"
+    finally:
+        redirect.teardown(pod.name, backend=backend)
+    assert redirect.teardown(pod.name, backend=backend) is False  # nothing left: fine
+
+
+def test_check_reports_drift(pod: Pod, backend: str) -> None:
+    variant = backend.split("-")[1]
+    with installed(pod, None, backend):
+        assert redirect.check(pod.name, None, backend=backend).ok
+        subprocess.run(["ip", "netns", "exec", pod.name, f"iptables-{variant}", "-t", "nat", "-F", "RDR_OUTBOUND"],
+                       check=True)
+        res = redirect.check(pod.name, None, backend=backend)
+        assert not res.ok
+        assert any("missing rule" in d and "RDR_OUTBOUND" in d for d in res.differences)
+        redirect.setup(pod.name, None, backend=backend)  # repairs
+        assert redirect.check(pod.name, None, backend=backend).ok
+
+
+@pytest.mark.parametrize("point", ["iptables.before_restore_v4", "iptables.before_restore_v6"])
+def test_failure_half_way_leaves_the_namespace_as_it_was(
+    pod: Pod, backend: str, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _foreign_rules(pod.name)
+    redirect.setup(pod.name, RedirectConfig(outbound_exclude_ports=(22,)), backend=backend)
+    before_rules, before_routes = save_all(pod.name), routing_state(pod.name)
+    monkeypatch.setenv("REDIRECT_FAULT", point)
+    with pytest.raises(redirect.SetupError, match="injected fault"):
+        redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend=backend)
+    monkeypatch.delenv("REDIRECT_FAULT")
+    assert save_all(pod.name) == before_rules
+    assert routing_state(pod.name) == before_routes
+    assert redirect.check(pod.name, RedirectConfig(outbound_exclude_ports=(22,)), backend=backend).ok
+    redirect.teardown(pod.name, backend=backend)
+
+
+def test_failed_first_setup_leaves_nothing(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> None:
+    before_rules, before_routes = rules_only(pod.name), routing_state(pod.name)
+    monkeypatch.setenv("REDIRECT_FAULT", "iptables.before_restore_v6")
+    with pytest.raises(redirect.SetupError):
+        redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend="iptables-nft")
+    assert rules_only(pod.name) == before_rules
+    assert routing_state(pod.name) == before_routes
+
+
+def test_teardown_restores_routes_and_addresses(pod: Pod, backend: str) -> None:
+    before = routing_state(pod.name)
+    redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend=backend)
+    during = routing_state(pod.name)
+    assert "lookup 133" in during and "::6" in during
+    redirect.teardown(pod.name, backend=backend)
+    assert routing_state(pod.name) == before
+
+
+def test_twenty_namespaces_set_up_concurrently(make_pod, backend: str) -> None:  # type: ignore[no-untyped-def]
+    pods = [make_pod() for _ in range(20)]
+    errors: list[BaseException] = []
+    results: list[redirect.Installed] = []
+    barrier = threading.Barrier(len(pods), timeout=30)
+
+    home = rnetns.current_inode()
+    wrong_ns: list[int] = []
+
+    def work(p: Pod) -> None:
+        try:
+            barrier.wait()
+            results.append(redirect.setup(p.name, None, backend=backend))
+            if rnetns.current_inode() != home:
+                wrong_ns.append(rnetns.current_inode())
+        except BaseException as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(p,)) for p in pods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(results) == 20
+    assert not wrong_ns, "a thread was left in a pod namespace"
+    for p in pods:
+        assert redirect.check(p.name, None, backend=backend).ok
+    for p in pods[:3]:
+        with proxy_and_app(p, 4) as L:
+            assert landing(p.name, p.peer_ip4, 8080, *L.values(), uid=APP_UID).label == "proxy-out"
+    for p in pods:
+        redirect.teardown(p.name, backend=backend)
+
+
+def test_probe_timeouts_do_not_hang_when_nothing_listens(pod: Pod, backend: str) -> None:
+    with installed(pod, None, backend):
+        r = tcp_probe_detail(pod.name, pod.peer_ip4, 8080, uid=APP_UID, timeout=1.0)
+        assert r.label is None  # captured to 15001 where nobody listens: refused, quickly
+        assert r.elapsed < 1.5
