@@ -52,7 +52,9 @@ def listeners(*specs: tuple[str, int, int, str]) -> Iterator[dict[str, TcpListen
         yield out
 
 
-def proxy_and_app(pod: Pod, fam: int, app_port: int = 8080) -> contextlib.AbstractContextManager[dict[str, TcpListener]]:
+def proxy_and_app(
+    pod: Pod, fam: int, app_port: int = 8080
+) -> contextlib.AbstractContextManager[dict[str, TcpListener]]:
     return listeners(
         (pod.name, 15001, fam, "proxy-out"),
         (pod.name, 15006, fam, "proxy-in"),
@@ -114,7 +116,8 @@ def test_outbound_from_proxy_uid_or_gid_is_not_captured(pod: Pod, backend: str, 
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_excluded_outbound_port_and_cidr_are_not_captured(pod: Pod, backend: str, fam: int) -> None:
-    cfg = RedirectConfig(outbound_exclude_ports=(9090,), outbound_exclude_cidrs=(pod.main.subnet4 if fam == 4 else pod.main.subnet6,))
+    subnet = pod.main.subnet4 if fam == 4 else pod.main.subnet6
+    cfg = RedirectConfig(outbound_exclude_ports=(9090,), outbound_exclude_cidrs=(subnet,))
     with installed(pod, cfg, backend), listeners(
         (pod.name, 15001, fam, "proxy-out"), (pod.peer_name, 9090, fam, "peer-9090"),
         (pod.peer_name, 8080, fam, "peer-8080"),
