@@ -234,7 +234,9 @@ def config_from_istio_args(argv: Sequence[str], env: Mapping[str, str] | None = 
     p = argparse.ArgumentParser(prog="istio-iptables", add_help=False, exit_on_error=False)
     add_arguments(p)
     try:
-        ns = p.parse_args(list(argv))
+        ns, extra = p.parse_known_args(list(argv))
     except argparse.ArgumentError as e:
         raise ConfigError("argv", " ".join(argv), str(e)) from None
+    if extra:
+        raise ConfigError("argv", " ".join(extra), "unknown istio-iptables flag(s)")
     return options_from_args(ns, env).config
