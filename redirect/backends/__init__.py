@@ -7,12 +7,15 @@ registered here.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config import RedirectConfig
 from ..errors import BackendUnavailable
 
-BACKENDS = ("iptables", "iptables-legacy", "iptables-nft")
+log = logging.getLogger("redirect.backends")
+
+BACKENDS = ("iptables", "iptables-legacy", "iptables-nft", "nftables", "auto")
 
 
 def get_backend(name: str, cfg: RedirectConfig | None) -> Any:
@@ -25,4 +28,24 @@ def get_backend(name: str, cfg: RedirectConfig | None) -> Any:
         from .iptables import IptablesBackend
 
         return IptablesBackend(name.split("-", 1)[1])
+    if name == "nftables":
+        from .nftables import NftablesBackend, probe
+
+        ok, why = probe()
+        if not ok:
+            raise BackendUnavailable(f"backend='nftables': {why}")
+        return NftablesBackend()
+    if name == "auto":
+        # nftables when libnftables imports and the kernel takes an inet nat table
+        # (probed once per process), else iptables.
+        from .nftables import NftablesBackend, probe
+
+        ok, why = probe()
+        if ok:
+            log.info("backend=auto: chose nftables")
+            return NftablesBackend()
+        from .iptables import IptablesBackend
+
+        log.info("backend=auto: chose iptables (%s)", why)
+        return IptablesBackend()
     raise BackendUnavailable(f"backend={name!r}: unknown backend; choose one of {', '.join(BACKENDS)}")

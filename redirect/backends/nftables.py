@@ -1,0 +1,670 @@
+"""The nftables backend: one libnftables JSON transaction over one table of ours.
+
+Layout. Everything lives in one table, ``inet rdr_redirect``; nothing else is ever
+read for writing or touched. Each plan chain ``(table, NAME)`` becomes the chain
+``<table>_<NAME>`` in it (``nat_OUTBOUND``, ``mangle_DIVERT``...). A plan chain with
+a hook becomes a base chain at the priority (and of the type) of the iptables
+table it stands for, so our chains run exactly where iptables' would:
+
+=======  ==============  ============  ========
+table    hook            nft type      priority
+=======  ==============  ============  ========
+raw      prerouting/out  filter        -300
+mangle   prerouting      filter        -150
+mangle   output          route         -150 (a mark change re-routes, as iptables' mangle OUTPUT)
+nat      prerouting/out  nat           -100
+=======  ==============  ============  ========
+
+Families. The table is ``inet``: a rule without a family matches IPv4 and IPv6; a
+rule of one family carries ``ip``/``ip6`` address matches (which imply the family)
+or ``meta nfproto ipv4/ipv6``. When a family is not wanted (``families=(4,)``: the
+iptables backend then installs no IPv6 rules at all) every base chain starts with
+``meta nfproto ipv6 return``, so IPv6 is left exactly as uncaptured as there.
+
+Verdicts, compared with the iptables backend (where our chains hang off the
+built-in chains with one appended ``-j RDR_*`` jump):
+
+- ``Return`` in a chain we jump to goes back to the caller, as in iptables; in a
+  base chain it ends our chain (policy accept), and the packet goes on to the other
+  rules of that hook, as in iptables where it goes on to the rules after our jump.
+- ``Accept`` ends our base chain; the packet still meets *other* tables' chains on
+  the same hook (e.g. the iptables ``mangle`` table, or someone's nft table). In
+  iptables an ``ACCEPT`` in ``RDR_*`` also skips foreign rules appended *after* our
+  jump in the same built-in chain. So for our own rules the behaviour is identical;
+  the difference is only what foreign rules that come after ours in the same
+  iptables table get to see. (For NAT both are the same: the first NAT binding of a
+  connection wins, and an accept without NAT lets the next nat chain run, for
+  iptables' nat tables and nft nat chains alike.)
+- ``Drop`` is final in both.
+- ``TProxy``: iptables' TPROXY target drops a packet for which no transparent
+  socket is found; nft's ``tproxy`` statement just does not match. We render it as
+  ``<matches> tproxy to :P meta mark set M accept`` followed by ``<matches> drop``,
+  which is the same.
+- Negated owner matches differ for packets without a full socket with a file
+  (iptables' ``! --uid-owner`` matches them, nft's ``meta skuid !=`` does not). Such
+  packets do not start connections on the output path, so nat never sees them new.
+- ``SaveMark``/``RestoreMark`` with a partial mask need an OR of two registers,
+  which nft 1.0.6 cannot express: such a plan raises ``BackendUnavailable``.
+
+Transactions. ``apply`` reads our table back (JSON) and compares it with the
+rendered plan: equal means nothing changes (``Installed.changed=False``). Otherwise
+one batch ``add table; delete table; add table; add chains; add rules`` replaces
+it: the kernel commits the batch at once, so no packet sees a half-filled table
+or no table. Routes and addresses come from ``redirect.routes`` as for iptables,
+added before the batch and rolled back if it fails.
+
+Mixed hosts (issue 4.5). A namespace holding our iptables chains that is set up
+with ``backend="nftables"`` (or the reverse) first gets the new backend's rules,
+then the old backend's rules are removed (``api.setup`` does this, keeping our
+routes which both backends share). Capture never lapses; while both are present
+they do the same thing, and a connection is NATed once (the first nat chain that
+binds it wins).
+
+Contexts. A libnftables context acts on the netns it was *created* in (FACTS.md),
+so every method creates its own, inside the netns the caller entered; none is kept.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .. import routes as rt
+from ..config import IdSpec, RedirectConfig
+from ..errors import BackendUnavailable, SetupError
+from ..plan import (
+    Accept,
+    Action,
+    Addr,
+    Chain,
+    ConnMark,
+    CtState,
+    CtZone,
+    Drop,
+    Iface,
+    Jump,
+    Mark,
+    Match,
+    Owner,
+    Plan,
+    Port,
+    Proto,
+    Redirect,
+    RestoreMark,
+    Return,
+    Rule,
+    SaveMark,
+    SetConnMark,
+    SetMark,
+    Socket,
+    TProxy,
+)
+from .base import CheckResult, Installed
+
+log = logging.getLogger("redirect.nftables")
+
+FAMILY = "inet"
+TABLE = "rdr_redirect"
+FULL = 0xFFFFFFFF
+_TABLE_OBJ = {"family": FAMILY, "name": TABLE}
+_NFPROTO = {4: "ipv4", 6: "ipv6"}
+_IPPROTO = {4: "ip", 6: "ip6"}
+
+#: (plan table, hook) -> (nft chain type, priority): where iptables' tables sit.
+BASE_CHAINS: dict[tuple[str, str], tuple[str, int]] = {
+    ("raw", "prerouting"): ("filter", -300),
+    ("raw", "output"): ("filter", -300),
+    ("mangle", "prerouting"): ("filter", -150),
+    ("mangle", "input"): ("filter", -150),
+    ("mangle", "forward"): ("filter", -150),
+    ("mangle", "output"): ("route", -150),
+    ("mangle", "postrouting"): ("filter", -150),
+    ("nat", "prerouting"): ("nat", -100),
+    ("nat", "output"): ("nat", -100),
+    ("nat", "input"): ("nat", 100),
+    ("nat", "postrouting"): ("nat", 100),
+}
+
+Expr = list[dict[str, Any]]
+
+
+# --- rendering: plan -> our table, in the exact JSON form nft lists it ------------------
+
+
+@dataclass
+class ChainSpec:
+    """One chain of our table: base-chain attributes (or None) and its rules."""
+
+    base: dict[str, Any] | None
+    rules: list[tuple[Expr, str]]  # (expr, comment)
+
+
+Ruleset = dict[str, ChainSpec]  # chain name -> spec, in creation order
+
+
+def chain_name(table: str, name: str) -> str:
+    return f"{table}_{name}"
+
+
+def _match(left: Any, right: Any, neg: bool = False, op: str = "==") -> dict[str, Any]:
+    return {"match": {"op": "!=" if neg else op, "left": left, "right": right}}
+
+
+def _meta(key: str) -> dict[str, Any]:
+    return {"meta": {"key": key}}
+
+
+def _ct(key: str) -> dict[str, Any]:
+    return {"ct": {"key": key}}
+
+
+def _addr_right(cidr: str) -> Any:
+    net = ipaddress.ip_network(cidr, strict=False)
+    if net.prefixlen == net.max_prefixlen:
+        return str(net.network_address)
+    return {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+
+
+def _ifname(name: str) -> str:
+    # iptables: a trailing "+" is a prefix wildcard; nft writes it "*" (a literal "*" is "\*").
+    name = name.replace("\\", "\\\\").replace("*", "\\*")
+    return name[:-1] + "*" if name.endswith("+") else name
+
+
+def _id_right(i: IdSpec) -> Any:
+    return {"range": [i[0], i[1]]} if isinstance(i, tuple) else i
+
+
+def _masked(key: dict[str, Any], mask: int) -> Any:
+    return key if mask == FULL else {"&": [key, mask]}
+
+
+def _set_value(key: dict[str, Any], value: int, mask: int) -> Any:
+    """``key = (key & ~mask) ^ value`` (iptables ``--set-xmark``), as nft lists it."""
+    if mask == FULL:
+        return value
+    keep = ~mask & FULL
+    if value & keep:
+        return {"^": [{"&": [key, keep]}, value]}
+    return {"|": [{"&": [key, keep | value]}, value]}
+
+
+def _render_match(m: Match, rule: Rule, has_port: bool) -> list[dict[str, Any]]:
+    if isinstance(m, Proto):
+        return [] if has_port else [_match(_meta("l4proto"), m.name)]
+    if isinstance(m, Addr):
+        fam = 4 if ipaddress.ip_network(m.cidr, strict=False).version == 4 else 6
+        if ipaddress.ip_network(m.cidr, strict=False).prefixlen == 0:
+            # "ip daddr 0.0.0.0/0" is "any IPv4 packet"; its negation matches nothing of IPv4.
+            return [_match(_meta("nfproto"), _NFPROTO[fam], m.neg)]
+        left = {"payload": {"protocol": _IPPROTO[fam], "field": f"{m.side[0]}addr"}}
+        return [_match(left, _addr_right(m.cidr), m.neg)]
+    if isinstance(m, Port):
+        proto = next((p.name for p in rule.matches if isinstance(p, Proto)), None)
+        if proto is None:
+            raise ValueError(f"port match without protocol in {rule}")
+        right: Any = m.ports[0] if len(m.ports) == 1 else {"set": sorted(m.ports)}
+        return [_match({"payload": {"protocol": proto, "field": f"{m.side[0]}port"}}, right, m.neg)]
+    if isinstance(m, Iface):
+        return [_match(_meta(f"{m.side[0]}ifname"), _ifname(m.name), m.neg)]
+    if isinstance(m, Owner):
+        return [_match(_meta(f"sk{m.kind}"), _id_right(m.id), m.neg)]
+    if isinstance(m, Mark):
+        return [_match(_masked(_meta("mark"), m.mask), m.value, m.neg)]
+    if isinstance(m, ConnMark):
+        return [_match(_masked(_ct("mark"), m.mask), m.value, m.neg)]
+    if isinstance(m, CtState):
+        states = sorted(s.lower() for s in m.states)
+        return [_match(_ct("state"), states[0] if len(states) == 1 else states, op="in")]
+    if isinstance(m, Socket):
+        out = []
+        if m.transparent:
+            out.append(_match({"socket": {"key": "transparent"}}, 1))
+        if not m.nowildcard:
+            out.append(_match({"socket": {"key": "wildcard"}}, 0))
+        if not out:  # "a socket exists", wildcard ones included
+            out.append(_match({"socket": {"key": "transparent"}}, {"set": [0, 1]}))
+        return out
+    raise TypeError(f"unknown match {m!r}")
+
+
+def _render_action(a: Action, table: str, family: int | None) -> list[dict[str, Any]]:
+    if isinstance(a, Return):
+        return [{"return": None}]
+    if isinstance(a, Accept):
+        return [{"accept": None}]
+    if isinstance(a, Drop):
+        return [{"drop": None}]
+    if isinstance(a, Jump):
+        return [{"jump": {"target": chain_name(table, a.chain)}}]
+    if isinstance(a, Redirect):
+        return [{"redirect": {"port": a.port}}]
+    if isinstance(a, TProxy):
+        tp: dict[str, Any] = {"port": a.port}
+        if family is not None:
+            tp = {"family": _IPPROTO[family], "port": a.port}
+        return [{"tproxy": tp}, {"mangle": {"key": _meta("mark"), "value": _set_value(_meta("mark"), a.mark, a.mask)}},
+                {"accept": None}]
+    if isinstance(a, SetMark):
+        return [{"mangle": {"key": _meta("mark"), "value": _set_value(_meta("mark"), a.value, a.mask)}}]
+    if isinstance(a, SetConnMark):
+        return [{"mangle": {"key": _ct("mark"), "value": _set_value(_ct("mark"), a.value, a.mask)}}]
+    if isinstance(a, (SaveMark, RestoreMark)):
+        if a.mask != FULL:
+            raise BackendUnavailable(
+                f"backend=nftables: {type(a).__name__}(mask={a.mask:#x}) needs an OR of two registers, which"
+                " nftables 1.0.6 cannot express; use backend=iptables for this config"
+            )
+        if isinstance(a, SaveMark):
+            return [{"mangle": {"key": _ct("mark"), "value": _meta("mark")}}]
+        return [{"mangle": {"key": _meta("mark"), "value": _ct("mark")}}]
+    if isinstance(a, CtZone):
+        return [{"mangle": {"key": _ct("zone"), "value": a.zone}}]
+    raise TypeError(f"unknown action {a!r}")
+
+
+def render_rule(table: str, rule: Rule) -> list[Expr]:
+    """The expression list(s) of one plan rule (two for ``TProxy``: deliver, else drop)."""
+    has_port = any(isinstance(m, Port) for m in rule.matches)
+    matches: Expr = []
+    for m in rule.matches:
+        matches += _render_match(m, rule, has_port)
+    if rule.family is not None and not any(isinstance(m, Addr) for m in rule.matches):
+        matches.insert(0, _match(_meta("nfproto"), _NFPROTO[rule.family]))
+    out = [matches + _render_action(rule.action, table, rule.family)]
+    if isinstance(rule.action, TProxy):
+        out.append(matches + [{"drop": None}])  # iptables' TPROXY drops when no socket is found
+    return out
+
+
+def _chains(plan: Plan, families: tuple[int, ...]) -> tuple[Chain, ...]:
+    """The plan's chains with only the rules of ``families``; empty hook chains and
+    chains nothing jumps to are dropped (as ``Plan.chains_for`` does per family)."""
+    chains = []
+    for c in plan.chains:
+        rules = tuple(r for r in c.rules if r.family is None or r.family in families)
+        if c.hook is not None and not rules:
+            continue
+        chains.append(Chain(c.table, c.name, rules, c.hook))
+    while True:
+        used = {(c.table, r.action.chain) for c in chains for r in c.rules if isinstance(r.action, Jump)}
+        kept = [c for c in chains if c.hook is not None or (c.table, c.name) in used]
+        if len(kept) == len(chains):
+            return tuple(kept)
+        chains = kept
+
+
+def desired_ruleset(plan: Plan, families: tuple[int, ...]) -> Ruleset:
+    """Our table for ``plan``, in the form nft lists it back (so it can be compared)."""
+    out: Ruleset = {}
+    skipped = [f for f in (4, 6) if f not in families]
+    for c in _chains(plan, families):
+        name = chain_name(c.table, c.name)
+        base = None
+        rules: list[tuple[Expr, str]] = []
+        if c.hook is not None:
+            try:
+                typ, prio = BASE_CHAINS[(c.table, c.hook)]
+            except KeyError:
+                raise BackendUnavailable(
+                    f"backend=nftables: no base chain for table {c.table!r} hook {c.hook!r}"
+                ) from None
+            base = {"type": typ, "hook": c.hook, "prio": prio, "policy": "accept"}
+            for f in skipped:
+                rules.append(([_match(_meta("nfproto"), _NFPROTO[f]), {"return": None}], f"IPv{f} is not captured"))
+        for r in c.rules:
+            for expr in render_rule(c.table, r):
+                rules.append((expr, r.comment))
+        if name in out:
+            raise ValueError(f"two plan chains render to the nft chain {name}")
+        out[name] = ChainSpec(base, rules)
+    return out
+
+
+def commands_for(desired: Ruleset) -> list[dict[str, Any]]:
+    """One batch replacing our table by ``desired`` (an empty ruleset deletes it)."""
+    cmds: list[dict[str, Any]] = [{"add": {"table": dict(_TABLE_OBJ)}}, {"delete": {"table": dict(_TABLE_OBJ)}}]
+    if not desired:
+        return cmds
+    cmds.append({"add": {"table": dict(_TABLE_OBJ)}})
+    for name, spec in desired.items():
+        cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": name, **(spec.base or {})}}})
+    for name, spec in desired.items():
+        for expr, comment in spec.rules:
+            rule: dict[str, Any] = {"family": FAMILY, "table": TABLE, "chain": name, "expr": expr}
+            if comment:
+                rule["comment"] = comment
+            cmds.append({"add": {"rule": rule}})
+    return cmds
+
+
+def parse_listing(items: list[dict[str, Any]]) -> Ruleset:
+    """Our table from the JSON of ``list table inet rdr_redirect``."""
+    out: Ruleset = {}
+    for it in items:
+        if "chain" in it:
+            c = it["chain"]
+            base = {k: c[k] for k in ("type", "hook", "prio", "policy") if k in c} or None
+            out[c["name"]] = ChainSpec(base, [])
+    for it in items:
+        if "rule" in it:
+            r = it["rule"]
+            out.setdefault(r["chain"], ChainSpec(None, [])).rules.append((r["expr"], r.get("comment", "")))
+    return out
+
+
+# --- readable text of rules (check's differences, show) ----------------------------------
+
+
+def _val(v: Any) -> str:
+    if isinstance(v, dict):
+        if "prefix" in v:
+            return f"{v['prefix']['addr']}/{v['prefix']['len']}"
+        if "range" in v:
+            return f"{v['range'][0]}-{v['range'][1]}"
+        if "set" in v:
+            return "{ " + ", ".join(_val(x) for x in v["set"]) + " }"
+        if "meta" in v:
+            return f"meta {v['meta']['key']}"
+        if "ct" in v:
+            return f"ct {v['ct']['key']}"
+        if "payload" in v:
+            return f"{v['payload']['protocol']} {v['payload']['field']}"
+        if "socket" in v:
+            return f"socket {v['socket']['key']}"
+        for op in ("&", "|", "^"):
+            if op in v:
+                a, b = v[op]
+                return f"{_val(a)} {op} {_val(b) if not isinstance(b, int) else hex(b)}"
+        return json.dumps(v, sort_keys=True)
+    if isinstance(v, list):
+        return ",".join(_val(x) for x in v)
+    if isinstance(v, str):
+        return f'"{v}"' if v.endswith("name") else v
+    return str(v)
+
+
+def expr_text(expr: Expr, comment: str = "") -> str:
+    """A rule in (roughly) nft syntax, for humans."""
+    parts = []
+    for e in expr:
+        if "match" in e:
+            m = e["match"]
+            op = "" if m["op"] in ("==", "in") else f"{m['op']} "
+            right = m["right"]
+            r = f'"{right}"' if isinstance(right, str) and _val(m["left"]).endswith("name") else _val(right)
+            parts.append(f"{_val(m['left'])} {op}{r}")
+        elif "mangle" in e:
+            v = e["mangle"]["value"]
+            parts.append(f"{_val(e['mangle']['key'])} set {hex(v) if isinstance(v, int) else _val(v)}")
+        elif "jump" in e:
+            parts.append(f"jump {e['jump']['target']}")
+        elif "redirect" in e:
+            parts.append(f"redirect to :{e['redirect']['port']}")
+        elif "tproxy" in e:
+            fam = e["tproxy"].get("family")
+            parts.append(f"tproxy {fam + ' ' if fam else ''}to :{e['tproxy']['port']}")
+        elif len(e) == 1 and next(iter(e.values())) is None:
+            parts.append(next(iter(e)))
+        else:
+            parts.append(json.dumps(e, sort_keys=True))
+    if comment:
+        parts.append(f'comment "{comment}"')
+    return " ".join(parts)
+
+
+def _base_text(base: dict[str, Any] | None) -> str:
+    if not base:
+        return "regular chain"
+    return f"type {base.get('type')} hook {base.get('hook')} priority {base.get('prio')}; policy {base.get('policy')}"
+
+
+def diff_rulesets(cur: Ruleset, want: Ruleset) -> list[str]:
+    diffs = []
+    for name in list(want) + [n for n in cur if n not in want]:
+        if name not in cur:
+            diffs.append(f"missing chain {name} ({_base_text(want[name].base)})")
+            continue
+        if name not in want:
+            diffs.append(f"unexpected chain {name} ({_base_text(cur[name].base)})")
+            continue
+        c, w = cur[name], want[name]
+        if c.base != w.base:
+            diffs.append(f"chain {name}: is {_base_text(c.base)}, want {_base_text(w.base)}")
+        if c.rules != w.rules:
+            for r in w.rules:
+                if r not in c.rules:
+                    diffs.append(f"chain {name}: missing rule: {expr_text(*r)}")
+            for r in c.rules:
+                if r not in w.rules:
+                    diffs.append(f"chain {name}: unexpected rule: {expr_text(*r)}")
+            if len(c.rules) == len(w.rules) and all(r in c.rules for r in w.rules):
+                diffs.append(f"chain {name}: rules are out of order")
+    return diffs
+
+
+# --- execution -------------------------------------------------------------------------
+
+
+def _context() -> Any:
+    """A libnftables context for the calling thread's netns (create it here, use it here)."""
+    try:
+        import nftables  # type: ignore[import-not-found]
+    except ImportError:
+        raise BackendUnavailable(
+            "backend=nftables: the libnftables Python binding is missing; install Debian's"
+            " 'python3-nftables' (apt-get install python3-nftables) and use a venv with system site packages"
+        ) from None
+    nft = nftables.Nftables()
+    nft.set_json_output(True)
+    return nft
+
+
+class _Reaper:
+    """Frees used contexts off the caller's path.
+
+    Closing the netlink socket of a context whose batch deleted objects waits for
+    the kernel's deferred destruction (an RCU grace period, about 10 ms here), so
+    a setup that freed its context itself would spend most of its time there. The
+    context is handed to this thread instead; until it is freed its socket keeps
+    the netns alive, which is harmless.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _main(self) -> None:
+        while True:
+            _free_now(self._q.get())
+
+    def put(self, ctx: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._main, name="redirect-nft-reaper", daemon=True)
+                self._thread.start()
+        self._q.put(ctx)
+
+
+_reaper = _Reaper()
+
+
+def _free_now(nft: Any) -> None:
+    """``nft_ctx_free`` on this thread, whoever holds the last reference (ctypes drops the GIL)."""
+    handle = getattr(nft, "_Nftables__ctx", None)
+    free = nft.__dict__.get("nft_ctx_free")
+    if handle is None or free is None:  # another binding layout: its __del__ frees it
+        return
+    nft.nft_ctx_free = lambda _ctx: None  # the object's __del__ must not free it again
+    nft._Nftables__ctx = None
+    free(handle)
+
+
+def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
+    rc, out, err = nft.json_cmd({"nftables": cmds})
+    if rc != 0:
+        raise SetupError(f"libnftables refused the transaction: {err.strip()}")
+    return out
+
+
+def read_table(nft: Any) -> Ruleset | None:
+    """Our table as installed, or None when there is none."""
+    rc, out, _ = nft.json_cmd({"nftables": [{"list": {"tables": {"family": FAMILY}}}]})
+    if rc != 0:
+        raise SetupError("libnftables could not list the tables of this namespace")
+    names = [i["table"]["name"] for i in out.get("nftables", []) if "table" in i]
+    if TABLE not in names:
+        return None
+    out = _run(nft, [{"list": {"table": dict(_TABLE_OBJ)}}])
+    return parse_listing(out.get("nftables", []))
+
+
+#: Test-only: commands appended to every setup batch (e.g. an invalid rule, to make it fail).
+_EXTRA_COMMANDS_FOR_TESTS: list[dict[str, Any]] = []
+
+_probe_result: tuple[bool, str] | None = None
+
+
+def probe() -> tuple[bool, str]:
+    """Whether libnftables imports and the kernel accepts an inet nat table (cached per process).
+
+    Checked with a dry run (the kernel validates the batch, then aborts it), in the
+    netns of the calling thread; nothing is installed.
+    """
+    global _probe_result
+    if _probe_result is None:
+        try:
+            nft = _context()
+            nft.set_dry_run(True)
+            t = {"family": FAMILY, "name": TABLE + "_probe"}
+            rc, _, err = nft.json_cmd({"nftables": [
+                {"add": {"table": t}},
+                {"add": {"chain": {**{"family": FAMILY, "table": t["name"]}, "name": "p", "type": "nat",
+                                   "hook": "output", "prio": -100, "policy": "accept"}}},
+            ]})
+            _probe_result = (True, "") if rc == 0 else (False, f"the kernel refused an inet nat chain: {err.strip()}")
+        except BackendUnavailable as e:
+            _probe_result = (False, str(e))
+        except OSError as e:
+            _probe_result = (False, f"libnftables could not be loaded: {e}")
+    return _probe_result
+
+
+class NftablesBackend:
+    """Renders plans into ``table inet rdr_redirect`` with one libnftables transaction."""
+
+    name = "nftables"
+
+    # All methods act on the calling thread's netns (the caller entered it).
+
+    def render(self, plan: Plan, families: tuple[int, ...]) -> str:
+        return json.dumps({"nftables": commands_for(desired_ruleset(plan, families))}, indent=1) + "\n"
+
+    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
+        desired = desired_ruleset(plan, families)  # render errors before touching anything
+        nft = _context()
+        try:
+            return self._apply(nft, desired, plan, families)
+        finally:
+            _reaper.put(nft)
+
+    def _apply(self, nft: Any, desired: Ruleset, plan: Plan, families: tuple[int, ...]) -> Installed:
+        current = read_table(nft)
+        routes = tuple(r for r in plan.routes if r.family in families)
+        addresses = tuple(a for a in plan.addresses if a.family in families)
+        txn = rt.RouteTxn(routes, addresses, families)
+        same = current is not None and not diff_rulesets(current, desired)
+        detail = {"table": f"{FAMILY} {TABLE}", "chains": list(desired)}
+        if same and not txn.changed and not _EXTRA_COMMANDS_FOR_TESTS:
+            return Installed(self.name, "", families, False, detail)
+        try:
+            txn.apply()
+            _fault_point("nftables.before_transaction")
+            if not same or _EXTRA_COMMANDS_FOR_TESTS:
+                _run(nft, commands_for(desired) + list(_EXTRA_COMMANDS_FOR_TESTS))
+            _fault_point("nftables.after_transaction")
+            txn.finish()
+        except BaseException as e:
+            log.warning("setup failed (%s); rolling back", e)
+            try:
+                now = read_table(nft)
+                if (now is not None or current is not None) and diff_rulesets(now or {}, current or {}):
+                    _run(nft, commands_for(current or {}))
+            except Exception as re:  # pragma: no cover - reported, not hidden
+                log.error("rollback of table %s failed: %s", TABLE, re)
+            try:
+                txn.rollback()
+            except Exception as re:  # pragma: no cover
+                log.error("rollback of routes failed: %s", re)
+            if isinstance(e, (SetupError, BackendUnavailable)):
+                raise
+            if isinstance(e, Exception):
+                raise SetupError(f"setup failed and was rolled back: {e}") from e
+            raise
+        return Installed(self.name, "", families, True, detail)
+
+    def remove(self, keep_routes: bool = False) -> bool:
+        """Delete our table (and, unless ``keep_routes``, our routes); True if anything was there."""
+        nft = _context()
+        changed = False
+        try:
+            if read_table(nft) is not None:
+                _run(nft, commands_for({}))
+                changed = True
+        finally:
+            _reaper.put(nft)
+        if keep_routes:
+            return changed
+        return rt.remove_all_ours() or changed
+
+    def installed(self) -> bool:
+        try:
+            nft = _context()
+        except BackendUnavailable:
+            return False
+        return read_table(nft) is not None
+
+    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
+        desired = desired_ruleset(plan, families)
+        current = read_table(_context())
+        if current is None:
+            diffs = [f"table {FAMILY} {TABLE} is not installed"]
+        else:
+            diffs = diff_rulesets(current, desired)
+        state = rt.read_ours()
+        want_routes = {r for r in plan.routes if r.family in families}
+        want_addrs = {a for a in plan.addresses if a.family in families}
+        for r in sorted(want_routes - state.routes, key=str):
+            diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
+        for r in sorted(state.routes - want_routes, key=str):
+            diffs.append(f"unexpected policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
+        for a in sorted(want_addrs - state.addresses, key=str):
+            diffs.append(f"missing address {a.cidr} on {a.dev}")
+        for a in sorted(state.addresses - want_addrs, key=str):
+            diffs.append(f"unexpected address {a.cidr} on {a.dev}")
+        return CheckResult(not diffs, self.name, tuple(diffs))
+
+    def show(self) -> dict[str, Any]:
+        current = read_table(_context())
+        out: dict[str, Any] = {"backend": self.name, "table": f"{FAMILY} {TABLE}", "installed": current is not None}
+        out["chains"] = {
+            name: {"base": _base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
+            for name, spec in (current or {}).items()
+        }
+        routes = rt.read_ours()
+        out["routes"] = [f"IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}" for r in sorted(routes.routes, key=str)]
+        out["addresses"] = [f"{a.cidr} dev {a.dev}" for a in sorted(routes.addresses, key=str)]
+        return out
+
+
+# Fault injection for the atomicity tests: REDIRECT_FAULT=<point> makes that point raise.
+def _fault_point(name: str) -> None:
+    if os.environ.get("REDIRECT_FAULT") == name:
+        raise SetupError(f"injected fault at {name}")
