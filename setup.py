@@ -15,6 +15,7 @@ setup(
     entry_points={
         "console_scripts": [
             "redirect=redirect.cli:main",
+            "redirect-cni=redirect.cni.plugin:main",
         ],
     },
     zip_safe=False,

@@ -1,0 +1,454 @@
+"""``redirect-cni install`` / ``uninstall``: put our plugin into a node's CNI config.
+
+``install`` appends our entry to the ``plugins`` of the conf dir's active network
+config (the first ``*.conf``/``*.conflist``/``*.json`` by name, as libcni picks it),
+and writes a launcher for the plugin into the bin dir. It edits the file's text in
+place, so every other plugin, key order, indentation and the file mode stay as they
+were, and ``uninstall`` takes out exactly what ``install`` put in: the round trip
+gives back the original bytes. A single-plugin ``.conf`` becomes a ``.conflist``
+(libcni's conversion: the plugin is the list's first entry); our entry then carries
+the original file (``redirectInstall.original``), so ``uninstall`` restores it
+byte for byte. Every write is atomic (temp file in the same dir + rename); our
+entry is never duplicated (an outdated one is replaced).
+
+``install --standalone NAME`` writes a conflist of our own instead (optionally with
+``--primary`` plugins before ours). ``install --watch`` keeps our entry present:
+it polls the conf dir and re-adds it when another tool rewrites the file, until
+SIGTERM/SIGINT or ``--max-seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .plugin import PLUGIN_TYPE
+
+DEFAULT_CONF_DIR = "/etc/cni/net.d"
+DEFAULT_BIN_DIR = "/opt/cni/bin"
+CONF_EXTS = (".conf", ".conflist", ".json")
+MARK_KEY = "redirectInstall"
+LAUNCHER_MARK = "# redirect-cni launcher"
+DEFAULT_ENTRY: dict[str, Any] = {
+    "type": PLUGIN_TYPE,
+    "backend": "iptables",
+    "mode": "sidecar",
+    "capabilities": {"io.kubernetes.cri.pod-annotations": True},
+}
+
+
+class InstallError(Exception):
+    """Installing or removing our entry failed; the message names the file."""
+
+
+# --- a JSON scanner that keeps positions ---------------------------------------------------
+
+
+def _ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _string_end(s: str, i: int) -> int:
+    j = i + 1
+    while s[j] != '"':
+        j += 2 if s[j] == "\\" else 1
+    return j + 1
+
+
+def _value_end(s: str, i: int) -> int:
+    c = s[i]
+    if c == '"':
+        return _string_end(s, i)
+    if c in "{[":
+        depth, j = 0, i
+        while True:
+            ch = s[j]
+            if ch == '"':
+                j = _string_end(s, j)
+                continue
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+    j = i
+    while j < len(s) and s[j] not in ",]} \t\r\n":
+        j += 1
+    return j
+
+
+def _members(s: str) -> dict[str, tuple[int, int]]:
+    """Top-level object keys -> (start, end) of their values."""
+    out: dict[str, tuple[int, int]] = {}
+    i = _ws(s, 0)
+    i += 1  # "{"
+    while True:
+        i = _ws(s, i)
+        if s[i] == "}":
+            return out
+        if s[i] == ",":
+            i += 1
+            continue
+        k_end = _string_end(s, i)
+        key = json.loads(s[i:k_end])
+        i = _ws(s, k_end) + 1  # ":"
+        v = _ws(s, i)
+        v_end = _value_end(s, v)
+        out[key] = (v, v_end)
+        i = v_end
+
+
+def _elements(s: str, start: int) -> list[tuple[int, int]]:
+    """(start, end) of each element of the array whose ``[`` is at ``start``."""
+    out: list[tuple[int, int]] = []
+    i = start + 1
+    while True:
+        i = _ws(s, i)
+        if s[i] == "]":
+            return out
+        if s[i] == ",":
+            i += 1
+            continue
+        end = _value_end(s, i)
+        out.append((i, end))
+        i = end
+
+
+# --- file helpers ------------------------------------------------------------------------------
+
+
+def active_conf(conf_dir: str) -> str | None:
+    """The network config file a runtime would load from ``conf_dir`` (first by name), or None."""
+    try:
+        names = sorted(n for n in os.listdir(conf_dir) if n.endswith(CONF_EXTS) and not n.startswith("."))
+    except FileNotFoundError:
+        return None
+    return os.path.join(conf_dir, names[0]) if names else None
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
+    """Write ``path`` through a temp file in its directory and a rename."""
+    d, name = os.path.split(path)
+    tmp = os.path.join(d or ".", f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, mode)
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _read(path: str) -> tuple[bytes, os.stat_result]:
+    with open(path, "rb") as f:
+        data = f.read()
+        return data, os.fstat(f.fileno())
+
+
+def _is_ours(plugin: object) -> bool:
+    return isinstance(plugin, dict) and plugin.get("type") == PLUGIN_TYPE
+
+
+def _load(path: str, data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InstallError(f"{path}: not valid JSON ({e}); not touching it") from None
+    if not isinstance(doc, dict):
+        raise InstallError(f"{path}: not a JSON object; not touching it")
+    return doc
+
+
+# --- install / uninstall -----------------------------------------------------------------------
+
+
+def plugin_entry(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Our conflist entry: the defaults with ``overrides`` applied (``type`` is always ours)."""
+    entry = dict(DEFAULT_ENTRY)
+    entry.update(overrides or {})
+    entry["type"] = PLUGIN_TYPE
+    return entry
+
+
+def _add_to_conflist(path: str, text: str, doc: dict[str, Any], entry: dict[str, Any]) -> str | None:
+    """The new text of a conflist with ``entry`` in it, or None if it is already there as is."""
+    plugins = doc.get("plugins")
+    if not isinstance(plugins, list):
+        raise InstallError(f"{path}: has no \"plugins\" list; not touching it")
+    span = _members(text)["plugins"]
+    elems = _elements(text, span[0])
+    ours = [i for i, p in enumerate(plugins) if _is_ours(p)]
+    if ours and MARK_KEY in plugins[ours[0]]:
+        entry = {**entry, MARK_KEY: plugins[ours[0]][MARK_KEY]}  # keep what uninstall needs
+    rendered = json.dumps(entry)
+    if ours:
+        k = ours[0]
+        if len(ours) == 1 and plugins[k] == entry:
+            return None
+        # Replace the first of ours, drop any duplicates (from the back, so spans stay valid).
+        for j in reversed(ours[1:]):
+            text = _remove_element(text, _elements(text, span[0]), j)
+        a, b = _elements(text, span[0])[k]
+        return text[:a] + rendered + text[b:]
+    if not elems:
+        return text[: span[0] + 1] + rendered + text[span[0] + 1 :]
+    if len(elems) >= 2:
+        sep = text[elems[-2][1] : elems[-1][0]]
+    else:
+        sep = "," + text[span[0] + 1 : elems[0][0]]
+    end = elems[-1][1]
+    return text[:end] + sep + rendered + text[end:]
+
+
+def _remove_element(text: str, elems: list[tuple[int, int]], k: int) -> str:
+    if k > 0:
+        return text[: elems[k - 1][1]] + text[elems[k][1] :]
+    if len(elems) > 1:
+        return text[: elems[0][0]] + text[elems[1][0] :]
+    return text[: elems[0][0]] + text[elems[0][1] :]
+
+
+def _launcher(python: str) -> bytes:
+    return (
+        f"#!{python} -I\n"
+        f"{LAUNCHER_MARK} (written by `redirect-cni install`, removed by `redirect-cni uninstall`)\n"
+        "import sys\n"
+        "from redirect.cni.plugin import main\n"
+        "sys.exit(main())\n"
+    ).encode()
+
+
+def install_binary(bin_dir: str, python: str | None = None) -> bool:
+    """Write the launcher ``<bin_dir>/redirect-cni``; True if it changed."""
+    os.makedirs(bin_dir, exist_ok=True)
+    path = os.path.join(bin_dir, PLUGIN_TYPE)
+    data = _launcher(python or sys.executable)
+    try:
+        if _read(path)[0] == data:
+            return False
+    except FileNotFoundError:
+        pass
+    atomic_write(path, data, 0o755)
+    return True
+
+
+def install(
+    conf_dir: str = DEFAULT_CONF_DIR,
+    bin_dir: str | None = DEFAULT_BIN_DIR,
+    entry: Mapping[str, Any] | None = None,
+    conf_file: str | None = None,
+    standalone: str | None = None,
+    primary: list[dict[str, Any]] | None = None,
+    python: str | None = None,
+) -> str | None:
+    """Add our entry; returns the path written, or None if nothing needed changing."""
+    ours = plugin_entry(entry)
+    if bin_dir:
+        install_binary(bin_dir, python)
+    if standalone:
+        if not standalone.endswith(".conflist") or "/" in standalone:
+            raise InstallError(f"--standalone={standalone!r}: expected a file name ending in .conflist")
+        os.makedirs(conf_dir, exist_ok=True)
+        own = os.path.join(conf_dir, standalone)
+        mark = dict(ours)
+        mark[MARK_KEY] = {"standalone": True}
+        doc = {"cniVersion": "1.0.0", "name": "redirect", "plugins": [*(primary or []), mark]}
+        data = (json.dumps(doc, indent=2) + "\n").encode()
+        try:
+            if _read(own)[0] == data:
+                return None
+        except FileNotFoundError:
+            pass
+        atomic_write(own, data)
+        return own
+    path = os.path.join(conf_dir, conf_file) if conf_file else active_conf(conf_dir)
+    if path is None:
+        raise InstallError(f"{conf_dir}: no network config (*.conf, *.conflist, *.json) to add to;"
+                           " install the primary CNI first, or use --standalone")
+    try:
+        data, st = _read(path)
+    except FileNotFoundError:
+        raise InstallError(f"{path}: does not exist") from None
+    doc = _load(path, data)
+    owner = (st.st_uid, st.st_gid)
+    mode = st.st_mode & 0o7777
+    if "plugins" in doc:
+        new = _add_to_conflist(path, data.decode("utf-8"), doc, ours)
+        if new is None:
+            return None
+        atomic_write(path, new.encode("utf-8"), mode, owner)
+        return path
+    if "type" not in doc:
+        raise InstallError(f"{path}: neither a conflist (\"plugins\") nor a plugin config (\"type\")")
+    if _is_ours(doc):
+        raise InstallError(f"{path}: is a config of redirect-cni alone; it must be chained after a primary plugin")
+    mark = dict(ours)
+    mark[MARK_KEY] = {"convertedFrom": os.path.basename(path), "original": base64.b64encode(data).decode()}
+    conflist = {"cniVersion": doc.get("cniVersion", "1.0.0"), "name": doc.get("name", ""), "plugins": [doc, mark]}
+    target = os.path.splitext(path)[0] + ".conflist"
+    atomic_write(target, (json.dumps(conflist, indent=2) + "\n").encode(), mode, owner)
+    if target != path:
+        os.unlink(path)
+    return target
+
+
+def uninstall(conf_dir: str = DEFAULT_CONF_DIR, bin_dir: str | None = DEFAULT_BIN_DIR) -> list[str]:
+    """Remove our entry from every config in ``conf_dir`` (and our launcher); the paths changed."""
+    changed: list[str] = []
+    try:
+        names = sorted(n for n in os.listdir(conf_dir) if n.endswith(CONF_EXTS) and not n.startswith("."))
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        path = os.path.join(conf_dir, name)
+        try:
+            data, st = _read(path)
+            doc = json.loads(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # not ours to judge
+        plugins = doc.get("plugins") if isinstance(doc, dict) else None
+        if not isinstance(plugins, list) or not any(_is_ours(p) for p in plugins):
+            continue
+        mine = [p for p in plugins if _is_ours(p)]
+        marks = [p.get(MARK_KEY) for p in mine if isinstance(p.get(MARK_KEY), dict)]
+        if any(m.get("standalone") for m in marks):
+            os.unlink(path)
+            changed.append(path)
+            continue
+        text = data.decode("utf-8")
+        start = _members(text)["plugins"][0]
+        for k in reversed([i for i, p in enumerate(plugins) if _is_ours(p)]):
+            text = _remove_element(text, _elements(text, start), k)
+        mode, owner = st.st_mode & 0o7777, (st.st_uid, st.st_gid)
+        converted = next((m for m in marks if "convertedFrom" in m and "original" in m), None)
+        if converted is not None:
+            original = base64.b64decode(converted["original"])
+            rest = json.loads(text)
+            try:
+                orig_doc = json.loads(original)
+            except json.JSONDecodeError:
+                orig_doc = None
+            if rest.get("plugins") == [orig_doc]:
+                back = os.path.join(conf_dir, os.path.basename(converted["convertedFrom"]))
+                atomic_write(back, original, mode, owner)
+                if back != path:
+                    os.unlink(path)
+                changed.append(back)
+                continue
+        atomic_write(path, text.encode("utf-8"), mode, owner)
+        changed.append(path)
+    if bin_dir:
+        launcher = os.path.join(bin_dir, PLUGIN_TYPE)
+        try:
+            if LAUNCHER_MARK.encode() in _read(launcher)[0]:
+                os.unlink(launcher)
+        except FileNotFoundError:
+            pass
+    return changed
+
+
+def watch(
+    stop: threading.Event,
+    conf_dir: str = DEFAULT_CONF_DIR,
+    bin_dir: str | None = DEFAULT_BIN_DIR,
+    entry: Mapping[str, Any] | None = None,
+    conf_file: str | None = None,
+    interval: float = 1.0,
+    max_seconds: float | None = None,
+    on_install: Any = None,
+) -> int:
+    """Keep our entry installed until ``stop`` is set (or ``max_seconds``); returns how often we re-added it."""
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    count = 0
+    while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+        try:
+            path = install(conf_dir, bin_dir, entry, conf_file)
+        except InstallError as e:  # no primary config yet: wait for it
+            path = None
+            print(f"redirect-cni install --watch: {e}", file=sys.stderr)
+        if path is not None:
+            count += 1
+            if on_install is not None:
+                on_install(path)
+        wait = interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic()))
+        stop.wait(wait)
+    return count
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def _json_arg(text: str | None, what: str) -> Any:
+    if text is None:
+        return None
+    if text.startswith("@"):
+        with open(text[1:], encoding="utf-8") as f:
+            text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InstallError(f"{what}: not valid JSON ({e})") from None
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="redirect-cni", description="Install redirect-cni into a node's CNI config. "
+                                "(Run by a container runtime with CNI_COMMAND set, it is the CNI plugin.)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("install", "uninstall"):
+        s = sub.add_parser(name)
+        s.add_argument("--conf-dir", default=DEFAULT_CONF_DIR, help="CNI config dir (default %(default)s)")
+        s.add_argument("--bin-dir", default=DEFAULT_BIN_DIR, help="CNI plugin dir (default %(default)s)")
+        if name == "install":
+            s.add_argument("--conf-file", help="the config file to add to (default: the active one)")
+            s.add_argument("--plugin-config", help="our entry's settings: JSON or @file")
+            s.add_argument("--standalone", metavar="NAME", help="write a conflist of our own named NAME")
+            s.add_argument("--primary", help="with --standalone: JSON list (or @file) of plugins before ours")
+            s.add_argument("--python", help="interpreter for the launcher (default: this one)")
+            s.add_argument("--watch", action="store_true", help="keep re-adding our entry until stopped")
+            s.add_argument("--interval", type=float, default=1.0, help="--watch poll interval, seconds")
+            s.add_argument("--max-seconds", type=float, help="--watch stops after this long")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "uninstall":
+            for path in uninstall(a.conf_dir, a.bin_dir):
+                print(f"removed redirect-cni from {path}")
+            return 0
+        entry = _json_arg(a.plugin_config, "--plugin-config")
+        if entry is not None and not isinstance(entry, dict):
+            raise InstallError("--plugin-config: expected a JSON object")
+        primary = _json_arg(a.primary, "--primary")
+        if a.watch:
+            stop = threading.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+            watch(stop, a.conf_dir, a.bin_dir, entry, a.conf_file, a.interval, a.max_seconds,
+                  on_install=lambda path: print(f"installed redirect-cni into {path}", flush=True))
+            return 0
+        written = install(a.conf_dir, a.bin_dir, entry, a.conf_file, a.standalone, primary, a.python)
+        print(f"installed redirect-cni into {written}" if written else "redirect-cni already installed")
+        return 0
+    except (InstallError, OSError) as e:
+        print(f"redirect-cni: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,466 @@
+"""``redirect-cni``: a chained CNI plugin that installs capture in the pod's netns.
+
+The container runtime runs it after the primary plugin (bridge, Calico, ...), as
+CNI spec 1.0.0/1.1.0 says, with ``CNI_COMMAND`` in the environment and the network
+config on stdin. Run without ``CNI_COMMAND`` it is the installer
+(``redirect-cni install|uninstall``, see ``redirect.cni.install``).
+
+Commands
+--------
+``ADD``      resolve the pod's capture config, ``redirect.setup`` it in ``CNI_NETNS``,
+             print ``prevResult`` (converted to the config's ``cniVersion``) as our result.
+             Fails closed: any error -> error JSON, non-zero exit, nothing installed.
+``DEL``      ``redirect.teardown`` in ``CNI_NETNS``; succeeds when ``CNI_NETNS`` is empty
+             or the namespace is already gone; idempotent.
+``CHECK``    ``redirect.check`` against the same config ADD used; differences -> error 104.
+``STATUS``   the backend's tools (and, for ambient with an agent, its socket) exist.
+``GC``       nothing to collect: all our state lives in pod namespaces and dies with them.
+``VERSION``  ``{"cniVersion", "supportedVersions"}``.
+
+Config (one entry of the conflist's ``plugins``)::
+
+    {"type": "redirect-cni",
+     "backend": "iptables",              # any name redirect.backends.get_backend knows
+     "mode": "sidecar",                  # or "ambient"
+     "capture": {"outbound_exclude_ports": [22]},   # RedirectConfig fields: the defaults
+     "excludeNamespaces": ["kube-system"],          # pods there are never captured
+     "logLevel": "info", "logFile": "/var/log/redirect-cni.log",
+     "agentSocket": "/var/run/redirect/agent.sock", # ambient: hand the pod to the node agent
+     "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
+
+Per-pod overrides (Istio annotation names, see ``redirect.annotations``) are read,
+in this order, later sources overriding earlier ones key by key:
+
+1. ``args.cni.annotations`` in the config: ``{"args": {"cni": {"annotations": {...}}}}``
+   (the CNI "args" convention);
+2. ``runtimeConfig["io.kubernetes.cri.pod-annotations"]``: what containerd's and
+   CRI-O's CRI pass when the plugin declares that capability (the Kubernetes path);
+3. ``runtimeConfig.podAnnotations`` (same shape; for runtimes that name it so);
+4. ``CNI_ARGS`` key ``REDIRECT_ANNOTATIONS``: a JSON object of string -> string,
+   base64url-encoded **without** ``=`` padding (padding is accepted but breaks Go
+   plugins that split ``CNI_ARGS`` pairs on every ``=``), e.g.
+   ``CNI_ARGS="IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;REDIRECT_ANNOTATIONS=eyJzaWRl..."``.
+
+The pod namespace comes from ``CNI_ARGS`` ``K8S_POD_NAMESPACE``. Each source must
+be a mapping of strings to strings; a bad source or a bad value fails ADD (and
+CHECK) with code 101 naming the annotation and the value.
+
+Error codes: 1 incompatible cniVersion, 4 invalid network config, 6 undecodable
+stdin, 7 invalid environment variables, 11 try again later (backend busy),
+50 plugin not available (STATUS); ours: 100 setup failed, 101 bad pod annotation,
+102 backend unavailable, 103 ambient hand-off to the node agent not available,
+104 CHECK found differences, 105 teardown failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
+LATEST = "1.1.0"
+PLUGIN_TYPE = "redirect-cni"
+
+E_INCOMPATIBLE = 1
+E_INVALID_CONFIG = 4
+E_DECODE = 6
+E_ENV = 7
+E_TRY_AGAIN = 11
+E_NOT_AVAILABLE = 50
+E_SETUP = 100
+E_ANNOTATION = 101
+E_BACKEND = 102
+E_AMBIENT = 103
+E_CHECK = 104
+E_TEARDOWN = 105
+
+RUNTIME_ANNOTATION_KEYS = ("io.kubernetes.cri.pod-annotations", "podAnnotations")
+CNI_ARGS_ANNOTATIONS = "REDIRECT_ANNOTATIONS"
+
+
+class CniError(Exception):
+    """An error the plugin reports as CNI error JSON."""
+
+    def __init__(self, code: int, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+        self.details = details
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in v.split("."))
+    except ValueError:
+        return (0,)
+
+
+def parse_netconf(raw: bytes) -> dict[str, Any]:
+    """The network config from stdin, with ``cniVersion`` checked."""
+    try:
+        conf = json.loads(raw.decode("utf-8") or "{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", str(e)) from None
+    if not isinstance(conf, dict):
+        raise CniError(E_DECODE, "the network config on stdin must be a JSON object", repr(conf)[:80])
+    version = conf.get("cniVersion")
+    if not isinstance(version, str):
+        raise CniError(E_INVALID_CONFIG, f"cniVersion={version!r}: missing or not a string")
+    if version not in SUPPORTED_VERSIONS:
+        raise CniError(E_INCOMPATIBLE, f"cniVersion={version!r}: unsupported",
+                       f"supported: {', '.join(SUPPORTED_VERSIONS)}")
+    return conf
+
+
+def parse_cni_args(text: str) -> dict[str, str]:
+    """``CNI_ARGS`` (``K=V;K2=V2``) as a dict; a pair without ``=`` is error 7."""
+    out: dict[str, str] = {}
+    for pair in text.split(";"):
+        if not pair.strip():
+            continue
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CniError(E_ENV, f"CNI_ARGS: invalid pair {pair!r} (expected KEY=VALUE)")
+        out[key.strip()] = value
+    return out
+
+
+def encode_annotations(annotations: Mapping[str, str]) -> str:
+    """The ``REDIRECT_ANNOTATIONS`` value for ``CNI_ARGS``: unpadded base64url JSON."""
+    import base64
+
+    raw = json.dumps(dict(annotations), separators=(",", ":"), sort_keys=True).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _annotation_map(source: str, value: object) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise CniError(E_ANNOTATION, f"{source}: pod annotations must be a JSON object of strings to strings",
+                       repr(value)[:200])
+    return value
+
+
+def pod_annotations(conf: Mapping[str, Any], cni_args: Mapping[str, str]) -> dict[str, str]:
+    """The pod's annotations from every source the module docstring lists, merged in order."""
+    out: dict[str, str] = {}
+    args = conf.get("args")
+    if isinstance(args, dict) and isinstance(args.get("cni"), dict) and "annotations" in args["cni"]:
+        out.update(_annotation_map("args.cni.annotations", args["cni"]["annotations"]))
+    rc = conf.get("runtimeConfig")
+    if isinstance(rc, dict):
+        for key in RUNTIME_ANNOTATION_KEYS:
+            if key in rc:
+                out.update(_annotation_map(f"runtimeConfig[{key!r}]", rc[key]))
+    enc = cni_args.get(CNI_ARGS_ANNOTATIONS)
+    if enc is not None:
+        import base64
+        import binascii
+
+        try:
+            decoded = json.loads(base64.urlsafe_b64decode(enc + "=" * (-len(enc) % 4)).decode("utf-8"))
+        except (binascii.Error, ValueError) as e:
+            raise CniError(E_ANNOTATION, f"CNI_ARGS {CNI_ARGS_ANNOTATIONS}: not base64url-encoded JSON",
+                           f"{enc[:60]!r}: {e}") from None
+        out.update(_annotation_map(f"CNI_ARGS {CNI_ARGS_ANNOTATIONS}", decoded))
+    return out
+
+
+class PluginConf:
+    """Our part of the network config, validated."""
+
+    def __init__(self, conf: Mapping[str, Any]) -> None:
+        self.raw = conf
+        self.cni_version: str = conf["cniVersion"]
+        self.name = conf.get("name", "")
+        self.backend = conf.get("backend", "iptables")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise CniError(E_INVALID_CONFIG, f"backend={self.backend!r}: expected a backend name")
+        self.mode = conf.get("mode", "sidecar")
+        if self.mode not in ("sidecar", "ambient"):
+            raise CniError(E_INVALID_CONFIG, f"mode={self.mode!r}: expected \"sidecar\" or \"ambient\"")
+        self.capture = conf.get("capture", {})
+        if not isinstance(self.capture, dict):
+            raise CniError(E_INVALID_CONFIG, f"capture={self.capture!r}: expected an object of RedirectConfig fields")
+        excl = conf.get("excludeNamespaces", [])
+        if not isinstance(excl, list) or not all(isinstance(n, str) for n in excl):
+            raise CniError(E_INVALID_CONFIG, f"excludeNamespaces={excl!r}: expected a list of namespace names")
+        self.exclude_namespaces = tuple(excl)
+        self.log_level = conf.get("logLevel", "info")
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise CniError(E_INVALID_CONFIG, f"logLevel={self.log_level!r}: expected debug, info, warning or error")
+        self.log_file = conf.get("logFile")
+        if self.log_file is not None and not isinstance(self.log_file, str):
+            raise CniError(E_INVALID_CONFIG, f"logFile={self.log_file!r}: expected a path")
+        self.agent_socket = conf.get("agentSocket")
+        if self.agent_socket is not None and not isinstance(self.agent_socket, str):
+            raise CniError(E_INVALID_CONFIG, f"agentSocket={self.agent_socket!r}: expected a path")
+        self.prev_result = conf.get("prevResult")
+        if self.prev_result is not None and not isinstance(self.prev_result, dict):
+            raise CniError(E_INVALID_CONFIG, "prevResult: expected an object", repr(self.prev_result)[:80])
+
+    def base_config(self) -> Any:
+        """The default ``RedirectConfig`` from ``capture`` and ``mode``."""
+        from ..config import RedirectConfig
+        from ..errors import ConfigError
+
+        data = dict(self.capture)
+        data.setdefault("mode", self.mode)
+        try:
+            return RedirectConfig.from_dict(data)
+        except ConfigError as e:
+            raise CniError(E_INVALID_CONFIG, f"capture.{e}", "") from None
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, Any]:
+    """``result`` in ``version``'s format: ``ips[].version`` exists before 1.0.0 only."""
+    if not result:
+        out: dict[str, Any] = {"cniVersion": version, "interfaces": [], "ips": [], "dns": {}}
+        return out
+    out = dict(result)
+    modern = _version_tuple(version) >= (1, 0, 0)
+    ips = []
+    for ip in out.get("ips") or []:
+        ip = dict(ip)
+        if modern:
+            ip.pop("version", None)
+        elif "version" not in ip and isinstance(ip.get("address"), str):
+            ip["version"] = "6" if ":" in ip["address"] else "4"
+        ips.append(ip)
+    if "ips" in out:
+        out["ips"] = ips
+    out["cniVersion"] = version
+    return out
+
+
+# --- logging -----------------------------------------------------------------------------
+
+
+def _setup_logging(pc: PluginConf | None) -> Any:
+    import logging
+
+    root = logging.getLogger("redirect")
+    if root.handlers:
+        return logging.getLogger("redirect.cni")
+    handler: logging.Handler
+    if pc is not None and pc.log_file:
+        try:
+            handler = logging.FileHandler(pc.log_file)
+        except OSError:
+            handler = logging.StreamHandler(sys.stderr)
+        root.setLevel(pc.log_level.upper())
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        root.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    return logging.getLogger("redirect.cni")
+
+
+# --- commands --------------------------------------------------------------------------
+
+
+def _env(name: str, env: Mapping[str, str], required: bool = True) -> str:
+    value = env.get(name, "")
+    if required and not value:
+        raise CniError(E_ENV, f"{name} is not set", f"CNI_COMMAND={env.get('CNI_COMMAND', '')}")
+    return value
+
+
+def _pod_config(pc: PluginConf, env: Mapping[str, str], log: Any) -> Any | None:
+    """The pod's RedirectConfig, or None when the pod is not to be captured."""
+    from ..annotations import config_from_annotations, wants_capture
+    from ..errors import ConfigError
+
+    cni_args = parse_cni_args(env.get("CNI_ARGS", ""))
+    pod_ns = cni_args.get("K8S_POD_NAMESPACE", "")
+    pod = f"{pod_ns}/{cni_args.get('K8S_POD_NAME', '')}" if pod_ns else env.get("CNI_CONTAINERID", "")
+    base = pc.base_config()
+    if pod_ns and pod_ns in pc.exclude_namespaces:
+        log.info("pod %s: namespace %s is excluded, not captured", pod, pod_ns)
+        return None
+    annotations = pod_annotations(pc.raw, cni_args)
+    try:
+        if not wants_capture(annotations):
+            log.info("pod %s: opted out by annotation, not captured", pod)
+            return None
+        return config_from_annotations(annotations, base)
+    except ConfigError as e:
+        raise CniError(E_ANNOTATION, f"pod {pod}: bad annotation {e.field}={e.value!r}: {e.reason}", str(e)) from None
+
+
+def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mapping[str, str], cfg: Any) -> None:
+    """Hand an ambient pod to the node agent at ``pc.agent_socket``.
+
+    The node agent (``redirect.agent``) is to provide ``cni_add(socket_path=,
+    netns=, container_id=, pod_namespace=, pod_name=, config=)``; it opens the pod's
+    netns, installs the in-pod rules and starts proxying. Until it exists this fails
+    closed with error 103.
+    """
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("redirect.agent") is None:
+        raise CniError(E_AMBIENT, "ambient mode with agentSocket needs the node agent (redirect.agent), which is "
+                       "not in this build yet; remove agentSocket to install the in-pod rules directly")
+    agent = importlib.import_module("redirect.agent")
+    hook = getattr(agent, "cni_add", None)
+    if hook is None:
+        raise CniError(E_AMBIENT, "redirect.agent has no cni_add() hook yet; remove agentSocket to install "
+                       "the in-pod rules directly")
+    hook(socket_path=pc.agent_socket, netns=netns, container_id=container_id,
+         pod_namespace=cni_args.get("K8S_POD_NAMESPACE", ""), pod_name=cni_args.get("K8S_POD_NAME", ""), config=cfg)
+
+
+def _redirect_errors(fn: Any, *args: Any, code: int = E_SETUP) -> Any:
+    from ..errors import BackendUnavailable, ConfigError, NetnsError, SetupError
+
+    try:
+        return fn(*args)
+    except BackendUnavailable as e:
+        raise CniError(E_BACKEND, str(e)) from None
+    except NetnsError as e:
+        raise CniError(E_ENV, f"CNI_NETNS: {e}") from None
+    except ConfigError as e:
+        raise CniError(E_INVALID_CONFIG, str(e)) from None
+    except SetupError as e:
+        raise CniError(code, str(e)) from None
+    except TimeoutError as e:
+        raise CniError(E_TRY_AGAIN, f"timed out: {e}") from None
+
+
+def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
+    container = _env("CNI_CONTAINERID", env)
+    netns = _env("CNI_NETNS", env)
+    _env("CNI_IFNAME", env)
+    result = convert_result(pc.prev_result, pc.cni_version)
+    cfg = _pod_config(pc, env, log)
+    if cfg is None:
+        return result
+    if pc.mode == "ambient" and pc.agent_socket:
+        _ambient_add(pc, netns, container, parse_cni_args(env.get("CNI_ARGS", "")), cfg)
+        return result
+    from .. import api
+
+    res = _redirect_errors(api.setup, netns, cfg, pc.backend)
+    log.info("ADD container=%s netns=%s backend=%s families=%s changed=%s",
+             container, netns, res.backend, res.families, res.changed)
+    return result
+
+
+def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
+    container = _env("CNI_CONTAINERID", env, required=False)
+    netns = env.get("CNI_NETNS", "")
+    if not netns or not os.path.exists(netns):
+        log.info("DEL container=%s netns=%r: namespace gone, nothing to remove", container, netns)
+        return
+    from .. import api
+
+    try:
+        removed = _redirect_errors(api.teardown, netns, pc.backend, code=E_TEARDOWN)
+    except CniError as e:
+        if e.code == E_ENV:  # vanished between the exists() and the open
+            log.info("DEL container=%s netns=%r: %s", container, netns, e.msg)
+            return
+        raise
+    log.info("DEL container=%s netns=%s removed=%s", container, netns, removed)
+
+
+def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
+    if _version_tuple(pc.cni_version) < (0, 4, 0):
+        raise CniError(E_INCOMPATIBLE, f"cniVersion={pc.cni_version!r}: CHECK needs 0.4.0 or later")
+    container = _env("CNI_CONTAINERID", env)
+    netns = _env("CNI_NETNS", env)
+    cfg = _pod_config(pc, env, log)
+    if cfg is None or (pc.mode == "ambient" and pc.agent_socket):
+        return
+    from .. import api
+
+    res = _redirect_errors(api.check, netns, cfg, pc.backend)
+    if not res.ok:
+        raise CniError(E_CHECK, f"redirection in {netns} differs from the config", "; ".join(res.differences))
+    log.info("CHECK container=%s netns=%s ok", container, netns)
+
+
+def cmd_status(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
+    import shutil
+
+    if pc.backend.startswith("iptables"):
+        missing = [t for t in ("iptables-restore", "iptables-save", "ip6tables-restore", "ip6tables-save")
+                   if shutil.which(t) is None]
+        if missing:
+            raise CniError(E_NOT_AVAILABLE, f"backend {pc.backend}: missing {', '.join(missing)}")
+    else:
+        from ..backends import get_backend
+
+        try:
+            get_backend(pc.backend, None)
+        except Exception as e:  # noqa: BLE001 - any failure means "not available"
+            raise CniError(E_NOT_AVAILABLE, f"backend {pc.backend}: {e}") from None
+    if pc.mode == "ambient" and pc.agent_socket and not os.path.exists(pc.agent_socket):
+        raise CniError(E_NOT_AVAILABLE, f"agentSocket {pc.agent_socket}: the node agent is not listening")
+
+
+def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | None]:
+    """One plugin invocation: (exit code, JSON to print or None)."""
+    command = env.get("CNI_COMMAND", "")
+    version = LATEST
+    log: Any = None
+    try:
+        if command == "VERSION":
+            try:
+                v = json.loads(stdin.decode("utf-8") or "{}").get("cniVersion") or LATEST
+            except (ValueError, AttributeError):
+                v = LATEST
+            return 0, {"cniVersion": v if isinstance(v, str) else LATEST, "supportedVersions": list(SUPPORTED_VERSIONS)}
+        if command not in ("ADD", "DEL", "CHECK", "STATUS", "GC"):
+            raise CniError(E_ENV, f"CNI_COMMAND={command!r}: expected ADD, DEL, CHECK, STATUS, GC or VERSION")
+        conf = parse_netconf(stdin)
+        version = conf["cniVersion"]
+        pc = PluginConf(conf)
+        log = _setup_logging(pc)
+        if command == "ADD":
+            return 0, cmd_add(pc, env, log)
+        if command == "DEL":
+            cmd_del(pc, env, log)
+        elif command == "CHECK":
+            cmd_check(pc, env, log)
+        elif command == "STATUS":
+            cmd_status(pc, env, log)
+        else:  # GC: our state lives only inside pod namespaces
+            log.info("GC: nothing to collect")
+        return 0, None
+    except CniError as e:
+        if log is not None:
+            log.error("%s failed: code %d: %s %s", command, e.code, e.msg, e.details)
+        return 1, {"cniVersion": version, "code": e.code, "msg": e.msg, "details": e.details}
+    except Exception as e:  # noqa: BLE001 - the runtime must always get error JSON
+        if log is not None:
+            log.exception("%s failed", command)
+        return 1, {"cniVersion": version, "code": E_SETUP, "msg": f"{type(e).__name__}: {e}", "details": ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: the CNI plugin when ``CNI_COMMAND`` is set, else the installer CLI."""
+    if "CNI_COMMAND" not in os.environ:
+        from .install import cli_main
+
+        return cli_main(sys.argv[1:] if argv is None else argv)
+    stdin = b"" if os.environ["CNI_COMMAND"] == "VERSION" and sys.stdin.isatty() else sys.stdin.buffer.read()
+    rc, out = run(os.environ, stdin)
+    if out is not None:
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
