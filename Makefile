@@ -9,7 +9,7 @@ bootstrap:
 	bash scripts/bootstrap.sh
 
 demo: bootstrap
-	$(PY) -m redirect.demo
+	$(PY) -m redirect.demo $(DEMO_ARGS)
 
 lint: bootstrap
 	.venv/bin/ruff check redirect tests benches
