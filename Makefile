@@ -12,7 +12,7 @@ demo: bootstrap
 	$(PY) -m redirect.demo $(DEMO_ARGS)
 
 lint: bootstrap
-	.venv/bin/ruff check redirect tests benches
+	.venv/bin/ruff check .
 	.venv/bin/mypy redirect/
 
 test: lint

@@ -51,7 +51,8 @@ stamp="$VENV/.redirect-deps"
 want=$(sha1sum requirements-dev.txt setup.py | sha1sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing Python packages into $VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements-dev.txt
+  # (pip's notes about unused local index locations on these machines are noise)
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements-dev.txt 2> >(grep -v 'is ignored: it is neither' >&2)
   echo "$want" > "$stamp"
 fi
 # The native module: rebuilt whenever its sources change (cheap, ~1 s).
