@@ -13,3 +13,36 @@ int rdr_sock_netns_cookie(int sockfd, uint64_t *cookie);
 /* The cookie of the netns behind an open netns fd: enters it on this thread,
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
+
+/* --- bpf(2) and pidfd: what bcc's Python does not offer ------------------- */
+
+/* BPF_OBJ_PIN: pin the map/prog/link behind fd at path (on a bpffs). */
+int rdr_bpf_obj_pin(int fd, const char *path);
+
+/* BPF_OBJ_GET: open a pinned object; returns a new fd. */
+int rdr_bpf_obj_get(const char *path);
+
+/* BPF_LINK_CREATE: attach prog_fd to target_fd (a cgroup dir fd, or a netns fd
+ * for sk_lookup) with attach_type; returns the link fd. */
+int rdr_bpf_link_create(int prog_fd, int target_fd, uint32_t attach_type, uint32_t flags);
+
+/* BPF_LINK_DETACH: detach a link now, even while pins or fds still hold it. */
+int rdr_bpf_link_detach(int link_fd);
+
+/* Map element operations (BPF_MAP_UPDATE_ELEM, LOOKUP, DELETE, GET_NEXT_KEY).
+ * key == NULL in next_key asks for the first key. */
+int rdr_bpf_map_update(int map_fd, const void *key, const void *value, uint64_t flags);
+int rdr_bpf_map_lookup(int map_fd, const void *key, void *value);
+int rdr_bpf_map_delete(int map_fd, const void *key);
+int rdr_bpf_map_next_key(int map_fd, const void *key, void *next_key);
+
+/* BPF_OBJ_GET_INFO_BY_FD for a program: its id. */
+int rdr_bpf_prog_id(int prog_fd, uint32_t *id);
+
+/* BPF_OBJ_GET_INFO_BY_FD for a link: its id, type, program id, attach type, and
+ * its target (netns inode for netns links, cgroup id for cgroup links). */
+int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_id,
+		      uint32_t *attach_type, uint64_t *target);
+
+/* pidfd_getfd(2): a duplicate of another process's fd (needs ptrace rights). */
+int rdr_pidfd_getfd(int pidfd, int fd);

@@ -48,4 +48,8 @@ def get_backend(name: str, cfg: RedirectConfig | None) -> Any:
 
         log.info("backend=auto: chose iptables (%s)", why)
         return IptablesBackend()
+    if name == "ebpf":
+        from .ebpf import EbpfBackend
+
+        return EbpfBackend(cfg)
     raise BackendUnavailable(f"backend={name!r}: unknown backend; choose one of {', '.join(BACKENDS)}")

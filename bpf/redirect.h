@@ -1,0 +1,137 @@
+/* Shared types and maps of the redirect eBPF backend.
+ *
+ * Every program here is attached host-wide (cgroup v2 root) or to a pod's
+ * netns, and must be a strict no-op for any socket whose network namespace
+ * cookie is not a key of `pods`: other processes on this host (and other
+ * backends' tests) run under the same programs.
+ *
+ * The layouts below are mirrored byte for byte by redirect/backends/ebpf.py
+ * (struct formats next to each name there). Addresses are stored in network
+ * byte order as 16 raw bytes (IPv4 in the first 4); ports in host order
+ * unless the field name says _be.
+ */
+#ifndef RDR_REDIRECT_H
+#define RDR_REDIRECT_H
+
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/in6.h>
+#include <linux/socket.h>
+
+/* Socket types, from include/linux/net.h (not a uapi header). */
+#ifndef SOCK_STREAM
+#define SOCK_STREAM 1
+#define SOCK_DGRAM 2
+#endif
+
+#define RDR_MAX_IDS 8
+
+/* pod_policy.flags */
+#define RDR_F_OUT_ALL         (1U << 0) /* outbound_cidrs == "*" */
+#define RDR_F_DNS             (1U << 1) /* DNS capture on (dns_effective) */
+#define RDR_F_DNS_ALL         (1U << 2) /* capture_all_dns */
+#define RDR_F_INCL_LOOPBACK   (1U << 3) /* an included CIDR is loopback: app lo traffic is not returned */
+#define RDR_F_INBOUND         (1U << 4) /* inbound capture on */
+#define RDR_F_INBOUND_ALL     (1U << 5) /* inbound_ports == "*" */
+#define RDR_F_V6              (1U << 6) /* IPv6 is captured too */
+
+/* ports.kind */
+#define RDR_PORT_OUT_EXCL 1
+#define RDR_PORT_OUT_INCL 2
+#define RDR_PORT_IN_INCL  3
+#define RDR_PORT_IN_EXCL  4
+
+/* cidrs.kind: family-specific, so one trie serves both families */
+#define RDR_CIDR_OUT_EXCL4 1
+#define RDR_CIDR_OUT_INCL4 2
+#define RDR_CIDR_DNS4      3
+#define RDR_CIDR_OUT_EXCL6 4
+#define RDR_CIDR_OUT_INCL6 5
+#define RDR_CIDR_DNS6      6
+
+struct id_range {
+	__u32 lo;
+	__u32 hi;
+};
+
+/* One per pod, keyed by netns cookie: the pod is "registered" iff present. */
+struct pod_policy {
+	__u16 proxy_port;
+	__u16 inbound_port;
+	__u16 tunnel_port;
+	__u16 dns_port;
+	__u32 flags;
+	__u32 lo4_addr; /* ipv4_loopback_cidr, network order */
+	__u32 lo4_mask;
+	__u32 n_uids;
+	__u32 n_gids;
+	__u32 _pad;
+	struct id_range uids[RDR_MAX_IDS];
+	struct id_range gids[RDR_MAX_IDS];
+};
+
+struct port_key {
+	__u64 netns;
+	__u16 kind;
+	__u16 port;
+	__u32 _pad;
+};
+
+/* LPM trie key: the prefix covers kind and netns (always 96 bits) plus the
+ * CIDR's own prefix, so a lookup never matches another pod or family. */
+struct cidr_key {
+	__u32 prefixlen;
+	__u32 kind;
+	__u64 netns;
+	__u8 addr[16];
+};
+
+/* The destination a socket asked for, before we rewrote it. */
+struct orig_dst {
+	__u64 netns;
+	__u32 family;   /* AF_INET or AF_INET6 */
+	__u16 port_be;
+	__u16 via_port; /* the port we sent it to (host order) */
+	__u8 addr[16];
+};
+
+/* The client end of a connection to the proxy, as the proxy's accepted
+ * socket sees its peer. */
+struct tuple_key {
+	__u64 netns;
+	__u32 family;
+	__u16 port_be;
+	__u16 _pad;
+	__u8 addr[16];
+};
+
+/* Inbound: sk_lookup can't read the netns cookie (the verifier refuses
+ * bpf_get_netns_cookie there), so pods are found by their own addresses. */
+struct addr_key {
+	__u32 family;
+	__u8 addr[16];
+};
+
+struct listener_key {
+	__u64 netns;
+	__u32 family;
+	__u32 _pad;
+};
+
+BPF_HASH(pods, __u64, struct pod_policy, 4096);
+BPF_HASH(ports, struct port_key, __u8, 65536);
+BPF_LPM_TRIE(cidrs, struct cidr_key, __u8, 65536);
+BPF_HASH(pod_addrs, struct addr_key, __u64, 16384);
+/* Staging: socket cookie -> original dst, from connect4/6 until sock_ops
+ * sees the local port (TCP_CONNECT_CB). LRU, so a connect that fails before
+ * then can't leak an entry forever. */
+BPF_TABLE("lru_hash", __u64, struct orig_dst, orig_by_cookie, 65536);
+/* Client 4-tuple half -> original dst, read by the getsockopt program. */
+BPF_TABLE("lru_hash", struct tuple_key, struct orig_dst, orig_by_tuple, 65536);
+/* UDP DNS: socket cookie -> the server the app asked, for recvmsg4/6. */
+BPF_TABLE("lru_hash", __u64, struct orig_dst, dns_by_cookie, 65536);
+/* The proxy's inbound listeners, per pod and family. Declared as a plain
+ * table of the sockhash type so bcc gives it .lookup() (see FACTS.md). */
+BPF_TABLE("sockhash", struct listener_key, __u64, listeners, 8192);
+
+#endif

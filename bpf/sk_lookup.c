@@ -1,0 +1,66 @@
+/* Inbound capture: an sk_lookup program linked to each pod's netns hands new
+ * inbound TCP connections for captured ports to the proxy's inbound
+ * listener. The accepted socket keeps the original destination as its local
+ * address (like TPROXY, without marks or routes).
+ */
+#include "policy.h"
+
+#define LOOPBACK_IFINDEX 1 /* lo is ifindex 1 in every netns */
+
+static __always_inline int inbound_captured(const struct pod_policy *p, __u64 netns, __u16 port)
+{
+	if (!(p->flags & RDR_F_INBOUND))
+		return 0;
+	if (port == p->tunnel_port || port == p->inbound_port)
+		return 0;
+	if (p->flags & RDR_F_INBOUND_ALL)
+		return !port_listed(netns, RDR_PORT_IN_EXCL, port);
+	return port_listed(netns, RDR_PORT_IN_INCL, port);
+}
+
+int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
+{
+	struct addr_key ak = {};
+	struct listener_key lk = {};
+	struct pod_policy *p;
+	struct bpf_sock *sk;
+	__u64 *netns;
+	int err;
+
+	if (ctx->protocol != IPPROTO_TCP)
+		return SK_PASS;
+	/* Traffic over lo was generated in this pod (the app to itself, the
+	 * proxy to the app): iptables' PREROUTING never captured it either. */
+	if (ctx->ingress_ifindex == LOOPBACK_IFINDEX)
+		return SK_PASS;
+	ak.family = ctx->family;
+	if (ctx->family == AF_INET) {
+		__u32 ip = ctx->local_ip4;
+
+		__builtin_memcpy(ak.addr, &ip, 4);
+	} else {
+		__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+
+		__builtin_memcpy(ak.addr, ip, 16);
+	}
+	netns = pod_addrs.lookup(&ak);
+	if (!netns)
+		return SK_PASS;
+	p = pod_of(*netns);
+	if (!p || !inbound_captured(p, *netns, (__u16)ctx->local_port))
+		return SK_PASS;
+	lk.netns = *netns;
+	lk.family = ctx->family;
+	sk = (struct bpf_sock *)listeners.lookup(&lk);
+	if (!sk && ctx->family == AF_INET) {
+		/* A dual-stack [::] listener serves IPv4 too. */
+		lk.family = AF_INET6;
+		sk = (struct bpf_sock *)listeners.lookup(&lk);
+	}
+	if (!sk)
+		return SK_PASS;
+	err = bpf_sk_assign(ctx, sk, 0);
+	bpf_sk_release(sk);
+	(void)err; /* on error the regular lookup goes on: fail open, like a missing rule */
+	return SK_PASS;
+}

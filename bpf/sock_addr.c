@@ -1,0 +1,162 @@
+/* cgroup sock_addr programs: outbound capture (connect4/6) and UDP DNS
+ * (connect4/6 for connected sockets, sendmsg4/6 + recvmsg4/6 otherwise).
+ *
+ * Attached once at the cgroup v2 root, so they run for every socket on the
+ * host: the first thing each does is look the socket's netns cookie up in
+ * `pods`, and an unregistered namespace returns 1 (allow, untouched).
+ */
+#include "policy.h"
+
+#define SYS_PROCEED 1
+
+/* Rewriting the destination of a locally generated connection to loopback
+ * is what REDIRECT does in OUTPUT; the proxy listens on 127.0.0.1 / ::1
+ * (or a wildcard). */
+static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, __u32 family, __u16 port_be,
+				     const __u8 *addr, __u16 via)
+{
+	struct orig_dst o = {.netns = netns, .family = family, .port_be = port_be, .via_port = via};
+
+	__builtin_memcpy(o.addr, addr, 16);
+	if (map_is_dns)
+		dns_by_cookie.update(&key, &o);
+	else
+		orig_by_cookie.update(&key, &o);
+}
+
+static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_policy *p = pod_of(netns);
+	__u8 addr[16] = {};
+	__u32 dst = ctx->user_ip4;
+	__u16 port, to;
+	int tcp;
+
+	if (!p)
+		return SYS_PROCEED;
+	tcp = ctx->type == SOCK_STREAM;
+	if (!tcp && ctx->type != SOCK_DGRAM)
+		return SYS_PROCEED;
+	if (from_sendmsg && tcp)
+		return SYS_PROCEED;
+	port = bpf_ntohs((__u16)ctx->user_port);
+	__builtin_memcpy(addr, &dst, 4);
+	to = outbound_target(p, netns, tcp, port, addr, 0, is_v4_loopback(dst),
+			     (dst & p->lo4_mask) == p->lo4_addr,
+			     is_v4_passthrough(from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4));
+	if (to == RDR_PASS)
+		return SYS_PROCEED;
+	/* TCP: keyed by this socket's cookie until sock_ops learns its port.
+	 * UDP: keyed by cookie for as long as the socket lives (recvmsg). */
+	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port, addr, to);
+	ctx->user_ip4 = bpf_htonl(0x7f000001);
+	ctx->user_port = bpf_htons(to);
+	return SYS_PROCEED;
+}
+
+static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_policy *p = pod_of(netns);
+	__u32 dst[4], src[4];
+	__u16 port, to;
+	int tcp;
+
+	if (!p || !(p->flags & RDR_F_V6))
+		return SYS_PROCEED;
+	tcp = ctx->type == SOCK_STREAM;
+	if (!tcp && ctx->type != SOCK_DGRAM)
+		return SYS_PROCEED;
+	if (from_sendmsg && tcp)
+		return SYS_PROCEED;
+	/* ctx->user_ip6 is read one 32-bit word at a time (narrower or wider
+	 * loads are refused by the verifier). */
+	dst[0] = ctx->user_ip6[0];
+	dst[1] = ctx->user_ip6[1];
+	dst[2] = ctx->user_ip6[2];
+	dst[3] = ctx->user_ip6[3];
+	if (from_sendmsg) {
+		src[0] = ctx->msg_src_ip6[0];
+		src[1] = ctx->msg_src_ip6[1];
+		src[2] = ctx->msg_src_ip6[2];
+		src[3] = ctx->msg_src_ip6[3];
+	} else {
+		src[0] = ctx->sk->src_ip6[0];
+		src[1] = ctx->sk->src_ip6[1];
+		src[2] = ctx->sk->src_ip6[2];
+		src[3] = ctx->sk->src_ip6[3];
+	}
+	port = bpf_ntohs((__u16)ctx->user_port);
+	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1, is_v6_loopback(dst), is_v6_loopback(dst),
+			     is_v6_passthrough(src));
+	if (to == RDR_PASS)
+		return SYS_PROCEED;
+	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,
+		 (const __u8 *)dst, to);
+	ctx->user_ip6[0] = 0;
+	ctx->user_ip6[1] = 0;
+	ctx->user_ip6[2] = 0;
+	ctx->user_ip6[3] = bpf_htonl(1);
+	ctx->user_port = bpf_htons(to);
+	return SYS_PROCEED;
+}
+
+int rdr_connect4(struct bpf_sock_addr *ctx)
+{
+	return redirect4(ctx, 0);
+}
+
+int rdr_connect6(struct bpf_sock_addr *ctx)
+{
+	return redirect6(ctx, 0);
+}
+
+int rdr_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return redirect4(ctx, 1);
+}
+
+int rdr_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return redirect6(ctx, 1);
+}
+
+/* A DNS answer comes from the DNS proxy on loopback; the app must see it come
+ * from the server it asked (resolvers drop answers from anyone else). Only
+ * sockets we redirected have an entry, so this is a no-op for the rest. */
+int rdr_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
+	__u32 ip;
+
+	if (!o || o->family != AF_INET)
+		return SYS_PROCEED;
+	if (ctx->user_ip4 != bpf_htonl(0x7f000001) || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
+		return SYS_PROCEED;
+	__builtin_memcpy(&ip, o->addr, 4);
+	ctx->user_ip4 = ip;
+	ctx->user_port = o->port_be;
+	return SYS_PROCEED;
+}
+
+int rdr_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
+	__u32 ip[4];
+
+	if (!o || o->family != AF_INET6)
+		return SYS_PROCEED;
+	if (ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] || ctx->user_ip6[3] != bpf_htonl(1) ||
+	    bpf_ntohs((__u16)ctx->user_port) != o->via_port)
+		return SYS_PROCEED;
+	__builtin_memcpy(ip, o->addr, 16);
+	ctx->user_ip6[0] = ip[0];
+	ctx->user_ip6[1] = ip[1];
+	ctx->user_ip6[2] = ip[2];
+	ctx->user_ip6[3] = ip[3];
+	ctx->user_port = o->port_be;
+	return SYS_PROCEED;
+}

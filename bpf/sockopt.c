@@ -1,0 +1,156 @@
+/* Answering SO_ORIGINAL_DST without conntrack.
+ *
+ * The proxy's accepted socket is not the app's socket: its peer is the
+ * app's socket's local address (127.0.0.1:<ephemeral>). That port is only
+ * chosen inside connect(), after connect4 ran, so connect4 keys the original
+ * destination by the app socket's cookie, and sock_ops, called at
+ * TCP_CONNECT_CB (port and source known, SYN not yet sent), moves it to a
+ * key of (netns, family, local addr, local port). The getsockopt program on
+ * the proxy side builds the same key from its socket's peer. Entries go
+ * away when the app's socket closes (STATE_CB), and both maps are LRU.
+ */
+#include "policy.h"
+
+#define SO_ORIGINAL_DST 80 /* SOL_IP; IP6T_SO_ORIGINAL_DST is 80 on SOL_IPV6 */
+#ifndef SOL_IP
+#define SOL_IP 0
+#endif
+#ifndef SOL_IPV6
+#define SOL_IPV6 41
+#endif
+
+static __always_inline void tuple_of_local(struct bpf_sock_ops *ctx, struct tuple_key *k, __u64 netns)
+{
+	k->netns = netns;
+	k->family = ctx->family;
+	k->port_be = bpf_htons((__u16)ctx->local_port);
+	if (ctx->family == AF_INET) {
+		__u32 ip = ctx->local_ip4;
+
+		__builtin_memcpy(k->addr, &ip, 4);
+	} else {
+		__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+
+		__builtin_memcpy(k->addr, ip, 16);
+	}
+}
+
+int rdr_sockops(struct bpf_sock_ops *ctx)
+{
+	struct tuple_key k = {};
+	struct orig_dst *o;
+	__u64 cookie;
+
+	if (ctx->family != AF_INET && ctx->family != AF_INET6)
+		return 1;
+	if (ctx->op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
+		cookie = bpf_get_socket_cookie(ctx);
+		o = orig_by_cookie.lookup(&cookie);
+		if (!o)
+			return 1; /* not a socket we redirected */
+		tuple_of_local(ctx, &k, o->netns);
+		orig_by_tuple.update(&k, o);
+		orig_by_cookie.delete(&cookie);
+		/* Ask for state changes so the entry goes when the socket closes;
+		 * keep whatever flags another program set. */
+		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	} else if (ctx->op == BPF_SOCK_OPS_STATE_CB && ctx->args[1] == BPF_TCP_CLOSE) {
+		/* Only sockets we flagged above get here; the netns is ours. */
+		tuple_of_local(ctx, &k, bpf_get_netns_cookie(ctx));
+		orig_by_tuple.delete(&k);
+	}
+	return 1;
+}
+
+/* The verifier only accepts ctx field stores at a constant offset from the
+ * unmodified ctx pointer; clang likes to merge the two stores of both
+ * answer paths into "ctx += off; *ctx = ...". The empty asm pins ctx. */
+static __always_inline void set_result(struct bpf_sockopt *ctx, __s32 optlen)
+{
+	asm volatile("" : "+r"(ctx));
+	ctx->optlen = optlen;
+	asm volatile("" : "+r"(ctx));
+	ctx->retval = 0;
+}
+
+static __always_inline int answer4(struct bpf_sockopt *ctx, const __u8 *addr, __u16 port_be)
+{
+	struct sockaddr_in *sin = ctx->optval;
+
+	if ((void *)(sin + 1) > ctx->optval_end)
+		return 1;
+	sin->sin_family = AF_INET;
+	sin->sin_port = port_be;
+	__builtin_memcpy(&sin->sin_addr.s_addr, addr, 4);
+	__builtin_memset(sin->sin_zero, 0, sizeof(sin->sin_zero));
+	set_result(ctx, sizeof(*sin));
+	return 1;
+}
+
+static __always_inline int answer6(struct bpf_sockopt *ctx, const __u8 *addr, __u16 port_be)
+{
+	struct sockaddr_in6 *sin6 = ctx->optval;
+
+	if ((void *)(sin6 + 1) > ctx->optval_end)
+		return 1;
+	sin6->sin6_family = AF_INET6;
+	sin6->sin6_port = port_be;
+	sin6->sin6_flowinfo = 0;
+	__builtin_memcpy(&sin6->sin6_addr, addr, 16);
+	sin6->sin6_scope_id = 0;
+	set_result(ctx, sizeof(*sin6));
+	return 1;
+}
+
+int rdr_getsockopt(struct bpf_sockopt *ctx)
+{
+	struct tuple_key k = {};
+	struct pod_policy *p;
+	struct orig_dst *o;
+	struct bpf_sock *sk = ctx->sk;
+	__u64 netns;
+	int v6;
+
+	/* Everything but SO_ORIGINAL_DST passes untouched, before any lookup. */
+	if (ctx->optname != SO_ORIGINAL_DST || (ctx->level != SOL_IP && ctx->level != SOL_IPV6))
+		return 1;
+	if (!sk)
+		return 1;
+	netns = bpf_get_netns_cookie(ctx);
+	p = pod_of(netns);
+	if (!p)
+		return 1;
+	v6 = ctx->level == SOL_IPV6;
+	if (sk->family != (v6 ? AF_INET6 : AF_INET))
+		return 1;
+	k.netns = netns;
+	k.family = sk->family;
+	k.port_be = (__u16)sk->dst_port;
+	if (v6) {
+		__u32 ip[4] = {sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]};
+
+		__builtin_memcpy(k.addr, ip, 16);
+	} else {
+		__u32 ip = sk->dst_ip4;
+
+		__builtin_memcpy(k.addr, &ip, 4);
+	}
+	o = orig_by_tuple.lookup(&k);
+	if (o)
+		return v6 ? answer6(ctx, o->addr, o->port_be) : answer4(ctx, o->addr, o->port_be);
+	/* Inbound, steered by sk_lookup: the socket's own local address is the
+	 * original destination (what conntrack would answer without NAT). Never
+	 * for the proxy's outbound port: a missing entry there must stay an
+	 * error, not a loop back into the proxy. */
+	if (ctx->retval == 0 || sk->src_port == p->proxy_port)
+		return 1;
+	if (v6) {
+		__u32 ip[4] = {sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]};
+
+		return answer6(ctx, (const __u8 *)ip, bpf_htons((__u16)sk->src_port));
+	} else {
+		__u32 ip = sk->src_ip4;
+
+		return answer4(ctx, (const __u8 *)&ip, bpf_htons((__u16)sk->src_port));
+	}
+}

@@ -1,0 +1,924 @@
+"""The eBPF backend: capture without netfilter.
+
+Host part, done once per host (``HostPrograms.open_or_load``): ``bpf/*.c`` is
+compiled through bcc, every program and map is pinned under a bpffs directory
+(``/sys/fs/bpf/redirect``, or ``$REDIRECT_BPF_ROOT``), and the cgroup programs
+(``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getsockopt``, ``sock_ops``)
+are attached to the cgroup v2 root (``/sys/fs/cgroup/unified``, or
+``$REDIRECT_BPF_CGROUP``) with pinned ``bpf_link``\\ s. A later process finds
+the pins and reuses them: nothing is compiled again. The host programs act
+only on sockets whose netns cookie is a key of the ``pods`` map; for every
+other socket on the host they are a no-op.
+
+Per pod (``apply``, with the calling thread inside the pod netns, as
+``redirect.api`` does it): map entries keyed by the netns cookie (policy,
+ports, CIDRs, the pod's addresses, the proxy's inbound listeners) and one
+``sk_lookup`` link on the pod netns, pinned at ``<root>/pods/<cookie>``.
+``remove`` deletes exactly those. ``unload_host`` removes the host part and
+refuses while any pod is registered.
+
+The policy is derived from the ``RedirectConfig`` directly, not from the plan:
+the plan is netfilter-shaped (chains and jumps), while the programs implement
+the same rule order (``bpf/policy.h: outbound_target``, mirroring
+``plan._sidecar_plan``) over map lookups.
+
+Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
+the option): ``mode="ambient"``; ``inbound_interception="TPROXY"`` (its mark and
+policy-route plumbing; inbound here keeps the original destination anyway);
+``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
+``reroute_interfaces`` (the socket hooks run before routing picks an interface);
+``owner_groups`` / ``owner_groups_exclude`` (iptables matches supplementary
+groups, which BPF cannot read); more than 8 proxy uid or gid entries.
+
+Known differences from the iptables backend:
+
+- "leaves over lo" is judged by the destination being loopback (127/8, ::1):
+  an app's connection to its own pod address is captured outbound (iptables
+  returns it), and the proxy's connection to its own pod address (the
+  service-VIP hairpin) is not sent to inbound capture;
+- inbound capture needs the proxy to be **listening** on ``inbound_port`` in
+  the pod when ``apply`` runs (its socket is put in a sockhash); otherwise
+  ``apply`` raises ``SetupError`` and installs nothing. Inbound is matched by
+  the pod's addresses present at setup time (``sk_lookup`` programs cannot read
+  a netns cookie); ``check`` reports addresses added later;
+- the proxy's inbound socket sees the original destination as its local
+  address; ``getsockopt(SO_ORIGINAL_DST)`` on it answers the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import ipaddress
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import IdSpec, RedirectConfig
+from ..errors import BackendUnavailable, RedirectError, SetupError
+from ..plan import Plan
+from .base import CheckResult, Installed
+
+log = logging.getLogger("redirect.ebpf")
+
+DEFAULT_ROOT = "/sys/fs/bpf/redirect"
+DEFAULT_CGROUP = "/sys/fs/cgroup/unified"
+BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
+#: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
+#: its main text, so the helper header is inlined there rather than #included.
+SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c")
+BPF_FS_MAGIC = 0xCAFE4A11
+
+# uapi numbers (bcc 0.26 lacks some of them; see FACTS.md)
+PROG_SOCK_OPS, PROG_CGROUP_SOCK_ADDR, PROG_CGROUP_SOCKOPT, PROG_SK_LOOKUP = 13, 18, 25, 30
+#: program name -> (prog type, attach type, attached to the cgroup root?)
+PROGRAMS: dict[str, tuple[int, int, bool]] = {
+    "rdr_connect4": (PROG_CGROUP_SOCK_ADDR, 10, True),
+    "rdr_connect6": (PROG_CGROUP_SOCK_ADDR, 11, True),
+    "rdr_sendmsg4": (PROG_CGROUP_SOCK_ADDR, 14, True),
+    "rdr_sendmsg6": (PROG_CGROUP_SOCK_ADDR, 15, True),
+    "rdr_recvmsg4": (PROG_CGROUP_SOCK_ADDR, 19, True),
+    "rdr_recvmsg6": (PROG_CGROUP_SOCK_ADDR, 20, True),
+    "rdr_getsockopt": (PROG_CGROUP_SOCKOPT, 21, True),
+    "rdr_sockops": (PROG_SOCK_OPS, 3, True),
+    "rdr_sk_lookup": (PROG_SK_LOOKUP, 36, False),
+}
+SK_LOOKUP_ATTACH = 36
+MAPS = ("pods", "ports", "cidrs", "pod_addrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie", "listeners")
+
+# Layouts of bpf/redirect.h (x86-64, native byte order, no implicit padding).
+POLICY = struct.Struct("=4HI4s4s3I16I16I")
+PORT_KEY = struct.Struct("=QHHI")
+CIDR_KEY = struct.Struct("=IIQ16s")
+ORIG = struct.Struct("=QI2sH16s")
+TUPLE_KEY = ORIG
+ADDR_KEY = struct.Struct("=I16s")
+LISTENER_KEY = struct.Struct("=QII")
+U64 = struct.Struct("=Q")
+U8 = struct.Struct("=B")
+
+F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6 = (1 << i for i in range(7))
+PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = 1, 2, 3, 4
+CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = 1, 2, 3, 4, 5, 6
+MAX_IDS = 8
+AF = {4: socket.AF_INET, 6: socket.AF_INET6}
+
+
+# --------------------------------------------------------------------------- syscalls
+
+
+def _native() -> Any:
+    from .. import _native
+
+    return _native
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+    return rc
+
+
+def obj_get(path: str) -> int:
+    return _check(_native().lib.rdr_bpf_obj_get(path.encode()), f"BPF_OBJ_GET {path}")
+
+
+def obj_pin(fd: int, path: str) -> None:
+    _check(_native().lib.rdr_bpf_obj_pin(fd, path.encode()), f"BPF_OBJ_PIN {path}")
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    return _check(_native().lib.rdr_bpf_link_create(prog_fd, target_fd, attach_type, 0), "BPF_LINK_CREATE")
+
+
+def prog_id(fd: int) -> int:
+    n = _native()
+    out = n.ffi.new("uint32_t *")
+    _check(n.lib.rdr_bpf_prog_id(fd, out), "BPF_OBJ_GET_INFO_BY_FD")
+    return int(out[0])
+
+
+def link_info(fd: int) -> dict[str, int]:
+    n = _native()
+    lid, typ, pid, at = (n.ffi.new("uint32_t *") for _ in range(4))
+    tgt = n.ffi.new("uint64_t *")
+    _check(n.lib.rdr_bpf_link_info(fd, lid, typ, pid, at, tgt), "BPF_OBJ_GET_INFO_BY_FD")
+    return {"id": int(lid[0]), "type": int(typ[0]), "prog_id": int(pid[0]), "attach_type": int(at[0]),
+            "target": int(tgt[0])}
+
+
+class Map:
+    """A pinned map opened by fd; keys and values are bytes in the C layout."""
+
+    def __init__(self, name: str, fd: int, key_size: int, value_size: int) -> None:
+        self.name, self.fd, self.key_size, self.value_size = name, fd, key_size, value_size
+
+    def update(self, key: bytes, value: bytes) -> None:
+        _check(_native().lib.rdr_bpf_map_update(self.fd, key, value, 0), f"update {self.name}")
+
+    def lookup(self, key: bytes) -> bytes | None:
+        n = _native()
+        buf = n.ffi.new("char[]", self.value_size)
+        rc = n.lib.rdr_bpf_map_lookup(self.fd, key, buf)
+        if rc == -errno.ENOENT:
+            return None
+        _check(rc, f"lookup {self.name}")
+        return bytes(n.ffi.buffer(buf, self.value_size))
+
+    def delete(self, key: bytes) -> bool:
+        rc = _native().lib.rdr_bpf_map_delete(self.fd, key)
+        if rc == -errno.ENOENT:
+            return False
+        _check(rc, f"delete {self.name}")
+        return True
+
+    def keys(self, limit: int = 1 << 20) -> Iterator[bytes]:
+        n = _native()
+        cur = n.ffi.NULL
+        nxt = n.ffi.new("char[]", self.key_size)
+        for _ in range(limit):
+            rc = n.lib.rdr_bpf_map_next_key(self.fd, cur, nxt)
+            if rc == -errno.ENOENT:
+                return
+            _check(rc, f"next key {self.name}")
+            k = bytes(n.ffi.buffer(nxt, self.key_size))
+            yield k
+            cur = k
+
+
+# --------------------------------------------------------------------------- host part
+
+
+def _root(root: str | None) -> str:
+    return root or os.environ.get("REDIRECT_BPF_ROOT") or DEFAULT_ROOT
+
+
+def _cgroup(cgroup: str | None) -> str:
+    return cgroup or os.environ.get("REDIRECT_BPF_CGROUP") or DEFAULT_CGROUP
+
+
+def _is_bpffs(path: str) -> bool:
+    # statfs is not in os; /proc/self/mountinfo tells the fs type of mount points.
+    path = os.path.realpath(path)
+    best, fstype = "", ""
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            mnt = parts[4]
+            sep = parts.index("-")
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, parts[sep + 1]
+    return fstype == "bpf"
+
+
+def _ensure_bpffs(root: str) -> None:
+    base = "/sys/fs/bpf"
+    if root.startswith(base + "/") and not _is_bpffs(base):
+        import subprocess
+
+        r = subprocess.run(["mount", "-t", "bpf", "bpf", base], capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise BackendUnavailable(f"ebpf: bpffs is not mounted at {base} and mounting it failed: {r.stderr.strip()}")
+    parent = os.path.dirname(root.rstrip("/"))
+    if not _is_bpffs(parent if os.path.exists(parent) else base):
+        raise BackendUnavailable(f"ebpf: pin root {root!r} is not on a bpffs mount")
+
+
+@contextlib.contextmanager
+def _host_lock(root: str) -> Iterator[None]:
+    """One loader per host at a time (other processes too)."""
+    os.makedirs("/run/lock", exist_ok=True)
+    name = "/run/lock/redirect-ebpf-" + re.sub(r"[^A-Za-z0-9]", "_", root) + ".lock"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class HostPrograms:
+    """The pinned programs, maps and cgroup links under one root, opened by fd."""
+
+    def __init__(self, root: str, maps: dict[str, Map], progs: dict[str, int], loaded: bool, load_ms: float) -> None:
+        self.root = root
+        self.maps = maps
+        self.progs = progs
+        #: True if this process compiled the programs, False if it reused pins.
+        self.compiled = loaded
+        self.load_ms = load_ms
+
+    @property
+    def pods(self) -> Map:
+        return self.maps["pods"]
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            with contextlib.suppress(OSError):
+                os.close(m.fd)
+        for fd in self.progs.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.maps, self.progs = {}, {}
+
+    @staticmethod
+    def pinned(root: str) -> bool:
+        return all(os.path.exists(os.path.join(root, "maps", m)) for m in MAPS) and all(
+            os.path.exists(os.path.join(root, "progs", p)) for p in PROGRAMS
+        )
+
+    @classmethod
+    def open_pinned(cls, root: str, compiled: bool = False, load_ms: float = 0.0) -> HostPrograms:
+        from .. import _native  # noqa: F401  (fail early with an ImportError that names it)
+
+        maps: dict[str, Map] = {}
+        progs: dict[str, int] = {}
+        sizes = _map_sizes()
+        try:
+            for m in MAPS:
+                fd = obj_get(os.path.join(root, "maps", m))
+                maps[m] = Map(m, fd, *sizes[m])
+            for p in PROGRAMS:
+                progs[p] = obj_get(os.path.join(root, "progs", p))
+        except OSError:
+            for mm in maps.values():
+                os.close(mm.fd)
+            for fd in progs.values():
+                os.close(fd)
+            raise
+        return cls(root, maps, progs, compiled, load_ms)
+
+    @classmethod
+    def open_or_load(cls, root: str | None = None, cgroup: str | None = None) -> HostPrograms:
+        """Reuse the pinned host programs, or compile, load, pin and attach them once."""
+        root = _root(root)
+        cg = _cgroup(cgroup)
+        _ensure_bpffs(root)
+        with _host_lock(root):
+            if cls.pinned(root) and _links_pinned(root):
+                return cls.open_pinned(root)
+            t0 = time.perf_counter()
+            _load_and_pin(root, cg)
+            ms = (time.perf_counter() - t0) * 1e3
+            log.info("ebpf: compiled and pinned host programs under %s in %.0f ms", root, ms)
+            return cls.open_pinned(root, compiled=True, load_ms=ms)
+
+
+def _map_sizes() -> dict[str, tuple[int, int]]:
+    return {
+        "pods": (8, POLICY.size), "ports": (PORT_KEY.size, 1), "cidrs": (CIDR_KEY.size, 1),
+        "pod_addrs": (ADDR_KEY.size, 8), "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
+        "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8),
+    }
+
+
+def _links_pinned(root: str) -> bool:
+    return all(os.path.exists(os.path.join(root, "links", p)) for p, (_, _, cg) in PROGRAMS.items() if cg)
+
+
+def probe_kernel() -> None:
+    """What the backend needs from this host; ``BackendUnavailable`` names what is missing."""
+    rel = os.uname().release
+    m = re.match(r"(\d+)\.(\d+)", rel)
+    if m and (int(m.group(1)), int(m.group(2))) < (5, 17):
+        raise BackendUnavailable(
+            f"ebpf: kernel {rel} is too old: needs 5.17+ (sk_lookup ingress_ifindex, netns cookies in sock_ops)"
+        )
+    build = f"/lib/modules/{rel}/build/include"
+    if not os.path.exists(build):
+        raise BackendUnavailable(f"ebpf: no kernel headers at {build} for bcc: run scripts/bootstrap.sh")
+    try:
+        import bcc  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"ebpf: bcc's Python module is missing ({e}): install python3-bpfcc") from None
+
+
+def _load_and_pin(root: str, cgroup: str) -> None:
+    probe_kernel()
+    from bcc import BPF
+
+    if not os.path.isdir(cgroup) or not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
+        raise BackendUnavailable(f"ebpf: cgroup v2 not mounted at {cgroup} (set REDIRECT_BPF_CGROUP)")
+    text = "".join(open(os.path.join(BPF_DIR, n), encoding="utf-8").read() for n in SOURCES)
+    try:
+        b = BPF(text=text.encode(), cflags=[f"-I{BPF_DIR}", "-Wno-unused-function"])
+    except Exception as e:
+        raise BackendUnavailable(f"ebpf: compiling bpf/ with bcc failed: {e}") from None
+    fns: dict[str, Any] = {}
+    try:
+        for name, (ptype, atype, _cg) in PROGRAMS.items():
+            try:
+                fns[name] = b.load_func(name.encode(), ptype, attach_type=atype)
+            except Exception as e:
+                raise BackendUnavailable(f"ebpf: the kernel refused program {name}: {e}") from None
+        # Clear leftovers of a half-done earlier load (ours only: this root).
+        _unpin_all(root)
+        for d in ("maps", "progs", "links", "pods"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+        from bcc import libbcc
+
+        for m in MAPS:
+            # By fd, not b[m]: bcc's Table class has no type for sockhash.
+            fd = libbcc.lib.bpf_table_fd(b.module, m.encode())
+            if fd < 0:
+                raise BackendUnavailable(f"ebpf: map {m} missing from the compiled object")
+            obj_pin(fd, os.path.join(root, "maps", m))
+        for name, fn in fns.items():
+            obj_pin(fn.fd, os.path.join(root, "progs", name))
+        cgfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name, (_pt, atype, cg) in PROGRAMS.items():
+                if not cg:
+                    continue
+                try:
+                    lfd = link_create(fns[name].fd, cgfd, atype)
+                except OSError as e:
+                    raise BackendUnavailable(f"ebpf: attaching {name} to cgroup {cgroup} failed: {e}") from None
+                try:
+                    obj_pin(lfd, os.path.join(root, "links", name))
+                finally:
+                    os.close(lfd)
+        finally:
+            os.close(cgfd)
+    except BaseException:
+        _unpin_all(root)
+        raise
+    finally:
+        b.cleanup()
+
+
+def _unpin_all(root: str) -> None:
+    """Unpin everything under ``root`` (links first: unpinning the last ref detaches)."""
+    for d in ("links", "pods", "progs", "maps"):
+        p = os.path.join(root, d)
+        if os.path.isdir(p):
+            for n in os.listdir(p):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(p, n))
+            with contextlib.suppress(OSError):
+                os.rmdir(p)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
+
+
+_host_cache: dict[str, HostPrograms] = {}
+_host_cache_lock = threading.Lock()
+
+
+def host(root: str | None = None, cgroup: str | None = None, load: bool = True) -> HostPrograms | None:
+    """This process's handle on the host programs (``None`` if not loaded and ``load`` is False)."""
+    r = _root(root)
+    with _host_cache_lock:
+        h = _host_cache.get(r)
+        if h is not None and HostPrograms.pinned(r):
+            return h
+        if h is not None:
+            h.close()
+            del _host_cache[r]
+        if not load:
+            if not HostPrograms.pinned(r):
+                return None
+            h = HostPrograms.open_pinned(r)
+        else:
+            h = HostPrograms.open_or_load(r, cgroup)
+        _host_cache[r] = h
+        return h
+
+
+def registered_pods(root: str | None = None) -> list[int]:
+    h = host(root, load=False)
+    return [] if h is None else [U64.unpack(k)[0] for k in h.pods.keys()]
+
+
+def unload_host(root: str | None = None) -> bool:
+    """Remove the host programs, maps and cgroup links. Refuses while pods are registered.
+
+    True if anything was removed.
+    """
+    r = _root(root)
+    with _host_lock(r):
+        pods = registered_pods(r)
+        if pods:
+            raise SetupError(
+                f"ebpf: {len(pods)} pod(s) still registered under {r} (netns cookies {pods[:5]}): tear them down first"
+            )
+        with _host_cache_lock:
+            h = _host_cache.pop(r, None)
+            if h is not None:
+                h.close()
+        existed = os.path.exists(r)
+        _unpin_all(r)
+        return existed
+
+
+# --------------------------------------------------------------------------- per pod
+
+
+def current_netns_cookie() -> int:
+    n = _native()
+    out = n.ffi.new("uint64_t *")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        _check(n.lib.rdr_sock_netns_cookie(s.fileno(), out), "SO_NETNS_COOKIE")
+    return int(out[0])
+
+
+def _unsupported(cfg: RedirectConfig) -> None:
+    def no(option: str, why: str) -> None:
+        raise BackendUnavailable(f"backend=ebpf: {option} is not available with eBPF ({why}); use backend=iptables")
+
+    if cfg.mode != "sidecar":
+        no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
+    if cfg.inbound_interception == "TPROXY":
+        no("inbound_interception='TPROXY'", "mark and policy-route plumbing; inbound keeps the original dst anyway")
+    if cfg.drop_invalid:
+        no("drop_invalid=True", "needs conntrack")
+    if cfg.exclude_interfaces:
+        no(f"exclude_interfaces={cfg.exclude_interfaces!r}", "socket hooks run before routing picks an interface")
+    if cfg.reroute_interfaces:
+        no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
+    if cfg.owner_groups != "*" or cfg.owner_groups_exclude:
+        no("owner_groups/owner_groups_exclude", "supplementary groups are not visible to BPF")
+    for name in ("proxy_uids", "proxy_gids"):
+        if len(getattr(cfg, name)) > MAX_IDS:
+            no(f"{name} with more than {MAX_IDS} entries", "fixed-size policy entry")
+
+
+def _ranges(ids: tuple[IdSpec, ...]) -> list[int]:
+    out: list[int] = []
+    for i in ids:
+        lo, hi = (i, i) if isinstance(i, int) else i
+        out += [lo, hi]
+    return out + [0] * (2 * MAX_IDS - len(out))
+
+
+def _addr16(ip: str) -> bytes:
+    return ipaddress.ip_address(ip).packed.ljust(16, b"\0")
+
+
+@dataclass(frozen=True)
+class PodEntries:
+    """Everything one pod has in the maps (listeners and the link aside)."""
+
+    policy: bytes
+    ports: frozenset[bytes]
+    cidrs: frozenset[bytes]
+
+
+def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int) -> PodEntries:
+    flags = 0
+    if cfg.outbound_cidrs == "*":
+        flags |= F_OUT_ALL
+    elif any(ipaddress.ip_network(c).is_loopback for c in cfg.outbound_cidrs):
+        flags |= F_INCL_LOOPBACK
+    if cfg.dns_effective:
+        flags |= F_DNS | (F_DNS_ALL if cfg.capture_all_dns else 0)
+    inbound = cfg.inbound_ports != () and not cfg.bypass_inbound_capture
+    if inbound:
+        flags |= F_INBOUND | (F_INBOUND_ALL if cfg.inbound_ports == "*" else 0)
+    if 6 in families:
+        flags |= F_V6
+    lo = ipaddress.ip_network(cfg.ipv4_loopback_cidr)
+    policy = POLICY.pack(
+        cfg.proxy_port, cfg.inbound_port, cfg.tunnel_port, cfg.dns_port, flags,
+        lo.network_address.packed, lo.netmask.packed, len(cfg.proxy_uids), len(cfg.proxy_gids), 0,
+        *_ranges(cfg.proxy_uids), *_ranges(cfg.proxy_gids),
+    )
+    ports = {PORT_KEY.pack(cookie, PORT_OUT_EXCL, p, 0) for p in cfg.outbound_exclude_ports}
+    ports |= {PORT_KEY.pack(cookie, PORT_OUT_INCL, p, 0) for p in cfg.outbound_ports}
+    if inbound:
+        if cfg.inbound_ports == "*":
+            ports |= {PORT_KEY.pack(cookie, PORT_IN_EXCL, p, 0) for p in cfg.inbound_exclude_ports}
+        else:
+            ports |= {PORT_KEY.pack(cookie, PORT_IN_INCL, p, 0) for p in cfg.inbound_ports
+                      if p not in cfg.inbound_exclude_ports}
+    cidrs: set[bytes] = set()
+
+    def add(kind4: int, kind6: int, items: tuple[str, ...]) -> None:
+        for c in items:
+            net = ipaddress.ip_network(c, strict=False)
+            if net.version == 6 and 6 not in families:
+                continue
+            kind = kind4 if net.version == 4 else kind6
+            cidrs.add(CIDR_KEY.pack(96 + net.prefixlen, kind, cookie, net.network_address.packed.ljust(16, b"\0")))
+
+    add(CIDR_OUT_EXCL4, CIDR_OUT_EXCL6, cfg.outbound_exclude_cidrs)
+    if cfg.outbound_cidrs != "*":
+        add(CIDR_OUT_INCL4, CIDR_OUT_INCL6, cfg.outbound_cidrs)
+    if cfg.dns_effective and not cfg.capture_all_dns:
+        add(CIDR_DNS4, CIDR_DNS6, cfg.dns_servers)
+    return PodEntries(policy, frozenset(ports), frozenset(cidrs))
+
+
+def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str]]:
+    """The current netns's addresses that inbound connections arrive at (no loopback, no link-local)."""
+    out: list[tuple[int, str]] = []
+    if 4 in families:
+        # SIOCGIFCONF: one ifreq (40 bytes) per IPv4 address, on any socket of this netns.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            n = 64
+            buf = bytearray(40 * n)
+            import array
+
+            arr = array.array("B", buf)
+            addr, _ = arr.buffer_info()
+            ifc = struct.pack("iL", len(arr), addr)
+            res = fcntl.ioctl(s.fileno(), 0x8912, ifc)  # SIOCGIFCONF
+            size, _ = struct.unpack("iL", res)
+            data = arr.tobytes()[:size]
+            for off in range(0, size, 40):
+                ip = socket.inet_ntoa(data[off + 20 : off + 24])
+                if not ipaddress.ip_address(ip).is_loopback:
+                    out.append((4, ip))
+    if 6 in families:
+        try:
+            with open("/proc/thread-self/net/if_inet6", encoding="ascii") as f:
+                for line in f:
+                    hexaddr = line.split()[0]
+                    a = ipaddress.IPv6Address(bytes.fromhex(hexaddr))
+                    if not (a.is_loopback or a.is_link_local):
+                        out.append((6, str(a)))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _listener_inodes(port: int) -> dict[int, int]:
+    """Socket inode -> family of TCP listeners on ``port`` in the current netns."""
+    out: dict[int, int] = {}
+    for fam, name in ((4, "tcp"), (6, "tcp6")):
+        try:
+            with open(f"/proc/thread-self/net/{name}", encoding="ascii") as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        out[int(parts[9])] = fam
+        except FileNotFoundError:
+            pass
+    return out
+
+
+@contextlib.contextmanager
+def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
+    """family -> an fd of the proxy's listening socket(s) on ``port`` in this netns (closed on exit).
+
+    Looks in this process first, then in every process (``pidfd_getfd`` dups it).
+    """
+    want = _listener_inodes(port)
+    found: dict[int, int] = {}
+    owned: list[int] = []
+    try:
+        if want:
+            pids = [str(os.getpid())] + [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())]
+            for pid in pids:
+                if len(found) == len(set(want.values())):
+                    break
+                try:
+                    fds = os.listdir(f"/proc/{pid}/fd")
+                except OSError:
+                    continue
+                for fd in fds:
+                    try:
+                        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    except OSError:
+                        continue
+                    if not target.startswith("socket:["):
+                        continue
+                    fam = want.get(int(target[8:-1]))
+                    if fam is None or fam in found:
+                        continue
+                    if pid == str(os.getpid()):
+                        dup = os.dup(int(fd))
+                    else:
+                        try:
+                            pidfd = os.pidfd_open(int(pid))
+                        except OSError:
+                            continue
+                        try:
+                            dup = _check(_native().lib.rdr_pidfd_getfd(pidfd, int(fd)), "pidfd_getfd")
+                        except OSError:
+                            continue
+                        finally:
+                            os.close(pidfd)
+                    owned.append(dup)
+                    found[fam] = dup
+        yield found
+    finally:
+        for ofd in owned:
+            os.close(ofd)
+
+
+class EbpfBackend:
+    """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
+
+    name = "ebpf"
+
+    def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
+        #: The config ``render`` describes (the plan is netfilter-shaped; see the module docstring).
+        self.cfg = cfg
+        self.root = _root(root)
+        self.cgroup = _cgroup(cgroup)
+
+    def _pod_link_path(self, cookie: int) -> str:
+        return os.path.join(self.root, "pods", f"{cookie}-sk_lookup")
+
+    # --- reading what is installed -----------------------------------------------
+    def _read(self, h: HostPrograms, cookie: int) -> tuple[bytes | None, set[bytes], set[bytes], set[bytes]]:
+        policy = h.pods.lookup(U64.pack(cookie))
+        ports = {k for k in h.maps["ports"].keys() if PORT_KEY.unpack(k)[0] == cookie}
+        cidrs = {k for k in h.maps["cidrs"].keys() if CIDR_KEY.unpack(k)[2] == cookie}
+        pm = h.maps["pod_addrs"]
+        addrs = {k for k in pm.keys() if (v := pm.lookup(k)) is not None and U64.unpack(v)[0] == cookie}
+        return policy, ports, cidrs, addrs
+
+    def installed(self) -> bool:
+        h = host(self.root, load=False)
+        return h is not None and h.pods.lookup(U64.pack(current_netns_cookie())) is not None
+
+    # --- apply / remove ------------------------------------------------------------
+    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
+        _unsupported(cfg)
+        t0 = time.perf_counter()
+        h = host(self.root, self.cgroup)
+        assert h is not None
+        t_host = time.perf_counter()
+        cookie = current_netns_cookie()
+        want = pod_entries(cfg, families, cookie)
+        inbound = bool(POLICY.unpack(want.policy)[4] & F_INBOUND)
+        addrs = {ADDR_KEY.pack(AF[f], _addr16(ip)) for f, ip in local_addresses(families)} if inbound else set()
+        old_policy, old_ports, old_cidrs, old_addrs = self._read(h, cookie)
+        link_path = self._pod_link_path(cookie)
+        have_link = os.path.exists(link_path)
+        unchanged = (old_policy == want.policy and old_ports == want.ports and old_cidrs == want.cidrs
+                     and old_addrs == addrs and have_link == inbound)
+        listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
+            proxy_listeners(cfg.inbound_port) if inbound else contextlib.nullcontext({})
+        )
+        with listeners_cm as lfds:
+            if inbound and not lfds:
+                raise SetupError(
+                    f"ebpf: inbound capture needs the proxy listening on inbound_port={cfg.inbound_port} in this"
+                    " netns before setup (its socket is handed to sk_lookup); start the proxy first, or set"
+                    " inbound_ports=[] to set up outbound only"
+                )
+            for a in addrs - old_addrs:
+                v = h.maps["pod_addrs"].lookup(a)
+                if v is not None and U64.unpack(v)[0] != cookie:
+                    fam, raw = ADDR_KEY.unpack(a)
+                    raise SetupError(f"ebpf: address {_fmt_addr(fam, raw)} is already registered by another pod"
+                                     f" (netns cookie {U64.unpack(v)[0]})")
+            written: list[tuple[Map, bytes]] = []
+            created_link = False
+            try:
+                for k in want.ports - old_ports:
+                    h.maps["ports"].update(k, U8.pack(1))
+                    written.append((h.maps["ports"], k))
+                for k in want.cidrs - old_cidrs:
+                    h.maps["cidrs"].update(k, U8.pack(1))
+                    written.append((h.maps["cidrs"], k))
+                for k in addrs - old_addrs:
+                    h.maps["pod_addrs"].update(k, U64.pack(cookie))
+                    written.append((h.maps["pod_addrs"], k))
+                for fam in (4, 6):
+                    lk = LISTENER_KEY.pack(cookie, AF[fam], 0)
+                    if fam in lfds:
+                        h.maps["listeners"].update(lk, U64.pack(lfds[fam]))
+                    else:
+                        h.maps["listeners"].delete(lk)
+                if inbound and not have_link:
+                    nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        lfd = link_create(h.progs["rdr_sk_lookup"], nsfd, SK_LOOKUP_ATTACH)
+                    finally:
+                        os.close(nsfd)
+                    try:
+                        obj_pin(lfd, link_path)
+                        created_link = True
+                    finally:
+                        os.close(lfd)
+                # The policy entry goes last: it is what switches capture on.
+                h.pods.update(U64.pack(cookie), want.policy)
+            except BaseException:
+                for m, k in written:
+                    with contextlib.suppress(OSError):
+                        m.delete(k)
+                if created_link:
+                    _detach_pinned(link_path)
+                if old_policy is None:
+                    for fam in (4, 6):
+                        with contextlib.suppress(OSError):
+                            h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+                raise
+        # Stale entries of the previous config, now that the new policy is live.
+        for k in old_ports - want.ports:
+            h.maps["ports"].delete(k)
+        for k in old_cidrs - want.cidrs:
+            h.maps["cidrs"].delete(k)
+        for k in old_addrs - addrs:
+            h.maps["pod_addrs"].delete(k)
+        if have_link and not inbound:
+            _detach_pinned(link_path)
+        t1 = time.perf_counter()
+        detail = {
+            "netns_cookie": cookie, "root": self.root, "compiled": h.compiled,
+            "host_ms": round((t_host - t0) * 1e3, 3), "pod_ms": round((t1 - t_host) * 1e3, 3),
+            "sk_lookup_link": link_path if inbound else None,
+        }
+        log.debug("ebpf apply cookie=%d changed=%s pod=%.3f ms", cookie, not unchanged, (t1 - t_host) * 1e3)
+        return Installed(self.name, "", families, not unchanged, detail)
+
+    def remove(self) -> bool:
+        h = host(self.root, load=False)
+        if h is None:
+            return False
+        cookie = current_netns_cookie()
+        removed = h.pods.delete(U64.pack(cookie))  # first: switches capture off at once
+        _, ports, cidrs, addrs = self._read(h, cookie)
+        for k in ports:
+            removed |= h.maps["ports"].delete(k)
+        for k in cidrs:
+            removed |= h.maps["cidrs"].delete(k)
+        for k in addrs:
+            removed |= h.maps["pod_addrs"].delete(k)
+        for fam in (4, 6):
+            removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+        for name in ("orig_by_cookie", "orig_by_tuple", "dns_by_cookie"):
+            m = h.maps[name]
+            for k in list(m.keys()):
+                v = m.lookup(k)
+                if v is not None and ORIG.unpack(v)[0] == cookie:
+                    m.delete(k)
+        link = self._pod_link_path(cookie)
+        if os.path.exists(link):
+            _detach_pinned(link)
+            removed = True
+        return bool(removed)
+
+    # --- check / show / render ----------------------------------------------------
+    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
+        _unsupported(cfg)
+        h = host(self.root, load=False)
+        if h is None:
+            return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}",))
+        cookie = current_netns_cookie()
+        want = pod_entries(cfg, families, cookie)
+        policy, ports, cidrs, addrs = self._read(h, cookie)
+        diffs: list[str] = []
+        if policy is None:
+            diffs.append(f"no policy entry for netns cookie {cookie}")
+        elif policy != want.policy:
+            diffs.append("policy entry differs: have " + _fmt_policy(policy) + ", want " + _fmt_policy(want.policy))
+        diffs += [f"missing port entry {_fmt_port(k)}" for k in sorted(want.ports - ports)]
+        diffs += [f"extra port entry {_fmt_port(k)}" for k in sorted(ports - want.ports)]
+        diffs += [f"missing CIDR entry {_fmt_cidr(k)}" for k in sorted(want.cidrs - cidrs)]
+        diffs += [f"extra CIDR entry {_fmt_cidr(k)}" for k in sorted(cidrs - want.cidrs)]
+        inbound = bool(POLICY.unpack(want.policy)[4] & F_INBOUND)
+        link = self._pod_link_path(cookie)
+        if inbound:
+            now = {ADDR_KEY.pack(AF[f], _addr16(ip)) for f, ip in local_addresses(families)}
+            diffs += [f"pod address {_fmt_addr(*ADDR_KEY.unpack(k))} is not registered for inbound"
+                      for k in now - addrs]
+            if not os.path.exists(link):
+                diffs.append("no sk_lookup link on this netns")
+            else:
+                fd = obj_get(link)
+                try:
+                    info = link_info(fd)
+                finally:
+                    os.close(fd)
+                if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
+                    diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
+                if info["prog_id"] != prog_id(h.progs["rdr_sk_lookup"]):
+                    diffs.append("sk_lookup link runs another program")
+            if not any(h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0)) for f in (4, 6)):
+                diffs.append("no proxy inbound listener registered")
+        elif os.path.exists(link):
+            diffs.append("sk_lookup link present but inbound capture is off")
+        return CheckResult(not diffs, self.name, tuple(diffs))
+
+    def show(self) -> dict[str, Any]:
+        h = host(self.root, load=False)
+        if h is None:
+            return {"backend": self.name, "root": self.root, "host_programs": None, "installed": False}
+        cookie = current_netns_cookie()
+        policy, ports, cidrs, addrs = self._read(h, cookie)
+        link = self._pod_link_path(cookie)
+        return {
+            "backend": self.name, "root": self.root, "netns_cookie": cookie, "installed": policy is not None,
+            "host_programs": {n: prog_id(fd) for n, fd in h.progs.items()},
+            "policy": _fmt_policy(policy) if policy else None,
+            "ports": sorted(_fmt_port(k) for k in ports), "cidrs": sorted(_fmt_cidr(k) for k in cidrs),
+            "addresses": sorted(_fmt_addr(*ADDR_KEY.unpack(k)) for k in addrs),
+            "sk_lookup_link": link if os.path.exists(link) else None,
+        }
+
+    def render(self, plan: Plan, families: tuple[int, ...]) -> str:
+        """What ``apply`` would write for the config this backend was made with."""
+        return self.render_config(self.cfg or RedirectConfig(), families)
+
+    def render_config(self, cfg: RedirectConfig, families: tuple[int, ...]) -> str:
+        """The map entries ``apply`` would write, as text (netns cookie shown as <netns>)."""
+        _unsupported(cfg)
+        e = pod_entries(cfg, families, 0)
+        lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
+        lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
+        lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
+        if POLICY.unpack(e.policy)[4] & F_INBOUND:
+            lines.append("pod_addrs[<each pod address>] = <netns>")
+            lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
+            lines.append("sk_lookup link on the pod netns")
+        return "\n".join(lines) + "\n"
+
+
+def _detach_pinned(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = obj_get(path)
+        try:
+            _native().lib.rdr_bpf_link_detach(fd)
+        finally:
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _fmt_addr(fam: int, raw: bytes) -> str:
+    return str(ipaddress.ip_address(raw[:4] if fam == socket.AF_INET else raw))
+
+
+_PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-include",
+               PORT_IN_INCL: "inbound-include", PORT_IN_EXCL: "inbound-exclude"}
+_CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-include", CIDR_DNS4: "dns-server",
+               CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server"}
+
+
+def _fmt_port(k: bytes) -> str:
+    _c, kind, port, _ = PORT_KEY.unpack(k)
+    return f"{_PORT_KINDS.get(kind, kind)} {port}"
+
+
+def _fmt_cidr(k: bytes) -> str:
+    plen, kind, _c, raw = CIDR_KEY.unpack(k)
+    v6 = kind >= CIDR_OUT_EXCL6
+    ip = ipaddress.ip_address(raw if v6 else raw[:4])
+    return f"{_CIDR_KINDS.get(kind, kind)} {ip}/{plen - 96}"
+
+
+def _fmt_policy(raw: bytes) -> str:
+    v = POLICY.unpack(raw)
+    flags = v[4]
+    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6"]
+    on = [n for i, n in enumerate(names) if flags & (1 << i)]
+    return (f"proxy_port={v[0]} inbound_port={v[1]} tunnel_port={v[2]} dns_port={v[3]} flags={'+'.join(on) or '-'}"
+            f" loopback={socket.inet_ntoa(v[5])}/{socket.inet_ntoa(v[6])} uids={v[7]} gids={v[8]}")
+
+
+__all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "registered_pods", "probe_kernel",
+           "RedirectError"]
