@@ -11,7 +11,7 @@ from . import netns as _netns
 from .backends import get_backend
 from .backends.base import CheckResult, Installed
 from .config import RedirectConfig
-from .errors import ConfigError
+from .errors import ConfigError, RedirectError
 from .plan import build_plan
 
 log = logging.getLogger("redirect")
@@ -58,6 +58,8 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
         with _lock_for(_netns.current_inode()):
             families = _families(cfg)
             res = impl.apply(plan, cfg, families)
+            if _retire_other_netfilter(impl.name):
+                res = Installed(res.backend, res.netns, res.families, True, res.detail)
     res = Installed(res.backend, name, res.families, res.changed, res.detail)
     log.info(
         "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms",
@@ -67,6 +69,32 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     return res
 
 
+def _netfilter_kind(backend_name: str) -> str | None:
+    if backend_name == "nftables":
+        return "nftables"
+    return "iptables" if backend_name.startswith("iptables") else None
+
+
+def _retire_other_netfilter(backend_name: str) -> bool:
+    """Mixed hosts: once ``backend_name`` applied, remove our rules made by the other
+    netfilter backend (iptables <-> nftables), keeping the routes both share. New
+    rules first, old ones after: capture never lapses. True if anything was removed."""
+    mine = _netfilter_kind(backend_name)
+    if mine is None:
+        return False
+    other = "iptables" if mine == "nftables" else "nftables"
+    try:
+        impl = get_backend(other, None)
+        if not impl.installed():
+            return False
+        log.info("switching backend: removing our %s rules now that %s ones are in", other, mine)
+        return bool(impl.remove(keep_routes=True))
+    except RedirectError as e:
+        # Capture is in place (both rule sets do the same thing); the next setup retries.
+        log.error("could not remove our old %s rules after switching to %s: %s", other, mine, e)
+        return False
+
+
 def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
     """Remove our redirection from ``netns`` (nothing else). True if anything was removed."""
     impl = get_backend(backend, None)
@@ -74,6 +102,8 @@ def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
     with _netns.enter(netns):
         with _lock_for(_netns.current_inode()):
             removed = impl.remove()
+            if backend == "auto":  # whichever netfilter backend made them
+                removed = _retire_other_netfilter(impl.name) or removed
     log.info("teardown netns=%s backend=%s removed=%s", name, impl.name, removed)
     return removed
 

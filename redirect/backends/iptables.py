@@ -369,7 +369,7 @@ class IptablesBackend:
         desired = {fam: desired_state(plan, fam) if fam in families else {} for fam in (4, 6)}
         route_families = families
         routes = tuple(r for r in plan.routes if r.family in route_families)
-        addresses = tuple(a for a in plan.addresses if a.family in route_families)
+        addresses = rt.usable_addresses([a for a in plan.addresses if a.family in route_families])
         txn = rt.RouteTxn(routes, addresses, families)
         payloads = {fam: transition(current[fam], desired[fam]) for fam in (4, 6)}
         if not txn.changed and not any(payloads.values()):
@@ -403,7 +403,7 @@ class IptablesBackend:
             raise
         return Installed(self.name, "", families, True, {"variant": variant})
 
-    def remove(self) -> bool:
+    def remove(self, keep_routes: bool = False) -> bool:
         changed = False
         for variant in VARIANTS:
             try:
@@ -417,6 +417,8 @@ class IptablesBackend:
                     changed = True
             if variant == "nft" and current:
                 _drop_empty_xtables_nft()
+        if keep_routes:  # another backend's rules use them (switching backends)
+            return changed
         return rt.remove_all_ours() or changed
 
     def _has_variant_state(self, variant: str) -> bool:
@@ -446,7 +448,7 @@ class IptablesBackend:
             diffs += _diff_state(fam, current[fam], want)
         state = rt.read_ours()
         want_routes = {r for r in plan.routes if r.family in families}
-        want_addrs = {a for a in plan.addresses if a.family in families}
+        want_addrs = set(rt.usable_addresses([a for a in plan.addresses if a.family in families]))
         for r in sorted(want_routes - state.routes, key=str):
             diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
         for r in sorted(state.routes - want_routes, key=str):

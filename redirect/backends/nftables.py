@@ -371,7 +371,8 @@ def _val(v: Any) -> str:
         if "set" in v:
             return "{ " + ", ".join(_val(x) for x in v["set"]) + " }"
         if "meta" in v:
-            return f"meta {v['meta']['key']}"
+            key = v["meta"]["key"]
+            return key if key in ("iifname", "oifname") else f"meta {key}"
         if "ct" in v:
             return f"ct {v['ct']['key']}"
         if "payload" in v:

@@ -1,0 +1,305 @@
+"""The nftables backend: rendering (no root), and real traffic in namespaces.
+
+Every integration test installs our table in a fresh pod netns, sends traffic with
+the netkit probes and asserts which listener it reached and with which original
+destination.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+import redirect
+from redirect.backends import nftables as nb
+from redirect.config import RedirectConfig
+from redirect.errors import BackendUnavailable, SetupError
+from redirect.plan import Chain, Plan, Rule, SaveMark, build_plan
+from tests.netkit import Pod, TcpListener, UdpListener, landing
+
+T = 1.0  # probe timeout: every port probed has a listener or refuses at once
+
+
+def nft_ruleset(ns: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "ruleset"], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def without_ours(ruleset: str) -> str:
+    """``nft list ruleset`` text with our table cut out."""
+    out, skip = [], False
+    for line in ruleset.splitlines():
+        if line.startswith(f"table {nb.FAMILY} {nb.TABLE} "):
+            skip = True
+        elif skip and line == "}":
+            skip = False
+            continue
+        if not skip:
+            out.append(line)
+    return "\n".join(out).strip()
+
+
+def sh(ns: str, *argv: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, *argv], check=True, capture_output=True)
+
+
+# --- rendering (no root) -------------------------------------------------------------
+
+
+def test_render_is_deterministic_json_with_iptables_priorities() -> None:
+    plan = build_plan(RedirectConfig(inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True))
+    a = nb.NftablesBackend().render(plan, (4, 6))
+    assert a == nb.NftablesBackend().render(build_plan(RedirectConfig(
+        inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True)), (4, 6))
+    cmds = json.loads(a)["nftables"]
+    assert cmds[:3] == [{"add": {"table": {"family": "inet", "name": nb.TABLE}}},
+                        {"delete": {"table": {"family": "inet", "name": nb.TABLE}}},
+                        {"add": {"table": {"family": "inet", "name": nb.TABLE}}}]
+    bases = {c["add"]["chain"]["name"]: (c["add"]["chain"]["type"], c["add"]["chain"]["prio"])
+             for c in cmds if "chain" in c.get("add", {}) and "hook" in c["add"]["chain"]}
+    assert bases == {"nat_OUTPUT": ("nat", -100),  # TPROXY: nat PREROUTING has no rules
+                     "mangle_PREROUTING": ("filter", -150), "mangle_OUTPUT": ("route", -150),
+                     "raw_OUTPUT": ("filter", -300), "raw_PREROUTING": ("filter", -300)}
+
+
+def test_render_rules_in_nft_list_form() -> None:
+    rs = nb.desired_ruleset(build_plan(RedirectConfig(outbound_exclude_ports=(22, 80))), (4, 6))
+    texts = [nb.expr_text(*r) for r in rs["nat_OUTBOUND"].rules]
+    assert 'tcp dport 22 return comment "excluded outbound port 22"' in texts
+    assert 'oifname "lo" ip saddr 127.0.0.6 return comment "inbound passthrough from the proxy"' in texts
+    assert rs["nat_REDIRECT"].rules == [([{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
+                                          {"redirect": {"port": 15001}}], "to the proxy outbound port")]
+
+
+def test_ipv4_only_config_leaves_ipv6_to_other_rules() -> None:
+    rs = nb.desired_ruleset(build_plan(RedirectConfig(ipv6=False)), (4,))
+    for spec in rs.values():
+        if spec.base:
+            assert nb.expr_text(*spec.rules[0]) == 'meta nfproto ipv6 return comment "IPv6 is not captured"'
+    assert not any("ip6 " in nb.expr_text(*r) for s in rs.values() for r in s.rules)
+
+
+def test_tproxy_delivers_or_drops_like_iptables() -> None:
+    rs = nb.desired_ruleset(build_plan(RedirectConfig(inbound_interception="TPROXY")), (4, 6))
+    texts = [nb.expr_text(*r) for r in rs["mangle_TPROXY"].rules]
+    assert texts[0].startswith("ip daddr != 127.0.0.1 meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept")
+    assert texts[1].startswith("ip daddr != 127.0.0.1 meta l4proto tcp drop")
+
+
+def test_partial_mask_connmark_copy_is_refused_by_name() -> None:
+    plan = Plan("sidecar", (Chain("mangle", "OUTPUT", (Rule((), SaveMark(0xFFF)),), "output"),))
+    with pytest.raises(BackendUnavailable, match="SaveMark"):
+        nb.desired_ruleset(plan, (4, 6))
+
+
+def test_listing_parses_back_to_the_rendered_ruleset() -> None:
+    rs = nb.desired_ruleset(build_plan(RedirectConfig(drop_invalid=True)), (4, 6))
+    items = [{"chain": {"family": "inet", "table": nb.TABLE, "name": n, "handle": i, **(s.base or {})}}
+             for i, (n, s) in enumerate(rs.items())]
+    items += [{"rule": {"family": "inet", "table": nb.TABLE, "chain": n, "handle": 99, "expr": e,
+                        **({"comment": c} if c else {})}} for n, s in rs.items() for e, c in s.rules]
+    parsed = nb.parse_listing(items)
+    assert nb.diff_rulesets(parsed, rs) == []
+    parsed["nat_OUTBOUND"].rules.pop(0)
+    assert any(d.startswith("chain nat_OUTBOUND: missing rule:") for d in nb.diff_rulesets(parsed, rs))
+
+
+# --- traffic ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def proxy(pod: Pod) -> Iterator[dict[str, TcpListener]]:
+    """The proxy's listeners in the pod (v4 and v6), and the app's in the peer."""
+    ls = {
+        "out4": TcpListener(pod.name, 15001, 4, label="proxy-out"),
+        "out6": TcpListener(pod.name, 15001, 6, label="proxy-out"),
+        "in4": TcpListener(pod.name, 15006, 4, label="proxy-in", transparent=True),
+        "in6": TcpListener(pod.name, 15006, 6, label="proxy-in", transparent=True),
+        "app4": TcpListener(pod.peer_name, 8080, 4, label="remote-app"),
+        "app6": TcpListener(pod.peer_name, 8080, 6, label="remote-app"),
+        "podapp4": TcpListener(pod.name, 8080, 4, label="pod-app"),
+        "podapp6": TcpListener(pod.name, 8080, 6, label="pod-app"),
+        "tunnel4": TcpListener(pod.name, 15008, 4, label="tunnel"),
+        "stats4": TcpListener(pod.name, 15090, 4, label="stats"),
+    }
+    for lst in ls.values():
+        lst.start()
+    # A fresh pod's first IPv6 connection waits about 1 s for neighbour discovery: warm it up.
+    landing(pod.name, pod.peer_ip6, 8080, *ls.values(), timeout=3.0)
+    landing(pod.peer_name, pod.pod_ip6, 8080, *ls.values(), timeout=3.0)
+    for lst in ls.values():
+        lst.clear()
+    try:
+        yield ls
+    finally:
+        for lst in ls.values():
+            lst.close()
+
+
+@pytest.mark.parametrize("fam", [4, 6])
+def test_outbound_is_captured_with_original_destination(pod: Pod, proxy: dict[str, TcpListener], fam: int) -> None:
+    redirect.setup(pod.name, RedirectConfig(ipv6=True), backend="nftables")
+    hit = landing(pod.name, pod.peer_ip(fam), 8080, *proxy.values(), timeout=T)
+    assert hit.label == "proxy-out"
+    assert hit.orig_dst == (pod.peer_ip(fam), 8080)
+
+
+def test_proxy_uid_1337_is_not_captured(pod: Pod, proxy: dict[str, TcpListener]) -> None:
+    redirect.setup(pod.name, RedirectConfig(ipv6=True), backend="nftables")
+    for fam in (4, 6):
+        assert landing(pod.name, pod.peer_ip(fam), 8080, *proxy.values(), uid=1337, timeout=T).label == "remote-app"
+        assert landing(pod.name, pod.peer_ip(fam), 8080, *proxy.values(), uid=1000, timeout=T).label == "proxy-out"
+
+
+def test_inbound_goes_to_15006_but_tunnel_and_excluded_ports_do_not(pod: Pod, proxy: dict[str, TcpListener]) -> None:
+    redirect.setup(pod.name, RedirectConfig(ipv6=True, inbound_exclude_ports=(15090,)), backend="nftables")
+    for fam in (4, 6):
+        hit = landing(pod.peer_name, pod.pod_ip(fam), 8080, *proxy.values(), timeout=T)
+        assert hit.label == "proxy-in" and hit.orig_dst == (pod.pod_ip(fam), 8080)
+    assert landing(pod.peer_name, pod.pod_ip4, 15008, *proxy.values(), timeout=T).label == "tunnel"
+    assert landing(pod.peer_name, pod.pod_ip4, 15090, *proxy.values(), timeout=T).label == "stats"
+
+
+def test_excluded_cidr_is_not_captured(pod: Pod, proxy: dict[str, TcpListener]) -> None:
+    cfg = RedirectConfig(ipv6=True, outbound_exclude_cidrs=(f"{pod.peer_ip4}/32",))
+    redirect.setup(pod.name, cfg, backend="nftables")
+    assert landing(pod.name, pod.peer_ip4, 8080, *proxy.values(), timeout=T).label == "remote-app"
+    assert landing(pod.name, pod.peer_ip6, 8080, *proxy.values(), timeout=T).label == "proxy-out"
+
+
+def test_ipv4_only_config_does_not_capture_ipv6(pod: Pod, proxy: dict[str, TcpListener]) -> None:
+    redirect.setup(pod.name, RedirectConfig(ipv6=False), backend="nftables")
+    assert landing(pod.name, pod.peer_ip4, 8080, *proxy.values(), timeout=T).label == "proxy-out"
+    assert landing(pod.name, pod.peer_ip6, 8080, *proxy.values(), timeout=T).label == "remote-app"
+    assert landing(pod.peer_name, pod.pod_ip6, 8080, *proxy.values(), timeout=T).label == "pod-app"
+
+
+@pytest.mark.parametrize("fam", [4, 6])
+def test_tproxy_inbound_keeps_the_original_destination_as_local_address(
+    pod: Pod, proxy: dict[str, TcpListener], fam: int
+) -> None:
+    res = redirect.setup(pod.name, RedirectConfig(ipv6=True, inbound_interception="TPROXY"), backend="nftables")
+    assert res.backend == "nftables" and res.changed
+    hit = landing(pod.peer_name, pod.pod_ip(fam), 8080, *proxy.values(), timeout=T)
+    assert hit.label == "proxy-in"
+    assert hit.local == (pod.pod_ip(fam), 8080)
+    assert redirect.check(pod.name, RedirectConfig(ipv6=True, inbound_interception="TPROXY"), backend="nftables").ok
+
+
+def test_dns_udp_and_tcp_go_to_15053(pod: Pod) -> None:
+    cfg = RedirectConfig(ipv6=True, dns_capture=True, capture_all_dns=True)
+    with UdpListener(pod.name, 15053, 4, label="dns-udp") as du, \
+            TcpListener(pod.name, 15053, 4, label="dns-tcp") as dt, \
+            UdpListener(pod.peer_name, 53, 4, label="resolver-udp") as ru, \
+            TcpListener(pod.peer_name, 53, 4, label="resolver-tcp") as rtl:
+        redirect.setup(pod.name, cfg, backend="nftables")
+        # The answer would need the DNS proxy's uid 1337 (CT zone 2): check where the query landed.
+        hit = landing(pod.name, pod.peer_ip4, 53, du, ru, proto="udp", timeout=0.3)
+        assert hit.listener is du
+        hit = landing(pod.name, pod.peer_ip4, 53, dt, rtl, timeout=T)
+        assert hit.label == "dns-tcp" and hit.orig_dst == (pod.peer_ip4, 53)
+        # the DNS proxy's own upstream queries reach the resolver
+        assert landing(pod.name, pod.peer_ip4, 53, du, ru, proto="udp", uid=1337, timeout=T).label == "resolver-udp"
+
+
+FOREIGN_NFT = """table inet foreign {
+\tchain out {
+\t\ttype filter hook output priority 10; policy accept;
+\t\ttcp dport 9998 accept
+\t}
+}
+"""
+
+
+def test_foreign_tables_and_rules_survive_setup_and_teardown(pod: Pod) -> None:
+    sh(pod.name, "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999", "-j", "ACCEPT")
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "-f", "-"], input=FOREIGN_NFT, text=True, check=True)
+    before = nft_ruleset(pod.name)
+    redirect.setup(pod.name, RedirectConfig(dns_capture=True, capture_all_dns=True), backend="nftables")
+    during = nft_ruleset(pod.name)
+    assert f"table inet {nb.TABLE}" in during
+    assert without_ours(during) == before.strip()
+    assert redirect.teardown(pod.name, backend="nftables")
+    assert nft_ruleset(pod.name) == before
+
+
+def test_setup_twice_is_setup_once(pod: Pod) -> None:
+    cfg = RedirectConfig(inbound_interception="TPROXY", drop_invalid=True, dns_capture=True, capture_all_dns=True)
+    first = redirect.setup(pod.name, cfg, backend="nftables")
+    ruleset = nft_ruleset(pod.name)
+    again = redirect.setup(pod.name, cfg, backend="nftables")
+    assert first.changed and not again.changed
+    assert nft_ruleset(pod.name) == ruleset
+    assert redirect.check(pod.name, cfg, backend="nftables").ok
+
+
+def test_check_reports_drift_readably(pod: Pod) -> None:
+    cfg = RedirectConfig()
+    redirect.setup(pod.name, cfg, backend="nftables")
+    sh(pod.name, "nft", "add", "rule", "inet", nb.TABLE, "nat_OUTBOUND", "tcp", "dport", "7777", "return")
+    res = redirect.check(pod.name, cfg, backend="nftables")
+    assert not res.ok
+    assert res.differences == ("chain nat_OUTBOUND: unexpected rule: tcp dport 7777 return",)
+    assert redirect.setup(pod.name, cfg, backend="nftables").changed
+    assert redirect.check(pod.name, cfg, backend="nftables").ok
+
+
+def test_changed_config_replaces_ours(pod: Pod, proxy: dict[str, TcpListener]) -> None:
+    redirect.setup(pod.name, RedirectConfig(ipv6=True, inbound_interception="TPROXY"), backend="nftables")
+    cfg = RedirectConfig(ipv6=True, outbound_exclude_ports=(8080,))
+    assert redirect.setup(pod.name, cfg, backend="nftables").changed
+    assert redirect.check(pod.name, cfg, backend="nftables").ok  # TPROXY routes gone too
+    assert landing(pod.name, pod.peer_ip4, 8080, *proxy.values(), timeout=T).label == "remote-app"
+
+
+@pytest.mark.parametrize("how", ["route-step", "invalid-rule"])
+def test_failure_half_way_leaves_the_netns_as_it_was(pod: Pod, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    redirect.setup(pod.name, RedirectConfig(), backend="nftables")
+    before = nft_ruleset(pod.name)
+    routes_before = subprocess.run(["ip", "-n", pod.name, "rule"], capture_output=True, text=True).stdout
+    if how == "route-step":
+        monkeypatch.setenv("REDIRECT_FAULT", "nftables.before_transaction")
+    else:
+        bad = {"add": {"rule": {"family": "inet", "table": nb.TABLE, "chain": "nat_OUTBOUND",
+                                "expr": [{"jump": {"target": "no_such_chain"}}]}}}
+        monkeypatch.setattr(nb, "_EXTRA_COMMANDS_FOR_TESTS", [bad])
+    with pytest.raises(SetupError):
+        redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend="nftables")
+    assert nft_ruleset(pod.name) == before
+    assert subprocess.run(["ip", "-n", pod.name, "rule"], capture_output=True, text=True).stdout == routes_before
+
+
+def test_teardown_leaves_the_ruleset_as_before(pod: Pod) -> None:
+    before = nft_ruleset(pod.name)
+    redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend="nftables")
+    assert redirect.teardown(pod.name, backend="nftables")
+    assert nft_ruleset(pod.name) == before
+    assert "lookup 133" not in subprocess.run(["ip", "-n", pod.name, "rule"], capture_output=True, text=True).stdout
+    assert not redirect.teardown(pod.name, backend="nftables")
+
+
+@pytest.mark.parametrize("first,second", [("iptables", "nftables"), ("nftables", "iptables")])
+def test_switching_backend_moves_capture_without_doubling(
+    pod: Pod, proxy: dict[str, TcpListener], first: str, second: str
+) -> None:
+    cfg = RedirectConfig(ipv6=True, inbound_interception="TPROXY")
+    redirect.setup(pod.name, cfg, backend=first)
+    assert landing(pod.name, pod.peer_ip4, 8080, *proxy.values(), timeout=T).label == "proxy-out"
+    res = redirect.setup(pod.name, cfg, backend=second)
+    assert res.backend == second and res.changed
+    assert redirect.check(pod.name, cfg, backend=second).ok  # routes kept
+    assert not redirect.show(pod.name, backend=first)["installed"]
+    for fam in (4, 6):
+        hit = landing(pod.name, pod.peer_ip(fam), 8080, *proxy.values(), timeout=T)
+        assert hit.label == "proxy-out" and hit.orig_dst == (pod.peer_ip(fam), 8080)
+        hit = landing(pod.peer_name, pod.pod_ip(fam), 8080, *proxy.values(), timeout=T)
+        assert hit.label == "proxy-in" and hit.local == (pod.pod_ip(fam), 8080)
+
+
+def test_auto_picks_nftables_here(pod: Pod) -> None:
+    res = redirect.setup(pod.name, RedirectConfig(), backend="auto")
+    assert res.backend == "nftables"
+    assert redirect.teardown(pod.name, backend="auto")
