@@ -15,7 +15,7 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from .plan import LocalAddress, PolicyRoute
+from .plan import LocalAddress, Plan, PolicyRoute
 
 #: Our routing protocol number (unassigned in iproute2's rt_protos).
 RT_PROTO = 201
@@ -142,6 +142,44 @@ def ipv6_enabled() -> bool:
             return f.read().strip() == "0"
     except OSError:
         return False
+
+
+def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress]) -> tuple[LocalAddress, ...]:
+    """The addresses that can exist here: IPv6 ones only while IPv6 is enabled.
+
+    (``ipv6=True`` on a namespace with IPv6 disabled still installs the IPv6 rules, so
+    capture is in place the moment IPv6 is switched on; ``::6`` cannot be added until then.)
+    """
+    v6 = ipv6_enabled()
+    return tuple(a for a in addresses if a.family == 4 or v6)
+
+
+def for_plan(plan: Plan, families: tuple[int, ...]) -> tuple[tuple[PolicyRoute, ...], tuple[LocalAddress, ...]]:
+    """The routes and (usable) addresses ``plan`` wants for ``families``."""
+    routes = tuple(r for r in plan.routes if r.family in families)
+    return routes, usable_addresses([a for a in plan.addresses if a.family in families])
+
+
+def txn_for(plan: Plan, families: tuple[int, ...]) -> RouteTxn:
+    routes, addresses = for_plan(plan, families)
+    return RouteTxn(routes, addresses, families)
+
+
+def differences(plan: Plan, families: tuple[int, ...]) -> list[str]:
+    """How our routes and addresses in the kernel differ from what ``plan`` wants."""
+    routes, addresses = for_plan(plan, families)
+    want_routes, want_addrs = set(routes), set(addresses)
+    state = read_ours()
+    diffs = []
+    for r in sorted(want_routes - state.routes, key=str):
+        diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
+    for r in sorted(state.routes - want_routes, key=str):
+        diffs.append(f"unexpected policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
+    for a in sorted(want_addrs - state.addresses, key=str):
+        diffs.append(f"missing address {a.cidr} on {a.dev}")
+    for a in sorted(state.addresses - want_addrs, key=str):
+        diffs.append(f"unexpected address {a.cidr} on {a.dev}")
+    return diffs
 
 
 class RouteTxn:

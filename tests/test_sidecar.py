@@ -421,3 +421,24 @@ def test_probe_timeouts_do_not_hang_when_nothing_listens(pod: Pod, backend: str)
         r = tcp_probe_detail(pod.name, pod.peer_ip4, 8080, uid=APP_UID, timeout=1.0)
         assert r.label is None  # captured to 15001 where nobody listens: refused, quickly
         assert r.elapsed < 1.5
+
+
+def test_ipv6_rules_follow_the_namespace_when_auto(pod: Pod) -> None:
+    assert redirect.setup(pod.name, None, backend="iptables-nft").families == (4, 6)
+    redirect.teardown(pod.name, backend="iptables-nft")
+    subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"], check=True)
+    try:
+        res = redirect.setup(pod.name, None, backend="iptables-nft")
+        assert res.families == (4,)
+        assert "RDR_" not in subprocess.run(["ip", "netns", "exec", pod.name, "ip6tables-nft-save"],
+                                            capture_output=True, text=True).stdout
+        # Forcing IPv6 on still installs it (the user knows the namespace will get IPv6).
+        assert redirect.setup(pod.name, RedirectConfig(ipv6=True), backend="iptables-nft").families == (4, 6)
+    finally:
+        redirect.teardown(pod.name, backend="iptables-nft")
+
+
+def test_setup_rejects_a_non_config(pod: Pod) -> None:
+    with pytest.raises(redirect.ConfigError, match="RedirectConfig"):
+        redirect.setup(pod.name, {"proxy_port": 0}, backend="iptables-nft")  # type: ignore[arg-type]
+    assert "RDR_" not in save_all(pod.name)

@@ -367,10 +367,7 @@ class IptablesBackend:
         variant = self._variant()
         current = self.read(variant)
         desired = {fam: desired_state(plan, fam) if fam in families else {} for fam in (4, 6)}
-        route_families = families
-        routes = tuple(r for r in plan.routes if r.family in route_families)
-        addresses = rt.usable_addresses([a for a in plan.addresses if a.family in route_families])
-        txn = rt.RouteTxn(routes, addresses, families)
+        txn = rt.txn_for(plan, families)
         payloads = {fam: transition(current[fam], desired[fam]) for fam in (4, 6)}
         if not txn.changed and not any(payloads.values()):
             return Installed(self.name, "", families, False, {"variant": variant})
@@ -446,17 +443,7 @@ class IptablesBackend:
         for fam in (4, 6):
             want = desired_state(plan, fam) if fam in families else {}
             diffs += _diff_state(fam, current[fam], want)
-        state = rt.read_ours()
-        want_routes = {r for r in plan.routes if r.family in families}
-        want_addrs = set(rt.usable_addresses([a for a in plan.addresses if a.family in families]))
-        for r in sorted(want_routes - state.routes, key=str):
-            diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
-        for r in sorted(state.routes - want_routes, key=str):
-            diffs.append(f"unexpected policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
-        for a in sorted(want_addrs - state.addresses, key=str):
-            diffs.append(f"missing address {a.cidr} on {a.dev}")
-        for a in sorted(state.addresses - want_addrs, key=str):
-            diffs.append(f"unexpected address {a.cidr} on {a.dev}")
+        diffs += rt.differences(plan, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
