@@ -442,3 +442,20 @@ def test_setup_rejects_a_non_config(pod: Pod) -> None:
     with pytest.raises(redirect.ConfigError, match="RedirectConfig"):
         redirect.setup(pod.name, {"proxy_port": 0}, backend="iptables-nft")  # type: ignore[arg-type]
     assert "RDR_" not in save_all(pod.name)
+
+
+@pytest.mark.parametrize("variant", ["legacy", "nft"])
+def test_existing_ruleset_decides_the_iptables_variant(pod: Pod, variant: str) -> None:
+    subprocess.run(["ip", "netns", "exec", pod.name, f"iptables-{variant}", "-t", "filter", "-A", "INPUT", "-p",
+                    "tcp", "--dport", "4446", "-j", "ACCEPT"], check=True)
+    try:
+        res = redirect.setup(pod.name, None, backend="iptables")
+        assert res.detail["variant"] == variant
+        out = subprocess.run(["ip", "netns", "exec", pod.name, f"iptables-{variant}-save"], capture_output=True,
+                             text=True).stdout
+        assert "RDR_OUTBOUND" in out
+        with proxy_and_app(pod, 4) as L:
+            assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=APP_UID).label == "proxy-out"
+    finally:
+        redirect.teardown(pod.name, backend="iptables")
+    assert "RDR_" not in save_all(pod.name)
