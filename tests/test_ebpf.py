@@ -99,7 +99,7 @@ def test_outbound_from_app_reaches_unmodified_proxy_with_original_dst(pod: Pod, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_outbound_from_proxy_uid_and_proxy_connect_to_original_dst_not_captured(pod: Pod, setup_pod, family: int) -> None:
+def test_proxy_uid_and_gid_connect_to_original_dst_not_captured(pod: Pod, setup_pod, family: int) -> None:
     proxy = _proxy_listeners(pod, 15001, "proxy")
     app = [TcpListener(pod.peer_name, 8080, family=family, label="app").start()]
     try:
@@ -208,6 +208,20 @@ def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setu
         assert not api.teardown(a.name, backend="ebpf"), "second teardown removes nothing"
     finally:
         _close(*lists)
+
+
+def test_unregistered_netns_is_untouched(make_pod, setup_pod) -> None:
+    """The host-wide programs are a no-op for a netns that is not registered."""
+    registered, other = make_pod(), make_pod()
+    setup_pod(registered, OUT_ONLY)
+    proxy = _proxy_listeners(other, 15001, "proxy")
+    app = [TcpListener(other.peer_name, 8080, label="app").start()]
+    try:
+        hit = landing(other.name, other.peer_ip4, 8080, *proxy, *app, uid=APP_UID)
+        assert hit.listener is app[0]
+        assert hit.orig_dst is None, "getsockopt(SO_ORIGINAL_DST) keeps the kernel's answer (no conntrack: error)"
+    finally:
+        _close(proxy, app)
 
 
 def test_unload_host_refuses_while_pods_exist(pod: Pod, setup_pod, bpf_root: str) -> None:
