@@ -289,3 +289,20 @@ def test_per_pod_setup_cost(make_pod, bpf_root: str) -> None:
     finally:
         _close(*lists)
         time.sleep(0)
+
+
+def test_native_bpf_helpers_report_errno(bpf_root: str) -> None:
+    with pytest.raises(OSError) as e:
+        ebpf.obj_get(os.path.join(bpf_root, "no-such-pin"))
+    assert e.value.errno == 2
+    h = ebpf.host(bpf_root)
+    assert h is not None
+    m = h.maps["ports"]
+    key = ebpf.PORT_KEY.pack(0xFFFF_FFFF_FFFF_0001, ebpf.PORT_OUT_EXCL, 1, 0)  # a cookie no netns has
+    try:
+        m.update(key, b"\x01")
+        assert m.lookup(key) == b"\x01"
+        assert key in set(m.keys())
+    finally:
+        assert m.delete(key)
+    assert m.lookup(key) is None and not m.delete(key)
