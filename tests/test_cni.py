@@ -1,0 +1,389 @@
+"""redirect-cni: annotations, the installer, and the plugin driven the way a runtime drives it.
+
+The plugin tests exec the real console script with CNI env vars and a config on
+stdin against a pod netns from the kit, then send real traffic.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from redirect.annotations import config_from_annotations, wants_capture
+from redirect.cni import install as inst
+from redirect.cni.plugin import convert_result, encode_annotations, parse_cni_args, pod_annotations
+from redirect.config import RedirectConfig
+from redirect.errors import ConfigError
+from tests.netkit import Pod, TcpListener, landing
+
+PLUGIN = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
+T = "traffic.sidecar.istio.io/"
+
+# --- annotations ---------------------------------------------------------------------------
+
+
+def test_annotations_map_onto_config_fields() -> None:
+    cfg = config_from_annotations({
+        T + "includeOutboundIPRanges": "10.0.0.0/8, 192.168.0.0/16",
+        T + "excludeOutboundIPRanges": "10.96.0.1/32",
+        T + "includeInboundPorts": "8080,9090",
+        T + "excludeInboundPorts": "22",
+        T + "includeOutboundPorts": "5432",
+        T + "excludeOutboundPorts": "3306",
+        T + "excludeInterfaces": "eth1",
+        "istio.io/reroute-virtual-interfaces": "tap0",
+        "sidecar.istio.io/interceptionMode": "TPROXY",
+        "sidecar.istio.io/proxyUID": "1500",
+        "sidecar.istio.io/proxyGID": "1501",
+        "unrelated.example.com/foo": "bar",
+    })
+    assert cfg.outbound_cidrs == ("10.0.0.0/8", "192.168.0.0/16")
+    assert cfg.outbound_exclude_cidrs == ("10.96.0.1/32",)
+    assert cfg.inbound_ports == (8080, 9090)
+    assert cfg.inbound_exclude_ports == (22, 15020, 15021, 15090)  # Istio always adds the proxy's ports
+    assert cfg.outbound_ports == (5432,)
+    assert cfg.outbound_exclude_ports == (3306,)
+    assert cfg.exclude_interfaces == ("eth1",)
+    assert cfg.reroute_interfaces == ("tap0",)
+    assert cfg.inbound_interception == "TPROXY"
+    assert (cfg.proxy_uids, cfg.proxy_gids) == ((1500,), (1501,))
+
+
+def test_annotations_star_kubevirt_alias_status_port_and_base() -> None:
+    base = RedirectConfig(outbound_exclude_ports=(22,))
+    cfg = config_from_annotations({
+        T + "includeOutboundIPRanges": "*", T + "includeInboundPorts": "*",
+        T + "kubevirtInterfaces": "net1", "status.sidecar.istio.io/port": "15999",
+    }, base)
+    assert cfg.outbound_cidrs == "*" and cfg.inbound_ports == "*"
+    assert cfg.reroute_interfaces == ("net1",)
+    assert 15999 in cfg.inbound_exclude_ports
+    assert cfg.outbound_exclude_ports == (22,)  # the base survives
+    assert config_from_annotations({}, base) is base
+
+
+@pytest.mark.parametrize("ann,value", [
+    (T + "includeOutboundIPRanges", "10.0.0.0/33"),
+    (T + "excludeOutboundIPRanges", "*"),
+    (T + "includeInboundPorts", "80,http"),
+    (T + "excludeInboundPorts", "70000"),
+    (T + "excludeOutboundPorts", "-1"),
+    (T + "excludeInterfaces", "bad/name"),
+    ("istio.io/reroute-virtual-interfaces", "lo"),
+    ("sidecar.istio.io/interceptionMode", "MAGIC"),
+    ("sidecar.istio.io/proxyUID", "nobody-such-user-xyz"),
+    ("status.sidecar.istio.io/port", "1,2"),
+])
+def test_bad_annotation_names_annotation_and_value(ann: str, value: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        config_from_annotations({ann: value})
+    assert ei.value.field == ann
+    assert ei.value.value == value
+    assert ann in str(ei.value)
+
+
+def test_opt_outs() -> None:
+    assert wants_capture({})
+    assert not wants_capture({"sidecar.istio.io/inject": "false"})
+    assert not wants_capture({"sidecar.istio.io/interceptionMode": "NONE"})
+    assert wants_capture({"sidecar.istio.io/inject": "true"})
+
+
+# --- plugin helpers (no kernel) -----------------------------------------------------------------
+
+
+def test_cni_args_and_annotation_sources_merge_in_order() -> None:
+    enc = encode_annotations({"a": "4"})
+    assert "=" not in enc  # Go plugins split CNI_ARGS pairs on every "="
+    args = parse_cni_args(f"IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;REDIRECT_ANNOTATIONS={enc}")
+    assert args["K8S_POD_NAMESPACE"] == "ns"
+    conf = {"args": {"cni": {"annotations": {"a": "1", "b": "1", "c": "1"}}},
+            "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"a": "2", "b": "2"}, "podAnnotations": {"a": "3"}}}
+    assert pod_annotations(conf, args) == {"a": "4", "b": "2", "c": "1"}
+    padded = base64.urlsafe_b64encode(json.dumps({"x": "y"}).encode()).decode()
+    assert pod_annotations({}, {"REDIRECT_ANNOTATIONS": padded}) == {"x": "y"}
+
+
+def test_prev_result_conversion() -> None:
+    prev = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0"}], "ips": [{"address": "10.1.0.5/24"},
+                                                                            {"address": "fd00::5/64"}]}
+    old = convert_result(prev, "0.4.0")
+    assert [ip["version"] for ip in old["ips"]] == ["4", "6"] and old["cniVersion"] == "0.4.0"
+    back = convert_result(old, "1.0.0")
+    assert back == prev
+    assert convert_result(None, "1.0.0")["cniVersion"] == "1.0.0"
+
+
+# --- installer ------------------------------------------------------------------------------------
+
+CONFLISTS = {
+    "indented": '{\n  "cniVersion": "1.0.0",\n  "name": "k8s",\n  "plugins": [\n    {\n      "type": "bridge",\n'
+                '      "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.9.0.0/16"}]]}\n    },\n'
+                '    {"type": "portmap", "capabilities": {"portMappings": true}}\n  ]\n}\n',
+    "compact": '{"cniVersion":"0.4.0","name":"n","plugins":[{"type":"ptp","note":"a \\"]\\" in a string"}]}',
+    "empty": '{"cniVersion": "1.0.0", "name": "e", "plugins": []}\n',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFLISTS))
+def test_install_uninstall_round_trip_is_byte_identical(tmp_path: Any, kind: str) -> None:
+    conf_dir, bin_dir = tmp_path / "net.d", tmp_path / "bin"
+    conf_dir.mkdir()
+    path = conf_dir / "10-net.conflist"
+    original = CONFLISTS[kind].encode()
+    path.write_bytes(original)
+    os.chmod(path, 0o600)
+    assert inst.install(str(conf_dir), str(bin_dir), {"backend": "iptables"}) == str(path)
+    doc = json.loads(path.read_text())
+    assert [p["type"] for p in doc["plugins"]][-1] == "redirect-cni"
+    before = json.loads(original)["plugins"]
+    assert doc["plugins"][: len(before)] == before  # every other plugin kept, in order
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert inst.install(str(conf_dir), str(bin_dir), {"backend": "iptables"}) is None  # no duplicate
+    assert sum(p["type"] == "redirect-cni" for p in json.loads(path.read_text())["plugins"]) == 1
+    launcher = bin_dir / "redirect-cni"
+    assert os.access(launcher, os.X_OK) and launcher.read_text().startswith(f"#!{sys.executable}")
+    assert inst.uninstall(str(conf_dir), str(bin_dir)) == [str(path)]
+    assert path.read_bytes() == original
+    assert not launcher.exists()
+    assert sorted(os.listdir(conf_dir)) == ["10-net.conflist"]  # no temp files left
+
+
+def test_install_replaces_an_outdated_entry(tmp_path: Any) -> None:
+    (tmp_path / "10-a.conflist").write_text(CONFLISTS["indented"])
+    inst.install(str(tmp_path), None, {"mode": "sidecar"})
+    inst.install(str(tmp_path), None, {"excludeNamespaces": ["kube-system"]})
+    mine = [p for p in json.loads((tmp_path / "10-a.conflist").read_text())["plugins"] if p["type"] == "redirect-cni"]
+    assert len(mine) == 1 and mine[0]["excludeNamespaces"] == ["kube-system"]
+
+
+def test_single_conf_becomes_conflist_and_comes_back(tmp_path: Any) -> None:
+    original = b'{"cniVersion": "0.3.1", "name": "mynet", "type": "bridge", "bridge": "cni0",\n "ipam": {}}\n'
+    conf = tmp_path / "10-mynet.conf"
+    conf.write_bytes(original)
+    os.chmod(conf, 0o640)
+    target = inst.install(str(tmp_path), None)
+    assert target == str(tmp_path / "10-mynet.conflist") and not conf.exists()
+    doc = json.loads((tmp_path / "10-mynet.conflist").read_text())
+    assert doc["cniVersion"] == "0.3.1" and doc["name"] == "mynet"
+    assert [p["type"] for p in doc["plugins"]] == ["bridge", "redirect-cni"]
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o640
+    assert inst.install(str(tmp_path), None) is None  # the mark is kept, nothing changes
+    inst.uninstall(str(tmp_path), None)
+    assert os.listdir(tmp_path) == ["10-mynet.conf"]
+    assert conf.read_bytes() == original and stat.S_IMODE(conf.stat().st_mode) == 0o640
+
+
+def test_standalone_and_errors(tmp_path: Any) -> None:
+    with pytest.raises(inst.InstallError, match="no network config"):
+        inst.install(str(tmp_path), None)
+    (tmp_path / "00-bad.conflist").write_text("{not json")
+    with pytest.raises(inst.InstallError, match="not valid JSON"):
+        inst.install(str(tmp_path), None)
+    (tmp_path / "00-bad.conflist").unlink()
+    path = inst.install(str(tmp_path), None, standalone="50-redirect.conflist", primary=[{"type": "loopback"}])
+    assert [p["type"] for p in json.loads(open(path).read())["plugins"]] == ["loopback", "redirect-cni"]
+    inst.uninstall(str(tmp_path), None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_watch_re_adds_after_another_tool_rewrites(tmp_path: Any) -> None:
+    path = tmp_path / "10-net.conflist"
+    path.write_text(CONFLISTS["compact"])
+    stop = threading.Event()
+    seen: list[str] = []
+    t = threading.Thread(target=inst.watch, args=(stop, str(tmp_path), None),
+                         kwargs={"interval": 0.05, "max_seconds": 10, "on_install": seen.append}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(seen) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        path.write_text(CONFLISTS["compact"])  # the primary CNI rewrites its file
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        t.join(5)
+    assert not t.is_alive()
+    assert len(seen) == 2
+    assert json.loads(path.read_text())["plugins"][-1]["type"] == "redirect-cni"
+
+
+def test_cli_install_uninstall(tmp_path: Any) -> None:
+    (tmp_path / "10-net.conflist").write_text(CONFLISTS["empty"])
+    env = {k: v for k, v in os.environ.items() if k != "CNI_COMMAND"}
+    args = ["--conf-dir", str(tmp_path), "--bin-dir", str(tmp_path / "bin")]
+    p = subprocess.run([PLUGIN, "install", *args, "--plugin-config", '{"logLevel": "debug"}'],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "10-net.conflist").read_text())["plugins"][0]["logLevel"] == "debug"
+    p = subprocess.run([PLUGIN, "uninstall", *args], env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "10-net.conflist").read_text() == CONFLISTS["empty"]
+
+
+# --- the plugin against a real netns ---------------------------------------------------------------
+
+PREV = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "x"}],
+        "ips": [{"address": "10.250.0.2/24", "interface": 0}], "dns": {}}
+
+
+def netconf(version: str = "1.0.0", prev: dict[str, Any] | None = PREV, **ours: Any) -> dict[str, Any]:
+    conf: dict[str, Any] = {"cniVersion": version, "name": "rdrt-test", "type": "redirect-cni", **ours}
+    if prev is not None:
+        conf["prevResult"] = convert_result(prev, version)
+    return conf
+
+
+def cni(command: str, conf: dict[str, Any] | bytes, netns: str = "", args: str = "",
+        container: str = "ctr1") -> tuple[int, dict[str, Any] | None]:
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
+           "CNI_CONTAINERID": container, "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
+           "CNI_ARGS": args}
+    data = conf if isinstance(conf, bytes) else json.dumps(conf).encode()
+    p = subprocess.run([PLUGIN], input=data, env=env, capture_output=True, timeout=30)
+    out = json.loads(p.stdout) if p.stdout.strip() else None
+    return p.returncode, out
+
+
+def ours_installed(netns: str) -> bool:
+    text = ""
+    for tool in ("iptables-save", "ip6tables-save", "iptables-legacy-save", "ip6tables-legacy-save"):
+        text += subprocess.run(["ip", "netns", "exec", netns, tool], capture_output=True, text=True).stdout
+    return "RDR_" in text
+
+
+def where(pod: Pod, port: int, *listeners: TcpListener) -> tuple[str | None, Any]:
+    hit = landing(pod.name, pod.peer_ip4, port, *listeners)
+    return hit.label, hit.orig_dst
+
+
+def test_version() -> None:
+    rc, out = cni("VERSION", {"cniVersion": "0.4.0"})
+    assert rc == 0
+    assert out == {"cniVersion": "0.4.0", "supportedVersions": ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]}
+
+
+def test_add_check_del_captures_and_cleans_up(pod: Pod) -> None:
+    conf = netconf()
+    with TcpListener(pod.name, 15001, label="proxy") as proxy, TcpListener(pod.peer_name, 8080, label="app") as app:
+        assert where(pod, 8080, proxy, app)[0] == "app"
+        t0 = time.perf_counter()
+        rc, out = cni("ADD", conf, pod.path)
+        add_ms = (time.perf_counter() - t0) * 1e3
+        assert rc == 0, out
+        assert out == PREV  # prevResult passed through unchanged
+        assert where(pod, 8080, proxy, app) == ("proxy", (pod.peer_ip4, 8080))
+        assert cni("ADD", conf, pod.path)[0] == 0  # a repeated ADD is harmless
+        assert cni("CHECK", conf, pod.path) == (0, None)
+        assert cni("DEL", conf, pod.path) == (0, None)
+        assert not ours_installed(pod.name)
+        assert where(pod, 8080, proxy, app)[0] == "app"
+        assert cni("DEL", conf, pod.path) == (0, None)  # idempotent
+    print(f"ADD latency (exec + setup): {add_ms:.0f} ms")
+
+
+def test_add_converts_prev_result_to_old_versions(pod: Pod) -> None:
+    for version in ("0.3.1", "0.4.0"):
+        rc, out = cni("ADD", netconf(version), pod.path)
+        assert rc == 0 and out is not None
+        assert out["cniVersion"] == version and out["ips"][0]["version"] == "4"
+    assert cni("CHECK", netconf("0.3.1"), pod.path)[1]["code"] == 1  # type: ignore[index]
+    assert cni("DEL", netconf("0.3.1"), pod.path)[0] == 0
+
+
+def test_check_finds_tampering(pod: Pod) -> None:
+    conf = netconf()
+    assert cni("ADD", conf, pod.path)[0] == 0
+    subprocess.run(["ip", "netns", "exec", pod.name, "iptables", "-t", "nat", "-F", "RDR_OUTPUT"], check=False)
+    subprocess.run(["ip", "netns", "exec", pod.name, "iptables-legacy", "-t", "nat", "-F", "RDR_OUTPUT"],
+                   check=False, capture_output=True)
+    rc, out = cni("CHECK", conf, pod.path)
+    assert rc == 1 and out is not None and out["code"] == 104 and out["details"]
+    assert cni("DEL", conf, pod.path)[0] == 0
+
+
+def test_del_when_netns_is_gone() -> None:
+    assert cni("DEL", netconf(), "/run/netns/rdrt-does-not-exist") == (0, None)
+    assert cni("DEL", netconf(), "") == (0, None)
+
+
+def test_bad_annotation_fails_closed(pod: Pod) -> None:
+    enc = encode_annotations({T + "excludeOutboundPorts": "22,ssh"})
+    args = f"K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;REDIRECT_ANNOTATIONS={enc}"
+    rc, out = cni("ADD", netconf(), pod.path, args=args)
+    assert rc == 1 and out is not None and out["code"] == 101
+    assert T + "excludeOutboundPorts" in out["msg"] and "22,ssh" in out["msg"] and "default/web" in out["msg"]
+    assert not ours_installed(pod.name)
+    conf = netconf(runtimeConfig={"io.kubernetes.cri.pod-annotations": {"sidecar.istio.io/interceptionMode": "X"}})
+    rc, out = cni("ADD", conf, pod.path)
+    assert rc == 1 and out is not None and out["code"] == 101 and "interceptionMode" in out["msg"]
+    assert not ours_installed(pod.name)
+
+
+def test_annotations_from_runtime_config_apply(pod: Pod) -> None:
+    conf = netconf(runtimeConfig={"io.kubernetes.cri.pod-annotations": {T + "excludeOutboundPorts": "8081"}})
+    with TcpListener(pod.name, 15001, label="proxy") as proxy, \
+            TcpListener(pod.peer_name, 8080, label="app") as app, TcpListener(pod.peer_name, 8081, label="db") as db:
+        assert cni("ADD", conf, pod.path)[0] == 0
+        assert where(pod, 8080, proxy, app, db)[0] == "proxy"
+        assert where(pod, 8081, proxy, app, db)[0] == "db"
+        assert cni("CHECK", conf, pod.path)[0] == 0
+        assert cni("DEL", conf, pod.path)[0] == 0
+
+
+def test_excluded_namespace_and_opt_out_are_not_captured(pod: Pod) -> None:
+    conf = netconf(excludeNamespaces=["kube-system"])
+    rc, out = cni("ADD", conf, pod.path, args="K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=dns")
+    assert rc == 0 and out == PREV and not ours_installed(pod.name)
+    conf = netconf(args={"cni": {"annotations": {"sidecar.istio.io/inject": "false"}}})
+    assert cni("ADD", conf, pod.path) == (0, PREV) and not ours_installed(pod.name)
+
+
+@pytest.mark.parametrize("conf,code", [
+    (b"{not json", 6),
+    (json.dumps({"cniVersion": "0.2.0", "name": "x", "type": "redirect-cni"}).encode(), 1),
+    (json.dumps(netconf(capture={"proxy_port": 0})).encode(), 4),
+    (json.dumps(netconf(capture={"no_such_field": 1})).encode(), 4),
+    (json.dumps(netconf(mode="both")).encode(), 4),
+    (json.dumps(netconf(backend="nope")).encode(), 102),
+])
+def test_config_errors_have_cni_codes(pod: Pod, conf: bytes, code: int) -> None:
+    rc, out = cni("ADD", conf, pod.path)
+    assert rc == 1 and out is not None and out["code"] == code and out["msg"]
+    assert set(out) == {"cniVersion", "code", "msg", "details"}
+    assert not ours_installed(pod.name)
+
+
+def test_env_errors_status_and_gc(pod: Pod) -> None:
+    rc, out = cni("ADD", netconf(), "")
+    assert rc == 1 and out is not None and out["code"] == 7 and "CNI_NETNS" in out["msg"]
+    rc, out = cni("ADD", netconf(), "/run/netns/rdrt-does-not-exist")
+    assert rc == 1 and out is not None and out["code"] == 7
+    rc, out = cni("ADD", netconf(), pod.path, args="garbage")
+    assert rc == 1 and out is not None and out["code"] == 7
+    assert cni("BOGUS", netconf())[1]["code"] == 7  # type: ignore[index]
+    assert cni("STATUS", netconf("1.1.0")) == (0, None)
+    rc, out = cni("STATUS", netconf("1.1.0", mode="ambient", agentSocket="/run/rdrt-no-agent.sock"))
+    assert rc == 1 and out is not None and out["code"] == 50
+    assert cni("GC", netconf("1.1.0")) == (0, None)
+
+
+def test_ambient_with_agent_socket_fails_closed_until_the_agent_exists(pod: Pod) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("redirect.agent") is not None:
+        pytest.skip("redirect.agent exists now: its own tests cover the hand-off")
+    rc, out = cni("ADD", netconf(mode="ambient", agentSocket="/run/rdrt-agent.sock"), pod.path)
+    assert rc == 1 and out is not None and out["code"] == 103 and "node agent" in out["msg"]
+    assert not ours_installed(pod.name)
