@@ -232,11 +232,15 @@ def _ensure_bpffs(root: str) -> None:
         raise BackendUnavailable(f"ebpf: pin root {root!r} is not on a bpffs mount")
 
 
+def _lock_path(root: str) -> str:
+    return "/run/lock/redirect-ebpf-" + re.sub(r"[^A-Za-z0-9]", "_", root) + ".lock"
+
+
 @contextlib.contextmanager
 def _host_lock(root: str) -> Iterator[None]:
     """One loader per host at a time (other processes too)."""
     os.makedirs("/run/lock", exist_ok=True)
-    name = "/run/lock/redirect-ebpf-" + re.sub(r"[^A-Za-z0-9]", "_", root) + ".lock"
+    name = _lock_path(root)
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -456,6 +460,9 @@ def unload_host(root: str | None = None) -> bool:
                 h.close()
         existed = os.path.exists(r)
         _unpin_all(r)
+        if r != DEFAULT_ROOT:  # a scratch root (tests): leave no lock file behind either
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_lock_path(r))
         return existed
 
 
