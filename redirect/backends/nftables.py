@@ -19,7 +19,9 @@ Families. The table is ``inet``: a rule without a family matches IPv4 and IPv6; 
 rule of one family carries ``ip``/``ip6`` address matches (which imply the family)
 or ``meta nfproto ipv4/ipv6``. When a family is not wanted (``families=(4,)``: the
 iptables backend then installs no IPv6 rules at all) every base chain starts with
-``meta nfproto ipv6 return``, so IPv6 is left exactly as uncaptured as there.
+``meta nfproto ipv6 return``, so IPv6 is left exactly as uncaptured as there. (One
+side effect remains: an inet nat chain turns on conntrack for IPv6 too, so IPv6
+connections are tracked, though never NATed, where iptables would not track them.)
 
 Verdicts, compared with the iptables backend (where our chains hang off the
 built-in chains with one appended ``-j RDR_*`` jump):
