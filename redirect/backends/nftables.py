@@ -580,9 +580,7 @@ class NftablesBackend:
 
     def _apply(self, nft: Any, desired: Ruleset, plan: Plan, families: tuple[int, ...]) -> Installed:
         current = read_table(nft)
-        routes = tuple(r for r in plan.routes if r.family in families)
-        addresses = tuple(a for a in plan.addresses if a.family in families)
-        txn = rt.RouteTxn(routes, addresses, families)
+        txn = rt.txn_for(plan, families)  # the same routes and addresses as the iptables backend
         same = current is not None and not diff_rulesets(current, desired)
         detail = {"table": f"{FAMILY} {TABLE}", "chains": list(desired)}
         if same and not txn.changed and not _EXTRA_COMMANDS_FOR_TESTS:
@@ -641,17 +639,7 @@ class NftablesBackend:
             diffs = [f"table {FAMILY} {TABLE} is not installed"]
         else:
             diffs = diff_rulesets(current, desired)
-        state = rt.read_ours()
-        want_routes = {r for r in plan.routes if r.family in families}
-        want_addrs = {a for a in plan.addresses if a.family in families}
-        for r in sorted(want_routes - state.routes, key=str):
-            diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
-        for r in sorted(state.routes - want_routes, key=str):
-            diffs.append(f"unexpected policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
-        for a in sorted(want_addrs - state.addresses, key=str):
-            diffs.append(f"missing address {a.cidr} on {a.dev}")
-        for a in sorted(state.addresses - want_addrs, key=str):
-            diffs.append(f"unexpected address {a.cidr} on {a.dev}")
+        diffs += rt.differences(plan, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
