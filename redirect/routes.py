@@ -1,4 +1,4 @@
-"""Policy routes and local addresses a plan needs, over netlink (pyroute2).
+"""Policy routes and local addresses a plan needs, over rtnetlink (``redirect.rtnl``).
 
 Everything we create carries routing protocol ``RT_PROTO`` (rules: FRA_PROTOCOL,
 routes: rtm_protocol, addresses: IFA_PROTO), so what is ours is found in the kernel
@@ -12,16 +12,14 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
+from . import rtnl
 from .plan import LocalAddress, Plan, PolicyRoute
 
 #: Our routing protocol number (unassigned in iproute2's rt_protos).
 RT_PROTO = 201
 RULE_PRIORITY = 32764
+IFA_F_NODAD = 0x02  # usable at once
 _AF = {4: socket.AF_INET, 6: socket.AF_INET6}
-_DEFAULT = {4: "0.0.0.0", 6: "::"}
 
 
 @dataclass(frozen=True)
@@ -32,107 +30,77 @@ class RouteState:
     addresses: frozenset[LocalAddress]
 
 
-def _lo_index(ipr: IPRoute) -> int:
-    return int(ipr.link_lookup(ifname="lo")[0])
-
-
-def _all_routes(ipr: IPRoute, fam: int) -> list[Any]:
-    """Our routes, in every table."""
-    return list(ipr.get_routes(family=_AF[fam], match={"proto": RT_PROTO}))
+def _ip(raw: bytes) -> str:
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
 def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
-    """Read back our policy routes (rule + local default route) and addresses."""
+    """Read back our policy routes (rule + local default route) and addresses (raw netlink)."""
     routes: set[PolicyRoute] = set()
     addresses: set[LocalAddress] = set()
-    with IPRoute() as ipr:
-        for fam in families:
-            tables_with_local = {
-                r.get("table") if r.get_attr("RTA_TABLE") is None else r.get_attr("RTA_TABLE")
-                for r in _all_routes(ipr, fam)
-                if r["proto"] == RT_PROTO
-            }
-            for rule in ipr.get_rules(family=_AF[fam]):
-                if rule.get_attr("FRA_PROTOCOL") != RT_PROTO:
-                    continue
-                table = rule.get_attr("FRA_TABLE") or rule["table"]
-                if table not in tables_with_local:
-                    continue  # half a policy route: reported as missing, repaired by apply
-                fwmark = rule.get_attr("FRA_FWMARK") or 0
-                mask = rule.get_attr("FRA_FWMASK")
-                routes.add(PolicyRoute(fam, fwmark, 0xFFFFFFFF if mask is None else mask, table))  # type: ignore[arg-type]
-            for a in ipr.get_addr(family=_AF[fam]):
-                if a.get_attr("IFA_PROTO") == RT_PROTO:
-                    dev = ipr.get_links(a["index"])[0].get_attr("IFLA_IFNAME")
-                    addresses.add(LocalAddress(fam, f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", dev))  # type: ignore[arg-type]
+    names: dict[int, str] | None = None
+    for fam in families:
+        af = _AF[fam]
+        tables_with_local = {
+            (m.u32(rtnl.RTA_TABLE) or m.fields[3]) for m in rtnl.dump(rtnl.RTM_GETROUTE, af)
+            if m.fields[4] == RT_PROTO  # rtmsg.rtm_protocol
+        }
+        for m in rtnl.dump(rtnl.RTM_GETRULE, af):
+            if m.u8(rtnl.FRA_PROTOCOL) != RT_PROTO:
+                continue
+            table = m.u32(rtnl.FRA_TABLE) or m.fields[3]
+            if table not in tables_with_local:
+                continue  # half a policy route: reported as missing, repaired by apply
+            mask = m.u32(rtnl.FRA_FWMASK)
+            routes.add(PolicyRoute(fam, m.u32(rtnl.FRA_FWMARK) or 0, 0xFFFFFFFF if mask is None else mask,  # type: ignore[arg-type]
+                                   table))
+        for m in rtnl.dump(rtnl.RTM_GETADDR, af):
+            if m.u8(rtnl.IFA_PROTO) == RT_PROTO and rtnl.IFA_ADDRESS in m.attrs:
+                names = rtnl.link_names() if names is None else names
+                addresses.add(LocalAddress(fam, f"{_ip(m.attrs[rtnl.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
+                                           names.get(m.fields[3], "?")))
     return RouteState(frozenset(routes), frozenset(addresses))
 
 
-def _rule(ipr: IPRoute, op: str, r: PolicyRoute) -> None:
-    ipr.rule(op, family=_AF[r.family], table=r.table, priority=RULE_PRIORITY, fwmark=r.fwmark,
-             fwmask=r.mask, FRA_PROTOCOL=RT_PROTO)
+# errno values a change may meet that mean "already as wanted"
+EEXIST, ENOENT, ESRCH, ENODEV, EADDRNOTAVAIL, ENETDOWN = 17, 2, 3, 19, 99, 100
 
 
-def _route(ipr: IPRoute, op: str, r: PolicyRoute) -> None:
+def _ignoring(codes: tuple[int, ...], fn: Any, *args: Any) -> None:
     try:
-        ipr.route(op, family=_AF[r.family], dst=_DEFAULT[r.family], dst_len=0, type="local",
-                  oif=_lo_index(ipr), table=r.table, proto=RT_PROTO, scope=254)
-    except NetlinkError as e:
-        if e.code == 100:  # ENETDOWN
-            raise NetlinkError(e.code, "lo is down in this namespace; bring it up (ip link set lo up)") from None
-        raise
-
-
-def _addr(ipr: IPRoute, op: str, a: LocalAddress) -> None:
-    addr, plen = a.cidr.split("/")
-    idx = int(ipr.link_lookup(ifname=a.dev)[0])
-    kw: dict[str, Any] = {"index": idx, "address": addr, "prefixlen": int(plen), "family": _AF[a.family]}
-    if op == "add":
-        kw["IFA_PROTO"] = RT_PROTO
-        kw["IFA_FLAGS"] = 0x02  # IFA_F_NODAD: usable at once
-    ipr.addr(op, **kw)
+        fn(*args)
+    except OSError as e:
+        if e.errno == ENETDOWN:
+            raise OSError(e.errno, "lo is down in this namespace; bring it up (ip link set lo up)") from None
+        if e.errno not in codes:
+            raise
 
 
 def add_route(r: PolicyRoute) -> None:
-    with IPRoute() as ipr:
-        try:
-            _route(ipr, "add", r)
-        except NetlinkError as e:
-            if e.code != 17:  # EEXIST: an identical route is fine
-                raise
-        try:
-            _rule(ipr, "add", r)
-        except NetlinkError as e:
-            if e.code != 17:
-                raise
+    """The local default route in ``r.table``, then the fwmark rule that leads to it."""
+    lo = rtnl.link_index("lo")
+    _ignoring((EEXIST,), rtnl.local_default_route, "add", _AF[r.family], r.table, lo, RT_PROTO)
+    _ignoring((EEXIST,), rtnl.fwmark_rule, "add", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY, RT_PROTO)
 
 
 def remove_route(r: PolicyRoute) -> None:
-    with IPRoute() as ipr:
-        for fn in (_rule, _route):
-            try:
-                fn(ipr, "del", r)
-            except NetlinkError as e:
-                if e.code not in (2, 3):  # ENOENT, ESRCH: already gone
-                    raise
+    _ignoring((ENOENT, ESRCH), rtnl.fwmark_rule, "del", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY,
+              RT_PROTO)
+    _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[r.family], r.table, rtnl.link_index("lo"),
+              RT_PROTO)
+
+
+def _address_args(a: LocalAddress) -> tuple[int, int, str, int]:
+    address, plen = a.cidr.split("/")
+    return _AF[a.family], rtnl.link_index(a.dev), address, int(plen)
 
 
 def add_address(a: LocalAddress) -> None:
-    with IPRoute() as ipr:
-        try:
-            _addr(ipr, "add", a)
-        except NetlinkError as e:
-            if e.code != 17:
-                raise
+    _ignoring((EEXIST,), rtnl.addr, "add", *_address_args(a), RT_PROTO, IFA_F_NODAD)
 
 
 def remove_address(a: LocalAddress) -> None:
-    with IPRoute() as ipr:
-        try:
-            _addr(ipr, "del", a)
-        except NetlinkError as e:
-            if e.code not in (2, 19, 99):  # ENOENT, ENODEV, EADDRNOTAVAIL
-                raise
+    _ignoring((ENOENT, ENODEV, EADDRNOTAVAIL), rtnl.addr, "del", *_address_args(a), RT_PROTO)
 
 
 def ipv6_enabled() -> bool:
@@ -230,24 +198,16 @@ def remove_all_ours() -> bool:
         remove_address(a)
     # Stray halves (a rule without its route or the reverse) are ours too.
     stray = False
-    with IPRoute() as ipr:
-        for fam in (4, 6):
-            for rule in ipr.get_rules(family=_AF[fam]):
-                if rule.get_attr("FRA_PROTOCOL") == RT_PROTO:
-                    stray = True
-                    try:
-                        ipr.rule("del", family=_AF[fam], priority=rule.get_attr("FRA_PRIORITY"),
-                                 table=rule.get_attr("FRA_TABLE") or rule["table"],
-                                 fwmark=rule.get_attr("FRA_FWMARK"), fwmask=rule.get_attr("FRA_FWMASK"))
-                    except NetlinkError:
-                        pass
-            for rt in _all_routes(ipr, fam):
-                if rt["proto"] == RT_PROTO:
-                    stray = True
-                    try:
-                        ipr.route("del", family=_AF[fam], dst=_DEFAULT[fam], dst_len=0, type="local",
-                                  table=rt.get_attr("RTA_TABLE"), proto=RT_PROTO,
-                                  oif=rt.get_attr("RTA_OIF"))
-                    except NetlinkError:
-                        pass
+    for fam in (4, 6):
+        for m in rtnl.dump(rtnl.RTM_GETRULE, _AF[fam]):
+            if m.u8(rtnl.FRA_PROTOCOL) == RT_PROTO:
+                stray = True
+                _ignoring((ENOENT, ESRCH), rtnl.fwmark_rule, "del", _AF[fam], m.u32(rtnl.FRA_FWMARK) or 0,
+                          m.u32(rtnl.FRA_FWMASK) or 0xFFFFFFFF, m.u32(rtnl.FRA_TABLE) or m.fields[3],
+                          m.u32(rtnl.FRA_PRIORITY) or 0, RT_PROTO)
+        for m in rtnl.dump(rtnl.RTM_GETROUTE, _AF[fam]):
+            if m.fields[4] == RT_PROTO:
+                stray = True
+                _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[fam],
+                          m.u32(rtnl.RTA_TABLE) or m.fields[3], m.u32(rtnl.RTA_OIF) or 0, RT_PROTO)
     return bool(state.routes or state.addresses or stray)

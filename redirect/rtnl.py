@@ -1,0 +1,182 @@
+"""A tiny read-only rtnetlink client: dump rules, routes and addresses.
+
+Reading our policy routes happens on every setup, check and teardown; importing
+pyroute2 costs ~180 ms, which would dominate a per-pod exec (the CNI plugin,
+``redirect init``). So reads go through this ~100-line dumper over a raw
+``NETLINK_ROUTE`` socket, and pyroute2 is imported only when something has to
+change. Acts on the netns of the calling thread (the socket is opened there).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+
+NETLINK_ROUTE = 0
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+RTM_GETLINK, RTM_GETADDR, RTM_GETROUTE, RTM_GETRULE = 18, 22, 26, 34
+
+# attribute numbers (linux/fib_rules.h, rtnetlink.h, if_addr.h, if_link.h)
+FRA_PRIORITY, FRA_FWMARK, FRA_TABLE, FRA_FWMASK, FRA_PROTOCOL = 6, 10, 15, 16, 21
+RTA_OIF, RTA_TABLE = 4, 15
+IFA_ADDRESS, IFA_PROTO = 1, 11
+IFLA_IFNAME = 3
+
+_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_ATTR = struct.Struct("=HH")
+
+
+@dataclass
+class Msg:
+    """One dumped object: its fixed header fields and its attributes (raw bytes)."""
+
+    family: int
+    fields: tuple[int, ...]
+    attrs: dict[int, bytes] = field(default_factory=dict)
+
+    def u32(self, attr: int) -> int | None:
+        v = self.attrs.get(attr)
+        return None if v is None else int(struct.unpack("=I", v[:4])[0])
+
+    def u8(self, attr: int) -> int | None:
+        v = self.attrs.get(attr)
+        return None if v is None else v[0]
+
+
+# request body and the struct of the reply's fixed part, per message type
+_BODY = {
+    RTM_GETRULE: ("=BBBBBBBBI", 12),  # fib_rule_hdr: family dst_len src_len tos table res1 res2 action flags
+    RTM_GETROUTE: ("=BBBBBBBBI", 12),  # rtmsg: family dst_len src_len tos table protocol scope type flags
+    RTM_GETADDR: ("=BBBBI", 8),  # ifaddrmsg: family prefixlen flags scope index
+    RTM_GETLINK: ("=BxHiII", 16),  # ifinfomsg: family type index flags change
+}
+
+
+def dump(kind: int, family: int = socket.AF_UNSPEC) -> list[Msg]:
+    fmt, size = _BODY[kind]
+    body = struct.pack(fmt, family, *([0] * (len(struct.unpack(fmt, bytes(size))) - 1)))
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_ROUTE)
+    try:
+        s.settimeout(5)
+        s.bind((0, 0))
+        seq = 1
+        s.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        out: list[Msg] = []
+        while True:
+            data = s.recv(1 << 16)
+            off = 0
+            while off + _HDR.size <= len(data):
+                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, off)
+                if length < _HDR.size:
+                    return out
+                if mseq == seq:
+                    if mtype == NLMSG_DONE:
+                        return out
+                    if mtype == NLMSG_ERROR:
+                        err = -struct.unpack_from("=i", data, off + _HDR.size)[0]
+                        if err:
+                            raise OSError(err, os.strerror(err))
+                        return out
+                    payload = data[off + _HDR.size : off + length]
+                    fixed = struct.unpack_from(fmt, payload, 0)
+                    msg = Msg(fixed[0], tuple(fixed[1:]))
+                    a = (size + 3) & ~3
+                    while a + _ATTR.size <= len(payload):
+                        alen, atype = _ATTR.unpack_from(payload, a)
+                        if alen < _ATTR.size:
+                            break
+                        msg.attrs[atype & 0x3FFF] = payload[a + _ATTR.size : a + alen]
+                        a += (alen + 3) & ~3
+                    out.append(msg)
+                off += (length + 3) & ~3
+    finally:
+        s.close()
+
+
+def link_names() -> dict[int, str]:
+    out = {}
+    for m in dump(RTM_GETLINK):
+        name = m.attrs.get(IFLA_IFNAME, b"").rstrip(b"\0").decode()
+        out[m.fields[1]] = name  # fields: type, index, flags, change
+    return out
+
+
+# --- changes -------------------------------------------------------------------------
+
+RTM_NEWADDR, RTM_DELADDR, RTM_NEWROUTE, RTM_DELROUTE, RTM_NEWRULE, RTM_DELRULE = 20, 21, 24, 25, 32, 33
+NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x4, 0x200, 0x400
+IFA_LOCAL, IFA_FLAGS = 2, 8
+RTA_DST = 1
+FR_ACT_TO_TBL = 1
+RTN_LOCAL = 2
+RT_SCOPE_HOST = 254
+
+
+def _attr(kind: int, value: bytes) -> bytes:
+    raw = _ATTR.pack(_ATTR.size + len(value), kind) + value
+    return raw + b"\0" * ((4 - len(raw) % 4) % 4)
+
+
+def _u32(v: int) -> bytes:
+    return struct.pack("=I", v)
+
+
+def request(kind: int, flags: int, body: bytes, attrs: list[tuple[int, bytes]]) -> None:
+    """Send one change and wait for its ack; raises OSError(errno) on a kernel error."""
+    payload = body + b"".join(_attr(k, v) for k, v in attrs)
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_ROUTE)
+    try:
+        s.settimeout(5)
+        s.bind((0, 0))
+        s.send(_HDR.pack(_HDR.size + len(payload), kind, NLM_F_REQUEST | NLM_F_ACK | flags, 1, 0) + payload)
+        data = s.recv(1 << 16)
+        _length, mtype, _f, _seq, _pid = _HDR.unpack_from(data, 0)
+        if mtype == NLMSG_ERROR:
+            err = -struct.unpack_from("=i", data, _HDR.size)[0]
+            if err:
+                raise OSError(err, os.strerror(err))
+    finally:
+        s.close()
+
+
+def link_index(name: str) -> int:
+    for idx, n in link_names().items():
+        if n == name:
+            return idx
+    raise OSError(19, f"no interface {name!r}")
+
+
+def addr(op: str, family: int, index: int, address: str, prefixlen: int, proto: int, flags: int = 0) -> None:
+    raw = socket.inet_pton(family, address)
+    body = struct.pack("=BBBBI", family, prefixlen, flags & 0xFF, 0, index)
+    attrs = [(IFA_LOCAL, raw), (IFA_ADDRESS, raw)]
+    if op == "add":
+        attrs += [(IFA_FLAGS, _u32(flags)), (IFA_PROTO, bytes([proto]))]
+        request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body, attrs)
+    else:
+        request(RTM_DELADDR, 0, body, attrs)
+
+
+def local_default_route(op: str, family: int, table: int, oif: int, proto: int) -> None:
+    """``ip route add local default dev <oif> table <table> proto <proto>`` (or del)."""
+    body = struct.pack("=BBBBBBBBI", family, 0, 0, 0, table if table < 256 else 252, proto, RT_SCOPE_HOST,
+                       RTN_LOCAL, 0)
+    attrs = [(RTA_TABLE, _u32(table)), (RTA_OIF, _u32(oif))]
+    if op == "add":
+        request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body, attrs)
+    else:
+        request(RTM_DELROUTE, 0, body, attrs)
+
+
+def fwmark_rule(op: str, family: int, fwmark: int, mask: int, table: int, priority: int, proto: int) -> None:
+    """``ip rule add fwmark MARK/MASK lookup TABLE pref PRIORITY proto PROTO`` (or del)."""
+    body = struct.pack("=BBBBBBBBI", family, 0, 0, 0, table if table < 256 else 252, 0, 0, FR_ACT_TO_TBL, 0)
+    attrs = [(FRA_PRIORITY, _u32(priority)), (FRA_FWMARK, _u32(fwmark)), (FRA_FWMASK, _u32(mask)),
+             (FRA_TABLE, _u32(table)), (FRA_PROTOCOL, bytes([proto]))]
+    if op == "add":
+        request(RTM_NEWRULE, NLM_F_CREATE | NLM_F_EXCL, body, attrs)
+    else:
+        request(RTM_DELRULE, 0, body, attrs[:4])
