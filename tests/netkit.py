@@ -266,10 +266,29 @@ def _add_link(pod_ipr: IPRoute, peer_ipr: IPRoute, peer_name: str, n: int, rx: t
         ipr.addr("add", index=idx, address=ip4, prefixlen=link.prefix4)
         ipr.addr("add", index=idx, address=ip6, prefixlen=link.prefix6, flags=IFA_F_NODAD)
         ipr.link("set", index=idx, state="up")
+    # Wait (bounded) until both ends have carrier: a neighbour solicitation sent before
+    # that is lost, and the first IPv6 connection would wait a 1 s retransmit.
+    deadline = time.monotonic() + 3.0
+    for ipr, ifname in ((pod_ipr, link.pod_if), (peer_ipr, link.peer_if)):
+        (idx,) = ipr.link_lookup(ifname=ifname)
+        while time.monotonic() < deadline and ipr.get_links(idx)[0].get_attr("IFLA_OPERSTATE") != "UP":
+            time.sleep(0.005)
     return link
 
 
+def _no_dad() -> None:
+    """New interfaces in this netns skip duplicate address detection, link-local included.
+
+    Otherwise the first IPv6 connection waits ~1 s: neighbour discovery needs a
+    link-local source, which stays tentative until DAD finishes."""
+    for scope in ("all", "default"):
+        with open(f"/proc/sys/net/ipv6/conf/{scope}/accept_dad", "w") as f:
+            f.write("0")
+
+
 def _setup_pod(pod: Pod, subnets: list[tuple[int, int]]) -> None:
+    for ns in (pod.name, pod.peer_name):
+        in_netns(ns, _no_dad)
     pod_ipr = _iproute_in(pod.name)
     peer_ipr = _iproute_in(pod.peer_name)
     try:

@@ -307,6 +307,26 @@ def _nft_xtables_present() -> bool:
     return False
 
 
+def _nft_chains_of_ours() -> bool:
+    """Whether iptables-nft holds any ``RDR_`` chain here (one in-process listing, no exec)."""
+    try:
+        import nftables
+    except ImportError:
+        return False
+    import json
+
+    nft = nftables.Nftables()  # created in this thread's netns (see FACTS.md)
+    nft.set_json_output(True)
+    rc, out, _ = nft.cmd("list chains")
+    if rc != 0 or not out:
+        return False
+    for item in json.loads(out).get("nftables", []):
+        c = item.get("chain")
+        if c and c.get("family") in ("ip", "ip6") and str(c.get("name", "")).startswith(PREFIX):
+            return True
+    return False
+
+
 def _drop_empty_xtables_nft() -> None:
     """Delete iptables-nft tables left with no rules and no user chains (as if never made).
 
@@ -403,8 +423,9 @@ class IptablesBackend:
     def remove(self, keep_routes: bool = False) -> bool:
         changed = False
         for variant in VARIANTS:
+            present = self._has_variant_state(variant) if variant == "legacy" else _nft_chains_of_ours()
             try:
-                current = self.read(variant) if self._has_variant_state(variant) else {}
+                current = self.read(variant) if present else {}
             except BackendUnavailable:
                 continue
             for fam, state in current.items():
@@ -431,10 +452,10 @@ class IptablesBackend:
         return _nft_xtables_present()
 
     def installed(self) -> bool:
-        for variant in VARIANTS:
-            if self._has_variant_state(variant) and any(self.read(variant).values()):
-                return True
-        return False
+        """Whether any chain of ours exists (cheap: no exec unless legacy tables exist)."""
+        if _nft_chains_of_ours():
+            return True
+        return self._has_variant_state("legacy") and any(self.read("legacy").values())
 
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
         variant = self._variant()
