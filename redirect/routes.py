@@ -211,3 +211,12 @@ def remove_all_ours() -> bool:
                 _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[fam],
                           m.u32(rtnl.RTA_TABLE) or m.fields[3], m.u32(rtnl.RTA_OIF) or 0, RT_PROTO)
     return bool(state.routes or state.addresses or stray)
+
+
+def describe_ours() -> dict[str, list[str]]:
+    """Our routes and addresses, as text for ``show``."""
+    state = read_ours()
+    return {
+        "routes": [f"IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}" for r in sorted(state.routes, key=str)],
+        "addresses": [f"{a.cidr} dev {a.dev}" for a in sorted(state.addresses, key=str)],
+    }

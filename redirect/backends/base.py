@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,3 +50,15 @@ class Backend(Protocol):
     def render(self, plan: Plan, families: tuple[int, ...]) -> str: ...
 
     def installed(self) -> bool: ...
+
+
+def fault_point(name: str) -> None:
+    """Fault injection for the atomicity tests: ``REDIRECT_FAULT=<name>`` makes this point raise.
+
+    Points: ``iptables.before_restore_v4``, ``iptables.before_restore_v6``,
+    ``nftables.before_transaction``, ``nftables.after_transaction``.
+    """
+    if os.environ.get("REDIRECT_FAULT") == name:
+        from ..errors import SetupError
+
+        raise SetupError(f"injected fault at {name}")

@@ -52,7 +52,7 @@ from ..plan import (
     Socket,
     TProxy,
 )
-from .base import CheckResult, Installed
+from .base import CheckResult, Installed, fault_point
 
 log = logging.getLogger("redirect.iptables")
 
@@ -395,7 +395,7 @@ class IptablesBackend:
         try:
             txn.apply()
             for fam in (4, 6):
-                _fault_point(f"iptables.before_restore_v{fam}")
+                fault_point(f"iptables.before_restore_v{fam}")
                 self.restore(variant, fam, payloads[fam])
                 applied.append(fam)
             txn.finish()
@@ -479,9 +479,7 @@ class IptablesBackend:
                     for fam, state in st.items()
                     if state
                 }
-        routes = rt.read_ours()
-        out["routes"] = [f"IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}" for r in sorted(routes.routes, key=str)]
-        out["addresses"] = [f"{a.cidr} dev {a.dev}" for a in sorted(routes.addresses, key=str)]
+        out.update(rt.describe_ours())
         out["installed"] = bool(out["variants"])
         return out
 
@@ -513,8 +511,3 @@ def _diff_state(fam: int, cur: State, want: State) -> list[str]:
                     diffs.append(f"IPv{fam} {table}: rules of {name} are out of order")
     return diffs
 
-
-# Fault injection for the atomicity tests: REDIRECT_FAULT=<point> makes that point raise.
-def _fault_point(name: str) -> None:
-    if os.environ.get("REDIRECT_FAULT") == name:
-        raise SetupError(f"injected fault at {name}")

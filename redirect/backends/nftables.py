@@ -71,7 +71,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -107,7 +106,7 @@ from ..plan import (
     Socket,
     TProxy,
 )
-from .base import CheckResult, Installed
+from .base import CheckResult, Installed, fault_point
 
 log = logging.getLogger("redirect.nftables")
 
@@ -587,10 +586,10 @@ class NftablesBackend:
             return Installed(self.name, "", families, False, detail)
         try:
             txn.apply()
-            _fault_point("nftables.before_transaction")
+            fault_point("nftables.before_transaction")
             if not same or _EXTRA_COMMANDS_FOR_TESTS:
                 _run(nft, commands_for(desired) + list(_EXTRA_COMMANDS_FOR_TESTS))
-            _fault_point("nftables.after_transaction")
+            fault_point("nftables.after_transaction")
             txn.finish()
         except BaseException as e:
             log.warning("setup failed (%s); rolling back", e)
@@ -649,13 +648,6 @@ class NftablesBackend:
             name: {"base": _base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
             for name, spec in (current or {}).items()
         }
-        routes = rt.read_ours()
-        out["routes"] = [f"IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}" for r in sorted(routes.routes, key=str)]
-        out["addresses"] = [f"{a.cidr} dev {a.dev}" for a in sorted(routes.addresses, key=str)]
+        out.update(rt.describe_ours())
         return out
 
-
-# Fault injection for the atomicity tests: REDIRECT_FAULT=<point> makes that point raise.
-def _fault_point(name: str) -> None:
-    if os.environ.get("REDIRECT_FAULT") == name:
-        raise SetupError(f"injected fault at {name}")
