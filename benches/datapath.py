@@ -1,0 +1,143 @@
+"""Data path on loopback inside a pod namespace, measured by C programs (``fastpath/``).
+
+Cases: ``direct`` (the app connects to the proxy at 127.0.0.1:15001: no capture, the physical
+floor), ``reference`` (Istio's rules, see ``reference.py``) and each backend: the app connects
+to 192.0.2.2:8080 (the peer end of the pod's eth0, where nothing listens) and capture delivers
+the connection to the proxy on 15001. The proxy (``rdrt_echo``) echoes and never connects
+onward: the figure is the cost of reaching the proxy, which is what capture changes.
+A captured case is checked first: one request must come back, else nothing listens there and
+the case is reported as not captured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import statistics
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import redirect
+
+from . import nsutil, reference
+from .methods import config_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD = os.path.join(HERE, "build")
+POD_ADDR, PEER_ADDR = "192.0.2.1", "192.0.2.2"  # TEST-NET-1, only ever inside our namespaces
+PROXY_PORT, APP_PORT = 15001, 8080
+
+
+def build() -> dict[str, str]:
+    """Compile the client and the echo proxy with gcc into benches/build/ (when sources changed)."""
+    os.makedirs(BUILD, exist_ok=True)
+    out = {}
+    for name, src in (("rdrt_client", "client.c"), ("rdrt_echo", "echo.c")):
+        exe, path = os.path.join(BUILD, name), os.path.join(HERE, "fastpath", src)
+        if not os.path.exists(exe) or os.path.getmtime(exe) < os.path.getmtime(path):
+            subprocess.run(["gcc", "-O2", "-Wall", "-o", exe, path], check=True, capture_output=True, timeout=120)
+        out[name] = exe
+    return out
+
+
+def make_pod() -> tuple[str, str]:
+    """A pod netns with eth0 192.0.2.1/24 whose veth peer (192.0.2.2) sits in a second netns."""
+    pod, peer = nsutil.create(2, "d")
+    subprocess.run(["ip", "link", "add", "eth0", "netns", pod, "type", "veth", "peer", "name", "eth0",
+                    "netns", peer], check=True, capture_output=True, timeout=30)
+    for ns, addr in ((pod, POD_ADDR), (peer, PEER_ADDR)):
+        cmds = f"addr add {addr}/24 dev eth0\nlink set eth0 up\nlink set lo up\n"
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], input=cmds.encode(), check=True, capture_output=True,
+                       timeout=30)
+    return pod, peer
+
+
+def start_echo(exe: str, pod: str, lifetime_s: int) -> subprocess.Popen[bytes]:
+    p = nsutil.track(subprocess.Popen(["ip", "netns", "exec", pod, exe, str(PROXY_PORT), str(lifetime_s)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], 10)
+    if not ready or b"ready" not in p.stdout.readline():
+        nsutil.stop(p)
+        raise RuntimeError("echo proxy did not start")
+    return p
+
+
+def client(exe: str, pod: str, mode: str, addr: str, limit: int, seconds: float, size: int) -> dict[str, Any]:
+    r = nsutil.run_in(pod, [exe, mode, addr, str(APP_PORT if addr != "127.0.0.1" else PROXY_PORT), str(limit),
+                            str(seconds), str(size)], timeout=seconds + 30)
+    try:
+        res: dict[str, Any] = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"client {mode} to {addr}: exit {r.returncode}: {r.stderr.decode(errors='replace')[:200]}")
+    if r.returncode != 0:
+        raise RuntimeError(f"client {mode} to {addr}: {res}")
+    return res
+
+
+class Case:
+    def __init__(self, name: str, install: Callable[[str], None] | None) -> None:
+        self.name, self.install = name, install
+        self.pod = self.peer = ""
+        self.echo: subprocess.Popen[bytes] | None = None
+        self.addr = "127.0.0.1" if install is None else PEER_ADDR
+        self.crr: list[dict[str, Any]] = []
+        self.bulk: list[dict[str, Any]] = []
+
+
+def _install_reference(pod: str) -> None:
+    from redirect import netns as rnetns
+
+    with rnetns.enter(pod):
+        reference.setup()
+
+
+def _install_backend(backend: str) -> Callable[[str], None]:
+    def install(pod: str) -> None:
+        redirect.setup(pod, config_for("sidecar"), backend=backend)
+    return install
+
+
+def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_seconds: float,
+        progress: Callable[[int], None], notes: list[str]) -> dict[str, Any]:
+    exes = build()
+    cases = [Case("direct", None), Case("reference", _install_reference)]
+    cases += [Case(b, _install_backend(b)) for b in backends]
+    lifetime = int(rounds * len(cases) * (seconds + bulk_seconds + 5) + 60)
+    results: dict[str, Any] = {"msg_bytes": 64, "rounds": rounds, "seconds_per_run": seconds,
+                               "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "cases": {}}
+    live: list[Case] = []
+    try:
+        for c in cases:
+            try:
+                c.pod, c.peer = make_pod()
+                if c.install:
+                    c.install(c.pod)
+                c.echo = start_echo(exes["rdrt_echo"], c.pod, lifetime)
+                client(exes["rdrt_client"], c.pod, "crr", c.addr, 1, 5, 64)  # captured, or it fails here
+                live.append(c)
+            except Exception as e:  # noqa: BLE001 - recorded, the others go on
+                notes.append(f"data path {c.name}: skipped: {e}")
+                results["cases"][c.name] = {"error": str(e)}
+            progress(1)
+        for _ in range(rounds):
+            for c in live:
+                c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max_conns, seconds, 64))
+                c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
+                progress(1)
+    finally:
+        for c in cases:
+            if c.echo is not None:
+                nsutil.stop(c.echo)
+            nsutil.delete([n for n in (c.pod, c.peer) if n])
+    for c in live:
+        med = lambda key, runs: round(statistics.median(r[key] for r in runs), 2)  # noqa: E731
+        results["cases"][c.name] = {
+            "target": f"{c.addr}:{APP_PORT if c.install else PROXY_PORT}",
+            "conn_per_s": med("conn_per_s", c.crr), "p50_us": med("p50_us", c.crr), "p99_us": med("p99_us", c.crr),
+            "bulk_gbit_per_s": med("gbit_per_s", c.bulk), "runs": {"crr": c.crr, "bulk": c.bulk},
+        }
+    return results
+

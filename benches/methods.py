@@ -1,0 +1,179 @@
+"""The ways a pod gets its capture, each timed over fresh namespaces.
+
+A ``Method`` has ``setup(ns)`` and ``teardown(ns)`` (both timed) and ``verify(ns)`` (not timed,
+run once, so a method that silently does nothing can't post a great number). Kinds:
+
+- ``api``: ``redirect.setup`` / ``redirect.teardown`` in this process;
+- ``cli``: ``redirect init`` with istio-iptables flags (process start included); for what init
+  can't express (a backend without an istio-iptables flag, ambient mode) ``redirect setup``;
+- ``cni``: the CNI plugin's ADD and DEL (``redirect-cni``), when it is installed;
+- ``reference``: Istio's exec sequence (``reference.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redirect
+from redirect import netns as rnetns
+
+from . import reference
+
+VENV_BIN = os.path.dirname(sys.executable)
+ISTIO_DEFAULT_FLAGS = ["-p", "15001", "-z", "15006", "-u", "1337", "-g", "1337", "-m", "REDIRECT",
+                       "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020"]
+#: Backends ``redirect init`` selects through an istio-iptables flag.
+INIT_BACKEND_FLAGS = {"iptables": [], "iptables-legacy": ["--force-iptables-binary", "iptables-legacy"],
+                      "iptables-nft": ["--force-iptables-binary", "iptables-nft"],
+                      "nftables": ["--native-nftables"]}
+
+
+class Unavailable(Exception):
+    """This method can't run here; the message says why (printed, recorded, not fatal)."""
+
+
+@dataclass
+class Method:
+    key: str          # e.g. "api/iptables/sidecar"
+    kind: str         # api | cli | cni | reference
+    backend: str
+    mode: str
+    setup: Callable[[str], None]
+    teardown: Callable[[str], None]
+    verify: Callable[[str], None]
+    note: str = ""
+    #: True when deleting the namespace removes everything (netfilter rules live in the netns):
+    #: untimed bulk cleanup may then skip ``teardown``. Never for state held outside the netns (BPF maps).
+    cleanup_by_delete: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def config_for(mode: str) -> redirect.RedirectConfig:
+    return redirect.RedirectConfig(mode=mode) if mode != "sidecar" else redirect.RedirectConfig()  # type: ignore[arg-type]
+
+
+def _verify_api(backend: str, mode: str) -> Callable[[str], None]:
+    def verify(ns: str) -> None:
+        res = redirect.check(ns, config_for(mode), backend=backend)
+        if not res.ok:
+            raise RuntimeError(f"check after setup failed: {list(res.differences)[:3]}")
+    return verify
+
+
+def api_method(backend: str, mode: str) -> Method:
+    cfg = config_for(mode)
+
+    def setup(ns: str) -> None:
+        redirect.setup(ns, cfg, backend=backend)
+
+    def teardown(ns: str) -> None:
+        redirect.teardown(ns, backend=backend)
+
+    return Method(f"api/{backend}/{mode}", "api", backend, mode, setup, teardown, _verify_api(backend, mode))
+
+
+def _redirect_exe() -> str:
+    exe = os.path.join(VENV_BIN, "redirect")
+    if not os.access(exe, os.X_OK):
+        exe = shutil.which("redirect") or ""
+    if not exe:
+        raise Unavailable("the `redirect` command is not installed (run the bootstrap)")
+    return exe
+
+
+def _has_init(exe: str) -> bool:
+    r = subprocess.run([exe, "init", "--help"], capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+def _check_run(argv: list[str], env: dict[str, str] | None = None, data: bytes | None = None) -> bytes:
+    r = subprocess.run(argv, capture_output=True, timeout=60, env=env, input=data)
+    if r.returncode != 0:
+        msg = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()
+        raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1] if len(argv) > 1 else ''}: exit {r.returncode}: "
+                           f"{msg[-1] if msg else ''}")
+    return r.stdout
+
+
+def cli_method(backend: str, mode: str) -> Method:
+    exe = _redirect_exe()
+    use_init = mode == "sidecar" and backend in INIT_BACKEND_FLAGS and _has_init(exe)
+    if use_init:
+        def setup(ns: str) -> None:
+            _check_run([exe, "init", *ISTIO_DEFAULT_FLAGS, *INIT_BACKEND_FLAGS[backend],
+                        "--network-namespace", rnetns.path_of(ns) or ns])
+        how = "redirect init (istio-iptables flags)"
+    else:
+        mode_args = [] if mode == "sidecar" else ["--mode", mode]
+
+        def setup(ns: str) -> None:
+            _check_run([exe, "setup", ns, "--backend", backend, *mode_args])
+        how = "redirect setup (redirect init has no flag for this backend or mode)"
+
+    def teardown(ns: str) -> None:
+        _check_run([exe, "teardown", ns, "--backend", backend])
+
+    return Method(f"cli/{backend}/{mode}", "cli", backend, mode, setup, teardown, _verify_api(backend, mode),
+                  note=how)
+
+
+def _cni_exe() -> str:
+    for cand in (os.path.join(VENV_BIN, "redirect-cni"), shutil.which("redirect-cni") or "",
+                 "/opt/cni/bin/redirect-cni"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    raise Unavailable("no `redirect-cni` plugin installed yet (venv bin, PATH, /opt/cni/bin)")
+
+
+def cni_conf(backend: str, mode: str, nspath: str) -> dict[str, Any]:
+    """A chained-plugin network config; REDIRECT_BENCH_CNI_CONF (a JSON file) overrides it."""
+    path = os.environ.get("REDIRECT_BENCH_CNI_CONF")
+    if path:
+        with open(path) as f:
+            conf: dict[str, Any] = json.load(f)
+    else:
+        conf = {"cniVersion": "1.0.0", "name": "rdrt-bench", "type": "redirect-cni",
+                "backend": backend, "mode": mode}
+    conf.setdefault("prevResult", {"cniVersion": conf.get("cniVersion", "1.0.0"),
+                                   "interfaces": [{"name": "eth0", "sandbox": nspath}], "ips": []})
+    return conf
+
+
+def cni_method(backend: str, mode: str) -> Method:
+    exe = _cni_exe()
+
+    def call(command: str, ns: str) -> None:
+        nspath = rnetns.path_of(ns) or ns
+        env = dict(os.environ, CNI_COMMAND=command, CNI_CONTAINERID=os.path.basename(nspath), CNI_NETNS=nspath,
+                   CNI_IFNAME="eth0", CNI_PATH=os.path.dirname(exe), CNI_ARGS="")
+        _check_run([exe], env=env, data=json.dumps(cni_conf(backend, mode, nspath)).encode())
+
+    return Method(f"cni/{backend}/{mode}", "cni", backend, mode, lambda ns: call("ADD", ns),
+                  lambda ns: call("DEL", ns), _verify_api(backend, mode), note=f"{exe} ADD/DEL")
+
+
+def reference_method(binary: str = "iptables") -> Method:
+    def setup(ns: str) -> None:
+        with rnetns.enter(ns):
+            reference.setup(binary)
+
+    def teardown(ns: str) -> None:
+        with rnetns.enter(ns):
+            reference.teardown(binary)
+
+    def verify(ns: str) -> None:
+        r = subprocess.run(["ip", "netns", "exec", ns, f"{binary}-save", "-t", "nat"], capture_output=True,
+                           timeout=30)
+        if r.stdout.count(b"\n-A ") < reference.RULE_COUNT:
+            raise RuntimeError("reference rules not installed")
+
+    return Method("reference/istio-iptables/sidecar", "reference", "reference", "sidecar", setup, teardown, verify,
+                  note=f"exec {binary}-save, ip6tables-save, {binary}-restore --noflush x2, saves again",
+                  cleanup_by_delete=True)

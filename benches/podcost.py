@@ -1,0 +1,186 @@
+"""Per-pod setup/teardown latency over fresh namespaces, at scale, and kernel memory per pod."""
+
+from __future__ import annotations
+
+import glob
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import nsutil
+from .methods import Method
+
+Progress = Callable[[int], None]
+
+
+def stats(samples_ms: Sequence[float]) -> dict[str, Any]:
+    xs = sorted(samples_ms)
+    if not xs:
+        return {"n": 0}
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return {"n": len(xs), "min_ms": round(xs[0], 4), "median_ms": round(statistics.median(xs), 4),
+            "p99_ms": round(p99, 4), "mean_ms": round(statistics.fmean(xs), 4),
+            "samples_ms": [round(x, 4) for x in samples_ms]}
+
+
+def _timed(fn: Callable[[str], None], ns: str) -> float:
+    t0 = time.perf_counter_ns()
+    fn(ns)
+    return (time.perf_counter_ns() - t0) / 1e6
+
+
+def warm_and_verify(m: Method) -> None:
+    """One untimed pod per method: imports, caches and first-link costs out of the way, and proof
+    that the method really installs something (``verify``) and removes it."""
+    (ns,) = nsutil.create(1, "w")
+    try:
+        m.setup(ns)
+        m.verify(ns)
+        m.teardown(ns)
+    finally:
+        nsutil.delete([ns])
+
+
+def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
+            failed: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Setup then teardown of ``samples`` fresh pods per method, interleaved round-robin so that
+    drift on a shared machine hits every method alike."""
+    out: dict[str, dict[str, Any]] = {}
+    live = [m for m in methods if m.key not in failed]
+    names = {m.key: nsutil.create(samples, "s") for m in live}
+    setup_t: dict[str, list[float]] = {m.key: [] for m in live}
+    down_t: dict[str, list[float]] = {m.key: [] for m in live}
+    try:
+        for phase, times in (("setup", setup_t), ("teardown", down_t)):
+            for i in range(samples):
+                for m in live:
+                    if m.key in failed:
+                        continue
+                    fn = m.setup if phase == "setup" else m.teardown
+                    try:
+                        times[m.key].append(_timed(fn, names[m.key][i]))
+                    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                        failed[m.key] = f"{phase} failed: {e}"
+                progress(len(live))
+    finally:
+        for m in live:
+            nsutil.delete(names[m.key])
+    for m in live:
+        out[m.key] = {"kind": m.kind, "backend": m.backend, "mode": m.mode, "how": m.note,
+                      "setup": stats(setup_t[m.key]), "teardown": stats(down_t[m.key])}
+        if m.key in failed:
+            out[m.key]["error"] = failed[m.key]
+    return out
+
+
+def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) -> dict[str, Any]:
+    """Setup/teardown of the Nth pod while N-1 pods with capture are live, for each N in ``levels``.
+
+    The fill pods' own setup times are kept too (``fill_ms``: the k-th value is pod k+1's setup).
+    """
+    live: list[str] = []
+    fill_ms: list[float] = []
+    res: dict[str, Any] = {"levels": {}, "fill_ms": fill_ms}
+    try:
+        for n in sorted(levels):
+            need = n - 1 - len(live)
+            if need > 0:
+                new = nsutil.create(need, "f")
+                for ns in new:
+                    fill_ms.append(round(_timed(m.setup, ns), 4))
+                    live.append(ns)
+                    progress(1)
+            names = nsutil.create(samples, "n")
+            st: list[float] = []
+            td: list[float] = []
+            try:
+                for ns in names:
+                    st.append(_timed(m.setup, ns))
+                    td.append(_timed(m.teardown, ns))
+                    progress(1)
+            finally:
+                nsutil.delete(names)
+            res["levels"][str(n)] = {"live_pods": n - 1, "setup": stats(st), "teardown": stats(td)}
+    finally:
+        t0 = time.perf_counter()
+        for ns in [] if m.cleanup_by_delete else live:
+            try:
+                m.teardown(ns)
+            except Exception:  # noqa: BLE001 - the namespace goes anyway
+                pass
+        res["teardown_all_s"] = round(time.perf_counter() - t0, 3)
+        nsutil.delete(live)
+    return res
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            out[k] = int(v.split()[0])
+    return out
+
+
+def _count(argv: list[str], ns: str, needle: bytes) -> int | None:
+    try:
+        r = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.count(needle) if r.returncode == 0 else None
+
+
+def kernel_objects(ns: str) -> dict[str, int | None]:
+    """What one pod's capture is made of, as the kernel reports it."""
+    return {
+        "iptables_nft_rules": sum(x or 0 for x in (_count(["iptables-nft-save"], ns, b"\n-A "),
+                                                   _count(["ip6tables-nft-save"], ns, b"\n-A "))),
+        "iptables_legacy_rules": sum(x or 0 for x in (_count(["iptables-legacy-save"], ns, b"\n-A "),
+                                                      _count(["ip6tables-legacy-save"], ns, b"\n-A "))),
+        "nft_rules_total": _count(["nft", "-j", "list", "ruleset"], ns, b'{"rule":'),
+    }
+
+
+def _bpf_entries(root: str = "/sys/fs/bpf/redirect") -> int | None:
+    """Entries in our pinned maps (the eBPF backend's per-pod state lives there)."""
+    paths = [p for p in glob.glob(f"{root}/**", recursive=True) if not p.endswith("/")]
+    if not paths:
+        return None
+    total = 0
+    for p in paths:
+        r = subprocess.run(["bpftool", "-j", "map", "dump", "pinned", p], capture_output=True, timeout=30)
+        if r.returncode == 0:
+            try:
+                total += len(json.loads(r.stdout or b"[]"))
+            except ValueError:
+                pass
+    return total
+
+
+def memory(m: Method, pods: int, progress: Progress) -> dict[str, Any]:
+    """Kernel memory per pod for capture alone: /proc/meminfo deltas over ``pods`` namespaces,
+    measured after the (empty) namespaces exist, so the namespaces' own cost is excluded.
+    Noisy on a shared machine (other work allocates too): read it as an order of magnitude."""
+    names = nsutil.create(pods, "m")
+    try:
+        time.sleep(0.2)
+        bpf0 = _bpf_entries()
+        before = _meminfo()
+        for ns in names:
+            m.setup(ns)
+            progress(1)
+        time.sleep(0.2)
+        after = _meminfo()
+        bpf1 = _bpf_entries()
+        objs = kernel_objects(names[0])
+        for ns in [] if m.cleanup_by_delete else names:
+            m.teardown(ns)
+    finally:
+        nsutil.delete(names)
+    per = {k: round((after[k] - before[k]) / pods, 2) for k in ("Slab", "SUnreclaim", "Percpu") if k in after}
+    per["MemAvailable"] = round((before["MemAvailable"] - after["MemAvailable"]) / pods, 2)
+    return {"pods": pods, "kib_per_pod": per, "kernel_objects_one_pod": objs,
+            "bpf_map_entries_per_pod": (None if bpf0 is None or bpf1 is None else round((bpf1 - bpf0) / pods, 2))}

@@ -1,0 +1,213 @@
+"""Ratios, targets (PASS/FAIL), the Markdown summary and the PNG plots."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+#: Issue 8's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
+#: or vs Istio's rules (netfilter backends). Scale: Nth pod's median setup / first pod's.
+SETUP_TARGETS = {"nftables": 1 / 5, "ebpf": 1 / 100, "iptables": 1.0, "iptables-legacy": 1.0, "iptables-nft": 1.0}
+RATE_VS_DIRECT = {"ebpf": 0.95}
+RATE_VS_REFERENCE = ("iptables", "iptables-legacy", "iptables-nft", "nftables")
+RATE_NOISE = 0.03  # "no worse than Istio's rules" allows run-to-run noise of 3%
+SCALE_TARGET = 1.2
+SCALE_TARGET_N = 1000
+REFERENCE_KEY = "reference/istio-iptables/sidecar"
+
+
+def _median(d: dict[str, Any], key: str, phase: str = "setup") -> float | None:
+    v = d.get(key, {}).get(phase, {}).get("median_ms")
+    return float(v) if v else None
+
+
+def ratios(res: dict[str, Any]) -> dict[str, Any]:
+    per_pod = res.get("per_pod", {})
+    out: dict[str, Any] = {"setup_vs_reference": {}, "teardown_vs_reference": {}, "conn_rate_vs_direct": {},
+                           "conn_rate_vs_reference": {}, "nth_vs_first": {}}
+    for phase in ("setup", "teardown"):
+        ref = _median(per_pod, REFERENCE_KEY, phase)
+        for key in per_pod:
+            v = _median(per_pod, key, phase)
+            if ref and v is not None and key != REFERENCE_KEY:
+                out[f"{phase}_vs_reference"][key] = round(v / ref, 4)
+    cases = res.get("datapath", {}).get("cases", {})
+    direct = cases.get("direct", {}).get("conn_per_s")
+    refrate = cases.get("reference", {}).get("conn_per_s")
+    for name, c in cases.items():
+        if "conn_per_s" not in c:
+            continue
+        if direct and name != "direct":
+            out["conn_rate_vs_direct"][name] = round(c["conn_per_s"] / direct, 4)
+        if refrate and name not in ("direct", "reference"):
+            out["conn_rate_vs_reference"][name] = round(c["conn_per_s"] / refrate, 4)
+    for key, sc in res.get("scale", {}).items():
+        levels = sc.get("levels", {})
+        if "1" not in levels or len(levels) < 2:
+            continue
+        top = max(levels, key=int)
+        first, nth = levels["1"]["setup"].get("median_ms"), levels[top]["setup"].get("median_ms")
+        if first and nth:
+            out["nth_vs_first"][key] = {"n": int(top), "ratio": round(nth / first, 4)}
+    return out
+
+
+def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    skipped = res.get("skipped_backends", {})
+
+    def add(name: str, target: str, measured: float | None, ok: bool | None, why: str = "") -> None:
+        status = "n/a" if ok is None else ("PASS" if ok else "FAIL")
+        rows.append({"name": name, "target": target, "measured": measured, "status": status, "note": why})
+
+    for b, limit in SETUP_TARGETS.items():
+        key = f"api/{b}/sidecar"
+        if b in skipped or key not in r["setup_vs_reference"]:
+            if b in skipped or b in ("nftables", "ebpf", "iptables"):
+                add(f"{b}: per-pod setup vs reference", f"<= {limit:g}", None, None,
+                    skipped.get(b, "not measured in this run"))
+            continue
+        v = r["setup_vs_reference"][key]
+        add(f"{b}: per-pod setup vs reference", f"<= {limit:g}", v, v <= limit)
+    for b, limit in RATE_VS_DIRECT.items():
+        v = r["conn_rate_vs_direct"].get(b)
+        add(f"{b}: connection rate vs direct", f">= {limit:g}", v, None if v is None else v >= limit,
+            skipped.get(b, "" if v is not None else "not measured in this run"))
+    for b in RATE_VS_REFERENCE:
+        v = r["conn_rate_vs_reference"].get(b)
+        if v is None and b not in skipped and b not in ("iptables", "nftables"):
+            continue
+        add(f"{b}: connection rate vs Istio's rules", f">= 1 (-{RATE_NOISE:.0%} noise)", v,
+            None if v is None else v >= 1 - RATE_NOISE, skipped.get(b, "" if v is not None else "not measured"))
+    for key, d in r["nth_vs_first"].items():
+        if key.startswith("reference"):
+            continue
+        why = "" if d["n"] >= SCALE_TARGET_N else f"largest N measured is {d['n']} (--quick); the target is at N=1000"
+        add(f"{key}: pod {d['n']} setup vs pod 1", f"<= {SCALE_TARGET:g}", d["ratio"], d["ratio"] <= SCALE_TARGET, why)
+    return rows
+
+
+def _fmt(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}{unit}" if abs(x) < 100 else f"{x:,.0f}{unit}"
+    return f"{x}{unit}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    r, rows = res["ratios"], res["targets"]
+    h = res.get("host", {})
+    L = [f"# redirect benchmark ({res.get('profile', 'full')} run, {res.get('started', '')})", "",
+         f"Host: kernel {h.get('kernel')}, {h.get('cpus')} CPUs, {h.get('iptables')}. "
+         f"Ratios are against references measured in the same run. Elapsed {res.get('elapsed_s')} s.", "",
+         "## Targets (issue 8)", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]
+    for t in rows:
+        L.append(f"| {t['name']} | {t['target']} | {_fmt(t['measured'])} | **{t['status']}** | {t['note']} |")
+    L += ["", "## Per-pod setup and teardown (fresh namespaces)", "",
+          "| method | how | setup min / median / p99 (ms) | vs ref | teardown min / median / p99 (ms) | vs ref |",
+          "|---|---|---|---|---|---|"]
+    for key, d in res.get("per_pod", {}).items():
+        s, t = d["setup"], d["teardown"]
+        one = 1.0 if key == REFERENCE_KEY else None
+        how = d.get("how", "") + (f" ({d['error']})" if d.get("error") else "")
+        L.append(f"| {key} | {how} | {_fmt(s.get('min_ms'))} / {_fmt(s.get('median_ms'))} / "
+                 f"{_fmt(s.get('p99_ms'))} | {_fmt(r['setup_vs_reference'].get(key, one))}"
+                 f" | {_fmt(t.get('min_ms'))} / {_fmt(t.get('median_ms'))} / {_fmt(t.get('p99_ms'))} | "
+                 f"{_fmt(r['teardown_vs_reference'].get(key, one))} |")
+    if res.get("scale"):
+        levels = sorted({int(n) for sc in res["scale"].values() for n in sc.get("levels", {})})
+        L += ["", "## Scale: median setup (ms) of the Nth pod while N-1 are live", "",
+              "| method | " + " | ".join(f"N={n}" for n in levels) + " | Nth / first |",
+              "|---" * (len(levels) + 2) + "|"]
+        for key, sc in res["scale"].items():
+            cells = [_fmt(sc["levels"].get(str(n), {}).get("setup", {}).get("median_ms")) for n in levels]
+            L.append(f"| {key} | " + " | ".join(cells) + f" | {_fmt(r['nth_vs_first'].get(key, {}).get('ratio'))} |")
+    if res.get("memory"):
+        L += ["", "## Memory per pod (capture only; /proc/meminfo deltas, KiB; noisy on a shared host)", "",
+              "| method | pods | Slab | SUnreclaim | Percpu | MemAvailable drop | rules (ipt-nft / ipt-legacy / nft) |"
+              " bpf map entries |", "|---|---|---|---|---|---|---|---|"]
+        for key, m in res["memory"].items():
+            if "error" in m:
+                L.append(f"| {key} | - | {m['error']} | | | | | |")
+                continue
+            k, o = m["kib_per_pod"], m["kernel_objects_one_pod"]
+            L.append(f"| {key} | {m['pods']} | {_fmt(k.get('Slab'))} | {_fmt(k.get('SUnreclaim'))} | "
+                     f"{_fmt(k.get('Percpu'))} | {_fmt(k.get('MemAvailable'))} | {o.get('iptables_nft_rules')} / "
+                     f"{o.get('iptables_legacy_rules')} / {o.get('nft_rules_total')} | "
+                     f"{_fmt(m.get('bpf_map_entries_per_pod'))} |")
+    dp = res.get("datapath", {})
+    if dp.get("cases"):
+        L += ["", f"## Data path (loopback in a pod netns; connect + {dp.get('msg_bytes')} B request/response + "
+              "close; median of rounds)", "",
+              "The proxy listens on 15001 in the pod and echoes; it does not connect onward (the figure is "
+              "the cost of reaching the proxy).", "",
+              "| case | target | conn/s | vs direct | vs Istio's rules | p50 (us) | p99 (us) | bulk (Gbit/s) |",
+              "|---|---|---|---|---|---|---|---|"]
+        for name, c in dp["cases"].items():
+            if "error" in c:
+                L.append(f"| {name} | {c['error']} | | | | | | |")
+                continue
+            L.append(f"| {name} | {c['target']} | {_fmt(c['conn_per_s'])} | "
+                     f"{_fmt(r['conn_rate_vs_direct'].get(name, 1.0 if name == 'direct' else None))} | "
+                     f"{_fmt(r['conn_rate_vs_reference'].get(name, 1.0 if name == 'reference' else None))} | "
+                     f"{_fmt(c['p50_us'])} | {_fmt(c['p99_us'])} | {_fmt(c['bulk_gbit_per_s'])} |")
+    if res.get("notes"):
+        L += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
+    return "\n".join(L) + "\n"
+
+
+def plots(res: dict[str, Any], outdir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made: list[str] = []
+    per_pod = res.get("per_pod", {})
+    if per_pod:
+        keys = [k for k in per_pod if per_pod[k]["setup"].get("n")]
+        med = [per_pod[k]["setup"]["median_ms"] for k in keys]
+        p99 = [per_pod[k]["setup"]["p99_ms"] - per_pod[k]["setup"]["median_ms"] for k in keys]
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(keys) + 1.5))
+        ax.barh(keys, med, xerr=[[0] * len(keys), p99], color="tab:blue")
+        ax.set_xscale("log")
+        ax.set_xlabel("per-pod setup, ms (median, bar to p99; log scale)")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        made.append(os.path.join(outdir, "setup.png"))
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    if res.get("scale"):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for key, sc in res["scale"].items():
+            ns = sorted(int(n) for n in sc["levels"])
+            ax.plot(ns, [sc["levels"][str(n)]["setup"]["median_ms"] for n in ns], marker="o", label=key)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("N (the Nth pod, while N-1 are live)")
+        ax.set_ylabel("setup, ms (median)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        made.append(os.path.join(outdir, "scale.png"))
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    cases = {k: v for k, v in res.get("datapath", {}).get("cases", {}).items() if "conn_per_s" in v}
+    if cases:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        names = list(cases)
+        a1.bar(names, [cases[n]["conn_per_s"] for n in names], color="tab:green")
+        a1.set_ylabel("connections per second")
+        x = range(len(names))
+        a2.bar([i - 0.2 for i in x], [cases[n]["p50_us"] for n in names], width=0.4, label="p50")
+        a2.bar([i + 0.2 for i in x], [cases[n]["p99_us"] for n in names], width=0.4, label="p99")
+        a2.set_xticks(list(x), names)
+        a2.set_ylabel("connect + request/response, us")
+        a2.legend()
+        for a in (a1, a2):
+            a.tick_params(axis="x", rotation=30)
+        fig.tight_layout()
+        made.append(os.path.join(outdir, "datapath.png"))
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    return made

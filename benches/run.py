@@ -1,0 +1,252 @@
+"""``python -m benches``: discover what can run, measure it, write results/ (JSON, Markdown, PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import nsutil, podcost, report
+from .methods import Method, Unavailable, api_method, cli_method, cni_method, reference_method
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODES = ("sidecar", "ambient")
+ALIASES = ("auto",)
+
+PROFILES: dict[str, dict[str, Any]] = {
+    #           per-pod samples, scale levels, samples per level, memory pods, datapath rounds/seconds/max/bulk
+    # exec_samples: pods per exec'd method (redirect init, redirect-cni), which cost a process start each.
+    # focus: exec'd methods, scale and memory only for sidecar mode and the non-variant backends.
+    "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=10, mem_pods=100,
+                 rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False),
+    "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=5, mem_pods=100,
+                  rounds=3, seconds=0.7, max_conns=50_000, bulk_seconds=0.3, focus=True),
+    "tiny": dict(samples=3, exec_samples=2, levels=[1, 3], level_samples=2, mem_pods=3,
+                 rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True),
+}
+#: Variants of the iptables backend: in focused runs they get the in-process per-pod figure only.
+VARIANTS = ("iptables-legacy", "iptables-nft")
+PHASES = ("per_pod", "cli", "cni", "scale", "memory", "datapath")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benches", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="under two minutes: fewer samples, N up to 100")
+    p.add_argument("--tiny", action="store_true", help="seconds; for the smoke test (numbers meaningless)")
+    p.add_argument("--backends", help="comma list (default: redirect.backends.BACKENDS)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of modes to try (default: %(default)s)")
+    p.add_argument("--skip", default="", help=f"comma list of phases to skip: {', '.join(PHASES)}")
+    p.add_argument("--levels", help="comma list of N for the scale phase (overrides the profile)")
+    p.add_argument("--samples", type=int, help="fresh pods per method (overrides the profile)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory (default: %(default)s)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def _host() -> dict[str, Any]:
+    ipt = subprocess.run(["iptables", "--version"], capture_output=True, text=True).stdout.strip()
+    return {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "iptables": ipt, "machine": platform.machine()}
+
+
+class Bar:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def phase(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(name)
+
+    def note(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"note: {msg}", file=sys.stderr)
+        else:
+            print(f"note: {msg}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def discover(backends: list[str], modes: list[str], skip: set[str], notes: list[str],
+             skipped: dict[str, str], focus: bool) -> tuple[list[Method], list[Method], list[Method]]:
+    """(reference + in-process methods, exec'd methods, api methods for scale/memory).
+
+    Anything unavailable becomes a note; nothing here raises for a backend being written."""
+    from redirect.errors import BackendUnavailable
+
+    ref = reference_method()
+    podcost.warm_and_verify(ref)
+    per_pod: list[Method] = [ref]
+    execd: list[Method] = []
+    api: list[Method] = []
+    for b in backends:
+        for mode in modes:
+            m = api_method(b, mode)
+            try:
+                podcost.warm_and_verify(m)
+            except BackendUnavailable as e:
+                if mode == "sidecar":
+                    skipped[b] = f"BackendUnavailable: {e}"
+                    notes.append(f"backend {b}: skipped (BackendUnavailable: {e})")
+                    break
+                notes.append(f"{b} {mode}: skipped (BackendUnavailable: {e})")
+                continue
+            except Exception as e:  # noqa: BLE001 - a backend being written must not stop the bench
+                msg = f"{type(e).__name__}: {e}"
+                if mode == "sidecar":
+                    skipped[b] = msg
+                    notes.append(f"backend {b}: skipped (setup failed: {msg})")
+                    break
+                notes.append(f"{b} {mode}: skipped (not available yet: {msg})")
+                continue
+            per_pod.append(m)
+            if focus and (b in VARIANTS or mode != "sidecar"):
+                continue
+            api.append(m)
+            for kind, factory in (("cli", cli_method), ("cni", cni_method)):
+                if kind in skip:
+                    continue
+                try:
+                    other = factory(b, mode)
+                    podcost.warm_and_verify(other)
+                except Unavailable as e:
+                    note = f"{kind}: skipped ({e})"
+                    if note not in notes:
+                        notes.append(note)
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"{kind} {b} {mode}: skipped ({type(e).__name__}: {e})")
+                    continue
+                execd.append(other)
+    if focus:
+        notes.append("focused run: redirect init / redirect-cni, scale and memory measured for sidecar mode and "
+                     f"the non-variant backends only (not {', '.join(VARIANTS)}; a full run does all)")
+    return per_pod, execd, api
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("benches: must run as root (namespaces, netfilter, BPF)", file=sys.stderr)
+        return 1
+    prof = dict(PROFILES["tiny" if args.tiny else "quick" if args.quick else "full"])
+    if args.levels:
+        prof["levels"] = [int(x) for x in args.levels.split(",") if x]
+    if args.samples:
+        prof["samples"] = args.samples
+    skip = {s for s in args.skip.split(",") if s}
+    from redirect.backends import BACKENDS
+
+    # "auto" is an alias (it picks nftables or iptables): measured only when asked for by name.
+    backends = [b for b in (args.backends.split(",") if args.backends else
+                            [b for b in BACKENDS if b not in ALIASES]) if b]
+    # Failures are recorded in the results; the library's own warnings would only break the bar.
+    logging.getLogger("redirect").setLevel(logging.CRITICAL)
+    modes = [m for m in args.modes.split(",") if m]
+    nsutil.install_handlers()
+    t_start = time.time()
+    notes: list[str] = []
+    skipped: dict[str, str] = {}
+    res: dict[str, Any] = {"schema": "redirect-bench/1",
+                           "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                           "profile": "tiny" if args.tiny else "quick" if args.quick else "full",
+                           "quick": bool(args.quick or args.tiny), "host": _host(), "backends": backends,
+                           "settings": prof, "notes": notes, "skipped_backends": skipped,
+                           "per_pod": {}, "scale": {}, "memory": {}, "datapath": {}}
+    bar: Bar | None = None
+    try:
+        print("benches: discovering backends and entry points ...", file=sys.stderr)
+        methods, execd, api = discover(backends, modes, skip, notes, skipped, prof["focus"])
+        exec_samples = min(prof["exec_samples"], prof["samples"])
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        scale_methods = [methods[0], *api]
+        sidecar_api = [m for m in api if m.mode == "sidecar"]
+        levels = prof["levels"]
+        total = (2 * (prof["samples"] * len(methods) + exec_samples * len(execd)) if "per_pod" not in skip else 0)
+        total += (len(scale_methods) * (max(levels) - 1 + prof["level_samples"] * len(levels))
+                  if "scale" not in skip else 0)
+        total += len(scale_methods) * prof["mem_pods"] if "memory" not in skip else 0
+        n_cases = 2 + len(sidecar_api)
+        total += n_cases * (1 + prof["rounds"]) if "datapath" not in skip else 0
+        bar = Bar(total, not args.no_progress)
+        failed: dict[str, str] = {}
+        if "per_pod" not in skip:
+            bar.phase("per-pod")
+            res["per_pod"] = podcost.per_pod(methods, prof["samples"], bar, failed)
+            if execd:
+                bar.phase("per-pod (exec)")
+                res["per_pod"].update(podcost.per_pod(execd, exec_samples, bar, failed))
+            for k, why in failed.items():
+                bar.note(f"{k}: {why}")
+        if "scale" not in skip:
+            for m in scale_methods:
+                bar.phase(f"scale {m.backend}/{m.mode}")
+                try:
+                    res["scale"][m.key] = podcost.scale(m, levels, prof["level_samples"], bar)
+                except Exception as e:  # noqa: BLE001
+                    bar.note(f"scale {m.key}: {e}")
+                    res["scale"][m.key] = {"levels": {}, "error": str(e)}
+        if "memory" not in skip:
+            for m in scale_methods:
+                bar.phase(f"memory {m.backend}/{m.mode}")
+                try:
+                    res["memory"][m.key] = podcost.memory(m, prof["mem_pods"], bar)
+                except Exception as e:  # noqa: BLE001
+                    bar.note(f"memory {m.key}: {e}")
+                    res["memory"][m.key] = {"error": str(e)}
+        if "datapath" not in skip:
+            from . import datapath
+
+            bar.phase("data path")
+            res["datapath"] = datapath.run([m.backend for m in sidecar_api], prof["rounds"], prof["seconds"],
+                                           prof["max_conns"], prof["bulk_seconds"], bar, notes)
+    except KeyboardInterrupt:
+        print("\nbenches: interrupted; cleaning up (partial results are written)", file=sys.stderr)
+        notes.append("interrupted: partial results")
+    finally:
+        if bar is not None:
+            bar.close()
+        nsutil.cleanup()
+    res["elapsed_s"] = round(time.time() - t_start, 1)
+    res["ratios"] = report.ratios(res)
+    res["targets"] = report.targets(res, res["ratios"])
+    write(res, args.out, plots=not args.no_plots)
+    return 130 if "interrupted: partial results" in notes else 0
+
+
+def write(res: dict[str, Any], outdir: str, plots: bool) -> None:
+    os.makedirs(outdir, exist_ok=True)
+    stamp = res["started"].replace(":", "").replace("-", "")
+    files = [os.path.join(outdir, f"bench-{res['profile']}-{stamp}.json"), os.path.join(outdir, "latest.json")]
+    for path in files:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, sort_keys=False, default=str)
+    md = report.markdown(res)
+    with open(os.path.join(outdir, "summary.md"), "w") as f:
+        f.write(md)
+    made = []
+    if plots:
+        try:
+            made = report.plots(res, outdir)
+        except Exception as e:  # noqa: BLE001 - the numbers matter more than the pictures
+            print(f"benches: plots failed: {e}", file=sys.stderr)
+    print(md)
+    print(f"benches: wrote {', '.join(files + [os.path.join(outdir, 'summary.md')] + made)}", file=sys.stderr)
