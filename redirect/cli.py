@@ -5,6 +5,7 @@
     redirect check NETNS [--config FILE] [--set ...] [--json]
     redirect show NETNS [--json]
     redirect init [istio-iptables flags]      (drop-in for istio-iptables)
+    redirect node setup|check|teardown|add-pod|remove-pod|list-pods   (ambient node probe rules)
 
 Exit codes: 0 ok, 2 bad configuration or usage, 1 failure (nothing was left half-installed).
 Imports are lazy so that a per-pod exec (``redirect init``) starts fast.
@@ -98,11 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_init)
 
     for modname in EXTRA_COMMANDS:
-        try:
-            mod = __import__(modname, fromlist=["register"])
-        except ImportError:
-            continue
-        mod.register(sub)
+        __import__(modname, fromlist=["register"]).register(sub)
     return p
 
 

@@ -1,0 +1,351 @@
+"""Node side of ambient mode: kubelet probes reach ambient pods from a known source.
+
+In-pod ambient rules accept TCP from the probe SNAT address (169.254.7.127,
+fd16:9254:7127:1337:ffff:ffff:ffff:ffff) without sending it to the node proxy. On
+the node, a probe from kubelet must therefore be SNAT'd to that address, while
+traffic the node merely forwards (kube-proxy, load balancers) must not: Istio
+(``cni/pkg/iptables`` ``AppendHostRules``) tells them apart with
+``-m owner --socket-exists`` (only locally generated packets have a socket) and
+limits the rule to ambient pods' IPs with an ipset. We do the same:
+
+- ipsets ``rdr-inpod-probes-v4`` / ``rdr-inpod-probes-v6`` (``hash:ip`` with comments:
+  each entry's comment names the pod that owns it);
+- chain ``RDR_NODE_POSTRT`` in the nat table, jumped to first from ``POSTROUTING``:
+  ``-p tcp -m owner --socket-exists -m set --match-set rdr-inpod-probes-vN dst
+  -j SNAT --to-source <probe address>``.
+
+Everything acts on the netns ``netns`` (default: the calling thread's). What is
+installed is read back from the kernel, so ``setup_node`` re-asserts the rules at
+any time: a missing or altered rule is restored, an intact one is not rewritten.
+Pods are added and removed by IP; with ``owner`` (a pod UID), ``remove_pods`` only
+removes entries that ``owner`` added, so a recycled IP that now belongs to another
+pod keeps its entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import subprocess
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from . import netns as _netns
+from .backends.base import CheckResult
+from .backends.iptables import _run, _tool, detect_variant
+from .errors import ConfigError, SetupError
+
+log = logging.getLogger("redirect.node")
+
+CHAIN = "RDR_NODE_POSTRT"
+SET_NAMES = {4: "rdr-inpod-probes-v4", 6: "rdr-inpod-probes-v6"}
+PROBE_SNAT = {4: "169.254.7.127", 6: "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"}
+_COMMENT = "redirect: kubelet probes to ambient pods come from the probe address"
+_MAX_OWNER = 200  # ipset comments hold up to 255 bytes
+
+_locks_guard = threading.Lock()
+_locks: dict[int, threading.Lock] = {}
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The node's probe SNAT addresses (Istio ``HOST_PROBE_SNAT_ADDRESS`` / ``_V6_``)."""
+
+    probe_snat_ipv4: str = PROBE_SNAT[4]
+    probe_snat_ipv6: str = PROBE_SNAT[6]
+    #: IPv6 rule and set: True, False, or None = whenever the netns has IPv6.
+    ipv6: bool | None = None
+
+    def __post_init__(self) -> None:
+        for fam, name in ((4, "probe_snat_ipv4"), (6, "probe_snat_ipv6")):
+            value = getattr(self, name)
+            try:
+                a = ipaddress.ip_address(str(value).strip())
+            except ValueError:
+                raise ConfigError(name, value, f"not an IPv{fam} address") from None
+            if a.version != fam:
+                raise ConfigError(name, value, f"not an IPv{fam} address")
+            object.__setattr__(self, name, str(a))
+        if self.ipv6 not in (None, True, False):
+            raise ConfigError("ipv6", self.ipv6, "expected true, false or None (auto)")
+
+    def snat(self, family: int) -> str:
+        return self.probe_snat_ipv4 if family == 4 else self.probe_snat_ipv6
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _in(netns: _netns.NetnsRef | None) -> Iterator[None]:
+    """Enter ``netns`` (None: stay) and hold the per-netns lock."""
+    with contextlib.ExitStack() as stack:
+        if netns is not None:
+            stack.enter_context(_netns.enter(netns))
+        inode = _netns.current_inode()
+        with _locks_guard:
+            lock = _locks.setdefault(inode, threading.Lock())
+        stack.enter_context(lock)
+        yield
+
+
+def _families(cfg: NodeConfig) -> tuple[int, ...]:
+    from .routes import ipv6_enabled
+
+    v6 = ipv6_enabled() if cfg.ipv6 is None else cfg.ipv6
+    return (4, 6) if v6 else (4,)
+
+
+def _ipset(
+    args: list[str], stdin: str | None = None, ok_codes: tuple[int, ...] = (0,)
+) -> subprocess.CompletedProcess[str]:
+    try:
+        p = subprocess.run(["ipset", *args], input=stdin, capture_output=True, text=True, timeout=30, check=False)
+    except FileNotFoundError:
+        raise SetupError("ipset not found; install Debian's 'ipset' package (apt-get install ipset)") from None
+    if p.returncode not in ok_codes:
+        raise SetupError(f"ipset {' '.join(args)} failed (exit {p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def _set_exists(name: str) -> bool:
+    return _ipset(["list", "-n", name], ok_codes=(0, 1)).returncode == 0
+
+
+def _desired_rule(fam: int, cfg: NodeConfig) -> str:
+    """Our rule as ``iptables-save`` prints it."""
+    return (f"-A {CHAIN} -p tcp -m owner --socket-exists -m set --match-set {SET_NAMES[fam]} dst"
+            f' -m comment --comment "{_COMMENT}" -j SNAT --to-source {cfg.snat(fam)}')
+
+
+@dataclass(frozen=True)
+class _NatState:
+    chain: tuple[str, ...] | None  # our chain's rules, None if the chain does not exist
+    jumps: int  # jumps from POSTROUTING into it
+
+
+def _read(variant: str, fam: int) -> _NatState:
+    text = _run([_tool(variant, fam, "save"), "-t", "nat"])
+    chain: list[str] | None = None
+    jumps = 0
+    for line in text.splitlines():
+        if line.startswith(f":{CHAIN} "):
+            chain = chain or []
+        elif line.startswith(f"-A {CHAIN} "):
+            chain = (chain or []) + [line]
+        elif line.startswith("-A POSTROUTING ") and line.endswith(f"-j {CHAIN}"):
+            jumps += 1
+    return _NatState(tuple(chain) if chain is not None else None, jumps)
+
+
+def _payload(cur: _NatState, want_rule: str | None) -> str:
+    """Restore payload turning ``cur`` into ours (``want_rule``) or into nothing (None)."""
+    lines = ["*nat"]
+    if want_rule is not None:
+        if cur.chain == (want_rule,) and cur.jumps == 1:
+            return ""
+        lines += [f":{CHAIN} - [0:0]", want_rule]  # declaring flushes it
+        lines += [f"-D POSTROUTING -j {CHAIN}"] * max(cur.jumps - 1, 0)
+        if cur.jumps == 0:
+            lines.append(f"-I POSTROUTING 1 -j {CHAIN}")
+    else:
+        if cur.chain is None and cur.jumps == 0:
+            return ""
+        lines += [f"-D POSTROUTING -j {CHAIN}"] * cur.jumps
+        if cur.chain is not None:
+            lines += [f":{CHAIN} - [0:0]", f"-X {CHAIN}"]
+    return "\n".join(lines + ["COMMIT"]) + "\n"
+
+
+def _restore(variant: str, fam: int, payload: str) -> None:
+    if payload:
+        log.debug("node %s-restore (IPv%d):\n%s", variant, fam, payload)
+        _run([_tool(variant, fam, "restore"), "-w", "5", "--noflush"], payload)
+
+
+def _parse_ips(ips: Iterable[str], field: str = "ips") -> list[tuple[int, str]]:
+    if isinstance(ips, str):
+        ips = [ips]
+    out: list[tuple[int, str]] = []
+    for raw in ips:
+        try:
+            a = ipaddress.ip_address(str(raw).strip())
+        except ValueError:
+            raise ConfigError(field, raw, "not an IPv4 or IPv6 address") from None
+        if (a.version, str(a)) not in out:
+            out.append((a.version, str(a)))
+    return out
+
+
+def _check_owner(owner: str | None) -> None:
+    if owner is None:
+        return
+    if not isinstance(owner, str) or not owner or len(owner) > _MAX_OWNER or any(c in owner for c in "\"\n\\"):
+        raise ConfigError("owner", owner, f"expected a non-empty name of at most {_MAX_OWNER} chars without quotes")
+
+
+# --- public API ------------------------------------------------------------------------
+
+
+def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None = None) -> bool:
+    """Install (or re-assert) the host probe rules and sets in ``netns``; True if anything changed.
+
+    Atomic: on failure, the rules and sets are left as they were and ``SetupError`` is raised.
+    """
+    cfg = config or NodeConfig()
+    with _in(netns):
+        families = _families(cfg)
+        variant = detect_variant()
+        before = {fam: _read(variant, fam) for fam in (4, 6)}
+        created: list[str] = []
+        done: list[int] = []
+        changed = False
+        try:
+            for fam in families:
+                if not _set_exists(SET_NAMES[fam]):
+                    _ipset(["create", SET_NAMES[fam], "hash:ip", "family", "inet" if fam == 4 else "inet6",
+                            "comment", "-exist"])
+                    created.append(SET_NAMES[fam])
+            for fam in (4, 6):
+                want = _desired_rule(fam, cfg) if fam in families else None
+                payload = _payload(before[fam], want)
+                if payload:
+                    _restore(variant, fam, payload)
+                    done.append(fam)
+            changed = bool(created or done)
+            # A family turned off: its set goes too (once nothing references it).
+            for fam in (4, 6):
+                if fam not in families and _set_exists(SET_NAMES[fam]):
+                    _ipset(["destroy", SET_NAMES[fam]])
+                    changed = True
+        except Exception:
+            for fam in reversed(done):
+                try:
+                    now = _read(variant, fam)
+                    prev = before[fam].chain
+                    want = prev[0] if prev else None
+                    _restore(variant, fam, _payload(now, want))
+                except Exception as e:  # pragma: no cover - reported, not hidden
+                    log.error("node rollback of IPv%d failed: %s", fam, e)
+            for name in created:
+                _ipset(["destroy", name], ok_codes=(0, 1))
+            raise
+    log.info("node setup netns=%s changed=%s", _netns.describe(netns) if netns is not None else "(current)", changed)
+    return changed
+
+
+def teardown_node(netns: _netns.NetnsRef | None = None) -> bool:
+    """Remove our host rules and sets from ``netns``; True if anything was removed."""
+    with _in(netns):
+        variant = detect_variant()
+        removed = False
+        for fam in (4, 6):
+            payload = _payload(_read(variant, fam), None)
+            if payload:
+                _restore(variant, fam, payload)
+                removed = True
+        for name in SET_NAMES.values():
+            if _set_exists(name):
+                _ipset(["destroy", name])
+                removed = True
+    return removed
+
+
+def check_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None = None) -> CheckResult:
+    """Whether the host rules and sets in ``netns`` are as ``setup_node`` makes them."""
+    cfg = config or NodeConfig()
+    diffs: list[str] = []
+    with _in(netns):
+        families = _families(cfg)
+        variant = detect_variant()
+        for fam in (4, 6):
+            st = _read(variant, fam)
+            if fam in families:
+                want = _desired_rule(fam, cfg)
+                if st.chain is None:
+                    diffs.append(f"IPv{fam} nat: missing chain {CHAIN}")
+                elif st.chain != (want,):
+                    diffs.append(f"IPv{fam} nat: {CHAIN} is {list(st.chain)}, want [{want}]")
+                if st.jumps != 1:
+                    diffs.append(f"IPv{fam} nat: {st.jumps} jumps from POSTROUTING to {CHAIN}, want 1")
+                if not _set_exists(SET_NAMES[fam]):
+                    diffs.append(f"missing ipset {SET_NAMES[fam]}")
+            elif st.chain is not None or st.jumps:
+                diffs.append(f"IPv{fam} nat: unexpected {CHAIN} (IPv{fam} is off)")
+    return CheckResult(not diffs, "node", tuple(diffs))
+
+
+def _entries(name: str) -> dict[str, str | None]:
+    """ip -> owner comment (None if the entry has none) of one of our sets."""
+    out: dict[str, str | None] = {}
+    p = _ipset(["list", name, "-output", "save"])
+    for line in p.stdout.splitlines():
+        parts = line.split(None, 3)
+        if len(parts) >= 3 and parts[0] == "add" and parts[1] == name:
+            rest = parts[3] if len(parts) > 3 else ""
+            owner = None
+            if rest.startswith("comment "):
+                owner = rest[len("comment "):].strip().strip('"')
+            out[parts[2]] = owner
+    return out
+
+
+def list_pods(netns: _netns.NetnsRef | None = None) -> dict[str, str | None]:
+    """The pod IPs in our sets, with the owner each was added with (or None)."""
+    with _in(netns):
+        out: dict[str, str | None] = {}
+        for name in SET_NAMES.values():
+            if _set_exists(name):
+                out.update(_entries(name))
+        return out
+
+
+def _need_sets(fams: set[int]) -> None:
+    for fam in sorted(fams):
+        if not _set_exists(SET_NAMES[fam]):
+            raise SetupError(f"ipset {SET_NAMES[fam]} does not exist: run `redirect node setup` (setup_node) first")
+
+
+def add_pods(ips: Iterable[str], netns: _netns.NetnsRef | None = None, owner: str | None = None) -> list[str]:
+    """Add pod IPs to the probe sets (one ``ipset restore``); returns those that were new or changed owner.
+
+    Idempotent: an IP already present with the same owner is left alone; with a different
+    owner it is taken over (the IP was recycled to this pod).
+    """
+    parsed = _parse_ips(ips)
+    _check_owner(owner)
+    with _in(netns):
+        _need_sets({fam for fam, _ in parsed})
+        current = {fam: _entries(SET_NAMES[fam]) for fam in {f for f, _ in parsed}}
+        todo = [(fam, ip) for fam, ip in parsed if ip not in current[fam] or current[fam][ip] != owner]
+        if not todo:
+            return []
+        # ``add -exist`` on a present IP replaces its comment in place (no window without it).
+        lines = [f"add {SET_NAMES[fam]} {ip}" + (f' comment "{owner}"' if owner else "") + " -exist"
+                 for fam, ip in todo]
+        _ipset(["restore"], "\n".join(lines) + "\n")
+    return [ip for _, ip in todo]
+
+
+def remove_pods(ips: Iterable[str], netns: _netns.NetnsRef | None = None, owner: str | None = None) -> list[str]:
+    """Remove pod IPs from the probe sets; returns those removed.
+
+    With ``owner``, an entry is only removed if it was added by ``owner``: a recycled IP
+    that now belongs to another pod keeps its entry. Missing IPs are not an error.
+    """
+    parsed = _parse_ips(ips)
+    _check_owner(owner)
+    with _in(netns):
+        fams = {fam for fam, _ in parsed if _set_exists(SET_NAMES[fam])}
+        current = {fam: _entries(SET_NAMES[fam]) for fam in fams}
+        todo = [(fam, ip) for fam, ip in parsed
+                if fam in current and ip in current[fam] and (owner is None or current[fam][ip] == owner)]
+        if todo:
+            _ipset(["restore"], "".join(f"del {SET_NAMES[fam]} {ip} -exist\n" for fam, ip in todo))
+    return [ip for _, ip in todo]
+
+
+__all__ = ["NodeConfig", "setup_node", "teardown_node", "check_node", "add_pods", "remove_pods", "list_pods",
+           "CHAIN", "SET_NAMES"]
