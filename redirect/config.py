@@ -266,7 +266,7 @@ def _id(name: str, raw: object, value: object, kind: str) -> IdSpec:
         else:
             try:
                 n = pwd.getpwnam(s).pw_uid if kind == "user" else grp.getgrnam(s).gr_gid
-            except KeyError:
+            except (KeyError, ValueError):
                 raise ConfigError(name, raw, f"{s!r} is not a number, a range, or a known {kind} name") from None
     else:
         raise ConfigError(name, raw, f"{value!r} is not a {kind} id")

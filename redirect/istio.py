@@ -206,7 +206,7 @@ def _default_proxy_uid(env: Mapping[str, str]) -> str:
 
     try:
         return str(pwd.getpwnam(env.get("ENVOY_USER", "istio-proxy")).pw_uid)
-    except KeyError:
+    except (KeyError, ValueError):
         return DEFAULT_PROXY_UID
 
 

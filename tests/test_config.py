@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from redirect import ConfigError, RedirectConfig
@@ -114,6 +114,8 @@ _hostile = st.one_of(
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.dictionaries(st.sampled_from(field_names()), _hostile, max_size=5))
+@example({"owner_groups": ["\x00"]})  # getgrnam raised ValueError (embedded null byte)
+@example({"proxy_uids": ["a\x00b"]})
 def test_hostile_configs_raise_only_config_error(data: dict[str, Any]) -> None:
     try:
         cfg = RedirectConfig.from_dict(data)
