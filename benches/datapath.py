@@ -3,10 +3,11 @@
 Cases: ``direct`` (the app connects to the proxy at 127.0.0.1:15001: no capture, the physical
 floor), ``reference`` (Istio's rules, see ``reference.py``) and each backend: the app connects
 to 192.0.2.2:8080 (the peer end of the pod's eth0, where nothing listens) and capture delivers
-the connection to the proxy on 15001. The proxy (``rdrt_echo``) echoes and never connects
-onward: the figure is the cost of reaching the proxy, which is what capture changes.
-A captured case is checked first: one request must come back, else nothing listens there and
-the case is reported as not captured.
+the connection to the proxy on 15001. The proxy starts before capture is set up, as in a pod (the
+eBPF backend needs its listeners then); an inbound listener on 15006 is held for eBPF. The proxy
+(``rdrt_echo``) echoes and never connects onward: the figure is the cost of reaching the proxy,
+which is what capture changes. A captured case is checked first: one request must come back,
+else nothing listens there and the case is reported as not captured.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import redirect
 
 from . import nsutil, reference
-from .methods import config_for
+from .methods import config_for, listen_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(HERE, "build")
@@ -42,9 +43,12 @@ def build() -> dict[str, str]:
     return out
 
 
-def make_pod() -> tuple[str, str]:
-    """A pod netns with eth0 192.0.2.1/24 whose veth peer (192.0.2.2) sits in a second netns."""
-    pod, peer = nsutil.create(2, "d")
+def make_pod(listen: tuple[int, ...] = ()) -> tuple[str, str]:
+    """A pod netns with eth0 192.0.2.1/24 whose veth peer (192.0.2.2) sits in a second netns.
+
+    ``listen``: ports held open in the pod (see ``nsutil.create``)."""
+    (pod,) = nsutil.create(1, "d", listen)
+    (peer,) = nsutil.create(1, "d")
     subprocess.run(["ip", "link", "add", "eth0", "netns", pod, "type", "veth", "peer", "name", "eth0",
                     "netns", peer], check=True, capture_output=True, timeout=30)
     for ns, addr in ((pod, POD_ADDR), (peer, PEER_ADDR)):
@@ -78,8 +82,10 @@ def client(exe: str, pod: str, mode: str, addr: str, limit: int, seconds: float,
 
 
 class Case:
-    def __init__(self, name: str, install: Callable[[str], None] | None) -> None:
-        self.name, self.install = name, install
+    def __init__(self, name: str, install: Callable[[str], None] | None, listen: tuple[int, ...] = (),
+                 remove: Callable[[str], None] | None = None) -> None:
+        self.name, self.install, self.listen, self.remove = name, install, listen, remove
+        self.installed = False
         self.pod = self.peer = ""
         self.echo: subprocess.Popen[bytes] | None = None
         self.addr = "127.0.0.1" if install is None else PEER_ADDR
@@ -100,11 +106,18 @@ def _install_backend(backend: str) -> Callable[[str], None]:
     return install
 
 
+def _remove_backend(backend: str) -> Callable[[str], None]:
+    def remove(pod: str) -> None:
+        redirect.teardown(pod, backend=backend)
+    return remove
+
+
 def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_seconds: float,
         progress: Callable[[int], None], notes: list[str]) -> dict[str, Any]:
     exes = build()
     cases = [Case("direct", None), Case("reference", _install_reference)]
-    cases += [Case(b, _install_backend(b)) for b in backends]
+    # Teardown before the namespace goes: the eBPF backend's per-pod state is not in the netns.
+    cases += [Case(b, _install_backend(b), listen_for(b, "sidecar"), _remove_backend(b)) for b in backends]
     lifetime = int(rounds * len(cases) * (seconds + bulk_seconds + 5) + 60)
     results: dict[str, Any] = {"msg_bytes": 64, "rounds": rounds, "seconds_per_run": seconds,
                                "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "cases": {}}
@@ -112,10 +125,12 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
     try:
         for c in cases:
             try:
-                c.pod, c.peer = make_pod()
-                if c.install:
-                    c.install(c.pod)
+                c.pod, c.peer = make_pod(c.listen)
+                # The proxy first, as in a pod (the eBPF backend looks up its listeners at setup).
                 c.echo = start_echo(exes["rdrt_echo"], c.pod, lifetime)
+                if c.install:
+                    c.installed = True  # (a failed setup may leave part: teardown is idempotent)
+                    c.install(c.pod)
                 client(exes["rdrt_client"], c.pod, "crr", c.addr, 1, 5, 64)  # captured, or it fails here
                 live.append(c)
             except Exception as e:  # noqa: BLE001 - recorded, the others go on
@@ -131,6 +146,11 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
         for c in cases:
             if c.echo is not None:
                 nsutil.stop(c.echo)
+            if c.installed and c.remove is not None:
+                try:
+                    c.remove(c.pod)
+                except Exception as e:  # noqa: BLE001 - the namespace goes anyway; say so
+                    notes.append(f"data path {c.name}: teardown failed: {e}")
             nsutil.delete([n for n in (c.pod, c.peer) if n])
     for c in live:
         med = lambda key, runs: round(statistics.median(r[key] for r in runs), 2)  # noqa: E731

@@ -52,11 +52,18 @@ class Method:
     #: True when deleting the namespace removes everything (netfilter rules live in the netns):
     #: untimed bulk cleanup may then skip ``teardown``. Never for state held outside the netns (BPF maps).
     cleanup_by_delete: bool = False
+    #: Ports with a listener held open in each fresh namespace before setup (not timed): the eBPF
+    #: backend needs the proxy's inbound listener to exist when setup runs (it goes to sk_lookup).
+    listen: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def config_for(mode: str) -> redirect.RedirectConfig:
     return redirect.RedirectConfig(mode=mode) if mode != "sidecar" else redirect.RedirectConfig()  # type: ignore[arg-type]
+
+
+def listen_for(backend: str, mode: str) -> tuple[int, ...]:
+    return (config_for(mode).inbound_port,) if backend == "ebpf" else ()
 
 
 def _verify_api(backend: str, mode: str) -> Callable[[str], None]:
@@ -76,7 +83,8 @@ def api_method(backend: str, mode: str) -> Method:
     def teardown(ns: str) -> None:
         redirect.teardown(ns, backend=backend)
 
-    return Method(f"api/{backend}/{mode}", "api", backend, mode, setup, teardown, _verify_api(backend, mode))
+    return Method(f"api/{backend}/{mode}", "api", backend, mode, setup, teardown, _verify_api(backend, mode),
+                  listen=listen_for(backend, mode))
 
 
 def _redirect_exe() -> str:
@@ -121,7 +129,7 @@ def cli_method(backend: str, mode: str) -> Method:
         _check_run([exe, "teardown", ns, "--backend", backend])
 
     return Method(f"cli/{backend}/{mode}", "cli", backend, mode, setup, teardown, _verify_api(backend, mode),
-                  note=how)
+                  note=how, listen=listen_for(backend, mode))
 
 
 def _cni_exe() -> str:
@@ -156,7 +164,8 @@ def cni_method(backend: str, mode: str) -> Method:
         _check_run([exe], env=env, data=json.dumps(cni_conf(backend, mode, nspath)).encode())
 
     return Method(f"cni/{backend}/{mode}", "cni", backend, mode, lambda ns: call("ADD", ns),
-                  lambda ns: call("DEL", ns), _verify_api(backend, mode), note=f"{exe} ADD/DEL")
+                  lambda ns: call("DEL", ns), _verify_api(backend, mode), note=f"{exe} ADD/DEL",
+                  listen=listen_for(backend, mode))
 
 
 def reference_method(binary: str = "iptables") -> Method:

@@ -1,19 +1,29 @@
-"""Bench namespaces: created in bulk with one ``ip -batch``, always deleted (finally + atexit + signals)."""
+"""Bench namespaces: created in bulk with one ``ip -batch``, always deleted (finally + atexit + signals).
+
+Every process the harness starts carries ``RDRT_BENCH_OWNER=<our pid>`` in its environment
+(``OWNER_ENV``), so a test can tell that none outlived the run.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
 import signal
+import socket
 import subprocess
+import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 PREFIX = f"rdrt-b{os.getpid()}-"
 _live: set[str] = set()
 _lock = threading.Lock()
 _counter = 0
 _procs: list[subprocess.Popen[bytes]] = []
+#: Listening sockets held in a namespace for a backend that needs its proxy up first (eBPF inbound).
+_socks: dict[str, list[socket.socket]] = {}
+OWNER_ENV = "RDRT_BENCH_OWNER"
+os.environ[OWNER_ENV] = str(os.getpid())  # inherited by every child: ip, iptables, redirect, rdrt_*
 
 
 def _batch(lines: Iterable[str], check: bool = True) -> None:
@@ -33,8 +43,31 @@ def new_names(n: int, tag: str = "p") -> list[str]:
     return names
 
 
-def create(n: int, tag: str = "p") -> list[str]:
-    """``n`` fresh network namespaces with ``lo`` up, as a runtime hands them to CNI (not timed)."""
+def _listen(port: int) -> list[socket.socket]:
+    """A TCP listener on ``port`` per family in the current netns (a proxy that is already up)."""
+    out: list[socket.socket] = []
+    for fam, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if fam == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((addr, port))
+            s.listen(16)
+        except OSError:
+            s.close()
+            for o in out:
+                o.close()
+            raise
+        out.append(s)
+    return out
+
+
+def create(n: int, tag: str = "p", listen: tuple[int, ...] = ()) -> list[str]:
+    """``n`` fresh network namespaces with ``lo`` up, as a runtime hands them to CNI (not timed).
+
+    ``listen``: ports on which a listener per family is held open in each namespace until it is
+    deleted (the eBPF backend hands the proxy's inbound socket to sk_lookup at setup)."""
     from pyroute2 import IPRoute
 
     from redirect import netns as rnetns
@@ -47,6 +80,10 @@ def create(n: int, tag: str = "p") -> list[str]:
         with rnetns.enter(name):
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
+            if listen:
+                socks = [s for port in listen for s in _listen(port)]
+                with _lock:
+                    _socks[name] = socks
     return names
 
 
@@ -55,6 +92,8 @@ def delete(names: Iterable[str]) -> None:
     with _lock:
         for n in names:
             _live.discard(n)
+            for sock in _socks.pop(n, []):
+                sock.close()
     _batch((f"netns delete {n}" for n in names), check=False)
 
 
@@ -80,8 +119,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         _procs.remove(proc)
 
 
+_hooks: list[Callable[[], None]] = []
+
+
+def at_cleanup(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in ``cleanup``, after the namespaces are gone (e.g. unload scratch BPF pins)."""
+    _hooks.append(fn)
+
+
 def cleanup() -> None:
-    """Stop our processes and delete every namespace this run created. Safe to call twice."""
+    """Stop our processes and delete every namespace this run created, then run the hooks.
+    Safe to call twice."""
     for p in list(_procs):
         try:
             stop(p)
@@ -98,6 +146,12 @@ def cleanup() -> None:
         stray = []
     if stray:
         delete(stray)
+    while _hooks:
+        fn = _hooks.pop()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - best effort at exit; say what was left
+            print(f"benches: cleanup: {e}", file=sys.stderr)
 
 
 def install_handlers() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import glob
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -35,7 +35,7 @@ def _timed(fn: Callable[[str], None], ns: str) -> float:
 def warm_and_verify(m: Method) -> None:
     """One untimed pod per method: imports, caches and first-link costs out of the way, and proof
     that the method really installs something (``verify``) and removes it."""
-    (ns,) = nsutil.create(1, "w")
+    (ns,) = nsutil.create(1, "w", m.listen)
     try:
         m.setup(ns)
         m.verify(ns)
@@ -50,7 +50,7 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
     drift on a shared machine hits every method alike."""
     out: dict[str, dict[str, Any]] = {}
     live = [m for m in methods if m.key not in failed]
-    names = {m.key: nsutil.create(samples, "s") for m in live}
+    names = {m.key: nsutil.create(samples, "s", m.listen) for m in live}
     setup_t: dict[str, list[float]] = {m.key: [] for m in live}
     down_t: dict[str, list[float]] = {m.key: [] for m in live}
     try:
@@ -88,12 +88,12 @@ def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) ->
         for n in sorted(levels):
             need = n - 1 - len(live)
             if need > 0:
-                new = nsutil.create(need, "f")
+                new = nsutil.create(need, "f", m.listen)
                 for ns in new:
                     fill_ms.append(round(_timed(m.setup, ns), 4))
                     live.append(ns)
                     progress(1)
-            names = nsutil.create(samples, "n")
+            names = nsutil.create(samples, "n", m.listen)
             st: list[float] = []
             td: list[float] = []
             try:
@@ -144,43 +144,59 @@ def kernel_objects(ns: str) -> dict[str, int | None]:
     }
 
 
-def _bpf_entries(root: str = "/sys/fs/bpf/redirect") -> int | None:
-    """Entries in our pinned maps (the eBPF backend's per-pod state lives there)."""
-    paths = [p for p in glob.glob(f"{root}/**", recursive=True) if not p.endswith("/")]
-    if not paths:
+def bpf_root() -> str:
+    from redirect.backends import ebpf
+
+    return ebpf._root(None)
+
+
+def _bpf_maps(root: str | None = None) -> dict[str, int] | None:
+    """Entries and their key+value bytes over our pinned maps (``<root>/maps``), where the eBPF
+    backend keeps its per-pod state; None when nothing is pinned there."""
+    d = os.path.join(root or bpf_root(), "maps")
+    try:
+        paths = sorted(os.path.join(d, n) for n in os.listdir(d))
+    except OSError:
         return None
-    total = 0
+    entries = nbytes = 0
     for p in paths:
-        r = subprocess.run(["bpftool", "-j", "map", "dump", "pinned", p], capture_output=True, timeout=30)
-        if r.returncode == 0:
-            try:
-                total += len(json.loads(r.stdout or b"[]"))
-            except ValueError:
-                pass
-    return total
+        show = subprocess.run(["bpftool", "-j", "map", "show", "pinned", p], capture_output=True, timeout=30)
+        dump = subprocess.run(["bpftool", "-j", "map", "dump", "pinned", p], capture_output=True, timeout=30)
+        if show.returncode != 0 or dump.returncode != 0:
+            continue
+        try:
+            info, n = json.loads(show.stdout), len(json.loads(dump.stdout or b"[]"))
+        except ValueError:
+            continue
+        entries += n
+        nbytes += n * (int(info.get("bytes_key", 0)) + int(info.get("bytes_value", 0)))
+    return {"entries": entries, "bytes": nbytes}
 
 
 def memory(m: Method, pods: int, progress: Progress) -> dict[str, Any]:
     """Kernel memory per pod for capture alone: /proc/meminfo deltas over ``pods`` namespaces,
     measured after the (empty) namespaces exist, so the namespaces' own cost is excluded.
     Noisy on a shared machine (other work allocates too): read it as an order of magnitude."""
-    names = nsutil.create(pods, "m")
+    names = nsutil.create(pods, "m", m.listen)
     try:
         time.sleep(0.2)
-        bpf0 = _bpf_entries()
+        bpf0 = _bpf_maps()
         before = _meminfo()
         for ns in names:
             m.setup(ns)
             progress(1)
         time.sleep(0.2)
         after = _meminfo()
-        bpf1 = _bpf_entries()
+        bpf1 = _bpf_maps()
         objs = kernel_objects(names[0])
         for ns in [] if m.cleanup_by_delete else names:
             m.teardown(ns)
     finally:
         nsutil.delete(names)
-    per = {k: round((after[k] - before[k]) / pods, 2) for k in ("Slab", "SUnreclaim", "Percpu") if k in after}
+    per: dict[str, float] = {k: round((after[k] - before[k]) / pods, 2)
+                             for k in ("Slab", "SUnreclaim", "Percpu") if k in after}
     per["MemAvailable"] = round((before["MemAvailable"] - after["MemAvailable"]) / pods, 2)
+    bpf = None if bpf0 is None or bpf1 is None else {k: round((bpf1[k] - bpf0[k]) / pods, 2) for k in bpf0}
     return {"pods": pods, "kib_per_pod": per, "kernel_objects_one_pod": objs,
-            "bpf_map_entries_per_pod": (None if bpf0 is None or bpf1 is None else round((bpf1 - bpf0) / pods, 2))}
+            "bpf_map_entries_per_pod": None if bpf is None else bpf["entries"],
+            "bpf_map_bytes_per_pod": None if bpf is None else bpf["bytes"]}

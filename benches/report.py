@@ -126,7 +126,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("memory"):
         L += ["", "## Memory per pod (capture only; /proc/meminfo deltas, KiB; noisy on a shared host)", "",
               "| method | pods | Slab | SUnreclaim | Percpu | MemAvailable drop | rules (ipt-nft / ipt-legacy / nft) |"
-              " bpf map entries |", "|---|---|---|---|---|---|---|---|"]
+              " bpf map entries (key+value bytes) |", "|---|---|---|---|---|---|---|---|"]
         for key, m in res["memory"].items():
             if "error" in m:
                 L.append(f"| {key} | - | {m['error']} | | | | | |")
@@ -135,7 +135,8 @@ def markdown(res: dict[str, Any]) -> str:
             L.append(f"| {key} | {m['pods']} | {_fmt(k.get('Slab'))} | {_fmt(k.get('SUnreclaim'))} | "
                      f"{_fmt(k.get('Percpu'))} | {_fmt(k.get('MemAvailable'))} | {o.get('iptables_nft_rules')} / "
                      f"{o.get('iptables_legacy_rules')} / {o.get('nft_rules_total')} | "
-                     f"{_fmt(m.get('bpf_map_entries_per_pod'))} |")
+                     f"{_fmt(m.get('bpf_map_entries_per_pod'))}"
+                     + (f" ({_fmt(m['bpf_map_bytes_per_pod'])} B)" if m.get("bpf_map_bytes_per_pod") else "") + " |")
     dp = res.get("datapath", {})
     if dp.get("cases"):
         L += ["", f"## Data path (loopback in a pod netns; connect + {dp.get('msg_bytes')} B request/response + "
@@ -148,10 +149,10 @@ def markdown(res: dict[str, Any]) -> str:
             if "error" in c:
                 L.append(f"| {name} | {c['error']} | | | | | | |")
                 continue
-            L.append(f"| {name} | {c['target']} | {_fmt(c['conn_per_s'])} | "
+            L.append(f"| {name} | {c.get('target', '')} | {_fmt(c.get('conn_per_s'))} | "
                      f"{_fmt(r['conn_rate_vs_direct'].get(name, 1.0 if name == 'direct' else None))} | "
                      f"{_fmt(r['conn_rate_vs_reference'].get(name, 1.0 if name == 'reference' else None))} | "
-                     f"{_fmt(c['p50_us'])} | {_fmt(c['p99_us'])} | {_fmt(c['bulk_gbit_per_s'])} |")
+                     f"{_fmt(c.get('p50_us'))} | {_fmt(c.get('p99_us'))} | {_fmt(c.get('bulk_gbit_per_s'))} |")
     if res.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
     return "\n".join(L) + "\n"

@@ -1,0 +1,170 @@
+"""The benchmark harness runs end to end in a tiny mode, writes its schema, computes its ratios,
+and leaves no namespace, process or BPF pin behind, even when interrupted. Nothing here asserts
+a timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benches import report
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the harness creates network namespaces: needs root")
+
+
+def _ours(pid: int) -> list[str]:
+    try:
+        return [n for n in os.listdir("/run/netns") if n.startswith(f"rdrt-b{pid}-")]
+    except FileNotFoundError:
+        return []
+
+
+def _procs(pid: int, name: str = "") -> list[int]:
+    """Live processes the harness run ``pid`` started (it marks them with RDRT_BENCH_OWNER)."""
+    mark, out = f"RDRT_BENCH_OWNER={pid}".encode(), []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) == pid:
+            continue
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        if mark in env and name in comm:
+            out.append(int(p))
+    return out
+
+
+def _left_behind(pid: int) -> list[str]:
+    left = [f"netns {n}" for n in _ours(pid)] + [f"process {p}" for p in _procs(pid)]
+    root = f"/sys/fs/bpf/rdrt-bench-{pid}"
+    return left + ([f"bpf pins {root}"] if os.path.exists(root) else [])
+
+
+def _bench(out: Path, *extra: str, backends: str = "iptables") -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "REDIRECT_BPF_ROOT"}  # the run's own scratch root
+    return subprocess.Popen(
+        [sys.executable, "-m", "benches", "--tiny", "--backends", backends, "--samples", "2",
+         "--no-progress", "--out", str(out), *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+
+
+@needs_root
+def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, backends="iptables,ebpf")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert not _left_behind(proc.pid), "the harness left these behind"
+
+    res = json.loads((tmp_path / "latest.json").read_text())
+    assert res["schema"] == "redirect-bench/1"
+    assert res["profile"] == "tiny"
+    for key in ("host", "settings", "notes", "per_pod", "scale", "memory", "datapath", "ratios", "targets"):
+        assert key in res, key
+    assert list(tmp_path.glob("bench-tiny-*.json"))
+
+    ref = res["per_pod"][report.REFERENCE_KEY]
+    api = res["per_pod"]["api/iptables/sidecar"]
+    for entry in (ref, api):
+        for phase in ("setup", "teardown"):
+            st = entry[phase]
+            assert st["n"] == 2
+            assert 0 < st["min_ms"] <= st["median_ms"] <= st["p99_ms"]
+
+    r = res["ratios"]
+    want = api["setup"]["median_ms"] / ref["setup"]["median_ms"]
+    assert r["setup_vs_reference"]["api/iptables/sidecar"] == pytest.approx(want, rel=1e-3)
+    assert "api/iptables/sidecar" in r["teardown_vs_reference"]
+    cases = res["datapath"]["cases"]
+    assert {"direct", "reference", "iptables"} <= set(cases), res["notes"]
+    assert r["conn_rate_vs_direct"]["iptables"] == pytest.approx(
+        cases["iptables"]["conn_per_s"] / cases["direct"]["conn_per_s"], rel=1e-3)
+    assert "iptables" in r["conn_rate_vs_reference"]
+    assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
+    assert set(res["scale"]["api/iptables/sidecar"]["levels"]) == {"1", "3"}
+    assert res["memory"]["api/iptables/sidecar"]["kernel_objects_one_pod"]["iptables_nft_rules"] > 0
+
+    # eBPF (being changed concurrently) is either measured or its error recorded, never a crash.
+    if "api/ebpf/sidecar" in res["per_pod"]:
+        assert res["per_pod"]["api/ebpf/sidecar"]["setup"]["n"] == 2
+        assert "api/ebpf/sidecar" in r["setup_vs_reference"]
+        assert res["memory"]["api/ebpf/sidecar"]["bpf_map_entries_per_pod"] > 0
+    else:
+        assert res["skipped_backends"]["ebpf"], res["notes"]
+        ebpf_row = next(t for t in res["targets"] if t["name"] == "ebpf: per-pod setup vs reference")
+        assert ebpf_row["status"] == "n/a" and ebpf_row["note"] == res["skipped_backends"]["ebpf"]
+
+    assert res["targets"] and {t["status"] for t in res["targets"]} <= {"PASS", "FAIL", "n/a"}
+    assert any(t["name"].startswith("iptables: per-pod setup") for t in res["targets"])
+    md = (tmp_path / "summary.md").read_text()
+    assert "| target | wanted | measured | status | note |" in md and "api/iptables/sidecar" in md
+    for png in ("setup.png", "scale.png", "datapath.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+@needs_root
+def test_interrupt_deletes_every_namespace_and_writes_partial_results(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--skip", "cli,cni,datapath")
+    deadline = time.monotonic() + 30
+    while not _ours(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert _ours(proc.pid), "the harness never created a namespace"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 130), err.decode()[-2000:]
+    assert not _left_behind(proc.pid), "left after Ctrl-C"
+    assert json.loads((tmp_path / "latest.json").read_text())["schema"] == "redirect-bench/1"
+
+
+@needs_root
+def test_terminate_during_the_data_path_stops_the_proxies_and_deletes_the_pods(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--skip", "per_pod,cli,cni,scale,memory")
+    deadline = time.monotonic() + 40
+    while not _procs(proc.pid, "rdrt_echo") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert _procs(proc.pid, "rdrt_echo"), "the harness never started its echo proxy"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert not _left_behind(proc.pid), "left after SIGTERM"
+    res = json.loads((tmp_path / "latest.json").read_text())
+    assert "interrupted: partial results" in res["notes"]
+
+
+def _synthetic(setup_ms: dict[str, float], rates: dict[str, float], nth: dict[str, tuple[float, float]]) -> dict:
+    per_pod = {k: {"setup": {"median_ms": v}, "teardown": {"median_ms": v}} for k, v in setup_ms.items()}
+    scale = {k: {"levels": {"1": {"setup": {"median_ms": a}}, "1000": {"setup": {"median_ms": b}}}}
+             for k, (a, b) in nth.items()}
+    return {"per_pod": per_pod, "scale": scale, "skipped_backends": {"ebpf": "BackendUnavailable: not built"},
+            "datapath": {"cases": {k: {"conn_per_s": v} for k, v in rates.items()}}}
+
+
+def test_targets_pass_and_fail_from_the_ratios_of_one_run() -> None:
+    res = _synthetic(
+        {report.REFERENCE_KEY: 10.0, "api/iptables/sidecar": 12.0, "api/nftables/sidecar": 1.5},
+        {"direct": 1000.0, "reference": 700.0, "iptables": 690.0, "nftables": 600.0},
+        {"api/iptables/sidecar": (10.0, 11.0), "api/nftables/sidecar": (1.0, 2.0)},
+    )
+    r = report.ratios(res)
+    assert r["setup_vs_reference"]["api/nftables/sidecar"] == pytest.approx(0.15)
+    assert r["conn_rate_vs_direct"]["reference"] == pytest.approx(0.7)
+    assert r["conn_rate_vs_reference"]["nftables"] == pytest.approx(600 / 700, rel=1e-3)
+    status = {t["name"]: t["status"] for t in report.targets(res, r)}
+    assert status["iptables: per-pod setup vs reference"] == "FAIL"        # 1.2 > 1
+    assert status["nftables: per-pod setup vs reference"] == "PASS"        # 0.15 <= 0.2
+    assert status["ebpf: per-pod setup vs reference"] == "n/a"             # skipped, said why
+    assert status["iptables: connection rate vs Istio's rules"] == "PASS"  # 0.986: within noise
+    assert status["nftables: connection rate vs Istio's rules"] == "FAIL"  # 0.857
+    assert status["api/iptables/sidecar: pod 1000 setup vs pod 1"] == "PASS"
+    assert status["api/nftables/sidecar: pod 1000 setup vs pod 1"] == "FAIL"
+    assert "| **FAIL** |" in report.markdown(dict(res, ratios=r, targets=report.targets(res, r)))
