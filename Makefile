@@ -18,11 +18,12 @@ lint: bootstrap
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
+# make bench [ARGS=--quick]: results in benches/results/ (JSON, summary.md, PNG plots)
 bench: bootstrap
-	$(PY) -m benches $(BENCH_ARGS)
+	$(PY) -m benches $(BENCH_ARGS) $(ARGS)
 
 bench-quick: bootstrap
-	$(PY) -m benches --quick $(BENCH_ARGS)
+	$(PY) -m benches --quick $(BENCH_ARGS) $(ARGS)
 
 clean:
 	rm -rf .venv build *.egg-info redirect/_native* .pytest_cache .mypy_cache .ruff_cache
