@@ -81,10 +81,32 @@ def create(n: int, tag: str = "p", listen: tuple[int, ...] = ()) -> list[str]:
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
             if listen:
-                socks = [s for port in listen for s in _listen(port)]
-                with _lock:
-                    _socks[name] = socks
+                hold(name, listen, entered=True)
     return names
+
+
+def hold(name: str, ports: tuple[int, ...], entered: bool = False) -> None:
+    """Hold a listener per family on each of ``ports`` in namespace ``name`` until ``release``."""
+    if not ports:
+        return
+    from redirect import netns as rnetns
+
+    if not entered:
+        with rnetns.enter(name):
+            return hold(name, ports, entered=True)
+    socks = [s for port in ports for s in _listen(port)]
+    with _lock:
+        _socks.setdefault(name, []).extend(socks)
+
+
+def release(name: str) -> None:
+    """Close the listeners held in ``name`` (their job, being there at setup, is done): the eBPF
+    backend finds the proxy's listener by scanning the caller's fds, so listeners of N-1 live pods
+    held in this one process would make pod N's setup cost grow with N — a harness artefact."""
+    with _lock:
+        socks = _socks.pop(name, [])
+    for sock in socks:
+        sock.close()
 
 
 def delete(names: Iterable[str]) -> None:

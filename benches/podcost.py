@@ -50,7 +50,7 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
     drift on a shared machine hits every method alike."""
     out: dict[str, dict[str, Any]] = {}
     live = [m for m in methods if m.key not in failed]
-    names = {m.key: nsutil.create(samples, "s", m.listen) for m in live}
+    names = {m.key: nsutil.create(samples, "s") for m in live}
     setup_t: dict[str, list[float]] = {m.key: [] for m in live}
     down_t: dict[str, list[float]] = {m.key: [] for m in live}
     try:
@@ -61,7 +61,10 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
                         continue
                     fn = m.setup if phase == "setup" else m.teardown
                     try:
+                        if phase == "setup":
+                            nsutil.hold(names[m.key][i], m.listen)  # not timed: the proxy is up
                         times[m.key].append(_timed(fn, names[m.key][i]))
+                        nsutil.release(names[m.key][i])
                     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                         failed[m.key] = f"{phase} failed: {e}"
                 progress(len(live))
@@ -88,17 +91,21 @@ def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) ->
         for n in sorted(levels):
             need = n - 1 - len(live)
             if need > 0:
-                new = nsutil.create(need, "f", m.listen)
+                new = nsutil.create(need, "f")
                 for ns in new:
+                    nsutil.hold(ns, m.listen)
                     fill_ms.append(round(_timed(m.setup, ns), 4))
+                    nsutil.release(ns)
                     live.append(ns)
                     progress(1)
-            names = nsutil.create(samples, "n", m.listen)
+            names = nsutil.create(samples, "n")
             st: list[float] = []
             td: list[float] = []
             try:
                 for ns in names:
+                    nsutil.hold(ns, m.listen)
                     st.append(_timed(m.setup, ns))
+                    nsutil.release(ns)
                     td.append(_timed(m.teardown, ns))
                     progress(1)
             finally:
