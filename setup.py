@@ -16,6 +16,8 @@ setup(
         "console_scripts": [
             "redirect=redirect.cli:main",
             "redirect-cni=redirect.cni.plugin:main",
+            "redirect-agent=redirect.agent.daemon:main",
+            "redirect-nodeproxy=redirect.nodeproxy:main",
         ],
     },
     zip_safe=False,

@@ -26,6 +26,7 @@ Config (one entry of the conflist's ``plugins``)::
      "excludeNamespaces": ["kube-system"],          # pods there are never captured
      "logLevel": "info", "logFile": "/var/log/redirect-cni.log",
      "agentSocket": "/var/run/redirect/agent.sock", # ambient: hand the pod to the node agent
+     "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
 
 Per-pod overrides (Istio annotation names, see ``redirect.annotations``) are read,
@@ -48,7 +49,7 @@ CHECK) with code 101 naming the annotation and the value.
 Error codes: 1 incompatible cniVersion, 4 invalid network config, 6 undecodable
 stdin, 7 invalid environment variables, 11 try again later (backend busy),
 50 plugin not available (STATUS); ours: 100 setup failed, 101 bad pod annotation,
-102 backend unavailable, 103 ambient hand-off to the node agent not available,
+102 backend unavailable, 103 the node agent did not enrol the ambient pod (unreachable, timed out, refused),
 104 CHECK found differences, 105 teardown failed.
 """
 
@@ -200,6 +201,10 @@ class PluginConf:
         self.agent_socket = conf.get("agentSocket")
         if self.agent_socket is not None and not isinstance(self.agent_socket, str):
             raise CniError(E_INVALID_CONFIG, f"agentSocket={self.agent_socket!r}: expected a path")
+        self.agent_timeout = conf.get("agentTimeout", 10)
+        if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
+                or not 0 < self.agent_timeout <= 300:
+            raise CniError(E_INVALID_CONFIG, f"agentTimeout={self.agent_timeout!r}: expected seconds in (0, 300]")
         self.prev_result = conf.get("prevResult")
         if self.prev_result is not None and not isinstance(self.prev_result, dict):
             raise CniError(E_INVALID_CONFIG, "prevResult: expected an object", repr(self.prev_result)[:80])
@@ -297,27 +302,69 @@ def _pod_config(pc: PluginConf, env: Mapping[str, str], log: Any) -> Any | None:
         raise CniError(E_ANNOTATION, f"pod {pod}: bad annotation {e.field}={e.value!r}: {e.reason}", str(e)) from None
 
 
+def _prev_ips(pc: PluginConf) -> list[str]:
+    """The pod's addresses from ``prevResult`` (``ips[].address`` without the prefix length)."""
+    out = []
+    for ip in (pc.prev_result or {}).get("ips") or []:
+        if isinstance(ip, dict) and isinstance(ip.get("address"), str):
+            out.append(ip["address"].split("/", 1)[0])
+    return out
+
+
+def _pod_uid(container_id: str, cni_args: Mapping[str, str]) -> str:
+    return cni_args.get("K8S_POD_UID") or container_id
+
+
 def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mapping[str, str], cfg: Any) -> None:
-    """Hand an ambient pod to the node agent at ``pc.agent_socket``.
+    """Hand an ambient pod to the node agent at ``pc.agent_socket`` and wait for it to confirm.
 
-    The node agent (``redirect.agent``) is to provide ``cni_add(socket_path=,
-    netns=, container_id=, pod_namespace=, pod_name=, config=)``; it opens the pod's
-    netns, installs the in-pod rules and starts proxying. Until it exists this fails
-    closed with error 103.
+    The agent installs the in-pod rules, adds the pod to the node's probe sets and
+    hands the netns to the node proxy; it answers once the proxy has acked. No answer
+    within ``agentTimeout`` seconds, or a refusal, fails the ADD with code 103 (fail
+    closed: the pod does not start); the agent undoes what it did.
     """
-    import importlib
-    import importlib.util
+    from ..agent.client import AgentError, add_pod
 
-    if importlib.util.find_spec("redirect.agent") is None:
-        raise CniError(E_AMBIENT, "ambient mode with agentSocket needs the node agent (redirect.agent), which is "
-                       "not in this build yet; remove agentSocket to install the in-pod rules directly")
-    agent = importlib.import_module("redirect.agent")
-    hook = getattr(agent, "cni_add", None)
-    if hook is None:
-        raise CniError(E_AMBIENT, "redirect.agent has no cni_add() hook yet; remove agentSocket to install "
-                       "the in-pod rules directly")
-    hook(socket_path=pc.agent_socket, netns=netns, container_id=container_id,
-         pod_namespace=cni_args.get("K8S_POD_NAMESPACE", ""), pod_name=cni_args.get("K8S_POD_NAME", ""), config=cfg)
+    try:
+        res = add_pod(pc.agent_socket or "", uid=_pod_uid(container_id, cni_args), netns=netns,
+                      name=cni_args.get("K8S_POD_NAME", ""), namespace=cni_args.get("K8S_POD_NAMESPACE", ""),
+                      ips=_prev_ips(pc), annotations=pod_annotations(pc.raw, cni_args), container_id=container_id,
+                      config=cfg.to_dict(), backend=pc.backend, timeout=pc.agent_timeout)
+    except AgentError as e:
+        raise CniError(E_AMBIENT, f"node agent did not enrol the pod ({e.reason}): {e}",
+                       f"agentSocket={pc.agent_socket}") from None
+    import logging
+
+    logging.getLogger("redirect.cni").info("ADD container=%s netns=%s ambient: enrolled by the node agent in %s ms",
+                                           container_id, netns, res.get("ms"))
+
+
+def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
+    """Tell the node agent the pod is gone. If the agent can't be reached, remove the in-pod
+    rules and identity here (DEL must not fail on a missing agent); the agent drops the pod's
+    node-set entries when it next starts."""
+    from ..agent.client import AgentError, del_pod
+
+    container = env.get("CNI_CONTAINERID", "")
+    netns = env.get("CNI_NETNS", "")
+    uid = _pod_uid(container, parse_cni_args(env.get("CNI_ARGS", "")))
+    try:
+        del_pod(pc.agent_socket or "", uid=uid, netns=netns, container_id=container, timeout=pc.agent_timeout)
+        log.info("DEL container=%s netns=%r ambient: removed by the node agent", container, netns)
+        return
+    except AgentError as e:
+        log.warning("DEL container=%s: node agent unavailable (%s); removing in-pod rules directly", container, e)
+    if not netns or not os.path.exists(netns):
+        return
+    from .. import api
+    from ..agent import identity
+
+    try:
+        _redirect_errors(api.teardown, netns, pc.backend, code=E_TEARDOWN)
+        _redirect_errors(identity.clear, netns, code=E_TEARDOWN)
+    except CniError as e:
+        if e.code != E_ENV:
+            raise
 
 
 def _redirect_errors(fn: Any, *args: Any, code: int = E_SETUP) -> Any:
@@ -357,6 +404,9 @@ def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
 
 
 def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
+    if pc.mode == "ambient" and pc.agent_socket:
+        _ambient_del(pc, env, log)
+        return
     container = _env("CNI_CONTAINERID", env, required=False)
     netns = env.get("CNI_NETNS", "")
     if not netns or not os.path.exists(netns):

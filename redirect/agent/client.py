@@ -1,0 +1,62 @@
+"""What the CNI plugin calls: send a pod event to the agent and wait for its answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import protocol
+
+
+class AgentError(Exception):
+    """The agent refused the event, or could not be reached in time. ``reason`` is its reason."""
+
+    def __init__(self, reason: str, msg: str) -> None:
+        super().__init__(msg)
+        self.reason = reason
+
+
+def _call(socket_path: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    try:
+        out = protocol.request(socket_path, msg, timeout)
+    except TimeoutError:
+        raise AgentError("timeout", f"the node agent at {socket_path} did not answer within {timeout} s") from None
+    except FileNotFoundError:
+        raise AgentError("unreachable", f"no node agent at {socket_path} (socket does not exist)") from None
+    except OSError as e:
+        raise AgentError("unreachable", f"node agent at {socket_path}: {e.strerror or e}") from None
+    except protocol.ProtocolError as e:
+        raise AgentError("protocol", f"node agent at {socket_path}: {e}") from None
+    if out.get("type") != "result" or not out.get("ok"):
+        raise AgentError(str(out.get("reason", "refused")), str(out.get("error", out)))
+    return out
+
+
+def add_pod(socket_path: str, *, uid: str, netns: str, name: str = "", namespace: str = "",
+            ips: Iterable[str] = (), annotations: Mapping[str, str] | None = None, container_id: str = "",
+            config: Mapping[str, Any] | None = None, backend: str | None = None,
+            timeout: float = 10.0) -> dict[str, Any]:
+    """Enrol a pod; returns the agent's result once the node proxy has it. Raises ``AgentError``."""
+    pod: dict[str, Any] = {"uid": uid, "netns": netns, "name": name, "namespace": namespace, "ips": list(ips),
+                           "annotations": dict(annotations or {}), "container_id": container_id}
+    if config is not None:
+        pod["config"] = dict(config)
+    if backend is not None:
+        pod["backend"] = backend
+    return _call(socket_path, {"type": "add", "pod": pod}, timeout)
+
+
+def del_pod(socket_path: str, *, uid: str = "", netns: str = "", container_id: str = "",
+            timeout: float = 10.0) -> dict[str, Any]:
+    """Remove a pod (idempotent). Raises ``AgentError``."""
+    return _call(socket_path, {"type": "del", "pod": {"uid": uid, "netns": netns, "container_id": container_id}},
+                 timeout)
+
+
+def list_pods(socket_path: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The pods the agent has enrolled."""
+    pods = _call(socket_path, {"type": "list"}, timeout).get("pods", [])
+    return pods if isinstance(pods, list) else []
+
+
+__all__ = ["AgentError", "add_pod", "del_pod", "list_pods"]

@@ -1,0 +1,105 @@
+"""A pod's identity, kept by the kernel inside the pod's own network namespace.
+
+The agent holds no state of its own: what it needs to re-enrol a pod after a restart
+(uid, name, namespace, the config its rules were made from, the backend, the node
+that owns it) is written into the pod netns as an ipset nobody matches on:
+
+``rdr-pod-identity`` (``bitmap:port range 0-63 comment``)
+    entry ``i``'s comment is chunk ``i`` of the record: unpadded base64url of its
+    compact JSON, at most 240 characters per chunk (ipset comments hold 255).
+
+The set is per netns, dies with the netns, is read back with one ``ipset save`` and
+never affects traffic. It is replaced as a whole (build a scratch set, ``swap``,
+destroy the scratch), so a reader sees the old record or the new one. The agent
+finds pods by listing namespaces (``/run/netns``, ``/proc/*/ns/net``) and reading
+this set in each; namespaces without it are not ours.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from typing import Any
+
+from .. import netns as _netns
+from ..errors import SetupError
+
+SET = "rdr-pod-identity"
+_SCRATCH = "rdr-pod-identity-new"
+_CHUNK = 240
+_MAX_CHUNKS = 64
+RECORD_VERSION = 1
+
+
+def _ipset(args: list[str], stdin: str | None = None, ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+    try:
+        p = subprocess.run(["ipset", *args], input=stdin, capture_output=True, text=True, timeout=30, check=False)
+    except FileNotFoundError:
+        raise SetupError("ipset not found; install Debian's 'ipset' package (apt-get install ipset)") from None
+    if p.returncode not in ok:
+        raise SetupError(f"ipset {' '.join(args)} failed (exit {p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def _chunks(record: dict[str, Any]) -> list[str]:
+    raw = json.dumps({"rv": RECORD_VERSION, **record}, separators=(",", ":"), sort_keys=True).encode()
+    text = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    parts = [text[i : i + _CHUNK] for i in range(0, len(text), _CHUNK)]
+    if len(parts) > _MAX_CHUNKS:
+        raise SetupError(f"pod identity record of {len(raw)} bytes does not fit in {SET} "
+                         f"({_MAX_CHUNKS * _CHUNK * 3 // 4} bytes at most): too many annotations?")
+    return parts
+
+
+def write(netns: _netns.NetnsRef, record: dict[str, Any]) -> None:
+    """Store ``record`` (JSON-able) in ``netns``, replacing any earlier one."""
+    lines = [f"create {_SCRATCH} bitmap:port range 0-{_MAX_CHUNKS - 1} comment -exist", f"flush {_SCRATCH}"]
+    lines += [f'add {_SCRATCH} {i} comment "{c}"' for i, c in enumerate(_chunks(record))]
+    lines += [f"create {SET} bitmap:port range 0-{_MAX_CHUNKS - 1} comment -exist",
+              f"swap {_SCRATCH} {SET}", f"destroy {_SCRATCH}"]
+    with _netns.enter(netns):
+        _ipset(["restore"], "\n".join(lines) + "\n")
+
+
+def parse(save_text: str) -> dict[str, Any] | None:
+    """The record in ``ipset save`` output of our set, or None if there is none (or it is damaged)."""
+    chunks: dict[int, str] = {}
+    for line in save_text.splitlines():
+        parts = line.split(None, 4)
+        if len(parts) == 5 and parts[0] == "add" and parts[1] == SET and parts[3] == "comment":
+            try:
+                chunks[int(parts[2])] = parts[4].strip().strip('"')
+            except ValueError:
+                return None
+    if not chunks or sorted(chunks) != list(range(len(chunks))):
+        return None
+    text = "".join(chunks[i] for i in range(len(chunks)))
+    try:
+        rec = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or rec.get("rv") != RECORD_VERSION:
+        return None
+    rec.pop("rv")
+    return rec
+
+
+def read(netns: _netns.NetnsRef) -> dict[str, Any] | None:
+    """The record stored in ``netns``, or None."""
+    with _netns.enter(netns):
+        p = _ipset(["save", SET], ok=(0, 1))
+    return parse(p.stdout) if p.returncode == 0 else None
+
+
+def clear(netns: _netns.NetnsRef) -> bool:
+    """Remove the record from ``netns``; True if there was one."""
+    with _netns.enter(netns):
+        removed = False
+        for name in (_SCRATCH, SET):
+            p = _ipset(["destroy", name], ok=(0, 1))
+            removed = removed or (name == SET and p.returncode == 0)
+    return removed
+
+
+__all__ = ["SET", "write", "read", "parse", "clear"]

@@ -1,0 +1,117 @@
+"""Prometheus text metrics and the agent's small localhost HTTP server (/healthz, /readyz, /metrics)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: Setup latency buckets (seconds): an iptables pod setup is ~20-60 ms here.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """The agent's counters, gauges and one histogram; thread safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pods_enrolled = 0
+        self.proxy_connections = 0
+        self.proxy_connects_total = 0
+        self.events: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.reconciled: dict[str, int] = {}
+        self._hist = [0] * len(BUCKETS)
+        self._count = 0
+        self._sum = 0.0
+
+    def observe_setup(self, seconds: float) -> None:
+        with self._lock:
+            self._count += 1
+            self._sum += seconds
+            for i, b in enumerate(BUCKETS):
+                if seconds <= b:
+                    self._hist[i] += 1
+
+    def inc(self, table: str, key: str) -> None:
+        with self._lock:
+            d: dict[str, int] = getattr(self, table)
+            d[key] = d.get(key, 0) + 1
+
+    def set(self, name: str, value: int) -> None:
+        with self._lock:
+            setattr(self, name, value)
+
+    def add(self, name: str, delta: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def render(self) -> str:
+        with self._lock:
+            out = [
+                "# HELP redirect_agent_pods_enrolled Ambient pods enrolled on this node.",
+                "# TYPE redirect_agent_pods_enrolled gauge",
+                f"redirect_agent_pods_enrolled {self.pods_enrolled}",
+                "# HELP redirect_agent_proxy_connections Node proxies connected now.",
+                "# TYPE redirect_agent_proxy_connections gauge",
+                f"redirect_agent_proxy_connections {self.proxy_connections}",
+                "# HELP redirect_agent_proxy_connects_total Node proxy connections accepted.",
+                "# TYPE redirect_agent_proxy_connects_total counter",
+                f"redirect_agent_proxy_connects_total {self.proxy_connects_total}",
+                "# HELP redirect_agent_events_total Pod events handled, by type.",
+                "# TYPE redirect_agent_events_total counter",
+            ]
+            out += [f'redirect_agent_events_total{{type="{k}"}} {v}' for k, v in sorted(self.events.items())]
+            out += ["# HELP redirect_agent_failures_total Failed pod events, by reason.",
+                    "# TYPE redirect_agent_failures_total counter"]
+            out += [f'redirect_agent_failures_total{{reason="{k}"}} {v}' for k, v in sorted(self.failures.items())]
+            out += ["# HELP redirect_agent_reconciled_total Pods found at start, by what reconciling did.",
+                    "# TYPE redirect_agent_reconciled_total counter"]
+            out += [f'redirect_agent_reconciled_total{{result="{k}"}} {v}' for k, v in sorted(self.reconciled.items())]
+            out += ["# HELP redirect_agent_setup_seconds Time to enrol a pod (rules + node set + proxy ack).",
+                    "# TYPE redirect_agent_setup_seconds histogram"]
+            out += [f'redirect_agent_setup_seconds_bucket{{le="{b}"}} {n}'
+                    for b, n in zip(BUCKETS, self._hist, strict=True)]
+            out += [f'redirect_agent_setup_seconds_bucket{{le="+Inf"}} {self._count}',
+                    f"redirect_agent_setup_seconds_sum {self._sum:.6f}",
+                    f"redirect_agent_setup_seconds_count {self._count}"]
+        return "\n".join(out) + "\n"
+
+
+def serve_http(host: str, port: int, metrics: Metrics, ready: Callable[[], tuple[bool, dict[str, Any]]]
+               ) -> http.server.ThreadingHTTPServer:
+    """Start the ops server on ``host:port`` (0: any free port) in a daemon thread; returns it."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._reply(200, "text/plain", "ok\n")
+            elif path == "/readyz":
+                ok, detail = ready()
+                self._reply(200 if ok else 503, "application/json", json.dumps({"ready": ok, **detail}) + "\n")
+            elif path == "/metrics":
+                self._reply(200, "text/plain; version=0.0.4", metrics.render())
+            else:
+                self._reply(404, "text/plain", "not found: try /healthz, /readyz or /metrics\n")
+
+        def _reply(self, code: int, ctype: str, body: str) -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence per-request logs
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="agent-http", daemon=True).start()
+    return server
+
+
+__all__ = ["Metrics", "serve_http", "BUCKETS"]

@@ -1,0 +1,329 @@
+"""The ambient node agent (redirect-agent) with the reference node proxy (redirect-nodeproxy).
+
+Both run as real processes, as on a node: the agent on unix sockets in a temp dir,
+the node's probe rules in a test netns standing for the node, the proxy opening its
+marked listeners inside each pod netns it is handed. Pods come from the kit; traffic
+is real, and each connection is matched to the proxy's JSON log (client address on
+accept, upstream address on forward), so "captured by the proxy" is checked per
+connection, not inferred.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import redirect
+from redirect import node
+from redirect.agent import client, identity
+from redirect.cni.plugin import convert_result
+from tests import netkit
+from tests.netkit import Pod, TcpListener, in_netns, tcp_probe_detail
+
+pytestmark = pytest.mark.timeout(120)
+
+PLUGIN = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
+APP = 8080
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def wait_log(path: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0,
+             proc: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in read_log(path):
+            if pred(e):
+                return e
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode}: {path.read_text()[-3000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"no matching log line in {path} after {timeout} s: {path.read_text()[-3000:]}")
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int
+    events: str
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metric(self, line_start: str) -> float:
+        for ln in self.get("/metrics")[1].splitlines():
+            if ln.startswith(line_start + " "):
+                return float(ln.split()[-1])
+        raise AssertionError(f"no metric {line_start}")
+
+
+class Node:
+    """A test node: a netns for the node's probe rules, the agent's sockets, and its processes."""
+
+    def __init__(self, tmp: Path, backend: str = "iptables") -> None:
+        self.tmp = tmp
+        self.backend = backend
+        self.name = f"rdrt-node-{os.urandom(4).hex()}"
+        self.ns = netkit.create_netns(self.name)
+        self.events = str(tmp / "agent.sock")
+        self.proxy_sock = str(tmp / "proxy.sock")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.agent: Agent | None = None
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.proxy_log = tmp / "proxy.log"
+        self._n = 0
+
+    def start_agent(self, *extra: str, wait_ready: bool = True) -> Agent:
+        self._n += 1
+        log = self.tmp / f"agent-{self._n}.log"
+        with open(log, "wb") as f:
+            p = subprocess.Popen([sys.executable, "-m", "redirect.agent.daemon", "--events-socket", self.events,
+                                  "--proxy-socket", self.proxy_sock, "--http-port", "0", "--host-netns", self.ns,
+                                  "--node-name", self.name, "--backend", self.backend, "--proxy-timeout", "5",
+                                  *extra], stderr=f, stdout=subprocess.DEVNULL)
+        self.procs.append(p)
+        port = int(wait_log(log, lambda e: e.get("msg") == "http listening", 15, p)["port"])
+        if wait_ready:
+            wait_log(log, lambda e: e.get("msg") == "agent ready", 30, p)
+        self.agent = Agent(p, log, port, self.events)
+        return self.agent
+
+    def start_proxy(self) -> subprocess.Popen[bytes]:
+        before = len([e for e in read_log(self.proxy_log) if e["event"] == "snapshot_done"])
+        p = subprocess.Popen([sys.executable, "-m", "redirect.nodeproxy", "--socket", self.proxy_sock,
+                              "--log-file", str(self.proxy_log), "--connect-timeout", "2"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        self.proxy = p
+        deadline = time.monotonic() + 15
+        while len([e for e in read_log(self.proxy_log) if e["event"] == "snapshot_done"]) <= before:
+            assert p.poll() is None and time.monotonic() < deadline, self.proxy_log.read_text()[-2000:]
+            time.sleep(0.02)
+        return p
+
+    def wait_synced(self, n_snapshots: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len([e for e in read_log(self.proxy_log) if e["event"] == "snapshot_done"]) < n_snapshots:
+            assert time.monotonic() < deadline, self.proxy_log.read_text()[-2000:]
+            time.sleep(0.02)
+
+    def proxy_events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in read_log(self.proxy_log) if e["event"] == kind]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        try:
+            node.teardown_node(self.ns)
+        finally:
+            netkit.remove_netns(self.name)
+
+
+@pytest.fixture
+def test_node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+# --- CNI -----------------------------------------------------------------------------------
+
+
+def cni(command: str, pod: Pod, uid: str, sock: str, backend: str = "iptables",
+        timeout: float = 10) -> tuple[int, dict[str, Any] | None]:
+    prev = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": pod.path}],
+            "ips": [{"address": f"{pod.pod_ip4}/24", "interface": 0}, {"address": f"{pod.pod_ip6}/64", "interface": 0}]}
+    conf = {"cniVersion": "1.0.0", "name": "rdrt-agent", "type": "redirect-cni", "mode": "ambient",
+            "backend": backend, "agentSocket": sock, "agentTimeout": timeout,
+            "prevResult": convert_result(prev, "1.0.0")}
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
+           "CNI_CONTAINERID": f"ctr-{uid}", "CNI_NETNS": pod.path, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
+           "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-{uid};K8S_POD_UID={uid}"}
+    p = subprocess.run([PLUGIN], input=json.dumps(conf).encode(), env=env, capture_output=True, timeout=60)
+    return p.returncode, (json.loads(p.stdout) if p.stdout.strip() else None)
+
+
+def nothing_left(pod_ns: str, node_ns: str, uid: str, backend: str = "iptables") -> None:
+    """No rules, routes, identity or node-set entry of the pod remain."""
+    shown = redirect.show(pod_ns, backend=backend)
+    assert not shown["installed"] and not shown["routes"], shown
+    assert identity.read(pod_ns) is None
+    assert uid not in node.list_pods(node_ns).values()
+
+
+# --- traffic and its attribution -----------------------------------------------------------
+
+
+@dataclass
+class Sent:
+    pod: str
+    kind: str  # "out" or "in"
+    token: str
+    ok: bool
+    label: str | None
+    local: tuple[str, int] | None
+    error: str | None
+
+
+def send(pod: Pod, kind: str, fam: int = 4, timeout: float = 2.0) -> Sent:
+    if kind == "out":
+        r = tcp_probe_detail(pod.name, pod.peer_ip(fam), APP, timeout=timeout)
+    else:
+        r = tcp_probe_detail(pod.peer_name, pod.pod_ip(fam), APP, timeout=timeout)
+    return Sent(pod.name, kind, r.token, r.ok, r.label, r.local, r.error)
+
+
+def assert_all_through_proxy(node_: Node, sent: list[Sent], servers: list[TcpListener]) -> None:
+    """Every connection that reached a server came through the proxy (no uncaptured one)."""
+    accepted = {tuple(e["src"]) for e in node_.proxy_events("accept")}
+    forwarded = {tuple(e["upstream_local"]) for e in node_.proxy_events("forward")}
+    for s in sent:
+        seen = next((c for srv in servers if (c := srv.conn_for(s.token)) is not None), None)
+        if seen is None:
+            continue
+        assert seen.peer in forwarded, f"{s} reached a server from {seen.peer}, not through the proxy"
+        if s.kind == "out":
+            assert s.local in accepted, f"{s}: the proxy never accepted its connection"
+
+
+@contextlib.contextmanager
+def servers_for(pods: list[Pod]) -> Iterator[list[TcpListener]]:
+    with contextlib.ExitStack() as st:
+        out = []
+        for p in pods:
+            for fam in (4, 6):
+                out.append(st.enter_context(TcpListener(p.peer_name, APP, family=fam, label=f"server{fam}")))
+                out.append(st.enter_context(TcpListener(p.name, APP, family=fam, label=f"app{fam}")))
+        yield out
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["iptables", "nftables"])
+def test_cni_add_enrols_the_pod_for_the_node_proxy_and_del_leaves_nothing(
+        tmp_path: Path, make_pod: Callable[..., Pod], backend: str) -> None:
+    n = Node(tmp_path, backend)
+    try:
+        n.start_agent()
+        n.start_proxy()
+        pods = [make_pod(), make_pod()]
+        uids = [f"uid-{i}-{os.urandom(3).hex()}" for i in range(len(pods))]
+        with servers_for(pods) as servers:
+            for pod, uid in zip(pods, uids, strict=True):
+                rc, out = cni("ADD", pod, uid, n.events, backend)
+                assert rc == 0, out
+                assert redirect.check(pod.name, redirect.RedirectConfig(mode="ambient"), backend=backend).ok
+                assert identity.read(pod.name)["uid"] == uid  # type: ignore[index]
+                assert node.list_pods(n.ns)[pod.pod_ip4] == uid
+            sent = []
+            for pod in pods:
+                for fam in (4, 6):
+                    for kind, label in (("out", f"server{fam}"), ("in", f"app{fam}")):
+                        s = send(pod, kind, fam)
+                        assert s.label == label, s
+                        sent.append(s)
+            assert_all_through_proxy(n, sent, servers)
+            assert {e["pod"] for e in n.proxy_events("forward")} == set(uids)
+            inbound = [e for e in n.proxy_events("forward") if e["kind"] == "inbound"]
+            assert {tuple(e["orig_dst"]) for e in inbound} == {(p.pod_ip(f), APP) for p in pods for f in (4, 6)}
+
+            # The tunnel port is not captured: a CONNECT there reaches the app through the proxy.
+            def tunnel() -> bytes:
+                with socket.create_connection((pods[0].pod_ip4, 15008), timeout=3) as c:
+                    c.sendall(f"CONNECT {pods[0].pod_ip4}:{APP} HTTP/1.1\r\n\r\n".encode())
+                    head = c.recv(64)
+                    c.sendall(b"through-the-tunnel\n")
+                    return head + c.recv(64)
+            got = in_netns(pods[0].peer_name, tunnel)
+            assert got.startswith(b"HTTP/1.1 200") and b"app4" in got, got
+
+            # DEL: the proxy lets go, the rules, routes, identity and node-set entries are gone.
+            rc, out = cni("DEL", pods[0], uids[0], n.events, backend)
+            assert rc == 0, out
+            nothing_left(pods[0].name, n.ns, uids[0], backend)
+            wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == uids[0], 5)
+            s = send(pods[0], "out")
+            assert s.ok and not any(e["src"] == list(s.local or ()) for e in n.proxy_events("accept"))
+            # The other pod is untouched.
+            assert send(pods[1], "out").ok and node.list_pods(n.ns)[pods[1].pod_ip4] == uids[1]
+            assert cni("DEL", pods[0], uids[0], n.events, backend)[0] == 0  # idempotent
+            assert cni("DEL", pods[1], uids[1], n.events, backend)[0] == 0
+            nothing_left(pods[1].name, n.ns, uids[1], backend)
+    finally:
+        n.close()
+
+
+def test_add_fails_closed_without_agent_proxy_or_answer(test_node: Node, pod: Pod, tmp_path: Path) -> None:
+    # No agent at all.
+    t0 = time.monotonic()
+    rc, out = cni("ADD", pod, "uid-a", test_node.events)
+    assert rc == 1 and out is not None and out["code"] == 103 and "unreachable" in out["msg"], out
+    # An agent but no node proxy: refused, nothing left installed.
+    test_node.start_agent()
+    rc, out = cni("ADD", pod, "uid-a", test_node.events)
+    assert rc == 1 and out is not None and out["code"] == 103 and "no_proxy" in out["msg"], out
+    nothing_left(pod.name, test_node.ns, "uid-a")
+    # Something that accepts and never answers: the ADD gives up after agentTimeout.
+    mute = str(tmp_path / "mute.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(mute)
+        s.listen(4)
+        t0 = time.monotonic()
+        rc, out = cni("ADD", pod, "uid-a", mute, timeout=1)
+        assert rc == 1 and out is not None and out["code"] == 103 and "timeout" in out["msg"], out
+        assert time.monotonic() - t0 < 5
+    nothing_left(pod.name, test_node.ns, "uid-a")
+    # Bad events name the field and value.
+    with pytest.raises(client.AgentError, match="pod.uid") as ei:
+        client.add_pod(test_node.events, uid='bad"uid', netns=pod.path)
+    assert ei.value.reason == "bad_request"
+    with pytest.raises(client.AgentError, match="rdrt-no-such") as ei:
+        client.add_pod(test_node.events, uid="u1", netns="/run/netns/rdrt-no-such")
+    assert ei.value.reason == "netns"
+    with pytest.raises(client.AgentError, match="pod.ips"):
+        client.add_pod(test_node.events, uid="u1", netns=pod.path, ips=["10.0.0.300"])
+    assert test_node.agent is not None
+    assert test_node.agent.metric('redirect_agent_failures_total{reason="no_proxy"}') == 1
+    assert test_node.agent.metric('redirect_agent_failures_total{reason="bad_request"}') == 2
