@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -327,3 +328,114 @@ def test_add_fails_closed_without_agent_proxy_or_answer(test_node: Node, pod: Po
     assert test_node.agent is not None
     assert test_node.agent.metric('redirect_agent_failures_total{reason="no_proxy"}') == 1
     assert test_node.agent.metric('redirect_agent_failures_total{reason="bad_request"}') == 2
+
+
+class Traffic:
+    """Background traffic (bounded in count and time): each pod's outbound and inbound, round robin."""
+
+    def __init__(self, pods: list[Pod], max_probes: int = 20000, max_seconds: float = 90.0) -> None:
+        self.pods = pods
+        self.phase = "start"
+        self.sent: list[tuple[str, Sent]] = []
+        self._stop = threading.Event()
+        self._limits = (max_probes, max_seconds)
+        self._t = threading.Thread(target=self._run, name="traffic", daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self._limits[1]
+        i = 0
+        while not self._stop.is_set() and i < self._limits[0] and time.monotonic() < deadline:
+            pod = self.pods[i % len(self.pods)]
+            kind = "out" if (i // len(self.pods)) % 2 == 0 else "in"
+            phase = self.phase
+            self.sent.append((phase, send(pod, kind, timeout=1.0)))
+            i += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> Traffic:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(10)
+
+    def mark(self, phase: str, min_probes: int = 0, timeout: float = 10.0) -> None:
+        """Start ``phase``; wait until the previous one had at least ``min_probes`` probes."""
+        deadline = time.monotonic() + timeout
+        while sum(1 for p, _ in self.sent if p == self.phase) < min_probes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.phase = phase
+
+    def of(self, *phases: str) -> list[Sent]:
+        return [s for p, s in self.sent if p in phases]
+
+
+def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
+        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+    n = test_node
+    agent = n.start_agent()
+    n.start_proxy()
+    pods = [make_pod() for _ in range(4)]
+    uids = [f"uid-r{i}-{os.urandom(3).hex()}" for i in range(len(pods))]
+    for pod, uid in zip(pods, uids, strict=True):
+        rc, out = cni("ADD", pod, uid, n.events)
+        assert rc == 0, out
+    live, drifting = pods[:3], pods[3]
+    amb = redirect.RedirectConfig(mode="ambient")
+    with servers_for(pods) as servers, Traffic(live) as traffic:
+        traffic.mark("steady", 0)
+        for round_ in range(2):
+            traffic.mark(f"kill{round_}", 20)
+            agent.proc.send_signal(signal.SIGKILL)
+            agent.proc.wait(5)
+            if round_ == 0:
+                # While the agent is down: one pod's rules drift, its node-set entry goes, and a
+                # pod that no longer exists still has an entry.
+                in_netns(drifting.name, subprocess.run, ["iptables", "-t", "nat", "-F", "RDR_OUTPUT"], check=True)
+                assert not redirect.check(drifting.name, amb).ok
+                node.remove_pods([drifting.pod_ip4], n.ns)
+                node.add_pods(["10.255.0.9"], n.ns, owner="uid-gone")
+            agent = n.start_agent()
+            n.wait_synced(2 + round_)
+            assert agent.get("/readyz")[0] == 200
+        traffic.mark("restarted", 20)
+        # Reconciled: the drifted rules are back, the node sets hold exactly our pods.
+        assert redirect.check(drifting.name, amb).ok
+        assert node.list_pods(n.ns) == {ip: uid for pod, uid in zip(pods, uids, strict=True)
+                                        for ip in (pod.pod_ip4, pod.pod_ip6)}
+        first = wait_log(n.tmp / "agent-2.log", lambda e: e.get("msg") == "reconciled")
+        assert (first["pods"], first["intact"], first["repaired"], first["failed"]) == (4, 3, 1, 0), first
+        assert agent.metric('redirect_agent_reconciled_total{result="intact"}') == 4  # the second restart
+        assert agent.metric("redirect_agent_pods_enrolled") == 4
+        # The node proxy: a new one takes over from the snapshot.
+        assert n.proxy is not None
+        traffic.mark("proxy-down", 20)
+        n.proxy.send_signal(signal.SIGTERM)
+        n.proxy.wait(10)
+        n.start_proxy()  # returns once it has the snapshot (listeners open)
+        traffic.mark("end", 0)
+        traffic.mark("done", 30)
+    # Every probe from before the first SIGKILL to after the last restart was captured and answered.
+    steady = traffic.of("steady", "kill0", "kill1", "restarted")
+    assert len(steady) >= 60
+    bad = [s for s in steady if not s.ok]
+    assert not bad, f"{len(bad)} of {len(steady)} probes failed during agent restarts: {bad[:3]}"
+    # While no proxy ran, nothing got through uncaptured (connections fail, closed); afterwards all flows.
+    after = traffic.of("end")
+    assert len(after) >= 30 and all(s.ok for s in after), [s for s in after if not s.ok][:3]
+    assert_all_through_proxy(n, traffic.of("steady", "kill0", "kill1", "restarted", "proxy-down", "end",
+                                           "done"), servers)
+    print({p: (len(traffic.of(p)), sum(not s.ok for s in traffic.of(p))) for p in dict(traffic.sent)})
+    # Across agent restarts the proxy never let go of a pod (listeners stayed open).
+    added = [e["pod"] for e in n.proxy_events("pod_added")]
+    assert sorted(added) == sorted(uids * 2), added  # once per proxy process
+    assert not [e for e in n.proxy_events("pod_removed") if e.get("reason") != "proxy stopping"]
+    # Deleting a pod leaves nothing of it behind.
+    rc, out = cni("DEL", pods[0], uids[0], n.events)
+    assert rc == 0, out
+    nothing_left(pods[0].name, n.ns, uids[0])
+    for pod, uid in zip(pods[1:], uids[1:], strict=True):
+        assert cni("DEL", pod, uid, n.events)[0] == 0
+        nothing_left(pod.name, n.ns, uid)
+    assert node.list_pods(n.ns) == {}
