@@ -371,15 +371,30 @@ class Traffic:
         return [s for p, s in self.sent if p in phases]
 
 
+TAMPER = {"iptables": ["iptables", "-t", "nat", "-F", "RDR_OUTPUT"],
+          "nftables": ["nft", "flush", "chain", "inet", "rdr_redirect", "nat_OUTPUT"]}
+
+
+@pytest.fixture
+def backend_node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
+    n = Node(tmp_path, request.param)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("backend_node", ["iptables", "nftables"], indirect=True)
 def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
-        test_node: Node, make_pod: Callable[..., Pod]) -> None:
-    n = test_node
+        backend_node: Node, make_pod: Callable[..., Pod]) -> None:
+    n = backend_node
+    backend = n.backend
     agent = n.start_agent()
     n.start_proxy()
     pods = [make_pod() for _ in range(4)]
     uids = [f"uid-r{i}-{os.urandom(3).hex()}" for i in range(len(pods))]
     for pod, uid in zip(pods, uids, strict=True):
-        rc, out = cni("ADD", pod, uid, n.events)
+        rc, out = cni("ADD", pod, uid, n.events, backend)
         assert rc == 0, out
     live, drifting = pods[:3], pods[3]
     amb = redirect.RedirectConfig(mode="ambient")
@@ -392,8 +407,8 @@ def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
             if round_ == 0:
                 # While the agent is down: one pod's rules drift, its node-set entry goes, and a
                 # pod that no longer exists still has an entry.
-                in_netns(drifting.name, subprocess.run, ["iptables", "-t", "nat", "-F", "RDR_OUTPUT"], check=True)
-                assert not redirect.check(drifting.name, amb).ok
+                in_netns(drifting.name, subprocess.run, TAMPER[backend], check=True)
+                assert not redirect.check(drifting.name, amb, backend=backend).ok
                 node.remove_pods([drifting.pod_ip4], n.ns)
                 node.add_pods(["10.255.0.9"], n.ns, owner="uid-gone")
             agent = n.start_agent()
@@ -401,7 +416,7 @@ def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
             assert agent.get("/readyz")[0] == 200
         traffic.mark("restarted", 20)
         # Reconciled: the drifted rules are back, the node sets hold exactly our pods.
-        assert redirect.check(drifting.name, amb).ok
+        assert redirect.check(drifting.name, amb, backend=backend).ok
         assert node.list_pods(n.ns) == {ip: uid for pod, uid in zip(pods, uids, strict=True)
                                         for ip in (pod.pod_ip4, pod.pod_ip6)}
         first = wait_log(n.tmp / "agent-2.log", lambda e: e.get("msg") == "reconciled")
@@ -432,12 +447,12 @@ def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
     assert sorted(added) == sorted(uids * 2), added  # once per proxy process
     assert not [e for e in n.proxy_events("pod_removed") if e.get("reason") != "proxy stopping"]
     # Deleting a pod leaves nothing of it behind.
-    rc, out = cni("DEL", pods[0], uids[0], n.events)
+    rc, out = cni("DEL", pods[0], uids[0], n.events, backend)
     assert rc == 0, out
-    nothing_left(pods[0].name, n.ns, uids[0])
+    nothing_left(pods[0].name, n.ns, uids[0], backend)
     for pod, uid in zip(pods[1:], uids[1:], strict=True):
-        assert cni("DEL", pod, uid, n.events)[0] == 0
-        nothing_left(pod.name, n.ns, uid)
+        assert cni("DEL", pod, uid, n.events, backend)[0] == 0
+        nothing_left(pod.name, n.ns, uid, backend)
     assert node.list_pods(n.ns) == {}
 
 
