@@ -357,7 +357,7 @@ class Agent:
         def read(item: tuple[tuple[int, int], list[str]]) -> PodRecord | None:
             (_, ino), names = item
             try:
-                rec = identity.read(names[0])
+                rec = identity.scan(names[0])
             except (RedirectError, OSError):
                 return None
             if rec is None or rec.get("node") != self.opts.node_name or not isinstance(rec.get("uid"), str):

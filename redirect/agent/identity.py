@@ -92,6 +92,31 @@ def read(netns: _netns.NetnsRef) -> dict[str, Any] | None:
     return parse(p.stdout) if p.returncode == 0 else None
 
 
+def scan(netns: _netns.NetnsRef) -> dict[str, Any] | None:
+    """Like ``read``, over ipset netlink in-process (no exec): for looking at every netns of a
+    node at start. Falls back to ``read`` if the netlink answer is not what we expect."""
+    from pyroute2.ipset import IPSet, NoSuchObject
+
+    with _netns.enter(netns):
+        sock = IPSet()  # a netlink socket stays in the netns it was made in
+    try:
+        chunks: dict[int, str] = {}
+        for msg in sock.list(SET):
+            adt = msg.get_attr("IPSET_ATTR_ADT")
+            for e in adt.get_attrs("IPSET_ATTR_DATA") if adt is not None else ():
+                idx, comment = e.get_attr("IPSET_ATTR_PORT"), e.get_attr("IPSET_ATTR_COMMENT")
+                if idx is None or comment is None:
+                    return read(netns)
+                chunks[int(idx)] = str(comment)
+    except NoSuchObject:
+        return None
+    except Exception:  # noqa: BLE001 - an unexpected netlink shape: ask ipset(8)
+        return read(netns)
+    finally:
+        sock.close()
+    return parse("\n".join(f'add {SET} {i} comment "{c}"' for i, c in sorted(chunks.items())))
+
+
 def clear(netns: _netns.NetnsRef) -> bool:
     """Remove the record from ``netns``; True if there was one."""
     with _netns.enter(netns):
@@ -102,4 +127,4 @@ def clear(netns: _netns.NetnsRef) -> bool:
     return removed
 
 
-__all__ = ["SET", "write", "read", "parse", "clear"]
+__all__ = ["SET", "write", "read", "scan", "parse", "clear"]
