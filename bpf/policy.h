@@ -11,19 +11,6 @@ static __always_inline struct pod_policy *pod_of(__u64 netns)
 	return pods.lookup(&netns);
 }
 
-static __always_inline int id_in(const struct id_range *r, __u32 n, __u32 id)
-{
-	/* Bounded, so the verifier sees the loop end; n is at most RDR_MAX_IDS. */
-#pragma unroll
-	for (int i = 0; i < RDR_MAX_IDS; i++) {
-		if (i >= n)
-			break;
-		if (id >= r[i].lo && id <= r[i].hi)
-			return 1;
-	}
-	return 0;
-}
-
 /* The proxy's own sockets (sidecar: uid/gid 1337) are never captured: that
  * is what keeps its connect to the original destination from looping. The
  * owner is the task calling connect/sendmsg, like iptables' owner match on
@@ -31,8 +18,45 @@ static __always_inline int id_in(const struct id_range *r, __u32 n, __u32 id)
 static __always_inline int is_proxy(const struct pod_policy *p)
 {
 	__u64 ug = bpf_get_current_uid_gid();
+	__u32 uid = (__u32)ug, gid = (__u32)(ug >> 32);
 
-	return id_in(p->uids, p->n_uids, (__u32)ug) || id_in(p->gids, p->n_gids, (__u32)(ug >> 32));
+#pragma unroll
+	for (int i = 0; i < RDR_MAX_IDS; i++)
+		if (i < p->n_uids && uid >= p->uids[i].lo && uid <= p->uids[i].hi)
+			return 1;
+#pragma unroll
+	for (int i = 0; i < RDR_MAX_IDS; i++)
+		if (i < p->n_gids && gid >= p->gids[i].lo && gid <= p->gids[i].hi)
+			return 1;
+	return 0;
+}
+
+#define RDR_OWN_NEXT 0
+#define RDR_OWN_PASS 1
+#define RDR_OWN_INBOUND 2
+
+/* One owner's three rules of Istio's OUTPUT chain, per uid/gid range in
+ * order (plan.py, "proxy uid hairpin over lo" / "app traffic over lo" /
+ * "proxy uid"): the proxy's lo traffic to a non-loopback address goes to
+ * inbound capture; anyone else's lo traffic returns; the proxy returns. */
+static __always_inline int owner_rules(const struct id_range *r, __u32 n, __u32 id, int out_lo, int hairpin,
+				       int lo_return)
+{
+#pragma unroll
+	for (int i = 0; i < RDR_MAX_IDS; i++) {
+		int in;
+
+		if (i >= n)
+			break;
+		in = id >= r[i].lo && id <= r[i].hi;
+		if (out_lo && hairpin && in)
+			return RDR_OWN_INBOUND;
+		if (out_lo && lo_return && !in)
+			return RDR_OWN_PASS;
+		if (in)
+			return RDR_OWN_PASS;
+	}
+	return RDR_OWN_NEXT;
 }
 
 static __always_inline int port_listed(__u64 netns, __u16 kind, __u16 port)
@@ -50,8 +74,9 @@ static __always_inline int cidr_listed(__u64 netns, __u32 kind, const __u8 *addr
 	return cidrs.lookup(&k) != NULL;
 }
 
-/* "Leaves over lo": without a route lookup (not available to sock_addr
- * programs) the loopback ranges stand for it. */
+/* "Leaves over lo" (iptables' -o lo) without a route lookup, which sock_addr
+ * programs can't do: the destination is loopback or one of the pod's own
+ * addresses (RDR_CIDR_LOCAL*, written at setup). */
 static __always_inline int is_v4_loopback(__u32 ip_be)
 {
 	return (bpf_ntohl(ip_be) >> 24) == 127;
@@ -75,24 +100,44 @@ static __always_inline int is_v6_passthrough(const __u32 *ip)
 #define RDR_PASS 0
 
 /* Where a new outbound connection/datagram goes: RDR_PASS or the local port
- * to rewrite it to. Istio's OUTBOUND chain in order (redirect/plan.py). */
+ * to rewrite it to. Istio's OUTPUT chain, rule for rule and in its order
+ * (redirect/plan.py, _sidecar_plan and _sidecar_dns). */
 static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
-					     const __u8 *addr, int v6, int dst_loopback, int dst_is_lo_cidr,
+					     const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr,
 					     int src_passthrough)
 {
-	int dns = (p->flags & RDR_F_DNS) && port == RDR_DNS_PORT;
+	int dns = (p->flags & RDR_F_DNS) != 0;
+	int dns53 = dns && port == RDR_DNS_PORT;
+	int dns_listed;
+	__u64 ug = bpf_get_current_uid_gid();
+	int hairpin, lo_return, own;
 
 	if (port_listed(netns, RDR_PORT_OUT_EXCL, port))
 		return RDR_PASS;
-	if (src_passthrough)
+	if (out_lo && src_passthrough)
 		return RDR_PASS;
-	if (is_proxy(p))
+	hairpin = tcp && !dst_is_lo_cidr && port != p->tunnel_port && !dns53;
+	lo_return = !(p->flags & RDR_F_INCL_LOOPBACK) && (!dns || (tcp && port != RDR_DNS_PORT));
+	own = owner_rules(p->uids, p->n_uids, (__u32)ug, out_lo, hairpin, lo_return);
+	if (own == RDR_OWN_NEXT)
+		own = owner_rules(p->gids, p->n_gids, (__u32)(ug >> 32), out_lo, hairpin, lo_return);
+	if (own == RDR_OWN_INBOUND)
+		return p->inbound_port;
+	if (own == RDR_OWN_PASS)
 		return RDR_PASS;
-	if (dst_loopback && !(p->flags & RDR_F_INCL_LOOPBACK) && !(dns && tcp))
-		return RDR_PASS;
-	if (dns && ((p->flags & RDR_F_DNS_ALL) ||
-		    cidr_listed(netns, v6 ? RDR_CIDR_DNS6 : RDR_CIDR_DNS4, addr, v6)))
-		return p->dns_port;
+	/* Owner groups: iptables' --gid-owner without --suppl-groups, i.e. the primary gid. */
+	if (p->groups_mode != RDR_GROUPS_ALL) {
+		int in = owner_rules(p->groups, p->n_groups, (__u32)(ug >> 32), 0, 0, 0) == RDR_OWN_PASS;
+
+		if (in == (p->groups_mode == RDR_GROUPS_EXCLUDE))
+			return RDR_PASS;
+	}
+	if (dns53) {
+		dns_listed = (p->flags & RDR_F_DNS_ALL) ||
+			     cidr_listed(netns, v6 ? RDR_CIDR_DNS6 : RDR_CIDR_DNS4, addr, v6);
+		if (dns_listed)
+			return p->dns_port; /* the proxy's own UDP queries returned above */
+	}
 	if (!tcp)
 		return RDR_PASS; /* only DNS is captured for UDP */
 	if (dst_is_lo_cidr)

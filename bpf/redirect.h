@@ -48,6 +48,8 @@
 #define RDR_CIDR_OUT_EXCL6 4
 #define RDR_CIDR_OUT_INCL6 5
 #define RDR_CIDR_DNS6      6
+#define RDR_CIDR_LOCAL4    7 /* the pod's own addresses: a connect to them leaves over lo */
+#define RDR_CIDR_LOCAL6    8
 
 struct id_range {
 	__u32 lo;
@@ -65,10 +67,18 @@ struct pod_policy {
 	__u32 lo4_mask;
 	__u32 n_uids;
 	__u32 n_gids;
-	__u32 _pad;
+	__u32 inv_base; /* this pod's inventory entries are inventory[netns, inv_base + i], i < n_inv */
+	__u32 n_inv;
 	struct id_range uids[RDR_MAX_IDS];
 	struct id_range gids[RDR_MAX_IDS];
+	__u32 groups_mode; /* RDR_GROUPS_*: owner_groups / owner_groups_exclude */
+	__u32 n_groups;
+	struct id_range groups[RDR_MAX_IDS];
 };
+
+#define RDR_GROUPS_ALL     0 /* owner_groups = "*" */
+#define RDR_GROUPS_ONLY    1 /* only these groups are captured */
+#define RDR_GROUPS_EXCLUDE 2 /* these groups are not captured */
 
 struct port_key {
 	__u64 netns;
@@ -118,7 +128,29 @@ struct listener_key {
 	__u32 _pad;
 };
 
+/* What one pod owns in ports/cidrs/pod_addrs, so teardown and check touch
+ * only that pod's entries instead of walking whole maps: key i of the pod
+ * is in entry (netns, inv_base + i / RDR_INV_CHUNK). Only userspace reads
+ * and writes it. */
+struct inv_key {
+	__u64 netns;
+	__u32 idx;
+	__u32 _pad;
+};
+
+#define RDR_INV_PORTS 1
+#define RDR_INV_CIDRS 2
+#define RDR_INV_ADDRS 3
+
+#define RDR_INV_CHUNK 8 /* keys per entry: a typical pod has one */
+
+struct inv_val {
+	__u32 map[RDR_INV_CHUNK];     /* RDR_INV_*, 0 = unused */
+	__u8 key[RDR_INV_CHUNK][32]; /* the keys in those maps, zero-padded */
+};
+
 BPF_HASH(pods, __u64, struct pod_policy, 4096);
+BPF_F_TABLE("hash", struct inv_key, struct inv_val, inventory, 65536, BPF_F_NO_PREALLOC);
 BPF_HASH(ports, struct port_key, __u8, 65536);
 BPF_LPM_TRIE(cidrs, struct cidr_key, __u8, 65536);
 BPF_HASH(pod_addrs, struct addr_key, __u64, 16384);
@@ -130,8 +162,20 @@ BPF_TABLE("lru_hash", __u64, struct orig_dst, orig_by_cookie, 65536);
 BPF_TABLE("lru_hash", struct tuple_key, struct orig_dst, orig_by_tuple, 65536);
 /* UDP DNS: socket cookie -> the server the app asked, for recvmsg4/6. */
 BPF_TABLE("lru_hash", __u64, struct orig_dst, dns_by_cookie, 65536);
-/* The proxy's inbound listeners, per pod and family. Declared as a plain
- * table of the sockhash type so bcc gives it .lookup() (see FACTS.md). */
-BPF_TABLE("sockhash", struct listener_key, __u64, listeners, 8192);
+/* The proxy's inbound listeners, per pod and family. bcc's BPF_SOCKHASH
+ * has no .lookup() (sk_lookup needs it) and BPF_TABLE("sockhash") no
+ * .sock_hash_update() (sock_ops needs it): declared by hand with both, the
+ * way bcc's helpers.h declares tables (its rewriter goes by member name). */
+struct listeners_table_t {
+	struct listener_key key;
+	__u64 leaf;
+	__u64 *(*lookup)(struct listener_key *);
+	int (*update)(struct listener_key *, __u64 *);
+	int (*delete)(struct listener_key *);
+	int (*sock_hash_update)(void *, void *, u64);
+	u32 max_entries;
+};
+__attribute__((section("maps/sockhash"))) struct listeners_table_t listeners = {.max_entries = 8192};
+BPF_ANNOTATE_KV_PAIR(listeners, struct listener_key, __u64);
 
 #endif

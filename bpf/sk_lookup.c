@@ -22,27 +22,26 @@ static __always_inline int inbound_captured(const struct pod_policy *p, __u64 ne
  * not captured, like iptables' PREROUTING never saw it. ingress_ifindex does
  * not say lo for these (the route to a local address keeps the address's
  * device as the input interface), so look at the source: loopback, or one of
- * this pod's own addresses. */
+ * this pod's own addresses (RDR_CIDR_LOCAL*, ::6 included). */
 static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 netns)
 {
-	struct addr_key rk = {.family = ctx->family};
-	__u64 *owner;
+	__u8 addr[16] = {};
 
 	if (ctx->family == AF_INET) {
 		__u32 ip = ctx->remote_ip4;
 
 		if (is_v4_loopback(ip))
 			return 1;
-		__builtin_memcpy(rk.addr, &ip, 4);
+		__builtin_memcpy(addr, &ip, 4);
+		return cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0);
 	} else {
 		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
 
 		if (is_v6_loopback(ip))
 			return 1;
-		__builtin_memcpy(rk.addr, ip, 16);
+		__builtin_memcpy(addr, ip, 16);
+		return cidr_listed(netns, RDR_CIDR_LOCAL6, addr, 1);
 	}
-	owner = pod_addrs.lookup(&rk);
-	return owner && *owner == netns;
 }
 
 int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
@@ -86,10 +85,13 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 		lk.family = AF_INET6;
 		sk = (struct bpf_sock *)listeners.lookup(&lk);
 	}
+	/* Fail closed: a captured port is never served around the proxy (that
+	 * would skip its policy, e.g. mTLS). With no inbound listener yet (the
+	 * proxy not started) the SYN is dropped and the client retries; iptables
+	 * would answer with a reset from the unused 15006. */
 	if (!sk)
-		return SK_PASS;
+		return SK_DROP;
 	err = bpf_sk_assign(ctx, sk, 0);
 	bpf_sk_release(sk);
-	(void)err; /* on error the regular lookup goes on: fail open, like a missing rule */
-	return SK_PASS;
+	return err ? SK_DROP : SK_PASS;
 }

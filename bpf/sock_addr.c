@@ -42,7 +42,8 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 		return SYS_PROCEED;
 	port = bpf_ntohs((__u16)ctx->user_port);
 	__builtin_memcpy(addr, &dst, 4);
-	to = outbound_target(p, netns, tcp, port, addr, 0, is_v4_loopback(dst),
+	to = outbound_target(p, netns, tcp, port, addr, 0,
+			     is_v4_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0),
 			     (dst & p->lo4_mask) == p->lo4_addr,
 			     is_v4_passthrough(from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4));
 	if (to == RDR_PASS)
@@ -88,8 +89,9 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		src[3] = ctx->sk->src_ip6[3];
 	}
 	port = bpf_ntohs((__u16)ctx->user_port);
-	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1, is_v6_loopback(dst), is_v6_loopback(dst),
-			     is_v6_passthrough(src));
+	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1,
+			     is_v6_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
+			     is_v6_loopback(dst), is_v6_passthrough(src));
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,
@@ -131,7 +133,7 @@ int rdr_recvmsg4(struct bpf_sock_addr *ctx)
 	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
 	__u32 ip;
 
-	if (!o || o->family != AF_INET)
+	if (!o || o->family != AF_INET || !pod_of(o->netns))
 		return SYS_PROCEED;
 	if (ctx->user_ip4 != bpf_htonl(0x7f000001) || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
 		return SYS_PROCEED;
@@ -147,7 +149,7 @@ int rdr_recvmsg6(struct bpf_sock_addr *ctx)
 	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
 	__u32 ip[4];
 
-	if (!o || o->family != AF_INET6)
+	if (!o || o->family != AF_INET6 || !pod_of(o->netns))
 		return SYS_PROCEED;
 	if (ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] || ctx->user_ip6[3] != bpf_htonl(1) ||
 	    bpf_ntohs((__u16)ctx->user_port) != o->via_port)
@@ -159,4 +161,16 @@ int rdr_recvmsg6(struct bpf_sock_addr *ctx)
 	ctx->user_ip6[3] = ip[3];
 	ctx->user_port = o->port_be;
 	return SYS_PROCEED;
+}
+
+/* Per-socket state (the original destination staged by connect, a DNS
+ * socket's server) goes with the socket, so teardown never has to walk these
+ * maps. A no-op for sockets without an entry. */
+int rdr_sock_release(struct bpf_sock *ctx)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+
+	orig_by_cookie.delete(&cookie);
+	dns_by_cookie.delete(&cookie);
+	return 1;
 }

@@ -35,6 +35,23 @@ static __always_inline void tuple_of_local(struct bpf_sock_ops *ctx, struct tupl
 	}
 }
 
+/* The proxy's inbound listener, as it starts listening: sk_lookup hands it
+ * new inbound connections from the `listeners` sockhash. Setup also adds the
+ * listeners that were already open; the kernel drops an entry when its
+ * socket closes, and a restarted proxy lands here again. */
+static __always_inline void register_listener(struct bpf_sock_ops *ctx)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_policy *p = pod_of(netns);
+	struct listener_key lk = {};
+
+	if (!p || !(p->flags & RDR_F_INBOUND) || ctx->local_port != p->inbound_port)
+		return;
+	lk.netns = netns;
+	lk.family = ctx->family;
+	listeners.sock_hash_update(ctx, &lk, BPF_ANY);
+}
+
 int rdr_sockops(struct bpf_sock_ops *ctx)
 {
 	struct tuple_key k = {};
@@ -54,6 +71,8 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		/* Ask for state changes so the entry goes when the socket closes;
 		 * keep whatever flags another program set. */
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	} else if (ctx->op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
+		register_listener(ctx);
 	} else if (ctx->op == BPF_SOCK_OPS_STATE_CB && ctx->args[1] == BPF_TCP_CLOSE) {
 		/* Only sockets we flagged above get here; the netns is ours. */
 		tuple_of_local(ctx, &k, bpf_get_netns_cookie(ctx));

@@ -144,19 +144,39 @@ def test_inbound_lands_on_proxy_with_original_dst_as_local_address(pod: Pod, set
         # The tunnel port and the excluded ports are not captured.
         assert landing(pod.peer_name, pod.pod_ip(family), 15008, *inbound, *app).listener is app[1]
         assert landing(pod.peer_name, pod.pod_ip(family), 15090, *inbound, *app).listener is app[2]
-        # The pod to itself over lo is not captured.
-        assert landing(pod.name, pod.pod_ip(family), 8080, *inbound, *app, uid=PROXY_UID).listener is app[0]
+        # The app to its own pod address is not captured (Istio: lo traffic of non-proxy uids returns)...
+        assert landing(pod.name, pod.pod_ip(family), 8080, *inbound, *app, uid=APP_UID).listener is app[0]
+        # ...the proxy's is: the service-VIP hairpin goes to inbound capture, original destination kept.
+        hit = landing(pod.name, pod.pod_ip(family), 8080, *inbound, *app, uid=PROXY_UID)
+        assert hit.listener in inbound and hit.orig_dst == (pod.pod_ip(family), 8080), hit.result
+        # The tunnel port is not hairpinned.
+        assert landing(pod.name, pod.pod_ip(family), 15008, *inbound, *app, uid=PROXY_UID).listener is app[1]
     finally:
         _close(inbound, app)
 
 
-def test_inbound_needs_the_proxy_listening(pod: Pod, bpf_root: str) -> None:
-    with pytest.raises(SetupError, match="inbound_port=15006"):
-        api.setup(pod.name, RedirectConfig(), backend="ebpf")
-    from redirect import netns as rn
-
-    with rn.enter(pod.name):
-        assert not ebpf.EbpfBackend(root=bpf_root).installed()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_proxy_that_listens_after_setup_or_restarts_gets_inbound(pod: Pod, setup_pod, family: int) -> None:
+    """The CNI order: setup first, the proxy starts later (sock_ops registers its listener), and restarts."""
+    setup_pod(pod, RedirectConfig())
+    app = TcpListener(pod.name, 8080, family=family, label="app").start()
+    try:
+        # No proxy yet: fail closed, inbound connections to captured ports do not reach the app
+        # (the SYN is dropped); uncaptured ports are served.
+        miss = landing(pod.peer_name, pod.pod_ip(family), 8080, app, timeout=0.5)
+        assert miss.listener is None and not app.conns, miss.result
+        with TcpListener(pod.name, 15021, family=family, label="health") as health:
+            assert landing(pod.peer_name, pod.pod_ip(family), 15021, health).listener is health
+        for _ in range(2):  # start, then a restart
+            proxy = TcpListener(pod.name, 15006, family=family, label="proxy-in").start()
+            try:
+                hit = landing(pod.peer_name, pod.pod_ip(family), 8080, proxy, app)
+                assert hit.listener is proxy, hit.result
+                assert hit.orig_dst == (pod.pod_ip(family), 8080)
+            finally:
+                proxy.close()
+    finally:
+        app.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -187,15 +207,51 @@ def test_dns_udp_to_53_reaches_dns_proxy_and_reply_comes_from_server(pod: Pod, s
         _close(dnsp, real)
 
 
+def _cookie(pod: Pod) -> int:
+    from redirect import netns as rn
+
+    with rn.enter(pod.name):
+        return ebpf.current_netns_cookie()
+
+
+def entries_mentioning(root: str, cookie: int) -> dict[str, set[bytes]]:
+    """Every key of every host map that belongs to the netns ``cookie`` (a full scan: tests only)."""
+    h = ebpf.host(root, load=False)
+    assert h is not None
+    c = ebpf.U64.pack(cookie)
+    where = {"pods": 0, "inventory": 0, "ports": 0, "cidrs": 8, "listeners": 0}
+    out: dict[str, set[bytes]] = {}
+    for name, off in where.items():
+        out[name] = {k for k in h.maps[name].keys() if k[off : off + 8] == c}
+    pm = h.maps["pod_addrs"]
+    out["pod_addrs"] = {k for k in pm.keys() if pm.lookup(k) == c}
+    for name in ("orig_by_cookie", "orig_by_tuple", "dns_by_cookie"):
+        m = h.maps[name]
+        out[name] = {k for k in m.keys() if (m.lookup(k) or b"")[:8] == c}
+    return out
+
+
 def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setup_pod, bpf_root: str) -> None:
     a, b = make_pod(), make_pod()
     lists = [_proxy_listeners(p, 15006, "in") for p in (a, b)]
-    cfg = RedirectConfig(outbound_exclude_ports=(22,), outbound_exclude_cidrs=("10.0.0.0/8", "fd00::/8"))
+    cfg = RedirectConfig(outbound_exclude_ports=(22,), outbound_exclude_cidrs=("10.255.0.0/16", "fd00:ffff::/32"),
+                         dns_capture=True)
+    ca, cb = _cookie(a), _cookie(b)
     try:
         setup_pod(a, cfg)
         setup_pod(b, cfg)
+        # Some per-connection state too: an outbound connection through the proxy in each pod.
+        for p in (a, b):
+            with TcpListener(p.name, 15001, label="out") as out:
+                assert landing(p.name, p.peer_ip4, 8080, out, uid=APP_UID).listener is out
+        have_a, have_b = entries_mentioning(bpf_root, ca), entries_mentioning(bpf_root, cb)
+        for name in ("pods", "inventory", "ports", "cidrs", "pod_addrs", "listeners"):
+            assert have_a[name] and have_b[name], name
         before = api.show(b.name, backend="ebpf")
         assert api.teardown(a.name, backend="ebpf")
+        left = entries_mentioning(bpf_root, ca)
+        assert not any(left.values()), {k: len(v) for k, v in left.items() if v}
+        assert entries_mentioning(bpf_root, cb) == have_b, "the other pod's entries are untouched"
         shown = api.show(a.name, backend="ebpf")
         assert not shown["installed"] and not shown["ports"] and not shown["cidrs"] and not shown["addresses"]
         assert shown["sk_lookup_link"] is None
@@ -231,10 +287,93 @@ def test_unload_host_refuses_while_pods_exist(pod: Pod, setup_pod, bpf_root: str
     assert ebpf.HostPrograms.pinned(bpf_root)
 
 
-def test_unsupported_options_raise_backend_unavailable(pod: Pod, bpf_root: str) -> None:
-    for kw in ({"inbound_interception": "TPROXY"}, {"drop_invalid": True}, {"exclude_interfaces": ("eth0",)}):
-        with pytest.raises(BackendUnavailable, match=next(iter(kw))):
-            api.setup(pod.name, RedirectConfig(**kw), backend="ebpf")  # type: ignore[arg-type]
+@pytest.mark.parametrize("kw", [
+    {"inbound_interception": "TPROXY"}, {"drop_invalid": True}, {"exclude_interfaces": ("eth0",)},
+    {"reroute_interfaces": ("eth1",)}, {"mode": "ambient"}, {"proxy_uids": tuple(range(1, 10))},
+    {"owner_groups": tuple(range(1, 10))},
+], ids=lambda kw: next(iter(kw)))
+def test_unsupported_options_raise_backend_unavailable(pod: Pod, bpf_root: str, kw: dict) -> None:
+    with pytest.raises(BackendUnavailable, match=next(iter(kw))):
+        api.setup(pod.name, RedirectConfig(**kw), backend="ebpf")
+    assert not api.show(pod.name, backend="ebpf")["installed"]
+    assert not any(entries_mentioning(bpf_root, _cookie(pod)).values())
+
+
+def test_check_reads_the_maps_back_and_setup_repairs(pod: Pod, setup_pod, bpf_root: str) -> None:
+    cfg = RedirectConfig(outbound_exclude_ports=(9090,))
+    proxy = _proxy_listeners(pod, 15001, "proxy")
+    app = [TcpListener(pod.peer_name, 9090, label="app").start()]
+    try:
+        setup_pod(pod, cfg)
+        assert landing(pod.name, pod.peer_ip4, 9090, *proxy, *app, uid=APP_UID).listener is app[0]
+        h = ebpf.host(bpf_root, load=False)
+        assert h is not None
+        key = ebpf.PORT_KEY.pack(_cookie(pod), ebpf.PORT_OUT_EXCL, 9090, 0)
+        assert h.maps["ports"].delete(key)  # someone else's hand
+        res = api.check(pod.name, cfg, backend="ebpf")
+        assert not res.ok and "missing port entry outbound-exclude 9090" in res.differences, res.differences
+        assert landing(pod.name, pod.peer_ip4, 9090, *proxy, *app, uid=APP_UID).listener in proxy
+        assert api.setup(pod.name, cfg, backend="ebpf").changed
+        assert api.check(pod.name, cfg, backend="ebpf").ok
+        assert landing(pod.name, pod.peer_ip4, 9090, *proxy, *app, uid=APP_UID).listener is app[0]
+    finally:
+        _close(proxy, app)
+
+
+@pytest.fixture
+def scratch_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A root of its own for tests that break the host pins (compiles once more)."""
+    root = f"/sys/fs/bpf/rdrt-ebpf-scratch-{os.getpid()}"
+    monkeypatch.setenv("REDIRECT_BPF_ROOT", root)
+    try:
+        yield root
+    finally:
+        ebpf.force_unload_host(root)
+        assert not os.path.exists(root)
+
+
+def test_a_removed_link_pin_is_repaired_by_the_next_setup(pod: Pod, scratch_root: str) -> None:
+    h = ebpf.host(scratch_root)
+    assert h is not None
+    ids = {n: ebpf.prog_id(fd) for n, fd in h.progs.items()}
+    os.unlink(os.path.join(scratch_root, "links", "rdr_connect4"))  # detaches: outbound IPv4 is off
+    assert ebpf.missing_pins(scratch_root) == ["links/rdr_connect4"]
+    proxy = _proxy_listeners(pod, 15001, "proxy")
+    app = [TcpListener(pod.peer_name, 8080, label="app").start()]
+    try:
+        res = api.setup(pod.name, OUT_ONLY, backend="ebpf")
+        assert res.detail["compiled"] is False
+        assert not ebpf.missing_pins(scratch_root)
+        h2 = ebpf.host(scratch_root)
+        assert h2 is not None and {n: ebpf.prog_id(fd) for n, fd in h2.progs.items()} == ids
+        assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy
+    finally:
+        _close(proxy, app)
+        api.teardown(pod.name, backend="ebpf")
+
+
+def test_a_removed_map_pin_reloads_when_no_pod_is_registered_else_fails_clearly(make_pod, scratch_root: str) -> None:
+    a, b = make_pod(), make_pod()
+    api.setup(a.name, OUT_ONLY, backend="ebpf")
+    try:
+        os.unlink(os.path.join(scratch_root, "maps", "cidrs"))
+        with pytest.raises(SetupError, match=r"incomplete \(missing: maps/cidrs\) while 1 pod\(s\) are registered"):
+            api.setup(b.name, OUT_ONLY, backend="ebpf")
+        assert api.show(b.name, backend="ebpf")["installed"] is False
+    finally:
+        ebpf.force_unload_host(scratch_root)
+    # No pod left: a partial set of pins is replaced by a clean load.
+    ebpf.host(scratch_root)
+    os.unlink(os.path.join(scratch_root, "progs", "rdr_sk_lookup"))
+    proxy = _proxy_listeners(b, 15001, "proxy")
+    app = [TcpListener(b.peer_name, 8080, label="app").start()]
+    try:
+        res = api.setup(b.name, OUT_ONLY, backend="ebpf")
+        assert res.detail["compiled"] is True and not ebpf.missing_pins(scratch_root)
+        assert landing(b.name, b.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy
+    finally:
+        _close(proxy, app)
+        api.teardown(b.name, backend="ebpf")
 
 
 CHILD = r"""
@@ -271,24 +410,45 @@ def test_pinned_programs_reused_by_a_second_process(pod: Pod, bpf_root: str) -> 
         api.teardown(pod.name, backend="ebpf")
 
 
-def test_per_pod_setup_cost(make_pod, bpf_root: str) -> None:
-    """Per-pod setup is map entries (+ one link for inbound): well under a millisecond for outbound."""
-    pods = [make_pod() for _ in range(4)]
-    out_ms, in_ms = [], []
-    lists = [_proxy_listeners(p, 15006, "in") for p in pods]
+def test_per_pod_setup_and_teardown_cost(make_pod, bpf_root: str) -> None:
+    """Per-pod setup with inbound (entries, the sk_lookup link, ::6) is at most 0.5 ms; teardown
+    touches only that pod's entries, so it does not grow with the number of pods registered.
+
+    Measured as the calling thread's CPU time (user + kernel, ``pod_cpu_ms``): the host is shared
+    with other test runs, whose share of the CPU would otherwise count as ours. Wall time is printed.
+    Best of three rounds of median-of-6.
+    """
+    pods = [make_pod() for _ in range(6)]
+    others = [make_pod() for _ in range(6)]
+    # Registered pods (with inbound: a node's steady state, sk_lookup links exist) whose
+    # entries teardown must not walk.
+    for p in others:
+        api.setup(p.name, RedirectConfig(outbound_exclude_ports=tuple(range(1000, 1100))), backend="ebpf")
+    rounds = []
     try:
-        for cfg, acc in ((OUT_ONLY, out_ms), (RedirectConfig(), in_ms)):
+        for _ in range(3):
+            in_ms, down_ms, out_ms, wall = [], [], [], []
             for p in pods:
-                res = api.setup(p.name, cfg, backend="ebpf")
-                acc.append(res.detail["pod_ms"])
+                d = api.setup(p.name, RedirectConfig(), backend="ebpf").detail
+                in_ms.append(d["pod_cpu_ms"])
+                wall.append(d["pod_ms"])
             for p in pods:
+                t0 = time.thread_time()
                 api.teardown(p.name, backend="ebpf")
-        print(f"ebpf per-pod setup: outbound-only median {sorted(out_ms)[2]:.3f} ms, with inbound "
-              f"median {sorted(in_ms)[2]:.3f} ms")
-        assert sorted(out_ms)[2] < 5.0
+                down_ms.append((time.thread_time() - t0) * 1e3)
+            for p in pods:
+                out_ms.append(api.setup(p.name, OUT_ONLY, backend="ebpf").detail["pod_cpu_ms"])
+                api.teardown(p.name, backend="ebpf")
+            rounds.append(tuple(sorted(x)[3] for x in (in_ms, out_ms, down_ms, wall)))
+        best = min(rounds)
+        print(f"ebpf per pod (CPU): setup with inbound {best[0]:.3f} ms (wall {best[3]:.3f}), outbound-only"
+              f" {best[1]:.3f} ms; teardown (API, netns enter included) {best[2]:.3f} ms")
+        assert best[0] <= 0.5, rounds
+        assert best[1] <= 0.5, rounds
+        assert best[2] <= 2.0, rounds  # with 600 entries of other pods registered
     finally:
-        _close(*lists)
-        time.sleep(0)
+        for p in others:
+            api.teardown(p.name, backend="ebpf")
 
 
 def test_native_bpf_helpers_report_errno(bpf_root: str) -> None:

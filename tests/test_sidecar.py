@@ -10,6 +10,7 @@ the sidecar plan.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -21,15 +22,36 @@ from redirect import RedirectConfig
 from redirect import netns as rnetns
 from tests.netkit import Pod, TcpListener, UdpListener, landing, tcp_probe_detail, udp_probe_detail
 
-BACKENDS = ["iptables-nft", "iptables-legacy", "nftables"]
+BACKENDS = ["iptables-nft", "iptables-legacy", "nftables", "ebpf"]
 APP_UID = 1000
 PROXY_UID = 1337
 PROXY = (PROXY_UID, PROXY_UID)
 FAMILIES = [4, 6]
 
 
+@pytest.fixture(scope="module")
+def ebpf_root() -> Iterator[str]:
+    """The eBPF backend's host programs, pinned under a scratch root of this module (removed at the end)."""
+    from redirect.backends import ebpf
+
+    root = f"/sys/fs/bpf/rdrt-sidecar-{os.getpid()}"
+    old = os.environ.get("REDIRECT_BPF_ROOT")
+    os.environ["REDIRECT_BPF_ROOT"] = root
+    try:
+        yield root
+    finally:
+        ebpf.force_unload_host(root)  # pods of failed tests may be left: their namespaces are gone
+        if old is None:
+            os.environ.pop("REDIRECT_BPF_ROOT", None)
+        else:
+            os.environ["REDIRECT_BPF_ROOT"] = old
+        assert not os.path.exists(root), f"left pins under {root}"
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "ebpf":
+        request.getfixturevalue("ebpf_root")
     return str(request.param)
 
 
@@ -87,6 +109,37 @@ def save_all(ns: str) -> str:
 def rules_only(ns: str) -> str:
     """The rules (-A lines) of every table, both variants and families."""
     return "\n".join(ln for ln in save_all(ns).splitlines() if ln.startswith("-A") or "save" in ln)
+
+
+def snapshot(ns: str, backend: str) -> str:
+    """Our state in ``ns``: the rules of every table, plus the eBPF backend's map entries and link."""
+    out = save_all(ns)
+    if backend == "ebpf":
+        shown = redirect.show(ns, backend="ebpf")
+        out += "\nebpf " + repr({k: shown.get(k) for k in ("policy", "ports", "cidrs", "addresses", "sk_lookup_link")})
+    return out
+
+
+#: What the eBPF backend can't do (README, "eBPF"): its setup raises BackendUnavailable naming the option.
+EBPF_UNSUPPORTED = {
+    "inbound_interception": RedirectConfig(inbound_interception="TPROXY"),
+    "exclude_interfaces": RedirectConfig(exclude_interfaces=("eth0",)),
+    "reroute_interfaces": RedirectConfig(reroute_interfaces=("eth0",)),
+    "drop_invalid": RedirectConfig(drop_invalid=True),
+}
+
+
+def unsupported_here(pod: Pod, backend: str, option: str) -> bool:
+    """True if ``backend`` documents ``option`` as unsupported, after asserting that its setup
+    says so (``BackendUnavailable`` naming the option) and installs nothing."""
+    if backend != "ebpf":
+        return False
+    before = snapshot(pod.name, backend), routing_state(pod.name)
+    with pytest.raises(redirect.BackendUnavailable, match=option):
+        redirect.setup(pod.name, EBPF_UNSUPPORTED[option], backend=backend)
+    assert (snapshot(pod.name, backend), routing_state(pod.name)) == before
+    assert not redirect.show(pod.name, backend=backend)["installed"]
+    return True
 
 
 def routing_state(ns: str) -> str:
@@ -226,6 +279,8 @@ def test_only_included_inbound_ports_are_captured(pod: Pod, backend: str) -> Non
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend: str, fam: int) -> None:
+    if unsupported_here(pod, backend, "inbound_interception"):
+        return
     cfg = RedirectConfig(inbound_interception="TPROXY")
     with installed(pod, cfg, backend), contextlib.ExitStack() as st:
         proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
@@ -243,6 +298,8 @@ def test_excluded_interface_is_not_captured(pod_with_extra_iface: Pod, backend: 
     pod = pod_with_extra_iface
     extra = pod.extra
     assert extra is not None
+    if unsupported_here(pod, backend, "exclude_interfaces"):
+        return
     cfg = RedirectConfig(exclude_interfaces=(extra.pod_if,))
     with installed(pod, cfg, backend), listeners(
         (pod.name, 15006, 4, "proxy-in"), (pod.name, 8000, 4, "pod-app"),
@@ -320,9 +377,9 @@ def test_setup_twice_is_setup_once_and_a_new_config_replaces(pod: Pod, backend: 
     first = redirect.setup(pod.name, None, backend=backend)
     try:
         assert first.changed
-        snapshot = save_all(pod.name)
+        before = snapshot(pod.name, backend)
         assert redirect.setup(pod.name, None, backend=backend).changed is False
-        assert save_all(pod.name) == snapshot
+        assert snapshot(pod.name, backend) == before
         cfg = RedirectConfig(outbound_exclude_ports=(8080,))
         assert redirect.setup(pod.name, cfg, backend=backend).changed
         assert redirect.check(pod.name, cfg, backend=backend).ok
@@ -335,7 +392,19 @@ def test_setup_twice_is_setup_once_and_a_new_config_replaces(pod: Pod, backend: 
 
 
 def _flush_outbound_chain(ns: str, backend: str) -> None:
-    """Someone else's hand deletes the rules of our outbound chain."""
+    """Someone else's hand deletes the rules of our outbound chain (eBPF: the pod's own-address entry,
+    which makes its lo traffic return)."""
+    if backend == "ebpf":
+        from redirect.backends import ebpf
+
+        with rnetns.enter(ns):
+            h = ebpf.host(load=False)
+            assert h is not None
+            cookie = ebpf.current_netns_cookie()
+            for k in list(h.maps["cidrs"].keys()):
+                if ebpf.CIDR_KEY.unpack(k)[1:3] == (ebpf.CIDR_LOCAL4, cookie):
+                    assert h.maps["cidrs"].delete(k)
+        return
     if backend == "nftables":
         cmd = ["nft", "flush", "chain", "inet", "rdr_redirect", "nat_OUTBOUND"]
     else:
@@ -349,7 +418,8 @@ def test_check_reports_drift(pod: Pod, backend: str) -> None:
         _flush_outbound_chain(pod.name, backend)
         res = redirect.check(pod.name, None, backend=backend)
         assert not res.ok
-        assert any("OUTBOUND" in d for d in res.differences), res.differences
+        what = "local" if backend == "ebpf" else "OUTBOUND"
+        assert any(what in d for d in res.differences), res.differences
         redirect.setup(pod.name, None, backend=backend)  # repairs
         assert redirect.check(pod.name, None, backend=backend).ok
 
@@ -358,6 +428,7 @@ def test_check_reports_drift(pod: Pod, backend: str) -> None:
 FAULT_POINTS = {
     "iptables": ("iptables.before_restore_v4", "iptables.before_restore_v6"),
     "nftables": ("nftables.before_transaction", "nftables.after_transaction"),
+    "ebpf": ("ebpf.before_entries", "ebpf.before_policy"),
 }
 
 
@@ -365,15 +436,18 @@ FAULT_POINTS = {
 def test_failure_half_way_leaves_the_namespace_as_it_was(
     pod: Pod, backend: str, stage: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    point = FAULT_POINTS["nftables" if backend == "nftables" else "iptables"][stage]
+    point = FAULT_POINTS[backend if backend in FAULT_POINTS else "iptables"][stage]
     _foreign_rules(pod.name)
     redirect.setup(pod.name, RedirectConfig(outbound_exclude_ports=(22,)), backend=backend)
-    before_rules, before_routes = save_all(pod.name), routing_state(pod.name)
+    before_rules, before_routes = snapshot(pod.name, backend), routing_state(pod.name)
     monkeypatch.setenv("REDIRECT_FAULT", point)
+    # A config that changes everything (eBPF: TPROXY is unsupported, so other entries and ports).
+    new = RedirectConfig(inbound_interception="TPROXY") if backend != "ebpf" else RedirectConfig(
+        inbound_ports=(8000,), outbound_ports=(9000,), outbound_exclude_cidrs=("10.0.0.0/8",), dns_capture=True)
     with pytest.raises(redirect.SetupError, match="injected fault"):
-        redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend=backend)
+        redirect.setup(pod.name, new, backend=backend)
     monkeypatch.delenv("REDIRECT_FAULT")
-    assert save_all(pod.name) == before_rules
+    assert snapshot(pod.name, backend) == before_rules
     assert routing_state(pod.name) == before_routes
     assert redirect.check(pod.name, RedirectConfig(outbound_exclude_ports=(22,)), backend=backend).ok
     redirect.teardown(pod.name, backend=backend)
@@ -390,6 +464,13 @@ def test_failed_first_setup_leaves_nothing(pod: Pod, monkeypatch: pytest.MonkeyP
 
 def test_teardown_restores_routes_and_addresses(pod: Pod, backend: str) -> None:
     before = routing_state(pod.name)
+    if unsupported_here(pod, backend, "inbound_interception"):
+        # No policy routes without TPROXY; the ::6 address for the proxy's passthrough still comes and goes.
+        redirect.setup(pod.name, None, backend=backend)
+        assert "::6" in routing_state(pod.name)
+        redirect.teardown(pod.name, backend=backend)
+        assert routing_state(pod.name) == before
+        return
     redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend=backend)
     during = routing_state(pod.name)
     assert "lookup 133" in during and "::6" in during

@@ -12,42 +12,54 @@ other socket on the host they are a no-op.
 
 Per pod (``apply``, with the calling thread inside the pod netns, as
 ``redirect.api`` does it): map entries keyed by the netns cookie (policy,
-ports, CIDRs, the pod's addresses, the proxy's inbound listeners) and one
-``sk_lookup`` link on the pod netns, pinned at ``<root>/pods/<cookie>``.
-``remove`` deletes exactly those. ``unload_host`` removes the host part and
-refuses while any pod is registered.
+ports, CIDRs, the pod's own addresses, the proxy's inbound listeners), an
+``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
+pinned at ``<root>/pods/<cookie>-sk_lookup``, and ``::6`` on lo (the plan's
+address for the proxy's inbound passthrough). ``remove`` deletes exactly
+those, through the inventory: O(entries of that pod), never a walk of the
+host maps. Per-socket state (original destinations) is removed with its
+socket (``sock_release``, TCP close) and is inert once the pod's policy is
+gone. ``unload_host`` removes the host part and refuses while any pod is
+registered. A partly pinned host (a pin removed by hand) is repaired (missing
+cgroup links) or reloaded (no pod registered) by the next setup, else setup
+raises ``SetupError`` saying what is missing. Fault points for the atomicity
+tests: ``ebpf.before_entries``, ``ebpf.before_policy``.
 
 The policy is derived from the ``RedirectConfig`` directly, not from the plan:
 the plan is netfilter-shaped (chains and jumps), while the programs implement
 the same rule order (``bpf/policy.h: outbound_target``, mirroring
-``plan._sidecar_plan``) over map lookups.
+``plan._sidecar_plan`` rule for rule) over map lookups.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option): ``mode="ambient"``; ``inbound_interception="TPROXY"`` (its mark and
 policy-route plumbing; inbound here keeps the original destination anyway);
 ``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
-``reroute_interfaces`` (the socket hooks run before routing picks an interface);
-``owner_groups`` / ``owner_groups_exclude`` (iptables matches supplementary
-groups, which BPF cannot read); more than 8 proxy uid or gid entries.
+``reroute_interfaces`` (the socket hooks run before routing picks an output
+interface); more than 8 entries in ``proxy_uids``, ``proxy_gids``,
+``owner_groups`` or ``owner_groups_exclude`` (fixed-size policy entry).
 
-Known differences from the iptables backend:
+How the iptables semantics are met without packets:
 
-- "leaves over lo" is judged by the destination being loopback (127/8, ::1):
-  an app's connection to its own pod address is captured outbound (iptables
-  returns it), and the proxy's connection to its own pod address (the
-  service-VIP hairpin) is not sent to inbound capture;
-- inbound capture needs the proxy to be **listening** on ``inbound_port`` in
-  the pod when ``apply`` runs (its socket is put in a sockhash); otherwise
-  ``apply`` raises ``SetupError`` and installs nothing. Inbound is matched by
-  the pod's addresses present at setup time (``sk_lookup`` programs cannot read
-  a netns cookie); ``check`` reports addresses added later;
-- the proxy's inbound socket sees the original destination as its local
+- "leaves over lo" (Istio's ``-o lo`` rules) is "the destination is loopback
+  or one of the pod's own addresses" (those present at setup, plus ``::6``;
+  ``check`` reports addresses added later). So, as with iptables, the app's
+  connection to its own pod IP is not captured, and the proxy's (uid/gid 1337)
+  goes to inbound capture (the service-VIP hairpin), except to the tunnel port;
+- owner matches use the calling task's uid and primary gid, like iptables'
+  ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``;
+- inbound: the proxy's inbound listener is put in a sockhash when it starts
+  listening (``sock_ops`` ``TCP_LISTEN_CB``, also after a proxy restart), or by
+  ``apply`` if it already listens. Until one exists, new inbound connections
+  to captured ports are dropped (fail closed; iptables answers them with a
+  reset from the unused port).
+  The proxy's inbound socket sees the original destination as its local
   address; ``getsockopt(SO_ORIGINAL_DST)`` on it answers the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import ipaddress
@@ -64,8 +76,8 @@ from typing import Any
 
 from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, RedirectError, SetupError
-from ..plan import Plan
-from .base import CheckResult, Installed
+from ..plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
+from .base import CheckResult, Installed, fault_point
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -78,7 +90,7 @@ SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c")
 BPF_FS_MAGIC = 0xCAFE4A11
 
 # uapi numbers (bcc 0.26 lacks some of them; see FACTS.md)
-PROG_SOCK_OPS, PROG_CGROUP_SOCK_ADDR, PROG_CGROUP_SOCKOPT, PROG_SK_LOOKUP = 13, 18, 25, 30
+PROG_CGROUP_SOCK, PROG_SOCK_OPS, PROG_CGROUP_SOCK_ADDR, PROG_CGROUP_SOCKOPT, PROG_SK_LOOKUP = 9, 13, 18, 25, 30
 #: program name -> (prog type, attach type, attached to the cgroup root?)
 PROGRAMS: dict[str, tuple[int, int, bool]] = {
     "rdr_connect4": (PROG_CGROUP_SOCK_ADDR, 10, True),
@@ -89,36 +101,53 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
     "rdr_recvmsg6": (PROG_CGROUP_SOCK_ADDR, 20, True),
     "rdr_getsockopt": (PROG_CGROUP_SOCKOPT, 21, True),
     "rdr_sockops": (PROG_SOCK_OPS, 3, True),
+    "rdr_sock_release": (PROG_CGROUP_SOCK, 34, True),
     "rdr_sk_lookup": (PROG_SK_LOOKUP, 36, False),
 }
 SK_LOOKUP_ATTACH = 36
-MAPS = ("pods", "ports", "cidrs", "pod_addrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie", "listeners")
+MAPS = ("pods", "inventory", "ports", "cidrs", "pod_addrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
+        "listeners")
 
 # Layouts of bpf/redirect.h (x86-64, native byte order, no implicit padding).
-POLICY = struct.Struct("=4HI4s4s3I16I16I")
+POLICY = struct.Struct("=4HI4s4s4I16I16I2I16I")
+P_FLAGS, P_INV_BASE, P_N_INV = 4, 9, 10  # field indexes in POLICY
 PORT_KEY = struct.Struct("=QHHI")
 CIDR_KEY = struct.Struct("=IIQ16s")
 ORIG = struct.Struct("=QI2sH16s")
 TUPLE_KEY = ORIG
 ADDR_KEY = struct.Struct("=I16s")
 LISTENER_KEY = struct.Struct("=QII")
+INV_KEY = struct.Struct("=QII")
+INV_CHUNK = 8  # keys per inventory entry (bpf/redirect.h RDR_INV_CHUNK)
+INV_VAL = struct.Struct(f"={INV_CHUNK}I{INV_CHUNK * 32}s")
+INV_PORTS, INV_CIDRS, INV_ADDRS = 1, 2, 3
+INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs", INV_ADDRS: "pod_addrs"}
+INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size, INV_ADDRS: ADDR_KEY.size}
 U64 = struct.Struct("=Q")
 U8 = struct.Struct("=B")
 
 F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6 = (1 << i for i in range(7))
 PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = 1, 2, 3, 4
 CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = 1, 2, 3, 4, 5, 6
+CIDR_LOCAL4, CIDR_LOCAL6 = 7, 8
 MAX_IDS = 8
+GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = 0, 1, 2
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
 # --------------------------------------------------------------------------- syscalls
 
 
-def _native() -> Any:
-    from .. import _native
+_NATIVE: Any = None
 
-    return _native
+
+def _native() -> Any:
+    global _NATIVE
+    if _NATIVE is None:
+        from .. import _native
+
+        _NATIVE = _native
+    return _NATIVE
 
 
 def _check(rc: int, what: str) -> int:
@@ -259,6 +288,8 @@ class HostPrograms:
         #: True if this process compiled the programs, False if it reused pins.
         self.compiled = loaded
         self.load_ms = load_ms
+        #: ``_pins_stamp`` when ``host()`` last saw every pin present.
+        self.stamp: tuple[int, ...] = ()
 
     @property
     def pods(self) -> Map:
@@ -302,13 +333,34 @@ class HostPrograms:
 
     @classmethod
     def open_or_load(cls, root: str | None = None, cgroup: str | None = None) -> HostPrograms:
-        """Reuse the pinned host programs, or compile, load, pin and attach them once."""
+        """Reuse the pinned host programs, or compile, load, pin and attach them once.
+
+        Partly pinned (someone removed a pin, an earlier load died): missing cgroup
+        links are re-created from the pinned programs; missing maps or programs mean
+        a clean reload when no pod is registered, else ``SetupError`` (a reload would
+        drop the registered pods' capture).
+        """
         root = _root(root)
         cg = _cgroup(cgroup)
         _ensure_bpffs(root)
         with _host_lock(root):
-            if cls.pinned(root) and _links_pinned(root):
+            missing = missing_pins(root)
+            if not missing:
                 return cls.open_pinned(root)
+            objs = [m for m in missing if not m.startswith("links/")]
+            if not objs:
+                _repair_links(root, cg, [m.split("/", 1)[1] for m in missing])
+                log.warning("ebpf: re-created missing cgroup links under %s: %s", root, ", ".join(missing))
+                return cls.open_pinned(root)
+            if len(objs) < len(MAPS) + len(PROGRAMS):  # some pins are there: is anyone using them?
+                pods = _pods_in(root)
+                if pods:
+                    raise SetupError(
+                        f"ebpf: the host programs under {root} are incomplete (missing: {', '.join(missing)}) while"
+                        f" {pods} pod(s) are registered; reloading would drop their capture. Tear those pods down"
+                        f" (or unload_host({root!r}, force=True)) and set up again"
+                    )
+                log.warning("ebpf: host pins under %s incomplete (missing: %s); reloading", root, ", ".join(missing))
             t0 = time.perf_counter()
             _load_and_pin(root, cg)
             ms = (time.perf_counter() - t0) * 1e3
@@ -316,16 +368,58 @@ class HostPrograms:
             return cls.open_pinned(root, compiled=True, load_ms=ms)
 
 
+def _cgroup_progs() -> list[str]:
+    return [p for p, (_, _, cg) in PROGRAMS.items() if cg]
+
+
+def missing_pins(root: str) -> list[str]:
+    """The host pins (``maps/x``, ``progs/x``, ``links/x``) not present under ``root``."""
+    out: list[str] = []
+    for d, names in (("maps", MAPS), ("progs", tuple(PROGRAMS)), ("links", tuple(_cgroup_progs()))):
+        try:
+            have = set(os.listdir(os.path.join(root, d)))
+        except FileNotFoundError:
+            have = set()
+        out += [f"{d}/{n}" for n in names if n not in have]
+    return out
+
+
+def _pods_in(root: str) -> int:
+    """How many pods the pinned ``pods`` map of ``root`` holds (0 if there is none)."""
+    try:
+        fd = obj_get(os.path.join(root, "maps", "pods"))
+    except OSError:
+        return 0
+    try:
+        return sum(1 for _ in Map("pods", fd, 8, POLICY.size).keys())
+    finally:
+        os.close(fd)
+
+
+def _repair_links(root: str, cgroup: str, names: list[str]) -> None:
+    cgfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in names:
+            pfd = obj_get(os.path.join(root, "progs", name))
+            try:
+                lfd = link_create(pfd, cgfd, PROGRAMS[name][1])
+            finally:
+                os.close(pfd)
+            try:
+                obj_pin(lfd, os.path.join(root, "links", name))
+            finally:
+                os.close(lfd)
+    finally:
+        os.close(cgfd)
+
+
 def _map_sizes() -> dict[str, tuple[int, int]]:
     return {
-        "pods": (8, POLICY.size), "ports": (PORT_KEY.size, 1), "cidrs": (CIDR_KEY.size, 1),
+        "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
+        "cidrs": (CIDR_KEY.size, 1),
         "pod_addrs": (ADDR_KEY.size, 8), "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8),
     }
-
-
-def _links_pinned(root: str) -> bool:
-    return all(os.path.exists(os.path.join(root, "links", p)) for p, (_, _, cg) in PROGRAMS.items() if cg)
 
 
 def probe_kernel() -> None:
@@ -422,19 +516,54 @@ def host(root: str | None = None, cgroup: str | None = None, load: bool = True) 
     r = _root(root)
     with _host_cache_lock:
         h = _host_cache.get(r)
-        if h is not None and HostPrograms.pinned(r):
+        stamp = _pins_stamp(r)
+        if h is not None and h.stamp and h.stamp == stamp:
+            return h  # no pin was added or removed since we opened them (directory mtimes)
+        missing = missing_pins(r)
+        if h is not None and not missing:
+            h.stamp = _trusted(stamp)
             return h
         if h is not None:
             h.close()
             del _host_cache[r]
         if not load:
-            if not HostPrograms.pinned(r):
+            # Reading (check, show, teardown) works on whatever maps and programs are pinned.
+            if any(m.startswith(("maps/", "progs/")) for m in missing):
                 return None
             h = HostPrograms.open_pinned(r)
+            h.stamp = () if missing else _trusted(stamp)
         else:
             h = HostPrograms.open_or_load(r, cgroup)
+            h.stamp = _trusted(_pins_stamp(r))
         _host_cache[r] = h
         return h
+
+
+def force_unload_host(root: str | None = None) -> bool:
+    """``unload_host(root, force=True)``: for cleanup after failures."""
+    return unload_host(root, force=True)
+
+
+def _pins_stamp(root: str) -> tuple[int, ...]:
+    """Changes whenever a host pin is added or removed (3 stats, not 3 listings)."""
+    out: list[int] = []
+    for d in ("maps", "progs", "links"):
+        try:
+            out.append(os.stat(os.path.join(root, d)).st_mtime_ns)
+        except FileNotFoundError:
+            out.append(-1)
+    return tuple(out)
+
+
+def _trusted(stamp: tuple[int, ...]) -> tuple[int, ...]:
+    """``stamp`` if it can be trusted to change on the next pin change, else ``()``.
+
+    bpffs directory mtimes come from the coarse clock (a tick of a few ms): a change in the
+    same tick as the last one would leave the mtime as it was. So only mtimes older than
+    50 ms are trusted.
+    """
+    now = time.time_ns()
+    return stamp if stamp and all(0 <= t < now - 50_000_000 for t in stamp) else ()
 
 
 def registered_pods(root: str | None = None) -> list[int]:
@@ -442,14 +571,15 @@ def registered_pods(root: str | None = None) -> list[int]:
     return [] if h is None else [U64.unpack(k)[0] for k in h.pods.keys()]
 
 
-def unload_host(root: str | None = None) -> bool:
+def unload_host(root: str | None = None, force: bool = False) -> bool:
     """Remove the host programs, maps and cgroup links. Refuses while pods are registered.
 
+    ``force=True`` removes them anyway (the registered pods lose capture at once).
     True if anything was removed.
     """
     r = _root(root)
     with _host_lock(r):
-        pods = registered_pods(r)
+        pods = [] if force else registered_pods(r)
         if pods:
             raise SetupError(
                 f"ebpf: {len(pods)} pod(s) still registered under {r} (netns cookies {pods[:5]}): tear them down first"
@@ -491,10 +621,8 @@ def _unsupported(cfg: RedirectConfig) -> None:
         no(f"exclude_interfaces={cfg.exclude_interfaces!r}", "socket hooks run before routing picks an interface")
     if cfg.reroute_interfaces:
         no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
-    if cfg.owner_groups != "*" or cfg.owner_groups_exclude:
-        no("owner_groups/owner_groups_exclude", "supplementary groups are not visible to BPF")
-    for name in ("proxy_uids", "proxy_gids"):
-        if len(getattr(cfg, name)) > MAX_IDS:
+    for name in ("proxy_uids", "proxy_gids", "owner_groups", "owner_groups_exclude"):
+        if getattr(cfg, name) != "*" and len(getattr(cfg, name)) > MAX_IDS:
             no(f"{name} with more than {MAX_IDS} entries", "fixed-size policy entry")
 
 
@@ -512,14 +640,43 @@ def _addr16(ip: str) -> bytes:
 
 @dataclass(frozen=True)
 class PodEntries:
-    """Everything one pod has in the maps (listeners and the link aside)."""
+    """Everything one pod has in the maps (listeners, the inventory and the link aside).
+
+    ``policy`` has its inventory fields zeroed (``apply`` fills them in).
+    """
 
     policy: bytes
     ports: frozenset[bytes]
     cidrs: frozenset[bytes]
+    addrs: frozenset[bytes]
+
+    @property
+    def inbound(self) -> bool:
+        return bool(POLICY.unpack(self.policy)[P_FLAGS] & F_INBOUND)
+
+    def by_map(self) -> dict[int, frozenset[bytes]]:
+        return {INV_PORTS: self.ports, INV_CIDRS: self.cidrs, INV_ADDRS: self.addrs}
 
 
-def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int) -> PodEntries:
+def _policy_core(policy: bytes) -> bytes:
+    """The policy without its inventory bookkeeping: what a config decides."""
+    v = list(POLICY.unpack(policy))
+    v[P_INV_BASE] = v[P_N_INV] = 0
+    return POLICY.pack(*v)
+
+
+def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
+    v = list(POLICY.unpack(policy))
+    v[P_INV_BASE], v[P_N_INV] = base, n
+    return POLICY.pack(*v)
+
+
+def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
+                local: list[tuple[int, str, str]] | None = None) -> PodEntries:
+    """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
+
+    ``local`` is (family, address, device), as ``local_addresses`` gives it.
+    """
     flags = 0
     if cfg.outbound_cidrs == "*":
         flags |= F_OUT_ALL
@@ -533,10 +690,16 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int) -> 
     if 6 in families:
         flags |= F_V6
     lo = ipaddress.ip_network(cfg.ipv4_loopback_cidr)
+    groups: tuple[IdSpec, ...] = ()
+    groups_mode = GROUPS_ALL
+    if cfg.owner_groups_exclude:
+        groups_mode, groups = GROUPS_EXCLUDE, cfg.owner_groups_exclude
+    elif cfg.owner_groups != "*":
+        groups_mode, groups = GROUPS_ONLY, tuple(cfg.owner_groups)
     policy = POLICY.pack(
         cfg.proxy_port, cfg.inbound_port, cfg.tunnel_port, cfg.dns_port, flags,
-        lo.network_address.packed, lo.netmask.packed, len(cfg.proxy_uids), len(cfg.proxy_gids), 0,
-        *_ranges(cfg.proxy_uids), *_ranges(cfg.proxy_gids),
+        lo.network_address.packed, lo.netmask.packed, len(cfg.proxy_uids), len(cfg.proxy_gids), 0, 0,
+        *_ranges(cfg.proxy_uids), *_ranges(cfg.proxy_gids), groups_mode, len(groups), *_ranges(groups),
     )
     ports = {PORT_KEY.pack(cookie, PORT_OUT_EXCL, p, 0) for p in cfg.outbound_exclude_ports}
     ports |= {PORT_KEY.pack(cookie, PORT_OUT_INCL, p, 0) for p in cfg.outbound_ports}
@@ -561,40 +724,70 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int) -> 
         add(CIDR_OUT_INCL4, CIDR_OUT_INCL6, cfg.outbound_cidrs)
     if cfg.dns_effective and not cfg.capture_all_dns:
         add(CIDR_DNS4, CIDR_DNS6, cfg.dns_servers)
-    return PodEntries(policy, frozenset(ports), frozenset(cidrs))
+    # The pod's own addresses: a connect to them leaves over lo (Istio's "-o lo" rules); with
+    # inbound capture, ::6 on lo too (the plan adds it for the proxy's passthrough).
+    own = {(f, ip) for f, ip, _dev in local or () if f in families}
+    if cfg.inbound_ports != () and 6 in families:
+        own.add((6, INBOUND_PASSTHROUGH_V6.split("/")[0]))
+    for f, ip in own:
+        raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
+        cidrs.add(CIDR_KEY.pack(96 + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6, cookie, raw))
+    # Inbound is steered by the address a connection arrives at: the pod's, not lo's.
+    addrs = frozenset(ADDR_KEY.pack(AF[f], socket.inet_pton(AF[f], ip).ljust(16, b"\0"))
+                      for f, ip, dev in local or () if f in families and dev != "lo") if inbound else frozenset()
+    return PodEntries(policy, frozenset(ports), frozenset(cidrs), addrs)
 
 
-def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str]]:
-    """The current netns's addresses that inbound connections arrive at (no loopback, no link-local)."""
-    out: list[tuple[int, str]] = []
+_V6_LOOPBACK = bytes(15) + b"\1"
+
+
+def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, str]]:
+    """(family, address, device) of the current netns's addresses, loopback and link-local aside.
+
+    Per pod, so without ``ipaddress`` (about 10 us an address) or netlink dumps.
+    """
+    out: list[tuple[int, str, str]] = []
     if 4 in families:
-        # SIOCGIFCONF: one ifreq (40 bytes) per IPv4 address, on any socket of this netns.
+        # SIOCGIFCONF: one ifreq (40 bytes: name, sockaddr) per IPv4 address, on any socket of this netns.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            n = 64
-            buf = bytearray(40 * n)
-            import array
-
-            arr = array.array("B", buf)
-            addr, _ = arr.buffer_info()
-            ifc = struct.pack("iL", len(arr), addr)
-            res = fcntl.ioctl(s.fileno(), 0x8912, ifc)  # SIOCGIFCONF
-            size, _ = struct.unpack("iL", res)
-            data = arr.tobytes()[:size]
+            buf = bytearray(40 * 64)
+            ifc = struct.pack("iL", len(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf)))
+            size, _ = struct.unpack("iL", fcntl.ioctl(s.fileno(), 0x8912, ifc))  # SIOCGIFCONF
             for off in range(0, size, 40):
-                ip = socket.inet_ntoa(data[off + 20 : off + 24])
-                if not ipaddress.ip_address(ip).is_loopback:
-                    out.append((4, ip))
+                if buf[off + 20] == 127:
+                    continue
+                dev = bytes(buf[off : off + 16]).split(b"\0", 1)[0].decode()
+                out.append((4, socket.inet_ntoa(bytes(buf[off + 20 : off + 24])), dev))
     if 6 in families:
         try:
             with open("/proc/thread-self/net/if_inet6", encoding="ascii") as f:
                 for line in f:
-                    hexaddr = line.split()[0]
-                    a = ipaddress.IPv6Address(bytes.fromhex(hexaddr))
-                    if not (a.is_loopback or a.is_link_local):
-                        out.append((6, str(a)))
+                    parts = line.split()
+                    raw = bytes.fromhex(parts[0])
+                    if raw == _V6_LOOPBACK or (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
+                        continue
+                    out.append((6, socket.inet_ntop(socket.AF_INET6, raw), parts[-1]))
         except FileNotFoundError:
             pass
     return out
+
+
+def _port_bound(port: int, families: tuple[int, ...]) -> bool:
+    """Whether any socket of this netns holds TCP ``port`` (a cheap superset of "someone listens
+    on it": a wildcard bind conflicts with every listener on the port). About 10 us a family,
+    against about 40 us for the sock_diag listener dump it saves on a pod's first setup."""
+    for fam in families:
+        with socket.socket(AF[fam], socket.SOCK_STREAM) as s:
+            if fam == 6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(("0.0.0.0" if fam == 4 else "::", port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+                if e.errno != errno.EADDRNOTAVAIL:  # IPv6 off: nothing listens there
+                    raise
+    return False
 
 
 def _listener_inodes(port: int) -> dict[int, int]:
@@ -639,8 +832,13 @@ def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
     owned: list[int] = []
     try:
         if want:
-            pids = [str(os.getpid())] + [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())]
-            for pid in pids:
+            me = str(os.getpid())
+
+            def pids() -> Iterator[str]:
+                yield me  # listing /proc (every process) only if the proxy is not us
+                yield from (p for p in os.listdir("/proc") if p.isdigit() and p != me)
+
+            for pid in pids():
                 if len(found) == len(set(want.values())):
                     break
                 try:
@@ -657,7 +855,7 @@ def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
                     fam = want.get(int(target[8:-1]))
                     if fam is None or fam in found:
                         continue
-                    if pid == str(os.getpid()):
+                    if pid == me:
                         dup = os.dup(int(fd))
                     else:
                         try:
@@ -678,6 +876,27 @@ def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
             os.close(ofd)
 
 
+@dataclass
+class PodState:
+    """What one pod has installed, read back through its inventory."""
+
+    policy: bytes | None
+    entries: dict[int, set[bytes]]  # INV_* -> keys
+    inv_keys: list[bytes]
+
+    @property
+    def ports(self) -> set[bytes]:
+        return self.entries[INV_PORTS]
+
+    @property
+    def cidrs(self) -> set[bytes]:
+        return self.entries[INV_CIDRS]
+
+    @property
+    def addrs(self) -> set[bytes]:
+        return self.entries[INV_ADDRS]
+
+
 class EbpfBackend:
     """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
 
@@ -693,13 +912,36 @@ class EbpfBackend:
         return os.path.join(self.root, "pods", f"{cookie}-sk_lookup")
 
     # --- reading what is installed -----------------------------------------------
-    def _read(self, h: HostPrograms, cookie: int) -> tuple[bytes | None, set[bytes], set[bytes], set[bytes]]:
+    def _read(self, h: HostPrograms, cookie: int) -> PodState:
+        """The pod's policy and its entries, by its inventory: O(entries of this pod).
+
+        An entry counts only if it is in its map (for ``pod_addrs``: owned by this pod), so
+        entries deleted behind our back show as missing and the next ``apply`` rewrites them.
+        """
         policy = h.pods.lookup(U64.pack(cookie))
-        ports = {k for k in h.maps["ports"].keys() if PORT_KEY.unpack(k)[0] == cookie}
-        cidrs = {k for k in h.maps["cidrs"].keys() if CIDR_KEY.unpack(k)[2] == cookie}
-        pm = h.maps["pod_addrs"]
-        addrs = {k for k in pm.keys() if (v := pm.lookup(k)) is not None and U64.unpack(v)[0] == cookie}
-        return policy, ports, cidrs, addrs
+        st = PodState(policy, {m: set() for m in INV_MAPS}, [])
+        if policy is None:
+            return st
+        v = POLICY.unpack(policy)
+        base, n = v[P_INV_BASE], v[P_N_INV]
+        inv = h.maps["inventory"]
+        for c in range((n + INV_CHUNK - 1) // INV_CHUNK):
+            ik = INV_KEY.pack(cookie, base + c, 0)
+            val = inv.lookup(ik)
+            st.inv_keys.append(ik)
+            if val is None:
+                continue
+            fields = INV_VAL.unpack(val)
+            raw = fields[INV_CHUNK]
+            for j in range(min(INV_CHUNK, n - c * INV_CHUNK)):
+                m = fields[j]
+                if m not in INV_MAPS:
+                    continue
+                k = raw[32 * j : 32 * j + INV_KEY_SIZE[m]]
+                live = h.maps[INV_MAPS[m]].lookup(k)
+                if live is not None and (m != INV_ADDRS or live == U64.pack(cookie)):
+                    st.entries[m].add(k)
+        return st
 
     def installed(self) -> bool:
         h = host(self.root, load=False)
@@ -711,50 +953,66 @@ class EbpfBackend:
         t0 = time.perf_counter()
         h = host(self.root, self.cgroup)
         assert h is not None
-        t_host = time.perf_counter()
+        t_host, c_host = time.perf_counter(), time.thread_time()
         cookie = current_netns_cookie()
-        want = pod_entries(cfg, families, cookie)
-        inbound = bool(POLICY.unpack(want.policy)[4] & F_INBOUND)
-        addrs = {ADDR_KEY.pack(AF[f], _addr16(ip)) for f, ip in local_addresses(families)} if inbound else set()
-        old_policy, old_ports, old_cidrs, old_addrs = self._read(h, cookie)
+        local = local_addresses(families)
+        want = pod_entries(cfg, families, cookie, local)
+        inbound = want.inbound
+        old = self._read(h, cookie)
         link_path = self._pod_link_path(cookie)
         have_link = os.path.exists(link_path)
-        unchanged = (old_policy == want.policy and old_ports == want.ports and old_cidrs == want.cidrs
-                     and old_addrs == addrs and have_link == inbound)
+        # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
+        # netfilter backends add them; read from the same listing, no netlink dump per pod.
+        on_lo = {(f, ip) for f, ip, dev in local if dev == "lo"}
+        add_addrs = [a for a in _plan_addresses(plan, families) if (a.family, a.cidr.split("/")[0]) not in on_lo]
+        unchanged = (old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
+                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link == inbound)
+        if unchanged:
+            return Installed(self.name, "", families, False, self._detail(h, cookie, t0, t_host, c_host, link_path,
+                                                                          inbound))
+        for a in want.addrs - old.addrs:
+            v = h.maps["pod_addrs"].lookup(a)
+            if v is not None and U64.unpack(v)[0] != cookie:
+                fam, raw = ADDR_KEY.unpack(a)
+                raise SetupError(f"ebpf: address {_fmt_addr(fam, raw)} is already registered by another pod"
+                                 f" (netns cookie {U64.unpack(v)[0]})")
+        old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
+        base = 0 if old_base else 1 << 31  # the other half: old and new inventories never overlap
+        # Listeners the proxy opened before this setup (those opened later the sock_ops program
+        # registers as they start listening): looked for only while a family has none.
+        scan = (inbound and not all(h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0)) for f in families)
+                and _port_bound(cfg.inbound_port, families))
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
-            proxy_listeners(cfg.inbound_port) if inbound else contextlib.nullcontext({})
+            proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
         )
+        inv = h.maps["inventory"]
         with listeners_cm as lfds:
-            if inbound and not lfds:
-                raise SetupError(
-                    f"ebpf: inbound capture needs the proxy listening on inbound_port={cfg.inbound_port} in this"
-                    " netns before setup (its socket is handed to sk_lookup); start the proxy first, or set"
-                    " inbound_ports=[] to set up outbound only"
-                )
-            for a in addrs - old_addrs:
-                v = h.maps["pod_addrs"].lookup(a)
-                if v is not None and U64.unpack(v)[0] != cookie:
-                    fam, raw = ADDR_KEY.unpack(a)
-                    raise SetupError(f"ebpf: address {_fmt_addr(fam, raw)} is already registered by another pod"
-                                     f" (netns cookie {U64.unpack(v)[0]})")
             written: list[tuple[Map, bytes]] = []
             created_link = False
+            added: list[LocalAddress] = []
             try:
-                for k in want.ports - old_ports:
-                    h.maps["ports"].update(k, U8.pack(1))
-                    written.append((h.maps["ports"], k))
-                for k in want.cidrs - old_cidrs:
-                    h.maps["cidrs"].update(k, U8.pack(1))
-                    written.append((h.maps["cidrs"], k))
-                for k in addrs - old_addrs:
-                    h.maps["pod_addrs"].update(k, U64.pack(cookie))
-                    written.append((h.maps["pod_addrs"], k))
-                for fam in (4, 6):
-                    lk = LISTENER_KEY.pack(cookie, AF[fam], 0)
-                    if fam in lfds:
-                        h.maps["listeners"].update(lk, U64.pack(lfds[fam]))
-                    else:
-                        h.maps["listeners"].delete(lk)
+                from .. import routes as rt
+
+                for la in add_addrs:
+                    _add_address(la)
+                    added.append(la)
+                fault_point("ebpf.before_entries")
+                items = [(m, k) for m, keys in want.by_map().items() for k in sorted(keys)]
+                n = len(items)
+                for c in range(0, n, INV_CHUNK):
+                    chunk = items[c : c + INV_CHUNK]
+                    maps_ = [m for m, _ in chunk] + [0] * (INV_CHUNK - len(chunk))
+                    ik = INV_KEY.pack(cookie, base + c // INV_CHUNK, 0)
+                    inv.update(ik, INV_VAL.pack(*maps_, b"".join(k.ljust(32, b"\0") for _, k in chunk)))
+                    written.append((inv, ik))
+                for m, k in items:
+                    if k not in old.entries[m]:
+                        target = h.maps[INV_MAPS[m]]
+                        target.update(k, U64.pack(cookie) if m == INV_ADDRS else U8.pack(1))
+                        written.append((target, k))
+                # Listeners already open; the sock_ops program adds those opened later.
+                for fam, lfd in lfds.items():
+                    h.maps["listeners"].update(LISTENER_KEY.pack(cookie, AF[fam], 0), U64.pack(lfd))
                 if inbound and not have_link:
                     nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     try:
@@ -766,88 +1024,112 @@ class EbpfBackend:
                         created_link = True
                     finally:
                         os.close(lfd)
-                # The policy entry goes last: it is what switches capture on.
-                h.pods.update(U64.pack(cookie), want.policy)
-            except BaseException:
-                for m, k in written:
+                fault_point("ebpf.before_policy")
+                # The policy entry goes last: it is what switches capture on (or to the new config).
+                h.pods.update(U64.pack(cookie), _with_inventory(want.policy, base, n))
+            except BaseException as e:
+                for mp, k in reversed(written):
                     with contextlib.suppress(OSError):
-                        m.delete(k)
+                        mp.delete(k)
                 if created_link:
                     _detach_pinned(link_path)
-                if old_policy is None:
+                for la in added:
+                    with contextlib.suppress(OSError, RedirectError):
+                        rt.remove_address(la)
+                if old.policy is None:
                     for fam in (4, 6):
                         with contextlib.suppress(OSError):
                             h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+                if isinstance(e, OSError):
+                    raise SetupError(f"ebpf: setup failed and was undone: {e}") from e
                 raise
         # Stale entries of the previous config, now that the new policy is live.
-        for k in old_ports - want.ports:
-            h.maps["ports"].delete(k)
-        for k in old_cidrs - want.cidrs:
-            h.maps["cidrs"].delete(k)
-        for k in old_addrs - addrs:
-            h.maps["pod_addrs"].delete(k)
-        if have_link and not inbound:
-            _detach_pinned(link_path)
-        t1 = time.perf_counter()
-        detail = {
+        for m, had in old.entries.items():
+            for k in had - want.by_map()[m]:
+                h.maps[INV_MAPS[m]].delete(k)
+        for ik in old.inv_keys:
+            inv.delete(ik)
+        if not inbound:
+            for fam in (4, 6):
+                h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+            if have_link:
+                _detach_pinned(link_path)
+        if old.policy is not None and not _plan_addresses(plan, families):
+            _remove_our_addresses()
+        d = self._detail(h, cookie, t0, t_host, c_host, link_path, inbound)
+        log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
+        return Installed(self.name, "", families, True, d)
+
+    def _detail(self, h: HostPrograms, cookie: int, t0: float, t_host: float, c_host: float, link_path: str,
+                inbound: bool) -> dict[str, Any]:
+        c1, t1 = time.thread_time(), time.perf_counter()
+        return {
             "netns_cookie": cookie, "root": self.root, "compiled": h.compiled,
             "host_ms": round((t_host - t0) * 1e3, 3), "pod_ms": round((t1 - t_host) * 1e3, 3),
+            # CPU time of the calling thread for the pod part (user + kernel): the cost without
+            # the time other processes had the CPU (wall time on a busy host is mostly that).
+            "pod_cpu_ms": round((c1 - c_host) * 1e3, 3),
             "sk_lookup_link": link_path if inbound else None,
         }
-        log.debug("ebpf apply cookie=%d changed=%s pod=%.3f ms", cookie, not unchanged, (t1 - t_host) * 1e3)
-        return Installed(self.name, "", families, not unchanged, detail)
 
-    def remove(self) -> bool:
+    def remove(self, keep_routes: bool = False) -> bool:
+        """Delete this pod's policy, its inventoried entries, listeners and link: O(its entries).
+
+        Per-socket state (original destinations) goes with the sockets, and is inert once the
+        policy is gone: every program looks the pod up first.
+        """
         h = host(self.root, load=False)
         if h is None:
             return False
         cookie = current_netns_cookie()
+        st = self._read(h, cookie)
         removed = h.pods.delete(U64.pack(cookie))  # first: switches capture off at once
-        _, ports, cidrs, addrs = self._read(h, cookie)
-        for k in ports:
-            removed |= h.maps["ports"].delete(k)
-        for k in cidrs:
-            removed |= h.maps["cidrs"].delete(k)
-        for k in addrs:
-            removed |= h.maps["pod_addrs"].delete(k)
+        for m, keys in st.entries.items():
+            for k in keys:
+                if m == INV_ADDRS:  # only if still ours (another pod may have the address now)
+                    v = h.maps["pod_addrs"].lookup(k)
+                    if v is None or U64.unpack(v)[0] != cookie:
+                        continue
+                removed |= h.maps[INV_MAPS[m]].delete(k)
+        for ik in st.inv_keys:
+            h.maps["inventory"].delete(ik)
         for fam in (4, 6):
             removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
-        for name in ("orig_by_cookie", "orig_by_tuple", "dns_by_cookie"):
-            m = h.maps[name]
-            for k in list(m.keys()):
-                v = m.lookup(k)
-                if v is not None and ORIG.unpack(v)[0] == cookie:
-                    m.delete(k)
         link = self._pod_link_path(cookie)
         if os.path.exists(link):
             _detach_pinned(link)
             removed = True
+        if st.policy is not None:
+            _remove_our_addresses()
         return bool(removed)
 
     # --- check / show / render ----------------------------------------------------
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
+        """Compare the maps, read back entry by entry, and the link with what ``cfg`` wants here."""
         _unsupported(cfg)
         h = host(self.root, load=False)
         if h is None:
             return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}",))
         cookie = current_netns_cookie()
-        want = pod_entries(cfg, families, cookie)
-        policy, ports, cidrs, addrs = self._read(h, cookie)
+        want = pod_entries(cfg, families, cookie, local_addresses(families))
+        st = self._read(h, cookie)
         diffs: list[str] = []
-        if policy is None:
+        if st.policy is None:
             diffs.append(f"no policy entry for netns cookie {cookie}")
-        elif policy != want.policy:
-            diffs.append("policy entry differs: have " + _fmt_policy(policy) + ", want " + _fmt_policy(want.policy))
-        diffs += [f"missing port entry {_fmt_port(k)}" for k in sorted(want.ports - ports)]
-        diffs += [f"extra port entry {_fmt_port(k)}" for k in sorted(ports - want.ports)]
-        diffs += [f"missing CIDR entry {_fmt_cidr(k)}" for k in sorted(want.cidrs - cidrs)]
-        diffs += [f"extra CIDR entry {_fmt_cidr(k)}" for k in sorted(cidrs - want.cidrs)]
-        inbound = bool(POLICY.unpack(want.policy)[4] & F_INBOUND)
+        elif _policy_core(st.policy) != want.policy:
+            diffs.append("policy entry differs: have " + _fmt_policy(st.policy) + ", want " + _fmt_policy(want.policy))
+        fmt = {INV_PORTS: _fmt_port, INV_CIDRS: _fmt_cidr, INV_ADDRS: lambda k: _fmt_addr(*ADDR_KEY.unpack(k))}
+        what = {INV_PORTS: "port entry", INV_CIDRS: "CIDR entry", INV_ADDRS: "inbound address"}
+        cookie_v = U64.pack(cookie)
+        for m, w in want.by_map().items():
+            target = h.maps[INV_MAPS[m]]
+            # Read back from the maps (not only our inventory): an entry deleted by hand is drift.
+            live = st.entries[m] | {k for k in w if (v := target.lookup(k)) is not None
+                                    and (m != INV_ADDRS or v == cookie_v)}
+            diffs += [f"missing {what[m]} {fmt[m](k)}" for k in sorted(w - live)]
+            diffs += [f"extra {what[m]} {fmt[m](k)}" for k in sorted(live - w)]
         link = self._pod_link_path(cookie)
-        if inbound:
-            now = {ADDR_KEY.pack(AF[f], _addr16(ip)) for f, ip in local_addresses(families)}
-            diffs += [f"pod address {_fmt_addr(*ADDR_KEY.unpack(k))} is not registered for inbound"
-                      for k in now - addrs]
+        if want.inbound:
             if not os.path.exists(link):
                 diffs.append("no sk_lookup link on this netns")
             else:
@@ -860,10 +1142,11 @@ class EbpfBackend:
                     diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
                 if info["prog_id"] != prog_id(h.progs["rdr_sk_lookup"]):
                     diffs.append("sk_lookup link runs another program")
-            if not any(h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0)) for f in (4, 6)):
-                diffs.append("no proxy inbound listener registered")
         elif os.path.exists(link):
             diffs.append("sk_lookup link present but inbound capture is off")
+        from .. import routes as rt
+
+        diffs += rt.differences(plan, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
@@ -871,14 +1154,16 @@ class EbpfBackend:
         if h is None:
             return {"backend": self.name, "root": self.root, "host_programs": None, "installed": False}
         cookie = current_netns_cookie()
-        policy, ports, cidrs, addrs = self._read(h, cookie)
+        st = self._read(h, cookie)
         link = self._pod_link_path(cookie)
+        listening = [f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0))]
         return {
-            "backend": self.name, "root": self.root, "netns_cookie": cookie, "installed": policy is not None,
+            "backend": self.name, "root": self.root, "netns_cookie": cookie, "installed": st.policy is not None,
             "host_programs": {n: prog_id(fd) for n, fd in h.progs.items()},
-            "policy": _fmt_policy(policy) if policy else None,
-            "ports": sorted(_fmt_port(k) for k in ports), "cidrs": sorted(_fmt_cidr(k) for k in cidrs),
-            "addresses": sorted(_fmt_addr(*ADDR_KEY.unpack(k)) for k in addrs),
+            "policy": _fmt_policy(st.policy) if st.policy else None,
+            "ports": sorted(_fmt_port(k) for k in st.ports), "cidrs": sorted(_fmt_cidr(k) for k in st.cidrs),
+            "addresses": sorted(_fmt_addr(*ADDR_KEY.unpack(k)) for k in st.addrs),
+            "inbound_listeners": [f"IPv{f}" for f in listening],
             "sk_lookup_link": link if os.path.exists(link) else None,
         }
 
@@ -893,11 +1178,42 @@ class EbpfBackend:
         lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
         lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
         lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
-        if POLICY.unpack(e.policy)[4] & F_INBOUND:
+        lines.append("cidrs[local <each pod address>]")
+        if e.inbound:
             lines.append("pod_addrs[<each pod address>] = <netns>")
             lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
             lines.append("sk_lookup link on the pod netns")
         return "\n".join(lines) + "\n"
+
+
+def _plan_addresses(plan: Plan, families: tuple[int, ...]) -> tuple[LocalAddress, ...]:
+    from .. import routes as rt
+
+    return rt.usable_addresses([a for a in plan.addresses if a.family in families])
+
+
+def _add_address(a: LocalAddress) -> None:
+    """``routes.add_address`` without its link dump when the device is lo (ifindex 1 in every netns)."""
+    from .. import routes as rt
+    from .. import rtnl
+
+    if a.dev != "lo":
+        rt.add_address(a)
+        return
+    address, plen = a.cidr.split("/")
+    try:
+        rtnl.addr("add", AF[a.family], 1, address, int(plen), rt.RT_PROTO, rt.IFA_F_NODAD)
+    except OSError as e:
+        if e.errno != errno.EEXIST:
+            raise
+
+
+def _remove_our_addresses() -> None:
+    """The addresses we added (routing protocol ours), as the netfilter backends remove them."""
+    from .. import routes as rt
+
+    for a in rt.read_ours((6,)).addresses:  # the plan only ever adds IPv6 ones (::6)
+        rt.remove_address(a)
 
 
 def _detach_pinned(path: str) -> None:
@@ -918,7 +1234,8 @@ def _fmt_addr(fam: int, raw: bytes) -> str:
 _PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-include",
                PORT_IN_INCL: "inbound-include", PORT_IN_EXCL: "inbound-exclude"}
 _CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-include", CIDR_DNS4: "dns-server",
-               CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server"}
+               CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
+               CIDR_LOCAL4: "local", CIDR_LOCAL6: "local"}
 
 
 def _fmt_port(k: bytes) -> str:
@@ -928,18 +1245,26 @@ def _fmt_port(k: bytes) -> str:
 
 def _fmt_cidr(k: bytes) -> str:
     plen, kind, _c, raw = CIDR_KEY.unpack(k)
-    v6 = kind >= CIDR_OUT_EXCL6
+    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6)
     ip = ipaddress.ip_address(raw if v6 else raw[:4])
     return f"{_CIDR_KINDS.get(kind, kind)} {ip}/{plen - 96}"
 
 
 def _fmt_policy(raw: bytes) -> str:
     v = POLICY.unpack(raw)
-    flags = v[4]
+    flags = v[P_FLAGS]
     names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6"]
     on = [n for i, n in enumerate(names) if flags & (1 << i)]
     return (f"proxy_port={v[0]} inbound_port={v[1]} tunnel_port={v[2]} dns_port={v[3]} flags={'+'.join(on) or '-'}"
-            f" loopback={socket.inet_ntoa(v[5])}/{socket.inet_ntoa(v[6])} uids={v[7]} gids={v[8]}")
+            f" loopback={socket.inet_ntoa(v[5])}/{socket.inet_ntoa(v[6])} uids={_fmt_ids(v[11:27], v[7])}"
+            f" gids={_fmt_ids(v[27:43], v[8])}"
+            + ("" if v[43] == GROUPS_ALL else
+               f" {'owner_groups' if v[43] == GROUPS_ONLY else 'owner_groups_exclude'}={_fmt_ids(v[45:61], v[44])}"))
+
+
+def _fmt_ids(flat: tuple[int, ...], n: int) -> str:
+    return ",".join(str(flat[2 * i]) if flat[2 * i] == flat[2 * i + 1] else f"{flat[2 * i]}-{flat[2 * i + 1]}"
+                    for i in range(n)) or "-"
 
 
 __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "registered_pods", "probe_kernel",
