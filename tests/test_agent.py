@@ -600,3 +600,22 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(test_node: Node) -
             nothing_left(pods[i][0], n.ns, uids[i])
         assert all(identity.read(ns) is None for ns, _, _ in pods)
         assert len(n.proxy_events("pod_removed")) >= count
+
+
+def test_agent_refuses_bad_flags_and_a_second_agent_on_its_sockets(test_node: Node) -> None:
+    def agent(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "redirect.agent.daemon", "--events-socket", test_node.events,
+                               "--proxy-socket", test_node.proxy_sock, "--http-port", "0", "--no-host-rules",
+                               "--no-proc-scan", *argv], capture_output=True, text=True, timeout=30)
+
+    p = agent("--capture", '{"proxy_port": 0}')
+    assert p.returncode == 2 and "capture.proxy_port" in p.stderr and "0" in p.stderr, p.stderr
+    p = agent("--capture", "[1]")
+    assert p.returncode == 2 and "--capture" in p.stderr, p.stderr
+    p = agent("--workers", "0")
+    assert p.returncode == 2 and "--workers" in p.stderr, p.stderr
+    test_node.start_agent()
+    p = agent()
+    assert p.returncode == 1 and "another agent is listening" in p.stderr, p.stderr
+    assert os.path.exists(test_node.events)  # the running agent's socket is untouched
+    assert test_node.agent is not None and test_node.agent.get("/healthz")[0] == 200
