@@ -379,11 +379,9 @@ def test_env_errors_status_and_gc(pod: Pod) -> None:
     assert cni("GC", netconf("1.1.0")) == (0, None)
 
 
-def test_ambient_with_agent_socket_fails_closed_until_the_agent_exists(pod: Pod) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("redirect.agent") is not None:
-        pytest.skip("redirect.agent exists now: its own tests cover the hand-off")
-    rc, out = cni("ADD", netconf(mode="ambient", agentSocket="/run/rdrt-agent.sock"), pod.path)
-    assert rc == 1 and out is not None and out["code"] == 103 and "node agent" in out["msg"]
+def test_ambient_add_fails_closed_when_no_agent_listens(pod: Pod) -> None:
+    """No agent at agentSocket: the ADD fails (103) at once and nothing is installed in the pod."""
+    rc, out = cni("ADD", netconf(mode="ambient", agentSocket="/run/rdrt-no-agent-here.sock", agentTimeout=2),
+                  pod.path)
+    assert rc == 1 and out is not None and out["code"] == 103 and "node agent" in out["msg"], out
     assert not ours_installed(pod.name)
