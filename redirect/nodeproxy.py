@@ -22,7 +22,12 @@ a (re)connect the agent sends a snapshot and ``snapshot_done`` listing every pod
 and pods not in it are dropped. When the agent goes away the proxy keeps serving
 every pod it has and reconnects (backoff up to 1 s). Connections are bounded
 (``--max-conns``; over it, new ones are closed at once) and each relay has an idle
-timeout. SIGTERM/SIGINT stop it.
+timeout.
+
+Handover: listeners use ``SO_REUSEPORT`` and the proxy sets ``net.ipv4.tcp_migrate_req=1``
+in each pod netns, so a new proxy can start beside the old one, and when the old one gets
+SIGTERM (it closes its listeners, then lets relayed connections finish for at most
+``--drain-timeout``) nothing queued for it is reset: no connection is lost.
 """
 
 from __future__ import annotations
@@ -112,6 +117,14 @@ def _read_connect(c: socket.socket, limit: int = 8192) -> tuple[str, int] | None
         return None
 
 
+def _migrate_on_close() -> None:
+    """... when the old one closes its listeners, the connections waiting in their accept queues
+    move to the new proxy's (``net.ipv4.tcp_migrate_req``, per netns, TCP over IPv4 and IPv6)
+    instead of being reset. Best effort: without it a handover may reset a few connections."""
+    with contextlib.suppress(OSError), open("/proc/sys/net/ipv4/tcp_migrate_req", "w") as f:
+        f.write("1")
+
+
 class NodeProxy:
     def __init__(self, socket_path: str, log: JsonLog, name: str = "redirect-nodeproxy", max_conns: int = 1024,
                  connect_timeout: float = 5.0, idle_timeout: float = 300.0, mark: int = MARK) -> None:
@@ -125,6 +138,9 @@ class NodeProxy:
         self.pods: dict[str, PodState] = {}
         self.agent: socket.socket | None = None
         self.slots = threading.BoundedSemaphore(max_conns)
+        self.active = 0
+        self._active_lock = threading.Lock()
+        self.drain_timeout = 5.0
         self.stop = threading.Event()
         self._wr, self._ww = os.pipe()
         self.sel.register(self._wr, selectors.EVENT_READ, ("wake", None))
@@ -217,6 +233,7 @@ class NodeProxy:
         st = PodState(uid, str(pod.get("name", "")), str(pod.get("namespace", "")), inode, nsfd)
         try:
             with _netns.enter(_netns.Fd(nsfd)):
+                _migrate_on_close()
                 for kind, port in PORTS.items():
                     for fam in (socket.AF_INET, socket.AF_INET6):
                         try:
@@ -242,6 +259,8 @@ class NodeProxy:
         s = socket.socket(fam, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # A new proxy opens its listeners beside the old one's (handover), and ...
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             s.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
             if fam == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -287,6 +306,8 @@ class NodeProxy:
         self.log("accept", pod=st.uid, kind=kind, src=_addr(peer), local=_addr(local),
                  orig_dst=list(dst) if dst else None)
         nsfd = os.dup(st.nsfd)
+        with self._active_lock:
+            self.active += 1
         threading.Thread(target=self._relay, args=(c, peer, dst, kind, st.uid, nsfd), name=f"relay:{st.uid}",
                          daemon=True).start()
 
@@ -331,6 +352,8 @@ class NodeProxy:
                 up.close()
             c.close()
             self.slots.release()
+            with self._active_lock:
+                self.active -= 1
             self.log("close", pod=uid, kind=kind, src=_addr(peer), bytes_out=sent[0], bytes_in=sent[1])
 
     def _pump(self, a: socket.socket, b: socket.socket) -> list[int]:
@@ -343,7 +366,7 @@ class NodeProxy:
         try:
             sel.register(a, selectors.EVENT_READ, 0)
             sel.register(b, selectors.EVENT_READ, 1)
-            while open_dirs and not self.stop.is_set():
+            while open_dirs:
                 ready = sel.select(timeout=self.idle_timeout)
                 if not ready:
                     break
@@ -393,10 +416,15 @@ class NodeProxy:
                     self._on_accept(key.fileobj, st, kind)  # type: ignore[arg-type]
                 else:
                     os.read(self._wr, 64)
+        # Listeners first (their queued connections migrate to a proxy that took over), then
+        # let the connections being relayed finish, for at most drain_timeout.
         for uid in list(self.pods):
             self.remove_pod(uid, "proxy stopping")
         self._drop_agent("proxy stopping")
-        self.log("stopped")
+        deadline = time.monotonic() + self.drain_timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.log("stopped", unfinished=self.active)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -417,11 +445,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-conns", type=int, default=1024, help="connections relayed at once (%(default)s)")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="upstream connect timeout, s (%(default)s)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="relay idle timeout, s (%(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=5.0,
+                   help="on SIGTERM, wait this long for relayed connections to finish, s (%(default)s)")
     a = p.parse_args(argv)
     if a.max_conns < 1:
         p.error(f"--max-conns={a.max_conns}: expected at least 1")
     out: TextIO = open(a.log_file, "a", encoding="utf-8") if a.log_file else sys.stderr  # noqa: SIM115
     proxy = NodeProxy(a.socket, JsonLog(out), a.name, a.max_conns, a.connect_timeout, a.idle_timeout)
+    proxy.drain_timeout = a.drain_timeout
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: proxy.shutdown())
     try:

@@ -438,6 +438,12 @@ def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
         n.proxy.wait(10)
         n.start_proxy()  # returns once it has the snapshot (listeners open)
         traffic.mark("end", 0)
+        # Handover: a new proxy starts beside the running one, then the old one stops.
+        old = n.proxy
+        traffic.mark("handover", 30)
+        n.start_proxy()
+        old.send_signal(signal.SIGTERM)
+        assert old.wait(10) == 0
         traffic.mark("done", 30)
     # Every probe from before the first SIGKILL to after the last restart was captured and answered.
     steady = traffic.of("steady", "kill0", "kill1", "restarted")
@@ -446,14 +452,14 @@ def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
     assert not bad, (f"{len(bad)} of {len(steady)} probes failed during agent restarts: {bad[:3]}; proxy saw: "
                      f"{[e for e in read_log(n.proxy_log) if e.get('src') == list(bad[0].local or ())]}")
     # While no proxy ran, nothing got through uncaptured (connections fail, closed); afterwards all flows.
-    after = traffic.of("end")
-    assert len(after) >= 30 and all(s.ok for s in after), [s for s in after if not s.ok][:3]
+    after = traffic.of("end", "handover")
+    assert len(after) >= 60 and all(s.ok for s in after), [s for s in after if not s.ok][:3]
     assert_all_through_proxy(n, traffic.of("steady", "kill0", "kill1", "restarted", "proxy-down", "end",
-                                           "done"), servers)
+                                           "handover", "done"), servers)
     print({p: (len(traffic.of(p)), sum(not s.ok for s in traffic.of(p))) for p in dict(traffic.sent)})
     # Across agent restarts the proxy never let go of a pod (listeners stayed open).
     added = [e["pod"] for e in n.proxy_events("pod_added")]
-    assert sorted(added) == sorted(uids * 2), added  # once per proxy process
+    assert sorted(added) == sorted(uids * 3), added  # once per proxy process
     assert not [e for e in n.proxy_events("pod_removed") if e.get("reason") != "proxy stopping"]
     # Deleting a pod leaves nothing of it behind.
     rc, out = cni("DEL", pods[0], uids[0], n.events, backend)
