@@ -270,6 +270,16 @@ def test_cni_add_enrols_the_pod_for_the_node_proxy_and_del_leaves_nothing(
             inbound = [e for e in n.proxy_events("forward") if e["kind"] == "inbound"]
             assert {tuple(e["orig_dst"]) for e in inbound} == {(p.pod_ip(f), APP) for p in pods for f in (4, 6)}
 
+            assert cni("CHECK", pods[0], uids[0], n.events, backend) == (0, None)
+            rc, out = cni("CHECK", pods[0], "uid-unknown", n.events, backend)
+            assert rc == 1 and out is not None and out["code"] == 104 and "not enrolled" in out["msg"], out
+            # Drifted rules: CHECK says so; a repeated ADD repairs them.
+            in_netns(pods[1].name, subprocess.run, TAMPER[backend], check=True)
+            rc, out = cni("CHECK", pods[1], uids[1], n.events, backend)
+            assert rc == 1 and out is not None and out["code"] == 104 and "rules differ" in out["msg"], out
+            assert cni("ADD", pods[1], uids[1], n.events, backend)[0] == 0
+            assert cni("CHECK", pods[1], uids[1], n.events, backend) == (0, None)
+
             # The tunnel port is not captured: a CONNECT there reaches the app through the proxy.
             def tunnel() -> bytes:
                 with socket.create_connection((pods[0].pod_ip4, 15008), timeout=3) as c:
@@ -425,6 +435,7 @@ def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
         # hold exactly our pods.
         assert redirect.check(drifting.name, amb, backend=backend).ok
         assert node.check_node(n.ns).ok
+        assert cni("CHECK", drifting, uids[3], n.events, backend) == (0, None)
         assert node.list_pods(n.ns) == {ip: uid for pod, uid in zip(pods, uids, strict=True)
                                         for ip in (pod.pod_ip4, pod.pod_ip6)}
         first = wait_log(n.tmp / "agent-2.log", lambda e: e.get("msg") == "reconciled")

@@ -53,10 +53,15 @@ def del_pod(socket_path: str, *, uid: str = "", netns: str = "", container_id: s
                  timeout)
 
 
+def check_pod(socket_path: str, *, uid: str, netns: str = "", timeout: float = 10.0) -> dict[str, Any]:
+    """Whether the agent has the pod, with intact rules and a proxy. Raises ``AgentError`` (reason ``check``)."""
+    return _call(socket_path, {"type": "check", "pod": {"uid": uid, "netns": netns}}, timeout)
+
+
 def list_pods(socket_path: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     """The pods the agent has enrolled."""
     pods = _call(socket_path, {"type": "list"}, timeout).get("pods", [])
     return pods if isinstance(pods, list) else []
 
 
-__all__ = ["AgentError", "add_pod", "del_pod", "list_pods"]
+__all__ = ["AgentError", "add_pod", "del_pod", "check_pod", "list_pods"]

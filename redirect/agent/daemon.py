@@ -520,6 +520,8 @@ class Agent:
                 out = self.add(msg.get("pod"))
             elif kind == "del":
                 out = self.delete(msg.get("pod"))
+            elif kind == "check":
+                out = self.check(msg.get("pod"))
             elif kind == "list":
                 with self.lock:
                     out = {"pods": [p.for_proxy() for p in self.pods.values()]}
@@ -527,7 +529,7 @@ class Agent:
                 ok, detail = self._readiness()
                 out = {"ready": ok, **detail}
             else:
-                raise EventError("bad_request", f"type={kind!r}: expected add, del, list or status")
+                raise EventError("bad_request", f"type={kind!r}: expected add, del, check, list or status")
         except EventError as e:
             self.metrics.inc("failures", e.reason)
             jlog(logging.ERROR, f"{kind} failed", reason=e.reason, error=str(e),
@@ -635,6 +637,29 @@ class Agent:
                 step()
             except Exception as e:  # noqa: BLE001 - report, keep undoing
                 jlog(logging.ERROR, "rollback step failed", pod=pod.uid, error=str(e))
+
+    def check(self, raw: Any) -> dict[str, Any]:
+        """Whether the pod is enrolled in that netns, its rules are as recorded, and a proxy has it."""
+        if not isinstance(raw, dict):
+            raise EventError("bad_request", "pod: expected an object")
+        uid = _text(raw, "uid", required=True, limit=128)
+        path = _text(raw, "netns", limit=4096)
+        with self.lock:
+            rec = self.pods.get(uid)
+            proxies = sum(1 for c in self.proxies if c.synced.is_set())
+        if rec is None:
+            raise EventError("check", f"pod {uid} is not enrolled on this node")
+        if path and not _same_inode(path, rec.inode):
+            raise EventError("check", f"pod {uid} is enrolled in another netns than {path}")
+        try:
+            res = api.check(rec.netns, rec.config, rec.backend)
+        except RedirectError as e:
+            raise EventError("check", str(e)) from None
+        if not res.ok:
+            raise EventError("check", f"pod {uid}: rules differ: " + "; ".join(res.differences))
+        if not proxies:
+            raise EventError("check", f"pod {uid}: no node proxy is connected")
+        return {"pod": uid, "proxies": proxies}
 
     def delete(self, raw: Any) -> dict[str, Any]:
         if not isinstance(raw, dict):

@@ -10,9 +10,15 @@ Commands
 ``ADD``      resolve the pod's capture config, ``redirect.setup`` it in ``CNI_NETNS``,
              print ``prevResult`` (converted to the config's ``cniVersion``) as our result.
              Fails closed: any error -> error JSON, non-zero exit, nothing installed.
+             Ambient with ``agentSocket``: the pod goes to the node agent (``redirect-agent``),
+             which installs the rules and hands the netns to the node proxy; no confirmation
+             within ``agentTimeout`` s -> error 103 (docs/agent-protocol.md).
 ``DEL``      ``redirect.teardown`` in ``CNI_NETNS``; succeeds when ``CNI_NETNS`` is empty
-             or the namespace is already gone; idempotent.
+             or the namespace is already gone; idempotent. Ambient with ``agentSocket``: the
+             agent removes the pod (if it can't be reached, the in-pod rules are removed here).
 ``CHECK``    ``redirect.check`` against the same config ADD used; differences -> error 104.
+             Ambient with ``agentSocket``: asks the node agent (enrolled in this netns, rules as
+             recorded, a node proxy connected), else 104 (103 if the agent can't be reached).
 ``STATUS``   the backend's tools (and, for ambient with an agent, its socket) exist.
 ``GC``       nothing to collect: all our state lives in pod namespaces and dies with them.
 ``VERSION``  ``{"cniVersion", "supportedVersions"}``.
@@ -430,7 +436,17 @@ def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     container = _env("CNI_CONTAINERID", env)
     netns = _env("CNI_NETNS", env)
     cfg = _pod_config(pc, env, log)
-    if cfg is None or (pc.mode == "ambient" and pc.agent_socket):
+    if cfg is None:
+        return
+    if pc.mode == "ambient" and pc.agent_socket:
+        from ..agent.client import AgentError, check_pod
+
+        try:
+            check_pod(pc.agent_socket, uid=_pod_uid(container, parse_cni_args(env.get("CNI_ARGS", ""))), netns=netns,
+                      timeout=pc.agent_timeout)
+        except AgentError as e:
+            raise CniError(E_CHECK if e.reason == "check" else E_AMBIENT, f"node agent: {e}",
+                           f"agentSocket={pc.agent_socket}") from None
         return
     from .. import api
 
