@@ -466,3 +466,34 @@ def test_native_bpf_helpers_report_errno(bpf_root: str) -> None:
     finally:
         assert m.delete(key)
     assert m.lookup(key) is None and not m.delete(key)
+
+
+def test_a_removed_pod_link_pin_is_reported_and_repaired(pod: Pod, setup_pod, bpf_root: str) -> None:
+    inbound = _proxy_listeners(pod, 15006, "in")
+    app = [TcpListener(pod.name, 8080, label="app").start()]
+    try:
+        setup_pod(pod, RedirectConfig())
+        link = os.path.join(bpf_root, "pods", f"{_cookie(pod)}-sk_lookup")
+        os.unlink(link)  # the last reference: the link is gone, inbound is not steered any more
+        assert landing(pod.peer_name, pod.pod_ip4, 8080, *inbound, *app).listener is app[0]
+        res = api.check(pod.name, RedirectConfig(), backend="ebpf")
+        assert not res.ok and "no sk_lookup link on this netns" in res.differences, res.differences
+        assert api.setup(pod.name, RedirectConfig(), backend="ebpf").changed
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+        assert landing(pod.peer_name, pod.pod_ip4, 8080, *inbound, *app).listener in inbound
+    finally:
+        _close(inbound, app)
+
+
+def test_an_address_added_after_setup_is_reported_until_setup_runs_again(pod: Pod, setup_pod) -> None:
+    setup_pod(pod, RedirectConfig())
+    extra = "10.254.254.9"
+    subprocess.run(["ip", "-n", pod.name, "addr", "add", f"{extra}/32", "dev", "lo"], check=True)
+    subprocess.run(["ip", "-n", pod.name, "addr", "add", "10.254.253.9/32", "dev", pod.main.pod_if], check=True)
+    res = api.check(pod.name, RedirectConfig(), backend="ebpf")
+    assert not res.ok
+    assert "missing CIDR entry local 10.254.253.9/32" in res.differences, res.differences
+    assert "missing inbound address 10.254.253.9" in res.differences, res.differences
+    assert not any("10.254.254.9" in d and "inbound" in d for d in res.differences), "lo's are not inbound"
+    assert api.setup(pod.name, RedirectConfig(), backend="ebpf").changed
+    assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
