@@ -14,7 +14,11 @@ so the pod's rules never capture them, on:
 
 Each connection is forwarded to its original destination from a marked socket made
 in the pod netns (so it is not captured again: for inbound, it reaches the app over
-``lo``), and logged as JSON lines (``accept``, ``forward``, ``close``). Listeners
+``lo``), and logged as JSON lines (``accept``, ``forward``, ``close``). Inbound is
+forwarded from the pod's own address, so the app sees the pod IP as the source; a real
+ztunnel keeps the client's address (a transparent socket, which the ambient rules'
+connmark route supports) but that can clash in conntrack with the client's own tuple
+when the ports coincide, so this reference proxy does not. Listeners
 exist for IPv4 and, where the pod has it, IPv6.
 
 Handoff: acks each ``add`` once its listeners are open; ``del`` closes them; after

@@ -326,6 +326,15 @@ def test_add_fails_closed_without_agent_proxy_or_answer(test_node: Node, pod: Po
         assert rc == 1 and out is not None and out["code"] == 103 and "timeout" in out["msg"], out
         assert time.monotonic() - t0 < 5
     nothing_left(pod.name, test_node.ns, "uid-a")
+    # The node proxy can't take the pod (its port is taken in the pod): refused, everything undone.
+    test_node.start_proxy()
+    with TcpListener(pod.name, 15001, label="squatter"):
+        rc, out = cni("ADD", pod, "uid-a", test_node.events)
+        assert rc == 1 and out is not None and out["code"] == 103 and "(proxy)" in out["msg"], out
+        assert "15001" in out["msg"] or "Address already in use" in out["msg"], out
+    nothing_left(pod.name, test_node.ns, "uid-a")
+    wait_log(test_node.proxy_log, lambda e: e["event"] == "pod_failed" and e["pod"] == "uid-a", 5)
+    assert client.list_pods(test_node.events) == []
     # Bad events name the field and value.
     with pytest.raises(client.AgentError, match="pod.uid") as ei:
         client.add_pod(test_node.events, uid='bad"uid', netns=pod.path)
@@ -337,6 +346,7 @@ def test_add_fails_closed_without_agent_proxy_or_answer(test_node: Node, pod: Po
         client.add_pod(test_node.events, uid="u1", netns=pod.path, ips=["10.0.0.300"])
     assert test_node.agent is not None
     assert test_node.agent.metric('redirect_agent_failures_total{reason="no_proxy"}') == 1
+    assert test_node.agent.metric('redirect_agent_failures_total{reason="proxy"}') == 1
     assert test_node.agent.metric('redirect_agent_failures_total{reason="bad_request"}') == 2
 
 
