@@ -577,3 +577,22 @@ def test_ebpf_lands_every_probe_where_iptables_does(make_pod, bpf_root: str) -> 
                 lst.close()
         api.teardown(ipt.name, backend="iptables")
         api.teardown(bpf.name, backend="ebpf")
+
+
+@pytest.mark.parametrize("order", ["proxy-first", "setup-first"])
+def test_setup_again_changes_nothing_whichever_families_the_proxy_listens_on(pod: Pod, setup_pod, order: str) -> None:
+    """An IPv4-only proxy (no IPv6 listener ever) does not make every setup a change or a rescan."""
+    proxy = None
+    try:
+        if order == "proxy-first":
+            proxy = TcpListener(pod.name, 15006, family=4, label="in4").start()
+        assert setup_pod(pod, RedirectConfig()).changed
+        if proxy is None:
+            proxy = TcpListener(pod.name, 15006, family=4, label="in4").start()
+        assert api.show(pod.name, backend="ebpf")["inbound_listeners"] == ["IPv4"]
+        assert api.setup(pod.name, RedirectConfig(), backend="ebpf").changed is False
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+        assert landing(pod.peer_name, pod.pod_ip4, 8080, proxy).listener is proxy
+    finally:
+        if proxy is not None:
+            proxy.close()

@@ -772,6 +772,12 @@ def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, str]]:
     return out
 
 
+def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
+    """The families without a registered inbound listener (a dual-stack IPv6 one serves IPv4 too)."""
+    have = {f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0)) is not None}
+    return tuple(f for f in families if f not in have and not (f == 4 and 6 in have))
+
+
 def _port_bound(port: int, families: tuple[int, ...]) -> bool:
     """Whether any socket of this netns holds TCP ``port`` (a cheap superset of "someone listens
     on it": a wildcard bind conflicts with every listener on the port). About 10 us a family,
@@ -783,10 +789,8 @@ def _port_bound(port: int, families: tuple[int, ...]) -> bool:
             try:
                 s.bind(("0.0.0.0" if fam == 4 else "::", port))
             except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    return True
                 if e.errno != errno.EADDRNOTAVAIL:  # IPv6 off: nothing listens there
-                    raise
+                    return True  # in use, or can't tell: let the listener dump decide
     return False
 
 
@@ -965,7 +969,10 @@ class EbpfBackend:
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, dev in local if dev == "lo"}
         add_addrs = [a for a in _plan_addresses(plan, families) if (a.family, a.cidr.split("/")[0]) not in on_lo]
-        unchanged = (old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
+        # Listeners the proxy opened before this setup (those opened later the sock_ops program
+        # registers as they start listening): looked for only while a family has none.
+        scan = inbound and _port_bound(cfg.inbound_port, _unserved(h, cookie, families))
+        unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link == inbound)
         if unchanged:
             return Installed(self.name, "", families, False, self._detail(h, cookie, t0, t_host, c_host, link_path,
@@ -978,10 +985,6 @@ class EbpfBackend:
                                  f" (netns cookie {U64.unpack(v)[0]})")
         old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
         base = 0 if old_base else 1 << 31  # the other half: old and new inventories never overlap
-        # Listeners the proxy opened before this setup (those opened later the sock_ops program
-        # registers as they start listening): looked for only while a family has none.
-        scan = (inbound and not all(h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0)) for f in families)
-                and _port_bound(cfg.inbound_port, families))
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
         )
