@@ -646,3 +646,32 @@ def test_agent_refuses_bad_flags_and_a_second_agent_on_its_sockets(test_node: No
     assert p.returncode == 1 and "another agent is listening" in p.stderr, p.stderr
     assert os.path.exists(test_node.events)  # the running agent's socket is untouched
     assert test_node.agent is not None and test_node.agent.get("/healthz")[0] == 200
+
+
+def test_a_pod_known_only_through_its_process_is_found_after_a_restart(test_node: Node) -> None:
+    """No /run/netns entry: the netns exists because a process lives in it (/proc/<pid>/ns/net)."""
+    n = test_node
+    agent = n.start_agent()
+    n.start_proxy()
+    proc = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", "ip link set lo up && exec sleep 60"])
+    try:
+        path = f"/proc/{proc.pid}/ns/net"
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "sleep":  # lo is up, netns made
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        res = client.add_pod(n.events, uid="uid-proc", netns=path, name="p", namespace="ns", ips=["10.250.9.9"])
+        assert res["enrolled"]
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait(5)
+        agent = n.start_agent()
+        rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
+        assert (rec["pods"], rec["intact"]) == (1, 1), rec
+        (pod,) = client.list_pods(n.events)
+        assert pod["uid"] == "uid-proc" and pod["netns"] == path and pod["netns_inode"] == os.stat(path).st_ino
+        assert node.list_pods(n.ns) == {"10.250.9.9": "uid-proc"}
+        assert client.del_pod(n.events, uid="uid-proc", netns=path)["removed"]
+        nothing_left(path, n.ns, "uid-proc")
+    finally:
+        proc.kill()
+        proc.wait(5)
