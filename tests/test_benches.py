@@ -96,9 +96,10 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
 
     # eBPF (being changed concurrently) is either measured or its error recorded, never a crash.
     if "api/ebpf/sidecar" in res["per_pod"]:
-        assert res["per_pod"]["api/ebpf/sidecar"]["setup"]["n"] == 2
-        assert "api/ebpf/sidecar" in r["setup_vs_reference"]
-        assert res["memory"]["api/ebpf/sidecar"]["bpf_map_entries_per_pod"] > 0
+        e, mem = res["per_pod"]["api/ebpf/sidecar"], res["memory"]["api/ebpf/sidecar"]
+        assert e.get("error") or (e["setup"]["n"] == 2 and "api/ebpf/sidecar" in r["setup_vs_reference"])
+        assert mem.get("error") or mem["bpf_map_entries_per_pod"] > 0
+        assert "ebpf" in cases, res["notes"]  # measured, or {"error": ...}
     else:
         assert res["skipped_backends"]["ebpf"], res["notes"]
         ebpf_row = next(t for t in res["targets"] if t["name"] == "ebpf: per-pod setup vs reference")
