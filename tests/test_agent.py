@@ -675,3 +675,36 @@ def test_a_pod_known_only_through_its_process_is_found_after_a_restart(test_node
     finally:
         proc.kill()
         proc.wait(5)
+
+
+def test_resync_repairs_drift_while_running_and_drops_pods_whose_netns_went(
+        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+    n = test_node
+    agent = n.start_agent("--resync-seconds", "0.3")
+    n.start_proxy()
+    pods = [make_pod(), make_pod()]
+    for i, pod in enumerate(pods):
+        assert cni("ADD", pod, f"uid-s{i}", n.events)[0] == 0
+    amb = redirect.RedirectConfig(mode="ambient")
+
+    def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"not {what} after {timeout} s: {agent.log.read_text()[-2000:]}"
+            time.sleep(0.05)
+
+    in_netns(pods[0].name, subprocess.run, TAMPER["iptables"], check=True)
+    node.remove_pods([pods[0].pod_ip6], n.ns)
+    in_netns(n.ns, subprocess.run, ["ip6tables", "-t", "nat", "-F", node.CHAIN], check=True)
+    until(lambda: redirect.check(pods[0].name, amb).ok, "pod rules repaired")
+    until(lambda: node.check_node(n.ns).ok, "node probe rules repaired")
+    until(lambda: node.list_pods(n.ns).get(pods[0].pod_ip6) == "uid-s0", "node-set entry back")
+    assert agent.metric('redirect_agent_resynced_total{result="repaired"}') >= 1
+    # The runtime lost the pod without a DEL: its netns goes away (the proxy's fd kept it alive).
+    netkit.remove_netns(pods[1].name)
+    until(lambda: [p["uid"] for p in client.list_pods(n.events)] == ["uid-s0"], "pod dropped")
+    wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == "uid-s1", 5)
+    assert "uid-s1" not in node.list_pods(n.ns).values()
+    assert agent.metric('redirect_agent_resynced_total{result="gone"}') == 1
+    assert cni("DEL", pods[0], "uid-s0", n.events)[0] == 0
+    nothing_left(pods[0].name, n.ns, "uid-s0")

@@ -16,7 +16,8 @@ Restart safety: the agent keeps nothing the kernel does not hold. At start it fi
 its pods by reading the identity set in every namespace under ``/run/netns`` and
 ``/proc/*/ns/net`` (deduplicated by inode, filtered by ``--node-name``), re-installs
 rules that drifted, re-asserts the node's probe rules and pod sets, and sends each
-connecting proxy a full snapshot. In-pod rules never depend on the agent's process,
+connecting proxy a full snapshot; while running it repeats the repairs every
+``--resync-seconds``. In-pod rules never depend on the agent's process,
 so a killed agent leaves every pod captured. SIGTERM stops it and leaves
 redirection in place.
 
@@ -246,6 +247,7 @@ class Options:
     proxy_timeout: float = 5.0
     capture: dict[str, Any] = field(default_factory=dict)
     scan_proc: bool = True
+    resync_seconds: float = 30.0
 
 
 class Agent:
@@ -281,6 +283,8 @@ class Agent:
         self.reconcile()
         threading.Thread(target=self._accept_proxies, args=(proxies,), name="agent-proxies", daemon=True).start()
         threading.Thread(target=self._accept_events, args=(events,), name="agent-events", daemon=True).start()
+        if self.opts.resync_seconds > 0:
+            threading.Thread(target=self._resync_loop, name="agent-resync", daemon=True).start()
         self.ready = True
         jlog(logging.INFO, "agent ready", node=self.opts.node_name, pods=len(self.pods),
              events_socket=self.opts.events_socket, proxy_socket=self.opts.proxy_socket,
@@ -383,20 +387,8 @@ class Agent:
         if self.opts.host_rules:
             node.setup_node(self._host())
         found = self.discover()
-
-        def fix(pod: PodRecord) -> str:
-            try:
-                if api.check(pod.netns, pod.config, pod.backend).ok:
-                    return "intact"
-                api.setup(pod.netns, pod.config, pod.backend)
-                jlog(logging.WARNING, "pod rules had drifted: re-installed", pod=pod.uid, netns=pod.netns)
-                return "repaired"
-            except RedirectError as e:
-                jlog(logging.ERROR, "pod rules could not be repaired", pod=pod.uid, netns=pod.netns, error=str(e))
-                return "failed"
-
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.opts.workers) as ex:
-            results = list(ex.map(fix, found.values()))
+            results = list(ex.map(self._fix_rules, found.values()))
         for r in results:
             self.metrics.inc("reconciled", r)
         if self.opts.host_rules:
@@ -416,6 +408,74 @@ class Agent:
             self.metrics.set("pods_enrolled", len(found))
         jlog(logging.INFO, "reconciled", pods=len(found), ms=round((time.monotonic() - t0) * 1e3, 1),
              **{r: results.count(r) for r in ("intact", "repaired", "failed")})
+
+    def _fix_rules(self, pod: PodRecord) -> str:
+        """Re-install the pod's rules if they differ from its recorded config: intact, repaired or failed."""
+        try:
+            if api.check(pod.netns, pod.config, pod.backend).ok:
+                return "intact"
+            api.setup(pod.netns, pod.config, pod.backend)
+            jlog(logging.WARNING, "pod rules had drifted: re-installed", pod=pod.uid, netns=pod.netns)
+            return "repaired"
+        except RedirectError as e:
+            jlog(logging.ERROR, "pod rules could not be repaired", pod=pod.uid, netns=pod.netns, error=str(e))
+            return "failed"
+
+    def resync(self) -> dict[str, int]:
+        """While running (every ``--resync-seconds``): the start's repairs for the pods enrolled now
+        (drifted rules, node probe rules, node-set entries); a pod whose netns is gone without a
+        ``del`` is dropped (proxies told, node-set entries removed). Counts by result."""
+        counts: dict[str, int] = {}
+        host = self._host()
+        if self.opts.host_rules:
+            try:
+                if node.setup_node(host):
+                    jlog(logging.WARNING, "node probe rules had drifted: re-installed")
+            except RedirectError as e:
+                jlog(logging.ERROR, "node probe rules could not be re-asserted", error=str(e))
+        with self.lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            if self.stopping.is_set():
+                break
+            with self._uid_lock(pod.uid):
+                with self.lock:
+                    if self.pods.get(pod.uid) is not pod:
+                        continue  # added again or deleted meanwhile
+                if not _same_inode(pod.netns, pod.inode):
+                    self._forget(pod)
+                    r = "gone"
+                else:
+                    r = self._fix_rules(pod)
+                    if self.opts.host_rules and pod.ips:
+                        try:
+                            node.add_pods(pod.ips, host, owner=pod.uid)
+                        except RedirectError as e:
+                            jlog(logging.ERROR, "node set entries could not be re-added", pod=pod.uid, error=str(e))
+            counts[r] = counts.get(r, 0) + 1
+            self.metrics.inc("resynced", r)
+        return counts
+
+    def _forget(self, pod: PodRecord) -> None:
+        with self.lock:
+            if self.pods.get(pod.uid) is pod:
+                del self.pods[pod.uid]
+            self.metrics.set("pods_enrolled", len(self.pods))
+            waiters = [(c, c.enqueue({"type": "del", "uid": pod.uid})) for c in self.proxies]
+        self._wait_all(waiters)
+        if self.opts.host_rules and pod.ips:
+            with contextlib.suppress(RedirectError):
+                node.remove_pods(pod.ips, self._host(), owner=pod.uid)
+        jlog(logging.WARNING, "pod netns is gone without a del: pod dropped", pod=pod.uid, netns=pod.netns)
+
+    def _resync_loop(self) -> None:
+        while not self.stopping.wait(self.opts.resync_seconds):
+            try:
+                counts = self.resync()
+                if set(counts) - {"intact"}:
+                    jlog(logging.INFO, "resynced", **counts)
+            except Exception:  # noqa: BLE001 - the loop must go on
+                log.exception("resync failed")
 
     # -- node proxies
 
@@ -746,6 +806,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", default="{}",
                    help="JSON object of RedirectConfig fields: the pods' base config before annotations")
     p.add_argument("--no-proc-scan", action="store_true", help="at start, look for pods under /run/netns only")
+    p.add_argument("--resync-seconds", type=float, default=30.0,
+                   help="while running, repair drifted rules and drop pods whose netns is gone this often; "
+                        "0 = only at start (%(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -761,12 +824,14 @@ def options_from_args(a: argparse.Namespace) -> Options:
         raise ConfigError("--workers", a.workers, "expected 1..256")
     if not 0 <= a.http_port <= 65535:
         raise ConfigError("--http-port", a.http_port, "expected 0..65535")
+    if a.resync_seconds < 0:
+        raise ConfigError("--resync-seconds", a.resync_seconds, "expected 0 (off) or a positive number of seconds")
     if a.proxy_timeout <= 0:
         raise ConfigError("--proxy-timeout", a.proxy_timeout, "expected a positive number of seconds")
     return Options(events_socket=a.events_socket, proxy_socket=a.proxy_socket, backend=a.backend,
                    node_name=a.node_name, host_rules=not a.no_host_rules, host_netns=a.host_netns,
                    http_host=a.http_host, http_port=a.http_port, workers=a.workers, proxy_timeout=a.proxy_timeout,
-                   capture=capture, scan_proc=not a.no_proc_scan)
+                   capture=capture, scan_proc=not a.no_proc_scan, resync_seconds=a.resync_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ class Metrics:
         self.events: dict[str, int] = {}
         self.failures: dict[str, int] = {}
         self.reconciled: dict[str, int] = {}
+        self.resynced: dict[str, int] = {}
         self._hist = [0] * len(BUCKETS)
         self._count = 0
         self._sum = 0.0
@@ -70,6 +71,9 @@ class Metrics:
             out += ["# HELP redirect_agent_reconciled_total Pods found at start, by what reconciling did.",
                     "# TYPE redirect_agent_reconciled_total counter"]
             out += [f'redirect_agent_reconciled_total{{result="{k}"}} {v}' for k, v in sorted(self.reconciled.items())]
+            out += ["# HELP redirect_agent_resynced_total Pods checked while running, by what resync did.",
+                    "# TYPE redirect_agent_resynced_total counter"]
+            out += [f'redirect_agent_resynced_total{{result="{k}"}} {v}' for k, v in sorted(self.resynced.items())]
             out += ["# HELP redirect_agent_setup_seconds Time to enrol a pod (rules + node set + proxy ack).",
                     "# TYPE redirect_agent_setup_seconds histogram"]
             out += [f'redirect_agent_setup_seconds_bucket{{le="{b}"}} {n}'
