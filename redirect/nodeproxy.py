@@ -28,6 +28,9 @@ every pod it has and reconnects (backoff up to 1 s). Connections are bounded
 (``--max-conns``; over it, new ones are closed at once) and each relay has an idle
 timeout.
 
+There is no DNS listener (15053): pods enrolled with ``dns_capture`` need a node proxy
+that has one.
+
 Handover: listeners use ``SO_REUSEPORT`` and the proxy sets ``net.ipv4.tcp_migrate_req=1``
 in each pod netns, so a new proxy can start beside the old one, and when the old one gets
 SIGTERM (it closes its listeners, then lets relayed connections finish for at most
