@@ -716,5 +716,9 @@ def test_resync_repairs_drift_while_running_and_drops_pods_whose_netns_went(
     wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == "uid-s1", 5)
     assert "uid-s1" not in node.list_pods(n.ns).values()
     assert agent.metric('redirect_agent_resynced_total{result="gone"}') == 1
+    # The node's sets are destroyed under the agent: the next ADD (or resync) puts them back.
+    node.teardown_node(n.ns)
+    assert cni("ADD", pods[0], "uid-s0", n.events)[0] == 0
+    assert node.check_node(n.ns).ok and node.list_pods(n.ns)[pods[0].pod_ip4] == "uid-s0"
     assert cni("DEL", pods[0], "uid-s0", n.events)[0] == 0
     nothing_left(pods[0].name, n.ns, "uid-s0")

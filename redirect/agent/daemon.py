@@ -45,7 +45,7 @@ from typing import Any
 from .. import api, node
 from .. import netns as _netns
 from ..config import RedirectConfig
-from ..errors import ConfigError, RedirectError
+from ..errors import ConfigError, RedirectError, SetupError
 from . import identity, protocol
 from .metrics import Metrics, serve_http
 
@@ -661,7 +661,11 @@ class Agent:
                 identity.write(pod.netns, pod.record())
                 api.setup(pod.netns, pod.config, pod.backend)
                 if self.opts.host_rules and pod.ips:
-                    added_ips = node.add_pods(pod.ips, host, owner=pod.uid)
+                    try:
+                        added_ips = node.add_pods(pod.ips, host, owner=pod.uid)
+                    except SetupError:  # the node sets went away since the start: put them back once
+                        node.setup_node(host)
+                        added_ips = node.add_pods(pod.ips, host, owner=pod.uid)
                 with self.lock:
                     old = self.pods.get(pod.uid)
                     self.pods[pod.uid] = pod
