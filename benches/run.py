@@ -25,9 +25,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     #           per-pod samples, scale levels, samples per level, memory pods, datapath rounds/seconds/max/bulk
     # exec_samples: pods per exec'd method (redirect init, redirect-cni), which cost a process start each.
     # focus: exec'd methods, scale and memory only for sidecar mode and the non-variant backends.
-    "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=10, mem_pods=100,
+    "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=20, mem_pods=100,
                  rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False),
-    "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=5, mem_pods=100,
+    "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=8, mem_pods=100,
                   rounds=3, seconds=0.7, max_conns=50_000, bulk_seconds=0.3, focus=True),
     "tiny": dict(samples=3, exec_samples=2, levels=[1, 3], level_samples=2, mem_pods=3,
                  rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True),
@@ -39,9 +39,11 @@ PHASES = ("per_pod", "cli", "cni", "scale", "memory", "datapath")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benches", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="under two minutes: fewer samples, N up to 100")
+    p.add_argument("--quick", action="store_true", help="under two minutes: fewer samples, N up to 100 "
+                   "(the full run: N up to 1000, every mode through every entry point)")
     p.add_argument("--tiny", action="store_true", help="seconds; for the smoke test (numbers meaningless)")
-    p.add_argument("--backends", help="comma list (default: redirect.backends.BACKENDS)")
+    p.add_argument("--backends", help="comma list (default: redirect.backends.BACKENDS without the 'auto' alias, "
+                   "plus ebpf)")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of modes to try (default: %(default)s)")
     p.add_argument("--skip", default="", help=f"comma list of phases to skip: {', '.join(PHASES)}")
     p.add_argument("--levels", help="comma list of N for the scale phase (overrides the profile)")
