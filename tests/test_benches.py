@@ -169,3 +169,26 @@ def test_targets_pass_and_fail_from_the_ratios_of_one_run() -> None:
     assert status["api/iptables/sidecar: pod 1000 setup vs pod 1"] == "PASS"
     assert status["api/nftables/sidecar: pod 1000 setup vs pod 1"] == "FAIL"
     assert "| **FAIL** |" in report.markdown(dict(res, ratios=r, targets=report.targets(res, r)))
+
+
+@needs_root
+def test_ctrl_c_with_ebpf_pods_registered_removes_the_scratch_bpf_root(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--skip", "per_pod,cli,cni,memory,datapath", "--levels", "1,300", backends="ebpf")
+    root = f"/sys/fs/bpf/rdrt-bench-{proc.pid}"
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(root) and any("-f" in n for n in _ours(proc.pid)):  # filling the scale level
+            break
+        time.sleep(0.02)
+    if proc.poll() is None and os.path.exists(root):
+        time.sleep(0.3)  # some pods registered in the maps
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert not _left_behind(proc.pid), "left after Ctrl-C"
+    res = json.loads((tmp_path / "latest.json").read_text())
+    if "interrupted: partial results" not in res["notes"]:
+        # eBPF did not come up (it is being changed concurrently): then its error is recorded.
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert res["skipped_backends"].get("ebpf"), res["notes"]
+    else:
+        assert proc.returncode == 130, err.decode()[-2000:]
