@@ -62,6 +62,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -354,10 +355,12 @@ class HostPrograms:
                 return cls.open_pinned(root)
             if len(objs) < len(MAPS) + len(PROGRAMS):  # some pins are there: is anyone using them?
                 pods = _pods_in(root)
-                if pods:
+                if pods is None or pods:
+                    who = (f"{pods} pod(s) are registered" if pods else
+                           "pods may be registered (no pods map pin, but the programs are still attached)")
                     raise SetupError(
                         f"ebpf: the host programs under {root} are incomplete (missing: {', '.join(missing)}) while"
-                        f" {pods} pod(s) are registered; reloading would drop their capture. Tear those pods down"
+                        f" {who}; reloading would drop their capture. Tear those pods down"
                         f" (or unload_host({root!r}, force=True)) and set up again"
                     )
                 log.warning("ebpf: host pins under %s incomplete (missing: %s); reloading", root, ", ".join(missing))
@@ -384,12 +387,25 @@ def missing_pins(root: str) -> list[str]:
     return out
 
 
-def _pods_in(root: str) -> int:
-    """How many pods the pinned ``pods`` map of ``root`` holds (0 if there is none)."""
+def _pods_in(root: str) -> int | None:
+    """How many pods are registered under ``root``; ``None`` if that can't be told.
+
+    Without the ``pods`` pin the count comes from the per-pod link pins, and is unknown
+    while cgroup links are pinned (the attached programs may still serve outbound-only pods).
+    """
     try:
         fd = obj_get(os.path.join(root, "maps", "pods"))
     except OSError:
-        return 0
+        try:
+            pod_links = os.listdir(os.path.join(root, "pods"))
+        except FileNotFoundError:
+            pod_links = []
+        if pod_links:
+            return len(pod_links)
+        try:
+            return None if os.listdir(os.path.join(root, "links")) else 0
+        except FileNotFoundError:
+            return 0
     try:
         return sum(1 for _ in Map("pods", fd, 8, POLICY.size).keys())
     finally:
@@ -584,6 +600,13 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
             raise SetupError(
                 f"ebpf: {len(pods)} pod(s) still registered under {r} (netns cookies {pods[:5]}): tear them down first"
             )
+        if not force and os.path.isdir(r) and host(r, load=False) is None:
+            n = _pods_in(r)  # some pins are missing: count what can be counted
+            if n is None or n:
+                raise SetupError(
+                    f"ebpf: host pins under {r} are incomplete (missing: {', '.join(missing_pins(r))}) and pods may"
+                    f" still be registered; tear them down, or unload_host({r!r}, force=True)"
+                )
         with _host_cache_lock:
             h = _host_cache.pop(r, None)
             if h is not None:
@@ -671,11 +694,12 @@ def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
     return POLICY.pack(*v)
 
 
-def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
-                local: list[tuple[int, str, str]] | None = None) -> PodEntries:
-    """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
+@functools.lru_cache(maxsize=256)
+def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
+                                                                             tuple[tuple[int, int, bytes], ...]]:
+    """What ``cfg`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
 
-    ``local`` is (family, address, device), as ``local_addresses`` gives it.
+    Cached (configs are frozen): many pods share a config, and this is ~20 us of ``ipaddress``.
     """
     flags = 0
     if cfg.outbound_cidrs == "*":
@@ -701,15 +725,14 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
         lo.network_address.packed, lo.netmask.packed, len(cfg.proxy_uids), len(cfg.proxy_gids), 0, 0,
         *_ranges(cfg.proxy_uids), *_ranges(cfg.proxy_gids), groups_mode, len(groups), *_ranges(groups),
     )
-    ports = {PORT_KEY.pack(cookie, PORT_OUT_EXCL, p, 0) for p in cfg.outbound_exclude_ports}
-    ports |= {PORT_KEY.pack(cookie, PORT_OUT_INCL, p, 0) for p in cfg.outbound_ports}
+    ports = {(PORT_OUT_EXCL, p) for p in cfg.outbound_exclude_ports}
+    ports |= {(PORT_OUT_INCL, p) for p in cfg.outbound_ports}
     if inbound:
         if cfg.inbound_ports == "*":
-            ports |= {PORT_KEY.pack(cookie, PORT_IN_EXCL, p, 0) for p in cfg.inbound_exclude_ports}
+            ports |= {(PORT_IN_EXCL, p) for p in cfg.inbound_exclude_ports}
         else:
-            ports |= {PORT_KEY.pack(cookie, PORT_IN_INCL, p, 0) for p in cfg.inbound_ports
-                      if p not in cfg.inbound_exclude_ports}
-    cidrs: set[bytes] = set()
+            ports |= {(PORT_IN_INCL, p) for p in cfg.inbound_ports if p not in cfg.inbound_exclude_ports}
+    cidrs: set[tuple[int, int, bytes]] = set()
 
     def add(kind4: int, kind6: int, items: tuple[str, ...]) -> None:
         for c in items:
@@ -717,36 +740,55 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
             if net.version == 6 and 6 not in families:
                 continue
             kind = kind4 if net.version == 4 else kind6
-            cidrs.add(CIDR_KEY.pack(96 + net.prefixlen, kind, cookie, net.network_address.packed.ljust(16, b"\0")))
+            cidrs.add((96 + net.prefixlen, kind, net.network_address.packed.ljust(16, b"\0")))
 
     add(CIDR_OUT_EXCL4, CIDR_OUT_EXCL6, cfg.outbound_exclude_cidrs)
     if cfg.outbound_cidrs != "*":
         add(CIDR_OUT_INCL4, CIDR_OUT_INCL6, cfg.outbound_cidrs)
     if cfg.dns_effective and not cfg.capture_all_dns:
         add(CIDR_DNS4, CIDR_DNS6, cfg.dns_servers)
-    # The pod's own addresses: a connect to them leaves over lo (Istio's "-o lo" rules); with
-    # inbound capture, ::6 on lo too (the plan adds it for the proxy's passthrough).
-    own = {(f, ip) for f, ip, _dev in local or () if f in families}
+    # With inbound capture, ::6 on lo is the pod's too (the plan adds it for the proxy's passthrough).
     if cfg.inbound_ports != () and 6 in families:
-        own.add((6, INBOUND_PASSTHROUGH_V6.split("/")[0]))
-    for f, ip in own:
-        raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
-        cidrs.add(CIDR_KEY.pack(96 + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6, cookie, raw))
+        cidrs.add((96 + 128, CIDR_LOCAL6, socket.inet_pton(socket.AF_INET6, INBOUND_PASSTHROUGH_V6.split("/")[0])))
+    return policy, tuple(sorted(ports)), tuple(sorted(cidrs))
+
+
+def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
+                local: list[tuple[int, str, str]] | None = None) -> PodEntries:
+    """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
+
+    ``local`` is (family, address, device), as ``local_addresses`` gives it.
+    """
+    policy, port_specs, cidr_specs = _config_entries(cfg, families)
+    ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
+    cidrs = {CIDR_KEY.pack(plen, kind, cookie, raw) for plen, kind, raw in cidr_specs}
+    # The pod's own addresses: a connect to them leaves over lo (Istio's "-o lo" rules).
+    for f, ip, _dev in local or ():
+        if f in families:
+            raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
+            cidrs.add(CIDR_KEY.pack(96 + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6, cookie, raw))
     # Inbound is steered by the address a connection arrives at: the pod's, not lo's.
+    inbound = bool(POLICY.unpack_from(policy)[P_FLAGS] & F_INBOUND)
     addrs = frozenset(ADDR_KEY.pack(AF[f], socket.inet_pton(AF[f], ip).ljust(16, b"\0"))
                       for f, ip, dev in local or () if f in families and dev != "lo") if inbound else frozenset()
-    return PodEntries(policy, frozenset(ports), frozenset(cidrs), addrs)
+    return PodEntries(policy, ports, frozenset(cidrs), addrs)
 
 
 _V6_LOOPBACK = bytes(15) + b"\1"
 
 
 def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, str]]:
-    """(family, address, device) of the current netns's addresses, loopback and link-local aside.
+    """(family, address, device) of the current netns's addresses, loopback and link-local aside."""
+    return _local_state(families)[0]
+
+
+def _local_state(families: tuple[int, ...]) -> tuple[list[tuple[int, str, str]], bool]:
+    """``local_addresses``, and whether IPv6 is on here (it has addresses: ``::1`` at least).
 
     Per pod, so without ``ipaddress`` (about 10 us an address) or netlink dumps.
     """
     out: list[tuple[int, str, str]] = []
+    v6_on = False
     if 4 in families:
         # SIOCGIFCONF: one ifreq (40 bytes: name, sockaddr) per IPv4 address, on any socket of this netns.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -762,6 +804,7 @@ def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, str]]:
         try:
             with open("/proc/thread-self/net/if_inet6", encoding="ascii") as f:
                 for line in f:
+                    v6_on = True
                     parts = line.split()
                     raw = bytes.fromhex(parts[0])
                     if raw == _V6_LOOPBACK or (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
@@ -769,7 +812,7 @@ def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, str]]:
                     out.append((6, socket.inet_ntop(socket.AF_INET6, raw), parts[-1]))
         except FileNotFoundError:
             pass
-    return out
+    return out, v6_on
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
@@ -959,7 +1002,7 @@ class EbpfBackend:
         assert h is not None
         t_host, c_host = time.perf_counter(), time.thread_time()
         cookie = current_netns_cookie()
-        local = local_addresses(families)
+        local, v6_on = _local_state(families)
         want = pod_entries(cfg, families, cookie, local)
         inbound = want.inbound
         old = self._read(h, cookie)
@@ -968,7 +1011,8 @@ class EbpfBackend:
         # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, dev in local if dev == "lo"}
-        add_addrs = [a for a in _plan_addresses(plan, families) if (a.family, a.cidr.split("/")[0]) not in on_lo]
+        plan_addrs = _plan_addresses(plan, families, v6_on)
+        add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         scan = inbound and _port_bound(cfg.inbound_port, _unserved(h, cookie, families))
@@ -1057,7 +1101,7 @@ class EbpfBackend:
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
             if have_link:
                 _detach_pinned(link_path)
-        if old.policy is not None and not _plan_addresses(plan, families):
+        if old.policy is not None and not plan_addrs:
             _remove_our_addresses()
         d = self._detail(h, cookie, t0, t_host, c_host, link_path, inbound)
         log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
@@ -1189,10 +1233,9 @@ class EbpfBackend:
         return "\n".join(lines) + "\n"
 
 
-def _plan_addresses(plan: Plan, families: tuple[int, ...]) -> tuple[LocalAddress, ...]:
-    from .. import routes as rt
-
-    return rt.usable_addresses([a for a in plan.addresses if a.family in families])
+def _plan_addresses(plan: Plan, families: tuple[int, ...], v6_on: bool) -> tuple[LocalAddress, ...]:
+    """The plan's addresses that can exist here (as ``routes.usable_addresses``: IPv6 ones while IPv6 is on)."""
+    return tuple(a for a in plan.addresses if a.family in families and (a.family == 4 or v6_on))
 
 
 def _add_address(a: LocalAddress) -> None:
