@@ -137,8 +137,10 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                 notes.append(f"data path {c.name}: skipped: {e}")
                 results["cases"][c.name] = {"error": str(e)}
             progress(1)
-        for _ in range(rounds):
-            for c in live:
+        for i in range(rounds):
+            # Rounds interleave the cases, each round starting one case later: drift on a shared
+            # machine and any first-in-round advantage hit every case alike.
+            for c in live[i % len(live):] + live[:i % len(live)] if live else []:
                 c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max_conns, seconds, 64))
                 c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
