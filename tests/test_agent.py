@@ -354,6 +354,15 @@ def test_add_fails_closed_without_agent_proxy_or_answer(test_node: Node, pod: Po
     assert ei.value.reason == "netns"
     with pytest.raises(client.AgentError, match="pod.ips"):
         client.add_pod(test_node.events, uid="u1", netns=pod.path, ips=["10.0.0.300"])
+    with pytest.raises(client.AgentError, match="larger than the limit") as ei:  # no config: can't shrink
+        client.add_pod(test_node.events, uid="u1", netns=pod.path, annotations={"big": "x" * 70000})
+    assert ei.value.reason == "protocol"
+    # With the config resolved (what the CNI plugin sends), oversized annotations are left out.
+    res = client.add_pod(test_node.events, uid="u-big", netns=pod.path, config={"mode": "ambient"},
+                         annotations={"big": "x" * 70000})
+    assert res["enrolled"]
+    assert client.del_pod(test_node.events, uid="u-big", netns=pod.path)["removed"]
+    nothing_left(pod.name, test_node.ns, "u-big")
     assert test_node.agent is not None
     assert test_node.agent.metric('redirect_agent_failures_total{reason="no_proxy"}') == 1
     assert test_node.agent.metric('redirect_agent_failures_total{reason="proxy"}') == 1

@@ -43,7 +43,10 @@ def add_pod(socket_path: str, *, uid: str, netns: str, name: str = "", namespace
         pod["config"] = dict(config)
     if backend is not None:
         pod["backend"] = backend
-    return _call(socket_path, {"type": "add", "pod": pod}, timeout)
+    msg = {"type": "add", "pod": pod}
+    if config is not None and len(protocol.encode(msg, check=False)) > protocol.MAX_MESSAGE:
+        pod["annotations"] = {}  # informative only when the config is given: keep the event under the limit
+    return _call(socket_path, msg, timeout)
 
 
 def del_pod(socket_path: str, *, uid: str = "", netns: str = "", container_id: str = "",
