@@ -550,11 +550,12 @@ def _connect_once(ns: str, dst: str, port: int) -> tuple[str, int]:
         return s.getsockname()  # type: ignore[no-any-return]
 
 
-def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(test_node: Node) -> None:
+@pytest.mark.parametrize("backend_node", ["iptables", "nftables"], indirect=True)
+def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node) -> None:
     """100 concurrent adds (straight to the events socket; the CNI path is covered above): all
     enrolled, each in its own netns with its own identity, no cross-talk; /healthz, /readyz,
     /metrics; SIGTERM leaves every pod captured; a restart finds all 100; 100 concurrent deletes."""
-    n = test_node
+    n = backend_node
     agent = n.start_agent("--workers", "16")
     assert agent.get("/healthz") == (200, "ok\n")
     n.start_proxy()
@@ -614,7 +615,7 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(test_node: Node) -
         assert not os.path.exists(n.events) and not os.path.exists(n.proxy_sock)
         amb = redirect.RedirectConfig(mode="ambient")
         for ns, _, _ in pods[:5]:
-            assert redirect.check(ns, amb).ok
+            assert redirect.check(ns, amb, backend=n.backend).ok
         ip, port = _connect_once(pods[7][0], pods[7][2], 80)
         assert wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["src"] == [ip, port])["pod"] == uids[7]
 
@@ -643,7 +644,7 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(test_node: Node) -
         assert node.list_pods(n.ns) == {}
         assert agent.metric("redirect_agent_pods_enrolled") == 0
         for i in range(0, count, 10):
-            nothing_left(pods[i][0], n.ns, uids[i])
+            nothing_left(pods[i][0], n.ns, uids[i], n.backend)
         assert all(identity.read(ns) is None for ns, _, _ in pods)
         assert len(n.proxy_events("pod_removed")) >= count
 
