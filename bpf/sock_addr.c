@@ -174,3 +174,71 @@ int rdr_sock_release(struct bpf_sock *ctx)
 	dns_by_cookie.delete(&cookie);
 	return 1;
 }
+
+/* getpeername on a socket we redirected: the app sees the peer it connected
+ * to, as it does through iptables' NAT (which rewrites packets, not
+ * sockets). TCP: by the socket's local end (orig_by_tuple, see sockopt.c);
+ * connected UDP (DNS): by socket cookie. Only an answer that still names
+ * where we sent it is rewritten. */
+int rdr_getpeername4(struct bpf_sock_addr *ctx)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct orig_dst *o;
+	__u64 cookie;
+	__u32 ip;
+
+	if (!pod_of(netns) || ctx->user_ip4 != bpf_htonl(0x7f000001))
+		return SYS_PROCEED;
+	if (ctx->type == SOCK_STREAM) {
+		struct tuple_key k = {.netns = netns, .family = AF_INET};
+
+		k.port_be = bpf_htons((__u16)ctx->sk->src_port);
+		ip = ctx->sk->src_ip4;
+		__builtin_memcpy(k.addr, &ip, 4);
+		o = orig_by_tuple.lookup(&k);
+	} else {
+		cookie = bpf_get_socket_cookie(ctx);
+		o = dns_by_cookie.lookup(&cookie);
+	}
+	if (!o || o->family != AF_INET || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
+		return SYS_PROCEED;
+	__builtin_memcpy(&ip, o->addr, 4);
+	ctx->user_ip4 = ip;
+	ctx->user_port = o->port_be;
+	return SYS_PROCEED;
+}
+
+int rdr_getpeername6(struct bpf_sock_addr *ctx)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct orig_dst *o;
+	__u64 cookie;
+	__u32 ip[4];
+
+	if (!pod_of(netns) || ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] ||
+	    ctx->user_ip6[3] != bpf_htonl(1))
+		return SYS_PROCEED;
+	if (ctx->type == SOCK_STREAM) {
+		struct tuple_key k = {.netns = netns, .family = AF_INET6};
+
+		k.port_be = bpf_htons((__u16)ctx->sk->src_port);
+		ip[0] = ctx->sk->src_ip6[0];
+		ip[1] = ctx->sk->src_ip6[1];
+		ip[2] = ctx->sk->src_ip6[2];
+		ip[3] = ctx->sk->src_ip6[3];
+		__builtin_memcpy(k.addr, ip, 16);
+		o = orig_by_tuple.lookup(&k);
+	} else {
+		cookie = bpf_get_socket_cookie(ctx);
+		o = dns_by_cookie.lookup(&cookie);
+	}
+	if (!o || o->family != AF_INET6 || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
+		return SYS_PROCEED;
+	__builtin_memcpy(ip, o->addr, 16);
+	ctx->user_ip6[0] = ip[0];
+	ctx->user_ip6[1] = ip[1];
+	ctx->user_ip6[2] = ip[2];
+	ctx->user_ip6[3] = ip[3];
+	ctx->user_port = o->port_be;
+	return SYS_PROCEED;
+}

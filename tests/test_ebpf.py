@@ -615,3 +615,35 @@ def test_without_the_pods_map_pin_setup_and_unload_refuse_while_programs_may_ser
     finally:
         _close(proxy, app)
     assert ebpf.unload_host(scratch_root, force=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["iptables-nft", "ebpf"])
+def test_the_app_sees_the_peer_it_connected_to(pod: Pod, bpf_root: str, backend: str, family: int) -> None:
+    """getpeername after a captured connect names the original destination (TCP and connected UDP DNS),
+    as through iptables' NAT: the app can't tell it was redirected."""
+    server = pod.peer_ip(family)
+    cfg = RedirectConfig(inbound_ports=(), dns_capture=True, capture_all_dns=True)
+    ls = [TcpListener(pod.name, 15001, family=family, label="proxy").start(),
+          UdpListener(pod.name, 15053, family=family, label="dns").start()]
+    api.setup(pod.name, cfg, backend=backend)
+    try:
+        def peers() -> dict[str, object]:
+            af = socket.AF_INET if family == 4 else socket.AF_INET6
+            out: dict[str, object] = {}
+            with socket.socket(af, socket.SOCK_STREAM) as t:
+                t.settimeout(2)
+                t.connect((server, 8080))
+                out["tcp"] = list(t.getpeername()[:2])
+            with socket.socket(af, socket.SOCK_DGRAM) as u:
+                u.connect((server, 53))
+                out["udp"] = list(u.getpeername()[:2])
+            return out
+
+        got = netkit._in_child(pod.name, APP_UID, APP_UID, 3.0, peers)
+        assert got.get("tcp") == [server, 8080], got
+        assert got.get("udp") == [server, 53], got
+        assert ls[0].conns, "the TCP connection was captured"
+    finally:
+        api.teardown(pod.name, backend=backend)
+        _close(ls)

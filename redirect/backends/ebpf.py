@@ -3,7 +3,8 @@
 Host part, done once per host (``HostPrograms.open_or_load``): ``bpf/*.c`` is
 compiled through bcc, every program and map is pinned under a bpffs directory
 (``/sys/fs/bpf/redirect``, or ``$REDIRECT_BPF_ROOT``), and the cgroup programs
-(``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getsockopt``, ``sock_ops``)
+(``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getpeername4/6``,
+``getsockopt``, ``sock_ops``, ``sock_release``)
 are attached to the cgroup v2 root (``/sys/fs/cgroup/unified``, or
 ``$REDIRECT_BPF_CGROUP``) with pinned ``bpf_link``\\ s. A later process finds
 the pins and reuses them: nothing is compiled again. The host programs act
@@ -45,6 +46,10 @@ How the iptables semantics are met without packets:
   ``check`` reports addresses added later). So, as with iptables, the app's
   connection to its own pod IP is not captured, and the proxy's (uid/gid 1337)
   goes to inbound capture (the service-VIP hairpin), except to the tunnel port;
+- the app's ``getpeername`` names the original destination (TCP and connected
+  UDP), as through NAT; its socket's *local* address is loopback, though
+  (iptables: the pod address), so the proxy sees outbound connections come
+  from ``127.0.0.1`` / ``::1``;
 - owner matches use the calling task's uid and primary gid, like iptables'
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``;
 - inbound: the proxy's inbound listener is put in a sockhash when it starts
@@ -100,6 +105,8 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
     "rdr_sendmsg6": (PROG_CGROUP_SOCK_ADDR, 15, True),
     "rdr_recvmsg4": (PROG_CGROUP_SOCK_ADDR, 19, True),
     "rdr_recvmsg6": (PROG_CGROUP_SOCK_ADDR, 20, True),
+    "rdr_getpeername4": (PROG_CGROUP_SOCK_ADDR, 29, True),
+    "rdr_getpeername6": (PROG_CGROUP_SOCK_ADDR, 30, True),
     "rdr_getsockopt": (PROG_CGROUP_SOCKOPT, 21, True),
     "rdr_sockops": (PROG_SOCK_OPS, 3, True),
     "rdr_sock_release": (PROG_CGROUP_SOCK, 34, True),
