@@ -684,7 +684,7 @@ class Agent:
                     raise EventError("setup", str(e)) from None
                 raise
         jlog(logging.INFO, "pod enrolled", pod=pod.uid, name=pod.name, namespace=pod.namespace, netns=pod.netns,
-             ips=list(pod.ips), proxies=len(waiters))
+             ips=list(pod.ips), proxies=len(waiters), backend=pod.backend)
         return {"enrolled": True, "pod": pod.uid, "proxies": len(waiters)}
 
     def _rollback(self, pod: PodRecord, added_ips: list[str], old: PodRecord | None) -> None:
