@@ -155,7 +155,6 @@ class ProxyConn:
         self.pending: dict[int, Waiter] = {}
         self.lock = threading.Lock()
         self.alive = True
-        self.pods_acked = 0
         self.synced = threading.Event()  # acked its first snapshot_done
         threading.Thread(target=self._writer, name=f"proxy-w:{name}", daemon=True).start()
         threading.Thread(target=self._reader, name=f"proxy-r:{name}", daemon=True).start()
@@ -655,7 +654,6 @@ class Agent:
                     raise EventError("no_proxy", "no node proxy is connected: the pod would have no proxy")
             host = self._host()
             added_ips: list[str] = []
-            old: PodRecord | None = None
             waiters: list[tuple[ProxyConn, Waiter]] = []
             try:
                 identity.write(pod.netns, pod.record())
@@ -667,7 +665,6 @@ class Agent:
                         node.setup_node(host)
                         added_ips = node.add_pods(pod.ips, host, owner=pod.uid)
                 with self.lock:
-                    old = self.pods.get(pod.uid)
                     self.pods[pod.uid] = pod
                     self.metrics.set("pods_enrolled", len(self.pods))
                     waiters = [(c, c.send_add(pod)) for c in self.proxies]
@@ -677,7 +674,7 @@ class Agent:
                 if errors:
                     raise EventError("proxy", "node proxy did not take the pod: " + "; ".join(errors))
             except Exception as e:
-                self._rollback(pod, added_ips, old)
+                self._rollback(pod, added_ips)
                 if isinstance(e, EventError):
                     raise
                 if isinstance(e, RedirectError):
@@ -687,7 +684,8 @@ class Agent:
              ips=list(pod.ips), proxies=len(waiters), backend=pod.backend)
         return {"enrolled": True, "pod": pod.uid, "proxies": len(waiters)}
 
-    def _rollback(self, pod: PodRecord, added_ips: list[str], old: PodRecord | None) -> None:
+    def _rollback(self, pod: PodRecord, added_ips: list[str]) -> None:
+        """Undo a failed add, whether or not the pod was enrolled before (the runtime retries or DELs)."""
         with self.lock:
             if self.pods.get(pod.uid) is pod:
                 del self.pods[pod.uid]
