@@ -647,3 +647,18 @@ def test_the_app_sees_the_peer_it_connected_to(pod: Pod, bpf_root: str, backend:
     finally:
         api.teardown(pod.name, backend=backend)
         _close(ls)
+
+
+def test_pins_of_other_sources_are_replaced_once_no_pod_uses_them(pod: Pod, scratch_root: str) -> None:
+    """An upgrade of bpf/ (here: the build pin renamed, as an older build would have it)."""
+    api.setup(pod.name, OUT_ONLY, backend="ebpf")
+    mine = os.path.join(scratch_root, "maps", f"build-{ebpf.build_id()}")
+    os.rename(mine, os.path.join(scratch_root, "maps", "build-000000000000"))
+    with pytest.raises(SetupError, match=rf"missing: maps/build-{ebpf.build_id()}\) while 1 pod"):
+        api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    assert api.teardown(pod.name, backend="ebpf")  # teardown still works on the old pins
+    res = api.setup(pod.name, OUT_ONLY, backend="ebpf")
+    assert res.detail["compiled"] is True and not ebpf.missing_pins(scratch_root)
+    assert sorted(n for n in os.listdir(os.path.join(scratch_root, "maps")) if n.startswith("build-")) == [
+        f"build-{ebpf.build_id()}"]
+    api.teardown(pod.name, backend="ebpf")

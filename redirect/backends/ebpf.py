@@ -329,9 +329,17 @@ class HostPrograms:
             for m in MAPS:
                 fd = obj_get(os.path.join(root, "maps", m))
                 maps[m] = Map(m, fd, *sizes[m])
+                have = _map_fdinfo(fd)
+                if (have.get("key_size"), have.get("value_size")) != sizes[m]:
+                    raise SetupError(
+                        f"ebpf: pinned map {root}/maps/{m} has key/value size {have.get('key_size')}/"
+                        f"{have.get('value_size')}, this build needs {sizes[m][0]}/{sizes[m][1]}: the pins come from"
+                        f" another version of bpf/; tear its pods down with that version, or"
+                        f" unload_host({root!r}, force=True)"
+                    )
             for p in PROGRAMS:
                 progs[p] = obj_get(os.path.join(root, "progs", p))
-        except OSError:
+        except (OSError, SetupError):
             for mm in maps.values():
                 os.close(mm.fd)
             for fd in progs.values():
@@ -360,7 +368,7 @@ class HostPrograms:
                 _repair_links(root, cg, [m.split("/", 1)[1] for m in missing])
                 log.warning("ebpf: re-created missing cgroup links under %s: %s", root, ", ".join(missing))
                 return cls.open_pinned(root)
-            if len(objs) < len(MAPS) + len(PROGRAMS):  # some pins are there: is anyone using them?
+            if len(objs) < len(MAPS) + 1 + len(PROGRAMS):  # some pins are there: is anyone using them?
                 pods = _pods_in(root)
                 if pods is None or pods:
                     who = (f"{pods} pod(s) are registered" if pods else
@@ -382,10 +390,31 @@ def _cgroup_progs() -> list[str]:
     return [p for p, (_, _, cg) in PROGRAMS.items() if cg]
 
 
+@functools.lru_cache(maxsize=1)
+def build_id() -> str:
+    """A digest of ``bpf/``: pinned as ``maps/build-<id>``, so pins of other sources count as missing."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for n in sorted(os.listdir(BPF_DIR)):
+        if n.endswith((".c", ".h")):
+            with open(os.path.join(BPF_DIR, n), "rb") as f:
+                h.update(n.encode() + b"\0" + f.read())
+    return h.hexdigest()[:12]
+
+
+def _build_pin() -> str:
+    return f"build-{build_id()}"
+
+
 def missing_pins(root: str) -> list[str]:
-    """The host pins (``maps/x``, ``progs/x``, ``links/x``) not present under ``root``."""
+    """The host pins (``maps/x``, ``progs/x``, ``links/x``) not present under ``root``.
+
+    ``maps/build-<id>`` stands for "pinned from these sources": after an upgrade of ``bpf/``
+    it is missing, so the old programs are replaced (or, with pods registered, setup says so).
+    """
     out: list[str] = []
-    for d, names in (("maps", MAPS), ("progs", tuple(PROGRAMS)), ("links", tuple(_cgroup_progs()))):
+    for d, names in (("maps", (*MAPS, _build_pin())), ("progs", tuple(PROGRAMS)), ("links", tuple(_cgroup_progs()))):
         try:
             have = set(os.listdir(os.path.join(root, d)))
         except FileNotFoundError:
@@ -436,6 +465,18 @@ def _repair_links(root: str, cgroup: str, names: list[str]) -> None:
         os.close(cgfd)
 
 
+def _map_fdinfo(fd: int) -> dict[str, int]:
+    """key_size, value_size, ... of a map fd, from /proc/self/fdinfo (no BPF_OBJ_GET_INFO needed)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            v = v.strip()
+            if v.isdigit():
+                out[k.strip()] = int(v)
+    return out
+
+
 def _map_sizes() -> dict[str, tuple[int, int]]:
     return {
         "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
@@ -469,6 +510,7 @@ def _load_and_pin(root: str, cgroup: str) -> None:
     if not os.path.isdir(cgroup) or not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
         raise BackendUnavailable(f"ebpf: cgroup v2 not mounted at {cgroup} (set REDIRECT_BPF_CGROUP)")
     text = "".join(open(os.path.join(BPF_DIR, n), encoding="utf-8").read() for n in SOURCES)
+    text += "\n/* which sources these pins came from (see build_id) */\nBPF_ARRAY(build_id, __u32, 1);\n"
     try:
         b = BPF(text=text.encode(), cflags=[f"-I{BPF_DIR}", "-Wno-unused-function"])
     except Exception as e:
@@ -492,6 +534,10 @@ def _load_and_pin(root: str, cgroup: str) -> None:
             if fd < 0:
                 raise BackendUnavailable(f"ebpf: map {m} missing from the compiled object")
             obj_pin(fd, os.path.join(root, "maps", m))
+        fd = libbcc.lib.bpf_table_fd(b.module, b"build_id")
+        if fd < 0:
+            raise BackendUnavailable("ebpf: map build_id missing from the compiled object")
+        obj_pin(fd, os.path.join(root, "maps", _build_pin()))
         for name, fn in fns.items():
             obj_pin(fn.fd, os.path.join(root, "progs", name))
         cgfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -551,7 +597,7 @@ def host(root: str | None = None, cgroup: str | None = None, load: bool = True) 
             del _host_cache[r]
         if not load:
             # Reading (check, show, teardown) works on whatever maps and programs are pinned.
-            if any(m.startswith(("maps/", "progs/")) for m in missing):
+            if any(m.startswith(("maps/", "progs/")) and not m.startswith("maps/build-") for m in missing):
                 return None
             h = HostPrograms.open_pinned(r)
             h.stamp = () if missing else _trusted(stamp)
