@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any
 
 #: Issue 8's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
@@ -21,6 +22,18 @@ def _median(d: dict[str, Any], key: str, phase: str = "setup") -> float | None:
     return float(v) if v else None
 
 
+def _rate_ratio(case: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """Connection rate of ``case`` over ``base``: the median of the per-round ratios when both have
+    their rounds (measured side by side in time, so drift on a shared machine cancels), else the
+    ratio of the medians."""
+    a, b = case.get("runs", {}).get("crr", []), base.get("runs", {}).get("crr", [])
+    if a and len(a) == len(b) and all(y.get("conn_per_s") for y in b):
+        return round(statistics.median(x["conn_per_s"] / y["conn_per_s"] for x, y in zip(a, b, strict=True)), 4)
+    if case.get("conn_per_s") and base.get("conn_per_s"):
+        return round(case["conn_per_s"] / base["conn_per_s"], 4)
+    return None
+
+
 def ratios(res: dict[str, Any]) -> dict[str, Any]:
     per_pod = res.get("per_pod", {})
     out: dict[str, Any] = {"setup_vs_reference": {}, "teardown_vs_reference": {}, "conn_rate_vs_direct": {},
@@ -32,15 +45,13 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
             if ref and v is not None and key != REFERENCE_KEY:
                 out[f"{phase}_vs_reference"][key] = round(v / ref, 4)
     cases = res.get("datapath", {}).get("cases", {})
-    direct = cases.get("direct", {}).get("conn_per_s")
-    refrate = cases.get("reference", {}).get("conn_per_s")
     for name, c in cases.items():
         if "conn_per_s" not in c:
             continue
-        if direct and name != "direct":
-            out["conn_rate_vs_direct"][name] = round(c["conn_per_s"] / direct, 4)
-        if refrate and name not in ("direct", "reference"):
-            out["conn_rate_vs_reference"][name] = round(c["conn_per_s"] / refrate, 4)
+        if name != "direct" and (v := _rate_ratio(c, cases.get("direct", {}))) is not None:
+            out["conn_rate_vs_direct"][name] = v
+        if name not in ("direct", "reference") and (v := _rate_ratio(c, cases.get("reference", {}))) is not None:
+            out["conn_rate_vs_reference"][name] = v
     for key, sc in res.get("scale", {}).items():
         levels = sc.get("levels", {})
         if "1" not in levels or len(levels) < 2:
@@ -142,7 +153,8 @@ def markdown(res: dict[str, Any]) -> str:
         L += ["", f"## Data path (loopback in a pod netns; connect + {dp.get('msg_bytes')} B request/response + "
               "close; median of rounds)", "",
               "The proxy listens on 15001 in the pod and echoes; it does not connect onward (the figure is "
-              "the cost of reaching the proxy).", "",
+              "the cost of reaching the proxy). Rate ratios are medians of per-round ratios (the cases run "
+              "side by side in each round).", "",
               "| case | target | conn/s | vs direct | vs Istio's rules | p50 (us) | p99 (us) | bulk (Gbit/s) |",
               "|---|---|---|---|---|---|---|---|"]
         for name, c in dp["cases"].items():

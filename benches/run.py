@@ -28,7 +28,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=20, mem_pods=100,
                  rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False),
     "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=8, mem_pods=100,
-                  rounds=3, seconds=0.7, max_conns=50_000, bulk_seconds=0.3, focus=True),
+                  rounds=5, seconds=0.5, max_conns=50_000, bulk_seconds=0.2, focus=True),
     "tiny": dict(samples=3, exec_samples=2, levels=[1, 3], level_samples=2, mem_pods=3,
                  rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True),
 }
