@@ -169,7 +169,7 @@ class ProxyConn:
                 w.done(False, "proxy disconnected")
                 return w
             self.pending[mid] = w
-        self.q.put(({**msg, "id": mid}, fd))
+            self.q.put(({**msg, "id": mid}, fd))  # under the lock: never after close()'s None
         return w
 
     def send_add(self, pod: PodRecord) -> Waiter:
@@ -220,11 +220,11 @@ class ProxyConn:
                 return
             self.alive = False
             pending, self.pending = self.pending, {}
+            self.q.put(None)  # the writer closes the fds of what is still queued, then stops
         for w in pending.values():
             w.done(False, "proxy disconnected")
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.q.put(None)
         self.agent._proxy_gone(self)
         self.sock.close()
 
