@@ -549,6 +549,15 @@ def light_pods(count: int) -> Iterator[list[tuple[str, str, str]]]:
             netkit.remove_netns(name)
 
 
+def _netns_fds(pid: int) -> int:
+    """How many network namespaces process ``pid`` holds open by fd."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("net:[")
+    return count
+
+
 def _connect_once(ns: str, dst: str, port: int) -> tuple[str, int]:
     from redirect import netns as rnetns
 
@@ -567,6 +576,8 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
     agent = n.start_agent("--workers", "16")
     assert agent.get("/healthz") == (200, "ok\n")
     n.start_proxy()
+    assert n.proxy is not None
+    proxy_fds = _netns_fds(n.proxy.pid)
     count = 100
     with light_pods(count) as pods:
         uids = [f"uid-c{i}-{os.urandom(3).hex()}" for i in range(count)]
@@ -655,6 +666,12 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
             nothing_left(pods[i][0], n.ns, uids[i], n.backend)
         assert all(identity.read(ns) is None for ns, _, _ in pods)
         assert len(n.proxy_events("pod_removed")) >= count
+        # Nothing of the pods stays pinned: the proxy holds no more netns fds than before.
+        deadline = time.monotonic() + 10
+        while _netns_fds(n.proxy.pid) != proxy_fds and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _netns_fds(n.proxy.pid) == proxy_fds
+        assert agent.proc.pid and _netns_fds(agent.proc.pid) == 0
 
 
 def test_agent_refuses_bad_flags_and_a_second_agent_on_its_sockets(test_node: Node) -> None:
