@@ -123,6 +123,60 @@ def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) ->
     return res
 
 
+def kmem_source() -> str | None:
+    """The file that counts kernel memory charged to this process's memory cgroup (read only):
+    cgroup v1 ``memory.kmem.usage_in_bytes``, or v2 ``memory.stat`` (its ``kernel`` line)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, ctl, path in lines:
+        if "memory" in ctl.split(","):
+            p = f"/sys/fs/cgroup/memory{path}/memory.kmem.usage_in_bytes"
+            if os.path.exists(p):
+                return p
+    for _, ctl, path in lines:
+        if ctl == "":
+            for base in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                p = f"{base}{path}/memory.stat"
+                if os.path.exists(p):
+                    return p
+    return None
+
+
+def _kmem(src: str | None) -> int | None:
+    if src is None:
+        return None
+    try:
+        with open(src) as f:
+            text = f.read()
+    except OSError:
+        return None
+    if src.endswith("usage_in_bytes"):
+        return int(text)
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "kernel":
+            return int(v)
+    return None
+
+
+def _settled_kmem(src: str | None, max_s: float = 3.0) -> int | None:
+    """The cgroup's kernel memory once it stops moving (namespaces deleted just before are freed
+    by the kernel asynchronously, and would show as a negative cost): readings 100 ms apart
+    within 16 KiB, for at most ``max_s``."""
+    last = _kmem(src)
+    deadline = time.monotonic() + max_s
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _kmem(src)
+        if now is None or abs(now - last) < 16 << 10:
+            return now
+        last = now
+    return last
+
+
 def _meminfo() -> dict[str, int]:
     out: dict[str, int] = {}
     with open("/proc/meminfo") as f:
@@ -181,29 +235,42 @@ def _bpf_maps(root: str | None = None) -> dict[str, int] | None:
 
 
 def memory(m: Method, pods: int, progress: Progress) -> dict[str, Any]:
-    """Kernel memory per pod for capture alone: /proc/meminfo deltas over ``pods`` namespaces,
-    measured after the (empty) namespaces exist, so the namespaces' own cost is excluded.
-    Noisy on a shared machine (other work allocates too): read it as an order of magnitude."""
+    """Kernel memory per pod for capture alone, over ``pods`` namespaces, measured after the
+    (empty) namespaces exist, so the namespaces' own cost is excluded:
+
+    - ``kmem_kib_per_pod``: kernel memory charged to this process's memory cgroup (rules, sets,
+      BPF map memory, netlink buffers: what the kernel accounts; iptables-restore children are in
+      the same cgroup); exact as long as nothing else in that cgroup allocates meanwhile, and
+      ``kmem_freed_kib_per_pod`` is what teardown gave back;
+    - ``kib_per_pod``: /proc/meminfo deltas, host-wide: noisy on a shared machine (other work
+      allocates too), an order of magnitude at best.
+    """
+    src = kmem_source()
     names = nsutil.create(pods, "m", m.listen)
+    k2 = None
     try:
         time.sleep(0.2)
         bpf0 = _bpf_maps()
-        before = _meminfo()
+        before, k0 = _meminfo(), _settled_kmem(src)
         for ns in names:
             m.setup(ns)
             progress(1)
         time.sleep(0.2)
-        after = _meminfo()
+        after, k1 = _meminfo(), _settled_kmem(src)
         bpf1 = _bpf_maps()
         objs = kernel_objects(names[0])
-        for ns in [] if m.cleanup_by_delete else names:
-            m.teardown(ns)
+        if not m.cleanup_by_delete:
+            for ns in names:
+                m.teardown(ns)
+            k2 = _settled_kmem(src)
     finally:
         nsutil.delete(names)
     per: dict[str, float] = {k: round((after[k] - before[k]) / pods, 2)
                              for k in ("Slab", "SUnreclaim", "Percpu") if k in after}
     per["MemAvailable"] = round((before["MemAvailable"] - after["MemAvailable"]) / pods, 2)
     bpf = None if bpf0 is None or bpf1 is None else {k: round((bpf1[k] - bpf0[k]) / pods, 2) for k in bpf0}
-    return {"pods": pods, "kib_per_pod": per, "kernel_objects_one_pod": objs,
+    kib = (lambda a, b: None if a is None or b is None else round((b - a) / pods / 1024, 2))  # noqa: E731
+    return {"pods": pods, "kmem_source": src, "kmem_kib_per_pod": kib(k0, k1),
+            "kmem_freed_kib_per_pod": kib(k2, k1), "kib_per_pod": per, "kernel_objects_one_pod": objs,
             "bpf_map_entries_per_pod": None if bpf is None else bpf["entries"],
             "bpf_map_bytes_per_pod": None if bpf is None else bpf["bytes"]}

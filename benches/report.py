@@ -135,15 +135,21 @@ def markdown(res: dict[str, Any]) -> str:
             cells = [_fmt(sc["levels"].get(str(n), {}).get("setup", {}).get("median_ms")) for n in levels]
             L.append(f"| {key} | " + " | ".join(cells) + f" | {_fmt(r['nth_vs_first'].get(key, {}).get('ratio'))} |")
     if res.get("memory"):
-        L += ["", "## Memory per pod (capture only; /proc/meminfo deltas, KiB; noisy on a shared host)", "",
-              "| method | pods | Slab | SUnreclaim | Percpu | MemAvailable drop | rules (ipt-nft / ipt-legacy / nft) |"
-              " bpf map entries (key+value bytes) |", "|---|---|---|---|---|---|---|---|"]
+        L += ["", "## Memory per pod (capture only, KiB)", "",
+              "kmem: kernel memory charged to the bench's memory cgroup (what the kernel accounts: rules, sets, "
+              "BPF maps), and what teardown gave back. Slab .. MemAvailable: host-wide /proc/meminfo deltas, "
+              "noisy on a shared host.", "",
+              "| method | pods | kmem (freed by teardown) | Slab | SUnreclaim | Percpu | MemAvailable drop |"
+              " rules (ipt-nft / ipt-legacy / nft) | bpf map entries (key+value bytes) |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for key, m in res["memory"].items():
             if "error" in m:
-                L.append(f"| {key} | - | {m['error']} | | | | | |")
+                L.append(f"| {key} | - | {m['error']} | | | | | | |")
                 continue
             k, o = m["kib_per_pod"], m["kernel_objects_one_pod"]
-            L.append(f"| {key} | {m['pods']} | {_fmt(k.get('Slab'))} | {_fmt(k.get('SUnreclaim'))} | "
+            freed = m.get("kmem_freed_kib_per_pod")
+            kmem = _fmt(m.get("kmem_kib_per_pod")) + (f" ({_fmt(freed)})" if freed is not None else "")
+            L.append(f"| {key} | {m['pods']} | {kmem} | {_fmt(k.get('Slab'))} | {_fmt(k.get('SUnreclaim'))} | "
                      f"{_fmt(k.get('Percpu'))} | {_fmt(k.get('MemAvailable'))} | {o.get('iptables_nft_rules')} / "
                      f"{o.get('iptables_legacy_rules')} / {o.get('nft_rules_total')} | "
                      f"{_fmt(m.get('bpf_map_entries_per_pod'))}"

@@ -94,7 +94,10 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
     assert "iptables" in r["conn_rate_vs_reference"]
     assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
     assert set(res["scale"]["api/iptables/sidecar"]["levels"]) == {"1", "3"}
-    assert res["memory"]["api/iptables/sidecar"]["kernel_objects_one_pod"]["iptables_nft_rules"] > 0
+    mem = res["memory"]["api/iptables/sidecar"]
+    assert mem["kernel_objects_one_pod"]["iptables_nft_rules"] > 0
+    assert mem["kmem_source"] is None or isinstance(mem["kmem_kib_per_pod"], float | int), mem
+    assert "kmem_freed_kib_per_pod" in mem and "Slab" in mem["kib_per_pod"]
 
     # eBPF (being changed concurrently) is either measured or its error recorded, never a crash.
     if "api/ebpf/sidecar" in res["per_pod"]:
