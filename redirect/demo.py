@@ -1,14 +1,15 @@
-"""``make demo``: set up capture in a real pod namespace and show the captured connections.
+"""``make demo``: set up capture in real pod namespaces and show the captured connections.
 
-It creates a pod netns and a peer netns joined by a veth pair (IPv4 and IPv6), starts
-two servers in the peer, installs Istio-default sidecar capture in the pod (excluding
-one outbound port so you can see the difference), runs the small transparent proxy
-from ``redirect.demo_proxy`` in the pod as uid 1337, sends traffic as an app (uid
-1000) and from the peer. Next to it, an ambient pod: ambient rules, the same proxy as a
-node proxy with SO_MARK 0x539 inside the pod netns, and its peer playing the node with
-the kubelet-probe SNAT rules. It prints a table: where each connection was going,
-which proxy port caught it, and which server answered (from which source). Then it
-removes everything.
+Sidecar: a pod netns and a peer netns joined by a veth pair (IPv4 and IPv6), servers in
+the peer, Istio-default sidecar capture in the pod (one outbound port excluded so you
+can see the difference), and the small transparent proxy from ``redirect.demo_proxy``
+in the pod as uid 1337. Ambient: a pod whose peer netns is the node, running
+``redirect-agent`` (node probe rules in the node netns) and the reference node proxy
+``redirect-nodeproxy``; the pod is enrolled through the agent as the CNI plugin would,
+and a remote netns sits behind the node. Traffic goes both ways as an app (uid 1000),
+as the proxy, from the peer/remote and as a kubelet probe from the node; the table
+shows where each connection was going, which proxy port caught it, and which server
+answered (from which source). Then it removes everything.
 
     python -m redirect.demo [--backend iptables|iptables-legacy|iptables-nft|nftables|ebpf|auto]
 """
@@ -18,13 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 import redirect
@@ -64,6 +67,85 @@ def demo_namespaces(net: int) -> Iterator[tuple[str, str]]:
     finally:
         for ns in (pod, peer):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@contextmanager
+def remote_behind(node: str, net: int) -> Iterator[str]:
+    """A netns routed through ``node`` (10.<net>.0.2 / fd00:<net>::2): a workload elsewhere."""
+    tag = uuid.uuid4().hex[:6]
+    remote = f"rdr-demo-remote-{tag}"
+    try:
+        _ip("netns", "add", remote)
+        _ip("link", "add", f"rdr{tag}", "type", "veth", "peer", "name", f"rdn{tag}")
+        _ip("link", "set", f"rdr{tag}", "netns", remote)
+        _ip("link", "set", f"rdn{tag}", "netns", node)
+        for ns, dev, host, name in ((remote, f"rdr{tag}", 2, "eth0"), (node, f"rdn{tag}", 1, "eth1")):
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "name", name)
+            _ip("-n", ns, "addr", "add", f"10.{net}.0.{host}/24", "dev", name)
+            _ip("-n", ns, "addr", "add", f"fd00:{net}::{host}/64", "dev", name, "nodad")
+            _ip("-n", ns, "link", "set", name, "up")
+        _ip("-n", remote, "route", "add", "default", "via", f"10.{net}.0.1")
+        _ip("-n", remote, "-6", "route", "add", "default", "via", f"fd00:{net}::1")
+        for key in ("net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"):
+            subprocess.run(["ip", "netns", "exec", node, "sysctl", "-qw", f"{key}=1"], check=True,
+                           capture_output=True)
+        yield remote
+    finally:
+        subprocess.run(["ip", "netns", "del", remote], capture_output=True)
+
+
+def _wait_json_line(path: str, pred: Callable[[dict], bool], proc: subprocess.Popen[bytes], what: str,
+                    timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with suppress(FileNotFoundError), open(path) as f:
+            for line in f:
+                with suppress(ValueError):
+                    if pred(json.loads(line)):
+                        return
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited ({proc.returncode}); see {path}")
+        time.sleep(0.05)
+    raise SystemExit(f"{what} not ready after {timeout} s; see {path}")
+
+
+@contextmanager
+def node_agent(node: str, backend: str, workdir: str) -> Iterator[tuple[str, str]]:
+    """``redirect-agent`` for the node netns ``node`` and the reference ``redirect-nodeproxy``.
+
+    Yields the agent's events socket and the node proxy's JSON log. Both are stopped with
+    SIGTERM at the end (which leaves redirection in place: the demo deletes its pod first).
+    """
+    events, proxy_sock = f"{workdir}/agent.sock", f"{workdir}/nodeproxy.sock"
+    agent_log, proxy_log = f"{workdir}/agent.log", f"{workdir}/nodeproxy.log"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with open(agent_log, "wb") as f:
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "redirect.agent.daemon", "--events-socket", events, "--proxy-socket",
+                 proxy_sock, "--host-netns", node, "--node-name", f"demo-{node}", "--backend", backend,
+                 "--http-port", "0", "--no-proc-scan", "--resync-seconds", "0"],
+                stdout=subprocess.DEVNULL, stderr=f, env=env)
+        procs.append(agent)
+        _wait_json_line(agent_log, lambda e: e.get("msg") == "agent ready", agent, "redirect-agent")
+        proxy = subprocess.Popen([sys.executable, "-m", "redirect.nodeproxy", "--socket", proxy_sock,
+                                  "--log-file", proxy_log, "--name", "demo"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        procs.append(proxy)
+        _wait_json_line(proxy_log, lambda e: e.get("event") == "snapshot_done", proxy, "redirect-nodeproxy")
+        yield events, proxy_log
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
 
 
 class Servers:
@@ -135,13 +217,12 @@ def _client(ns: str, host: str, port: int, uid: int | None) -> str:
     return (p.stdout.strip() or p.stderr.strip() or "?").splitlines()[-1]
 
 
-def _start_proxy(ns: str, ambient: bool = False) -> subprocess.Popen[str]:
-    """The demo proxy in ``ns``: as uid 1337 (sidecar), or as root with SO_MARK 0x539 (ambient)."""
+def _start_proxy(ns: str) -> subprocess.Popen[str]:
+    """The demo proxy in ``ns``, as uid 1337."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    who = ["--mark", hex(AMBIENT_MARK)] if ambient else []
     p = subprocess.Popen(
-        ["ip", "netns", "exec", ns, *([] if ambient else _as_user(PROXY_UID)), sys.executable, "-m",
-         "redirect.demo_proxy", "--max-seconds", "60", *who],
+        ["ip", "netns", "exec", ns, *_as_user(PROXY_UID), sys.executable, "-m",
+         "redirect.demo_proxy", "--max-seconds", "60"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )
     assert p.stdout is not None
@@ -177,51 +258,21 @@ def _stop_proxy(proxy: subprocess.Popen[str]) -> list[dict]:
     return [json.loads(x) for x in out.splitlines() if x.startswith("{") and "direction" in x]
 
 
-def _rows(pod_label: str, cases: list[Case], answers: list[str], seen: list[dict]) -> list[list[str]]:
-    rows = []
-    for (label, _ns, host, port, _uid), answer in zip(cases, answers, strict=True):
-        dst = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        hit = next((s for s in seen if s["original_dst"] == f"{host}:{port}"), None)
-        if hit is not None:
-            seen.remove(hit)
-        caught = f"proxy :{hit['captured_on']} ({hit['direction']})" if hit else "not captured"
-        rows.append([pod_label, label, dst, caught, answer])
-    return rows
+def _answers(cases: list[Case]) -> list[str]:
+    return [_client(ns, host, port, uid) for _label, ns, host, port, uid in cases]
 
 
-def run(backend: str) -> int:
-    sidecar = redirect.RedirectConfig(outbound_exclude_ports=(OUT_EXCLUDED,))
-    ambient = redirect.RedirectConfig(mode="ambient")
-    print(f"redirect demo: backend={backend}\n"
-          f"  sidecar pod: Istio sidecar defaults + outbound_exclude_ports={OUT_EXCLUDED}, proxy as uid {PROXY_UID}\n"
-          f"  ambient pod: Istio ambient defaults, node proxy in the pod netns with SO_MARK {AMBIENT_MARK:#x};\n"
-          f"               its peer plays the node, with the kubelet-probe SNAT rules (redirect node setup)\n")
-    rows: list[list[str]] = []
-    with demo_namespaces(253) as (pod, peer), demo_namespaces(252) as (apod, node):
-        proxies: list[subprocess.Popen[str]] = []
+def _sidecar(backend: str, rows: list[list[str]]) -> None:
+    cfg = redirect.RedirectConfig(outbound_exclude_ports=(OUT_EXCLUDED,))
+    with demo_namespaces(253) as (pod, peer):
+        # The proxy first: the eBPF backend hands its inbound listener to sk_lookup.
+        proxy = _start_proxy(pod)
         try:
-            # Proxies first: the eBPF backend hands the proxy's inbound listener to sk_lookup.
-            proxy = _start_proxy(pod)
-            proxies.append(proxy)
-            aproxy = _start_proxy(apod, ambient=True)
-            proxies.append(aproxy)
-            with_ambient = True
-            for ns, cfg in ((pod, sidecar), (apod, ambient)):
-                try:
-                    res = redirect.setup(ns, cfg, backend=backend)
-                except redirect.BackendUnavailable as e:
-                    if cfg.mode != "ambient":
-                        raise
-                    print(f"ambient pod skipped: {e}")
-                    with_ambient = False
-                    continue
-                print(f"installed {cfg.mode} capture in netns {ns}: {res.backend}, "
-                      f"{'+'.join(f'IPv{f}' for f in res.families)}; "
-                      f"check: {'ok' if redirect.check(ns, cfg, backend=backend).ok else 'DRIFT'}")
-            node_rules.setup_node(node)
-            print(f"node rules in netns {node}: kubelet probes SNAT'd to {node_rules.PROBE_SNAT[4]} / "
-                  f"{node_rules.PROBE_SNAT[6]}")
-            side: list[Case] = [
+            res = redirect.setup(pod, cfg, backend=backend)
+            print(f"sidecar pod {pod}: capture installed ({res.backend}, "
+                  f"{'+'.join(f'IPv{f}' for f in res.families)}); "
+                  f"check: {'ok' if redirect.check(pod, cfg, backend=backend).ok else 'DRIFT'}")
+            cases: list[Case] = [
                 ("app (uid 1000) -> peer", pod, "10.253.0.1", 8080, APP_UID),
                 ("app (uid 1000) -> peer", pod, "fd00:253::1", 8080, APP_UID),
                 ("app (uid 1000) -> excluded port", pod, "10.253.0.1", OUT_EXCLUDED, APP_UID),
@@ -229,38 +280,88 @@ def run(backend: str) -> int:
                 ("peer -> pod app port", peer, "10.253.0.2", 8000, None),
                 ("peer -> pod app port", peer, "fd00:253::2", 8000, None),
             ]
-            amb: list[Case] = [
-                ("app -> peer", apod, "10.252.0.1", 8080, APP_UID),
-                ("app -> peer", apod, "fd00:252::1", 8080, APP_UID),
-                ("app -> peer (9090: all ports)", apod, "10.252.0.1", OUT_EXCLUDED, APP_UID),
-                ("peer -> pod app port", node, "10.252.0.2", 8000, None),
-                ("peer -> pod app port", node, "fd00:252::2", 8000, None),
-                ("node (kubelet probe) -> app", node, "10.252.0.2", 8000, None),
-            ]
             with Servers(peer, {8080: "peer-web:8080", OUT_EXCLUDED: f"peer-db:{OUT_EXCLUDED}"}), \
-                    Servers(pod, {8000: "pod-app:8000"}), \
-                    Servers(node, {8080: "peer-web:8080", OUT_EXCLUDED: f"peer-db:{OUT_EXCLUDED}"}), \
-                    Servers(apod, {8000: "pod-app:8000"}):
-                side_answers = [_client(ns, host, port, uid) for _label, ns, host, port, uid in side]
-                if with_ambient:
-                    # The node's connections are ordinary inbound until the pod's IP is in the probe set.
-                    amb_answers = [_client(ns, host, port, uid) for _label, ns, host, port, uid in amb[:-1]]
-                    node_rules.add_pods(["10.252.0.2", "fd00:252::2"], node, owner="demo-ambient-pod")
-                    amb_answers.append(_client(node, "10.252.0.2", 8000, None))
+                    Servers(pod, {8000: "pod-app:8000"}):
+                answers = _answers(cases)
                 time.sleep(0.3)
-            rows += _rows("sidecar", side, side_answers, _stop_proxy(proxy))
-            if with_ambient:
-                rows += _rows("ambient", amb, amb_answers, _stop_proxy(aproxy))
+            for (label, _ns, host, port, _uid), answer in zip(cases, answers, strict=True):
+                rows.append(["sidecar", label, _dst(host, port), "", answer])
+            seen = _stop_proxy(proxy)
+            for row, (_l, _n, host, port, _u) in zip(rows[-len(cases):], cases, strict=True):
+                hit = next((x for x in seen if x["original_dst"] == f"{host}:{port}"), None)
+                if hit is not None:
+                    seen.remove(hit)
+                row[3] = f"proxy :{hit['captured_on']} ({hit['direction']})" if hit else "not captured"
         finally:
-            for p in proxies:
-                _stop_proxy(p)
-            with suppress(redirect.RedirectError):
-                node_rules.teardown_node(node)
+            _stop_proxy(proxy)
             redirect.teardown(pod, backend=backend)
-            redirect.teardown(apod, backend=backend)
-        print()
-        print(_table(rows, ["pod", "connection", "original destination", "captured by", "answered by"]))
-        print(f"\nteardown: done; namespaces {pod}, {peer}, {apod} and {node} removed.")
+
+
+def _ambient(backend: str, rows: list[list[str]]) -> None:
+    from .agent.client import AgentError, add_pod, del_pod
+
+    cfg = redirect.RedirectConfig(mode="ambient")
+    with demo_namespaces(252) as (pod, node), remote_behind(node, 251) as remote, \
+            tempfile.TemporaryDirectory(prefix="rdr-demo-") as work, node_agent(node, backend, work) as (events, plog):
+        try:
+            add_pod(events, uid="demo-ambient-pod", netns=f"/run/netns/{pod}", name="app", namespace="demo",
+                    ips=["10.252.0.2", "fd00:252::2"], config=cfg.to_dict(), backend=backend, timeout=20)
+        except AgentError as e:
+            print(f"ambient pod skipped: the agent refused it ({e.reason}): {e}")
+            return
+        try:
+            print(f"ambient pod {pod}: enrolled by redirect-agent (in-pod rules, node probe set in {node}, "
+                  f"netns handed to redirect-nodeproxy); check: "
+                  f"{'ok' if redirect.check(pod, cfg, backend=backend).ok else 'DRIFT'}")
+            cases: list[Case] = [
+                ("app -> remote", pod, "10.251.0.2", 8080, APP_UID),
+                ("app -> remote", pod, "fd00:251::2", 8080, APP_UID),
+                ("app -> remote (9090: all ports)", pod, "10.251.0.2", OUT_EXCLUDED, APP_UID),
+                ("remote -> pod app port", remote, "10.252.0.2", 8000, None),
+                ("remote -> pod app port", remote, "fd00:252::2", 8000, None),
+                ("node (kubelet probe) -> app", node, "10.252.0.2", 8000, None),
+                ("node (kubelet probe) -> app", node, "fd00:252::2", 8000, None),
+            ]
+            with Servers(remote, {8080: "remote-web:8080", OUT_EXCLUDED: f"remote-db:{OUT_EXCLUDED}"}), \
+                    Servers(pod, {8000: "pod-app:8000"}):
+                answers = _answers(cases)
+                time.sleep(0.3)
+        finally:
+            del_pod(events, uid="demo-ambient-pod", timeout=20)
+        left = node_rules.list_pods(node)
+        print(f"ambient pod deleted through the agent: in-pod rules "
+              f"{'left behind!' if redirect.show(pod, backend=backend).get('installed') else 'removed'}, "
+              f"node probe set {'still has ' + str(sorted(left)) if left else 'empty'}")
+        with open(plog) as f:
+            seen = [e for e in map(json.loads, f) if e.get("event") == "forward"]
+        for (label, _ns, host, port, _uid), answer in zip(cases, answers, strict=True):
+            hit = next((e for e in seen if e.get("orig_dst") == [host, port]), None)
+            if hit is not None:
+                seen.remove(hit)
+            caught = f"node proxy :{_PORT_OF[hit['kind']]} ({hit['kind']})" if hit else "not captured"
+            rows.append(["ambient", label, _dst(host, port), caught, answer])
+
+
+_PORT_OF = {"outbound": 15001, "inbound": 15006, "tunnel": 15008}
+
+
+def _dst(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def run(backend: str) -> int:
+    print(f"redirect demo: backend={backend}\n"
+          f"  sidecar pod: Istio sidecar defaults + outbound_exclude_ports={OUT_EXCLUDED}; the demo proxy runs in\n"
+          f"               the pod as uid {PROXY_UID}; its peer netns stands for the rest of the network\n"
+          f"  ambient pod: Istio ambient defaults; its peer netns is the node, running redirect-agent and the\n"
+          f"               reference node proxy (redirect-nodeproxy, SO_MARK {AMBIENT_MARK:#x}); a remote netns\n"
+          f"               sits behind the node\n")
+    rows: list[list[str]] = []
+    _sidecar(backend, rows)
+    _ambient(backend, rows)
+    print()
+    print(_table(rows, ["pod", "connection", "original destination", "captured by", "answered by"]))
+    print("\nteardown: done; every namespace, rule and process of the demo removed.")
     return 0
 
 

@@ -5,11 +5,9 @@ each connection's original destination (``SO_ORIGINAL_DST`` / ``IP6T_SO_ORIGINAL
 or the local address for TPROXY listeners), connects onward to it and pipes bytes
 both ways, printing one JSON line per connection on stdout. Run it as the proxy uid
 (1337) so its own connections are not captured again; inbound connections are made
-from 127.0.0.6 / ::6 as Istio's inbound passthrough does. As an ambient node proxy,
-``--mark 0x539`` marks its listeners and onward connections instead (run as root:
-SO_MARK needs CAP_NET_ADMIN), which is how the in-pod ambient rules tell them apart.
+from 127.0.0.6 / ::6 as Istio's inbound passthrough does.
 
-    python -m redirect.demo_proxy --outbound 15001 --inbound 15006 [--mark 0x539] [--max-seconds 60]
+    python -m redirect.demo_proxy --outbound 15001 --inbound 15006 [--max-seconds 60]
 """
 
 from __future__ import annotations
@@ -70,15 +68,6 @@ def _pipe(a: socket.socket, b: socket.socket, deadline: float) -> int:
     return total
 
 
-MARK: int | None = None  # SO_MARK for every socket (ambient node proxy), set by --mark
-
-
-def _marked(sock: socket.socket) -> socket.socket:
-    if MARK is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, MARK)
-    return sock
-
-
 def _handle(conn: socket.socket, peer: tuple, direction: str, listen_port: int, lock: threading.Lock) -> None:
     orig = original_dst(conn)
     if orig is None or orig[1] == listen_port:
@@ -88,17 +77,9 @@ def _handle(conn: socket.socket, peer: tuple, direction: str, listen_port: int, 
               "captured_on": listen_port}
     up = None
     try:
-        up = _marked(socket.socket(conn.family, socket.SOCK_STREAM))
+        up = socket.socket(conn.family, socket.SOCK_STREAM)
         up.settimeout(3)
-        if direction == "inbound" and MARK is not None:
-            # ztunnel's inbound passthrough: connect to the app from the client's own address
-            # (transparent); the in-pod connmark route brings the app's replies back here.
-            if conn.family == socket.AF_INET6:
-                up.setsockopt(SOL_IPV6, 75, 1)  # IPV6_TRANSPARENT
-            else:
-                up.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT
-            up.bind((peer[0], 0))
-        elif direction == "inbound":
+        if direction == "inbound":
             up.bind(("127.0.0.6" if conn.family == socket.AF_INET else "::6", 0))
         up.connect(orig)
         up.settimeout(None)
@@ -127,7 +108,7 @@ def _serve(sock: socket.socket, direction: str, port: int, stop: threading.Event
 
 
 def _listener(family: int, port: int) -> socket.socket:
-    s = _marked(socket.socket(family, socket.SOCK_STREAM))
+    s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -149,12 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m redirect.demo_proxy", description=__doc__.splitlines()[0])
     p.add_argument("--outbound", type=int, default=15001)
     p.add_argument("--inbound", type=int, default=15006)
-    p.add_argument("--mark", type=lambda v: int(v, 0), default=None,
-                   help="SO_MARK for listeners and onward connections (ambient node proxy: 0x539)")
     p.add_argument("--max-seconds", type=float, default=120, help="exit after this long (bounded by design)")
     args = p.parse_args(argv)
-    global MARK
-    MARK = args.mark
     stop = threading.Event()
     lock = threading.Lock()
     socks = []

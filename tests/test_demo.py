@@ -16,21 +16,25 @@ EXPECTED = [
     ("sidecar", "app (uid 1000) -> excluded port", "not captured", "peer-db:9090"),
     ("sidecar", "proxy (uid 1337) -> peer", "not captured", "peer-web:8080"),
     ("sidecar", "peer -> pod app port", "proxy :15006 (inbound)", "pod-app:8000 (from 127.0.0.6)"),
-    ("ambient", "app -> peer", "proxy :15001 (outbound)", "peer-web:8080"),
-    ("ambient", "peer -> pod app port", "proxy :15006 (inbound)", "pod-app:8000 (from 10.252.0.1)"),
-    ("ambient", "peer -> pod app port", "proxy :15006 (inbound)", "pod-app:8000 (from fd00:252::1)"),
+    ("sidecar", "peer -> pod app port", "proxy :15006 (inbound)", "pod-app:8000 (from ::6)"),
+    ("ambient", "app -> remote", "node proxy :15001 (outbound)", "remote-web:8080 (from fd00:252::2)"),
+    ("ambient", "app -> remote (9090: all ports)", "node proxy :15001 (outbound)", "remote-db:9090"),
+    ("ambient", "remote -> pod app port", "node proxy :15006 (inbound)", "pod-app:8000 (from 10.252.0.2)"),
+    ("ambient", "remote -> pod app port", "node proxy :15006 (inbound)", "pod-app:8000 (from fd00:252::2)"),
     ("ambient", "node (kubelet probe) -> app", "not captured", "pod-app:8000 (from 169.254.7.127)"),
+    ("ambient", "node (kubelet probe) -> app", "not captured", "pod-app:8000 (from fd16:9254:7127:1337:"),
 ]
 
 
 @pytest.mark.parametrize("backend", ["iptables", "nftables"])
-def test_demo_shows_sidecar_and_ambient_capture(backend: str) -> None:
+def test_demo_shows_sidecar_and_ambient_capture_through_the_agent(backend: str) -> None:
     before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
     p = subprocess.run([sys.executable, "-m", "redirect.demo", "--backend", backend], capture_output=True,
                        text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = [re.split(r"\s{2,}", ln.strip()) for ln in p.stdout.splitlines() if ln.startswith(("sidecar ", "ambient "))]
-    assert len(rows) == 12, p.stdout
+    rows = [re.split(r"\s{2,}", ln.strip()) for ln in p.stdout.splitlines() if re.match(r"(sidecar|ambient)  ", ln)]
+    assert len(rows) == 13, p.stdout
+    assert "in-pod rules removed, node probe set empty" in p.stdout, p.stdout
     for pod, label, caught, answer in EXPECTED:
         assert any(r[0] == pod and r[1] == label and r[3] == caught and r[4].startswith(answer) for r in rows), (
             f"no row {pod} | {label} | {caught} | {answer}\n{p.stdout}")
