@@ -598,12 +598,13 @@ def test_setup_again_changes_nothing_whichever_families_the_proxy_listens_on(pod
             proxy.close()
 
 
-def test_without_the_pods_map_pin_setup_and_unload_refuse_while_programs_may_serve_pods(
+def test_without_the_pods_map_pin_setup_and_unload_refuse_while_pods_are_registered(
     pod: Pod, scratch_root: str
 ) -> None:
-    api.setup(pod.name, OUT_ONLY, backend="ebpf")  # outbound only: no per-pod link pin to count
+    api.setup(pod.name, OUT_ONLY, backend="ebpf")
     os.unlink(os.path.join(scratch_root, "maps", "pods"))
-    with pytest.raises(SetupError, match=r"missing: maps/pods.*pods may be registered"):
+    # Counted by their link pins (every pod has one).
+    with pytest.raises(SetupError, match=r"missing: maps/pods\) while 1 pod\(s\) are registered"):
         api.setup(pod.name, OUT_ONLY, backend="ebpf")
     with pytest.raises(SetupError, match="force=True"):
         ebpf.unload_host(scratch_root)
@@ -662,3 +663,53 @@ def test_pins_of_other_sources_are_replaced_once_no_pod_uses_them(pod: Pod, scra
     assert sorted(n for n in os.listdir(os.path.join(scratch_root, "maps")) if n.startswith("build-")) == [
         f"build-{ebpf.build_id()}"]
     api.teardown(pod.name, backend="ebpf")
+
+
+def _wait_detached(root: str, cookie: int, timeout: float = 15.0) -> None:
+    """Until the kernel has cleaned the netns up (asynchronously) and detached the pod's link."""
+    deadline = time.monotonic() + timeout
+    while ebpf._link_target(ebpf._pod_link(root, cookie)) != 0:
+        assert time.monotonic() < deadline, f"link of netns cookie {cookie} still attached after {timeout} s"
+        time.sleep(0.05)
+
+
+def test_pods_whose_netns_went_without_teardown_are_collected(make_pod, bpf_root: str) -> None:
+    gone_in, gone_out, live = make_pod(), make_pod(), make_pod()
+    cfgs = {gone_in.name: RedirectConfig(), gone_out.name: OUT_ONLY, live.name: RedirectConfig()}
+    for p in (gone_in, gone_out, live):
+        api.setup(p.name, cfgs[p.name], backend="ebpf")
+    cookies = [_cookie(p) for p in (gone_in, gone_out, live)]
+    keep = entries_mentioning(bpf_root, cookies[2])
+    try:
+        for p in (gone_in, gone_out):  # a DEL that never came: the runtime just removed the netns
+            netkit.remove_netns(p.name)
+            netkit.remove_netns(p.peer_name)
+        for c in cookies[:2]:
+            _wait_detached(bpf_root, c)
+        assert sorted(ebpf.collect_garbage(bpf_root)) == sorted(cookies[:2])
+        for c in cookies[:2]:
+            left = entries_mentioning(bpf_root, c)
+            assert not any(left.values()), {k: len(v) for k, v in left.items() if v}
+            assert not os.path.exists(ebpf._pod_link(bpf_root, c))
+        assert entries_mentioning(bpf_root, cookies[2]) == keep
+        assert api.check(live.name, RedirectConfig(), backend="ebpf").ok
+        assert ebpf.collect_garbage(bpf_root) == []
+    finally:
+        api.teardown(live.name, backend="ebpf")
+
+
+def test_the_address_of_a_pod_gone_without_teardown_is_free_for_a_new_pod(make_pod, bpf_root: str) -> None:
+    old, new = make_pod(), make_pod()
+    api.setup(old.name, RedirectConfig(), backend="ebpf")
+    c_old, ip = _cookie(old), old.pod_ip4
+    netkit.remove_netns(old.name)
+    netkit.remove_netns(old.peer_name)
+    _wait_detached(bpf_root, c_old)
+    # The new pod gets the old one's IP (the IPAM reused it).
+    subprocess.run(["ip", "-n", new.name, "addr", "add", f"{ip}/32", "dev", new.main.pod_if], check=True)
+    try:
+        api.setup(new.name, RedirectConfig(), backend="ebpf")
+        assert not any(entries_mentioning(bpf_root, c_old).values())
+        assert ip in api.show(new.name, backend="ebpf")["addresses"]
+    finally:
+        api.teardown(new.name, backend="ebpf")

@@ -15,10 +15,12 @@ Per pod (``apply``, with the calling thread inside the pod netns, as
 ``redirect.api`` does it): map entries keyed by the netns cookie (policy,
 ports, CIDRs, the pod's own addresses, the proxy's inbound listeners), an
 ``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
-pinned at ``<root>/pods/<cookie>-sk_lookup``, and ``::6`` on lo (the plan's
-address for the proxy's inbound passthrough). ``remove`` deletes exactly
-those, through the inventory: O(entries of that pod), never a walk of the
-host maps. Per-socket state (original destinations) is removed with its
+pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
+detaches it when the netns dies, which is how ``collect_garbage`` finds pods
+whose netns went without a teardown; a new pod that gets such a pod's address
+frees it the same way), and ``::6`` on lo (the plan's address for the proxy's
+inbound passthrough). ``remove`` deletes exactly those, through the inventory:
+O(entries of that pod), never a walk of the host maps. Per-socket state (original destinations) is removed with its
 socket (``sock_release``, TCP close) and is inert once the pod's policy is
 gone. ``unload_host`` removes the host part and refuses while any pod is
 registered. A partly pinned host (a pin removed by hand) is repaired (missing
@@ -648,6 +650,8 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
     """
     r = _root(root)
     with _host_lock(r):
+        if not force:
+            collect_garbage(r)
         pods = [] if force else registered_pods(r)
         if pods:
             raise SetupError(
@@ -1009,7 +1013,7 @@ class EbpfBackend:
         self.cgroup = _cgroup(cgroup)
 
     def _pod_link_path(self, cookie: int) -> str:
-        return os.path.join(self.root, "pods", f"{cookie}-sk_lookup")
+        return _pod_link(self.root, cookie)
 
     # --- reading what is installed -----------------------------------------------
     def _read(self, h: HostPrograms, cookie: int) -> PodState:
@@ -1060,7 +1064,10 @@ class EbpfBackend:
         inbound = want.inbound
         old = self._read(h, cookie)
         link_path = self._pod_link_path(cookie)
-        have_link = os.path.exists(link_path)
+        # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
+        # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
+        # collect_garbage() finds pods whose netns went without a teardown.
+        have_link = _link_target(link_path) == os.stat("/proc/thread-self/ns/net").st_ino
         # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, dev in local if dev == "lo"}
@@ -1070,12 +1077,16 @@ class EbpfBackend:
         # registers as they start listening): looked for only while a family has none.
         scan = inbound and _port_bound(cfg.inbound_port, _unserved(h, cookie, families))
         unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
-                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link == inbound)
+                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
             return Installed(self.name, "", families, False, self._detail(h, cookie, t0, t_host, c_host, link_path,
                                                                           inbound))
         for a in want.addrs - old.addrs:
             v = h.maps["pod_addrs"].lookup(a)
+            owner = None if v is None else U64.unpack(v)[0]
+            if owner is not None and owner != cookie and _link_target(_pod_link(self.root, owner)) == 0:
+                _remove_pod(h, owner)  # its netns is gone (no teardown came): the address is free
+                v = h.maps["pod_addrs"].lookup(a)
             if v is not None and U64.unpack(v)[0] != cookie:
                 fam, raw = ADDR_KEY.unpack(a)
                 raise SetupError(f"ebpf: address {_fmt_addr(fam, raw)} is already registered by another pod"
@@ -1113,7 +1124,8 @@ class EbpfBackend:
                 # Listeners already open; the sock_ops program adds those opened later.
                 for fam, lfd in lfds.items():
                     h.maps["listeners"].update(LISTENER_KEY.pack(cookie, AF[fam], 0), U64.pack(lfd))
-                if inbound and not have_link:
+                if not have_link:
+                    _detach_pinned(link_path)  # a detached or foreign one
                     nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     try:
                         lfd = link_create(h.progs["rdr_sk_lookup"], nsfd, SK_LOOKUP_ATTACH)
@@ -1152,8 +1164,6 @@ class EbpfBackend:
         if not inbound:
             for fam in (4, 6):
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
-            if have_link:
-                _detach_pinned(link_path)
         if old.policy is not None and not plan_addrs:
             _remove_our_addresses()
         d = self._detail(h, cookie, t0, t_host, c_host, link_path, inbound)
@@ -1169,7 +1179,7 @@ class EbpfBackend:
             # CPU time of the calling thread for the pod part (user + kernel): the cost without
             # the time other processes had the CPU (wall time on a busy host is mostly that).
             "pod_cpu_ms": round((c1 - c_host) * 1e3, 3),
-            "sk_lookup_link": link_path if inbound else None,
+            "sk_lookup_link": link_path,
         }
 
     def remove(self, keep_routes: bool = False) -> bool:
@@ -1182,26 +1192,11 @@ class EbpfBackend:
         if h is None:
             return False
         cookie = current_netns_cookie()
-        st = self._read(h, cookie)
-        removed = h.pods.delete(U64.pack(cookie))  # first: switches capture off at once
-        for m, keys in st.entries.items():
-            for k in keys:
-                if m == INV_ADDRS:  # only if still ours (another pod may have the address now)
-                    v = h.maps["pod_addrs"].lookup(k)
-                    if v is None or U64.unpack(v)[0] != cookie:
-                        continue
-                removed |= h.maps[INV_MAPS[m]].delete(k)
-        for ik in st.inv_keys:
-            h.maps["inventory"].delete(ik)
-        for fam in (4, 6):
-            removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
-        link = self._pod_link_path(cookie)
-        if os.path.exists(link):
-            _detach_pinned(link)
-            removed = True
-        if st.policy is not None:
+        had_policy = h.pods.lookup(U64.pack(cookie)) is not None
+        removed = _remove_pod(h, cookie)
+        if had_policy:
             _remove_our_addresses()
-        return bool(removed)
+        return removed
 
     # --- check / show / render ----------------------------------------------------
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
@@ -1229,21 +1224,18 @@ class EbpfBackend:
             diffs += [f"missing {what[m]} {fmt[m](k)}" for k in sorted(w - live)]
             diffs += [f"extra {what[m]} {fmt[m](k)}" for k in sorted(live - w)]
         link = self._pod_link_path(cookie)
-        if want.inbound:
-            if not os.path.exists(link):
-                diffs.append("no sk_lookup link on this netns")
-            else:
-                fd = obj_get(link)
-                try:
-                    info = link_info(fd)
-                finally:
-                    os.close(fd)
-                if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
-                    diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
-                if info["prog_id"] != prog_id(h.progs["rdr_sk_lookup"]):
-                    diffs.append("sk_lookup link runs another program")
-        elif os.path.exists(link):
-            diffs.append("sk_lookup link present but inbound capture is off")
+        if not os.path.exists(link):
+            diffs.append("no sk_lookup link on this netns")
+        else:
+            fd = obj_get(link)
+            try:
+                info = link_info(fd)
+            finally:
+                os.close(fd)
+            if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
+                diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
+            if info["prog_id"] != prog_id(h.progs["rdr_sk_lookup"]):
+                diffs.append("sk_lookup link runs another program")
         from .. import routes as rt
 
         diffs += rt.differences(plan, families)
@@ -1284,6 +1276,59 @@ class EbpfBackend:
             lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
             lines.append("sk_lookup link on the pod netns")
         return "\n".join(lines) + "\n"
+
+
+def _pod_link(root: str, cookie: int) -> str:
+    return os.path.join(root, "pods", f"{cookie}-sk_lookup")
+
+
+def _link_target(path: str) -> int | None:
+    """The netns inode a pinned netns link is attached to (0: detached, its netns is gone); None: no pin."""
+    try:
+        fd = obj_get(path)
+    except OSError:
+        return None
+    try:
+        return link_info(fd)["target"]
+    finally:
+        os.close(fd)
+
+
+def _remove_pod(h: HostPrograms, cookie: int) -> bool:
+    """Everything of the pod ``cookie`` in the maps, and its link: O(its entries), from any netns."""
+    st = EbpfBackend(root=h.root)._read(h, cookie)
+    removed = h.pods.delete(U64.pack(cookie))  # first: switches capture off at once
+    for m, keys in st.entries.items():
+        for k in keys:
+            removed |= h.maps[INV_MAPS[m]].delete(k)  # _read kept pod_addrs keys only if still ours
+    for ik in st.inv_keys:
+        h.maps["inventory"].delete(ik)
+    for fam in (4, 6):
+        removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+    link = _pod_link(h.root, cookie)
+    if os.path.exists(link):
+        _detach_pinned(link)
+        removed = True
+    return bool(removed)
+
+
+def collect_garbage(root: str | None = None) -> list[int]:
+    """Remove the pods whose netns is gone without a teardown (their sk_lookup link was
+    detached by the kernel). Returns their netns cookies. O(registered pods)."""
+    h = host(root, load=False)
+    if h is None:
+        return []
+    pod_dir = os.path.join(h.root, "pods")
+    cookies = {U64.unpack(k)[0] for k in h.pods.keys()}
+    try:
+        cookies |= {int(n.split("-", 1)[0]) for n in os.listdir(pod_dir) if n.split("-", 1)[0].isdigit()}
+    except FileNotFoundError:
+        pass
+    gone = [c for c in sorted(cookies) if _link_target(_pod_link(h.root, c)) == 0]
+    for c in gone:
+        _remove_pod(h, c)
+        log.info("ebpf: removed pod with netns cookie %d: its netns is gone", c)
+    return gone
 
 
 def _plan_addresses(plan: Plan, families: tuple[int, ...], v6_on: bool) -> tuple[LocalAddress, ...]:
@@ -1366,5 +1411,5 @@ def _fmt_ids(flat: tuple[int, ...], n: int) -> str:
                     for i in range(n)) or "-"
 
 
-__all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "registered_pods", "probe_kernel",
+__all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "registered_pods", "probe_kernel", "collect_garbage",
            "RedirectError"]
