@@ -128,7 +128,7 @@ def snapshot(ns: str) -> dict[str, str]:
     cmds = {
         "iptables": ["iptables-save"], "ip6tables": ["ip6tables-save"],
         "iptables-legacy": ["iptables-legacy-save"], "ip6tables-legacy": ["ip6tables-legacy-save"],
-        "nft": ["nft", "list", "ruleset"],
+        "nft": ["nft", "-s", "list", "ruleset"],  # -s: no counters (ND packets move them)
         "rule4": ["ip", "-4", "rule"], "rule6": ["ip", "-6", "rule"],
         "route4": ["ip", "-4", "route", "show", "table", "all"],
         "route6": ["ip", "-6", "route", "show", "table", "all"],
