@@ -476,7 +476,13 @@ def test_a_removed_pod_link_pin_is_reported_and_repaired(pod: Pod, setup_pod, bp
         setup_pod(pod, RedirectConfig())
         link = os.path.join(bpf_root, "pods", f"{_cookie(pod)}-sk_lookup")
         os.unlink(link)  # the last reference: the link is gone, inbound is not steered any more
-        assert landing(pod.peer_name, pod.pod_ip4, 8080, *inbound, *app).listener is app[0]
+        # The kernel frees the unpinned link when it evicts the bpffs inode, which it may defer:
+        # probe until the app gets the connection, bounded.
+        deadline = time.monotonic() + 5.0
+        while (got := landing(pod.peer_name, pod.pod_ip4, 8080, *inbound, *app).listener) is not app[0]:
+            assert got in inbound, got
+            assert time.monotonic() < deadline, "inbound still steered 5 s after the link pin went"
+            time.sleep(0.05)
         res = api.check(pod.name, RedirectConfig(), backend="ebpf")
         assert not res.ok and "no sk_lookup link on this netns" in res.differences, res.differences
         assert api.setup(pod.name, RedirectConfig(), backend="ebpf").changed
