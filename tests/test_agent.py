@@ -749,8 +749,11 @@ def test_resync_repairs_drift_while_running_and_drops_pods_whose_netns_went(
     netkit.remove_netns(pods[1].name)
     until(lambda: [p["uid"] for p in client.list_pods(n.events)] == ["uid-s0"], "pod dropped")
     wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == "uid-s1", 5)
-    assert "uid-s1" not in node.list_pods(n.ns).values()
-    assert agent.metric('redirect_agent_resynced_total{result="gone"}') == 1
+    # The agent drops the pod from its list, tells the proxies, then removes its node-set entries:
+    # wait for the last of these.
+    until(lambda: "uid-s1" not in node.list_pods(n.ns).values(), "node-set entries of the gone pod removed")
+    gone = 'redirect_agent_resynced_total{result="gone"}'
+    until(lambda: gone in agent.get("/metrics")[1] and agent.metric(gone) == 1, "resync counted it gone")
     # The node's sets are destroyed under the agent: the next ADD (or resync) puts them back.
     node.teardown_node(n.ns)
     assert cni("ADD", pods[0], "uid-s0", n.events)[0] == 0
