@@ -9,7 +9,8 @@ in the pod as uid 1337. Ambient: a pod whose peer netns is the node, running
 and a remote netns sits behind the node. Traffic goes both ways as an app (uid 1000),
 as the proxy, from the peer/remote and as a kubelet probe from the node; the table
 shows where each connection was going, which proxy port caught it, and which server
-answered (from which source). Then it removes everything.
+answered (from which source). Then it removes everything (on ebpf, the host programs too:
+they go to a bpffs root of the demo's own).
 
     python -m redirect.demo [--backend iptables|iptables-legacy|iptables-nft|nftables|ebpf|auto]
 """
@@ -365,6 +366,26 @@ def run(backend: str) -> int:
     return 0
 
 
+@contextmanager
+def own_bpf_root() -> Iterator[None]:
+    """The eBPF backend's host programs go to a root of the demo's own, removed at the end, so a
+    demo neither leaves programs attached nor touches the host's ``/sys/fs/bpf/redirect``.
+    An explicit ``$REDIRECT_BPF_ROOT`` is used as it is (and left loaded)."""
+    if os.environ.get("REDIRECT_BPF_ROOT"):
+        yield
+        return
+    root = f"/sys/fs/bpf/rdr-demo-{os.getpid()}"
+    os.environ["REDIRECT_BPF_ROOT"] = root  # inherited by redirect-agent
+    try:
+        yield
+    finally:
+        del os.environ["REDIRECT_BPF_ROOT"]
+        if os.path.exists(root):
+            from redirect.backends import ebpf
+
+            ebpf.force_unload_host(root)  # the demo's pods are torn down by now; force covers a failed one
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m redirect.demo", description="redirect: a live capture demo")
     p.add_argument("--backend", default="iptables", help="iptables (default), nftables, ebpf, auto, ...")
@@ -373,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the demo needs root (it creates network namespaces)", file=sys.stderr)
         return 1
     try:
-        return run(args.backend)
+        with own_bpf_root():
+            return run(args.backend)
     except redirect.RedirectError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
