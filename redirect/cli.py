@@ -29,7 +29,7 @@ EXIT_VALIDATION = 126  # istio-iptables' validation error code
 BACKEND_HELP = "iptables (default), iptables-legacy, iptables-nft, nftables, ebpf or auto"
 
 #: Extra subcommands registered by other modules: name -> module with register(subparsers).
-EXTRA_COMMANDS = ("redirect.cli_node",)
+EXTRA_COMMANDS = ("redirect.cli_node", "redirect.cli_ebpf")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

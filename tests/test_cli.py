@@ -34,7 +34,7 @@ def rules(ns: str) -> str:
 def test_help_lists_the_commands() -> None:
     p = run("--help")
     assert p.returncode == 0
-    for cmd in ("setup", "teardown", "check", "show", "init"):
+    for cmd in ("setup", "teardown", "check", "show", "init", "node", "ebpf"):
         assert cmd in p.stdout
     p = run("init", "--help")
     assert "--istio-service-cidr" in p.stdout and "ISTIO_SERVICE_CIDR" in p.stdout

@@ -719,3 +719,42 @@ def test_the_address_of_a_pod_gone_without_teardown_is_free_for_a_new_pod(make_p
         assert ip in api.show(new.name, backend="ebpf")["addresses"]
     finally:
         api.teardown(new.name, backend="ebpf")
+
+
+def test_ebpf_cli_status_gc_and_unload(make_pod, scratch_root: str) -> None:
+    """``redirect ebpf``: status lists the registered pods, unload refuses while there are any, gc drops
+    the pod whose netns went without a teardown, then unload removes every pin."""
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "redirect.cli", "ebpf", *args], capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    st = json.loads(cli("status", "--json").stdout)
+    assert st == {"root": scratch_root, "build_id": ebpf.build_id(), "exists": False, "loaded": False,
+                  "missing": [], "pods": []}
+    live, gone = make_pod(), make_pod()
+    for p in (live, gone):
+        api.setup(p.name, OUT_ONLY, backend="ebpf")
+    cookies = {_cookie(live), _cookie(gone)}
+    try:
+        st = json.loads(cli("status", "--json").stdout)
+        assert st["loaded"] and set(st["pods"]) == cookies, st
+        r = cli("unload")
+        assert r.returncode == 1 and "2 pod(s) still registered" in r.stderr, r.stdout + r.stderr
+        assert not ebpf.missing_pins(scratch_root), "a refused unload removed pins"
+        c_gone = _cookie(gone)
+        netkit.remove_netns(gone.name)
+        netkit.remove_netns(gone.peer_name)
+        _wait_detached(scratch_root, c_gone)
+        r = cli("gc")
+        assert r.returncode == 0 and f"removed 1 pod(s) whose netns is gone: cookies [{c_gone}]" in r.stdout, r.stdout
+        assert json.loads(cli("status", "--json").stdout)["pods"] == [_cookie(live)]
+        os.unlink(os.path.join(scratch_root, "maps", "pods"))
+        r = cli("status")
+        assert r.returncode == 1 and "incomplete: missing maps/pods" in r.stdout, r.stdout
+        r = cli("unload", "--force")
+        assert r.returncode == 0 and "removed" in r.stdout, r.stdout + r.stderr
+        assert not os.path.exists(scratch_root)
+        assert "no host programs loaded" in cli("status").stdout
+    finally:
+        if os.path.exists(scratch_root):
+            api.teardown(live.name, backend="ebpf")
