@@ -246,10 +246,10 @@ def netconf(version: str = "1.0.0", prev: dict[str, Any] | None = PREV, **ours: 
 
 
 def cni(command: str, conf: dict[str, Any] | bytes, netns: str = "", args: str = "",
-        container: str = "ctr1") -> tuple[int, dict[str, Any] | None]:
+        container: str = "ctr1", extra_env: dict[str, str] | None = None) -> tuple[int, dict[str, Any] | None]:
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
            "CNI_CONTAINERID": container, "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
-           "CNI_ARGS": args}
+           "CNI_ARGS": args, **(extra_env or {})}
     data = conf if isinstance(conf, bytes) else json.dumps(conf).encode()
     p = subprocess.run([PLUGIN], input=data, env=env, capture_output=True, timeout=30)
     out = json.loads(p.stdout) if p.stdout.strip() else None
@@ -385,3 +385,54 @@ def test_ambient_add_fails_closed_when_no_agent_listens(pod: Pod) -> None:
                   pod.path)
     assert rc == 1 and out is not None and out["code"] == 103 and "node agent" in out["msg"], out
     assert not ours_installed(pod.name)
+
+
+def test_ebpf_backend_del_of_a_gone_netns_and_gc_collect_its_host_entries(make_pod: Any) -> None:
+    """With ``backend: "ebpf"`` a pod's state is in host maps, keyed by netns cookie: a pod whose netns
+    went without a DEL is collected by GC (or by a later DEL whose netns is gone); the live pod stays
+    captured. The host programs go to a scratch bpffs root, removed at the end."""
+    from redirect import netns as rn
+    from redirect.backends import ebpf
+    from tests import netkit
+
+    root = f"/sys/fs/bpf/rdrt-cni-{os.getpid()}"
+    env = {"REDIRECT_BPF_ROOT": root}
+    conf = netconf("1.1.0", backend="ebpf", capture={"inbound_ports": []})
+    live, gone, later = make_pod(), make_pod(), make_pod()
+
+    def cookie(p: Pod) -> int:
+        with rn.enter(p.name):
+            return ebpf.current_netns_cookie()
+
+    def detached(c: int) -> bool:  # the kernel cleans a dead netns up asynchronously
+        deadline = time.monotonic() + 15
+        while ebpf._link_target(ebpf._pod_link(root, c)) != 0:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    try:
+        for i, p in enumerate((live, gone, later)):
+            rc, out = cni("ADD", conf, p.path, container=f"ctr-e{i}", extra_env=env)
+            assert rc == 0, out
+        cookies = {p.name: cookie(p) for p in (live, gone, later)}
+        assert sorted(ebpf.registered_pods(root)) == sorted(cookies.values())
+        with TcpListener(live.name, 15001, label="proxy") as proxy, \
+                TcpListener(live.peer_name, 8080, label="app") as app:
+            assert landing(live.name, live.peer_ip4, 8080, proxy, app, uid=1000).listener is proxy
+        netkit.remove_netns(gone.name)  # the runtime lost it: no DEL came
+        netkit.remove_netns(gone.peer_name)
+        assert detached(cookies[gone.name])
+        assert cni("GC", conf, extra_env=env) == (0, None)
+        assert sorted(ebpf.registered_pods(root)) == sorted([cookies[live.name], cookies[later.name]])
+        netkit.remove_netns(later.name)  # its DEL comes after the netns went
+        netkit.remove_netns(later.peer_name)
+        assert detached(cookies[later.name])
+        assert cni("DEL", conf, later.path, container="ctr-e2", extra_env=env) == (0, None)
+        assert ebpf.registered_pods(root) == [cookies[live.name]]
+        assert cni("DEL", conf, live.path, container="ctr-e0", extra_env=env) == (0, None)
+        assert ebpf.registered_pods(root) == []
+    finally:
+        ebpf.force_unload_host(root)
+    assert not os.path.exists(root)

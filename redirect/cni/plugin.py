@@ -20,7 +20,10 @@ Commands
              Ambient with ``agentSocket``: asks the node agent (enrolled in this netns, rules as
              recorded, a node proxy connected), else 104 (103 if the agent can't be reached).
 ``STATUS``   the backend's tools (and, for ambient with an agent, its socket) exist.
-``GC``       nothing to collect: all our state lives in pod namespaces and dies with them.
+``GC``       netfilter backends: nothing to collect (all our state lives in pod namespaces and
+             dies with them). ``backend: "ebpf"``: removes the host map entries of pods whose
+             netns went without a DEL (``redirect.backends.ebpf.collect_garbage``); a DEL whose
+             namespace is already gone does the same.
 ``VERSION``  ``{"cniVersion", "supportedVersions"}``.
 
 Config (one entry of the conflist's ``plugins``)::
@@ -416,7 +419,8 @@ def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     container = _env("CNI_CONTAINERID", env, required=False)
     netns = env.get("CNI_NETNS", "")
     if not netns or not os.path.exists(netns):
-        log.info("DEL container=%s netns=%r: namespace gone, nothing to remove", container, netns)
+        log.info("DEL container=%s netns=%r: namespace gone, nothing to remove in it", container, netns)
+        _collect_ebpf_garbage(pc, log)
         return
     from .. import api
 
@@ -428,6 +432,22 @@ def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
             return
         raise
     log.info("DEL container=%s netns=%s removed=%s", container, netns, removed)
+
+
+def _collect_ebpf_garbage(pc: PluginConf, log: Any) -> None:
+    """With the eBPF backend, a pod's entries live in host maps keyed by its netns cookie: drop
+    those of namespaces that are gone (the kernel detaches a dead netns's link asynchronously,
+    so a pod whose netns has only just gone may be collected by a later DEL or GC)."""
+    if pc.backend != "ebpf":
+        return
+    from ..backends import ebpf
+    from ..errors import RedirectError
+
+    try:
+        gone = ebpf.collect_garbage()
+    except RedirectError as e:
+        raise CniError(E_TEARDOWN, f"backend ebpf: collecting pods whose netns is gone failed: {e}") from None
+    log.info("ebpf: removed %d pod(s) whose netns is gone%s", len(gone), f": cookies {gone}" if gone else "")
 
 
 def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
@@ -501,6 +521,8 @@ def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | Non
             cmd_check(pc, env, log)
         elif command == "STATUS":
             cmd_status(pc, env, log)
+        elif pc.backend == "ebpf":
+            _collect_ebpf_garbage(pc, log)
         else:  # GC: our state lives only inside pod namespaces
             log.info("GC: nothing to collect")
         return 0, None
