@@ -236,6 +236,30 @@ def test_setup_twice_is_setup_once(pod: Pod) -> None:
     assert redirect.check(pod.name, cfg, backend="nftables").ok
 
 
+def test_the_fresh_pod_batch_deletes_nothing_and_replaces_a_table_made_meanwhile(pod: Pod) -> None:
+    """A pod without our table gets a batch that adds and flushes it (no delete: freeing the context
+    of a batch that deleted objects waits for the kernel). Should another writer have made the table
+    since it was read, the flush still leaves exactly the rendered rules, not two copies."""
+    from redirect import netns as rn
+
+    cfg = RedirectConfig()
+    redirect.setup(pod.name, cfg, backend="nftables")
+    want = nft_ruleset(pod.name)
+    plan = build_plan(cfg)
+    desired = nb.desired_ruleset(plan, (4, 6))
+    fresh = nb.commands_for(desired, fresh=True)
+    assert not any("delete" in c for c in fresh) and {"flush": {"table": dict(nb._TABLE_OBJ)}} in fresh
+    with rn.enter(pod.name):
+        nft = nb._context()
+        try:
+            nb._run(nft, fresh)  # as if the table had been absent when read: it is there now
+            assert nb.read_table(nft) == desired
+        finally:
+            nb.release(nft)
+    assert nft_ruleset(pod.name) == want
+    assert redirect.check(pod.name, cfg, backend="nftables").ok
+
+
 def test_check_reports_drift_readably(pod: Pod) -> None:
     cfg = RedirectConfig()
     redirect.setup(pod.name, cfg, backend="nftables")

@@ -288,6 +288,13 @@ def detect_variant(forced: str | None = None) -> str:
     return "legacy" if "legacy" in os.path.basename(target) else "nft"
 
 
+def _release(nft: object) -> None:
+    """A libnftables context is freed off the caller's path (see ``nftables.release``)."""
+    from .nftables import release
+
+    release(nft)
+
+
 def _nft_xtables_present() -> bool:
     try:
         import nftables  # type: ignore[import-not-found]
@@ -295,7 +302,10 @@ def _nft_xtables_present() -> bool:
         return False
     nft = nftables.Nftables()  # created in this thread's netns (see FACTS.md)
     nft.set_json_output(True)
-    rc, out, _ = nft.cmd("list tables")
+    try:
+        rc, out, _ = nft.cmd("list tables")
+    finally:
+        _release(nft)
     if rc != 0:
         return False
     import json
@@ -317,7 +327,10 @@ def _nft_chains_of_ours() -> bool:
 
     nft = nftables.Nftables()  # created in this thread's netns (see FACTS.md)
     nft.set_json_output(True)
-    rc, out, _ = nft.cmd("list chains")
+    try:
+        rc, out, _ = nft.cmd("list chains")
+    finally:
+        _release(nft)
     if rc != 0 or not out:
         return False
     for item in json.loads(out).get("nftables", []):
@@ -340,17 +353,21 @@ def _drop_empty_xtables_nft() -> None:
 
     nft = nftables.Nftables()
     nft.set_json_output(True)
-    for family in ("ip", "ip6"):
-        for table in ("raw", "mangle", "nat", "filter"):
-            rc, out, _ = nft.cmd(f"list table {family} {table}")
-            if rc != 0:
-                continue
-            items = json.loads(out).get("nftables", [])
-            chains = [i["chain"] for i in items if "chain" in i]
-            if any("rule" in i or "set" in i or "map" in i for i in items):
-                continue
-            if all(c.get("type") and c.get("policy", "accept") == "accept" and c["name"].isupper() for c in chains):
-                nft.cmd(f"delete table {family} {table}")
+    try:
+        for family in ("ip", "ip6"):
+            for table in ("raw", "mangle", "nat", "filter"):
+                rc, out, _ = nft.cmd(f"list table {family} {table}")
+                if rc != 0:
+                    continue
+                items = json.loads(out).get("nftables", [])
+                chains = [i["chain"] for i in items if "chain" in i]
+                if any("rule" in i or "set" in i or "map" in i for i in items):
+                    continue
+                if all(c.get("type") and c.get("policy", "accept") == "accept" and c["name"].isupper()
+                       for c in chains):
+                    nft.cmd(f"delete table {family} {table}")
+    finally:
+        _release(nft)
 
 
 class IptablesBackend:

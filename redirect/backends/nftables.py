@@ -328,12 +328,21 @@ def desired_ruleset(plan: Plan, families: tuple[int, ...]) -> Ruleset:
     return out
 
 
-def commands_for(desired: Ruleset) -> list[dict[str, Any]]:
-    """One batch replacing our table by ``desired`` (an empty ruleset deletes it)."""
-    cmds: list[dict[str, Any]] = [{"add": {"table": dict(_TABLE_OBJ)}}, {"delete": {"table": dict(_TABLE_OBJ)}}]
-    if not desired:
-        return cmds
-    cmds.append({"add": {"table": dict(_TABLE_OBJ)}})
+def commands_for(desired: Ruleset, fresh: bool = False) -> list[dict[str, Any]]:
+    """One batch replacing our table by ``desired`` (an empty ruleset deletes it).
+
+    ``fresh``: the table was not there when read. Then the batch adds and flushes it instead of
+    deleting it: the same result when it is still absent (and no duplicate rules if another
+    writer made it since), without deleting objects, whose deferred destruction makes freeing
+    the context wait about 10 ms.
+    """
+    if fresh and desired:
+        cmds: list[dict[str, Any]] = [{"add": {"table": dict(_TABLE_OBJ)}}, {"flush": {"table": dict(_TABLE_OBJ)}}]
+    else:
+        cmds = [{"add": {"table": dict(_TABLE_OBJ)}}, {"delete": {"table": dict(_TABLE_OBJ)}}]
+        if not desired:
+            return cmds
+        cmds.append({"add": {"table": dict(_TABLE_OBJ)}})
     for name, spec in desired.items():
         cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": name, **(spec.base or {})}}})
     for name, spec in desired.items():
@@ -498,6 +507,13 @@ class _Reaper:
 _reaper = _Reaper()
 
 
+def release(nft: Any) -> None:
+    """Done with a context: it is freed on the reaper thread. Every context goes there, not only
+    those whose batch deleted objects: the kernel serializes the releases, so freeing even a
+    list-only context here would wait for the slow one the reaper is freeing."""
+    _reaper.put(nft)
+
+
 def _free_now(nft: Any) -> None:
     """``nft_ctx_free`` on this thread, whoever holds the last reference (ctypes drops the GIL)."""
     handle = getattr(nft, "_Nftables__ctx", None)
@@ -575,7 +591,7 @@ class NftablesBackend:
         try:
             return self._apply(nft, desired, plan, families)
         finally:
-            _reaper.put(nft)
+            release(nft)
 
     def _apply(self, nft: Any, desired: Ruleset, plan: Plan, families: tuple[int, ...]) -> Installed:
         current = read_table(nft)
@@ -588,7 +604,7 @@ class NftablesBackend:
             txn.apply()
             fault_point("nftables.before_transaction")
             if not same or _EXTRA_COMMANDS_FOR_TESTS:
-                _run(nft, commands_for(desired) + list(_EXTRA_COMMANDS_FOR_TESTS))
+                _run(nft, commands_for(desired, fresh=current is None) + list(_EXTRA_COMMANDS_FOR_TESTS))
             fault_point("nftables.after_transaction")
             txn.finish()
         except BaseException as e:
@@ -619,7 +635,7 @@ class NftablesBackend:
                 _run(nft, commands_for({}))
                 changed = True
         finally:
-            _reaper.put(nft)
+            release(nft)
         if keep_routes:
             return changed
         return rt.remove_all_ours() or changed
@@ -629,11 +645,18 @@ class NftablesBackend:
             nft = _context()
         except BackendUnavailable:
             return False
-        return read_table(nft) is not None
+        try:
+            return read_table(nft) is not None
+        finally:
+            release(nft)
 
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
         desired = desired_ruleset(plan, families)
-        current = read_table(_context())
+        nft = _context()
+        try:
+            current = read_table(nft)
+        finally:
+            release(nft)
         if current is None:
             diffs = [f"table {FAMILY} {TABLE} is not installed"]
         else:
@@ -642,7 +665,11 @@ class NftablesBackend:
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
-        current = read_table(_context())
+        nft = _context()
+        try:
+            current = read_table(nft)
+        finally:
+            release(nft)
         out: dict[str, Any] = {"backend": self.name, "table": f"{FAMILY} {TABLE}", "installed": current is not None}
         out["chains"] = {
             name: {"base": _base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
