@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -10,9 +11,14 @@ from typing import Any
 from . import netns as _netns
 from .backends import get_backend
 from .backends.base import CheckResult, Installed
+from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
 from .errors import ConfigError, RedirectError
-from .plan import build_plan
+from .plan import Plan, build_plan
+
+#: Plans depend only on the (frozen, hashable) config, and pods of one platform share a few
+#: configs: build each once per process.
+_plan: functools._lru_cache_wrapper[Plan] = functools.lru_cache(maxsize=256)(build_plan)
 
 log = logging.getLogger("redirect")
 
@@ -50,11 +56,11 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     a different config replaces ours.
     """
     cfg = _config(config)
-    plan = build_plan(cfg)
+    plan = _plan(cfg)
     impl = get_backend(backend, cfg)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
-    with _netns.enter(netns):
+    with _netns.enter(netns), one_nft_context():
         with _lock_for(_netns.current_inode()):
             families = _families(cfg)
             res = impl.apply(plan, cfg, families)
@@ -99,7 +105,7 @@ def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
     """Remove our redirection from ``netns`` (nothing else). True if anything was removed."""
     impl = get_backend(backend, None)
     name = _netns.describe(netns)
-    with _netns.enter(netns):
+    with _netns.enter(netns), one_nft_context():
         with _lock_for(_netns.current_inode()):
             removed = impl.remove()
             if backend == "auto":  # whichever netfilter backend made them
@@ -111,9 +117,9 @@ def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
 def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> CheckResult:
     """Whether what is installed in ``netns`` equals what ``config`` wants; the differences if not."""
     cfg = _config(config)
-    plan = build_plan(cfg)
+    plan = _plan(cfg)
     impl = get_backend(backend, cfg)
-    with _netns.enter(netns):
+    with _netns.enter(netns), one_nft_context():
         return impl.check(plan, cfg, _families(cfg))
 
 
@@ -131,4 +137,4 @@ def render(config: RedirectConfig | None = None, backend: str = "iptables", ipv6
     cfg = _config(config)
     impl = get_backend(backend, cfg)
     fams = (4, 6) if (cfg.ipv6 if cfg.ipv6 is not None else ipv6) else (4,)
-    return impl.render(build_plan(cfg), fams)
+    return impl.render(_plan(cfg), fams)

@@ -260,6 +260,26 @@ def test_the_fresh_pod_batch_deletes_nothing_and_replaces_a_table_made_meanwhile
     assert redirect.check(pod.name, cfg, backend="nftables").ok
 
 
+def test_one_context_is_shared_within_a_block_and_applies_for_real(pod: Pod) -> None:
+    """Inside ``one_context()`` every ``_context()`` is the same (``release`` keeps it for the block),
+    it is a normal (not dry-run) context of the pod's netns, and outside each call gets its own."""
+    from redirect import netns as rn
+
+    with rn.enter(pod.name):
+        with nb.one_context():
+            a = nb._context()
+            nb.release(a)
+            b = nb._context()
+            assert a is b
+            rc, _, err = b.cmd("add table ip rdrt_probe_scope")
+            assert rc == 0, err
+        c, d = nb._context(), nb._context()
+        assert c is not d and c is not a
+        for x in (c, d):
+            nb.release(x)
+    assert "table ip rdrt_probe_scope" in nft_ruleset(pod.name)
+
+
 def test_check_reports_drift_readably(pod: Pod) -> None:
     cfg = RedirectConfig()
     redirect.setup(pod.name, cfg, backend="nftables")

@@ -21,8 +21,9 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import routes as rt
 from ..config import IdSpec, RedirectConfig
@@ -288,56 +289,56 @@ def detect_variant(forced: str | None = None) -> str:
     return "legacy" if "legacy" in os.path.basename(target) else "nft"
 
 
-def _release(nft: object) -> None:
-    """A libnftables context is freed off the caller's path (see ``nftables.release``)."""
-    from .nftables import release
+_XT_TABLES = ("raw", "mangle", "nat", "filter")
+_T = TypeVar("_T")
 
-    release(nft)
+
+def _nft_call(what: Callable[[Any], _T], default: _T) -> _T:
+    """``what(ctx)`` with a libnftables context of this thread's netns (see FACTS.md), freed off the
+    caller's path; ``default`` when the binding is missing."""
+    from . import nftables as nb
+
+    nft = nb.context_or_none()
+    if nft is None:
+        return default
+    try:
+        return what(nft)
+    finally:
+        nb.release(nft)
+
+
+def _xtables_tables(nft: Any) -> list[tuple[str, str]]:
+    """The (family, name) of the iptables-nft tables here."""
+    import json
+
+    rc, out, _ = nft.cmd("list tables")
+    if rc != 0 or not out:
+        return []
+    return [(t["family"], t["name"]) for t in (i.get("table") for i in json.loads(out).get("nftables", []))
+            if t and t.get("family") in ("ip", "ip6") and t.get("name") in _XT_TABLES]
 
 
 def _nft_xtables_present() -> bool:
-    try:
-        import nftables  # type: ignore[import-not-found]
-    except ImportError:
-        return False
-    nft = nftables.Nftables()  # created in this thread's netns (see FACTS.md)
-    nft.set_json_output(True)
-    try:
-        rc, out, _ = nft.cmd("list tables")
-    finally:
-        _release(nft)
-    if rc != 0:
-        return False
-    import json
-
-    for item in json.loads(out).get("nftables", []):
-        t = item.get("table")
-        if t and t.get("family") in ("ip", "ip6") and t.get("name") in ("nat", "mangle", "raw", "filter"):
-            return True
-    return False
+    return _nft_call(lambda nft: bool(_xtables_tables(nft)), False)
 
 
 def _nft_chains_of_ours() -> bool:
-    """Whether iptables-nft holds any ``RDR_`` chain here (one in-process listing, no exec)."""
-    try:
-        import nftables
-    except ImportError:
-        return False
+    """Whether iptables-nft holds any ``RDR_`` chain here (in-process listings, no exec; just the
+    table list when there is no iptables-nft table, as in a pod of the nftables backend)."""
     import json
 
-    nft = nftables.Nftables()  # created in this thread's netns (see FACTS.md)
-    nft.set_json_output(True)
-    try:
-        rc, out, _ = nft.cmd("list chains")
-    finally:
-        _release(nft)
-    if rc != 0 or not out:
+    def look(nft: Any) -> bool:
+        for family in sorted({f for f, _ in _xtables_tables(nft)}):
+            rc, out, _ = nft.cmd(f"list chains {family}")
+            if rc != 0 or not out:
+                continue
+            for item in json.loads(out).get("nftables", []):
+                c = item.get("chain")
+                if c and c.get("table") in _XT_TABLES and str(c.get("name", "")).startswith(PREFIX):
+                    return True
         return False
-    for item in json.loads(out).get("nftables", []):
-        c = item.get("chain")
-        if c and c.get("family") in ("ip", "ip6") and str(c.get("name", "")).startswith(PREFIX):
-            return True
-    return False
+
+    return _nft_call(look, False)
 
 
 def _drop_empty_xtables_nft() -> None:
@@ -349,25 +350,19 @@ def _drop_empty_xtables_nft() -> None:
     """
     import json
 
-    import nftables
+    def drop(nft: Any) -> None:
+        for family, table in _xtables_tables(nft):
+            rc, out, _ = nft.cmd(f"list table {family} {table}")
+            if rc != 0:
+                continue
+            items = json.loads(out).get("nftables", [])
+            chains = [i["chain"] for i in items if "chain" in i]
+            if any("rule" in i or "set" in i or "map" in i for i in items):
+                continue
+            if all(c.get("type") and c.get("policy", "accept") == "accept" and c["name"].isupper() for c in chains):
+                nft.cmd(f"delete table {family} {table}")
 
-    nft = nftables.Nftables()
-    nft.set_json_output(True)
-    try:
-        for family in ("ip", "ip6"):
-            for table in ("raw", "mangle", "nat", "filter"):
-                rc, out, _ = nft.cmd(f"list table {family} {table}")
-                if rc != 0:
-                    continue
-                items = json.loads(out).get("nftables", [])
-                chains = [i["chain"] for i in items if "chain" in i]
-                if any("rule" in i or "set" in i or "map" in i for i in items):
-                    continue
-                if all(c.get("type") and c.get("policy", "accept") == "accept" and c["name"].isupper()
-                       for c in chains):
-                    nft.cmd(f"delete table {family} {table}")
-    finally:
-        _release(nft)
+    _nft_call(drop, None)
 
 
 class IptablesBackend:

@@ -68,11 +68,14 @@ so every method creates its own, inside the netns the caller entered; none is ke
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ipaddress
 import json
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,6 +331,10 @@ def desired_ruleset(plan: Plan, families: tuple[int, ...]) -> Ruleset:
     return out
 
 
+#: ``desired_ruleset`` once per (plan, families): the result is shared, never to be modified.
+_desired: functools._lru_cache_wrapper[Ruleset] = functools.lru_cache(maxsize=256)(desired_ruleset)
+
+
 def commands_for(desired: Ruleset, fresh: bool = False) -> list[dict[str, Any]]:
     """One batch replacing our table by ``desired`` (an empty ruleset deletes it).
 
@@ -463,8 +470,8 @@ def diff_rulesets(cur: Ruleset, want: Ruleset) -> list[str]:
 # --- execution -------------------------------------------------------------------------
 
 
-def _context() -> Any:
-    """A libnftables context for the calling thread's netns (create it here, use it here)."""
+def _new_context() -> Any:
+    """A libnftables context of its own for the calling thread's netns (create it here, use it here)."""
     try:
         import nftables  # type: ignore[import-not-found]
     except ImportError:
@@ -475,6 +482,44 @@ def _context() -> Any:
     nft = nftables.Nftables()
     nft.set_json_output(True)
     return nft
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def one_context() -> Iterator[None]:
+    """Within this (on one thread, which stays in one netns), ``_context()`` hands out a single
+    context, released when the block ends: a setup that lists and applies with the nftables
+    backend and then looks for iptables-nft chains of ours creates one context, not two."""
+    if getattr(_scope, "active", False):
+        yield
+        return
+    _scope.active, _scope.nft = True, None
+    try:
+        yield
+    finally:
+        nft, _scope.active, _scope.nft = _scope.nft, False, None
+        if nft is not None:
+            _reaper.put(nft)
+
+
+def _context() -> Any:
+    """A libnftables context (JSON output) for the calling thread's netns: the block's shared one
+    inside ``one_context()``, else a new one. Give it back with ``release``."""
+    if not getattr(_scope, "active", False):
+        return _new_context()
+    if _scope.nft is None:
+        _scope.nft = _new_context()
+    return _scope.nft
+
+
+def context_or_none() -> Any:
+    """``_context()``, or None when the libnftables binding is missing."""
+    try:
+        return _context()
+    except BackendUnavailable:
+        return None
 
 
 class _Reaper:
@@ -508,9 +553,12 @@ _reaper = _Reaper()
 
 
 def release(nft: Any) -> None:
-    """Done with a context: it is freed on the reaper thread. Every context goes there, not only
-    those whose batch deleted objects: the kernel serializes the releases, so freeing even a
-    list-only context here would wait for the slow one the reaper is freeing."""
+    """Done with a context: it is freed on the reaper thread (a shared one when its
+    ``one_context()`` block ends). Every context goes there, not only those whose batch deleted
+    objects: the kernel serializes the releases, so freeing even a list-only context here would
+    wait for the slow one the reaper is freeing."""
+    if getattr(_scope, "active", False) and nft is _scope.nft:
+        return
     _reaper.put(nft)
 
 
@@ -559,7 +607,7 @@ def probe() -> tuple[bool, str]:
     global _probe_result
     if _probe_result is None:
         try:
-            nft = _context()
+            nft = _new_context()  # its own: dry run must not reach a shared context
             nft.set_dry_run(True)
             t = {"family": FAMILY, "name": TABLE + "_probe"}
             rc, _, err = nft.json_cmd({"nftables": [
@@ -586,7 +634,7 @@ class NftablesBackend:
         return json.dumps({"nftables": commands_for(desired_ruleset(plan, families))}, indent=1) + "\n"
 
     def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
-        desired = desired_ruleset(plan, families)  # render errors before touching anything
+        desired = _desired(plan, families)  # render errors before touching anything
         nft = _context()
         try:
             return self._apply(nft, desired, plan, families)
@@ -651,7 +699,7 @@ class NftablesBackend:
             release(nft)
 
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
-        desired = desired_ruleset(plan, families)
+        desired = _desired(plan, families)
         nft = _context()
         try:
             current = read_table(nft)
