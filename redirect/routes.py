@@ -35,30 +35,36 @@ def _ip(raw: bytes) -> str:
 
 
 def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
-    """Read back our policy routes (rule + local default route) and addresses (raw netlink)."""
+    """Read back our policy routes (rule + local default route) and addresses (raw netlink).
+
+    One dump each of routes and addresses for all families, and of rules only when a route of
+    ours exists (a rule of ours without its route is half a policy route: reported as missing,
+    repaired by apply).
+    """
+    fam_of: dict[int, int] = {int(af): fam for fam, af in _AF.items() if fam in families}
+    af = _AF[families[0]] if len(families) == 1 else socket.AF_UNSPEC
     routes: set[PolicyRoute] = set()
     addresses: set[LocalAddress] = set()
-    names: dict[int, str] | None = None
-    for fam in families:
-        af = _AF[fam]
-        tables_with_local = {
-            (m.u32(rtnl.RTA_TABLE) or m.fields[3]) for m in rtnl.dump(rtnl.RTM_GETROUTE, af)
-            if m.fields[4] == RT_PROTO  # rtmsg.rtm_protocol
-        }
+    tables_with_local = {
+        (m.family, m.u32(rtnl.RTA_TABLE) or m.fields[3]) for m in rtnl.dump(rtnl.RTM_GETROUTE, af)
+        if m.fields[4] == RT_PROTO and m.family in fam_of  # rtmsg.rtm_protocol
+    }
+    if tables_with_local:
         for m in rtnl.dump(rtnl.RTM_GETRULE, af):
-            if m.u8(rtnl.FRA_PROTOCOL) != RT_PROTO:
+            if m.family not in fam_of or m.u8(rtnl.FRA_PROTOCOL) != RT_PROTO:
                 continue
             table = m.u32(rtnl.FRA_TABLE) or m.fields[3]
-            if table not in tables_with_local:
-                continue  # half a policy route: reported as missing, repaired by apply
+            if (m.family, table) not in tables_with_local:
+                continue
             mask = m.u32(rtnl.FRA_FWMASK)
-            routes.add(PolicyRoute(fam, m.u32(rtnl.FRA_FWMARK) or 0, 0xFFFFFFFF if mask is None else mask,  # type: ignore[arg-type]
-                                   table))
-        for m in rtnl.dump(rtnl.RTM_GETADDR, af):
-            if m.u8(rtnl.IFA_PROTO) == RT_PROTO and rtnl.IFA_ADDRESS in m.attrs:
-                names = rtnl.link_names() if names is None else names
-                addresses.add(LocalAddress(fam, f"{_ip(m.attrs[rtnl.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
-                                           names.get(m.fields[3], "?")))
+            routes.add(PolicyRoute(fam_of[m.family], m.u32(rtnl.FRA_FWMARK) or 0,  # type: ignore[arg-type]
+                                   0xFFFFFFFF if mask is None else mask, table))
+    names: dict[int, str] | None = None
+    for m in rtnl.dump(rtnl.RTM_GETADDR, af):
+        if m.family in fam_of and m.u8(rtnl.IFA_PROTO) == RT_PROTO and rtnl.IFA_ADDRESS in m.attrs:
+            names = rtnl.link_names() if names is None else names
+            addresses.add(LocalAddress(fam_of[m.family], f"{_ip(m.attrs[rtnl.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
+                                       names.get(m.fields[3], "?")))
     return RouteState(frozenset(routes), frozenset(addresses))
 
 
