@@ -573,6 +573,19 @@ def _free_now(nft: Any) -> None:
     free(handle)
 
 
+@functools.lru_cache(maxsize=256)
+def _batch(plan: Plan, families: tuple[int, ...], fresh: bool) -> str:
+    """``commands_for`` our table for ``plan`` as the JSON text libnftables parses (built once)."""
+    return json.dumps({"nftables": commands_for(_desired(plan, families), fresh=fresh)})
+
+
+def _run_batch(nft: Any, batch: str) -> None:
+    """A batch that lists nothing back: the JSON text straight to ``nft_run_cmd_from_buffer``."""
+    rc, _, err = nft.cmd(batch)
+    if rc != 0:
+        raise SetupError(f"libnftables refused the transaction: {err.strip()}")
+
+
 def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
     rc, out, err = nft.json_cmd({"nftables": cmds})
     if rc != 0:
@@ -651,8 +664,10 @@ class NftablesBackend:
         try:
             txn.apply()
             fault_point("nftables.before_transaction")
-            if not same or _EXTRA_COMMANDS_FOR_TESTS:
+            if _EXTRA_COMMANDS_FOR_TESTS:
                 _run(nft, commands_for(desired, fresh=current is None) + list(_EXTRA_COMMANDS_FOR_TESTS))
+            elif not same:
+                _run_batch(nft, _batch(plan, families, current is None))
             fault_point("nftables.after_transaction")
             txn.finish()
         except BaseException as e:
