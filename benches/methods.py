@@ -52,8 +52,8 @@ class Method:
     #: True when deleting the namespace removes everything (netfilter rules live in the netns):
     #: untimed bulk cleanup may then skip ``teardown``. Never for state held outside the netns (BPF maps).
     cleanup_by_delete: bool = False
-    #: Ports with a listener held open in each fresh namespace before setup (not timed): the eBPF
-    #: backend needs the proxy's inbound listener to exist when setup runs (it goes to sk_lookup).
+    #: Ports with a listener held open in each fresh namespace before setup (not timed); none for
+    #: the per-pod methods (see ``NO_LISTENER``).
     listen: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -63,7 +63,14 @@ def config_for(mode: str) -> redirect.RedirectConfig:
 
 
 def listen_for(backend: str, mode: str) -> tuple[int, ...]:
+    """Ports the data path holds a listener on in the pod before setup: the eBPF backend's proxy
+    inbound listener (it is registered when it listens, before or after setup alike)."""
     return (config_for(mode).inbound_port,) if backend == "ebpf" else ()
+
+
+#: Per-pod cost runs setup with no proxy listening yet, as a CNI ADD or an init container does
+#: (the proxy starts after them). The eBPF backend registers the listener when it appears.
+NO_LISTENER: tuple[int, ...] = ()
 
 
 def _verify_api(backend: str, mode: str) -> Callable[[str], None]:
@@ -84,7 +91,7 @@ def api_method(backend: str, mode: str) -> Method:
         redirect.teardown(ns, backend=backend)
 
     return Method(f"api/{backend}/{mode}", "api", backend, mode, setup, teardown, _verify_api(backend, mode),
-                  listen=listen_for(backend, mode))
+                  listen=NO_LISTENER)
 
 
 def _redirect_exe() -> str:
@@ -129,7 +136,7 @@ def cli_method(backend: str, mode: str) -> Method:
         _check_run([exe, "teardown", ns, "--backend", backend])
 
     return Method(f"cli/{backend}/{mode}", "cli", backend, mode, setup, teardown, _verify_api(backend, mode),
-                  note=how, listen=listen_for(backend, mode))
+                  note=how, listen=NO_LISTENER)
 
 
 def _cni_exe() -> str:
@@ -165,7 +172,7 @@ def cni_method(backend: str, mode: str) -> Method:
 
     return Method(f"cni/{backend}/{mode}", "cni", backend, mode, lambda ns: call("ADD", ns),
                   lambda ns: call("DEL", ns), _verify_api(backend, mode), note=f"{exe} ADD/DEL",
-                  listen=listen_for(backend, mode))
+                  listen=NO_LISTENER)
 
 
 def reference_method(binary: str = "iptables") -> Method:
