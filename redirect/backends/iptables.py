@@ -393,7 +393,27 @@ class IptablesBackend:
         return "\n".join(out) + "\n"
 
     def read(self, variant: str) -> dict[int, State]:
-        return {fam: parse_save(self.save(variant, fam)) for fam in (4, 6)}
+        """Our chains per family, from ``*tables-save``; a family without any table of that
+        variant (a fresh pod) is read as empty without exec'ing the save."""
+        have = self._families_with_tables(variant)
+        return {fam: parse_save(self.save(variant, fam)) if fam in have else {} for fam in (4, 6)}
+
+    def _families_with_tables(self, variant: str) -> set[int]:
+        """The families that have any table of ``variant`` here (both when that can't be told)."""
+        if variant == "legacy":
+            out = set()
+            for fam, f in ((4, "ip_tables_names"), (6, "ip6_tables_names")):
+                try:
+                    with open(f"/proc/thread-self/net/{f}") as fh:
+                        if fh.read().strip():
+                            out.add(fam)
+                except OSError:
+                    out.add(fam)
+            return out
+        tables = _nft_call(_xtables_tables, None)
+        if tables is None:
+            return {4, 6}
+        return {4 if family == "ip" else 6 for family, _ in tables}
 
     def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
         variant = self._variant()
