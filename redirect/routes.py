@@ -8,6 +8,7 @@ thread.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -111,11 +112,14 @@ def remove_address(a: LocalAddress) -> None:
 
 def ipv6_enabled() -> bool:
     """Whether the calling thread's netns has IPv6 (so an uncaptured v6 path would exist)."""
-    try:
-        with open("/proc/sys/net/ipv6/conf/all/disable_ipv6") as f:
-            return f.read().strip() == "0"
+    try:  # os-level: a text-mode open() costs ~10 us more, and this runs on every setup
+        fd = os.open("/proc/sys/net/ipv6/conf/all/disable_ipv6", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        return os.read(fd, 16).strip() == b"0"
+    finally:
+        os.close(fd)
 
 
 def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress]) -> tuple[LocalAddress, ...]:

@@ -1067,7 +1067,8 @@ class EbpfBackend:
         # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
         # collect_garbage() finds pods whose netns went without a teardown.
-        have_link = _link_target(link_path) == os.stat("/proc/thread-self/ns/net").st_ino
+        pinned_target = _link_target(link_path)  # None: no pin
+        have_link = pinned_target == os.stat("/proc/thread-self/ns/net").st_ino
         # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, dev in local if dev == "lo"}
@@ -1125,7 +1126,8 @@ class EbpfBackend:
                 for fam, lfd in lfds.items():
                     h.maps["listeners"].update(LISTENER_KEY.pack(cookie, AF[fam], 0), U64.pack(lfd))
                 if not have_link:
-                    _detach_pinned(link_path)  # a detached or foreign one
+                    if pinned_target is not None or os.path.lexists(link_path):
+                        _detach_pinned(link_path)  # a detached, foreign or unreadable one
                     nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     try:
                         lfd = link_create(h.progs["rdr_sk_lookup"], nsfd, SK_LOOKUP_ATTACH)
