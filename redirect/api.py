@@ -40,6 +40,13 @@ def _families(cfg: RedirectConfig) -> tuple[int, ...]:
     return (4, 6) if cfg.ipv6 else (4,)
 
 
+def _families_for(impl: Any, cfg: RedirectConfig) -> tuple[int, ...]:
+    """``_families``, or the backend's own answer when it has one (eBPF reads it in the netlink
+    dump it makes anyway)."""
+    detect = getattr(impl, "detect_families", None)
+    return detect(cfg) if detect is not None else _families(cfg)
+
+
 def _config(config: RedirectConfig | None) -> RedirectConfig:
     if config is None:
         return RedirectConfig()
@@ -62,7 +69,7 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     t0 = time.perf_counter()
     with _netns.enter(netns), one_nft_context():
         with _lock_for(_netns.current_inode()):
-            families = _families(cfg)
+            families = _families_for(impl, cfg)
             res = impl.apply(plan, cfg, families)
             if _retire_other_netfilter(impl.name):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
@@ -120,7 +127,7 @@ def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     plan = _plan(cfg)
     impl = get_backend(backend, cfg)
     with _netns.enter(netns), one_nft_context():
-        return impl.check(plan, cfg, _families(cfg))
+        return impl.check(plan, cfg, _families_for(impl, cfg))
 
 
 def show(netns: _netns.NetnsRef, backend: str = "iptables") -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from collections.abc import Iterator
 from typing import Union
 
@@ -110,8 +111,21 @@ def netns_inode(ref: NetnsRef) -> int:
         os.close(fd)
 
 
+_entered = threading.local()
+
+
+def current_fd() -> int | None:
+    """The fd of the namespace the innermost ``enter`` of this thread put it in (None outside one).
+
+    Valid until that ``enter`` exits; saves opening ``/proc/thread-self/ns/net`` again."""
+    stack: list[int] | None = getattr(_entered, "fds", None)
+    return stack[-1] if stack else None
+
+
 def current_inode() -> int:
-    return os.stat("/proc/thread-self/ns/net").st_ino
+    """The inode of the calling thread's netns (an fstat when inside ``enter``)."""
+    fd = current_fd()
+    return os.fstat(fd).st_ino if fd is not None else os.stat("/proc/thread-self/ns/net").st_ino
 
 
 @contextlib.contextmanager
@@ -133,9 +147,12 @@ def enter(ref: NetnsRef) -> Iterator[int]:
             _setns(target)
         except OSError as e:
             raise NetnsError(f"netns={describe(ref)!r}: setns failed: {e.strerror}") from None
+        stack = _entered.__dict__.setdefault("fds", [])
+        stack.append(target)
         try:
             yield target
         finally:
+            stack.pop()
             try:
                 _setns(home)
             except OSError as e:  # pragma: no cover - kernel out of memory

@@ -1,4 +1,4 @@
-"""A tiny read-only rtnetlink client: dump rules, routes and addresses.
+"""A tiny rtnetlink client: dump rules, routes and addresses; add and delete a few of them.
 
 Reading our policy routes happens on every setup, check and teardown; importing
 pyroute2 costs ~180 ms, which would dominate a per-pod exec (the CNI plugin,
@@ -9,9 +9,13 @@ change. Acts on the netns of the calling thread (the socket is opened there).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
 import os
 import socket
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 NETLINK_ROUTE = 0
@@ -55,14 +59,39 @@ _BODY = {
 }
 
 
-def dump(kind: int, family: int = socket.AF_UNSPEC) -> list[Msg]:
-    fmt, size = _BODY[kind]
-    body = struct.pack(fmt, family, *([0] * (len(struct.unpack(fmt, bytes(size))) - 1)))
+def open_socket() -> socket.socket:
+    """A NETLINK_ROUTE socket in the calling thread's netns, for several ``dump``/``request`` calls."""
     s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_ROUTE)
     try:
         s.settimeout(5)
         s.bind((0, 0))
-        seq = 1
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+@contextlib.contextmanager
+def _socket(given: socket.socket | None) -> Iterator[socket.socket]:
+    if given is not None:
+        yield given
+        return
+    s = open_socket()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+_seq = itertools.count(1)
+
+
+def dump(kind: int, family: int = socket.AF_UNSPEC, sock: socket.socket | None = None) -> list[Msg]:
+    """Every object of ``kind`` (RTM_GET*) of ``family``; on ``sock`` if given (else a socket of its own)."""
+    fmt, size = _BODY[kind]
+    body = struct.pack(fmt, family, *([0] * (len(struct.unpack(fmt, bytes(size))) - 1)))
+    with _socket(sock) as s:
+        seq = next(_seq) & 0xFFFFFFFF
         s.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
         out: list[Msg] = []
         while True:
@@ -92,8 +121,6 @@ def dump(kind: int, family: int = socket.AF_UNSPEC) -> list[Msg]:
                         a += (alen + 3) & ~3
                     out.append(msg)
                 off += (length + 3) & ~3
-    finally:
-        s.close()
 
 
 def link_names() -> dict[int, str]:
@@ -124,22 +151,24 @@ def _u32(v: int) -> bytes:
     return struct.pack("=I", v)
 
 
-def request(kind: int, flags: int, body: bytes, attrs: list[tuple[int, bytes]]) -> None:
+def request(kind: int, flags: int, body: bytes, attrs: list[tuple[int, bytes]],
+            sock: socket.socket | None = None) -> None:
     """Send one change and wait for its ack; raises OSError(errno) on a kernel error."""
     payload = body + b"".join(_attr(k, v) for k, v in attrs)
-    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_ROUTE)
-    try:
-        s.settimeout(5)
-        s.bind((0, 0))
-        s.send(_HDR.pack(_HDR.size + len(payload), kind, NLM_F_REQUEST | NLM_F_ACK | flags, 1, 0) + payload)
-        data = s.recv(1 << 16)
-        _length, mtype, _f, _seq, _pid = _HDR.unpack_from(data, 0)
-        if mtype == NLMSG_ERROR:
-            err = -struct.unpack_from("=i", data, _HDR.size)[0]
-            if err:
-                raise OSError(err, os.strerror(err))
-    finally:
-        s.close()
+    with _socket(sock) as s:
+        seq = next(_seq) & 0xFFFFFFFF
+        s.send(_HDR.pack(_HDR.size + len(payload), kind, NLM_F_REQUEST | NLM_F_ACK | flags, seq, 0) + payload)
+        for _ in range(64):  # a reused socket only ever has replies to our own requests queued
+            data = s.recv(1 << 16)
+            _length, mtype, _f, mseq, _pid = _HDR.unpack_from(data, 0)
+            if mseq != seq:
+                continue
+            if mtype == NLMSG_ERROR:
+                err = -struct.unpack_from("=i", data, _HDR.size)[0]
+                if err:
+                    raise OSError(err, os.strerror(err))
+            return
+        raise OSError(errno.EPROTO, "netlink: no acknowledgement for our request")
 
 
 def link_index(name: str) -> int:
@@ -149,15 +178,16 @@ def link_index(name: str) -> int:
     raise OSError(19, f"no interface {name!r}")
 
 
-def addr(op: str, family: int, index: int, address: str, prefixlen: int, proto: int, flags: int = 0) -> None:
+def addr(op: str, family: int, index: int, address: str, prefixlen: int, proto: int, flags: int = 0,
+         sock: socket.socket | None = None) -> None:
     raw = socket.inet_pton(family, address)
     body = struct.pack("=BBBBI", family, prefixlen, flags & 0xFF, 0, index)
     attrs = [(IFA_LOCAL, raw), (IFA_ADDRESS, raw)]
     if op == "add":
         attrs += [(IFA_FLAGS, _u32(flags)), (IFA_PROTO, bytes([proto]))]
-        request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body, attrs)
+        request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body, attrs, sock)
     else:
-        request(RTM_DELADDR, 0, body, attrs)
+        request(RTM_DELADDR, 0, body, attrs, sock)
 
 
 def local_default_route(op: str, family: int, table: int, oif: int, proto: int) -> None:

@@ -758,3 +758,26 @@ def test_ebpf_cli_status_gc_and_unload(make_pod, scratch_root: str) -> None:
     finally:
         if os.path.exists(scratch_root):
             api.teardown(live.name, backend="ebpf")
+
+
+def test_ipv6_follows_the_namespace_when_auto(pod: Pod, setup_pod) -> None:
+    """The families come from the same netlink dump as the pod's addresses: IPv6 is on while the
+    netns has an IPv6 address (disable_ipv6 removes them all); ``ipv6=True`` forces it."""
+    assert setup_pod(pod, OUT_ONLY).families == (4, 6)
+    assert "v6" in api.show(pod.name, backend="ebpf")["policy"].split("flags=")[1].split()[0]
+    api.teardown(pod.name, backend="ebpf")
+    subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"], check=True)
+    proxy = TcpListener(pod.name, 15001, family=4, label="proxy4").start()
+    app = TcpListener(pod.peer_name, 8080, family=4, label="app").start()
+    try:
+        res = setup_pod(pod, OUT_ONLY)
+        assert res.families == (4,)
+        assert "v6" not in api.show(pod.name, backend="ebpf")["policy"].split("flags=")[1].split()[0]
+        hit = landing(pod.name, pod.peer_ip4, 8080, proxy, app, uid=APP_UID)
+        assert hit.listener is proxy and hit.orig_dst == (pod.peer_ip4, 8080), hit.result
+        assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
+        # Forcing IPv6 on writes the IPv6 policy anyway (the namespace will get IPv6 later).
+        assert api.setup(pod.name, RedirectConfig(inbound_ports=(), ipv6=True), backend="ebpf").families == (4, 6)
+    finally:
+        proxy.close()
+        app.close()

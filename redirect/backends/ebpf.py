@@ -66,7 +66,6 @@ How the iptables semantics are met without packets:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import functools
@@ -811,10 +810,10 @@ def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[byt
 
 
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
-                local: list[tuple[int, str, str]] | None = None) -> PodEntries:
+                local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
     """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
 
-    ``local`` is (family, address, device), as ``local_addresses`` gives it.
+    ``local`` is (family, address, ifindex), as ``local_addresses`` gives it.
     """
     policy, port_specs, cidr_specs = _config_entries(cfg, families)
     ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
@@ -827,49 +826,59 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
     # Inbound is steered by the address a connection arrives at: the pod's, not lo's.
     inbound = bool(POLICY.unpack_from(policy)[P_FLAGS] & F_INBOUND)
     addrs = frozenset(ADDR_KEY.pack(AF[f], socket.inet_pton(AF[f], ip).ljust(16, b"\0"))
-                      for f, ip, dev in local or () if f in families and dev != "lo") if inbound else frozenset()
+                      for f, ip, idx in local or ()
+                      if f in families and idx != LOOPBACK_IFINDEX) if inbound else frozenset()
     return PodEntries(policy, ports, frozenset(cidrs), addrs)
 
 
 _V6_LOOPBACK = bytes(15) + b"\1"
+LOOPBACK_IFINDEX = 1  # lo's index in every netns
 
 
-def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, str]]:
-    """(family, address, device) of the current netns's addresses, loopback and link-local aside."""
-    return _local_state(families)[0]
+@dataclass(frozen=True)
+class NetnsScan:
+    """What one netlink socket tells of the calling thread's netns: all a pod's setup needs to know
+    of it (its cookie, its addresses, whether IPv6 is on), in one address dump."""
+
+    inode: int
+    thread: int
+    cookie: int
+    #: (family, address, ifindex) of its addresses, loopback and IPv6 link-local aside.
+    local: tuple[tuple[int, str, int], ...]
+    #: IPv6 is on: it has an IPv6 address (``::1`` at least; disable_ipv6 removes them all).
+    v6_on: bool
 
 
-def _local_state(families: tuple[int, ...]) -> tuple[list[tuple[int, str, str]], bool]:
-    """``local_addresses``, and whether IPv6 is on here (it has addresses: ``::1`` at least).
+def scan_netns() -> NetnsScan:
+    """``NetnsScan`` of the calling thread's netns: ~20 us, where the cookie socket, the IPv6
+    sysctl and the address listings it replaces cost ~70 us in a fresh netns (first /proc reads)."""
+    from .. import netns as _netns
+    from .. import rtnl
 
-    Per pod, so without ``ipaddress`` (about 10 us an address) or netlink dumps.
-    """
-    out: list[tuple[int, str, str]] = []
+    out: list[tuple[int, str, int]] = []
     v6_on = False
-    if 4 in families:
-        # SIOCGIFCONF: one ifreq (40 bytes: name, sockaddr) per IPv4 address, on any socket of this netns.
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            buf = bytearray(40 * 64)
-            ifc = struct.pack("iL", len(buf), ctypes.addressof(ctypes.c_char.from_buffer(buf)))
-            size, _ = struct.unpack("iL", fcntl.ioctl(s.fileno(), 0x8912, ifc))  # SIOCGIFCONF
-            for off in range(0, size, 40):
-                if buf[off + 20] == 127:
-                    continue
-                dev = bytes(buf[off : off + 16]).split(b"\0", 1)[0].decode()
-                out.append((4, socket.inet_ntoa(bytes(buf[off + 20 : off + 24])), dev))
-    if 6 in families:
-        try:
-            with open("/proc/thread-self/net/if_inet6", encoding="ascii") as f:
-                for line in f:
-                    v6_on = True
-                    parts = line.split()
-                    raw = bytes.fromhex(parts[0])
-                    if raw == _V6_LOOPBACK or (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
-                        continue
-                    out.append((6, socket.inet_ntop(socket.AF_INET6, raw), parts[-1]))
-        except FileNotFoundError:
-            pass
-    return out, v6_on
+    with rtnl.open_socket() as s:
+        c = _native().ffi.new("uint64_t *")
+        _check(_native().lib.rdr_sock_netns_cookie(s.fileno(), c), "SO_NETNS_COOKIE")
+        msgs = rtnl.dump(rtnl.RTM_GETADDR, socket.AF_UNSPEC, sock=s)
+    for m in msgs:
+        raw = m.attrs.get(rtnl.IFA_LOCAL) or m.attrs.get(rtnl.IFA_ADDRESS)
+        if raw is None:
+            continue
+        index = m.fields[3]  # ifaddrmsg: prefixlen flags scope index
+        if m.family == socket.AF_INET and len(raw) == 4:
+            if raw[0] != 127:
+                out.append((4, socket.inet_ntoa(raw), index))
+        elif m.family == socket.AF_INET6 and len(raw) == 16:
+            v6_on = True
+            if raw != _V6_LOOPBACK and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
+                out.append((6, socket.inet_ntop(socket.AF_INET6, raw), index))
+    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(c[0]), tuple(out), v6_on)
+
+
+def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, int]]:
+    """(family, address, ifindex) of the current netns's addresses, loopback and link-local aside."""
+    return [t for t in scan_netns().local if t[0] in families]
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
@@ -881,7 +890,18 @@ def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[
 def _port_bound(port: int, families: tuple[int, ...]) -> bool:
     """Whether any socket of this netns holds TCP ``port`` (a cheap superset of "someone listens
     on it": a wildcard bind conflicts with every listener on the port). About 10 us a family,
-    against about 40 us for the sock_diag listener dump it saves on a pod's first setup."""
+    against about 40 us for the sock_diag listener dump it saves on a pod's first setup.
+
+    Both families at once with one dual-stack bind (it conflicts with IPv4 and IPv6 holders
+    alike); only if that fails, family by family (an IPv6-off netns can't bind ``::``)."""
+    if set(families) == {4, 6}:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                s.bind(("::", port))
+                return False
+            except OSError:
+                pass
     for fam in families:
         with socket.socket(AF[fam], socket.SOCK_STREAM) as s:
             if fam == 6:
@@ -1011,6 +1031,25 @@ class EbpfBackend:
         self.cfg = cfg
         self.root = _root(root)
         self.cgroup = _cgroup(cgroup)
+        self._scan: NetnsScan | None = None
+
+    def detect_families(self, cfg: RedirectConfig) -> tuple[int, ...]:
+        """The families ``cfg`` captures here (``redirect.setup``/``check`` ask the backend when it
+        has this): IPv6 is on when the netns has an IPv6 address. Read in the dump that ``apply``
+        and ``check`` need anyway (kept for them), so a pod costs no IPv6 sysctl read."""
+        self._scan = scan_netns()
+        if cfg.ipv6 is None:
+            return (4, 6) if self._scan.v6_on else (4,)
+        return (4, 6) if cfg.ipv6 else (4,)
+
+    def _take_scan(self) -> NetnsScan:
+        """The scan ``detect_families`` made, if it was of this thread's current netns; else a new one."""
+        from .. import netns as _netns
+
+        sc, self._scan = self._scan, None
+        if sc is not None and sc.thread == threading.get_ident() and sc.inode == _netns.current_inode():
+            return sc
+        return scan_netns()
 
     def _pod_link_path(self, cookie: int) -> str:
         return _pod_link(self.root, cookie)
@@ -1058,8 +1097,8 @@ class EbpfBackend:
         h = host(self.root, self.cgroup)
         assert h is not None
         t_host, c_host = time.perf_counter(), time.thread_time()
-        cookie = current_netns_cookie()
-        local, v6_on = _local_state(families)
+        sc = self._take_scan()
+        cookie, local, v6_on = sc.cookie, sc.local, sc.v6_on
         want = pod_entries(cfg, families, cookie, local)
         inbound = want.inbound
         old = self._read(h, cookie)
@@ -1068,15 +1107,16 @@ class EbpfBackend:
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
         # collect_garbage() finds pods whose netns went without a teardown.
         pinned_target = _link_target(link_path)  # None: no pin
-        have_link = pinned_target == os.stat("/proc/thread-self/ns/net").st_ino
+        have_link = pinned_target is not None and pinned_target == sc.inode
         # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
-        on_lo = {(f, ip) for f, ip, dev in local if dev == "lo"}
+        on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
         plan_addrs = _plan_addresses(plan, families, v6_on)
         add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
-        scan = inbound and _port_bound(cfg.inbound_port, _unserved(h, cookie, families))
+        unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
+        scan = inbound and _port_bound(cfg.inbound_port, unserved)
         unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
@@ -1103,6 +1143,7 @@ class EbpfBackend:
             created_link = False
             added: list[LocalAddress] = []
             try:
+                from .. import netns as _netns
                 from .. import routes as rt
 
                 for la in add_addrs:
@@ -1126,13 +1167,17 @@ class EbpfBackend:
                 for fam, lfd in lfds.items():
                     h.maps["listeners"].update(LISTENER_KEY.pack(cookie, AF[fam], 0), U64.pack(lfd))
                 if not have_link:
-                    if pinned_target is not None or os.path.lexists(link_path):
+                    if pinned_target is not None:
                         _detach_pinned(link_path)  # a detached, foreign or unreadable one
-                    nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                    nsfd = _netns.current_fd()  # the fd redirect.setup entered the netns with
+                    own_fd = nsfd is None
+                    if nsfd is None:
+                        nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     try:
                         lfd = link_create(h.progs["rdr_sk_lookup"], nsfd, SK_LOOKUP_ATTACH)
                     finally:
-                        os.close(nsfd)
+                        if own_fd:
+                            os.close(nsfd)
                     try:
                         obj_pin(lfd, link_path)
                         created_link = True
@@ -1207,8 +1252,9 @@ class EbpfBackend:
         h = host(self.root, load=False)
         if h is None:
             return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}",))
-        cookie = current_netns_cookie()
-        want = pod_entries(cfg, families, cookie, local_addresses(families))
+        sc = self._take_scan()
+        cookie = sc.cookie
+        want = pod_entries(cfg, families, cookie, sc.local)
         st = self._read(h, cookie)
         diffs: list[str] = []
         if st.policy is None:
@@ -1285,13 +1331,18 @@ def _pod_link(root: str, cookie: int) -> str:
 
 
 def _link_target(path: str) -> int | None:
-    """The netns inode a pinned netns link is attached to (0: detached, its netns is gone); None: no pin."""
+    """The netns inode a pinned netns link is attached to (0: detached, its netns is gone);
+    None: no pin; -1: something is pinned there that can't be read as a netns link."""
     try:
         fd = obj_get(path)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError:
+        return -1
     try:
-        return link_info(fd)["target"]
+        return int(link_info(fd)["target"])
+    except OSError:
+        return -1
     finally:
         os.close(fd)
 
