@@ -280,6 +280,37 @@ def test_one_context_is_shared_within_a_block_and_applies_for_real(pod: Pod) -> 
     assert "table ip rdrt_probe_scope" in nft_ruleset(pod.name)
 
 
+def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> None:
+    """Inside ``one_context()`` the table list is kept until a batch of ours or an iptables exec
+    (``forget_tables``); outside a block every call lists the kernel's tables again."""
+    from redirect import netns as rn
+    from redirect.backends import iptables as ipt
+
+    with rn.enter(pod.name):
+        with nb.one_context():
+            nft = nb._context()
+            assert nb.table_names(nft) == []
+            sh(pod.name, "nft", "add", "table", "ip", "rdrt_behind_our_back")
+            assert nb.table_names(nft) == []  # kept: nothing of ours changed tables
+            ipt._run(["iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "4447", "-j", "ACCEPT"])
+            names = nb.table_names(nft)  # an iptables exec forgets the list
+            assert ("ip", "nat") in names and ("ip", "rdrt_behind_our_back") in names
+            assert ipt._xtables_tables(nft) == [("ip", "nat")]
+            redirect.setup(pod.name, RedirectConfig(), backend="nftables")  # a batch of ours (nested scope)
+            assert (nb.FAMILY, nb.TABLE) in nb.table_names(nft)
+        other = nb._context()
+        try:
+            sh(pod.name, "nft", "delete", "table", "ip", "rdrt_behind_our_back")
+            assert ("ip", "rdrt_behind_our_back") not in nb.table_names(other)
+        finally:
+            nb.release(other)
+    # The nftables setup retired nothing of iptables-nft's that was not ours.
+    out = subprocess.run(["ip", "netns", "exec", pod.name, "iptables-nft-save", "-t", "nat"], check=True,
+                         capture_output=True, text=True).stdout
+    assert "--dport 4447 -j ACCEPT" in out
+    redirect.teardown(pod.name, backend="nftables")
+
+
 def test_check_reports_drift_readably(pod: Pod) -> None:
     cfg = RedirectConfig()
     redirect.setup(pod.name, cfg, backend="nftables")

@@ -259,6 +259,9 @@ def _tool(variant: str, family: int, kind: str) -> str:
 
 
 def _run(argv: list[str], stdin: str | None = None) -> str:
+    from .nftables import forget_tables
+
+    forget_tables()  # iptables-nft may add or delete tables
     try:
         p = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30, check=False)
     except subprocess.TimeoutExpired:
@@ -309,13 +312,13 @@ def _nft_call(what: Callable[[Any], _T], default: _T) -> _T:
 
 def _xtables_tables(nft: Any) -> list[tuple[str, str]]:
     """The (family, name) of the iptables-nft tables here."""
-    import json
+    from .nftables import table_names
 
-    rc, out, _ = nft.cmd("list tables")
-    if rc != 0 or not out:
+    try:
+        names = table_names(nft)
+    except SetupError:
         return []
-    return [(t["family"], t["name"]) for t in (i.get("table") for i in json.loads(out).get("nftables", []))
-            if t and t.get("family") in ("ip", "ip6") and t.get("name") in _XT_TABLES]
+    return [(f, n) for f, n in names if f in ("ip", "ip6") and n in _XT_TABLES]
 
 
 def _nft_xtables_present() -> bool:
@@ -350,6 +353,8 @@ def _drop_empty_xtables_nft() -> None:
     """
     import json
 
+    from .nftables import forget_tables
+
     def drop(nft: Any) -> None:
         for family, table in _xtables_tables(nft):
             rc, out, _ = nft.cmd(f"list table {family} {table}")
@@ -361,6 +366,7 @@ def _drop_empty_xtables_nft() -> None:
                 continue
             if all(c.get("type") and c.get("policy", "accept") == "accept" and c["name"].isupper() for c in chains):
                 nft.cmd(f"delete table {family} {table}")
+                forget_tables()
 
     _nft_call(drop, None)
 

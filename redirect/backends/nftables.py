@@ -495,11 +495,11 @@ def one_context() -> Iterator[None]:
     if getattr(_scope, "active", False):
         yield
         return
-    _scope.active, _scope.nft = True, None
+    _scope.active, _scope.nft, _scope.tables = True, None, None
     try:
         yield
     finally:
-        nft, _scope.active, _scope.nft = _scope.nft, False, None
+        nft, _scope.active, _scope.nft, _scope.tables = _scope.nft, False, None, None
         if nft is not None:
             _reaper.put(nft)
 
@@ -579,14 +579,39 @@ def _batch(plan: Plan, families: tuple[int, ...], fresh: bool) -> str:
     return json.dumps({"nftables": commands_for(_desired(plan, families), fresh=fresh)})
 
 
+def table_names(nft: Any) -> list[tuple[str, str]]:
+    """(family, name) of every table in this netns, of any family (iptables-nft's too).
+
+    Inside ``one_context()`` listed once until something changes tables (``forget_tables``):
+    a setup asks whether the other netfilter backend has tables here, then lists its own.
+    """
+    shared = getattr(_scope, "active", False) and nft is _scope.nft
+    if shared and _scope.tables is not None:
+        return list(_scope.tables)
+    rc, out, _ = nft.json_cmd({"nftables": [{"list": {"tables": {}}}]})
+    if rc != 0:
+        raise SetupError("libnftables could not list the tables of this namespace")
+    names = [(t["family"], t["name"]) for t in (i.get("table") for i in out.get("nftables", [])) if t]
+    if shared:
+        _scope.tables = tuple(names)
+    return names
+
+
+def forget_tables() -> None:
+    """Tables may have changed (a batch ran, iptables-nft was exec'd): ``table_names`` lists again."""
+    _scope.tables = None
+
+
 def _run_batch(nft: Any, batch: str) -> None:
     """A batch that lists nothing back: the JSON text straight to ``nft_run_cmd_from_buffer``."""
+    forget_tables()
     rc, _, err = nft.cmd(batch)
     if rc != 0:
         raise SetupError(f"libnftables refused the transaction: {err.strip()}")
 
 
 def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
+    forget_tables()
     rc, out, err = nft.json_cmd({"nftables": cmds})
     if rc != 0:
         raise SetupError(f"libnftables refused the transaction: {err.strip()}")
@@ -595,11 +620,7 @@ def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
 
 def read_table(nft: Any) -> Ruleset | None:
     """Our table as installed, or None when there is none."""
-    rc, out, _ = nft.json_cmd({"nftables": [{"list": {"tables": {"family": FAMILY}}}]})
-    if rc != 0:
-        raise SetupError("libnftables could not list the tables of this namespace")
-    names = [i["table"]["name"] for i in out.get("nftables", []) if "table" in i]
-    if TABLE not in names:
+    if (FAMILY, TABLE) not in table_names(nft):
         return None
     out = _run(nft, [{"list": {"table": dict(_TABLE_OBJ)}}])
     return parse_listing(out.get("nftables", []))
