@@ -8,8 +8,8 @@ thread.
 
 from __future__ import annotations
 
-import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,15 +111,25 @@ def remove_address(a: LocalAddress) -> None:
 
 
 def ipv6_enabled() -> bool:
-    """Whether the calling thread's netns has IPv6 (so an uncaptured v6 path would exist)."""
-    try:  # os-level: a text-mode open() costs ~10 us more, and this runs on every setup
-        fd = os.open("/proc/sys/net/ipv6/conf/all/disable_ipv6", os.O_RDONLY | os.O_CLOEXEC)
+    """Whether the calling thread's netns has IPv6 (so an uncaptured v6 path would exist).
+
+    lo's IPv6 ``disable_ipv6`` (writing ``net.ipv6.conf.all.disable_ipv6`` sets every
+    device's), read over rtnetlink: not from /proc/sys, where a lookup walks one dcache chain
+    shared by the same-named entries of every netns (~0.15 ms an open with 1000 pods on the
+    host, against ~15 us for this request whatever their number). False when the kernel has
+    no IPv6 at all.
+    """
+    try:
+        link = rtnl.get_link(1)  # lo: ifindex 1 in every netns
     except OSError:
         return False
-    try:
-        return os.read(fd, 16).strip() == b"0"
-    finally:
-        os.close(fd)
+    inet6 = rtnl.parse_attrs(link.attrs.get(rtnl.IFLA_AF_SPEC, b"")).get(socket.AF_INET6)
+    if inet6 is None:
+        return False
+    conf = rtnl.parse_attrs(inet6).get(rtnl.IFLA_INET6_CONF, b"")
+    if len(conf) < 4 * (rtnl.DEVCONF_DISABLE_IPV6 + 1):
+        return True  # IPv6 is there; a kernel without this field can't disable it per netns
+    return struct.unpack_from("=i", conf, 4 * rtnl.DEVCONF_DISABLE_IPV6)[0] == 0
 
 
 def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress]) -> tuple[LocalAddress, ...]:

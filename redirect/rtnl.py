@@ -27,7 +27,9 @@ RTM_GETLINK, RTM_GETADDR, RTM_GETROUTE, RTM_GETRULE = 18, 22, 26, 34
 FRA_PRIORITY, FRA_FWMARK, FRA_TABLE, FRA_FWMASK, FRA_PROTOCOL = 6, 10, 15, 16, 21
 RTA_OIF, RTA_TABLE = 4, 15
 IFA_ADDRESS, IFA_PROTO = 1, 11
-IFLA_IFNAME = 3
+IFLA_IFNAME, IFLA_AF_SPEC = 3, 26
+IFLA_INET6_CONF = 2
+DEVCONF_DISABLE_IPV6 = 26  # index in IFLA_INET6_CONF's array of s32 (linux/ipv6.h)
 
 _HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 _ATTR = struct.Struct("=HH")
@@ -121,6 +123,40 @@ def dump(kind: int, family: int = socket.AF_UNSPEC, sock: socket.socket | None =
                         a += (alen + 3) & ~3
                     out.append(msg)
                 off += (length + 3) & ~3
+
+
+def parse_attrs(buf: bytes) -> dict[int, bytes]:
+    """Netlink attributes (type, NLA_F_NESTED cleared -> payload) of ``buf``: a nested attribute's payload."""
+    out: dict[int, bytes] = {}
+    a = 0
+    while a + _ATTR.size <= len(buf):
+        alen, atype = _ATTR.unpack_from(buf, a)
+        if alen < _ATTR.size:
+            break
+        out[atype & 0x3FFF] = buf[a + _ATTR.size : a + alen]
+        a += (alen + 3) & ~3
+    return out
+
+
+def get_link(index: int, sock: socket.socket | None = None) -> Msg:
+    """The link ``index`` of this netns (RTM_GETLINK for one link, not a dump)."""
+    fmt, size = _BODY[RTM_GETLINK]
+    body = struct.pack(fmt, socket.AF_UNSPEC, 0, index, 0, 0)
+    with _socket(sock) as s:
+        seq = next(_seq) & 0xFFFFFFFF
+        s.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, seq, 0) + body)
+        for _ in range(64):
+            data = s.recv(1 << 16)
+            length, mtype, _f, mseq, _pid = _HDR.unpack_from(data, 0)
+            if mseq != seq:
+                continue
+            if mtype == NLMSG_ERROR:
+                err = -struct.unpack_from("=i", data, _HDR.size)[0]
+                raise OSError(err or errno.EPROTO, os.strerror(err) if err else "netlink: no link in the reply")
+            payload = data[_HDR.size : length]
+            fixed = struct.unpack_from(fmt, payload, 0)
+            return Msg(fixed[0], tuple(fixed[1:]), parse_attrs(payload[(size + 3) & ~3 :]))
+        raise OSError(errno.EPROTO, "netlink: no reply to RTM_GETLINK")
 
 
 def link_names() -> dict[int, str]:

@@ -62,3 +62,29 @@ def test_one_rtnetlink_socket_serves_dumps_and_changes_in_turn(pod: Pod) -> None
         rtnl.addr("del", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, sock=s)
         assert len(rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)) == len(before)
     assert "fd00::77" not in _v6_addrs_on_lo(pod.name)
+
+
+def test_ipv6_enabled_reads_the_disable_ipv6_switch_without_proc_sys(pod: Pod) -> None:
+    """``routes.ipv6_enabled`` follows ``net.ipv6.conf.all.disable_ipv6`` (as lo's devconf over
+    rtnetlink), also while lo is down and has no ``::1``."""
+    from redirect import routes
+
+    def sysctl(value: int) -> None:
+        subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", f"net.ipv6.conf.all.disable_ipv6={value}"],
+                       check=True)
+
+    with rnetns.enter(pod.name):
+        assert routes.ipv6_enabled()
+    sysctl(1)
+    try:
+        with rnetns.enter(pod.name):
+            assert not routes.ipv6_enabled()
+    finally:
+        sysctl(0)
+    subprocess.run(["ip", "-n", pod.name, "link", "set", "lo", "down"], check=True)
+    try:
+        assert "::1" not in _v6_addrs_on_lo(pod.name)
+        with rnetns.enter(pod.name):
+            assert routes.ipv6_enabled()
+    finally:
+        subprocess.run(["ip", "-n", pod.name, "link", "set", "lo", "up"], check=True)
