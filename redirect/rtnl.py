@@ -113,15 +113,7 @@ def dump(kind: int, family: int = socket.AF_UNSPEC, sock: socket.socket | None =
                         return out
                     payload = data[off + _HDR.size : off + length]
                     fixed = struct.unpack_from(fmt, payload, 0)
-                    msg = Msg(fixed[0], tuple(fixed[1:]))
-                    a = (size + 3) & ~3
-                    while a + _ATTR.size <= len(payload):
-                        alen, atype = _ATTR.unpack_from(payload, a)
-                        if alen < _ATTR.size:
-                            break
-                        msg.attrs[atype & 0x3FFF] = payload[a + _ATTR.size : a + alen]
-                        a += (alen + 3) & ~3
-                    out.append(msg)
+                    out.append(Msg(fixed[0], tuple(fixed[1:]), parse_attrs(payload[(size + 3) & ~3 :])))
                 off += (length + 3) & ~3
 
 
@@ -138,13 +130,12 @@ def parse_attrs(buf: bytes) -> dict[int, bytes]:
     return out
 
 
-def get_link(index: int, sock: socket.socket | None = None) -> Msg:
-    """The link ``index`` of this netns (RTM_GETLINK for one link, not a dump)."""
-    fmt, size = _BODY[RTM_GETLINK]
-    body = struct.pack(fmt, socket.AF_UNSPEC, 0, index, 0, 0)
+def _exchange(sock: socket.socket | None, kind: int, flags: int, payload: bytes) -> tuple[int, bytes]:
+    """Send one (non-dump) request; its reply's message type and payload. Raises OSError(errno) on
+    a kernel error. Replies to other requests on a reused socket are skipped (by sequence number)."""
     with _socket(sock) as s:
         seq = next(_seq) & 0xFFFFFFFF
-        s.send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, seq, 0) + body)
+        s.send(_HDR.pack(_HDR.size + len(payload), kind, NLM_F_REQUEST | flags, seq, 0) + payload)
         for _ in range(64):
             data = s.recv(1 << 16)
             length, mtype, _f, mseq, _pid = _HDR.unpack_from(data, 0)
@@ -152,11 +143,20 @@ def get_link(index: int, sock: socket.socket | None = None) -> Msg:
                 continue
             if mtype == NLMSG_ERROR:
                 err = -struct.unpack_from("=i", data, _HDR.size)[0]
-                raise OSError(err or errno.EPROTO, os.strerror(err) if err else "netlink: no link in the reply")
-            payload = data[_HDR.size : length]
-            fixed = struct.unpack_from(fmt, payload, 0)
-            return Msg(fixed[0], tuple(fixed[1:]), parse_attrs(payload[(size + 3) & ~3 :]))
-        raise OSError(errno.EPROTO, "netlink: no reply to RTM_GETLINK")
+                if err:
+                    raise OSError(err, os.strerror(err))
+            return mtype, data[_HDR.size : length]
+        raise OSError(errno.EPROTO, f"netlink: no reply to request type {kind}")
+
+
+def get_link(index: int, sock: socket.socket | None = None) -> Msg:
+    """The link ``index`` of this netns (RTM_GETLINK for one link, not a dump)."""
+    fmt, size = _BODY[RTM_GETLINK]
+    mtype, payload = _exchange(sock, RTM_GETLINK, 0, struct.pack(fmt, socket.AF_UNSPEC, 0, index, 0, 0))
+    if mtype == NLMSG_ERROR:
+        raise OSError(errno.EPROTO, "netlink: an acknowledgement, not a link, in reply to RTM_GETLINK")
+    fixed = struct.unpack_from(fmt, payload, 0)
+    return Msg(fixed[0], tuple(fixed[1:]), parse_attrs(payload[(size + 3) & ~3 :]))
 
 
 def link_names() -> dict[int, str]:
@@ -190,21 +190,7 @@ def _u32(v: int) -> bytes:
 def request(kind: int, flags: int, body: bytes, attrs: list[tuple[int, bytes]],
             sock: socket.socket | None = None) -> None:
     """Send one change and wait for its ack; raises OSError(errno) on a kernel error."""
-    payload = body + b"".join(_attr(k, v) for k, v in attrs)
-    with _socket(sock) as s:
-        seq = next(_seq) & 0xFFFFFFFF
-        s.send(_HDR.pack(_HDR.size + len(payload), kind, NLM_F_REQUEST | NLM_F_ACK | flags, seq, 0) + payload)
-        for _ in range(64):  # a reused socket only ever has replies to our own requests queued
-            data = s.recv(1 << 16)
-            _length, mtype, _f, mseq, _pid = _HDR.unpack_from(data, 0)
-            if mseq != seq:
-                continue
-            if mtype == NLMSG_ERROR:
-                err = -struct.unpack_from("=i", data, _HDR.size)[0]
-                if err:
-                    raise OSError(err, os.strerror(err))
-            return
-        raise OSError(errno.EPROTO, "netlink: no acknowledgement for our request")
+    _exchange(sock, kind, NLM_F_ACK | flags, body + b"".join(_attr(k, v) for k, v in attrs))
 
 
 def link_index(name: str) -> int:
