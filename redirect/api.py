@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import functools
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from . import netns as _netns
@@ -13,7 +18,7 @@ from .backends import get_backend
 from .backends.base import CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
-from .errors import ConfigError, RedirectError
+from .errors import ConfigError, RedirectError, SetupError
 from .plan import Plan, build_plan
 
 #: Plans depend only on the (frozen, hashable) config, and pods of one platform share a few
@@ -30,6 +35,58 @@ def _lock_for(inode: int) -> threading.Lock:
     """One in-process lock per namespace: two threads never rewrite one netns at once."""
     with _locks_guard:
         return _locks.setdefault(inode, threading.Lock())
+
+
+#: Processes (the CNI plugin, the agent, ``redirect init``, a user's) take one byte of this file,
+#: at the netns inode's offset, while they change that netns: no lock file per pod to clean up.
+NETNS_LOCK_FILE = "/run/lock/redirect-netns.lock"
+LOCK_WAIT_S = 30.0
+_lock_fd: tuple[int, int] | None = None  # (pid, fd): POSIX record locks belong to a process
+
+
+def _lock_file() -> int | None:
+    """This process's fd of ``NETNS_LOCK_FILE`` (opened once, never closed: closing any fd of the
+    file would drop every record lock the process holds on it); None if it can't be opened."""
+    global _lock_fd
+    with _locks_guard:
+        if _lock_fd is None or _lock_fd[0] != os.getpid():
+            try:
+                os.makedirs(os.path.dirname(NETNS_LOCK_FILE), exist_ok=True)
+                fd = os.open(NETNS_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                log.debug("no cross-process netns lock (%s: %s); in-process locking only", NETNS_LOCK_FILE, e)
+                return None
+            _lock_fd = (os.getpid(), fd)
+        return _lock_fd[1]
+
+
+@contextlib.contextmanager
+def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the netns ``inode`` against other threads of this process and other processes that use
+    this library. Waits at most ``wait_s`` for another holder, then raises ``SetupError``."""
+    with _lock_for(inode):
+        fd = _lock_file()
+        if fd is None:
+            yield
+            return
+        deadline = time.monotonic() + wait_s
+        pause = 0.0005
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, inode, os.SEEK_SET)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another process
+                    raise
+            if time.monotonic() >= deadline:
+                raise SetupError(f"netns inode {inode}: another process has been changing it for over {wait_s:.0f} s"
+                                 f" (lock {NETNS_LOCK_FILE}, byte {inode})")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, inode, os.SEEK_SET)
 
 
 def _families(cfg: RedirectConfig) -> tuple[int, ...]:
@@ -60,7 +117,8 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
 
     Atomic: on any failure the namespace is left as it was and ``SetupError`` is raised.
     Idempotent: the same config again changes nothing (``Installed.changed`` is False);
-    a different config replaces ours.
+    a different config replaces ours. Serialized per netns with other threads and processes
+    (``netns_lock``).
     """
     cfg = _config(config)
     plan = _plan(cfg)
@@ -68,7 +126,7 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     name = _netns.describe(netns)
     t0 = time.perf_counter()
     with _netns.enter(netns), one_nft_context():
-        with _lock_for(_netns.current_inode()):
+        with netns_lock(_netns.current_inode()):
             families = _families_for(impl, cfg)
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
             # refill of libnftables' cache of our new table after it (~0.3 ms of an nftables setup).
@@ -133,7 +191,7 @@ def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
     impl = get_backend(backend, None)
     name = _netns.describe(netns)
     with _netns.enter(netns), one_nft_context():
-        with _lock_for(_netns.current_inode()):
+        with netns_lock(_netns.current_inode()):
             removed = impl.remove()
             if backend == "auto":  # whichever netfilter backend made them
                 removed = _retire_other_netfilter(impl.name) or removed

@@ -88,3 +88,54 @@ def test_ipv6_enabled_reads_the_disable_ipv6_switch_without_proc_sys(pod: Pod) -
             assert routes.ipv6_enabled()
     finally:
         subprocess.run(["ip", "-n", pod.name, "link", "set", "lo", "up"], check=True)
+
+
+HOLDER = """
+import sys, time
+from redirect import api
+with api.netns_lock(int(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+print("released", flush=True)
+"""
+
+
+def _hold_lock(inode: int, seconds: float) -> subprocess.Popen[str]:
+    """Another process holding the netns lock of ``inode`` for ``seconds`` (returns once it holds it)."""
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(inode), str(seconds)], stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.stdout is not None
+    line = p.stdout.readline()  # bounded: the holder prints at once, or dies and closes stdout
+    if line.strip() != "held":
+        p.kill()
+        p.wait(5)
+        raise AssertionError(f"lock holder did not start: {line!r}")
+    return p
+
+
+def test_setup_waits_for_another_process_changing_the_same_netns(pod: Pod) -> None:
+    import time
+
+    import redirect
+    from redirect import api
+
+    holder = _hold_lock(rnetns.netns_inode(pod.name), 1.0)
+    try:
+        t0 = time.monotonic()
+        res = redirect.setup(pod.name, None, backend="nftables")
+        waited = time.monotonic() - t0
+        assert res.changed and waited >= 0.5, waited  # it waited for the holder (1 s from its start)
+        assert holder.wait(10) == 0
+        # Another pod's netns is not held up by a lock on this one.
+        holder = _hold_lock(rnetns.netns_inode(pod.name), 5.0)
+        with pytest.raises(redirect.SetupError, match="another process"):
+            with api.netns_lock(rnetns.netns_inode(pod.name), wait_s=0.2):
+                pass
+        with api.netns_lock(rnetns.netns_inode(pod.name) + 1, wait_s=0.2):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(10)
+        redirect.teardown(pod.name, backend="nftables")
