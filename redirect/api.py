@@ -163,21 +163,13 @@ def _other_netfilter_installed(backend_name: str) -> Any:
         return None
 
 
-def _retire_other_netfilter(backend_name: str, impl: Any = None) -> bool:
+def _retire_other_netfilter(backend_name: str, impl: Any) -> bool:
     """Mixed hosts: once ``backend_name`` applied, remove our rules made by the other
-    netfilter backend (iptables <-> nftables), keeping the routes both share. New
-    rules first, old ones after: capture never lapses. True if anything was removed.
-
-    ``impl``: that backend, when the caller already found it installed."""
-    mine = _netfilter_kind(backend_name)
-    if mine is None:
-        return False
-    other = "iptables" if mine == "nftables" else "nftables"
+    netfilter backend ``impl`` (as ``_other_netfilter_installed`` found it), keeping the
+    routes both share. New rules first, old ones after: capture never lapses. True if
+    anything was removed."""
+    mine, other = _netfilter_kind(backend_name), impl.name
     try:
-        if impl is None:
-            impl = get_backend(other, None)
-            if not impl.installed():
-                return False
         log.info("switching backend: removing our %s rules now that %s ones are in", other, mine)
         return bool(impl.remove(keep_routes=True))
     except RedirectError as e:
@@ -194,7 +186,8 @@ def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
         with netns_lock(_netns.current_inode()):
             removed = impl.remove()
             if backend == "auto":  # whichever netfilter backend made them
-                removed = _retire_other_netfilter(impl.name) or removed
+                other = _other_netfilter_installed(impl.name)
+                removed = (other is not None and _retire_other_netfilter(impl.name, other)) or removed
     log.info("teardown netns=%s backend=%s removed=%s", name, impl.name, removed)
     return removed
 

@@ -813,7 +813,7 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
                 local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
     """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
 
-    ``local`` is (family, address, ifindex), as ``local_addresses`` gives it.
+    ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it.
     """
     policy, port_specs, cidr_specs = _config_entries(cfg, families)
     ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
@@ -874,11 +874,6 @@ def scan_netns() -> NetnsScan:
             if raw != _V6_LOOPBACK and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
                 out.append((6, socket.inet_ntop(socket.AF_INET6, raw), index))
     return NetnsScan(_netns.current_inode(), threading.get_ident(), int(c[0]), tuple(out), v6_on)
-
-
-def local_addresses(families: tuple[int, ...]) -> list[tuple[int, str, int]]:
-    """(family, address, ifindex) of the current netns's addresses, loopback and link-local aside."""
-    return [t for t in scan_netns().local if t[0] in families]
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
@@ -1107,7 +1102,7 @@ class EbpfBackend:
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
         # collect_garbage() finds pods whose netns went without a teardown.
         pinned_target = _link_target(link_path)  # None: no pin
-        have_link = pinned_target is not None and pinned_target == sc.inode
+        have_link = pinned_target == sc.inode
         # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
