@@ -102,6 +102,15 @@ class RedirectConfig:
     def __post_init__(self) -> None:
         _validate(self)
 
+    def __hash__(self) -> int:
+        # Computed once: configs key the plan and backend caches, and hashing ~35 fields (nested
+        # tuples) on every setup cost more than an eBPF pod's setup itself.
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # --- builders ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RedirectConfig:
