@@ -46,3 +46,41 @@ int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_
 
 /* pidfd_getfd(2): a duplicate of another process's fd (needs ptrace rights). */
 int rdr_pidfd_getfd(int pidfd, int fd);
+
+/* --- the eBPF backend's setup of a fresh pod (pod_setup.c) ----------------- */
+
+#define RDR_POD_SLOW 1     /* not a fresh pod (or can't tell): nothing changed, take the general path */
+#define RDR_POD_BUSY 2     /* another process holds the netns lock: nothing changed */
+#define RDR_POD_FAULT 3    /* fail_at reached: everything undone (fault injection for tests) */
+#define RDR_POD_STRANDED 4 /* could not setns back to the thread's own netns */
+
+struct rdr_pod_req {
+	/* in */
+	int netns_fd;               /* the pod netns */
+	int lock_fd;                /* a byte of this file at lock_off is held throughout; -1: none */
+	uint64_t lock_off;
+	int map_pods, map_inventory, map_ports, map_cidrs, map_pod_addrs;
+	int prog_sk_lookup;
+	const char *pin_dir;        /* <root>/pods: the link is pinned at <pin_dir>/<cookie>-sk_lookup */
+	int ipv6;                   /* -1: IPv6 when the netns has an IPv6 address; 0: no; 1: yes */
+	uint16_t inbound_port;      /* 0: no inbound capture (no pod addresses, no listener check) */
+	uint8_t addr_proto;         /* IFA_PROTO of the ::6 we add */
+	uint32_t addr_flags;        /* its IFA_FLAGS */
+	int fail_at;                /* 1: after the address, before the entries; 2: before the policy */
+	/* What the config writes, [0] for IPv4 alone, [1] for IPv4 and IPv6: */
+	const uint8_t *policy[2];   /* struct pod_policy, inventory fields zero */
+	uint32_t policy_size, policy_inv_base_off, policy_n_inv_off;
+	const uint8_t *ports[2];    /* struct port_key each, netns zero */
+	uint32_t n_ports[2];
+	const uint8_t *cidrs[2];    /* struct cidr_key each, netns zero */
+	uint32_t n_cidrs[2];
+	int add_v6_lo[2];           /* the plan adds ::6/128 on lo */
+	/* out */
+	uint64_t cookie;            /* the netns cookie */
+	int v6;                     /* IPv6 is captured */
+	int entries;                /* keys written (the inventory's length) */
+	int added_addr;             /* ::6 was added */
+};
+
+/* 0: the pod is set up; RDR_POD_*; or -errno of what failed (everything undone). */
+int rdr_ebpf_pod_add(struct rdr_pod_req *r);

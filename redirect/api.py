@@ -112,6 +112,28 @@ def _config(config: RedirectConfig | None) -> RedirectConfig:
     return config
 
 
+def _setup_fresh(impl: Any, cfg: RedirectConfig, netns: _netns.NetnsRef) -> Installed | None:
+    """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF):
+    under the same locks as the general path. None: take the general path (nothing changed)."""
+    fresh = getattr(impl, "setup_fresh", None)
+    if fresh is None:
+        return None
+    path = _netns.path_of(netns)
+    if path is None:  # an fd: the general path checks and reports it
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # the general path says what is wrong with it
+    try:
+        inode = os.fstat(fd).st_ino
+        with _lock_for(inode):
+            res: Installed | None = fresh(cfg, fd, _lock_file(), inode)
+            return res
+    finally:
+        os.close(fd)
+
+
 def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> Installed:
     """Install redirection for ``config`` (Istio's injection defaults when None) in ``netns``.
 
@@ -125,6 +147,11 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     impl = get_backend(backend, cfg)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
+    res = _setup_fresh(impl, cfg, netns)
+    if res is not None:
+        log.info("setup netns=%s backend=%s mode=%s families=%s changed=True in %.2f ms (fresh pod)", name,
+                 res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), (time.perf_counter() - t0) * 1e3)
+        return Installed(res.backend, name, res.families, res.changed, res.detail)
     with _netns.enter(netns), one_nft_context():
         with netns_lock(_netns.current_inode()):
             families = _families_for(impl, cfg)

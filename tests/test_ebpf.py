@@ -781,3 +781,91 @@ def test_ipv6_follows_the_namespace_when_auto(pod: Pod, setup_pod) -> None:
     finally:
         proxy.close()
         app.close()
+
+
+def _snapshot(pod: Pod, root: str) -> dict[str, Any]:
+    """What the pod has of ours: its map keys (inventory values as sets), policy, link, ::6."""
+    from redirect import netns as rn
+    from redirect import routes
+
+    h = ebpf.host(root, load=False)
+    assert h is not None
+    with rn.enter(pod.name):
+        cookie = ebpf.current_netns_cookie()
+        st = ebpf.EbpfBackend(root=root)._read(h, cookie)
+        ours = routes.read_ours((6,)).addresses
+    return {"keys": entries_mentioning(root, cookie), "entries": st.entries,
+            "policy": None if st.policy is None else ebpf._policy_core(st.policy),
+            "link": os.path.exists(ebpf._pod_link(root, cookie)), "addresses": ours}
+
+
+FRESH_CONFIGS = {
+    "defaults": RedirectConfig(),
+    "outbound-only": OUT_ONLY,
+    "lists": RedirectConfig(outbound_exclude_ports=(9000, 9001), outbound_exclude_cidrs=("10.9.0.0/16", "fd00:9::/64"),
+                            outbound_cidrs=("10.0.0.0/8", "fd00::/8"), inbound_ports=(8080, 9090), dns_capture=True,
+                            dns_servers=("10.96.0.10",), proxy_uids=(1337, 1338)),
+    "ipv4-only": RedirectConfig(ipv6=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRESH_CONFIGS))
+def test_a_fresh_pod_gets_from_the_native_path_what_the_general_path_writes(pod: Pod, bpf_root: str,
+                                                                             name: str) -> None:
+    """A pod with nothing of ours is set up in one native call (native/pod_setup.c); the result
+    must be the general path's, key for key, and pass ``check``."""
+    from redirect import netns as rn
+
+    cfg = FRESH_CONFIGS[name]
+    before = _snapshot(pod, bpf_root)
+    res = api.setup(pod.name, cfg, backend="ebpf")
+    try:
+        assert res.detail["path"] == "fresh" and res.changed
+        fresh = _snapshot(pod, bpf_root)
+        assert fresh["policy"] is not None and fresh["link"]
+        assert api.check(pod.name, cfg, backend="ebpf").ok
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+    assert _snapshot(pod, bpf_root) == before
+    impl = ebpf.EbpfBackend(cfg, root=bpf_root)
+    try:
+        with rn.enter(pod.name):
+            families = impl.detect_families(cfg)
+            gen = impl.apply(api._plan(cfg), cfg, families)
+        assert gen.detail["path"] == "general" and gen.families == res.families
+        assert _snapshot(pod, bpf_root) == fresh
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+
+
+def test_a_pod_that_is_not_fresh_takes_the_general_path(pod: Pod, setup_pod) -> None:
+    """Set up again (same or new config), or with the proxy already listening: the general path,
+    which knows what is there (the native one backs off before changing anything)."""
+    assert setup_pod(pod, RedirectConfig()).detail["path"] == "fresh"
+    again = api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    assert again.detail["path"] == "general" and not again.changed
+    other = api.setup(pod.name, OUT_ONLY, backend="ebpf")
+    assert other.detail["path"] == "general" and other.changed
+    assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
+    api.teardown(pod.name, backend="ebpf")
+    proxy = _proxy_listeners(pod, 15006, "proxy-in")
+    try:
+        res = setup_pod(pod, RedirectConfig())
+        assert res.detail["path"] == "general"  # the native path saw the port held
+        assert api.show(pod.name, backend="ebpf")["inbound_listeners"] == ["IPv4", "IPv6"]
+    finally:
+        _close(proxy)
+
+
+@pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])
+def test_a_failed_native_setup_leaves_the_pod_as_it_was(pod: Pod, bpf_root: str, point: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _snapshot(pod, bpf_root)
+    monkeypatch.setenv("REDIRECT_FAULT", point)
+    with pytest.raises(SetupError, match=f"injected fault at {point}"):
+        api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    assert _snapshot(pod, bpf_root) == before
+    monkeypatch.delenv("REDIRECT_FAULT")
+    assert api.setup(pod.name, RedirectConfig(), backend="ebpf").detail["path"] == "fresh"
+    api.teardown(pod.name, backend="ebpf")
+    assert _snapshot(pod, bpf_root) == before

@@ -831,6 +831,47 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
     return PodEntries(policy, ports, frozenset(cidrs), addrs)
 
 
+class FreshPodTemplate:
+    """What ``cfg`` writes for any fresh pod, laid out for ``rdr_ebpf_pod_add`` (native/pod_setup.c):
+    per family set ((4,) and (4, 6)), the policy and the port and CIDR keys with a zero netns
+    cookie. Built once per config; the cffi buffers live as long as this object."""
+
+    def __init__(self, cfg: RedirectConfig, plan: Plan) -> None:
+        ffi = _native().ffi
+        self.inbound_port = cfg.inbound_port if (cfg.inbound_ports != () and not cfg.bypass_inbound_capture) else 0
+        self.ipv6 = -1 if cfg.ipv6 is None else int(bool(cfg.ipv6))
+        keep: list[Any] = []
+        self.sets: list[tuple[Any, Any, int, Any, int, bool]] = []
+        for families in ((4,), (4, 6)):
+            policy, port_specs, cidr_specs = _config_entries(cfg, families)
+            ports = b"".join(PORT_KEY.pack(0, kind, p, 0) for kind, p in port_specs)
+            cidrs = b"".join(CIDR_KEY.pack(plen, kind, 0, raw) for plen, kind, raw in cidr_specs)
+            bufs = [ffi.new("uint8_t[]", b or b"\0") for b in (policy, ports, cidrs)]
+            keep += bufs
+            v6_lo = any(a.family == 6 and a.dev == "lo" for a in _plan_addresses(plan, families, True))
+            self.sets.append((bufs[0], bufs[1], len(port_specs), bufs[2], len(cidr_specs), v6_lo))
+        self._keep = keep
+
+
+@functools.lru_cache(maxsize=64)
+def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
+    """The template for ``cfg`` (cached), or None when its pods need the general path (the plan
+    adds an address other than ``::6`` on lo). Raises ``BackendUnavailable`` as ``apply`` would."""
+    from ..plan import build_plan
+
+    _unsupported(cfg)
+    plan = build_plan(cfg)
+    if any(not (a.family == 6 and a.dev == "lo" and a.cidr == INBOUND_PASSTHROUGH_V6) for a in plan.addresses):
+        return None
+    return FreshPodTemplate(cfg, plan)
+
+
+#: Offsets of POLICY's inv_base and n_inv (fields P_INV_BASE, P_N_INV): after 4 ports, flags,
+#: the loopback address and mask, n_uids and n_gids.
+_POLICY_INV_BASE_OFF = struct.calcsize("=4HI4s4sII")
+_POLICY_N_INV_OFF = _POLICY_INV_BASE_OFF + 4
+
+
 _V6_LOOPBACK = bytes(15) + b"\1"
 LOOPBACK_IFINDEX = 1  # lo's index in every netns
 
@@ -1046,6 +1087,53 @@ class EbpfBackend:
             return sc
         return scan_netns()
 
+    def setup_fresh(self, cfg: RedirectConfig, netns_fd: int, lock_fd: int | None, lock_off: int) -> Installed | None:
+        """``apply`` for a pod with nothing of ours yet, in one native call (native/pod_setup.c),
+        from outside the netns (``netns_fd``). ``redirect.setup`` tries it first, holding the
+        netns' in-process lock; the native call takes the cross-process one (``lock_fd`` at
+        ``lock_off``). None when the pod is not fresh, the lock is held, or anything looks
+        unusual: nothing was changed and the caller takes the general path."""
+        tmpl = fresh_pod_template(cfg)
+        if tmpl is None:
+            return None
+        t0 = time.perf_counter()
+        h = host(self.root, self.cgroup)
+        assert h is not None
+        t_host, c_host = time.perf_counter(), time.thread_time()
+        ffi, lib = _native().ffi, _native().lib
+        r = ffi.new("struct rdr_pod_req *")
+        r.netns_fd, r.lock_fd, r.lock_off = netns_fd, -1 if lock_fd is None else lock_fd, lock_off
+        m = h.maps
+        r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
+        r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
+        r.prog_sk_lookup = h.progs["rdr_sk_lookup"]
+        pin_dir = ffi.new("char[]", os.path.join(self.root, "pods").encode())
+        r.pin_dir = pin_dir
+        r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
+        from .. import routes as rt
+
+        r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
+        fault = os.environ.get("REDIRECT_FAULT")
+        r.fail_at = {"ebpf.before_entries": 1, "ebpf.before_policy": 2}.get(fault or "", 0)
+        r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
+        for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
+            r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
+            r.add_v6_lo[i] = v6_lo
+        rc = lib.rdr_ebpf_pod_add(r)
+        if rc == lib.RDR_POD_SLOW or rc == lib.RDR_POD_BUSY:
+            log.debug("ebpf: not a fresh pod (or its lock is held): general path (%d)", rc)
+            return None
+        if rc == lib.RDR_POD_STRANDED:
+            raise SystemError("could not return to the thread's own netns after an eBPF setup")
+        if rc == lib.RDR_POD_FAULT:
+            raise SetupError(f"injected fault at {fault}")
+        if rc < 0:
+            raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
+        families = (4, 6) if r.v6 else (4,)
+        d = self._detail(h, int(r.cookie), t0, t_host, c_host, _pod_link(self.root, int(r.cookie)), "fresh")
+        log.debug("ebpf fresh pod cookie=%d entries=%d pod=%.3f ms", r.cookie, r.entries, d["pod_ms"])
+        return Installed(self.name, "", families, True, d)
+
     def _pod_link_path(self, cookie: int) -> str:
         return _pod_link(self.root, cookie)
 
@@ -1094,9 +1182,15 @@ class EbpfBackend:
         t_host, c_host = time.perf_counter(), time.thread_time()
         sc = self._take_scan()
         cookie, local, v6_on = sc.cookie, sc.local, sc.v6_on
+        old = self._read(h, cookie)
+        plan_addrs = _plan_addresses(plan, families, v6_on)
+        # A config without the plan's addresses: ours (::6) go at the end, so they are not the pod's own.
+        dropping = _our_addresses() if old.policy is not None and not plan_addrs else ()
+        if dropping:
+            gone = {(a.family, a.cidr.split("/")[0]) for a in dropping}
+            local = tuple(x for x in local if (x[0], x[1]) not in gone)
         want = pod_entries(cfg, families, cookie, local)
         inbound = want.inbound
-        old = self._read(h, cookie)
         link_path = self._pod_link_path(cookie)
         # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
@@ -1106,17 +1200,16 @@ class EbpfBackend:
         # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
-        plan_addrs = _plan_addresses(plan, families, v6_on)
         add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
         scan = inbound and _port_bound(cfg.inbound_port, unserved)
         unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
+                     and not dropping
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
-            return Installed(self.name, "", families, False, self._detail(h, cookie, t0, t_host, c_host, link_path,
-                                                                          inbound))
+            return Installed(self.name, "", families, False, self._detail(h, cookie, t0, t_host, c_host, link_path))
         for a in want.addrs - old.addrs:
             v = h.maps["pod_addrs"].lookup(a)
             owner = None if v is None else U64.unpack(v)[0]
@@ -1206,14 +1299,15 @@ class EbpfBackend:
         if not inbound:
             for fam in (4, 6):
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
-        if old.policy is not None and not plan_addrs:
-            _remove_our_addresses()
-        d = self._detail(h, cookie, t0, t_host, c_host, link_path, inbound)
+        for ours in dropping:
+            rt.remove_address(ours)
+        d = self._detail(h, cookie, t0, t_host, c_host, link_path)
         log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
 
     def _detail(self, h: HostPrograms, cookie: int, t0: float, t_host: float, c_host: float, link_path: str,
-                inbound: bool) -> dict[str, Any]:
+                path: str = "general") -> dict[str, Any]:
+        """``Installed.detail``; ``path``: "fresh" (one native call, ``setup_fresh``) or "general"."""
         c1, t1 = time.thread_time(), time.perf_counter()
         return {
             "netns_cookie": cookie, "root": self.root, "compiled": h.compiled,
@@ -1222,6 +1316,7 @@ class EbpfBackend:
             # the time other processes had the CPU (wall time on a busy host is mostly that).
             "pod_cpu_ms": round((c1 - c_host) * 1e3, 3),
             "sk_lookup_link": link_path,
+            "path": path,
         }
 
     def remove(self, keep_routes: bool = False) -> bool:
@@ -1400,11 +1495,18 @@ def _add_address(a: LocalAddress) -> None:
             raise
 
 
-def _remove_our_addresses() -> None:
-    """The addresses we added (routing protocol ours), as the netfilter backends remove them."""
+def _our_addresses() -> tuple[LocalAddress, ...]:
+    """The addresses we added here (routing protocol ours; the plan only ever adds IPv6 ones, ::6)."""
     from .. import routes as rt
 
-    for a in rt.read_ours((6,)).addresses:  # the plan only ever adds IPv6 ones (::6)
+    return tuple(rt.read_ours((6,)).addresses)
+
+
+def _remove_our_addresses() -> None:
+    """The addresses we added, removed as the netfilter backends remove them."""
+    from .. import routes as rt
+
+    for a in _our_addresses():
         rt.remove_address(a)
 
 

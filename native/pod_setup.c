@@ -1,0 +1,549 @@
+/* The eBPF backend's per-pod setup of a fresh pod, in one call.
+ *
+ * redirect/backends/ebpf.py: EbpfBackend.apply is the general path (any pod,
+ * any previous state). This is the same work for the common case, a pod that
+ * has nothing of ours yet (a CNI ADD, a sidecar init): the Python path spends
+ * about as long in the interpreter as in the kernel, and this spends ~nothing
+ * there. When the pod is not fresh (a policy, a pinned link, a registered
+ * address, something on the proxy's inbound port) it returns RDR_POD_SLOW
+ * before changing anything, and the caller takes the general path.
+ *
+ * What it writes, and in which order, is what apply writes: the plan's ::6 on
+ * lo, the inventory, the port/CIDR/address entries, the sk_lookup link pinned
+ * at <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture
+ * on). A failure on the way undoes everything written, in reverse.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/bpf.h>
+#include <linux/if_addr.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "redirect_native.h"
+
+#ifndef SO_NETNS_COOKIE
+#define SO_NETNS_COOKIE 71
+#endif
+#ifndef IFA_PROTO
+#define IFA_PROTO 11
+#endif
+
+#define PORT_KEY_SIZE 16 /* struct port_key */
+#define CIDR_KEY_SIZE 32 /* struct cidr_key */
+#define ADDR_KEY_SIZE 20 /* struct addr_key */
+#define INV_KEY_SIZE 16  /* struct inv_key */
+#define INV_CHUNK 8      /* RDR_INV_CHUNK */
+#define INV_PORTS 1
+#define INV_CIDRS 2
+#define INV_ADDRS 3
+#define CIDR_LOCAL4 7
+#define CIDR_LOCAL6 8
+#define MAX_ITEMS 256 /* entries of one pod on this path; more go the general way */
+
+struct item {
+	int map;     /* INV_* */
+	int size;    /* key size */
+	uint8_t key[32];
+};
+
+struct inv_val {
+	uint32_t map[INV_CHUNK];
+	uint8_t key[INV_CHUNK][32];
+};
+
+struct written {
+	int fd;
+	uint8_t key[32];
+};
+
+static int bpf_cmd(int cmd, union bpf_attr *attr)
+{
+	long ret = syscall(__NR_bpf, cmd, attr, sizeof(*attr));
+
+	return ret < 0 ? -errno : (int)ret;
+}
+
+static int elem(int cmd, int fd, const void *key, void *value)
+{
+	union bpf_attr a;
+
+	memset(&a, 0, sizeof(a));
+	a.map_fd = (uint32_t)fd;
+	a.key = (uint64_t)(uintptr_t)key;
+	a.value = (uint64_t)(uintptr_t)value;
+	return bpf_cmd(cmd, &a);
+}
+
+/* --- netlink ------------------------------------------------------------- */
+
+struct scan {
+	uint64_t cookie;
+	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
+	int v6_lo_there;  /* ::6 is on lo already */
+	int n;            /* addresses below: loopback and IPv6 link-local aside */
+	struct {
+		int family;   /* 4 or 6 */
+		int ifindex;
+		uint8_t addr[16];
+	} a[64];
+};
+
+static const uint8_t V6_PASSTHROUGH[16] = {[15] = 6};
+static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
+
+static int nl_recv(int s, char *buf, size_t len)
+{
+	ssize_t n;
+
+	do
+		n = recv(s, buf, len, 0);
+	while (n < 0 && errno == EINTR);
+	return n < 0 ? -errno : (int)n;
+}
+
+/* One RTM_GETADDR dump of every family: the pod's addresses, whether IPv6 is on. */
+static int scan_addresses(int s, struct scan *sc, uint32_t seq)
+{
+	struct {
+		struct nlmsghdr h;
+		struct ifaddrmsg m;
+	} req;
+	char buf[32768] __attribute__((aligned(8)));
+	int rounds;
+
+	memset(&req, 0, sizeof(req));
+	req.h.nlmsg_len = sizeof(req);
+	req.h.nlmsg_type = RTM_GETADDR;
+	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+	req.h.nlmsg_seq = seq;
+	req.m.ifa_family = AF_UNSPEC;
+	if (send(s, &req, sizeof(req), 0) < 0)
+		return -errno;
+	for (rounds = 0; rounds < 4096; rounds++) {
+		int len = nl_recv(s, buf, sizeof(buf));
+		struct nlmsghdr *h;
+
+		if (len < 0)
+			return len;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			struct ifaddrmsg *ifa;
+			struct rtattr *rta;
+			const uint8_t *local = NULL, *addr = NULL;
+			int alen;
+
+			if (h->nlmsg_seq != seq)
+				continue;
+			if (h->nlmsg_type == NLMSG_DONE)
+				return 0;
+			if (h->nlmsg_type == NLMSG_ERROR) {
+				struct nlmsgerr *e = NLMSG_DATA(h);
+				return e->error ? e->error : -EPROTO;
+			}
+			if (h->nlmsg_type != RTM_NEWADDR)
+				continue;
+			ifa = NLMSG_DATA(h);
+			alen = IFA_PAYLOAD(h);
+			for (rta = IFA_RTA(ifa); RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
+				if (rta->rta_type == IFA_LOCAL)
+					local = RTA_DATA(rta);
+				else if (rta->rta_type == IFA_ADDRESS)
+					addr = RTA_DATA(rta);
+			}
+			if (local == NULL)
+				local = addr;
+			if (local == NULL)
+				continue;
+			if (ifa->ifa_family == AF_INET) {
+				if (local[0] == 127)
+					continue;
+			} else if (ifa->ifa_family == AF_INET6) {
+				sc->v6_on = 1;
+				if (memcmp(local, V6_LOOPBACK, 16) == 0)
+					continue;
+				if (local[0] == 0xfe && (local[1] & 0xc0) == 0x80)
+					continue;
+				if (ifa->ifa_index == 1 && memcmp(local, V6_PASSTHROUGH, 16) == 0)
+					sc->v6_lo_there = 1;
+			} else {
+				continue;
+			}
+			if (sc->n == (int)(sizeof(sc->a) / sizeof(sc->a[0])))
+				return -E2BIG;
+			sc->a[sc->n].family = ifa->ifa_family == AF_INET ? 4 : 6;
+			sc->a[sc->n].ifindex = (int)ifa->ifa_index;
+			memset(sc->a[sc->n].addr, 0, 16);
+			memcpy(sc->a[sc->n].addr, local, ifa->ifa_family == AF_INET ? 4 : 16);
+			sc->n++;
+		}
+	}
+	return -EPROTO;
+}
+
+/* RTM_NEWADDR / RTM_DELADDR of ::6/128 on lo, with our routing protocol; waits for the ack. */
+static int v6_lo_addr(int s, int add, uint8_t proto, uint32_t flags, uint32_t seq)
+{
+	struct {
+		struct nlmsghdr h;
+		struct ifaddrmsg m;
+		char attrs[128];
+	} req;
+	char buf[1024] __attribute__((aligned(8)));
+	struct rtattr *rta;
+	int len, rounds;
+
+	memset(&req, 0, sizeof(req));
+	req.h.nlmsg_type = add ? RTM_NEWADDR : RTM_DELADDR;
+	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK | (add ? NLM_F_CREATE | NLM_F_EXCL : 0);
+	req.h.nlmsg_seq = seq;
+	req.m.ifa_family = AF_INET6;
+	req.m.ifa_prefixlen = 128;
+	req.m.ifa_flags = (uint8_t)(flags & 0xff);
+	req.m.ifa_index = 1; /* lo, in every netns */
+	req.h.nlmsg_len = NLMSG_LENGTH(sizeof(req.m));
+#define PUT(type, data, n)                                                                 \
+	do {                                                                               \
+		rta = (struct rtattr *)((char *)&req + NLMSG_ALIGN(req.h.nlmsg_len));      \
+		rta->rta_type = (type);                                                    \
+		rta->rta_len = RTA_LENGTH(n);                                              \
+		memcpy(RTA_DATA(rta), (data), (n));                                        \
+		req.h.nlmsg_len = NLMSG_ALIGN(req.h.nlmsg_len) + RTA_ALIGN(rta->rta_len);  \
+	} while (0)
+	PUT(IFA_LOCAL, V6_PASSTHROUGH, 16);
+	PUT(IFA_ADDRESS, V6_PASSTHROUGH, 16);
+	if (add) {
+		PUT(IFA_FLAGS, &flags, 4);
+		PUT(IFA_PROTO, &proto, 1);
+	}
+#undef PUT
+	if (send(s, &req, req.h.nlmsg_len, 0) < 0)
+		return -errno;
+	for (rounds = 0; rounds < 64; rounds++) {
+		struct nlmsghdr *h;
+
+		len = nl_recv(s, buf, sizeof(buf));
+		if (len < 0)
+			return len;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			if (h->nlmsg_seq == seq && h->nlmsg_type == NLMSG_ERROR)
+				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+		}
+	}
+	return -EPROTO;
+}
+
+/* --- the pod ----------------------------------------------------------------- */
+
+static int has_item(const struct item *it, int n, const struct item *x)
+{
+	for (int i = 0; i < n; i++)
+		if (it[i].map == x->map && memcmp(it[i].key, x->key, (size_t)x->size) == 0)
+			return 1;
+	return 0;
+}
+
+static int add_item(struct item *it, int *n, int map, int size, const uint8_t *key)
+{
+	struct item x;
+
+	memset(&x, 0, sizeof(x));
+	x.map = map;
+	x.size = size;
+	memcpy(x.key, key, (size_t)size);
+	if (has_item(it, *n, &x))
+		return 0;
+	if (*n == MAX_ITEMS)
+		return -E2BIG;
+	it[(*n)++] = x;
+	return 0;
+}
+
+/* Is TCP `port` free in this netns for the families asked? 1 free, 0 held or can't tell. */
+static int port_free(uint16_t port, int v6)
+{
+	int s, ok;
+
+	if (v6) {
+		struct sockaddr_in6 a6;
+		int off = 0;
+
+		memset(&a6, 0, sizeof(a6));
+		a6.sin6_family = AF_INET6;
+		a6.sin6_port = htons(port);
+		s = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (s < 0)
+			return 0;
+		ok = setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof(off)) == 0 &&
+		     bind(s, (struct sockaddr *)&a6, sizeof(a6)) == 0;
+	} else {
+		struct sockaddr_in a4;
+
+		memset(&a4, 0, sizeof(a4));
+		a4.sin_family = AF_INET;
+		a4.sin_port = htons(port);
+		s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (s < 0)
+			return 0;
+		ok = bind(s, (struct sockaddr *)&a4, sizeof(a4)) == 0;
+	}
+	close(s);
+	return ok;
+}
+
+static int lock_byte(int fd, uint64_t off, short type)
+{
+	struct flock fl;
+
+	memset(&fl, 0, sizeof(fl));
+	fl.l_type = type;
+	fl.l_whence = SEEK_SET;
+	fl.l_start = (off_t)off;
+	fl.l_len = 1;
+	return fcntl(fd, F_SETLK, &fl) == 0 ? 0 : -errno;
+}
+
+/* Inside the pod netns, with the lock held. */
+static int pod_add(struct rdr_pod_req *r)
+{
+	struct item items[MAX_ITEMS];
+	struct written done[MAX_ITEMS + MAX_ITEMS / INV_CHUNK + 1];
+	struct scan sc;
+	char pin[4096];
+	uint8_t policy[512];
+	uint8_t cookie_v[8], one = 1, scratch[512];
+	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0, fd;
+	uint32_t seq = 1;
+
+	if (r->policy_size > sizeof(policy) || r->policy_inv_base_off + 4 > r->policy_size ||
+	    r->policy_n_inv_off + 4 > r->policy_size)
+		return -EINVAL;
+	memset(&sc, 0, sizeof(sc));
+	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	if (s < 0)
+		return RDR_POD_SLOW;
+	{
+		socklen_t len = sizeof(sc.cookie);
+
+		if (getsockopt(s, SOL_SOCKET, SO_NETNS_COOKIE, &sc.cookie, &len) < 0 ||
+		    scan_addresses(s, &sc, seq++) < 0) {
+			close(s);
+			return RDR_POD_SLOW;
+		}
+	}
+	r->cookie = sc.cookie;
+	r->v6 = r->ipv6 < 0 ? sc.v6_on : r->ipv6;
+	set = r->v6 ? 1 : 0;
+	memcpy(cookie_v, &sc.cookie, 8);
+
+	/* Fresh? No policy, nothing pinned for this cookie. */
+	ret = elem(BPF_MAP_LOOKUP_ELEM, r->map_pods, cookie_v, scratch);
+	if (ret != -ENOENT)
+		goto slow;
+	if ((size_t)snprintf(pin, sizeof(pin), "%s/%llu-sk_lookup", r->pin_dir,
+			     (unsigned long long)sc.cookie) >= sizeof(pin))
+		goto slow;
+	{
+		union bpf_attr a;
+
+		memset(&a, 0, sizeof(a));
+		a.pathname = (uint64_t)(uintptr_t)pin;
+		fd = bpf_cmd(BPF_OBJ_GET, &a);
+		if (fd >= 0)
+			close(fd);
+		if (fd != -ENOENT)
+			goto slow;
+	}
+
+	/* The entries: the config's (cookie patched in), then the pod's own addresses. */
+	for (uint32_t i = 0; i < r->n_ports[set]; i++) {
+		uint8_t k[PORT_KEY_SIZE];
+
+		memcpy(k, r->ports[set] + i * PORT_KEY_SIZE, PORT_KEY_SIZE);
+		memcpy(k, cookie_v, 8);
+		if (add_item(items, &n, INV_PORTS, PORT_KEY_SIZE, k) < 0)
+			goto slow;
+	}
+	for (uint32_t i = 0; i < r->n_cidrs[set]; i++) {
+		uint8_t k[CIDR_KEY_SIZE];
+
+		memcpy(k, r->cidrs[set] + i * CIDR_KEY_SIZE, CIDR_KEY_SIZE);
+		memcpy(k + 8, cookie_v, 8);
+		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
+			goto slow;
+	}
+	for (int i = 0; i < sc.n; i++) {
+		uint8_t k[CIDR_KEY_SIZE];
+		uint32_t plen = sc.a[i].family == 4 ? 96 + 32 : 96 + 128;
+		uint32_t kind = sc.a[i].family == 4 ? CIDR_LOCAL4 : CIDR_LOCAL6;
+
+		if (sc.a[i].family == 6 && !r->v6)
+			continue;
+		memcpy(k, &plen, 4);
+		memcpy(k + 4, &kind, 4);
+		memcpy(k + 8, cookie_v, 8);
+		memcpy(k + 16, sc.a[i].addr, 16);
+		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
+			goto slow;
+	}
+	if (r->inbound_port) {
+		for (int i = 0; i < sc.n; i++) {
+			uint8_t k[ADDR_KEY_SIZE];
+			uint32_t af = sc.a[i].family == 4 ? AF_INET : AF_INET6;
+
+			if ((sc.a[i].family == 6 && !r->v6) || sc.a[i].ifindex == 1)
+				continue;
+			memcpy(k, &af, 4);
+			memcpy(k + 4, sc.a[i].addr, 16);
+			/* Registered by another pod (maybe one whose netns is gone): the general path decides. */
+			if (elem(BPF_MAP_LOOKUP_ELEM, r->map_pod_addrs, k, scratch) != -ENOENT)
+				goto slow;
+			if (add_item(items, &n, INV_ADDRS, ADDR_KEY_SIZE, k) < 0)
+				goto slow;
+		}
+		/* Something holds the inbound port (the proxy may already listen): the general path
+		 * finds the listener and registers it. */
+		if (!port_free(r->inbound_port, r->v6))
+			goto slow;
+	}
+
+	/* From here on, changes: each is undone if a later one fails. */
+	if (r->add_v6_lo[set] && sc.v6_on && !sc.v6_lo_there) {
+		ret = v6_lo_addr(s, 1, r->addr_proto, r->addr_flags, seq++);
+		if (ret < 0 && ret != -EEXIST)
+			goto undo;
+		addr_added = ret == 0;
+	}
+	if (r->fail_at == 1) {
+		ret = RDR_POD_FAULT;
+		goto undo;
+	}
+	for (int c = 0; c < n; c += INV_CHUNK) {
+		struct inv_val v;
+		uint8_t ik[INV_KEY_SIZE];
+		uint32_t idx = (uint32_t)(c / INV_CHUNK);
+
+		memset(&v, 0, sizeof(v));
+		for (int j = 0; j < INV_CHUNK && c + j < n; j++) {
+			v.map[j] = (uint32_t)items[c + j].map;
+			memcpy(v.key[j], items[c + j].key, (size_t)items[c + j].size);
+		}
+		memset(ik, 0, sizeof(ik));
+		memcpy(ik, cookie_v, 8);
+		memcpy(ik + 8, &idx, 4); /* base 0: a fresh pod's inventory starts there */
+		ret = elem(BPF_MAP_UPDATE_ELEM, r->map_inventory, ik, &v);
+		if (ret < 0)
+			goto undo;
+		done[nd].fd = r->map_inventory;
+		memcpy(done[nd++].key, ik, INV_KEY_SIZE);
+	}
+	for (int i = 0; i < n; i++) {
+		int mfd = items[i].map == INV_PORTS ? r->map_ports
+			  : items[i].map == INV_CIDRS ? r->map_cidrs : r->map_pod_addrs;
+
+		ret = elem(BPF_MAP_UPDATE_ELEM, mfd, items[i].key, items[i].map == INV_ADDRS ? (void *)cookie_v : &one);
+		if (ret < 0)
+			goto undo;
+		done[nd].fd = mfd;
+		memcpy(done[nd++].key, items[i].key, (size_t)items[i].size);
+	}
+	{
+		union bpf_attr a;
+
+		memset(&a, 0, sizeof(a));
+		a.link_create.prog_fd = (uint32_t)r->prog_sk_lookup;
+		a.link_create.target_fd = (uint32_t)r->netns_fd;
+		a.link_create.attach_type = BPF_SK_LOOKUP;
+		link = bpf_cmd(BPF_LINK_CREATE, &a);
+		if (link < 0) {
+			ret = link;
+			goto undo;
+		}
+		memset(&a, 0, sizeof(a));
+		a.pathname = (uint64_t)(uintptr_t)pin;
+		a.bpf_fd = (uint32_t)link;
+		ret = bpf_cmd(BPF_OBJ_PIN, &a);
+		if (ret < 0)
+			goto undo;
+		pinned = 1;
+	}
+	if (r->fail_at == 2) {
+		ret = RDR_POD_FAULT;
+		goto undo;
+	}
+	memcpy(policy, r->policy[set], r->policy_size);
+	{
+		uint32_t inv = (uint32_t)n, base = 0;
+
+		memcpy(policy + r->policy_inv_base_off, &base, 4);
+		memcpy(policy + r->policy_n_inv_off, &inv, 4);
+	}
+	ret = elem(BPF_MAP_UPDATE_ELEM, r->map_pods, cookie_v, policy);
+	if (ret < 0)
+		goto undo;
+	close(link);
+	close(s);
+	r->entries = n;
+	r->added_addr = addr_added;
+	return 0;
+
+undo:
+	if (link >= 0) {
+		union bpf_attr a;
+
+		memset(&a, 0, sizeof(a));
+		a.link_detach.link_fd = (uint32_t)link;
+		bpf_cmd(BPF_LINK_DETACH, &a);
+		if (pinned)
+			unlink(pin);
+		close(link);
+	}
+	while (nd > 0) {
+		nd--;
+		elem(BPF_MAP_DELETE_ELEM, done[nd].fd, done[nd].key, NULL);
+	}
+	if (addr_added)
+		v6_lo_addr(s, 0, 0, 0, seq++);
+	close(s);
+	return ret;
+slow:
+	close(s);
+	return RDR_POD_SLOW;
+}
+
+int rdr_ebpf_pod_add(struct rdr_pod_req *r)
+{
+	int home, ret;
+
+	if (r->lock_fd >= 0) {
+		ret = lock_byte(r->lock_fd, r->lock_off, F_WRLCK);
+		if (ret == -EAGAIN || ret == -EACCES)
+			return RDR_POD_BUSY;
+		if (ret < 0)
+			return RDR_POD_SLOW;
+	}
+	home = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+	if (home < 0) {
+		ret = RDR_POD_SLOW;
+	} else if (setns(r->netns_fd, CLONE_NEWNET) < 0) {
+		ret = RDR_POD_SLOW;
+		close(home);
+		home = -1;
+	} else {
+		ret = pod_add(r);
+		/* Coming back can only fail if the kernel is out of memory. */
+		if (setns(home, CLONE_NEWNET) < 0)
+			ret = RDR_POD_STRANDED;
+		close(home);
+	}
+	if (r->lock_fd >= 0)
+		lock_byte(r->lock_fd, r->lock_off, F_UNLCK);
+	return ret;
+}
