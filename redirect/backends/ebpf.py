@@ -12,7 +12,9 @@ only on sockets whose netns cookie is a key of the ``pods`` map; for every
 other socket on the host they are a no-op.
 
 Per pod (``apply``, with the calling thread inside the pod netns, as
-``redirect.api`` does it): map entries keyed by the netns cookie (policy,
+``redirect.api`` does it; for a pod with nothing of ours yet, ``setup_fresh``
+does the same in one native call, ``native/pod_setup.c``, and backs off to
+``apply`` before changing anything when the pod is not fresh): map entries keyed by the netns cookie (policy,
 ports, CIDRs, the pod's own addresses, the proxy's inbound listeners), an
 ``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
 pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
