@@ -269,31 +269,26 @@ static int add_item(struct item *it, int *n, int map, int size, const uint8_t *k
 /* Is TCP `port` free in this netns for the families asked? 1 free, 0 held or can't tell. */
 static int port_free(uint16_t port, int v6)
 {
-	int s, ok;
-
-	if (v6) {
-		struct sockaddr_in6 a6;
-		int off = 0;
-
-		memset(&a6, 0, sizeof(a6));
-		a6.sin6_family = AF_INET6;
-		a6.sin6_port = htons(port);
-		s = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-		if (s < 0)
-			return 0;
-		ok = setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof(off)) == 0 &&
-		     bind(s, (struct sockaddr *)&a6, sizeof(a6)) == 0;
-	} else {
+	union {
+		struct sockaddr sa;
 		struct sockaddr_in a4;
+		struct sockaddr_in6 a6;
+	} a;
+	int s, ok, off = 0;
 
-		memset(&a4, 0, sizeof(a4));
-		a4.sin_family = AF_INET;
-		a4.sin_port = htons(port);
-		s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-		if (s < 0)
-			return 0;
-		ok = bind(s, (struct sockaddr *)&a4, sizeof(a4)) == 0;
+	memset(&a, 0, sizeof(a));
+	if (v6) { /* one dual-stack bind: conflicts with IPv4 and IPv6 holders alike */
+		a.a6.sin6_family = AF_INET6;
+		a.a6.sin6_port = htons(port);
+	} else {
+		a.a4.sin_family = AF_INET;
+		a.a4.sin_port = htons(port);
 	}
+	s = socket(a.sa.sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (s < 0)
+		return 0;
+	ok = (!v6 || setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof(off)) == 0) &&
+	     bind(s, &a.sa, v6 ? sizeof(a.a6) : sizeof(a.a4)) == 0;
 	close(s);
 	return ok;
 }
