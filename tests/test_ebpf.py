@@ -869,3 +869,22 @@ def test_a_failed_native_setup_leaves_the_pod_as_it_was(pod: Pod, bpf_root: str,
     assert api.setup(pod.name, RedirectConfig(), backend="ebpf").detail["path"] == "fresh"
     api.teardown(pod.name, backend="ebpf")
     assert _snapshot(pod, bpf_root) == before
+
+
+def test_a_fresh_pod_whose_netns_lock_is_held_waits_for_it(pod: Pod, setup_pod) -> None:
+    """The native call does not wait on the cross-process lock: held, it backs off (nothing
+    changed) and the general path waits for the holder, then sets the pod up."""
+    from redirect import netns as rn
+    from tests.test_netns import _hold_lock
+
+    holder = _hold_lock(rn.netns_inode(pod.name), 1.0)
+    try:
+        t0 = time.monotonic()
+        res = setup_pod(pod, RedirectConfig())
+        waited = time.monotonic() - t0
+        assert res.changed and res.detail["path"] == "general" and waited >= 0.5, (res.detail, waited)
+        assert holder.wait(10) == 0
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+    finally:
+        holder.kill()
+        holder.wait(10)
