@@ -306,6 +306,36 @@ class HostPrograms:
     def pods(self) -> Map:
         return self.maps["pods"]
 
+    @functools.cached_property
+    def pod_dir(self) -> str:
+        return os.path.join(self.root, "pods")
+
+    def fresh_request(self, tmpl: FreshPodTemplate) -> Any:
+        """The ``struct rdr_pod_req`` for ``tmpl`` on these maps, all but the per-call fields filled
+        in; made once per template (callers copy it). Kept with these fds: a reload makes a new object."""
+        cache: dict[int, tuple[FreshPodTemplate, Any, Any]] = self.__dict__.setdefault("_fresh", {})
+        hit = cache.get(id(tmpl))
+        if hit is not None and hit[0] is tmpl:
+            return hit[1]
+        from .. import routes as rt
+
+        ffi = _native().ffi
+        r = ffi.new("struct rdr_pod_req *")
+        m = self.maps
+        r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
+        r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
+        r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
+        pin_dir = ffi.new("char[]", self.pod_dir.encode())
+        r.pin_dir = pin_dir
+        r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
+        r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
+        r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
+        for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
+            r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
+            r.add_v6_lo[i] = v6_lo
+        cache[id(tmpl)] = (tmpl, r, pin_dir)  # the template and pin_dir buffers live as long as r
+        return r
+
     def close(self) -> None:
         for m in self.maps.values():
             with contextlib.suppress(OSError):
@@ -619,12 +649,17 @@ def force_unload_host(root: str | None = None) -> bool:
 def _pins_stamp(root: str) -> tuple[int, ...]:
     """Changes whenever a host pin is added or removed (3 stats, not 3 listings)."""
     out: list[int] = []
-    for d in ("maps", "progs", "links"):
+    for d in _stamp_dirs(root):
         try:
-            out.append(os.stat(os.path.join(root, d)).st_mtime_ns)
+            out.append(os.stat(d).st_mtime_ns)
         except FileNotFoundError:
             out.append(-1)
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _stamp_dirs(root: str) -> tuple[str, ...]:
+    return tuple(os.path.join(root, d) for d in ("maps", "progs", "links"))
 
 
 def _trusted(stamp: tuple[int, ...]) -> tuple[int, ...]:
@@ -1104,23 +1139,11 @@ class EbpfBackend:
         t_host, c_host = time.perf_counter(), time.thread_time()
         ffi, lib = _native().ffi, _native().lib
         r = ffi.new("struct rdr_pod_req *")
+        ffi.memmove(r, h.fresh_request(tmpl), ffi.sizeof("struct rdr_pod_req"))  # a copy: threads share the base
         r.netns_fd, r.lock_fd, r.lock_off = netns_fd, -1 if lock_fd is None else lock_fd, lock_off
-        m = h.maps
-        r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
-        r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
-        r.prog_sk_lookup = h.progs["rdr_sk_lookup"]
-        pin_dir = ffi.new("char[]", os.path.join(self.root, "pods").encode())
-        r.pin_dir = pin_dir
-        r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
-        from .. import routes as rt
-
-        r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
         fault = os.environ.get("REDIRECT_FAULT")
-        r.fail_at = {"ebpf.before_entries": 1, "ebpf.before_policy": 2}.get(fault or "", 0)
-        r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
-        for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
-            r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
-            r.add_v6_lo[i] = v6_lo
+        if fault:
+            r.fail_at = {"ebpf.before_entries": 1, "ebpf.before_policy": 2}.get(fault, 0)
         rc = lib.rdr_ebpf_pod_add(r)
         if rc == lib.RDR_POD_SLOW or rc == lib.RDR_POD_BUSY:
             log.debug("ebpf: not a fresh pod (or its lock is held): general path (%d)", rc)
@@ -1132,7 +1155,7 @@ class EbpfBackend:
         if rc < 0:
             raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
         families = (4, 6) if r.v6 else (4,)
-        d = self._detail(h, int(r.cookie), t0, t_host, c_host, _pod_link(self.root, int(r.cookie)), "fresh")
+        d = self._detail(h, int(r.cookie), t0, t_host, c_host, f"{h.pod_dir}/{r.cookie}-sk_lookup", "fresh")
         log.debug("ebpf fresh pod cookie=%d entries=%d pod=%.3f ms", r.cookie, r.entries, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
 
