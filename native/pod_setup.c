@@ -25,14 +25,10 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "redirect_native.h"
 
-#ifndef SO_NETNS_COOKIE
-#define SO_NETNS_COOKIE 71
-#endif
 #ifndef IFA_PROTO
 #define IFA_PROTO 11
 #endif
@@ -64,24 +60,6 @@ struct written {
 	int fd;
 	uint8_t key[32];
 };
-
-static int bpf_cmd(int cmd, union bpf_attr *attr)
-{
-	long ret = syscall(__NR_bpf, cmd, attr, sizeof(*attr));
-
-	return ret < 0 ? -errno : (int)ret;
-}
-
-static int elem(int cmd, int fd, const void *key, void *value)
-{
-	union bpf_attr a;
-
-	memset(&a, 0, sizeof(a));
-	a.map_fd = (uint32_t)fd;
-	a.key = (uint64_t)(uintptr_t)key;
-	a.value = (uint64_t)(uintptr_t)value;
-	return bpf_cmd(cmd, &a);
-}
 
 /* --- netlink ------------------------------------------------------------- */
 
@@ -324,14 +302,9 @@ static int pod_add(struct rdr_pod_req *r)
 	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
 	if (s < 0)
 		return RDR_POD_SLOW;
-	{
-		socklen_t len = sizeof(sc.cookie);
-
-		if (getsockopt(s, SOL_SOCKET, SO_NETNS_COOKIE, &sc.cookie, &len) < 0 ||
-		    scan_addresses(s, &sc, seq++) < 0) {
-			close(s);
-			return RDR_POD_SLOW;
-		}
+	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc, seq++) < 0) {
+		close(s);
+		return RDR_POD_SLOW;
 	}
 	r->cookie = sc.cookie;
 	r->v6 = r->ipv6 < 0 ? sc.v6_on : r->ipv6;
@@ -339,23 +312,17 @@ static int pod_add(struct rdr_pod_req *r)
 	memcpy(cookie_v, &sc.cookie, 8);
 
 	/* Fresh? No policy, nothing pinned for this cookie. */
-	ret = elem(BPF_MAP_LOOKUP_ELEM, r->map_pods, cookie_v, scratch);
+	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, scratch);
 	if (ret != -ENOENT)
 		goto slow;
 	if ((size_t)snprintf(pin, sizeof(pin), "%s/%llu-sk_lookup", r->pin_dir,
 			     (unsigned long long)sc.cookie) >= sizeof(pin))
 		goto slow;
-	{
-		union bpf_attr a;
-
-		memset(&a, 0, sizeof(a));
-		a.pathname = (uint64_t)(uintptr_t)pin;
-		fd = bpf_cmd(BPF_OBJ_GET, &a);
-		if (fd >= 0)
-			close(fd);
-		if (fd != -ENOENT)
-			goto slow;
-	}
+	fd = rdr_bpf_obj_get(pin);
+	if (fd >= 0)
+		close(fd);
+	if (fd != -ENOENT)
+		goto slow;
 
 	/* The entries: the config's (cookie patched in), then the pod's own addresses. */
 	for (uint32_t i = 0; i < r->n_ports[set]; i++) {
@@ -398,7 +365,7 @@ static int pod_add(struct rdr_pod_req *r)
 			memcpy(k, &af, 4);
 			memcpy(k + 4, sc.a[i].addr, 16);
 			/* Registered by another pod (maybe one whose netns is gone): the general path decides. */
-			if (elem(BPF_MAP_LOOKUP_ELEM, r->map_pod_addrs, k, scratch) != -ENOENT)
+			if (rdr_bpf_map_lookup(r->map_pod_addrs, k, scratch) != -ENOENT)
 				goto slow;
 			if (add_item(items, &n, INV_ADDRS, ADDR_KEY_SIZE, k) < 0)
 				goto slow;
@@ -433,7 +400,7 @@ static int pod_add(struct rdr_pod_req *r)
 		memset(ik, 0, sizeof(ik));
 		memcpy(ik, cookie_v, 8);
 		memcpy(ik + 8, &idx, 4); /* base 0: a fresh pod's inventory starts there */
-		ret = elem(BPF_MAP_UPDATE_ELEM, r->map_inventory, ik, &v);
+		ret = rdr_bpf_map_update(r->map_inventory, ik, &v, 0);
 		if (ret < 0)
 			goto undo;
 		done[nd].fd = r->map_inventory;
@@ -443,32 +410,21 @@ static int pod_add(struct rdr_pod_req *r)
 		int mfd = items[i].map == INV_PORTS ? r->map_ports
 			  : items[i].map == INV_CIDRS ? r->map_cidrs : r->map_pod_addrs;
 
-		ret = elem(BPF_MAP_UPDATE_ELEM, mfd, items[i].key, items[i].map == INV_ADDRS ? (void *)cookie_v : &one);
+		ret = rdr_bpf_map_update(mfd, items[i].key, items[i].map == INV_ADDRS ? (void *)cookie_v : &one, 0);
 		if (ret < 0)
 			goto undo;
 		done[nd].fd = mfd;
 		memcpy(done[nd++].key, items[i].key, (size_t)items[i].size);
 	}
-	{
-		union bpf_attr a;
-
-		memset(&a, 0, sizeof(a));
-		a.link_create.prog_fd = (uint32_t)r->prog_sk_lookup;
-		a.link_create.target_fd = (uint32_t)r->netns_fd;
-		a.link_create.attach_type = BPF_SK_LOOKUP;
-		link = bpf_cmd(BPF_LINK_CREATE, &a);
-		if (link < 0) {
-			ret = link;
-			goto undo;
-		}
-		memset(&a, 0, sizeof(a));
-		a.pathname = (uint64_t)(uintptr_t)pin;
-		a.bpf_fd = (uint32_t)link;
-		ret = bpf_cmd(BPF_OBJ_PIN, &a);
-		if (ret < 0)
-			goto undo;
-		pinned = 1;
+	link = rdr_bpf_link_create(r->prog_sk_lookup, r->netns_fd, BPF_SK_LOOKUP, 0);
+	if (link < 0) {
+		ret = link;
+		goto undo;
 	}
+	ret = rdr_bpf_obj_pin(link, pin);
+	if (ret < 0)
+		goto undo;
+	pinned = 1;
 	if (r->fail_at == 2) {
 		ret = RDR_POD_FAULT;
 		goto undo;
@@ -480,29 +436,24 @@ static int pod_add(struct rdr_pod_req *r)
 		memcpy(policy + r->policy_inv_base_off, &base, 4);
 		memcpy(policy + r->policy_n_inv_off, &inv, 4);
 	}
-	ret = elem(BPF_MAP_UPDATE_ELEM, r->map_pods, cookie_v, policy);
+	ret = rdr_bpf_map_update(r->map_pods, cookie_v, policy, 0);
 	if (ret < 0)
 		goto undo;
 	close(link);
 	close(s);
 	r->entries = n;
-	r->added_addr = addr_added;
 	return 0;
 
 undo:
 	if (link >= 0) {
-		union bpf_attr a;
-
-		memset(&a, 0, sizeof(a));
-		a.link_detach.link_fd = (uint32_t)link;
-		bpf_cmd(BPF_LINK_DETACH, &a);
+		rdr_bpf_link_detach(link);
 		if (pinned)
 			unlink(pin);
 		close(link);
 	}
 	while (nd > 0) {
 		nd--;
-		elem(BPF_MAP_DELETE_ELEM, done[nd].fd, done[nd].key, NULL);
+		rdr_bpf_map_delete(done[nd].fd, done[nd].key);
 	}
 	if (addr_added)
 		v6_lo_addr(s, 0, 0, 0, seq++);

@@ -79,7 +79,6 @@ struct rdr_pod_req {
 	uint64_t cookie;            /* the netns cookie */
 	int v6;                     /* IPv6 is captured */
 	int entries;                /* keys written (the inventory's length) */
-	int added_addr;             /* ::6 was added */
 };
 
 /* 0: the pod is set up; RDR_POD_*; or -errno of what failed (everything undone). */

@@ -118,13 +118,7 @@ def _setup_fresh(impl: Any, cfg: RedirectConfig, netns: _netns.NetnsRef) -> Inst
     fresh = getattr(impl, "setup_fresh", None)
     if fresh is None:
         return None
-    path = _netns.path_of(netns)
-    if path is None:  # an fd: the general path checks and reports it
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None  # the general path says what is wrong with it
+    fd = _netns.open_netns(netns)  # NetnsError as the general path's enter() would raise it
     try:
         inode = os.fstat(fd).st_ino
         with _lock_for(inode):
@@ -147,11 +141,20 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     impl = get_backend(backend, cfg)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
-    res = _setup_fresh(impl, cfg, netns)
-    if res is not None:
-        log.info("setup netns=%s backend=%s mode=%s families=%s changed=True in %.2f ms (fresh pod)", name,
-                 res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), (time.perf_counter() - t0) * 1e3)
-        return Installed(res.backend, name, res.families, res.changed, res.detail)
+    res = fresh = _setup_fresh(impl, cfg, netns)
+    if res is None:
+        res = _setup_general(impl, cfg, plan, netns)
+    res = Installed(res.backend, name, res.families, res.changed, res.detail)
+    log.info(
+        "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",
+        name, res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), res.changed,
+        (time.perf_counter() - t0) * 1e3, " (fresh pod: one native call)" if fresh is not None else "",
+    )
+    return res
+
+
+def _setup_general(impl: Any, cfg: RedirectConfig, plan: Plan, netns: _netns.NetnsRef) -> Installed:
+    """``setup`` inside the netns, under ``netns_lock``: any backend, any previous state."""
     with _netns.enter(netns), one_nft_context():
         with netns_lock(_netns.current_inode()):
             families = _families_for(impl, cfg)
@@ -161,12 +164,6 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
             res = impl.apply(plan, cfg, families)
             if other is not None and _retire_other_netfilter(impl.name, other):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
-    res = Installed(res.backend, name, res.families, res.changed, res.detail)
-    log.info(
-        "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms",
-        name, res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), res.changed,
-        (time.perf_counter() - t0) * 1e3,
-    )
     return res
 
 

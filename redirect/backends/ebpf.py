@@ -301,22 +301,19 @@ class HostPrograms:
         self.load_ms = load_ms
         #: ``_pins_stamp`` when ``host()`` last saw every pin present.
         self.stamp: tuple[int, ...] = ()
+        #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
+        self._fresh: dict[FreshPodTemplate, tuple[Any, Any]] = {}
 
     @property
     def pods(self) -> Map:
         return self.maps["pods"]
 
-    @functools.cached_property
-    def pod_dir(self) -> str:
-        return os.path.join(self.root, "pods")
-
     def fresh_request(self, tmpl: FreshPodTemplate) -> Any:
         """The ``struct rdr_pod_req`` for ``tmpl`` on these maps, all but the per-call fields filled
         in; made once per template (callers copy it). Kept with these fds: a reload makes a new object."""
-        cache: dict[int, tuple[FreshPodTemplate, Any, Any]] = self.__dict__.setdefault("_fresh", {})
-        hit = cache.get(id(tmpl))
-        if hit is not None and hit[0] is tmpl:
-            return hit[1]
+        hit = self._fresh.get(tmpl)
+        if hit is not None:
+            return hit[0]
         from .. import routes as rt
 
         ffi = _native().ffi
@@ -325,7 +322,7 @@ class HostPrograms:
         r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
         r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
         r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
-        pin_dir = ffi.new("char[]", self.pod_dir.encode())
+        pin_dir = ffi.new("char[]", os.path.join(self.root, "pods").encode())
         r.pin_dir = pin_dir
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
@@ -333,7 +330,7 @@ class HostPrograms:
         for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
             r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
             r.add_v6_lo[i] = v6_lo
-        cache[id(tmpl)] = (tmpl, r, pin_dir)  # the template and pin_dir buffers live as long as r
+        self._fresh[tmpl] = (r, pin_dir)  # tmpl (a key here) and pin_dir hold the buffers r points to
         return r
 
     def close(self) -> None:
@@ -649,17 +646,12 @@ def force_unload_host(root: str | None = None) -> bool:
 def _pins_stamp(root: str) -> tuple[int, ...]:
     """Changes whenever a host pin is added or removed (3 stats, not 3 listings)."""
     out: list[int] = []
-    for d in _stamp_dirs(root):
+    for d in ("maps", "progs", "links"):
         try:
-            out.append(os.stat(d).st_mtime_ns)
+            out.append(os.stat(os.path.join(root, d)).st_mtime_ns)
         except FileNotFoundError:
             out.append(-1)
     return tuple(out)
-
-
-@functools.lru_cache(maxsize=16)
-def _stamp_dirs(root: str) -> tuple[str, ...]:
-    return tuple(os.path.join(root, d) for d in ("maps", "progs", "links"))
 
 
 def _trusted(stamp: tuple[int, ...]) -> tuple[int, ...]:
@@ -875,19 +867,18 @@ class FreshPodTemplate:
 
     def __init__(self, cfg: RedirectConfig, plan: Plan) -> None:
         ffi = _native().ffi
-        self.inbound_port = cfg.inbound_port if (cfg.inbound_ports != () and not cfg.bypass_inbound_capture) else 0
         self.ipv6 = -1 if cfg.ipv6 is None else int(bool(cfg.ipv6))
-        keep: list[Any] = []
+        self.inbound_port = 0
         self.sets: list[tuple[Any, Any, int, Any, int, bool]] = []
         for families in ((4,), (4, 6)):
             policy, port_specs, cidr_specs = _config_entries(cfg, families)
+            if POLICY.unpack(policy)[P_FLAGS] & F_INBOUND:
+                self.inbound_port = cfg.inbound_port
             ports = b"".join(PORT_KEY.pack(0, kind, p, 0) for kind, p in port_specs)
             cidrs = b"".join(CIDR_KEY.pack(plen, kind, 0, raw) for plen, kind, raw in cidr_specs)
             bufs = [ffi.new("uint8_t[]", b or b"\0") for b in (policy, ports, cidrs)]
-            keep += bufs
             v6_lo = any(a.family == 6 and a.dev == "lo" for a in _plan_addresses(plan, families, True))
             self.sets.append((bufs[0], bufs[1], len(port_specs), bufs[2], len(cidr_specs), v6_lo))
-        self._keep = keep
 
 
 @functools.lru_cache(maxsize=64)
@@ -1155,7 +1146,7 @@ class EbpfBackend:
         if rc < 0:
             raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
         families = (4, 6) if r.v6 else (4,)
-        d = self._detail(h, int(r.cookie), t0, t_host, c_host, f"{h.pod_dir}/{r.cookie}-sk_lookup", "fresh")
+        d = self._detail(h, int(r.cookie), t0, t_host, c_host, _pod_link(self.root, int(r.cookie)), "fresh")
         log.debug("ebpf fresh pod cookie=%d entries=%d pod=%.3f ms", r.cookie, r.entries, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
 
