@@ -4,9 +4,12 @@
  * any previous state). This is the same work for the common case, a pod that
  * has nothing of ours yet (a CNI ADD, a sidecar init): the Python path spends
  * about as long in the interpreter as in the kernel, and this spends ~nothing
- * there. When the pod is not fresh (a policy, a pinned link, a registered
- * address, something on the proxy's inbound port) it returns RDR_POD_SLOW
- * before changing anything, and the caller takes the general path.
+ * there. When the pod is not fresh (a policy, something on the proxy's inbound
+ * port) it returns RDR_POD_SLOW before changing anything; leftovers of an
+ * earlier attempt (entries, a pinned link) and addresses another pod has
+ * registered are found by the writes themselves (BPF_NOEXIST, EEXIST), which
+ * are then undone before it returns RDR_POD_SLOW. Either way the pod is as it
+ * was and the caller takes the general path.
  *
  * What it writes, and in which order, is what apply writes: the plan's ::6 on
  * lo, the inventory, the port/CIDR/address entries, the sk_lookup link pinned
@@ -292,7 +295,7 @@ static int pod_add(struct rdr_pod_req *r)
 	char pin[4096];
 	uint8_t policy[512];
 	uint8_t cookie_v[8], one = 1, scratch[512];
-	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0, fd;
+	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0;
 	uint32_t seq = 1;
 
 	if (r->policy_size > sizeof(policy) || r->policy_inv_base_off + 4 > r->policy_size ||
@@ -311,17 +314,15 @@ static int pod_add(struct rdr_pod_req *r)
 	set = r->v6 ? 1 : 0;
 	memcpy(cookie_v, &sc.cookie, 8);
 
-	/* Fresh? No policy, nothing pinned for this cookie. */
+	/* Fresh? No policy for this cookie. Leftovers of an earlier attempt (entries, a pinned
+	 * link) or an address another pod registered show as EEXIST below: every write is
+	 * BPF_NOEXIST (the pin fails on an existing one), so nothing of theirs is overwritten,
+	 * ours is undone, and the general path sorts it out. */
 	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, scratch);
 	if (ret != -ENOENT)
 		goto slow;
 	if ((size_t)snprintf(pin, sizeof(pin), "%s/%llu-sk_lookup", r->pin_dir,
 			     (unsigned long long)sc.cookie) >= sizeof(pin))
-		goto slow;
-	fd = rdr_bpf_obj_get(pin);
-	if (fd >= 0)
-		close(fd);
-	if (fd != -ENOENT)
 		goto slow;
 
 	/* The entries: the config's (cookie patched in), then the pod's own addresses. */
@@ -364,9 +365,6 @@ static int pod_add(struct rdr_pod_req *r)
 				continue;
 			memcpy(k, &af, 4);
 			memcpy(k + 4, sc.a[i].addr, 16);
-			/* Registered by another pod (maybe one whose netns is gone): the general path decides. */
-			if (rdr_bpf_map_lookup(r->map_pod_addrs, k, scratch) != -ENOENT)
-				goto slow;
 			if (add_item(items, &n, INV_ADDRS, ADDR_KEY_SIZE, k) < 0)
 				goto slow;
 		}
@@ -400,7 +398,7 @@ static int pod_add(struct rdr_pod_req *r)
 		memset(ik, 0, sizeof(ik));
 		memcpy(ik, cookie_v, 8);
 		memcpy(ik + 8, &idx, 4); /* base 0: a fresh pod's inventory starts there */
-		ret = rdr_bpf_map_update(r->map_inventory, ik, &v, 0);
+		ret = rdr_bpf_map_update(r->map_inventory, ik, &v, BPF_NOEXIST);
 		if (ret < 0)
 			goto undo;
 		done[nd].fd = r->map_inventory;
@@ -410,7 +408,8 @@ static int pod_add(struct rdr_pod_req *r)
 		int mfd = items[i].map == INV_PORTS ? r->map_ports
 			  : items[i].map == INV_CIDRS ? r->map_cidrs : r->map_pod_addrs;
 
-		ret = rdr_bpf_map_update(mfd, items[i].key, items[i].map == INV_ADDRS ? (void *)cookie_v : &one, 0);
+		ret = rdr_bpf_map_update(mfd, items[i].key, items[i].map == INV_ADDRS ? (void *)cookie_v : &one,
+					 BPF_NOEXIST);
 		if (ret < 0)
 			goto undo;
 		done[nd].fd = mfd;
@@ -436,7 +435,7 @@ static int pod_add(struct rdr_pod_req *r)
 		memcpy(policy + r->policy_inv_base_off, &base, 4);
 		memcpy(policy + r->policy_n_inv_off, &inv, 4);
 	}
-	ret = rdr_bpf_map_update(r->map_pods, cookie_v, policy, 0);
+	ret = rdr_bpf_map_update(r->map_pods, cookie_v, policy, BPF_NOEXIST);
 	if (ret < 0)
 		goto undo;
 	close(link);
@@ -458,7 +457,8 @@ undo:
 	if (addr_added)
 		v6_lo_addr(s, 0, 0, 0, seq++);
 	close(s);
-	return ret;
+	/* Something of an earlier attempt or another pod was in the way (see above): not fresh. */
+	return ret == -EEXIST ? RDR_POD_SLOW : ret;
 slow:
 	close(s);
 	return RDR_POD_SLOW;
@@ -468,6 +468,10 @@ int rdr_ebpf_pod_add(struct rdr_pod_req *r)
 {
 	int home, ret;
 
+	/* A host pin was added or removed since the caller checked its objects (another process
+	 * unloaded or reloaded them, say): the fds in r may be stale. */
+	if (r->watch_fd >= 0 && rdr_watch_changed(r->watch_fd) != 0)
+		return RDR_POD_STALE;
 	if (r->lock_fd >= 0) {
 		ret = lock_byte(r->lock_fd, r->lock_off, F_WRLCK);
 		if (ret == -EAGAIN || ret == -EACCES)
@@ -475,7 +479,7 @@ int rdr_ebpf_pod_add(struct rdr_pod_req *r)
 		if (ret < 0)
 			return RDR_POD_SLOW;
 	}
-	home = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+	home = rdr_thread_netns();
 	if (home < 0) {
 		ret = RDR_POD_SLOW;
 	} else if (setns(r->netns_fd, CLONE_NEWNET) < 0) {

@@ -1,9 +1,13 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <sys/inotify.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "redirect_native.h"
@@ -26,13 +30,113 @@ int rdr_sock_netns_cookie(int sockfd, uint64_t *cookie)
 	return 0;
 }
 
+/* --- the calling thread's own netns ---------------------------------------- */
+#ifndef __NR_pidfd_open
+#define __NR_pidfd_open 434
+#endif
+#ifndef PIDFD_THREAD
+#define PIDFD_THREAD O_EXCL /* 6.9 */
+#endif
+#ifndef PIDFD_GET_NET_NAMESPACE
+#define PIDFD_GET_NET_NAMESPACE _IO(0xFF, 4) /* 6.11 */
+#endif
+
+/* A pidfd of the calling thread, opened on its first call and closed when it exits
+ * (pthread key destructor); after a fork the child's thread opens its own. */
+static __thread int thread_pidfd = -1;
+static __thread pid_t thread_pidfd_tid;
+static pthread_key_t pidfd_key;
+static pthread_once_t pidfd_once = PTHREAD_ONCE_INIT;
+static int pidfd_key_ok;
+
+static void pidfd_close(void *v)
+{
+	close((int)(intptr_t)v - 1);
+}
+
+static void pidfd_key_init(void)
+{
+	pidfd_key_ok = pthread_key_create(&pidfd_key, pidfd_close) == 0;
+}
+
+int rdr_thread_netns(void)
+{
+	pid_t tid = gettid();
+	int fd;
+
+	if (thread_pidfd >= 0 && thread_pidfd_tid != tid) { /* a forked child's copy of its parent's */
+		close(thread_pidfd);
+		thread_pidfd = -1;
+	}
+	if (thread_pidfd < 0) {
+		pthread_once(&pidfd_once, pidfd_key_init);
+		fd = pidfd_key_ok ? (int)syscall(__NR_pidfd_open, tid, PIDFD_THREAD) : -1;
+		if (fd >= 0 && pthread_setspecific(pidfd_key, (void *)(intptr_t)(fd + 1)) != 0) {
+			close(fd);
+			fd = -1;
+		}
+		if (fd >= 0) {
+			thread_pidfd = fd;
+			thread_pidfd_tid = tid;
+		}
+	}
+	/* An ioctl on the pidfd skips the procfs path walk of the open below (~20 vs ~45 us on a
+	 * cold cache here); kernels before 6.11 (no such ioctl) or 6.9 (no thread pidfds) open. */
+	if (thread_pidfd >= 0) {
+		fd = ioctl(thread_pidfd, PIDFD_GET_NET_NAMESPACE, 0);
+		if (fd >= 0)
+			return fd;
+	}
+	fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+	return fd < 0 ? -errno : fd;
+}
+
+/* --- pin directory watches --------------------------------------------------- */
+
+int rdr_watch_new(void)
+{
+	int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+
+	return fd < 0 ? -errno : fd;
+}
+
+int rdr_watch_add(int fd, const char *const *dirs, int n)
+{
+	int ret = 0;
+
+	for (int i = 0; i < n; i++)
+		if (inotify_add_watch(fd, dirs[i], IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO |
+						   IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR) < 0 && ret == 0)
+			ret = -errno;
+	return ret;
+}
+
+int rdr_watch_changed(int fd)
+{
+	char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+	ssize_t got;
+	int changed = 0;
+
+	for (int i = 0; i < 64; i++) { /* drain; bounded (each read takes up to 4 KiB of events) */
+		got = read(fd, buf, sizeof(buf));
+		if (got > 0) {
+			changed = 1;
+			continue;
+		}
+		if (got < 0 && errno == EAGAIN)
+			return changed;
+		return got < 0 ? -errno : 1; /* 0: can't happen on inotify; say "changed" */
+	}
+	return 1;
+}
+
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie)
 {
 	int self, sock, ret;
 
-	self = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+	self = rdr_thread_netns();
 	if (self < 0)
-		return -errno;
+		return self;
 	if (setns(netns_fd, CLONE_NEWNET) < 0) {
 		ret = -errno;
 		close(self);

@@ -377,6 +377,8 @@ def test_a_removed_map_pin_reloads_when_no_pod_is_registered_else_fails_clearly(
         api.teardown(b.name, backend="ebpf")
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 CHILD = r"""
 import json, sys, time
 sys.path.insert(0, {repo!r})
@@ -396,8 +398,7 @@ def test_pinned_programs_reused_by_a_second_process(pod: Pod, bpf_root: str) -> 
     h = ebpf.host(bpf_root)
     assert h is not None
     ids = {n: ebpf.prog_id(fd) for n, fd in h.progs.items()}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = CHILD.format(repo=repo, ns=pod.name)
+    code = CHILD.format(repo=REPO, ns=pod.name)
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                            env={**os.environ, "REDIRECT_BPF_ROOT": bpf_root}, check=False)
@@ -650,7 +651,7 @@ def test_the_app_sees_the_peer_it_connected_to(pod: Pod, bpf_root: str, backend:
         got = netkit._in_child(pod.name, APP_UID, APP_UID, 3.0, peers)
         assert got.get("tcp") == [server, 8080], got
         assert got.get("udp") == [server, 53], got
-        assert ls[0].conns, "the TCP connection was captured"
+        assert ls[0].wait_for(1, timeout=2.0), "the TCP connection was captured"  # recorded by its thread
     finally:
         api.teardown(pod.name, backend=backend)
         _close(ls)
@@ -888,3 +889,100 @@ def test_a_fresh_pod_whose_netns_lock_is_held_waits_for_it(pod: Pod, setup_pod) 
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_leftovers_of_an_earlier_attempt_send_a_fresh_pod_the_general_way_untouched(pod: Pod, bpf_root: str) -> None:
+    """A pod with no policy but entries and a pinned link of ours (a setup that died between
+    them, or a policy deleted behind our back): the native call finds them by its own writes
+    (EEXIST), undoes what it wrote, and backs off; nothing of the leftovers changes. The
+    general path then sets the pod up as usual."""
+    from redirect import netns as rn
+
+    api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    h = ebpf.host(bpf_root)
+    assert h is not None
+    with rn.enter(pod.name):
+        cookie = ebpf.current_netns_cookie()
+    assert h.pods.delete(ebpf.U64.pack(cookie))  # the policy goes; entries, inventory, link stay
+    left = _snapshot(pod, bpf_root)
+    assert left["policy"] is None and left["link"] and left["keys"]
+    fd = rn.open_netns(pod.name)
+    try:
+        assert ebpf.setup_fresh(RedirectConfig(), fd, None, 0) is None
+    finally:
+        os.close(fd)
+    assert _snapshot(pod, bpf_root) == left
+    res = api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    try:
+        assert res.detail["path"] == "general" and res.changed
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+
+
+RELOAD = r"""
+import sys
+sys.path.insert(0, {repo!r})
+from redirect.backends import ebpf
+ebpf.force_unload_host({root!r})
+h = ebpf.host({root!r})
+print(h.compiled)
+"""
+
+
+def test_host_programs_reloaded_by_another_process_are_picked_up(make_pod, scratch_root: str) -> None:
+    """This process holds the host maps open; another unloads and loads them again (new maps).
+    The pin watch tells: the next fresh pod is written into the new maps, not the old ones."""
+    a, b = make_pod(), make_pod()
+    old = ebpf.host(scratch_root)
+    assert old is not None and old.ok
+    api.setup(a.name, OUT_ONLY, backend="ebpf")
+    api.teardown(a.name, backend="ebpf")
+    r = subprocess.run([sys.executable, "-c", RELOAD.format(repo=REPO, root=scratch_root)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+    proxy = _proxy_listeners(b, 15001, "proxy")
+    app = [TcpListener(b.peer_name, 8080, label="app").start()]
+    try:
+        res = api.setup(b.name, OUT_ONLY, backend="ebpf")
+        assert res.detail["compiled"] is False  # reopened from the other process's pins
+        assert ebpf.host(scratch_root) is not old
+        assert api.check(b.name, OUT_ONLY, backend="ebpf").ok
+        assert landing(b.name, b.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy
+    finally:
+        _close(proxy, app)
+        api.teardown(b.name, backend="ebpf")
+
+
+def test_thread_netns_fd_names_the_calling_threads_netns(pod: Pod, bpf_root: str) -> None:
+    """``rdr_thread_netns`` (how the native path returns a thread home) follows the thread
+    into another netns and back, in the main thread and in others."""
+    import threading
+
+    from redirect import netns as rn
+
+    lib = ebpf._native().lib
+    target = rn.netns_inode(pod.name)
+
+    def where() -> int:
+        fd = lib.rdr_thread_netns()
+        assert fd >= 0
+        try:
+            return os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+
+    home = os.stat("/proc/thread-self/ns/net").st_ino
+    seen: list[tuple[int, int, int]] = []
+
+    def run() -> None:
+        before = where()
+        with rn.enter(pod.name):
+            inside = where()
+        seen.append((before, inside, where()))
+
+    run()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert seen == [(home, target, home)] * 2

@@ -299,8 +299,12 @@ class HostPrograms:
         #: True if this process compiled the programs, False if it reused pins.
         self.compiled = loaded
         self.load_ms = load_ms
-        #: ``_pins_stamp`` when ``host()`` last saw every pin present.
-        self.stamp: tuple[int, ...] = ()
+        self.pods_dir = os.path.join(root, "pods")  # where the pods' links are pinned (_pod_link)
+        #: The root's inotify fd on the host pin dirs (``_watch_pins``; not ours to close), -1
+        #: without one; ``ok``: every pin was there when ``host()`` last looked, and the pin dirs
+        #: were all watched then.
+        self.watch = -1
+        self.ok = False
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
         self._fresh: dict[FreshPodTemplate, tuple[Any, Any]] = {}
 
@@ -322,7 +326,7 @@ class HostPrograms:
         r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
         r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
         r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
-        pin_dir = ffi.new("char[]", os.path.join(self.root, "pods").encode())
+        pin_dir = ffi.new("char[]", self.pods_dir.encode())
         r.pin_dir = pin_dir
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
@@ -332,6 +336,10 @@ class HostPrograms:
             r.add_v6_lo[i] = v6_lo
         self._fresh[tmpl] = (r, pin_dir)  # tmpl (a key here) and pin_dir hold the buffers r points to
         return r
+
+    def trusted(self) -> bool:
+        """Nothing of the host pins changed since ``host()`` last found them all: one read."""
+        return self.ok and self.watch >= 0 and _native().lib.rdr_watch_changed(self.watch) == 0
 
     def close(self) -> None:
         for m in self.maps.values():
@@ -615,14 +623,15 @@ def host(root: str | None = None, cgroup: str | None = None, load: bool = True) 
     r = _root(root)
     with _host_cache_lock:
         h = _host_cache.get(r)
-        stamp = _pins_stamp(r)
-        if h is not None and h.stamp and h.stamp == stamp:
-            return h  # no pin was added or removed since we opened them (directory mtimes)
+        if h is not None and h.trusted():
+            return h  # no pin was added or removed since we found them all (inotify)
+        # Watched before looking: a change from here on shows on the next call.
+        watch, watched = _watch_pins(r)
         missing = missing_pins(r)
-        if h is not None and not missing:
-            h.stamp = _trusted(stamp)
+        if h is not None and not missing and _still_pinned(h):
+            h.watch, h.ok = watch, watched
             return h
-        if h is not None:
+        if h is not None:  # pins gone, or others in their place (another process reloaded)
             h.close()
             del _host_cache[r]
         if not load:
@@ -630,12 +639,26 @@ def host(root: str | None = None, cgroup: str | None = None, load: bool = True) 
             if any(m.startswith(("maps/", "progs/")) and not m.startswith("maps/build-") for m in missing):
                 return None
             h = HostPrograms.open_pinned(r)
-            h.stamp = () if missing else _trusted(stamp)
+            h.watch, h.ok = watch, watched and not missing
         else:
             h = HostPrograms.open_or_load(r, cgroup)
-            h.stamp = _trusted(_pins_stamp(r))
+            watch, watched = _watch_pins(r)  # the load may have made the dirs; its pins are events
+            h.watch = watch
+            h.ok = watched and not missing_pins(r)
         _host_cache[r] = h
         return h
+
+
+def _still_pinned(h: HostPrograms) -> bool:
+    """``h``'s maps are the pinned ones (its pods map is: a load makes every map anew)."""
+    try:
+        fd = obj_get(os.path.join(h.root, "maps", "pods"))
+    except OSError:
+        return False
+    try:
+        return _map_fdinfo(fd).get("map_id", -1) == _map_fdinfo(h.pods.fd).get("map_id", -2)
+    finally:
+        os.close(fd)
 
 
 def force_unload_host(root: str | None = None) -> bool:
@@ -643,26 +666,27 @@ def force_unload_host(root: str | None = None) -> bool:
     return unload_host(root, force=True)
 
 
-def _pins_stamp(root: str) -> tuple[int, ...]:
-    """Changes whenever a host pin is added or removed (3 stats, not 3 listings)."""
-    out: list[int] = []
-    for d in ("maps", "progs", "links"):
-        try:
-            out.append(os.stat(os.path.join(root, d)).st_mtime_ns)
-        except FileNotFoundError:
-            out.append(-1)
-    return tuple(out)
+#: Per root, one inotify fd on its maps, progs and links dirs (a pin added or removed there, or a
+#: dir going, is an event): ``host()`` trusts its handle while the fd has no events. Kept until
+#: ``unload_host`` (an fd closed under a thread that reads it could be another file by then).
+_watches: dict[str, int] = {}
 
 
-def _trusted(stamp: tuple[int, ...]) -> tuple[int, ...]:
-    """``stamp`` if it can be trusted to change on the next pin change, else ``()``.
-
-    bpffs directory mtimes come from the coarse clock (a tick of a few ms): a change in the
-    same tick as the last one would leave the mtime as it was. So only mtimes older than
-    50 ms are trusted.
-    """
-    now = time.time_ns()
-    return stamp if stamp and all(0 <= t < now - 50_000_000 for t in stamp) else ()
+def _watch_pins(root: str) -> tuple[int, bool]:
+    """``root``'s watch fd (-1: none) and whether every pin dir is watched now (dirs made again
+    since need their watch again); with no watch, ``host()`` lists the pins on every call."""
+    lib, ffi = _native().lib, _native().ffi
+    fd = _watches.get(root, -1)
+    if fd < 0:
+        fd = int(lib.rdr_watch_new())
+        if fd < 0:
+            log.debug("ebpf: no inotify watch on %s (%s): pins are listed on every use", root, os.strerror(-fd))
+            return -1, False
+        _watches[root] = fd
+    dirs = [ffi.new("char[]", os.path.join(root, d).encode()) for d in ("maps", "progs", "links")]
+    watched = lib.rdr_watch_add(fd, ffi.new("const char *[]", dirs), len(dirs)) == 0
+    lib.rdr_watch_changed(fd)  # what happened before now, the caller's look at the pins covers
+    return fd, watched
 
 
 def registered_pods(root: str | None = None) -> list[int]:
@@ -696,6 +720,9 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
             h = _host_cache.pop(r, None)
             if h is not None:
                 h.close()
+            watch = _watches.pop(r, -1)  # unloading under threads still setting pods up is theirs to avoid
+            if watch >= 0:
+                os.close(watch)
         existed = os.path.exists(r)
         _unpin_all(r)
         if r != DEFAULT_ROOT:  # a scratch root (tests): leave no lock file behind either
@@ -1125,30 +1152,33 @@ class EbpfBackend:
         if tmpl is None:
             return None
         t0 = time.perf_counter()
-        h = host(self.root, self.cgroup)
-        assert h is not None
+        h = _host_cache.get(self.root)
+        if h is None or not h.ok:
+            h = host(self.root, self.cgroup)  # else the native call asks the pin watch itself
+            assert h is not None
         t_host, c_host = time.perf_counter(), time.thread_time()
         ffi, lib = _native().ffi, _native().lib
-        r = ffi.new("struct rdr_pod_req *")
-        ffi.memmove(r, h.fresh_request(tmpl), ffi.sizeof("struct rdr_pod_req"))  # a copy: threads share the base
+        r = ffi.new("struct rdr_pod_req *", h.fresh_request(tmpl)[0])  # a copy: threads share the base
         r.netns_fd, r.lock_fd, r.lock_off = netns_fd, -1 if lock_fd is None else lock_fd, lock_off
+        r.watch_fd = h.watch if h.ok else -1
         fault = os.environ.get("REDIRECT_FAULT")
         if fault:
             r.fail_at = {"ebpf.before_entries": 1, "ebpf.before_policy": 2}.get(fault, 0)
         rc = lib.rdr_ebpf_pod_add(r)
-        if rc == lib.RDR_POD_SLOW or rc == lib.RDR_POD_BUSY:
-            log.debug("ebpf: not a fresh pod (or its lock is held): general path (%d)", rc)
-            return None
-        if rc == lib.RDR_POD_STRANDED:
-            raise SystemError("could not return to the thread's own netns after an eBPF setup")
-        if rc == lib.RDR_POD_FAULT:
-            raise SetupError(f"injected fault at {fault}")
-        if rc < 0:
+        if rc != 0:
+            if rc == lib.RDR_POD_STALE:
+                h.ok = False  # the call read the watch's events: host() must look at the pins again
+            if rc in (lib.RDR_POD_SLOW, lib.RDR_POD_BUSY, lib.RDR_POD_STALE):
+                log.debug("ebpf: not a fresh pod, its lock is held, or the host pins changed: general path (%d)", rc)
+                return None
+            if rc == lib.RDR_POD_STRANDED:
+                raise SystemError("could not return to the thread's own netns after an eBPF setup")
+            if rc == lib.RDR_POD_FAULT:
+                raise SetupError(f"injected fault at {fault}")
             raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
-        families = (4, 6) if r.v6 else (4,)
-        d = self._detail(h, int(r.cookie), t0, t_host, c_host, _pod_link(self.root, int(r.cookie)), "fresh")
-        log.debug("ebpf fresh pod cookie=%d entries=%d pod=%.3f ms", r.cookie, r.entries, d["pod_ms"])
-        return Installed(self.name, "", families, True, d)
+        cookie = r.cookie
+        d = self._detail(h, cookie, t0, t_host, c_host, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
+        return Installed(self.name, "", (4, 6) if r.v6 else (4,), True, d)
 
     def _pod_link_path(self, cookie: int) -> str:
         return _pod_link(self.root, cookie)
@@ -1430,6 +1460,20 @@ class EbpfBackend:
             lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
             lines.append("sk_lookup link on the pod netns")
         return "\n".join(lines) + "\n"
+
+
+#: ``setup_fresh``'s backend objects, by (root, cgroup) as the environment names them.
+_fresh_backends: dict[tuple[str | None, str | None], EbpfBackend] = {}
+
+
+def setup_fresh(cfg: RedirectConfig, netns_fd: int, lock_fd: int | None, lock_off: int) -> Installed | None:
+    """``EbpfBackend.setup_fresh`` on the default (or ``REDIRECT_BPF_ROOT``/``_CGROUP``) root and
+    cgroup: what ``redirect.setup(..., backend="ebpf")`` tries first."""
+    key = (os.environ.get("REDIRECT_BPF_ROOT"), os.environ.get("REDIRECT_BPF_CGROUP"))
+    impl = _fresh_backends.get(key)
+    if impl is None:
+        impl = _fresh_backends[key] = EbpfBackend()
+    return impl.setup_fresh(cfg, netns_fd, lock_fd, lock_off)
 
 
 def _pod_link(root: str, cookie: int) -> str:
