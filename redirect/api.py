@@ -33,6 +33,9 @@ _locks: dict[int, threading.Lock] = {}
 
 def _lock_for(inode: int) -> threading.Lock:
     """One in-process lock per namespace: two threads never rewrite one netns at once."""
+    lk = _locks.get(inode)
+    if lk is not None:
+        return lk
     with _locks_guard:
         return _locks.setdefault(inode, threading.Lock())
 
@@ -41,23 +44,35 @@ def _lock_for(inode: int) -> threading.Lock:
 #: at the netns inode's offset, while they change that netns: no lock file per pod to clean up.
 NETNS_LOCK_FILE = "/run/lock/redirect-netns.lock"
 LOCK_WAIT_S = 30.0
-_lock_fd: tuple[int, int] | None = None  # (pid, fd): POSIX record locks belong to a process
+_lock_fd: int | None = None
 
 
 def _lock_file() -> int | None:
     """This process's fd of ``NETNS_LOCK_FILE`` (opened once, never closed: closing any fd of the
     file would drop every record lock the process holds on it); None if it can't be opened."""
     global _lock_fd
+    if _lock_fd is not None:
+        return _lock_fd
     with _locks_guard:
-        if _lock_fd is None or _lock_fd[0] != os.getpid():
+        if _lock_fd is None:
             try:
                 os.makedirs(os.path.dirname(NETNS_LOCK_FILE), exist_ok=True)
-                fd = os.open(NETNS_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                _lock_fd = os.open(NETNS_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except OSError as e:
                 log.debug("no cross-process netns lock (%s: %s); in-process locking only", NETNS_LOCK_FILE, e)
                 return None
-            _lock_fd = (os.getpid(), fd)
-        return _lock_fd[1]
+        return _lock_fd
+
+
+def _after_fork_in_child() -> None:
+    # Locks other threads of the parent held at the fork would stay held here for ever. (The
+    # lock file's fd is fine as it is: record locks belong to a process, the child holds none.)
+    global _locks_guard
+    _locks_guard = threading.Lock()
+    _locks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -112,10 +127,24 @@ def _config(config: RedirectConfig | None) -> RedirectConfig:
     return config
 
 
-def _setup_fresh(impl: Any, cfg: RedirectConfig, netns: _netns.NetnsRef) -> Installed | None:
+#: Backends with a one-call setup for pods with nothing of ours yet: ``fn(cfg, netns_fd, lock_fd,
+#: lock_off) -> Installed | None`` (looked up once).
+_FRESH: dict[str, Any] = {}
+
+
+def _fresh_setup_of(backend: str) -> Any:
+    fn = _FRESH.get(backend)
+    if fn is None and backend == "ebpf":
+        from .backends import ebpf
+
+        fn = _FRESH[backend] = ebpf.setup_fresh
+    return fn
+
+
+def _setup_fresh(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef) -> Installed | None:
     """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF):
     under the same locks as the general path. None: take the general path (nothing changed)."""
-    fresh = getattr(impl, "setup_fresh", None)
+    fresh = _fresh_setup_of(backend)
     if fresh is None:
         return None
     fd = _netns.open_netns(netns)  # NetnsError as the general path's enter() would raise it
@@ -137,19 +166,18 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     (``netns_lock``).
     """
     cfg = _config(config)
-    plan = _plan(cfg)
-    impl = get_backend(backend, cfg)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
-    res = fresh = _setup_fresh(impl, cfg, netns)
+    res = fresh = _setup_fresh(backend, cfg, netns)
     if res is None:
-        res = _setup_general(impl, cfg, plan, netns)
+        res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns)
     res = Installed(res.backend, name, res.families, res.changed, res.detail)
-    log.info(
-        "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",
-        name, res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), res.changed,
-        (time.perf_counter() - t0) * 1e3, " (fresh pod: one native call)" if fresh is not None else "",
-    )
+    if log.isEnabledFor(logging.INFO):
+        log.info(
+            "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",
+            name, res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), res.changed,
+            (time.perf_counter() - t0) * 1e3, " (fresh pod: one native call)" if fresh is not None else "",
+        )
     return res
 
 

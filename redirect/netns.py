@@ -66,6 +66,8 @@ def path_of(ref: NetnsRef) -> str | None:
 
 def describe(ref: NetnsRef) -> str:
     """A short human name for logs and errors."""
+    if type(ref) is str and ref and "/" not in ref:
+        return ref  # a name under NETNS_RUN_DIR (the common case, without a path join)
     path = path_of(ref)
     if path is None:
         return f"fd {int(ref)}"  # type: ignore[arg-type]
