@@ -137,11 +137,19 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                 notes.append(f"data path {c.name}: skipped: {e}")
                 results["cases"][c.name] = {"error": str(e)}
             progress(1)
+        # Each round's connection-rate time goes in slices of ~0.25 s, the cases taking turns
+        # slice by slice, each turn starting one case later: drift on a shared machine (over a
+        # 2 s run, one case's rate moved 0.34-2.1x against the next one's) and any first-in-turn
+        # advantage hit every case alike, and the ratios pair runs a fraction of a second apart.
+        slices = max(1, round(seconds / 0.25))
+        turn = 0
         for i in range(rounds):
-            # Rounds interleave the cases, each round starting one case later: drift on a shared
-            # machine and any first-in-round advantage hit every case alike.
+            for _ in range(slices):
+                for c in live[turn % len(live):] + live[:turn % len(live)] if live else []:
+                    c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max(1, max_conns // slices),
+                                        seconds / slices, 64))
+                turn += 1
             for c in live[i % len(live):] + live[:i % len(live)] if live else []:
-                c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max_conns, seconds, 64))
                 c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
     finally:

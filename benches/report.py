@@ -23,9 +23,9 @@ def _median(d: dict[str, Any], key: str, phase: str = "setup") -> float | None:
 
 
 def _rate_ratio(case: dict[str, Any], base: dict[str, Any]) -> float | None:
-    """Connection rate of ``case`` over ``base``: the median of the per-round ratios when both have
-    their rounds (measured side by side in time, so drift on a shared machine cancels), else the
-    ratio of the medians."""
+    """Connection rate of ``case`` over ``base``: the median of the ratios of paired runs when both
+    have them (the cases take turns slice by slice, so drift on a shared machine cancels), else
+    the ratio of the medians."""
     a, b = case.get("runs", {}).get("crr", []), base.get("runs", {}).get("crr", [])
     if a and len(a) == len(b) and all(y.get("conn_per_s") for y in b):
         return round(statistics.median(x["conn_per_s"] / y["conn_per_s"] for x, y in zip(a, b, strict=True)), 4)
@@ -157,10 +157,10 @@ def markdown(res: dict[str, Any]) -> str:
     dp = res.get("datapath", {})
     if dp.get("cases"):
         L += ["", f"## Data path (loopback in a pod netns; connect + {dp.get('msg_bytes')} B request/response + "
-              "close; median of rounds)", "",
+              "close; median of runs)", "",
               "The proxy listens on 15001 in the pod and echoes; it does not connect onward (the figure is "
-              "the cost of reaching the proxy). Rate ratios are medians of per-round ratios (the cases run "
-              "side by side in each round).", "",
+              "the cost of reaching the proxy). Rate ratios are medians of the ratios of paired runs (the "
+              "cases take turns in ~0.25 s slices, so each pair is a fraction of a second apart).", "",
               "| case | target | conn/s | vs direct | vs Istio's rules | p50 (us) | p99 (us) | bulk (Gbit/s) |",
               "|---|---|---|---|---|---|---|---|"]
         for name, c in dp["cases"].items():
