@@ -469,8 +469,12 @@ int rdr_ebpf_pod_add(struct rdr_pod_req *r)
 	int home, ret;
 
 	/* A host pin was added or removed since the caller checked its objects (another process
-	 * unloaded or reloaded them, say): the fds in r may be stale. */
-	if (r->watch_fd >= 0 && rdr_watch_changed(r->watch_fd) != 0)
+	 * unloaded or reloaded them, say), or another thread is checking them again: the fds in r
+	 * may be stale. The events stay for that check (every thread sees them until then), and
+	 * it clears *alive before it reads them. */
+	if (r->watch_fd >= 0 && rdr_watch_pending(r->watch_fd) != 0)
+		return RDR_POD_STALE;
+	if (r->alive && !__atomic_load_n(r->alive, __ATOMIC_ACQUIRE))
 		return RDR_POD_STALE;
 	if (r->lock_fd >= 0) {
 		ret = lock_byte(r->lock_fd, r->lock_off, F_WRLCK);

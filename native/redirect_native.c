@@ -64,10 +64,8 @@ int rdr_thread_netns(void)
 	pid_t tid = gettid();
 	int fd;
 
-	if (thread_pidfd >= 0 && thread_pidfd_tid != tid) { /* a forked child's copy of its parent's */
-		close(thread_pidfd);
-		thread_pidfd = -1;
-	}
+	if (thread_pidfd >= 0 && thread_pidfd_tid != tid) /* a forked child's copy of its parent's: */
+		thread_pidfd = -1; /* not closed (the child may have closed it, and reused the number) */
 	if (thread_pidfd < 0) {
 		pthread_once(&pidfd_once, pidfd_key_init);
 		fd = pidfd_key_ok ? (int)syscall(__NR_pidfd_open, tid, PIDFD_THREAD) : -1;
@@ -128,6 +126,13 @@ int rdr_watch_changed(int fd)
 		return got < 0 ? -errno : 1; /* 0: can't happen on inotify; say "changed" */
 	}
 	return 1;
+}
+
+int rdr_watch_pending(int fd)
+{
+	int n = 0;
+
+	return ioctl(fd, FIONREAD, &n) < 0 ? -errno : n > 0;
 }
 
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie)

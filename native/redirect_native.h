@@ -24,6 +24,9 @@ int rdr_watch_add(int fd, const char *const *dirs, int n);
 /* 1 if anything happened since the last call (the events are read and dropped), 0 if not. */
 int rdr_watch_changed(int fd);
 
+/* 1 if events are waiting (left there for rdr_watch_changed), 0 if not. */
+int rdr_watch_pending(int fd);
+
 /* The cookie of the netns behind an open netns fd: enters it on this thread,
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
@@ -67,12 +70,13 @@ int rdr_pidfd_getfd(int pidfd, int fd);
 #define RDR_POD_BUSY 2     /* another process holds the netns lock: nothing changed */
 #define RDR_POD_FAULT 3    /* fail_at reached: everything undone (fault injection for tests) */
 #define RDR_POD_STRANDED 4 /* could not setns back to the thread's own netns */
-#define RDR_POD_STALE 5    /* watch_fd saw a host pin change: nothing changed, reopen the host objects */
+#define RDR_POD_STALE 5    /* a host pin changed (watch_fd), or *alive is 0: nothing changed, look again */
 
 struct rdr_pod_req {
 	/* in */
 	int netns_fd;               /* the pod netns */
 	int watch_fd;               /* an inotify fd on the host pin dirs (rdr_watch_add), or -1 */
+	const int *alive;           /* 0 while the caller looks its host objects over again; or NULL */
 	int lock_fd;                /* a byte of this file at lock_off is held throughout; -1: none */
 	uint64_t lock_off;
 	int map_pods, map_inventory, map_ports, map_cidrs, map_pod_addrs;

@@ -986,3 +986,23 @@ def test_thread_netns_fd_names_the_calling_threads_netns(pod: Pod, bpf_root: str
     t.start()
     t.join(10)
     assert seen == [(home, target, home)] * 2
+
+
+def test_a_change_under_the_pin_dirs_sends_the_next_setup_the_general_way_once(make_pod, bpf_root: str) -> None:
+    """Anything created or removed in the host pin dirs (here a directory in maps/, there and
+    gone) makes the next setup look the host objects over (general path, which finds them
+    fine); the one after is native again."""
+    a, b = make_pod(), make_pod()
+    h = ebpf.host(bpf_root)
+    assert h is not None and h.trusted()
+    extra = os.path.join(bpf_root, "maps", "not-ours")
+    os.mkdir(extra)
+    os.rmdir(extra)
+    assert not h.trusted()
+    try:
+        assert api.setup(a.name, OUT_ONLY, backend="ebpf").detail["path"] == "general"
+        assert ebpf.host(bpf_root) is h and h.trusted()  # same maps: kept, watched again
+        assert api.setup(b.name, OUT_ONLY, backend="ebpf").detail["path"] == "fresh"
+    finally:
+        api.teardown(a.name, backend="ebpf")
+        api.teardown(b.name, backend="ebpf")

@@ -305,6 +305,9 @@ class HostPrograms:
         #: were all watched then.
         self.watch = -1
         self.ok = False
+        #: 1 while this handle is in use, 0 while ``host()`` looks it over again (the native
+        #: fresh-pod call reads it, see ``fresh_request``).
+        self.alive = _native().ffi.new("int[1]", [1])
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
         self._fresh: dict[FreshPodTemplate, tuple[Any, Any]] = {}
 
@@ -326,6 +329,7 @@ class HostPrograms:
         r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
         r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
         r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
+        r.alive = self.alive
         pin_dir = ffi.new("char[]", self.pods_dir.encode())
         r.pin_dir = pin_dir
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
@@ -339,7 +343,7 @@ class HostPrograms:
 
     def trusted(self) -> bool:
         """Nothing of the host pins changed since ``host()`` last found them all: one read."""
-        return self.ok and self.watch >= 0 and _native().lib.rdr_watch_changed(self.watch) == 0
+        return self.ok and self.watch >= 0 and _native().lib.rdr_watch_pending(self.watch) == 0
 
     def close(self) -> None:
         for m in self.maps.values():
@@ -625,11 +629,14 @@ def host(root: str | None = None, cgroup: str | None = None, load: bool = True) 
         h = _host_cache.get(r)
         if h is not None and h.trusted():
             return h  # no pin was added or removed since we found them all (inotify)
-        # Watched before looking: a change from here on shows on the next call.
+        if h is not None:
+            h.alive[0] = 0  # native calls of other threads back off until the look below is done
+        # Watched (and drained) before looking: a change from here on shows on the next call.
         watch, watched = _watch_pins(r)
         missing = missing_pins(r)
         if h is not None and not missing and _still_pinned(h):
             h.watch, h.ok = watch, watched
+            h.alive[0] = 1
             return h
         if h is not None:  # pins gone, or others in their place (another process reloaded)
             h.close()
@@ -1166,8 +1173,6 @@ class EbpfBackend:
             r.fail_at = {"ebpf.before_entries": 1, "ebpf.before_policy": 2}.get(fault, 0)
         rc = lib.rdr_ebpf_pod_add(r)
         if rc != 0:
-            if rc == lib.RDR_POD_STALE:
-                h.ok = False  # the call read the watch's events: host() must look at the pins again
             if rc in (lib.RDR_POD_SLOW, lib.RDR_POD_BUSY, lib.RDR_POD_STALE):
                 log.debug("ebpf: not a fresh pod, its lock is held, or the host pins changed: general path (%d)", rc)
                 return None
