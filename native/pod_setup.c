@@ -27,7 +27,10 @@
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "redirect_native.h"
@@ -274,6 +277,9 @@ static int port_free(uint16_t port, int v6)
 	return ok;
 }
 
+/* An OFD lock (or unlock) of the byte at off: held by the open file description, so
+ * another thread's own open of the file conflicts as another process's does (and so do the
+ * POSIX record locks of older versions). */
 static int lock_byte(int fd, uint64_t off, short type)
 {
 	struct flock fl;
@@ -283,11 +289,30 @@ static int lock_byte(int fd, uint64_t off, short type)
 	fl.l_whence = SEEK_SET;
 	fl.l_start = (off_t)off;
 	fl.l_len = 1;
-	return fcntl(fd, F_SETLK, &fl) == 0 ? 0 : -errno;
+	return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : -errno;
 }
 
-/* Inside the pod netns, with the lock held. */
-static int pod_add(struct rdr_pod_req *r)
+/* REDIRECT_FAULT (fault injection for the tests, as redirect.backends.base.fault_point reads
+ * it): 1 after the address, before the entries; 2 before the policy; 0 none. */
+static int fault_at(void)
+{
+	const char *f = getenv("REDIRECT_FAULT");
+
+	if (f == NULL)
+		return 0;
+	return strcmp(f, "ebpf.before_entries") == 0 ? 1 : strcmp(f, "ebpf.before_policy") == 0 ? 2 : 0;
+}
+
+static uint64_t clock_ns(clockid_t id)
+{
+	struct timespec t;
+
+	clock_gettime(id, &t); /* CLOCK_MONOTONIC: the vDSO, no syscall */
+	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Inside the pod netns (netns_fd), with the lock held. fail_at: see fault_at(). */
+static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netns_fd, int fail_at)
 {
 	struct item items[MAX_ITEMS];
 	struct written done[MAX_ITEMS + MAX_ITEMS / INV_CHUNK + 1];
@@ -295,7 +320,7 @@ static int pod_add(struct rdr_pod_req *r)
 	char pin[4096];
 	uint8_t policy[512];
 	uint8_t cookie_v[8], one = 1, scratch[512];
-	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0;
+	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0, pin_name;
 	uint32_t seq = 1;
 
 	if (r->policy_size > sizeof(policy) || r->policy_inv_base_off + 4 > r->policy_size ||
@@ -309,9 +334,9 @@ static int pod_add(struct rdr_pod_req *r)
 		close(s);
 		return RDR_POD_SLOW;
 	}
-	r->cookie = sc.cookie;
-	r->v6 = r->ipv6 < 0 ? sc.v6_on : r->ipv6;
-	set = r->v6 ? 1 : 0;
+	c->cookie = sc.cookie;
+	c->v6 = r->ipv6 < 0 ? sc.v6_on : r->ipv6;
+	set = c->v6 ? 1 : 0;
 	memcpy(cookie_v, &sc.cookie, 8);
 
 	/* Fresh? No policy for this cookie. Leftovers of an earlier attempt (entries, a pinned
@@ -321,8 +346,10 @@ static int pod_add(struct rdr_pod_req *r)
 	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, scratch);
 	if (ret != -ENOENT)
 		goto slow;
-	if ((size_t)snprintf(pin, sizeof(pin), "%s/%llu-sk_lookup", r->pin_dir,
-			     (unsigned long long)sc.cookie) >= sizeof(pin))
+	pin_name = snprintf(pin, sizeof(pin), "%s/", r->pin_dir);
+	if (pin_name < 0 || (size_t)pin_name >= sizeof(pin) ||
+	    (size_t)snprintf(pin + pin_name, sizeof(pin) - (size_t)pin_name, "%llu-sk_lookup",
+			     (unsigned long long)sc.cookie) >= sizeof(pin) - (size_t)pin_name)
 		goto slow;
 
 	/* The entries: the config's (cookie patched in), then the pod's own addresses. */
@@ -347,7 +374,7 @@ static int pod_add(struct rdr_pod_req *r)
 		uint32_t plen = sc.a[i].family == 4 ? 96 + 32 : 96 + 128;
 		uint32_t kind = sc.a[i].family == 4 ? CIDR_LOCAL4 : CIDR_LOCAL6;
 
-		if (sc.a[i].family == 6 && !r->v6)
+		if (sc.a[i].family == 6 && !c->v6)
 			continue;
 		memcpy(k, &plen, 4);
 		memcpy(k + 4, &kind, 4);
@@ -361,7 +388,7 @@ static int pod_add(struct rdr_pod_req *r)
 			uint8_t k[ADDR_KEY_SIZE];
 			uint32_t af = sc.a[i].family == 4 ? AF_INET : AF_INET6;
 
-			if ((sc.a[i].family == 6 && !r->v6) || sc.a[i].ifindex == 1)
+			if ((sc.a[i].family == 6 && !c->v6) || sc.a[i].ifindex == 1)
 				continue;
 			memcpy(k, &af, 4);
 			memcpy(k + 4, sc.a[i].addr, 16);
@@ -370,7 +397,7 @@ static int pod_add(struct rdr_pod_req *r)
 		}
 		/* Something holds the inbound port (the proxy may already listen): the general path
 		 * finds the listener and registers it. */
-		if (!port_free(r->inbound_port, r->v6))
+		if (!port_free(r->inbound_port, c->v6))
 			goto slow;
 	}
 
@@ -381,7 +408,7 @@ static int pod_add(struct rdr_pod_req *r)
 			goto undo;
 		addr_added = ret == 0;
 	}
-	if (r->fail_at == 1) {
+	if (fail_at == 1) {
 		ret = RDR_POD_FAULT;
 		goto undo;
 	}
@@ -415,16 +442,19 @@ static int pod_add(struct rdr_pod_req *r)
 		done[nd].fd = mfd;
 		memcpy(done[nd++].key, items[i].key, (size_t)items[i].size);
 	}
-	link = rdr_bpf_link_create(r->prog_sk_lookup, r->netns_fd, BPF_SK_LOOKUP, 0);
+	link = rdr_bpf_link_create(r->prog_sk_lookup, netns_fd, BPF_SK_LOOKUP, 0);
 	if (link < 0) {
 		ret = link;
 		goto undo;
 	}
-	ret = rdr_bpf_obj_pin(link, pin);
+	/* Relative to the open pin dir where the kernel can (6.5), else by the whole path. */
+	ret = r->pin_dir_fd >= 0 ? rdr_bpf_obj_pin_at(link, r->pin_dir_fd, pin + pin_name) : -EINVAL;
+	if (ret == -EINVAL)
+		ret = rdr_bpf_obj_pin(link, pin);
 	if (ret < 0)
 		goto undo;
 	pinned = 1;
-	if (r->fail_at == 2) {
+	if (fail_at == 2) {
 		ret = RDR_POD_FAULT;
 		goto undo;
 	}
@@ -440,7 +470,7 @@ static int pod_add(struct rdr_pod_req *r)
 		goto undo;
 	close(link);
 	close(s);
-	r->entries = n;
+	c->entries = n;
 	return 0;
 
 undo:
@@ -464,40 +494,53 @@ slow:
 	return RDR_POD_SLOW;
 }
 
-int rdr_ebpf_pod_add(struct rdr_pod_req *r)
+int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path)
 {
-	int home, ret;
+	uint64_t wall = clock_ns(CLOCK_MONOTONIC);
+	struct stat st;
+	int nsfd, home, ret;
 
 	/* A host pin was added or removed since the caller checked its objects (another process
 	 * unloaded or reloaded them, say), or another thread is checking them again: the fds in r
 	 * may be stale. The events stay for that check (every thread sees them until then), and
 	 * it clears *alive before it reads them. */
-	if (r->watch_fd >= 0 && rdr_watch_pending(r->watch_fd) != 0)
+	if (c->watch_fd >= 0 && rdr_watch_pending(c->watch_fd) != 0)
 		return RDR_POD_STALE;
 	if (r->alive && !__atomic_load_n(r->alive, __ATOMIC_ACQUIRE))
 		return RDR_POD_STALE;
-	if (r->lock_fd >= 0) {
-		ret = lock_byte(r->lock_fd, r->lock_off, F_WRLCK);
-		if (ret == -EAGAIN || ret == -EACCES)
-			return RDR_POD_BUSY;
-		if (ret < 0)
-			return RDR_POD_SLOW;
+	if (c->lock_fd < 0)
+		return RDR_POD_SLOW;
+	/* Anything wrong with the namespace (no such file, not a netns) is for the general path
+	 * to report. */
+	nsfd = netns_path ? open(netns_path, O_RDONLY | O_CLOEXEC) : c->netns_fd;
+	if (nsfd < 0)
+		return RDR_POD_SLOW;
+	if (fstat(nsfd, &st) < 0) {
+		ret = RDR_POD_SLOW;
+		goto out;
+	}
+	ret = lock_byte(c->lock_fd, (uint64_t)st.st_ino, F_WRLCK);
+	if (ret < 0) {
+		ret = ret == -EAGAIN || ret == -EACCES ? RDR_POD_BUSY : RDR_POD_SLOW;
+		goto out;
 	}
 	home = rdr_thread_netns();
 	if (home < 0) {
 		ret = RDR_POD_SLOW;
-	} else if (setns(r->netns_fd, CLONE_NEWNET) < 0) {
+	} else if (setns(nsfd, CLONE_NEWNET) < 0) {
 		ret = RDR_POD_SLOW;
 		close(home);
-		home = -1;
 	} else {
-		ret = pod_add(r);
+		ret = pod_add(r, c, nsfd, fault_at());
 		/* Coming back can only fail if the kernel is out of memory. */
 		if (setns(home, CLONE_NEWNET) < 0)
 			ret = RDR_POD_STRANDED;
 		close(home);
 	}
-	if (r->lock_fd >= 0)
-		lock_byte(r->lock_fd, r->lock_off, F_UNLCK);
+	lock_byte(c->lock_fd, (uint64_t)st.st_ino, F_UNLCK);
+out:
+	if (netns_path)
+		close(nsfd);
+	c->wall_ns = clock_ns(CLOCK_MONOTONIC) - wall;
 	return ret;
 }

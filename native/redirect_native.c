@@ -185,6 +185,29 @@ int rdr_bpf_obj_pin(int fd, const char *path)
 	return sys_bpf(BPF_OBJ_PIN, &attr);
 }
 
+#ifndef BPF_F_PATH_FD
+#define BPF_F_PATH_FD (1U << 14) /* 6.5: pathname is relative to path_fd */
+#endif
+
+int rdr_bpf_obj_pin_at(int fd, int dir_fd, const char *name)
+{
+	/* union bpf_attr's obj fields with path_fd, which headers before 6.5 lack. */
+	struct {
+		uint64_t pathname;
+		uint32_t bpf_fd;
+		uint32_t file_flags;
+		int32_t path_fd;
+		uint32_t pad;
+	} attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.pathname = (uint64_t)(uintptr_t)name;
+	attr.bpf_fd = (uint32_t)fd;
+	attr.file_flags = BPF_F_PATH_FD;
+	attr.path_fd = dir_fd;
+	return syscall(__NR_bpf, BPF_OBJ_PIN, &attr, sizeof(attr)) < 0 ? -errno : 0;
+}
+
 int rdr_bpf_obj_get(const char *path)
 {
 	union bpf_attr attr;

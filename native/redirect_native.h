@@ -36,6 +36,9 @@ int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
 /* BPF_OBJ_PIN: pin the map/prog/link behind fd at path (on a bpffs). */
 int rdr_bpf_obj_pin(int fd, const char *path);
 
+/* BPF_OBJ_PIN at name in the directory dir_fd (BPF_F_PATH_FD, 6.5; -EINVAL before). */
+int rdr_bpf_obj_pin_at(int fd, int dir_fd, const char *name);
+
 /* BPF_OBJ_GET: open a pinned object; returns a new fd. */
 int rdr_bpf_obj_get(const char *path);
 
@@ -67,26 +70,24 @@ int rdr_pidfd_getfd(int pidfd, int fd);
 /* --- the eBPF backend's setup of a fresh pod (pod_setup.c) ----------------- */
 
 #define RDR_POD_SLOW 1     /* not a fresh pod (or can't tell): nothing changed, take the general path */
-#define RDR_POD_BUSY 2     /* another process holds the netns lock: nothing changed */
-#define RDR_POD_FAULT 3    /* fail_at reached: everything undone (fault injection for tests) */
+#define RDR_POD_BUSY 2     /* another thread or process holds the netns lock: nothing changed */
+#define RDR_POD_FAULT 3    /* REDIRECT_FAULT reached: everything undone (fault injection for tests) */
 #define RDR_POD_STRANDED 4 /* could not setns back to the thread's own netns */
 #define RDR_POD_STALE 5    /* a host pin changed (watch_fd), or *alive is 0: nothing changed, look again */
 
+/* What a config writes for any fresh pod on one set of host maps: made once, shared by
+ * threads (never written by the call). */
 struct rdr_pod_req {
-	/* in */
-	int netns_fd;               /* the pod netns */
-	int watch_fd;               /* an inotify fd on the host pin dirs (rdr_watch_add), or -1 */
 	const int *alive;           /* 0 while the caller looks its host objects over again; or NULL */
-	int lock_fd;                /* a byte of this file at lock_off is held throughout; -1: none */
-	uint64_t lock_off;
 	int map_pods, map_inventory, map_ports, map_cidrs, map_pod_addrs;
 	int prog_sk_lookup;
 	const char *pin_dir;        /* <root>/pods: the link is pinned at <pin_dir>/<cookie>-sk_lookup */
+	int pin_dir_fd;             /* that directory, open (O_PATH): the pin is made relative to it
+				     * where the kernel can (no walk of the root's path); or -1 */
 	int ipv6;                   /* -1: IPv6 when the netns has an IPv6 address; 0: no; 1: yes */
 	uint16_t inbound_port;      /* 0: no inbound capture (no pod addresses, no listener check) */
 	uint8_t addr_proto;         /* IFA_PROTO of the ::6 we add */
 	uint32_t addr_flags;        /* its IFA_FLAGS */
-	int fail_at;                /* 1: after the address, before the entries; 2: before the policy */
 	/* What the config writes, [0] for IPv4 alone, [1] for IPv4 and IPv6: */
 	const uint8_t *policy[2];   /* struct pod_policy, inventory fields zero */
 	uint32_t policy_size, policy_inv_base_off, policy_n_inv_off;
@@ -95,11 +96,24 @@ struct rdr_pod_req {
 	const uint8_t *cidrs[2];    /* struct cidr_key each, netns zero */
 	uint32_t n_cidrs[2];
 	int add_v6_lo[2];           /* the plan adds ::6/128 on lo */
+};
+
+/* One call's own fields. */
+struct rdr_pod_call {
+	/* in */
+	int netns_fd;               /* the pod netns when no path is given */
+	int watch_fd;               /* an inotify fd on the host pin dirs (rdr_watch_add), or -1 */
+	int lock_fd;                /* the calling thread's own open of the netns lock file: an OFD
+				     * write lock on the byte at the netns inode is held throughout
+				     * (-1: none, and the call backs off: threads can't be told apart) */
 	/* out */
 	uint64_t cookie;            /* the netns cookie */
 	int v6;                     /* IPv6 is captured */
 	int entries;                /* keys written (the inventory's length) */
+	uint64_t wall_ns;           /* the call's wall time */
 };
 
-/* 0: the pod is set up; RDR_POD_*; or -errno of what failed (everything undone). */
-int rdr_ebpf_pod_add(struct rdr_pod_req *r);
+/* Set up a fresh pod: the netns at netns_path (opened here), or c->netns_fd when it is NULL.
+ * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.
+ * 0: the pod is set up; RDR_POD_*; or -errno of what failed (everything undone). */
+int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path);

@@ -8,6 +8,7 @@ import fcntl
 import functools
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ _locks: dict[int, threading.Lock] = {}
 
 
 def _lock_for(inode: int) -> threading.Lock:
-    """One in-process lock per namespace: two threads never rewrite one netns at once."""
+    """An in-process lock per namespace, for when the lock file can't be opened."""
     lk = _locks.get(inode)
     if lk is not None:
         return lk
@@ -40,68 +41,93 @@ def _lock_for(inode: int) -> threading.Lock:
         return _locks.setdefault(inode, threading.Lock())
 
 
-#: Processes (the CNI plugin, the agent, ``redirect init``, a user's) take one byte of this file,
-#: at the netns inode's offset, while they change that netns: no lock file per pod to clean up.
+#: Threads and processes (the CNI plugin, the agent, ``redirect init``, a user's) take one byte
+#: of this file, at the netns inode's offset, while they change that netns: no lock file per pod
+#: to clean up. The lock is an OFD lock (``F_OFD_SETLK``), which belongs to an open file
+#: description: each thread opens the file for itself, so one lock keeps out other threads and
+#: other processes alike (and the POSIX record locks of older versions: the two kinds conflict).
 NETNS_LOCK_FILE = "/run/lock/redirect-netns.lock"
 LOCK_WAIT_S = 30.0
-_lock_fd: int | None = None
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
 
 
-def _lock_file() -> int | None:
-    """This process's fd of ``NETNS_LOCK_FILE`` (opened once, never closed: closing any fd of the
-    file would drop every record lock the process holds on it); None if it can't be opened."""
-    global _lock_fd
-    if _lock_fd is not None:
-        return _lock_fd
-    with _locks_guard:
-        if _lock_fd is None:
-            try:
-                os.makedirs(os.path.dirname(NETNS_LOCK_FILE), exist_ok=True)
-                _lock_fd = os.open(NETNS_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as e:
-                log.debug("no cross-process netns lock (%s: %s); in-process locking only", NETNS_LOCK_FILE, e)
-                return None
-        return _lock_fd
+class _LockFile:
+    """One thread's own open of ``NETNS_LOCK_FILE``, closed with the thread's locals."""
+
+    __slots__ = ("fd", "gen")
+
+    def __init__(self, fd: int, gen: int) -> None:
+        self.fd, self.gen = fd, gen
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            os.close(self.fd)
+
+
+_tls = threading.local()
+#: Bumped in a forked child: the child's threads open the file anew (a description shared with
+#: the parent would share its locks, not contend for them).
+_fork_gen = 0
+
+
+def thread_lock_fd() -> int | None:
+    """This thread's own fd of ``NETNS_LOCK_FILE`` (opened on first use); None if it can't be
+    opened (then only threads of this process are kept apart, by ``_lock_for``)."""
+    lf = getattr(_tls, "lock_file", None)
+    if lf is not None and lf.gen == _fork_gen:
+        return int(lf.fd)
+    try:
+        os.makedirs(os.path.dirname(NETNS_LOCK_FILE), exist_ok=True)
+        fd = os.open(NETNS_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.debug("no netns lock file (%s: %s); this process's threads only are kept apart", NETNS_LOCK_FILE, e)
+        return None
+    _tls.lock_file = _LockFile(fd, _fork_gen)
+    return fd
 
 
 def _after_fork_in_child() -> None:
-    # Locks other threads of the parent held at the fork would stay held here for ever. (The
-    # lock file's fd is fine as it is: record locks belong to a process, the child holds none.)
-    global _locks_guard
+    # Locks other threads of the parent held at the fork would stay held here for ever.
+    global _locks_guard, _fork_gen
     _locks_guard = threading.Lock()
     _locks.clear()
+    _fork_gen += 1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _ofd_lock(fd: int, inode: int, kind: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, inode, 1, 0))
+
+
 @contextlib.contextmanager
 def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
-    """Hold the netns ``inode`` against other threads of this process and other processes that use
-    this library. Waits at most ``wait_s`` for another holder, then raises ``SetupError``."""
-    with _lock_for(inode):
-        fd = _lock_file()
-        if fd is None:
+    """Hold the netns ``inode`` against other threads and processes that use this library.
+    Waits at most ``wait_s`` for another holder, then raises ``SetupError``."""
+    fd = thread_lock_fd()
+    if fd is None:
+        with _lock_for(inode):
             yield
-            return
-        deadline = time.monotonic() + wait_s
-        pause = 0.0005
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, inode, os.SEEK_SET)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another process
-                    raise
-            if time.monotonic() >= deadline:
-                raise SetupError(f"netns inode {inode}: another process has been changing it for over {wait_s:.0f} s"
-                                 f" (lock {NETNS_LOCK_FILE}, byte {inode})")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        return
+    deadline = time.monotonic() + wait_s
+    pause = 0.0005
+    while True:
         try:
-            yield
-        finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, 1, inode, os.SEEK_SET)
+            _ofd_lock(fd, inode, fcntl.F_WRLCK)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another thread or process
+                raise
+        if time.monotonic() >= deadline:
+            raise SetupError(f"netns inode {inode}: another thread or process has been changing it for over"
+                             f" {wait_s:.0f} s (lock {NETNS_LOCK_FILE}, byte {inode})")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    try:
+        yield
+    finally:
+        _ofd_lock(fd, inode, fcntl.F_UNLCK)
 
 
 def _families(cfg: RedirectConfig) -> tuple[int, ...]:
@@ -119,16 +145,22 @@ def _families_for(impl: Any, cfg: RedirectConfig) -> tuple[int, ...]:
     return detect(cfg) if detect is not None else _families(cfg)
 
 
+_default_config: RedirectConfig | None = None  # frozen: one for every call that passes none
+
+
 def _config(config: RedirectConfig | None) -> RedirectConfig:
+    global _default_config
     if config is None:
-        return RedirectConfig()
+        if _default_config is None:
+            _default_config = RedirectConfig()
+        return _default_config
     if not isinstance(config, RedirectConfig):
         raise ConfigError("config", type(config).__name__, "expected a RedirectConfig (or None for Istio's defaults)")
     return config
 
 
-#: Backends with a one-call setup for pods with nothing of ours yet: ``fn(cfg, netns_fd, lock_fd,
-#: lock_off) -> Installed | None`` (looked up once).
+#: Backends with a one-call setup for pods with nothing of ours yet: ``fn(cfg, netns, name,
+#: lock_fd) -> Installed | None`` (looked up once).
 _FRESH: dict[str, Any] = {}
 
 
@@ -141,20 +173,18 @@ def _fresh_setup_of(backend: str) -> Any:
     return fn
 
 
-def _setup_fresh(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef) -> Installed | None:
-    """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF):
-    under the same locks as the general path. None: take the general path (nothing changed)."""
+def _setup_fresh(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str) -> Installed | None:
+    """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF),
+    under the same lock as the general path (taken by the call, on this thread's own fd of the
+    lock file). None: take the general path (nothing changed)."""
     fresh = _fresh_setup_of(backend)
     if fresh is None:
         return None
-    fd = _netns.open_netns(netns)  # NetnsError as the general path's enter() would raise it
-    try:
-        inode = os.fstat(fd).st_ino
-        with _lock_for(inode):
-            res: Installed | None = fresh(cfg, fd, _lock_file(), inode)
-            return res
-    finally:
-        os.close(fd)
+    lock_fd = thread_lock_fd()
+    if lock_fd is None:  # the call could not keep other threads out
+        return None
+    res: Installed | None = fresh(cfg, netns, name, lock_fd)
+    return res
 
 
 def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> Installed:
@@ -168,10 +198,10 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     cfg = _config(config)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
-    res = fresh = _setup_fresh(backend, cfg, netns)
+    res = fresh = _setup_fresh(backend, cfg, netns, name)
     if res is None:
         res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns)
-    res = Installed(res.backend, name, res.families, res.changed, res.detail)
+        res = Installed(res.backend, name, res.families, res.changed, res.detail)
     if log.isEnabledFor(logging.INFO):
         log.info(
             "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",

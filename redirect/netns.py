@@ -50,6 +50,8 @@ def _is_netns_fd(fd: int) -> bool:
 
 def path_of(ref: NetnsRef) -> str | None:
     """The filesystem path of a namespace reference, or None for an fd."""
+    if type(ref) is str and ref and "/" not in ref:
+        return NETNS_RUN_DIR + "/" + ref  # a name under NETNS_RUN_DIR: the common case, first
     if isinstance(ref, Fd):
         return None
     if isinstance(ref, Pid):

@@ -7,6 +7,8 @@ import json
 import os
 import socket
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -115,9 +117,58 @@ def _hold_lock(inode: int, seconds: float) -> subprocess.Popen[str]:
     return p
 
 
-def test_setup_waits_for_another_process_changing_the_same_netns(pod: Pod) -> None:
-    import time
+def _hold_lock_in_thread(inode: int, seconds: float) -> threading.Thread:
+    """A thread of this process holding the netns lock of ``inode`` for ``seconds`` (returns once
+    it holds it)."""
+    from redirect import api
 
+    held = threading.Event()
+
+    def hold() -> None:
+        with api.netns_lock(inode):
+            held.set()
+            time.sleep(seconds)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    assert held.wait(10), "lock holder thread did not start"
+    return t
+
+
+def test_netns_lock_keeps_out_other_threads_and_forked_children(pod: Pod) -> None:
+    """One lock for threads and processes: while a thread holds a netns, another thread of the
+    same process, and a child forked meanwhile (which shares the holder's open files), wait for
+    it and give up after ``wait_s``; another netns is free."""
+    import redirect
+    from redirect import api
+
+    inode = rnetns.netns_inode(pod.name)
+    holder = _hold_lock_in_thread(inode, 2.0)
+    try:
+        with pytest.raises(redirect.SetupError, match="another thread or process"):
+            with api.netns_lock(inode, wait_s=0.2):
+                pass
+        with api.netns_lock(inode + 1, wait_s=0.2):
+            pass
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the parent's thread keeps it out
+            code = 1
+            try:
+                with api.netns_lock(inode, wait_s=0.2):
+                    pass
+            except redirect.SetupError:
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "a forked child took the lock its parent's thread holds"
+    finally:
+        holder.join(10)
+    with api.netns_lock(inode, wait_s=0.2):  # released with the holder
+        pass
+
+
+def test_setup_waits_for_another_process_changing_the_same_netns(pod: Pod) -> None:
     import redirect
     from redirect import api
 
@@ -130,7 +181,7 @@ def test_setup_waits_for_another_process_changing_the_same_netns(pod: Pod) -> No
         assert holder.wait(10) == 0
         # Another pod's netns is not held up by a lock on this one.
         holder = _hold_lock(rnetns.netns_inode(pod.name), 5.0)
-        with pytest.raises(redirect.SetupError, match="another process"):
+        with pytest.raises(redirect.SetupError, match="another thread or process"):
             with api.netns_lock(rnetns.netns_inode(pod.name), wait_s=0.2):
                 pass
         with api.netns_lock(rnetns.netns_inode(pod.name) + 1, wait_s=0.2):

@@ -83,8 +83,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .. import netns as _netns
 from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, RedirectError, SetupError
+from ..netns import NetnsRef
 from ..plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from .base import CheckResult, Installed, fault_point
 
@@ -300,6 +302,7 @@ class HostPrograms:
         self.compiled = loaded
         self.load_ms = load_ms
         self.pods_dir = os.path.join(root, "pods")  # where the pods' links are pinned (_pod_link)
+        self.pods_dir_fd = -1  # pods_dir open, for the fresh-pod call (``_pods_dir_fd``)
         #: The root's inotify fd on the host pin dirs (``_watch_pins``; not ours to close), -1
         #: without one; ``ok``: every pin was there when ``host()`` last looked, and the pin dirs
         #: were all watched then.
@@ -316,8 +319,8 @@ class HostPrograms:
         return self.maps["pods"]
 
     def fresh_request(self, tmpl: FreshPodTemplate) -> Any:
-        """The ``struct rdr_pod_req`` for ``tmpl`` on these maps, all but the per-call fields filled
-        in; made once per template (callers copy it). Kept with these fds: a reload makes a new object."""
+        """The ``struct rdr_pod_req`` for ``tmpl`` on these maps: made once per template, shared by
+        threads (the call never writes it). Kept with these fds: a reload makes a new object."""
         hit = self._fresh.get(tmpl)
         if hit is not None:
             return hit[0]
@@ -331,7 +334,7 @@ class HostPrograms:
         r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
         r.alive = self.alive
         pin_dir = ffi.new("char[]", self.pods_dir.encode())
-        r.pin_dir = pin_dir
+        r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
         r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
@@ -341,6 +344,13 @@ class HostPrograms:
         self._fresh[tmpl] = (r, pin_dir)  # tmpl (a key here) and pin_dir hold the buffers r points to
         return r
 
+    def _pods_dir_fd(self) -> int:
+        """``pods_dir`` open (``O_PATH``), kept with this object; -1 if it can't be opened."""
+        if self.pods_dir_fd < 0:
+            with contextlib.suppress(OSError):
+                self.pods_dir_fd = os.open(self.pods_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return self.pods_dir_fd
+
     def trusted(self) -> bool:
         """Nothing of the host pins changed since ``host()`` last found them all: one read."""
         return self.ok and self.watch >= 0 and _native().lib.rdr_watch_pending(self.watch) == 0
@@ -349,10 +359,10 @@ class HostPrograms:
         for m in self.maps.values():
             with contextlib.suppress(OSError):
                 os.close(m.fd)
-        for fd in self.progs.values():
+        for fd in [*self.progs.values(), self.pods_dir_fd]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.maps, self.progs = {}, {}
+        self.maps, self.progs, self.pods_dir_fd = {}, {}, -1
 
     @staticmethod
     def pinned(root: str) -> bool:
@@ -955,7 +965,6 @@ class NetnsScan:
 def scan_netns() -> NetnsScan:
     """``NetnsScan`` of the calling thread's netns: ~20 us, where the cookie socket, the IPv6
     sysctl and the address listings it replaces cost ~70 us in a fresh netns (first /proc reads)."""
-    from .. import netns as _netns
     from .. import rtnl
 
     out: list[tuple[int, str, int]] = []
@@ -1142,36 +1151,41 @@ class EbpfBackend:
 
     def _take_scan(self) -> NetnsScan:
         """The scan ``detect_families`` made, if it was of this thread's current netns; else a new one."""
-        from .. import netns as _netns
 
         sc, self._scan = self._scan, None
         if sc is not None and sc.thread == threading.get_ident() and sc.inode == _netns.current_inode():
             return sc
         return scan_netns()
 
-    def setup_fresh(self, cfg: RedirectConfig, netns_fd: int, lock_fd: int | None, lock_off: int) -> Installed | None:
+    def setup_fresh(self, cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -> Installed | None:
         """``apply`` for a pod with nothing of ours yet, in one native call (native/pod_setup.c),
-        from outside the netns (``netns_fd``). ``redirect.setup`` tries it first, holding the
-        netns' in-process lock; the native call takes the cross-process one (``lock_fd`` at
-        ``lock_off``). None when the pod is not fresh, the lock is held, or anything looks
-        unusual: nothing was changed and the caller takes the general path."""
+        from outside the netns: it opens ``netns``, takes its lock on ``lock_fd`` (the calling
+        thread's own fd of ``redirect.api.NETNS_LOCK_FILE``), enters, sets the pod up and comes
+        back. None when the pod is not fresh, the lock is held, or anything looks unusual (the
+        namespace too: the general path reports it): nothing was changed and the caller takes
+        the general path."""
         tmpl = fresh_pod_template(cfg)
         if tmpl is None:
             return None
-        t0 = time.perf_counter()
         h = _host_cache.get(self.root)
-        if h is None or not h.ok:
-            h = host(self.root, self.cgroup)  # else the native call asks the pin watch itself
+        host_ms = 0.0
+        if h is None or not h.ok:  # else the native call asks the pin watch itself
+            t0 = time.perf_counter()
+            h = host(self.root, self.cgroup)
             assert h is not None
-        t_host, c_host = time.perf_counter(), time.thread_time()
-        ffi, lib = _native().ffi, _native().lib
-        r = ffi.new("struct rdr_pod_req *", h.fresh_request(tmpl)[0])  # a copy: threads share the base
-        r.netns_fd, r.lock_fd, r.lock_off = netns_fd, -1 if lock_fd is None else lock_fd, lock_off
-        r.watch_fd = h.watch if h.ok else -1
-        fault = os.environ.get("REDIRECT_FAULT")
-        if fault:
-            r.fail_at = {"ebpf.before_entries": 1, "ebpf.before_policy": 2}.get(fault, 0)
-        rc = lib.rdr_ebpf_pod_add(r)
+            host_ms = round((time.perf_counter() - t0) * 1e3, 3)
+        c = _tls.__dict__.get("call")
+        if c is None:
+            c = _tls.call = _native().ffi.new("struct rdr_pod_call *")
+        c.watch_fd, c.lock_fd = h.watch if h.ok else -1, lock_fd
+        path = _netns.path_of(netns)
+        if path is None:
+            c.netns_fd = int(netns)  # type: ignore[arg-type]
+            path_arg = _native().ffi.NULL
+        else:
+            path_arg = path.encode()
+        lib = _native().lib
+        rc = lib.rdr_ebpf_pod_add(h.fresh_request(tmpl), c, path_arg)
         if rc != 0:
             if rc in (lib.RDR_POD_SLOW, lib.RDR_POD_BUSY, lib.RDR_POD_STALE):
                 log.debug("ebpf: not a fresh pod, its lock is held, or the host pins changed: general path (%d)", rc)
@@ -1179,11 +1193,11 @@ class EbpfBackend:
             if rc == lib.RDR_POD_STRANDED:
                 raise SystemError("could not return to the thread's own netns after an eBPF setup")
             if rc == lib.RDR_POD_FAULT:
-                raise SetupError(f"injected fault at {fault}")
+                raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
             raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
-        cookie = r.cookie
-        d = self._detail(h, cookie, t0, t_host, c_host, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
-        return Installed(self.name, "", (4, 6) if r.v6 else (4,), True, d)
+        cookie = c.cookie
+        d = self._detail(h, cookie, host_ms, c.wall_ns / 1e6, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
+        return Installed(self.name, name, (4, 6) if c.v6 else (4,), True, d)
 
     def _pod_link_path(self, cookie: int) -> str:
         return _pod_link(self.root, cookie)
@@ -1230,7 +1244,7 @@ class EbpfBackend:
         t0 = time.perf_counter()
         h = host(self.root, self.cgroup)
         assert h is not None
-        t_host, c_host = time.perf_counter(), time.thread_time()
+        t_host = time.perf_counter()
         sc = self._take_scan()
         cookie, local, v6_on = sc.cookie, sc.local, sc.v6_on
         old = self._read(h, cookie)
@@ -1260,7 +1274,8 @@ class EbpfBackend:
                      and not dropping
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
-            return Installed(self.name, "", families, False, self._detail(h, cookie, t0, t_host, c_host, link_path))
+            return Installed(self.name, "", families, False, self._detail(
+                h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path))
         for a in want.addrs - old.addrs:
             v = h.maps["pod_addrs"].lookup(a)
             owner = None if v is None else U64.unpack(v)[0]
@@ -1282,7 +1297,6 @@ class EbpfBackend:
             created_link = False
             added: list[LocalAddress] = []
             try:
-                from .. import netns as _netns
                 from .. import routes as rt
 
                 for la in add_addrs:
@@ -1352,23 +1366,18 @@ class EbpfBackend:
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
         for ours in dropping:
             rt.remove_address(ours)
-        d = self._detail(h, cookie, t0, t_host, c_host, link_path)
+        d = self._detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3),
+                         link_path)
         log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
 
-    def _detail(self, h: HostPrograms, cookie: int, t0: float, t_host: float, c_host: float, link_path: str,
+    def _detail(self, h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_path: str,
                 path: str = "general") -> dict[str, Any]:
-        """``Installed.detail``; ``path``: "fresh" (one native call, ``setup_fresh``) or "general"."""
-        c1, t1 = time.thread_time(), time.perf_counter()
-        return {
-            "netns_cookie": cookie, "root": self.root, "compiled": h.compiled,
-            "host_ms": round((t_host - t0) * 1e3, 3), "pod_ms": round((t1 - t_host) * 1e3, 3),
-            # CPU time of the calling thread for the pod part (user + kernel): the cost without
-            # the time other processes had the CPU (wall time on a busy host is mostly that).
-            "pod_cpu_ms": round((c1 - c_host) * 1e3, 3),
-            "sk_lookup_link": link_path,
-            "path": path,
-        }
+        """``Installed.detail``; ``path``: "fresh" (one native call, ``setup_fresh``) or "general";
+        ``host_ms`` the time to find (or load) the host programs, ``pod_ms`` the pod's own part.
+        (No ``round()`` here: rounding a float to digits costs more than a fresh pod's Python.)"""
+        return {"netns_cookie": cookie, "root": self.root, "compiled": h.compiled, "host_ms": host_ms,
+                "pod_ms": pod_ms, "sk_lookup_link": link_path, "path": path}
 
     def remove(self, keep_routes: bool = False) -> bool:
         """Delete this pod's policy, its inventoried entries, listeners and link: O(its entries).
@@ -1469,16 +1478,18 @@ class EbpfBackend:
 
 #: ``setup_fresh``'s backend objects, by (root, cgroup) as the environment names them.
 _fresh_backends: dict[tuple[str | None, str | None], EbpfBackend] = {}
+#: Per thread: ``call``, the ``struct rdr_pod_call`` its fresh-pod setups fill in turn.
+_tls = threading.local()
 
 
-def setup_fresh(cfg: RedirectConfig, netns_fd: int, lock_fd: int | None, lock_off: int) -> Installed | None:
+def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -> Installed | None:
     """``EbpfBackend.setup_fresh`` on the default (or ``REDIRECT_BPF_ROOT``/``_CGROUP``) root and
     cgroup: what ``redirect.setup(..., backend="ebpf")`` tries first."""
     key = (os.environ.get("REDIRECT_BPF_ROOT"), os.environ.get("REDIRECT_BPF_CGROUP"))
     impl = _fresh_backends.get(key)
     if impl is None:
         impl = _fresh_backends[key] = EbpfBackend()
-    return impl.setup_fresh(cfg, netns_fd, lock_fd, lock_off)
+    return impl.setup_fresh(cfg, netns, name, lock_fd)
 
 
 def _pod_link(root: str, cookie: int) -> str:
