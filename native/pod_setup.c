@@ -494,7 +494,8 @@ slow:
 	return RDR_POD_SLOW;
 }
 
-int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path)
+int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,
+		     int watch_fd, int lock_fd)
 {
 	uint64_t wall = clock_ns(CLOCK_MONOTONIC);
 	struct stat st;
@@ -504,22 +505,22 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	 * unloaded or reloaded them, say), or another thread is checking them again: the fds in r
 	 * may be stale. The events stay for that check (every thread sees them until then), and
 	 * it clears *alive before it reads them. */
-	if (c->watch_fd >= 0 && rdr_watch_pending(c->watch_fd) != 0)
+	if (watch_fd >= 0 && rdr_watch_pending(watch_fd) != 0)
 		return RDR_POD_STALE;
 	if (r->alive && !__atomic_load_n(r->alive, __ATOMIC_ACQUIRE))
 		return RDR_POD_STALE;
-	if (c->lock_fd < 0)
+	if (lock_fd < 0)
 		return RDR_POD_SLOW;
 	/* Anything wrong with the namespace (no such file, not a netns) is for the general path
 	 * to report. */
-	nsfd = netns_path ? open(netns_path, O_RDONLY | O_CLOEXEC) : c->netns_fd;
+	nsfd = netns_path ? open(netns_path, O_RDONLY | O_CLOEXEC) : netns_fd;
 	if (nsfd < 0)
 		return RDR_POD_SLOW;
 	if (fstat(nsfd, &st) < 0) {
 		ret = RDR_POD_SLOW;
 		goto out;
 	}
-	ret = lock_byte(c->lock_fd, (uint64_t)st.st_ino, F_WRLCK);
+	ret = lock_byte(lock_fd, (uint64_t)st.st_ino, F_WRLCK);
 	if (ret < 0) {
 		ret = ret == -EAGAIN || ret == -EACCES ? RDR_POD_BUSY : RDR_POD_SLOW;
 		goto out;
@@ -537,7 +538,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 			ret = RDR_POD_STRANDED;
 		close(home);
 	}
-	lock_byte(c->lock_fd, (uint64_t)st.st_ino, F_UNLCK);
+	lock_byte(lock_fd, (uint64_t)st.st_ino, F_UNLCK);
 out:
 	if (netns_path)
 		close(nsfd);

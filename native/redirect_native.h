@@ -98,22 +98,19 @@ struct rdr_pod_req {
 	int add_v6_lo[2];           /* the plan adds ::6/128 on lo */
 };
 
-/* One call's own fields. */
+/* What one call found and did. */
 struct rdr_pod_call {
-	/* in */
-	int netns_fd;               /* the pod netns when no path is given */
-	int watch_fd;               /* an inotify fd on the host pin dirs (rdr_watch_add), or -1 */
-	int lock_fd;                /* the calling thread's own open of the netns lock file: an OFD
-				     * write lock on the byte at the netns inode is held throughout
-				     * (-1: none, and the call backs off: threads can't be told apart) */
-	/* out */
 	uint64_t cookie;            /* the netns cookie */
 	int v6;                     /* IPv6 is captured */
 	int entries;                /* keys written (the inventory's length) */
 	uint64_t wall_ns;           /* the call's wall time */
 };
 
-/* Set up a fresh pod: the netns at netns_path (opened here), or c->netns_fd when it is NULL.
+/* Set up a fresh pod: the netns at netns_path (opened here), or netns_fd when it is NULL.
+ * watch_fd: an inotify fd on the host pin dirs (rdr_watch_add), or -1. lock_fd: the calling
+ * thread's own open of the netns lock file: an OFD write lock on the byte at the netns inode
+ * is held throughout (-1: none, and the call backs off: threads could not be told apart).
  * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.
- * 0: the pod is set up; RDR_POD_*; or -errno of what failed (everything undone). */
-int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path);
+ * 0: the pod is set up (c filled in); RDR_POD_*; or -errno of what failed (everything undone). */
+int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,
+		     int watch_fd, int lock_fd);

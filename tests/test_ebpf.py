@@ -876,7 +876,7 @@ def test_leftovers_of_an_earlier_attempt_send_a_fresh_pod_the_general_way_untouc
     assert left["policy"] is None and left["link"] and left["keys"]
     fd = rn.open_netns(pod.name)
     try:
-        assert ebpf.setup_fresh(RedirectConfig(), fd, None, 0) is None
+        assert ebpf.setup_fresh(RedirectConfig(), fd, pod.name, api.thread_lock_fd()) is None
     finally:
         os.close(fd)
     assert _snapshot(pod, bpf_root) == left

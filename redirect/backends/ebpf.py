@@ -362,7 +362,7 @@ class HostPrograms:
         for fd in [*self.progs.values(), self.pods_dir_fd]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.maps, self.progs, self.pods_dir_fd = {}, {}, -1
+        self.maps, self.progs, self.pods_dir_fd, self.ok = {}, {}, -1, False
 
     @staticmethod
     def pinned(root: str) -> bool:
@@ -1157,48 +1157,6 @@ class EbpfBackend:
             return sc
         return scan_netns()
 
-    def setup_fresh(self, cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -> Installed | None:
-        """``apply`` for a pod with nothing of ours yet, in one native call (native/pod_setup.c),
-        from outside the netns: it opens ``netns``, takes its lock on ``lock_fd`` (the calling
-        thread's own fd of ``redirect.api.NETNS_LOCK_FILE``), enters, sets the pod up and comes
-        back. None when the pod is not fresh, the lock is held, or anything looks unusual (the
-        namespace too: the general path reports it): nothing was changed and the caller takes
-        the general path."""
-        tmpl = fresh_pod_template(cfg)
-        if tmpl is None:
-            return None
-        h = _host_cache.get(self.root)
-        host_ms = 0.0
-        if h is None or not h.ok:  # else the native call asks the pin watch itself
-            t0 = time.perf_counter()
-            h = host(self.root, self.cgroup)
-            assert h is not None
-            host_ms = round((time.perf_counter() - t0) * 1e3, 3)
-        c = _tls.__dict__.get("call")
-        if c is None:
-            c = _tls.call = _native().ffi.new("struct rdr_pod_call *")
-        c.watch_fd, c.lock_fd = h.watch if h.ok else -1, lock_fd
-        path = _netns.path_of(netns)
-        if path is None:
-            c.netns_fd = int(netns)  # type: ignore[arg-type]
-            path_arg = _native().ffi.NULL
-        else:
-            path_arg = path.encode()
-        lib = _native().lib
-        rc = lib.rdr_ebpf_pod_add(h.fresh_request(tmpl), c, path_arg)
-        if rc != 0:
-            if rc in (lib.RDR_POD_SLOW, lib.RDR_POD_BUSY, lib.RDR_POD_STALE):
-                log.debug("ebpf: not a fresh pod, its lock is held, or the host pins changed: general path (%d)", rc)
-                return None
-            if rc == lib.RDR_POD_STRANDED:
-                raise SystemError("could not return to the thread's own netns after an eBPF setup")
-            if rc == lib.RDR_POD_FAULT:
-                raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
-            raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
-        cookie = c.cookie
-        d = self._detail(h, cookie, host_ms, c.wall_ns / 1e6, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
-        return Installed(self.name, name, (4, 6) if c.v6 else (4,), True, d)
-
     def _pod_link_path(self, cookie: int) -> str:
         return _pod_link(self.root, cookie)
 
@@ -1274,7 +1232,7 @@ class EbpfBackend:
                      and not dropping
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
-            return Installed(self.name, "", families, False, self._detail(
+            return Installed(self.name, "", families, False, _detail(
                 h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path))
         for a in want.addrs - old.addrs:
             v = h.maps["pod_addrs"].lookup(a)
@@ -1366,18 +1324,10 @@ class EbpfBackend:
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
         for ours in dropping:
             rt.remove_address(ours)
-        d = self._detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3),
+        d = _detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3),
                          link_path)
         log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
-
-    def _detail(self, h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_path: str,
-                path: str = "general") -> dict[str, Any]:
-        """``Installed.detail``; ``path``: "fresh" (one native call, ``setup_fresh``) or "general";
-        ``host_ms`` the time to find (or load) the host programs, ``pod_ms`` the pod's own part.
-        (No ``round()`` here: rounding a float to digits costs more than a fresh pod's Python.)"""
-        return {"netns_cookie": cookie, "root": self.root, "compiled": h.compiled, "host_ms": host_ms,
-                "pod_ms": pod_ms, "sk_lookup_link": link_path, "path": path}
 
     def remove(self, keep_routes: bool = False) -> bool:
         """Delete this pod's policy, its inventoried entries, listeners and link: O(its entries).
@@ -1476,20 +1426,71 @@ class EbpfBackend:
         return "\n".join(lines) + "\n"
 
 
-#: ``setup_fresh``'s backend objects, by (root, cgroup) as the environment names them.
-_fresh_backends: dict[tuple[str | None, str | None], EbpfBackend] = {}
+def _detail(h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_path: str,
+            path: str = "general") -> dict[str, Any]:
+    """``Installed.detail``; ``path``: "fresh" (one native call, ``setup_fresh``) or "general";
+    ``host_ms`` the time to find (or load) the host programs, ``pod_ms`` the pod's own part.
+    (No ``round()`` here: rounding a float to digits costs more than a fresh pod's Python.)"""
+    return {"netns_cookie": cookie, "root": h.root, "compiled": h.compiled, "host_ms": host_ms, "pod_ms": pod_ms,
+            "sk_lookup_link": link_path, "path": path}
+
+
 #: Per thread: ``call``, the ``struct rdr_pod_call`` its fresh-pod setups fill in turn.
 _tls = threading.local()
+#: The last fresh-pod setup's config, host handle and request: the next pod with the same config
+#: object on the same handle (still the cached one, still trusted) reuses them without look-ups.
+_last_fresh: tuple[Any, Any, Any] = (None, None, None)
 
 
 def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -> Installed | None:
-    """``EbpfBackend.setup_fresh`` on the default (or ``REDIRECT_BPF_ROOT``/``_CGROUP``) root and
-    cgroup: what ``redirect.setup(..., backend="ebpf")`` tries first."""
-    key = (os.environ.get("REDIRECT_BPF_ROOT"), os.environ.get("REDIRECT_BPF_CGROUP"))
-    impl = _fresh_backends.get(key)
-    if impl is None:
-        impl = _fresh_backends[key] = EbpfBackend()
-    return impl.setup_fresh(cfg, netns, name, lock_fd)
+    """``EbpfBackend.apply`` for a pod with nothing of ours yet, on the default root (or
+    ``REDIRECT_BPF_ROOT``), in one native call (native/pod_setup.c): what
+    ``redirect.setup(..., backend="ebpf")`` tries first. From outside the netns, it opens
+    ``netns``, takes its lock on ``lock_fd`` (the calling thread's own fd of
+    ``redirect.api.NETNS_LOCK_FILE``), enters, sets the pod up and comes back.
+
+    None when the pod is not fresh, the lock is held, or anything looks unusual (the namespace
+    too: the general path reports it): nothing was changed and the caller takes the general
+    path. Per pod this is the hot path, so it stays short: a look-up of the config's template and
+    of the host handle, one call."""
+    global _last_fresh
+    h = _host_cache.get(os.environ.get("REDIRECT_BPF_ROOT") or DEFAULT_ROOT)
+    host_ms = 0.0
+    last = _last_fresh
+    if last[0] is cfg and last[1] is h and h.ok:  # the config and handle of the last pod: its request
+        req = last[2]
+    else:
+        tmpl = fresh_pod_template(cfg)
+        if tmpl is None:
+            return None
+        if h is None or not h.ok:  # else the native call asks the pin watch itself
+            t0 = time.perf_counter()
+            h = host()  # (the root and cgroup from the environment, as above)
+            assert h is not None
+            host_ms = round((time.perf_counter() - t0) * 1e3, 3)
+        req = h.fresh_request(tmpl)
+        _last_fresh = (cfg, h, req)
+    nat = _native()
+    c = _tls.__dict__.get("call")
+    if c is None:
+        c = _tls.call = nat.ffi.new("struct rdr_pod_call *")
+    path = _netns.path_of(netns)
+    lib = nat.lib
+    rc = lib.rdr_ebpf_pod_add(req, c, nat.ffi.NULL if path is None else path.encode(),
+                              -1 if path is not None else int(netns), h.watch if h.ok else -1,  # type: ignore[arg-type]
+                              lock_fd)
+    if rc != 0:
+        if rc in (lib.RDR_POD_SLOW, lib.RDR_POD_BUSY, lib.RDR_POD_STALE):
+            log.debug("ebpf: not a fresh pod, its lock is held, or the host pins changed: general path (%d)", rc)
+            return None
+        if rc == lib.RDR_POD_STRANDED:
+            raise SystemError("could not return to the thread's own netns after an eBPF setup")
+        if rc == lib.RDR_POD_FAULT:
+            raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
+        raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
+    cookie = c.cookie
+    d = _detail(h, cookie, host_ms, c.wall_ns / 1e6, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
+    return Installed("ebpf", name, (4, 6) if c.v6 else (4,), True, d)
 
 
 def _pod_link(root: str, cookie: int) -> str:
