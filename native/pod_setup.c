@@ -509,6 +509,14 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		return RDR_POD_STALE;
 	if (r->alive && !__atomic_load_n(r->alive, __ATOMIC_ACQUIRE))
 		return RDR_POD_STALE;
+	/* The caller took these objects for the root the environment named last time; it is
+	 * asked here (a getenv), not in the interpreter, where it costs ~20x more. */
+	if (r->root) {
+		const char *root = getenv("REDIRECT_BPF_ROOT");
+
+		if (strcmp(root && *root ? root : r->default_root, r->root) != 0)
+			return RDR_POD_STALE;
+	}
 	if (lock_fd < 0)
 		return RDR_POD_SLOW;
 	/* Anything wrong with the namespace (no such file, not a netns) is for the general path

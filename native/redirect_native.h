@@ -73,12 +73,16 @@ int rdr_pidfd_getfd(int pidfd, int fd);
 #define RDR_POD_BUSY 2     /* another thread or process holds the netns lock: nothing changed */
 #define RDR_POD_FAULT 3    /* REDIRECT_FAULT reached: everything undone (fault injection for tests) */
 #define RDR_POD_STRANDED 4 /* could not setns back to the thread's own netns */
-#define RDR_POD_STALE 5    /* a host pin changed (watch_fd), or *alive is 0: nothing changed, look again */
+#define RDR_POD_STALE 5    /* a host pin changed (watch_fd), *alive is 0, or the root is another: nothing
+                            * changed, look again */
 
 /* What a config writes for any fresh pod on one set of host maps: made once, shared by
  * threads (never written by the call). */
 struct rdr_pod_req {
 	const int *alive;           /* 0 while the caller looks its host objects over again; or NULL */
+	const char *root;           /* the host objects' root: the call backs off (RDR_POD_STALE) when
+				     * $REDIRECT_BPF_ROOT (or its default, default_root) names another */
+	const char *default_root;
 	int map_pods, map_inventory, map_ports, map_cidrs, map_pod_addrs;
 	int prog_sk_lookup;
 	const char *pin_dir;        /* <root>/pods: the link is pinned at <pin_dir>/<cookie>-sk_lookup */

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from redirect import api
+from redirect import netns as rnetns
 from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
@@ -384,6 +385,7 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 t0 = time.perf_counter()
 from redirect import api
+from redirect import netns as rnetns
 from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 res = api.setup({ns!r}, RedirectConfig(inbound_ports=()), backend="ebpf")
@@ -974,3 +976,35 @@ def test_a_change_under_the_pin_dirs_sends_the_next_setup_the_general_way_once(m
     finally:
         api.teardown(a.name, backend="ebpf")
         api.teardown(b.name, backend="ebpf")
+
+
+def test_a_new_root_in_the_environment_is_followed_from_the_next_pod_on(make_pod, bpf_root: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fresh path reuses the last pod's host handle without reading the environment in
+    Python; the native call checks $REDIRECT_BPF_ROOT itself, so a pod set up after it changed
+    lands under the new root, and the one after takes the fresh path there."""
+    a, b, c = make_pod(), make_pod(), make_pod()
+    other = f"/sys/fs/bpf/rdrt-ebpf-other-{os.getpid()}"
+    done: list[tuple[str, Pod]] = []
+    try:
+        res = api.setup(a.name, OUT_ONLY, backend="ebpf")
+        done.append((bpf_root, a))
+        assert res.detail["root"] == bpf_root and res.detail["path"] == "fresh"
+        monkeypatch.setenv("REDIRECT_BPF_ROOT", other)
+        res = api.setup(b.name, OUT_ONLY, backend="ebpf")
+        done.append((other, b))
+        assert res.detail["root"] == other
+        res = api.setup(c.name, OUT_ONLY, backend="ebpf")
+        done.append((other, c))
+        assert res.detail["root"] == other and res.detail["path"] == "fresh"
+        for root, p in done:
+            with rnetns.enter(p.name):
+                cookie = ebpf.current_netns_cookie()
+            assert [r for r in (bpf_root, other) if cookie in ebpf.registered_pods(r)] == [root], p.name
+    finally:
+        for root, p in done:
+            monkeypatch.setenv("REDIRECT_BPF_ROOT", root)
+            api.teardown(p.name, backend="ebpf")
+        monkeypatch.setenv("REDIRECT_BPF_ROOT", bpf_root)
+        ebpf.force_unload_host(other)
+    assert not os.path.exists(other)

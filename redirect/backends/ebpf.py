@@ -312,7 +312,7 @@ class HostPrograms:
         #: fresh-pod call reads it, see ``fresh_request``).
         self.alive = _native().ffi.new("int[1]", [1])
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
-        self._fresh: dict[FreshPodTemplate, tuple[Any, Any]] = {}
+        self._fresh: dict[FreshPodTemplate, tuple[Any, ...]] = {}
 
     @property
     def pods(self) -> Map:
@@ -333,6 +333,8 @@ class HostPrograms:
         r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
         r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
         r.alive = self.alive
+        root, default_root = ffi.new("char[]", self.root.encode()), ffi.new("char[]", DEFAULT_ROOT.encode())
+        r.root, r.default_root = root, default_root
         pin_dir = ffi.new("char[]", self.pods_dir.encode())
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
@@ -341,7 +343,7 @@ class HostPrograms:
         for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
             r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
             r.add_v6_lo[i] = v6_lo
-        self._fresh[tmpl] = (r, pin_dir)  # tmpl (a key here) and pin_dir hold the buffers r points to
+        self._fresh[tmpl] = (r, pin_dir, root, default_root)  # with tmpl (a key), the buffers r points to
         return r
 
     def _pods_dir_fd(self) -> int:
@@ -1454,15 +1456,13 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
     path. Per pod this is the hot path, so it stays short: a look-up of the config's template and
     of the host handle, one call."""
     global _last_fresh
-    h = _host_cache.get(os.environ.get("REDIRECT_BPF_ROOT") or DEFAULT_ROOT)
     host_ms = 0.0
-    last = _last_fresh
-    if last[0] is cfg and last[1] is h and h.ok:  # the config and handle of the last pod: its request
-        req = last[2]
-    else:
-        tmpl = fresh_pod_template(cfg)
+    cfg0, h, req = _last_fresh
+    if cfg0 is not cfg or not h.ok:  # else the last pod's config and handle: its request (the native
+        tmpl = fresh_pod_template(cfg)  # call checks the root is still the one the environment names)
         if tmpl is None:
             return None
+        h = _host_cache.get(os.environ.get("REDIRECT_BPF_ROOT") or DEFAULT_ROOT)
         if h is None or not h.ok:  # else the native call asks the pin watch itself
             t0 = time.perf_counter()
             h = host()  # (the root and cgroup from the environment, as above)
@@ -1482,6 +1482,8 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
     if rc != 0:
         if rc in (lib.RDR_POD_SLOW, lib.RDR_POD_BUSY, lib.RDR_POD_STALE):
             log.debug("ebpf: not a fresh pod, its lock is held, or the host pins changed: general path (%d)", rc)
+            if rc == lib.RDR_POD_STALE:
+                _last_fresh = (None, None, None)  # look the handle up again next time
             return None
         if rc == lib.RDR_POD_STRANDED:
             raise SystemError("could not return to the thread's own netns after an eBPF setup")
