@@ -15,6 +15,13 @@
  * lo, the inventory, the port/CIDR/address entries, the sk_lookup link pinned
  * at <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture
  * on). A failure on the way undoes everything written, in reverse.
+ *
+ * Around that it does what redirect.setup's general path does in Python: opens
+ * the netns, takes its lock (an OFD lock on the caller thread's own fd of the
+ * lock file), enters, and comes back. In the benchmark's per-pod phase the
+ * caches are cold (other methods run in between): each kernel path and each
+ * line of Python costs ~2-3x its warm figure there, so fewer of them is what
+ * counts (docs/FACTS-local.md).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -22,7 +29,9 @@
 #include <linux/bpf.h>
 #include <linux/if_addr.h>
 #include <linux/netlink.h>
+#include <linux/inet_diag.h>
 #include <linux/rtnetlink.h>
+#include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <stdio.h>
@@ -250,6 +259,103 @@ static int add_item(struct item *it, int *n, int map, int size, const uint8_t *k
 	return 0;
 }
 
+/* --- the proxy's inbound listener ------------------------------------------------ */
+
+#define LISTEN_STATE (1 << 10) /* 1 << TCP_LISTEN */
+
+/* Does a TCP listener take connections to `port` at 127.0.0.1, at ::1 (if v6) or at one of the
+ * pod's addresses in sc? One exact sock_diag look-up each (the kernel's own listener look-up,
+ * wildcard binds included), all in one message: 1 none does, 0 one does or can't tell. About
+ * half the cost of a bind probe (a TCP socket made, bound and closed). */
+static int no_listener(uint16_t port, int v6, const struct scan *sc)
+{
+	struct {
+		struct nlmsghdr h;
+		struct inet_diag_req_v2 r;
+	} q[2 + sizeof(sc->a) / sizeof(sc->a[0])];
+	char buf[8192] __attribute__((aligned(8)));
+	int s, n = 0, got = 0, found = 0;
+
+	memset(q, 0, sizeof(q));
+	for (int i = -2; i < sc->n; i++) {
+		int fam = i == -2 ? 4 : i == -1 ? 6 : sc->a[i].family;
+
+		if (fam == 6 && !v6)
+			continue;
+		q[n].h.nlmsg_len = sizeof(q[0]);
+		q[n].h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+		q[n].h.nlmsg_flags = NLM_F_REQUEST;
+		q[n].h.nlmsg_seq = (uint32_t)n + 1;
+		q[n].r.sdiag_family = fam == 4 ? AF_INET : AF_INET6;
+		q[n].r.sdiag_protocol = IPPROTO_TCP;
+		q[n].r.idiag_states = LISTEN_STATE;
+		/* "src" is the local end: a connection from that address to itself, port 1 -> port */
+		q[n].r.id.idiag_sport = htons(port);
+		q[n].r.id.idiag_dport = htons(1);
+		q[n].r.id.idiag_cookie[0] = q[n].r.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+		if (i >= 0) {
+			memcpy(q[n].r.id.idiag_src, sc->a[i].addr, 16);
+			memcpy(q[n].r.id.idiag_dst, sc->a[i].addr, 16);
+		} else if (fam == 4) {
+			q[n].r.id.idiag_src[0] = q[n].r.id.idiag_dst[0] = htonl(0x7f000001);
+		} else {
+			q[n].r.id.idiag_src[3] = q[n].r.id.idiag_dst[3] = htonl(1);
+		}
+		n++;
+	}
+	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+	if (s < 0)
+		return 0;
+	if (send(s, q, sizeof(q[0]) * (size_t)n, 0) < 0) {
+		close(s);
+		return 0;
+	}
+	/* One answer a question: the socket found, or ENOENT. */
+	for (int rounds = 0; got < n && rounds < 64; rounds++) {
+		int len = nl_recv(s, buf, sizeof(buf));
+		struct nlmsghdr *h;
+
+		if (len < 0)
+			break;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			got++;
+			if (h->nlmsg_type != NLMSG_ERROR || ((struct nlmsgerr *)NLMSG_DATA(h))->error != -ENOENT)
+				found = 1; /* a listener, or an answer we can't read as "none" */
+		}
+	}
+	close(s);
+	return got == n && !found;
+}
+
+/* ENOENT is also what sock_diag answers when it has no TCP handler (tcp_diag not built or
+ * loaded): an empty dump tells the two apart, once per process. */
+int rdr_tcp_diag_ok(void)
+{
+	struct {
+		struct nlmsghdr h;
+		struct inet_diag_req_v2 r;
+	} q;
+	char buf[4096] __attribute__((aligned(8)));
+	int s, len, ok = 0;
+
+	memset(&q, 0, sizeof(q));
+	q.h.nlmsg_len = sizeof(q);
+	q.h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+	q.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+	q.r.sdiag_family = AF_INET;
+	q.r.sdiag_protocol = IPPROTO_TCP;
+	q.r.idiag_states = 0; /* no state: nothing to walk, just DONE */
+	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+	if (s < 0)
+		return 0;
+	if (send(s, &q, sizeof(q), 0) == (ssize_t)sizeof(q)) {
+		len = nl_recv(s, buf, sizeof(buf));
+		ok = len >= (int)sizeof(struct nlmsghdr) && ((struct nlmsghdr *)buf)->nlmsg_type == NLMSG_DONE;
+	}
+	close(s);
+	return ok;
+}
+
 /* Is TCP `port` free in this netns for the families asked? 1 free, 0 held or can't tell. */
 static int port_free(uint16_t port, int v6)
 {
@@ -395,9 +501,8 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			if (add_item(items, &n, INV_ADDRS, ADDR_KEY_SIZE, k) < 0)
 				goto slow;
 		}
-		/* Something holds the inbound port (the proxy may already listen): the general path
-		 * finds the listener and registers it. */
-		if (!port_free(r->inbound_port, c->v6))
+		/* The proxy may already listen: the general path finds the listener and registers it. */
+		if (r->tcp_diag ? !no_listener(r->inbound_port, c->v6, &sc) : !port_free(r->inbound_port, c->v6))
 			goto slow;
 	}
 

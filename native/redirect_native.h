@@ -100,6 +100,8 @@ struct rdr_pod_req {
 	const uint8_t *cidrs[2];    /* struct cidr_key each, netns zero */
 	uint32_t n_cidrs[2];
 	int add_v6_lo[2];           /* the plan adds ::6/128 on lo */
+	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a
+				     * bind probe of the inbound port */
 };
 
 /* What one call found and did. */
@@ -109,6 +111,9 @@ struct rdr_pod_call {
 	int entries;                /* keys written (the inventory's length) */
 	uint64_t wall_ns;           /* the call's wall time */
 };
+
+/* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */
+int rdr_tcp_diag_ok(void);
 
 /* Set up a fresh pod: the netns at netns_path (opened here), or netns_fd when it is NULL.
  * watch_fd: an inotify fd on the host pin dirs (rdr_watch_add), or -1. lock_fd: the calling

@@ -819,6 +819,23 @@ def test_a_pod_that_is_not_fresh_takes_the_general_path(pod: Pod, setup_pod) -> 
         _close(proxy)
 
 
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "127.0.0.1", "::1", "pod-v4", "pod-v6"])
+def test_a_proxy_already_listening_is_found_however_it_is_bound(pod: Pod, setup_pod, bind: str) -> None:
+    """Before it changes anything, the native call asks sock_diag whether a listener takes the
+    inbound port at loopback or at a pod address (wildcard binds included): one does, so the
+    general path sets the pod up and registers it, and inbound lands on it."""
+    family = 6 if ":" in bind or bind == "pod-v6" else 4
+    host = pod.pod_ip(family) if bind.startswith("pod") else bind
+    proxy = [TcpListener(pod.name, 15006, family=family, host=host, label="proxy").start()]
+    app = [TcpListener(pod.name, 8080, family=family, label="app").start()]
+    try:
+        assert setup_pod(pod, RedirectConfig()).detail["path"] == "general"
+        hit = landing(pod.peer_name, pod.pod_ip(family), 8080, *proxy, *app)
+        assert hit.listener is proxy[0], hit.result
+    finally:
+        _close(proxy, app)
+
+
 @pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])
 def test_a_failed_native_setup_leaves_the_pod_as_it_was(pod: Pod, bpf_root: str, point: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

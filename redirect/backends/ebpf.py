@@ -338,6 +338,7 @@ class HostPrograms:
         pin_dir = ffi.new("char[]", self.pods_dir.encode())
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
+        r.tcp_diag = _tcp_diag_ok()
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
         r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
         for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
@@ -906,6 +907,13 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
     return PodEntries(policy, ports, frozenset(cidrs), addrs)
 
 
+@functools.lru_cache(maxsize=1)
+def _tcp_diag_ok() -> bool:
+    """Whether sock_diag answers for TCP here (the fresh-pod call then looks the proxy's listener
+    up that way instead of probing the port with a bind)."""
+    return bool(_native().lib.rdr_tcp_diag_ok())
+
+
 class FreshPodTemplate:
     """What ``cfg`` writes for any fresh pod, laid out for ``rdr_ebpf_pod_add`` (native/pod_setup.c):
     per family set ((4,) and (4, 6)), the policy and the port and CIDR keys with a zero netns
@@ -1153,7 +1161,6 @@ class EbpfBackend:
 
     def _take_scan(self) -> NetnsScan:
         """The scan ``detect_families`` made, if it was of this thread's current netns; else a new one."""
-
         sc, self._scan = self._scan, None
         if sc is not None and sc.thread == threading.get_ident() and sc.inode == _netns.current_inode():
             return sc
@@ -1432,7 +1439,8 @@ def _detail(h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_pa
             path: str = "general") -> dict[str, Any]:
     """``Installed.detail``; ``path``: "fresh" (one native call, ``setup_fresh``) or "general";
     ``host_ms`` the time to find (or load) the host programs, ``pod_ms`` the pod's own part.
-    (No ``round()`` here: rounding a float to digits costs more than a fresh pod's Python.)"""
+    (No ``round()`` here: rounding a float to digits is slow next to the rest of a fresh pod's
+    Python; the general path rounds its own.)"""
     return {"netns_cookie": cookie, "root": h.root, "compiled": h.compiled, "host_ms": host_ms, "pod_ms": pod_ms,
             "sk_lookup_link": link_path, "path": path}
 
@@ -1440,7 +1448,8 @@ def _detail(h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_pa
 #: Per thread: ``call``, the ``struct rdr_pod_call`` its fresh-pod setups fill in turn.
 _tls = threading.local()
 #: The last fresh-pod setup's config, host handle and request: the next pod with the same config
-#: object on the same handle (still the cached one, still trusted) reuses them without look-ups.
+#: object reuses them without look-ups while the handle is ok (a closed one is not; the native
+#: call backs off if the environment names another root, and then this is forgotten).
 _last_fresh: tuple[Any, Any, Any] = (None, None, None)
 
 
@@ -1453,8 +1462,8 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
 
     None when the pod is not fresh, the lock is held, or anything looks unusual (the namespace
     too: the general path reports it): nothing was changed and the caller takes the general
-    path. Per pod this is the hot path, so it stays short: a look-up of the config's template and
-    of the host handle, one call."""
+    path. Per pod this is the hot path, so it stays short: with the last pod's config, no look-up
+    at all (not even of the environment, which the native call reads), one call."""
     global _last_fresh
     host_ms = 0.0
     cfg0, h, req = _last_fresh
