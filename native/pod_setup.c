@@ -276,12 +276,12 @@ static int no_listener(uint16_t port, int v6, const struct scan *sc)
 	char buf[8192] __attribute__((aligned(8)));
 	int s, n = 0, got = 0, found = 0;
 
-	memset(q, 0, sizeof(q));
 	for (int i = -2; i < sc->n; i++) {
 		int fam = i == -2 ? 4 : i == -1 ? 6 : sc->a[i].family;
 
 		if (fam == 6 && !v6)
 			continue;
+		memset(&q[n], 0, sizeof(q[0])); /* only what is sent: the stack lines are cold */
 		q[n].h.nlmsg_len = sizeof(q[0]);
 		q[n].h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
 		q[n].h.nlmsg_flags = NLM_F_REQUEST;
