@@ -108,7 +108,6 @@ struct rdr_pod_req {
 struct rdr_pod_call {
 	uint64_t cookie;            /* the netns cookie */
 	int v6;                     /* IPv6 is captured */
-	int entries;                /* keys written (the inventory's length) */
 	uint64_t wall_ns;           /* the call's wall time */
 };
 
