@@ -385,7 +385,6 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 t0 = time.perf_counter()
 from redirect import api
-from redirect import netns as rnetns
 from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 res = api.setup({ns!r}, RedirectConfig(inbound_ports=()), backend="ebpf")

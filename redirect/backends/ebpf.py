@@ -1241,8 +1241,7 @@ class EbpfBackend:
                      and not dropping
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
-            return Installed(self.name, "", families, False, _detail(
-                h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path))
+            return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
         for a in want.addrs - old.addrs:
             v = h.maps["pod_addrs"].lookup(a)
             owner = None if v is None else U64.unpack(v)[0]
@@ -1333,8 +1332,7 @@ class EbpfBackend:
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
         for ours in dropping:
             rt.remove_address(ours)
-        d = _detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3),
-                         link_path)
+        d = _general_detail(h, cookie, t0, t_host, link_path)
         log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
 
@@ -1443,6 +1441,11 @@ def _detail(h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_pa
     Python; the general path rounds its own.)"""
     return {"netns_cookie": cookie, "root": h.root, "compiled": h.compiled, "host_ms": host_ms, "pod_ms": pod_ms,
             "sk_lookup_link": link_path, "path": path}
+
+
+def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:
+    """``_detail`` of ``apply``, which started at ``t0`` and had the host programs at ``t_host``."""
+    return _detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path)
 
 
 #: Per thread: ``call``, the ``struct rdr_pod_call`` its fresh-pod setups fill in turn.
