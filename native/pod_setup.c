@@ -12,7 +12,7 @@
  * was and the caller takes the general path.
  *
  * What it writes, and in which order, is what apply writes: the plan's ::6 on
- * lo, the inventory, the port/CIDR/address entries, the sk_lookup link pinned
+ * lo (when the pod has an IPv6 address of its own), the inventory, the port/CIDR/address entries, the sk_lookup link pinned
  * at <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture
  * on). A failure on the way undoes everything written, in reverse.
  *
@@ -82,6 +82,7 @@ struct scan {
 	uint64_t cookie;
 	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
 	int v6_lo_there;  /* ::6 is on lo already */
+	int own_v6;       /* an IPv6 address of the pod's own: not ::1, ::6 or link-local */
 	int n;            /* addresses below: loopback and IPv6 link-local aside */
 	struct {
 		int family;   /* 4 or 6 */
@@ -164,7 +165,9 @@ static int scan_addresses(int s, struct scan *sc, uint32_t seq)
 					continue;
 				if (local[0] == 0xfe && (local[1] & 0xc0) == 0x80)
 					continue;
-				if (ifa->ifa_index == 1 && memcmp(local, V6_PASSTHROUGH, 16) == 0)
+				if (memcmp(local, V6_PASSTHROUGH, 16) != 0)
+					sc->own_v6 = 1;
+				else if (ifa->ifa_index == 1)
 					sc->v6_lo_there = 1;
 			} else {
 				continue;
@@ -426,7 +429,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	char pin[4096];
 	uint8_t policy[512];
 	uint8_t cookie_v[8], one = 1, scratch[512];
-	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0, pin_name;
+	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0, pin_name, want_v6_lo;
 	uint32_t seq = 1;
 
 	if (r->policy_size > sizeof(policy) || r->policy_inv_base_off + 4 > r->policy_size ||
@@ -444,6 +447,11 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	c->v6 = r->ipv6 < 0 ? sc.v6_on : r->ipv6;
 	set = c->v6 ? 1 : 0;
 	memcpy(cookie_v, &sc.cookie, 8);
+	/* ::6 on lo comes with an IPv6 address of the pod's own (Istio's rule). One there that is
+	 * not wanted may be ours from before: the general path tells by its protocol. */
+	want_v6_lo = r->add_v6_lo[set] && sc.own_v6;
+	if (sc.v6_lo_there && !want_v6_lo)
+		goto slow;
 
 	/* Fresh? No policy for this cookie. Leftovers of an earlier attempt (entries, a pinned
 	 * link) or an address another pod registered show as EEXIST below: every write is
@@ -507,7 +515,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	}
 
 	/* From here on, changes: each is undone if a later one fails. */
-	if (r->add_v6_lo[set] && sc.v6_on && !sc.v6_lo_there) {
+	if (want_v6_lo && !sc.v6_lo_there) {
 		ret = v6_lo_addr(s, 1, r->addr_proto, r->addr_flags, seq++);
 		if (ret < 0 && ret != -EEXIST)
 			goto undo;

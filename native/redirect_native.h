@@ -99,7 +99,7 @@ struct rdr_pod_req {
 	uint32_t n_ports[2];
 	const uint8_t *cidrs[2];    /* struct cidr_key each, netns zero */
 	uint32_t n_cidrs[2];
-	int add_v6_lo[2];           /* the plan adds ::6/128 on lo */
+	int add_v6_lo[2];           /* the plan adds ::6/128 on lo (to a pod with IPv6 of its own) */
 	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a
 				     * bind probe of the inbound port */
 };

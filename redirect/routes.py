@@ -29,6 +29,21 @@ class RouteState:
 
     routes: frozenset[PolicyRoute]
     addresses: frozenset[LocalAddress]
+    #: The namespace has an IPv6 address of its own (``own_ipv6``): the plan's IPv6 addresses
+    #: (``::6`` for the proxy's inbound passthrough) are wanted only then, as Istio adds ``::6``
+    #: only to a pod with an IPv6 address.
+    own_v6: bool = False
+
+
+_V6_LOOPBACK = bytes(15) + b"\1"
+_V6_PASSTHROUGH = bytes(15) + b"\6"
+
+
+def own_ipv6(raw: bytes) -> bool:
+    """Whether the IPv6 address ``raw`` (16 bytes) is one of the pod's own: not ``::1``, not
+    link-local (fe80::/10), not the ``::6`` the plan adds (Istio's test for "the pod has IPv6",
+    which decides whether it adds ``::6``: its proxy binds ``::6`` only when it serves IPv6)."""
+    return raw != _V6_LOOPBACK and raw != _V6_PASSTHROUGH and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80)
 
 
 def _ip(raw: bytes) -> str:
@@ -61,12 +76,17 @@ def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
             routes.add(PolicyRoute(fam_of[m.family], m.u32(rtnl.FRA_FWMARK) or 0,  # type: ignore[arg-type]
                                    0xFFFFFFFF if mask is None else mask, table))
     names: dict[int, str] | None = None
+    own_v6 = False
     for m in rtnl.dump(rtnl.RTM_GETADDR, af):
-        if m.family in fam_of and m.u8(rtnl.IFA_PROTO) == RT_PROTO and rtnl.IFA_ADDRESS in m.attrs:
+        if m.family not in fam_of or rtnl.IFA_ADDRESS not in m.attrs:
+            continue
+        if m.u8(rtnl.IFA_PROTO) == RT_PROTO:
             names = rtnl.link_names() if names is None else names
             addresses.add(LocalAddress(fam_of[m.family], f"{_ip(m.attrs[rtnl.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
                                        names.get(m.fields[3], "?")))
-    return RouteState(frozenset(routes), frozenset(addresses))
+        elif m.family == socket.AF_INET6 and not own_v6:
+            own_v6 = own_ipv6(m.attrs[rtnl.IFA_ADDRESS])
+    return RouteState(frozenset(routes), frozenset(addresses), own_v6)
 
 
 # errno values a change may meet that mean "already as wanted"
@@ -132,32 +152,37 @@ def ipv6_enabled() -> bool:
     return struct.unpack_from("=i", conf, 4 * rtnl.DEVCONF_DISABLE_IPV6)[0] == 0
 
 
-def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress]) -> tuple[LocalAddress, ...]:
-    """The addresses that can exist here: IPv6 ones only while IPv6 is enabled.
+def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress],
+                     own_v6: bool) -> tuple[LocalAddress, ...]:
+    """The addresses wanted here: IPv6 ones only when the namespace has an IPv6 address of its
+    own (``RouteState.own_v6``).
 
-    (``ipv6=True`` on a namespace with IPv6 disabled still installs the IPv6 rules, so
-    capture is in place the moment IPv6 is switched on; ``::6`` cannot be added until then.)
+    (IPv6 rules do not depend on it: with IPv6 on, or ``ipv6=True``, they are installed, so
+    capture is in place whatever addresses come later; ``::6``, which only the proxy's IPv6
+    inbound passthrough binds, comes with the pod's first IPv6 address, at the next setup:
+    ``check`` reports it missing until then.)
     """
-    v6 = ipv6_enabled()
-    return tuple(a for a in addresses if a.family == 4 or v6)
+    return tuple(a for a in addresses if a.family == 4 or own_v6)
 
 
-def for_plan(plan: Plan, families: tuple[int, ...]) -> tuple[tuple[PolicyRoute, ...], tuple[LocalAddress, ...]]:
-    """The routes and (usable) addresses ``plan`` wants for ``families``."""
+def for_plan(plan: Plan, families: tuple[int, ...],
+             state: RouteState) -> tuple[tuple[PolicyRoute, ...], tuple[LocalAddress, ...]]:
+    """The routes and addresses ``plan`` wants for ``families`` in the namespace ``state`` was read from."""
     routes = tuple(r for r in plan.routes if r.family in families)
-    return routes, usable_addresses([a for a in plan.addresses if a.family in families])
+    return routes, usable_addresses([a for a in plan.addresses if a.family in families], state.own_v6)
 
 
 def txn_for(plan: Plan, families: tuple[int, ...]) -> RouteTxn:
-    routes, addresses = for_plan(plan, families)
-    return RouteTxn(routes, addresses, families)
+    state = read_ours()
+    routes, addresses = for_plan(plan, families, state)
+    return RouteTxn(routes, addresses, families, state)
 
 
 def differences(plan: Plan, families: tuple[int, ...]) -> list[str]:
     """How our routes and addresses in the kernel differ from what ``plan`` wants."""
-    routes, addresses = for_plan(plan, families)
-    want_routes, want_addrs = set(routes), set(addresses)
     state = read_ours()
+    routes, addresses = for_plan(plan, families, state)
+    want_routes, want_addrs = set(routes), set(addresses)
     diffs = []
     for r in sorted(want_routes - state.routes, key=str):
         diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
@@ -174,11 +199,11 @@ class RouteTxn:
     """Apply a desired set of our routes/addresses, and undo it if asked."""
 
     def __init__(self, routes: tuple[PolicyRoute, ...], addresses: tuple[LocalAddress, ...],
-                 families: tuple[int, ...]) -> None:
+                 families: tuple[int, ...], before: RouteState | None = None) -> None:
         self.want_routes = frozenset(routes)
         self.want_addresses = frozenset(addresses)
         self.families = families
-        self.before = read_ours()
+        self.before = read_ours() if before is None else before
         self._done: list[tuple[str, Any]] = []
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -18,8 +19,9 @@ from collections.abc import Iterator
 import pytest
 
 import redirect
-from redirect import RedirectConfig
+from redirect import RedirectConfig, rtnl
 from redirect import netns as rnetns
+from redirect import routes as rt
 from tests.netkit import Pod, TcpListener, UdpListener, landing, tcp_probe_detail, udp_probe_detail
 
 BACKENDS = ["iptables-nft", "iptables-legacy", "nftables", "ebpf"]
@@ -476,6 +478,42 @@ def test_teardown_restores_routes_and_addresses(pod: Pod, backend: str) -> None:
     assert "lookup 133" in during and "::6" in during
     redirect.teardown(pod.name, backend=backend)
     assert routing_state(pod.name) == before
+
+
+def _passthrough_on_lo(ns: str) -> bool:
+    out = subprocess.run(["ip", "-n", ns, "-6", "-o", "addr", "show", "dev", "lo"], capture_output=True, text=True,
+                         check=True).stdout
+    return " ::6/128 " in out
+
+
+def test_passthrough_address_comes_with_the_pods_own_ipv6(pod: Pod, backend: str) -> None:
+    """``::6`` (the source of the proxy's IPv6 inbound passthrough) goes on lo only in a pod with
+    an IPv6 address of its own, as Istio adds it; IPv6 capture does not depend on it. When the
+    pod gets or loses its IPv6 address, ``check`` says so and the next setup follows."""
+    ip6 = ["ip", "-n", pod.name, "-6", "addr"]
+    own = [f"{pod.pod_ip6}/64", "dev", pod.pod_if]
+    subprocess.run([*ip6, "del", *own], check=True)  # left: ::1 and eth0's link-local address
+    res = redirect.setup(pod.name, None, backend=backend)
+    assert 6 in res.families and not _passthrough_on_lo(pod.name)
+    assert redirect.check(pod.name, None, backend=backend).ok
+    subprocess.run([*ip6, "add", *own, "nodad"], check=True)
+    chk = redirect.check(pod.name, None, backend=backend)
+    assert not chk.ok and any("::6" in d for d in chk.differences), chk.differences
+    assert redirect.setup(pod.name, None, backend=backend).changed
+    assert _passthrough_on_lo(pod.name)
+    assert redirect.check(pod.name, None, backend=backend).ok
+    subprocess.run([*ip6, "del", *own], check=True)
+    assert redirect.setup(pod.name, None, backend=backend).changed
+    assert not _passthrough_on_lo(pod.name)
+    assert redirect.check(pod.name, None, backend=backend).ok
+    redirect.teardown(pod.name, backend=backend)
+    # A ::6 of ours (our routing protocol) that is not wanted goes at setup; someone else's stays.
+    for proto, stays in ((rt.RT_PROTO, False), (0, True)):
+        pod.run(rtnl.addr, "add", socket.AF_INET6, 1, "::6", 128, proto, rt.IFA_F_NODAD)
+        redirect.setup(pod.name, None, backend=backend)
+        assert _passthrough_on_lo(pod.name) == stays
+        redirect.teardown(pod.name, backend=backend)
+        assert _passthrough_on_lo(pod.name) == stays
 
 
 def test_twenty_namespaces_set_up_concurrently(make_pod, backend: str) -> None:  # type: ignore[no-untyped-def]

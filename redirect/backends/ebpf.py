@@ -956,6 +956,8 @@ _POLICY_N_INV_OFF = _POLICY_INV_BASE_OFF + 4
 
 _V6_LOOPBACK = bytes(15) + b"\1"
 LOOPBACK_IFINDEX = 1  # lo's index in every netns
+#: ``::6`` on lo as ``NetnsScan.local`` lists it.
+_V6_ON_LO = (6, INBOUND_PASSTHROUGH_V6.split("/")[0], LOOPBACK_IFINDEX)
 
 
 @dataclass(frozen=True)
@@ -970,15 +972,18 @@ class NetnsScan:
     local: tuple[tuple[int, str, int], ...]
     #: IPv6 is on: it has an IPv6 address (``::1`` at least; disable_ipv6 removes them all).
     v6_on: bool
+    #: It has an IPv6 address of its own (``routes.own_ipv6``): the plan's ``::6`` is wanted.
+    own_v6: bool
 
 
 def scan_netns() -> NetnsScan:
     """``NetnsScan`` of the calling thread's netns: ~20 us, where the cookie socket, the IPv6
     sysctl and the address listings it replaces cost ~70 us in a fresh netns (first /proc reads)."""
     from .. import rtnl
+    from ..routes import own_ipv6
 
     out: list[tuple[int, str, int]] = []
-    v6_on = False
+    v6_on = own_v6 = False
     with rtnl.open_socket() as s:
         c = _native().ffi.new("uint64_t *")
         _check(_native().lib.rdr_sock_netns_cookie(s.fileno(), c), "SO_NETNS_COOKIE")
@@ -995,7 +1000,8 @@ def scan_netns() -> NetnsScan:
             v6_on = True
             if raw != _V6_LOOPBACK and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
                 out.append((6, socket.inet_ntop(socket.AF_INET6, raw), index))
-    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(c[0]), tuple(out), v6_on)
+                own_v6 = own_v6 or own_ipv6(raw)
+    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(c[0]), tuple(out), v6_on, own_v6)
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
@@ -1213,11 +1219,13 @@ class EbpfBackend:
         assert h is not None
         t_host = time.perf_counter()
         sc = self._take_scan()
-        cookie, local, v6_on = sc.cookie, sc.local, sc.v6_on
+        cookie, local = sc.cookie, sc.local
         old = self._read(h, cookie)
-        plan_addrs = _plan_addresses(plan, families, v6_on)
-        # A config without the plan's addresses: ours (::6) go at the end, so they are not the pod's own.
-        dropping = _our_addresses() if old.policy is not None and not plan_addrs else ()
+        plan_addrs = _plan_addresses(plan, families, sc.own_v6)
+        # A config without the plan's addresses (or a pod without an IPv6 address of its own): ours
+        # (::6) go at the end, so they are not the pod's own.
+        dropping = (_our_addresses() if not plan_addrs and (old.policy is not None or _V6_ON_LO in local)
+                    else ())
         if dropping:
             gone = {(a.family, a.cidr.split("/")[0]) for a in dropping}
             local = tuple(x for x in local if (x[0], x[1]) not in gone)
@@ -1565,9 +1573,10 @@ def collect_garbage(root: str | None = None) -> list[int]:
     return gone
 
 
-def _plan_addresses(plan: Plan, families: tuple[int, ...], v6_on: bool) -> tuple[LocalAddress, ...]:
-    """The plan's addresses that can exist here (as ``routes.usable_addresses``: IPv6 ones while IPv6 is on)."""
-    return tuple(a for a in plan.addresses if a.family in families and (a.family == 4 or v6_on))
+def _plan_addresses(plan: Plan, families: tuple[int, ...], own_v6: bool) -> tuple[LocalAddress, ...]:
+    """The plan's addresses wanted here (as ``routes.usable_addresses``: IPv6 ones when the pod has
+    an IPv6 address of its own)."""
+    return tuple(a for a in plan.addresses if a.family in families and (a.family == 4 or own_v6))
 
 
 def _add_address(a: LocalAddress) -> None:
