@@ -835,6 +835,25 @@ def test_a_proxy_already_listening_is_found_however_it_is_bound(pod: Pod, setup_
         _close(proxy, app)
 
 
+def test_a_pod_with_more_addresses_than_the_native_call_reads_takes_the_general_path(pod: Pod, setup_pod) -> None:
+    """The native call reads the address dump into one page and keeps 64 addresses: a pod with
+    more (here 100 more IPv6 ones) gets the general path, which registers them all for inbound."""
+    prefix = pod.pod_ip6.rsplit(":", 1)[0]
+    extra = [f"{prefix}:{0x100 + i:x}" for i in range(100)]
+    batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in extra)
+    subprocess.run(["ip", "-n", pod.name, "-batch", "-"], input=batch, text=True, check=True)
+    proxy = [TcpListener(pod.name, 15006, family=6, label="proxy")]
+    app = [TcpListener(pod.name, 8080, family=6, label="app")]
+    try:
+        assert setup_pod(pod, RedirectConfig()).detail["path"] == "general"
+        for t in proxy + app:
+            t.start()
+        hit = landing(pod.peer_name, extra[-1], 8080, *proxy, *app)
+        assert hit.listener is proxy[0], hit.result
+    finally:
+        _close(proxy, app)
+
+
 @pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])
 def test_a_failed_native_setup_leaves_the_pod_as_it_was(pod: Pod, bpf_root: str, point: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
