@@ -110,6 +110,17 @@ def remove_netns(name: str) -> None:
             _live.discard(name)
 
 
+def wait_link_detached(root: str, cookie: int, timeout: float = 15.0) -> None:
+    """Until the kernel has cleaned a removed netns up (asynchronously) and detached the eBPF
+    backend's link of the pod ``cookie`` under ``root``; fails the test after ``timeout`` s."""
+    from redirect.backends import ebpf
+
+    deadline = time.monotonic() + timeout
+    while ebpf._link_target(ebpf._pod_link(root, cookie)) != 0:
+        assert time.monotonic() < deadline, f"link of netns cookie {cookie} still attached after {timeout} s"
+        time.sleep(0.05)
+
+
 def in_netns(ns: rnetns.NetnsRef, fn: Callable[..., T], *args: Any, timeout: float = 10.0, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` in a fresh thread inside ``ns``; return its result or re-raise."""
     box: dict[str, Any] = {}

@@ -404,14 +404,6 @@ def test_ebpf_backend_del_of_a_gone_netns_and_gc_collect_its_host_entries(make_p
         with rn.enter(p.name):
             return ebpf.current_netns_cookie()
 
-    def detached(c: int) -> bool:  # the kernel cleans a dead netns up asynchronously
-        deadline = time.monotonic() + 15
-        while ebpf._link_target(ebpf._pod_link(root, c)) != 0:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
     try:
         for i, p in enumerate((live, gone, later)):
             rc, out = cni("ADD", conf, p.path, container=f"ctr-e{i}", extra_env=env)
@@ -423,12 +415,12 @@ def test_ebpf_backend_del_of_a_gone_netns_and_gc_collect_its_host_entries(make_p
             assert landing(live.name, live.peer_ip4, 8080, proxy, app, uid=1000).listener is proxy
         netkit.remove_netns(gone.name)  # the runtime lost it: no DEL came
         netkit.remove_netns(gone.peer_name)
-        assert detached(cookies[gone.name])
+        netkit.wait_link_detached(root, cookies[gone.name])
         assert cni("GC", conf, extra_env=env) == (0, None)
         assert sorted(ebpf.registered_pods(root)) == sorted([cookies[live.name], cookies[later.name]])
         netkit.remove_netns(later.name)  # its DEL comes after the netns went
         netkit.remove_netns(later.peer_name)
-        assert detached(cookies[later.name])
+        netkit.wait_link_detached(root, cookies[later.name])
         assert cni("DEL", conf, later.path, container="ctr-e2", extra_env=env) == (0, None)
         assert ebpf.registered_pods(root) == [cookies[live.name]]
         assert cni("DEL", conf, live.path, container="ctr-e0", extra_env=env) == (0, None)

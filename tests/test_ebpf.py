@@ -25,7 +25,7 @@ from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
 from tests import netkit
-from tests.netkit import Pod, TcpListener, UdpListener, landing
+from tests.netkit import Pod, TcpListener, UdpListener, landing, wait_link_detached
 
 APP_UID = 1000
 PROXY_UID = 1337
@@ -632,14 +632,6 @@ def test_pins_of_other_sources_are_replaced_once_no_pod_uses_them(pod: Pod, scra
     api.teardown(pod.name, backend="ebpf")
 
 
-def _wait_detached(root: str, cookie: int, timeout: float = 15.0) -> None:
-    """Until the kernel has cleaned the netns up (asynchronously) and detached the pod's link."""
-    deadline = time.monotonic() + timeout
-    while ebpf._link_target(ebpf._pod_link(root, cookie)) != 0:
-        assert time.monotonic() < deadline, f"link of netns cookie {cookie} still attached after {timeout} s"
-        time.sleep(0.05)
-
-
 def test_pods_whose_netns_went_without_teardown_are_collected(make_pod, bpf_root: str) -> None:
     gone_in, gone_out, live = make_pod(), make_pod(), make_pod()
     cfgs = {gone_in.name: RedirectConfig(), gone_out.name: OUT_ONLY, live.name: RedirectConfig()}
@@ -652,7 +644,7 @@ def test_pods_whose_netns_went_without_teardown_are_collected(make_pod, bpf_root
             netkit.remove_netns(p.name)
             netkit.remove_netns(p.peer_name)
         for c in cookies[:2]:
-            _wait_detached(bpf_root, c)
+            wait_link_detached(bpf_root, c)
         assert sorted(ebpf.collect_garbage(bpf_root)) == sorted(cookies[:2])
         for c in cookies[:2]:
             left = entries_mentioning(bpf_root, c)
@@ -671,7 +663,7 @@ def test_the_address_of_a_pod_gone_without_teardown_is_free_for_a_new_pod(make_p
     c_old, ip = _cookie(old), old.pod_ip4
     netkit.remove_netns(old.name)
     netkit.remove_netns(old.peer_name)
-    _wait_detached(bpf_root, c_old)
+    wait_link_detached(bpf_root, c_old)
     # The new pod gets the old one's IP (the IPAM reused it).
     subprocess.run(["ip", "-n", new.name, "addr", "add", f"{ip}/32", "dev", new.main.pod_if], check=True)
     try:
@@ -705,7 +697,7 @@ def test_ebpf_cli_status_gc_and_unload(make_pod, scratch_root: str) -> None:
         c_gone = _cookie(gone)
         netkit.remove_netns(gone.name)
         netkit.remove_netns(gone.peer_name)
-        _wait_detached(scratch_root, c_gone)
+        wait_link_detached(scratch_root, c_gone)
         r = cli("gc")
         assert r.returncode == 0 and f"removed 1 pod(s) whose netns is gone: cookies [{c_gone}]" in r.stdout, r.stdout
         assert json.loads(cli("status", "--json").stdout)["pods"] == [_cookie(live)]
