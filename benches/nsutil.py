@@ -7,6 +7,7 @@ Every process the harness starts carries ``RDRT_BENCH_OWNER=<our pid>`` in its e
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 PREFIX = f"rdrt-b{os.getpid()}-"
 _live: set[str] = set()
@@ -23,6 +25,11 @@ _procs: list[subprocess.Popen[bytes]] = []
 #: Listening sockets held in a namespace for a backend that needs its proxy up first (eBPF inbound).
 _socks: dict[str, list[socket.socket]] = {}
 OWNER_ENV = "RDRT_BENCH_OWNER"
+#: What each new namespace gets besides lo (``--pod-addresses``): "none", "v4" (an ``eth0`` with
+#: an IPv4 address) or "dual" (IPv4 and IPv6), as a CNI runtime hands a pod to a chained plugin.
+POD_ADDRESSES = ("none", "v4", "dual")
+pod_addresses = "none"
+_addr_counter = itertools.count()
 os.environ[OWNER_ENV] = str(os.getpid())  # inherited by every child: ip, iptables, redirect, rdrt_*
 
 
@@ -80,9 +87,25 @@ def create(n: int, tag: str = "p", listen: tuple[int, ...] = ()) -> list[str]:
         with rnetns.enter(name):
             with IPRoute() as ipr:
                 ipr.link("set", index=1, state="up")
+                if pod_addresses != "none":
+                    _give_addresses(ipr)
             if listen:
                 hold(name, listen, entered=True)
     return names
+
+
+def _give_addresses(ipr: Any) -> None:
+    """``eth0`` (one end of a veth pair kept inside the namespace) with an address of its own,
+    unique in the run (the eBPF backend registers pod addresses host-wide): from 10.200.0.0/13, and
+    for "dual" also from fd00:4d0::/96."""
+    i = next(_addr_counter)
+    ipr.link("add", ifname="eth0", kind="veth", peer="eth0-peer")
+    idx = ipr.link_lookup(ifname="eth0")[0]
+    ipr.link("set", index=idx, state="up")
+    ipr.addr("add", index=idx, address=f"10.{200 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}", prefixlen=32)
+    if pod_addresses == "dual":
+        ipr.addr("add", index=idx, address=f"fd00:4d0::{i >> 16:x}:{i & 0xFFFF:x}", prefixlen=128,
+                 family=socket.AF_INET6, flags=0x02)  # IFA_F_NODAD: usable at once, as after DAD
 
 
 def hold(name: str, ports: tuple[int, ...], entered: bool = False) -> None:

@@ -115,7 +115,11 @@ def markdown(res: dict[str, Any]) -> str:
          "## Targets (issue 8)", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]
     for t in rows:
         L.append(f"| {t['name']} | {t['target']} | {_fmt(t['measured'])} | **{t['status']}** | {t['note']} |")
+    addrs = res.get("settings", {}).get("pod_addresses", "none")
     L += ["", "## Per-pod setup and teardown (fresh namespaces)", "",
+          "Each pod netns has lo" + {"none": " only", "v4": " and an eth0 with an IPv4 address",
+                                     "dual": " and an eth0 with an IPv4 and an IPv6 address"}.get(addrs, f" ({addrs})")
+          + " when setup runs (`--pod-addresses`).", "",
           "| method | how | setup min / median / p99 (ms) | vs ref | teardown min / median / p99 (ms) | vs ref |",
           "|---|---|---|---|---|---|"]
     for key, d in res.get("per_pod", {}).items():

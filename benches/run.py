@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "plus ebpf)")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of modes to try (default: %(default)s)")
     p.add_argument("--skip", default="", help=f"comma list of phases to skip: {', '.join(PHASES)}")
+    p.add_argument("--pod-addresses", choices=nsutil.POD_ADDRESSES, default="none",
+                   help="what each fresh pod netns has besides lo when setup runs: none (the default), v4 (an eth0 "
+                   "with an IPv4 address), dual (IPv4 and IPv6; the sidecar plan then adds ::6 to lo too)")
     p.add_argument("--levels", help="comma list of N for the scale phase (overrides the profile)")
     p.add_argument("--samples", type=int, help="fresh pods per method (overrides the profile)")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory (default: %(default)s)")
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         prof["levels"] = [int(x) for x in args.levels.split(",") if x]
     if args.samples:
         prof["samples"] = args.samples
+    prof["pod_addresses"] = nsutil.pod_addresses = args.pod_addresses
     skip = {s for s in args.skip.split(",") if s}
     from redirect.backends import BACKENDS
 

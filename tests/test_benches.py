@@ -212,3 +212,40 @@ def test_connection_rate_ratios_pair_the_rounds_so_drift_cancels() -> None:
     # Without rounds (or with a different count): the ratio of the medians.
     res["datapath"]["cases"]["ebpf"] = {"conn_per_s": 400.0}
     assert report.ratios(res)["conn_rate_vs_direct"]["ebpf"] == pytest.approx(0.8)
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["v4", "dual"])
+def test_pod_addresses_give_each_fresh_namespace_its_own(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pod-addresses``: each namespace the harness makes gets an eth0 with addresses no other
+    namespace of the run has (the eBPF backend registers pod addresses host-wide)."""
+    from benches import nsutil
+
+    monkeypatch.setattr(nsutil, "pod_addresses", kind)
+    names = nsutil.create(2, "t")
+    try:
+        seen = []
+        for n in names:
+            out = subprocess.run(["ip", "-n", n, "-o", "addr", "show", "dev", "eth0", "scope", "global"],
+                                 capture_output=True, text=True, check=True).stdout
+            addrs = [line.split()[3] for line in out.splitlines()]
+            assert sorted(a.count(":") > 0 for a in addrs) == ([False] if kind == "v4" else [False, True]), out
+            seen += addrs
+        assert len(set(seen)) == len(seen)
+    finally:
+        nsutil.delete(names)
+    assert not set(names) & set(os.listdir("/run/netns"))
+
+
+@needs_root
+def test_a_run_with_dual_stack_pods_says_so(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--pod-addresses", "dual", "--skip", "cli,cni,scale,memory,datapath",
+                  backends="iptables,ebpf")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert not _left_behind(proc.pid), "the harness left these behind"
+    res = json.loads((tmp_path / "latest.json").read_text())
+    assert res["settings"]["pod_addresses"] == "dual"
+    for key in ("api/iptables/sidecar", "api/ebpf/sidecar"):
+        assert res["per_pod"][key]["setup"]["n"] == 2, res["per_pod"][key]
+    assert "an IPv4 and an IPv6 address" in (tmp_path / "summary.md").read_text()
