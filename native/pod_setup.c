@@ -246,6 +246,18 @@ static int v6_lo_addr(int s, int add, uint8_t proto, uint32_t flags, uint32_t se
 
 /* --- the pod ----------------------------------------------------------------- */
 
+/* The cidrs key of one of the pod's own addresses (a connect to it leaves over lo). */
+static void local_key(uint8_t k[CIDR_KEY_SIZE], const uint8_t cookie_v[8], int family, const uint8_t addr[16])
+{
+	uint32_t plen = family == 4 ? 96 + 32 : 96 + 128;
+	uint32_t kind = family == 4 ? CIDR_LOCAL4 : CIDR_LOCAL6;
+
+	memcpy(k, &plen, 4);
+	memcpy(k + 4, &kind, 4);
+	memcpy(k + 8, cookie_v, 8);
+	memcpy(k + 16, addr, 16);
+}
+
 static int has_item(const struct item *it, int n, const struct item *x)
 {
 	for (int i = 0; i < n; i++)
@@ -493,15 +505,17 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	}
 	for (int i = 0; i < sc.n; i++) {
 		uint8_t k[CIDR_KEY_SIZE];
-		uint32_t plen = sc.a[i].family == 4 ? 96 + 32 : 96 + 128;
-		uint32_t kind = sc.a[i].family == 4 ? CIDR_LOCAL4 : CIDR_LOCAL6;
 
 		if (sc.a[i].family == 6 && !c->v6)
 			continue;
-		memcpy(k, &plen, 4);
-		memcpy(k + 4, &kind, 4);
-		memcpy(k + 8, cookie_v, 8);
-		memcpy(k + 16, sc.a[i].addr, 16);
+		local_key(k, cookie_v, sc.a[i].family, sc.a[i].addr);
+		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
+			goto slow;
+	}
+	if (want_v6_lo && !sc.v6_lo_there) { /* the ::6 added below is one of the pod's own */
+		uint8_t k[CIDR_KEY_SIZE];
+
+		local_key(k, cookie_v, 6, V6_PASSTHROUGH);
 		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
 			goto slow;
 	}

@@ -827,6 +827,27 @@ def test_a_proxy_already_listening_is_found_however_it_is_bound(pod: Pod, setup_
         _close(proxy, app)
 
 
+@pytest.mark.parametrize("path", ["fresh", "general"])
+def test_v6_passthrough_is_one_of_the_pods_own_addresses_only_while_it_is_there(
+        pod: Pod, bpf_root: str, setup_pod, path: str) -> None:
+    """``::6`` on lo is a local address of the pod (a connect to it leaves over lo) once setup
+    added it, for a pod with IPv6 of its own; in one without, there is no ``::6`` and no entry
+    for it. Both the native call and the general path (a second setup) write the same."""
+    local6 = ebpf.CIDR_KEY.pack(96 + 128, ebpf.CIDR_LOCAL6, _cookie(pod), socket.inet_pton(socket.AF_INET6, "::6"))
+    ip6 = ["ip", "-n", pod.name, "-6", "addr"]
+    own = [f"{pod.pod_ip6}/64", "dev", pod.pod_if]
+    for has_v6 in (True, False):
+        subprocess.run([*ip6, "add" if has_v6 else "del", *own, *(["nodad"] if has_v6 else [])],
+                       check=has_v6 is False)
+        if path == "general":
+            setup_pod(pod, RedirectConfig(inbound_ports=(8080,)))  # the next one finds a policy
+        res = setup_pod(pod, RedirectConfig())
+        assert res.detail["path"] == path, res.detail
+        assert (local6 in entries_mentioning(bpf_root, _cookie(pod))["cidrs"]) is has_v6
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+        api.teardown(pod.name, backend="ebpf")
+
+
 def test_a_pod_with_more_addresses_than_the_native_call_reads_takes_the_general_path(pod: Pod, setup_pod) -> None:
     """The native call reads the address dump into one page and keeps 64 addresses: a pod with
     more (here 100 more IPv6 ones) gets the general path, which registers them all for inbound."""

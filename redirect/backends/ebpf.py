@@ -879,9 +879,8 @@ def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[byt
         add(CIDR_OUT_INCL4, CIDR_OUT_INCL6, cfg.outbound_cidrs)
     if cfg.dns_effective and not cfg.capture_all_dns:
         add(CIDR_DNS4, CIDR_DNS6, cfg.dns_servers)
-    # With inbound capture, ::6 on lo is the pod's too (the plan adds it for the proxy's passthrough).
-    if cfg.inbound_ports != () and 6 in families:
-        cidrs.add((96 + 128, CIDR_LOCAL6, socket.inet_pton(socket.AF_INET6, INBOUND_PASSTHROUGH_V6.split("/")[0])))
+    # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
+    # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
     return policy, tuple(sorted(ports)), tuple(sorted(cidrs))
 
 
@@ -1229,6 +1228,12 @@ class EbpfBackend:
         if dropping:
             gone = {(a.family, a.cidr.split("/")[0]) for a in dropping}
             local = tuple(x for x in local if (x[0], x[1]) not in gone)
+        # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
+        # netfilter backends add them; read from the same listing, no netlink dump per pod.
+        on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
+        add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
+        # Once added they are the pod's own, as what the scan found.
+        local = (*local, *((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in add_addrs))
         want = pod_entries(cfg, families, cookie, local)
         inbound = want.inbound
         link_path = self._pod_link_path(cookie)
@@ -1237,10 +1242,6 @@ class EbpfBackend:
         # collect_garbage() finds pods whose netns went without a teardown.
         pinned_target = _link_target(link_path)  # None: no pin
         have_link = pinned_target == sc.inode
-        # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
-        # netfilter backends add them; read from the same listing, no netlink dump per pod.
-        on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
-        add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
