@@ -12,9 +12,10 @@
  * was and the caller takes the general path.
  *
  * What it writes, and in which order, is what apply writes: the plan's ::6 on
- * lo (when the pod has an IPv6 address of its own), the inventory, the port/CIDR/address entries, the sk_lookup link pinned
- * at <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture
- * on). A failure on the way undoes everything written, in reverse.
+ * lo (when the pod has an IPv6 address of its own), the inventory, the
+ * port/CIDR/address entries, the sk_lookup link pinned at
+ * <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture on).
+ * A failure on the way undoes everything written, in reverse.
  *
  * Around that it does what redirect.setup's general path does in Python: opens
  * the netns, takes its lock (an OFD lock on the caller thread's own fd of the
