@@ -6,7 +6,7 @@ import os
 import statistics
 from typing import Any
 
-#: Issue 8's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
+#: The benchmark's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
 #: or vs Istio's rules (netfilter backends). Scale: Nth pod's median setup / first pod's.
 SETUP_TARGETS = {"nftables": 1 / 5, "ebpf": 1 / 100, "iptables": 1.0, "iptables-legacy": 1.0, "iptables-nft": 1.0}
 RATE_VS_DIRECT = {"ebpf": 0.95}
@@ -112,7 +112,7 @@ def markdown(res: dict[str, Any]) -> str:
     L = [f"# redirect benchmark ({res.get('profile', 'full')} run, {res.get('started', '')})", "",
          f"Host: kernel {h.get('kernel')}, {h.get('cpus')} CPUs, {h.get('iptables')}. "
          f"Ratios are against references measured in the same run. Elapsed {res.get('elapsed_s')} s.", "",
-         "## Targets (issue 8)", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]
+         "## Targets", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]
     for t in rows:
         L.append(f"| {t['name']} | {t['target']} | {_fmt(t['measured'])} | **{t['status']}** | {t['note']} |")
     addrs = res.get("settings", {}).get("pod_addresses", "none")

@@ -1,4 +1,4 @@
-"""Differential test (issue 4.4): the nftables backend captures exactly what iptables does.
+"""Differential test: the nftables backend captures exactly what iptables does.
 
 Hypothesis draws configs that both backends support; each is set up in one pod with
 ``backend="iptables"`` and in another with ``backend="nftables"`` (the same two pods

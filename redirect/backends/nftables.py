@@ -55,7 +55,7 @@ it: the kernel commits the batch at once, so no packet sees a half-filled table
 or no table. Routes and addresses come from ``redirect.routes`` as for iptables,
 added before the batch and rolled back if it fails.
 
-Mixed hosts (issue 4.5). A namespace holding our iptables chains that is set up
+Mixed hosts. A namespace holding our iptables chains that is set up
 with ``backend="nftables"`` (or the reverse) first gets the new backend's rules,
 then the old backend's rules are removed (``api.setup`` does this, keeping our
 routes which both backends share). Capture never lapses; while both are present
