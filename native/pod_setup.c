@@ -22,7 +22,7 @@
  * lock file), enters, and comes back. In the benchmark's per-pod phase the
  * caches are cold (other methods run in between): each kernel path and each
  * line of Python costs ~2-3x its warm figure there, so fewer of them is what
- * counts (docs/FACTS-local.md).
+ * counts (docs/kernel-facts.md).
  */
 #define _GNU_SOURCE
 #include <errno.h>
