@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                "See README.md for the config fields and the backends.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: rule payloads)")
-    p.add_argument("--log-json", action="store_true", help="log as JSON lines on stderr")
+    p.add_argument("--log-json", action="store_true",
+                   help="log as JSON lines on stderr: time, level, logger, msg and the pod's fields "
+                        "(POD_NAME, POD_NAMESPACE, POD_UID from the environment; the netns)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -235,19 +237,27 @@ def cmd_init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _setup_logging(verbose: int, as_json: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if as_json:
-        class _Json(logging.Formatter):
-            def format(self, r: logging.LogRecord) -> str:
-                return json.dumps({"ts": round(r.created, 3), "level": r.levelname.lower(), "logger": r.name,
-                                   "msg": r.getMessage()})
-        handler.setFormatter(_Json())
+def _pod_netns(args: argparse.Namespace) -> str | None:
+    """The pod netns a command works on, for the log lines' ``netns`` field (not the node's)."""
+    if args.command == "init":
+        return getattr(args, "netns_alias", None) or getattr(args, "network_namespace", None)
+    return getattr(args, "netns", None) if args.command in ("setup", "teardown", "check", "show") else None
+
+
+def _setup_logging(verbose: int, as_json: bool, netns: str | None = None) -> None:
+    from . import logjson
+
+    pod = {**logjson.pod_fields_from_env(), **logjson.pod_fields(netns=netns)}
+    logjson.setup(json_lines=as_json, level=logging.DEBUG if verbose >= 2 else (logging.INFO if verbose else
+                  logging.WARNING), pod=pod, text_format="redirect: %(levelname)s %(message)s")
+
+
+def _error(args: argparse.Namespace, text: str) -> None:
+    """The failure line on stderr: as is, or (``--log-json``) as one JSON log line at level error."""
+    if args.log_json:
+        logging.getLogger("redirect.cli").error(text.removeprefix("redirect: "))
     else:
-        handler.setFormatter(logging.Formatter("redirect: %(levelname)s %(message)s"))
-    root = logging.getLogger("redirect")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose >= 2 else (logging.INFO if verbose else logging.WARNING))
+        print(text, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,21 +265,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.verbose, args.log_json)
+    _setup_logging(args.verbose, args.log_json, _pod_netns(args))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except ConfigError as e:
-        print(f"redirect: bad configuration: {e}", file=sys.stderr)
+        _error(args, f"redirect: bad configuration: {e}")
         return EXIT_CONFIG
     except NetnsError as e:
-        print(f"redirect: {e}", file=sys.stderr)
+        _error(args, f"redirect: {e}")
         return EXIT_FAIL
     except BackendUnavailable as e:
-        print(f"redirect: backend unavailable: {e}", file=sys.stderr)
+        _error(args, f"redirect: backend unavailable: {e}")
         return EXIT_FAIL
     except RedirectError as e:
-        print(f"redirect: failed: {e}", file=sys.stderr)
+        _error(args, f"redirect: failed: {e}")
         return EXIT_FAIL
     except KeyboardInterrupt:
         return 130

@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from . import logjson
 from . import netns as _netns
 from .agent import protocol
 
@@ -63,15 +64,27 @@ PORTS = {"outbound": 15001, "inbound": 15006, "tunnel": 15008}
 _BUF = 65536
 
 
-class JsonLog:
-    """Thread-safe JSON-lines log."""
+#: Events logged at level warning (the rest are info).
+WARNING_EVENTS = frozenset({"agent_disconnected", "bad_message", "pod_failed", "no_ipv6_listener", "accept_failed",
+                            "no_original_dst", "rejected", "bad_tunnel_request", "upstream_failed", "relay_error"})
 
-    def __init__(self, out: TextIO) -> None:
+
+class JsonLog:
+    """Thread-safe event log, one line per event: JSON in ``redirect.logjson``'s format (``msg`` and
+    ``event`` are the event's name, then its fields), or, with ``json_lines=False``, text."""
+
+    def __init__(self, out: TextIO, json_lines: bool = True) -> None:
         self.out = out
+        self.json_lines = json_lines
         self.lock = threading.Lock()
 
     def __call__(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"ts": round(time.time(), 6), "event": event, **fields}, default=str)
+        level = "warning" if event in WARNING_EVENTS else "info"
+        if self.json_lines:
+            line = logjson.json_line(level, "redirect.nodeproxy", event, fields={"event": event, **fields})
+        else:
+            line = f"{logjson.timestamp(time.time())} {level.upper()} redirect.nodeproxy: {event} " + \
+                " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in fields.items())
         with self.lock:
             self.out.write(line + "\n")
             self.out.flush()
@@ -448,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", default=protocol.DEFAULT_PROXY_SOCKET,
                    help="the agent's proxy socket (default %(default)s)")
     p.add_argument("--name", default="redirect-nodeproxy", help="name sent in hello (logs)")
-    p.add_argument("--log-file", default=None, help="JSON-lines log (default: stderr)")
+    p.add_argument("--log-file", default=None, help="the log (default: stderr)")
+    p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON object per line (time, level, logger, msg, event and its fields); "
+                        "--no-log-json: text (default: JSON)")
     p.add_argument("--max-conns", type=int, default=1024, help="connections relayed at once (%(default)s)")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="upstream connect timeout, s (%(default)s)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="relay idle timeout, s (%(default)s)")
@@ -458,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_conns < 1:
         p.error(f"--max-conns={a.max_conns}: expected at least 1")
     out: TextIO = open(a.log_file, "a", encoding="utf-8") if a.log_file else sys.stderr  # noqa: SIM115
-    proxy = NodeProxy(a.socket, JsonLog(out), a.name, a.max_conns, a.connect_timeout, a.idle_timeout)
+    proxy = NodeProxy(a.socket, JsonLog(out, a.log_json), a.name, a.max_conns, a.connect_timeout, a.idle_timeout)
     proxy.drain_timeout = a.drain_timeout
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: proxy.shutdown())

@@ -626,7 +626,7 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         assert agent.get("/nope")[0] == 404
         for line in agent.log.read_text().splitlines():
             rec = json.loads(line)  # structured: every line is one JSON object
-            assert {"ts", "level", "logger", "msg"} <= rec.keys(), rec
+            assert {"time", "level", "logger", "msg"} <= rec.keys(), rec
 
         # SIGTERM: the agent goes, the pods stay captured and served.
         agent.proc.send_signal(signal.SIGTERM)

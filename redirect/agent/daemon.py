@@ -55,22 +55,8 @@ _DEFAULT_CFG = RedirectConfig().to_dict()
 
 
 def jlog(level: int, msg: str, **fields: Any) -> None:
-    """A structured log line: ``msg`` plus ``fields`` (JSON under the agent's formatter)."""
+    """A structured log line: ``msg`` plus ``fields`` (keys of the JSON line, see ``redirect.logjson``)."""
     log.log(level, msg, extra={"fields": fields})
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg, and the record's fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage(),
-        }
-        out.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
 
 
 class EventError(Exception):
@@ -812,6 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one JSON object per line on stderr (time, level, logger, msg, the pod's fields); "
+                        "--no-log-json: text (default: JSON)")
     return p
 
 
@@ -838,11 +827,9 @@ def options_from_args(a: argparse.Namespace) -> Options:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("redirect")
-    root.addHandler(handler)
-    root.setLevel(a.log_level.upper())
+    from .. import logjson
+
+    logjson.setup(json_lines=a.log_json, level=a.log_level)
     try:
         agent = Agent(options_from_args(a))
     except ConfigError as e:

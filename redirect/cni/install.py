@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import signal
 import sys
@@ -387,7 +388,7 @@ def watch(
             path = install(conf_dir, bin_dir, entry, conf_file)
         except InstallError as e:  # no primary config yet: wait for it
             path = None
-            print(f"redirect-cni install --watch: {e}", file=sys.stderr)
+            logging.getLogger("redirect.cni.install").warning("install --watch: %s", e)
         if path is not None:
             count += 1
             if on_install is not None:
@@ -429,11 +430,24 @@ def cli_main(argv: list[str]) -> int:
             s.add_argument("--watch", action="store_true", help="keep re-adding our entry until stopped")
             s.add_argument("--interval", type=float, default=1.0, help="--watch poll interval, seconds")
             s.add_argument("--max-seconds", type=float, help="--watch stops after this long")
+        s.add_argument("--log-json", action="store_true",
+                       help="report as JSON lines on stderr (time, level, logger, msg), not text")
     a = p.parse_args(argv)
+    from .. import logjson
+
+    logjson.setup(json_lines=a.log_json, level=logging.INFO, text_format="redirect-cni: %(message)s")
+    log = logging.getLogger("redirect.cni.install")
+
+    def say(text: str) -> None:  # what the installer did: stdout as text, or a JSON log line
+        if a.log_json:
+            log.info(text)
+        else:
+            print(text, flush=True)
+
     try:
         if a.cmd == "uninstall":
             for path in uninstall(a.conf_dir, a.bin_dir):
-                print(f"removed redirect-cni from {path}")
+                say(f"removed redirect-cni from {path}")
             return 0
         entry = _json_arg(a.plugin_config, "--plugin-config")
         if entry is not None and not isinstance(entry, dict):
@@ -444,11 +458,11 @@ def cli_main(argv: list[str]) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
             watch(stop, a.conf_dir, a.bin_dir, entry, a.conf_file, a.interval, a.max_seconds,
-                  on_install=lambda path: print(f"installed redirect-cni into {path}", flush=True))
+                  on_install=lambda path: say(f"installed redirect-cni into {path}"))
             return 0
         written = install(a.conf_dir, a.bin_dir, entry, a.conf_file, a.standalone, primary, a.python)
-        print(f"installed redirect-cni into {written}" if written else "redirect-cni already installed")
+        say(f"installed redirect-cni into {written}" if written else "redirect-cni already installed")
         return 0
     except (InstallError, OSError) as e:
-        print(f"redirect-cni: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1

@@ -34,6 +34,7 @@ Config (one entry of the conflist's ``plugins``)::
      "capture": {"outbound_exclude_ports": [22]},   # RedirectConfig fields: the defaults
      "excludeNamespaces": ["kube-system"],          # pods there are never captured
      "logLevel": "info", "logFile": "/var/log/redirect-cni.log",
+     "logJson": false,                              # true: JSON lines (redirect.logjson) with the pod's fields
      "agentSocket": "/var/run/redirect/agent.sock", # ambient: hand the pod to the node agent
      "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
@@ -207,6 +208,9 @@ class PluginConf:
         self.log_file = conf.get("logFile")
         if self.log_file is not None and not isinstance(self.log_file, str):
             raise CniError(E_INVALID_CONFIG, f"logFile={self.log_file!r}: expected a path")
+        self.log_json = conf.get("logJson", False)
+        if not isinstance(self.log_json, bool):
+            raise CniError(E_INVALID_CONFIG, f"logJson={self.log_json!r}: expected true or false")
         self.agent_socket = conf.get("agentSocket")
         if self.agent_socket is not None and not isinstance(self.agent_socket, str):
             raise CniError(E_INVALID_CONFIG, f"agentSocket={self.agent_socket!r}: expected a path")
@@ -258,24 +262,33 @@ def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, 
 # --- logging -----------------------------------------------------------------------------
 
 
-def _setup_logging(pc: PluginConf | None) -> Any:
+def _setup_logging(pc: PluginConf | None, env: Mapping[str, str] | None = None) -> Any:
+    """Log to ``logFile`` at ``logLevel`` (else warnings to stderr), as text or (``logJson``) JSON
+    lines carrying the pod's fields from ``CNI_ARGS``, ``CNI_CONTAINERID`` and ``CNI_NETNS``."""
     import logging
+
+    from .. import logjson
 
     root = logging.getLogger("redirect")
     if root.handlers:
         return logging.getLogger("redirect.cni")
-    handler: logging.Handler
+    env = {} if env is None else env
+    try:
+        cni_args = parse_cni_args(env.get("CNI_ARGS", ""))
+    except CniError:
+        cni_args = {}
+    pod = logjson.pod_fields(pod_name=cni_args.get("K8S_POD_NAME"), pod_namespace=cni_args.get("K8S_POD_NAMESPACE"),
+                             pod_uid=cni_args.get("K8S_POD_UID"), container_id=env.get("CNI_CONTAINERID"),
+                             netns=env.get("CNI_NETNS"))
+    kw: dict[str, Any] = {"json_lines": bool(pc is not None and pc.log_json), "pod": pod,
+                          "text_format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}
     if pc is not None and pc.log_file:
         try:
-            handler = logging.FileHandler(pc.log_file)
+            logjson.setup(path=pc.log_file, level=pc.log_level, **kw)
+            return logging.getLogger("redirect.cni")
         except OSError:
-            handler = logging.StreamHandler(sys.stderr)
-        root.setLevel(pc.log_level.upper())
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        root.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
+            pass
+    logjson.setup(level=logging.WARNING if pc is None or not pc.log_file else pc.log_level, **kw)
     return logging.getLogger("redirect.cni")
 
 
@@ -512,7 +525,7 @@ def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | Non
         conf = parse_netconf(stdin)
         version = conf["cniVersion"]
         pc = PluginConf(conf)
-        log = _setup_logging(pc)
+        log = _setup_logging(pc, env)
         if command == "ADD":
             return 0, cmd_add(pc, env, log)
         if command == "DEL":

@@ -1,0 +1,185 @@
+"""The log format of every ``redirect`` executable: text, or one JSON object per line.
+
+``redirect``, ``redirect-cni``, ``redirect-agent`` and ``redirect-nodeproxy`` all take
+``--log-json`` (the CNI plugin, run by a runtime without arguments, takes
+``"logJson": true`` in its network config) and set their logging up through
+:func:`setup`. A JSON line holds, in this order:
+
+``time``
+    RFC 3339 in UTC with milliseconds, ``2026-01-02T03:04:05.678Z`` (Istio's
+    ``--log_as_json`` key);
+``level``
+    ``debug``, ``info``, ``warning``, ``error`` or ``critical``;
+``logger``
+    the Python logger, e.g. ``redirect.cni``;
+``msg``
+    the message;
+the pod's fields where known
+    ``pod_name``, ``pod_namespace``, ``pod_uid``, ``container_id``, ``netns``: given to
+    :func:`setup` once per process (the CNI plugin takes them from ``CNI_ARGS``; a
+    container started by ``redirect inject``'s manifests gets ``POD_NAME``,
+    ``POD_NAMESPACE`` and ``POD_UID`` from the downward API: :func:`pod_fields_from_env`);
+the record's own fields
+    ``log.info(msg, extra={"fields": {...}})`` (see :func:`log_fields`);
+``exc``
+    the traceback, when there is one.
+
+A newline inside a message or a field stays inside its JSON string, so one record is
+always one line. Pod fields come from what a pod controls (its name, annotations):
+each is cut to :data:`MAX_FIELD` characters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import IO, Any
+
+#: The pod's fields, in the order they appear in a line.
+POD_FIELDS = ("pod_name", "pod_namespace", "pod_uid", "container_id", "netns")
+#: Longest pod field value kept (the rest is cut, with a marker).
+MAX_FIELD = 256
+#: The downward-API environment variables that name the pod a process runs in.
+POD_ENV = {"POD_NAME": "pod_name", "POD_NAMESPACE": "pod_namespace", "POD_UID": "pod_uid"}
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _bounded(value: object) -> str:
+    s = value if isinstance(value, str) else str(value)
+    return s if len(s) <= MAX_FIELD else s[:MAX_FIELD] + "...(cut)"
+
+
+def pod_fields(**fields: object) -> dict[str, str]:
+    """The known pod fields among ``fields`` (empty and None values dropped), bounded in size."""
+    unknown = set(fields) - set(POD_FIELDS)
+    if unknown:
+        raise ValueError(f"not a pod field: {sorted(unknown)}; expected some of {POD_FIELDS}")
+    return {k: _bounded(fields[k]) for k in POD_FIELDS if fields.get(k) not in (None, "")}
+
+
+def pod_fields_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Pod fields from the downward-API variables ``POD_NAME``, ``POD_NAMESPACE``, ``POD_UID``."""
+    env = os.environ if env is None else env
+    return pod_fields(**{field: env.get(var) for var, field in POD_ENV.items()})
+
+
+def timestamp(created: float) -> str:
+    """``created`` (seconds since the epoch) as RFC 3339 UTC with milliseconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
+
+
+def record_dict(created: float, level: str, logger: str, msg: str, pod: Mapping[str, str] | None = None,
+                fields: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One line's object, keys in the documented order (a record field never replaces a fixed key)."""
+    out: dict[str, Any] = {"time": timestamp(created), "level": level, "logger": logger, "msg": msg}
+    for k, v in (pod or {}).items():
+        out.setdefault(k, v)
+    for k, v in (fields or {}).items():
+        out.setdefault(k, v)
+    return out
+
+
+def json_line(level: str, logger: str, msg: str, pod: Mapping[str, str] | None = None,
+              fields: Mapping[str, Any] | None = None, created: float | None = None) -> str:
+    """One JSON log line (no newline), for writers that do not go through ``logging``."""
+    obj = record_dict(time.time() if created is None else created, level, logger, msg, pod, fields)
+    return json.dumps(obj, default=str, ensure_ascii=False)
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a ``logging`` record as one JSON line; ``pod`` fields are added to every line."""
+
+    def __init__(self, pod: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        self.pod = dict(pod or {})
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", None)
+        obj = record_dict(record.created, record.levelname.lower(), record.name, record.getMessage(), self.pod,
+                          fields if isinstance(fields, Mapping) else None)
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """The text form: ``fmt``, then the pod's and the record's fields as ``key=value``."""
+
+    def __init__(self, fmt: str = TEXT_FORMAT, pod: Mapping[str, str] | None = None) -> None:
+        super().__init__(fmt)
+        self.pod = dict(pod or {})
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        fields = getattr(record, "fields", None)
+        extra = {**self.pod, **(fields if isinstance(fields, Mapping) else {})}
+        if extra:
+            text += " " + " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in extra.items())
+        return text
+
+
+def log_fields(logger: logging.Logger, level: int, msg: str, /, **fields: Any) -> None:
+    """``msg`` with structured ``fields`` (keys in the JSON line; ``key=value`` in text)."""
+    logger.log(level, msg, extra={"fields": fields})
+
+
+_HANDLER_NAME = "redirect.logjson"
+
+
+class _FileHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Appends to a file created with mode 0600; ``close`` closes it."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        super().__init__(os.fdopen(fd, "a", encoding="utf-8"))
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            if not self.stream.closed:
+                self.stream.close()
+        finally:
+            self.release()
+        super().close()
+
+
+def setup(
+    *,
+    json_lines: bool,
+    level: int | str = logging.WARNING,
+    logger: str = "redirect",
+    stream: IO[str] | None = None,
+    path: str | None = None,
+    pod: Mapping[str, str] | None = None,
+    text_format: str = TEXT_FORMAT,
+) -> logging.Handler:
+    """Send ``logger``'s records (``redirect`` and below) to ``path`` or ``stream`` (stderr).
+
+    ``json_lines`` picks the format. ``pod`` fields are added to every line. A file is
+    opened for appending and created with mode 0600 (logs name pods and addresses).
+    Replaces the handlers this function added before, so calling it twice does not
+    print every line twice. Returns the handler.
+    """
+    handler: logging.Handler
+    if path is not None:
+        handler = _FileHandler(path)
+    else:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter(pod) if json_lines else TextFormatter(text_format, pod))
+    handler.set_name(_HANDLER_NAME)
+    log = logging.getLogger(logger)
+    for old in [h for h in log.handlers if h.get_name() == _HANDLER_NAME]:
+        log.removeHandler(old)
+        old.close()
+    log.addHandler(handler)
+    log.setLevel(level.upper() if isinstance(level, str) else level)
+    return handler
+
+
+__all__ = ["JsonFormatter", "TextFormatter", "POD_FIELDS", "json_line", "log_fields", "pod_fields",
+           "pod_fields_from_env", "record_dict", "setup", "timestamp"]
