@@ -54,7 +54,8 @@ def env_without_istio(**extra: str) -> dict[str, str]:
 def test_a_record_is_one_line_with_the_pod_fields_bounded() -> None:
     out = io.StringIO()
     logjson.setup(json_lines=True, level="debug", logger="rdrt-test", stream=out,
-                  pod=logjson.pod_fields(pod_name="web\nx" + "a" * 1000, pod_namespace="default", netns="/proc/1/ns/net"))
+                  pod=logjson.pod_fields(pod_name="web\nx" + "a" * 1000, pod_namespace="default",
+                                         netns="/proc/1/ns/net"))
     log = logging.getLogger("rdrt-test.sub")
     logjson.log_fields(log, logging.INFO, "two\nlines", port=15001, msg="not the message")
     try:
