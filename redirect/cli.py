@@ -5,6 +5,8 @@
     redirect check NETNS [--config FILE] [--set ...] [--json]
     redirect show NETNS [--json]
     redirect init [istio-iptables flags]      (drop-in for istio-iptables)
+    redirect wait [--url URL] [--netns NS] [--timeout S] [--period-ms N]   (a postStart hook)
+    redirect inject [-f FILE|-] [--image IMG] [--proxy-image IMG] [--hold-application]
     redirect node setup|check|teardown|add-pod|remove-pod|list-pods   (ambient node probe rules)
 
 Exit codes: 0 ok, 2 bad configuration or usage, 1 failure (nothing was left half-installed).
@@ -99,6 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(i)
     i.add_argument("--netns", dest="netns_alias", metavar="NETNS", help="same as --network-namespace")
     i.set_defaults(func=cmd_init)
+
+    wt = sub.add_parser(
+        "wait",
+        help="wait until the proxy answers (and capture in a netns checks ok); for a postStart hook",
+        description="Return 0 once GET --url answers 200 and, with --netns, the capture installed there equals "
+                    "the config (as `check` compares it; needs CAP_NET_ADMIN there), in one round; "
+                    "exit 1 naming what was not ready after --timeout. Istio's `pilot-agent wait`.",
+    )
+    wt.add_argument("--url", default=None, metavar="URL",
+                    help="http:// URL that answers 200 when the proxy is ready; '' = none "
+                         "(default http://localhost:15020/healthz/ready, or none with --netns)")
+    wt.add_argument("--netns", default=None, metavar="NETNS", help="also wait for capture in this netns")
+    _config_args(wt)
+    _backend_arg(wt)
+    wt.add_argument("--validate", action="store_true",
+                    help="with --netns, also run init's validation probe (listens on the inbound port: "
+                         "before the proxy does)")
+    wt.add_argument("--probe-port", type=int, default=15002, help="port of the validation probe (%(default)s)")
+    wt.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds (%(default)s)")
+    wt.add_argument("--period-ms", type=int, default=500, metavar="N", help="check every N ms (%(default)s)")
+    wt.set_defaults(func=cmd_wait)
 
     for modname in EXTRA_COMMANDS:
         __import__(modname, fromlist=["register"]).register(sub)
@@ -241,7 +264,23 @@ def _pod_netns(args: argparse.Namespace) -> str | None:
     """The pod netns a command works on, for the log lines' ``netns`` field (not the node's)."""
     if args.command == "init":
         return getattr(args, "netns_alias", None) or getattr(args, "network_namespace", None)
-    return getattr(args, "netns", None) if args.command in ("setup", "teardown", "check", "show") else None
+    return getattr(args, "netns", None) if args.command in ("setup", "teardown", "check", "show", "wait") else None
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    from . import wait
+
+    url = args.url if args.url is not None else (None if args.netns else wait.DEFAULT_URL)
+    cfg = _load_config(args) if args.netns else None
+    res = wait.wait(url=url or None, netns=args.netns, config=cfg, backend=args.backend, timeout=args.timeout,
+                    period=args.period_ms / 1000, validate=args.validate, probe_port=args.probe_port)
+    what = " and ".join(x for x in (f"capture in {args.netns}" if args.netns else "", url or "") if x)
+    if res.ok:
+        logging.getLogger("redirect.wait").info("ready after %.2f s (%d rounds)", res.seconds, res.rounds)
+        print(f"ready: {what} ({res.seconds:.2f} s)")
+        return EXIT_OK
+    _error(args, f"redirect: wait: not ready after {res.seconds:.1f} s: {res.reason}")
+    return EXIT_FAIL
 
 
 def _setup_logging(verbose: int, as_json: bool, netns: str | None = None) -> None:
