@@ -123,6 +123,30 @@ def build_parser() -> argparse.ArgumentParser:
     wt.add_argument("--period-ms", type=int, default=500, metavar="N", help="check every N ms (%(default)s)")
     wt.set_defaults(func=cmd_wait)
 
+    j = sub.add_parser(
+        "inject",
+        help="add sidecar capture to pod specs (Pod, Deployment, StatefulSet, DaemonSet, Job, ...), offline",
+        description="Read Kubernetes objects (a YAML stream or JSON) and write them with an init container "
+                    "running `redirect init` (flags from the pod's Istio annotations; the only container with "
+                    "NET_ADMIN/NET_RAW) and, with --proxy-image, a proxy container running as the proxy "
+                    "uid/gid. Objects without a pod template pass through. Idempotent.",
+    )
+    j.add_argument("-f", "--filename", default="-", metavar="FILE", help="input file, - for stdin (default)")
+    j.add_argument("--mode", default="sidecar", help="sidecar (ambient pods need no injection)")
+    j.add_argument("--image", default=None, metavar="IMG", help="image of the init container (redirect:0.1.0)")
+    j.add_argument("--proxy-image", default=None, metavar="IMG", help="add a proxy container with this image")
+    j.add_argument("--hold-application", action="store_true",
+                   help="proxy container first, with a postStart `redirect wait` hook: the app starts once the "
+                        "proxy is ready (its image must carry redirect)")
+    j.add_argument("--ready-url", default=None, metavar="URL",
+                   help="what the hook waits for (http://localhost:15020/healthz/ready)")
+    j.add_argument("--wait-timeout", type=float, default=60.0, metavar="S", help="the hook's --timeout (%(default)s)")
+    j.add_argument("--backend", default="iptables", help="backend of `redirect init`: iptables (default), "
+                                                          "iptables-legacy, iptables-nft or nftables")
+    j.add_argument("--inject-log-json", dest="inject_log_json", action="store_true",
+                   help="the injected redirect commands log JSON lines (--log-json)")
+    j.set_defaults(func=cmd_inject)
+
     for modname in EXTRA_COMMANDS:
         __import__(modname, fromlist=["register"]).register(sub)
     return p
@@ -281,6 +305,30 @@ def cmd_wait(args: argparse.Namespace) -> int:
         return EXIT_OK
     _error(args, f"redirect: wait: not ready after {res.seconds:.1f} s: {res.reason}")
     return EXIT_FAIL
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .k8s import inject
+
+    opts = inject.InjectOptions(image=args.image or inject.DEFAULT_IMAGE, proxy_image=args.proxy_image,
+                                hold_application=args.hold_application, backend=args.backend,
+                                ready_url=args.ready_url or inject.READY_URL, wait_timeout=args.wait_timeout,
+                                log_json=args.inject_log_json, mode=args.mode)
+    try:
+        if args.filename == "-":
+            text = sys.stdin.read(inject.MAX_INPUT + 1)
+        else:
+            with open(args.filename, encoding="utf-8") as f:
+                text = f.read(inject.MAX_INPUT + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("--filename", args.filename, f"cannot be read: {e}") from None
+    notes: list[str] = []
+    out = inject.inject_text(text, opts, notes)
+    for note in notes:
+        logging.getLogger("redirect.inject").warning("%s", note)
+    sys.stdout.write(out)
+    return EXIT_OK
 
 
 def _setup_logging(verbose: int, as_json: bool, netns: str | None = None) -> None:
