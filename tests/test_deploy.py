@@ -1,0 +1,338 @@
+"""``deploy/``: the node DaemonSet validates against the Kubernetes schemas (offline), and its
+containers' command lines, read from the manifest and run as written, make a working node
+under containerd.
+
+There is no kubelet here, so the test does its part by hand: a netns stands for the node
+(the DaemonSet has ``hostNetwork``), each container's command runs in it with the container's
+environment (``$(VAR)`` expanded as the kubelet does) inside a private mount namespace where its
+hostPath and ConfigMap volumes are bind-mounted at their ``mountPath``s (the host paths
+``/etc/cni/net.d``, ``/opt/cni/bin`` and ``/run/redirect`` are directories of the test's own;
+``/run/netns``, ``/sys/fs/bpf`` and ``/run/xtables.lock`` are the machine's, as on a node). The
+probes are the manifest's too. Then ``ctr run --cni`` starts a busybox container on that node:
+the plugin the installer put in place hands it to the agent, the reference node proxy captures
+its traffic, and the runtime's DEL removes it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from redirect import node
+from redirect.agent import client
+from tests import netkit
+from tests.test_cni_containerd import (  # the containerd harness, reused
+    CNI_DIR,
+    NEEDED,
+    Containerd,
+    busybox_rootfs,
+    containerd,  # noqa: F401 - the fixture
+    default_cni_dirs,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S_VERSION = "1.30"
+BIN = os.path.dirname(sys.executable)  # where the console scripts are, as on the image's PATH
+#: hostPath volumes the test points at directories of its own (the rest are the machine's).
+TEST_HOST_PATHS = ("/etc/cni/net.d", "/opt/cni/bin", "/run/redirect")
+
+
+def objects() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return out
+
+
+def the(kind: str) -> dict[str, Any]:
+    (obj,) = [o for o in objects() if o["kind"] == kind]
+    return obj
+
+
+def container(name: str) -> dict[str, Any]:
+    (c,) = [c for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return c
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's ``$(VAR)`` expansion of a command argument (``$$`` is a literal ``$``)."""
+    return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), arg)
+
+
+def container_env(c: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
+    """The container's environment: literal values, downward-API fields, ConfigMap keys."""
+    data = the("ConfigMap")["data"]
+    out: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            out[e["name"]] = expand(e["value"], out)
+        elif "fieldRef" in e.get("valueFrom", {}):
+            out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            out[e["name"]] = data[e["valueFrom"]["configMapKeyRef"]["key"]]
+    return out
+
+
+def argv_of(c: dict[str, Any], env: dict[str, str]) -> list[str]:
+    return [expand(a, env) for a in [*c.get("command", []), *c.get("args", [])]]
+
+
+# --- offline: schemas and consistency -----------------------------------------------------------
+
+
+def test_every_object_validates_against_the_kubernetes_schemas() -> None:
+    objs = objects()
+    assert {o["kind"] for o in objs} >= {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet"}
+    for o in objs:
+        try:
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(f"{o['kind']}/{o['metadata']['name']}: {e.message} at {list(e.path)}") from None
+
+
+def test_the_daemonset_has_what_a_node_needs() -> None:
+    spec = the("DaemonSet")["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and spec["hostPID"] is True
+    host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths >= {"/etc/cni/net.d", "/opt/cni/bin", "/run/netns", "/sys/fs/bpf", "/run/redirect"}
+    assert [c["name"] for c in spec["containers"]] == ["install-cni", "agent", "node-proxy"]
+    assert argv_of(container("install-cni"), {})[:3] == ["redirect-cni", "install", "--watch"]
+    agent = container("agent")
+    assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert agent["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    for c in spec["containers"]:  # every executable logs JSON lines
+        assert "--log-json" in argv_of(c, {}), c["name"]
+    # the ConfigMap's plugin entry is one redirect-cni accepts
+    from redirect.cni.plugin import PluginConf
+
+    entry = json.loads(the("ConfigMap")["data"]["cni-plugin.json"])
+    pc = PluginConf({"cniVersion": "1.0.0", "type": "redirect-cni", **entry})
+    assert pc.mode == "ambient" and pc.agent_socket == argv_of(agent, {"NODE_NAME": "n"})[2]
+    pc.base_config()
+
+
+def test_the_image_recipe_provides_what_the_manifests_run() -> None:
+    text = (DEPLOY / "Containerfile").read_text()
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Containerfile copies {src}, which is not in the tree"
+    setup = (ROOT / "setup.py").read_text()
+    path = re.search(r"^ENV PATH=(\S+)", text, re.M)
+    assert path is not None and "/opt/redirect/venv/bin" in path.group(1).split(":")
+    images = {c["image"] for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]}
+    assert images == {"redirect:0.1.0"} and 'version="0.1.0"' in setup and "redirect:0.1.0" in text
+    for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]:
+        exe = argv_of(c, {})[0]
+        assert f'"{exe}=' in setup, f"{c['name']} runs {exe}, which setup.py does not install"
+
+
+# --- on a node: the command lines as written, under containerd ------------------------------------
+
+
+@contextlib.contextmanager
+def mount_points(*paths: str) -> Iterator[None]:
+    """``paths`` exist as directories to mount over; those created here are removed after."""
+    made: list[str] = []
+    for p in paths:
+        parts = Path(p).parts
+        for i in range(2, len(parts) + 1):
+            d = os.path.join(*parts[:i])
+            if not os.path.isdir(d):
+                os.mkdir(d)
+                made.append(d)
+    try:
+        yield
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+class NodeUnderTest:
+    """The node netns, the host-path stand-ins and the DaemonSet's processes."""
+
+    def __init__(self, base: str) -> None:
+        self.base = Path(base)
+        self.name = f"rdrt-dnode-{os.urandom(3).hex()}"
+        netkit.create_netns(self.name)
+        subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+        self.host = {p: self.base / ("host" + p.replace("/", "_")) for p in TEST_HOST_PATHS}
+        for d in self.host.values():
+            d.mkdir(parents=True)
+        self.config_dir = self.base / "configmap"
+        self.config_dir.mkdir()
+        for key, value in the("ConfigMap")["data"].items():
+            (self.config_dir / key).write_text(value)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def source_of(self, volume: dict[str, Any]) -> str:
+        if "configMap" in volume:
+            return str(self.config_dir)
+        path = volume["hostPath"]["path"]
+        return str(self.host.get(path, path))
+
+    def binds(self, c: dict[str, Any] | None) -> list[tuple[str, str, bool]]:
+        """(source, mountPath, read-only) for a container's volumes; None: the node's own view."""
+        if c is None:
+            return [(str(src), dst, False) for dst, src in self.host.items()]
+        volumes = {v["name"]: v for v in the("DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+        out = []
+        for m in c.get("volumeMounts", []):
+            src = self.source_of(volumes[m["name"]])
+            if src != m["mountPath"]:
+                out.append((src, m["mountPath"], bool(m.get("readOnly"))))
+        return out
+
+    def command(self, argv: list[str], binds: list[tuple[str, str, bool]]) -> list[str]:
+        steps = []
+        for src, dst, ro in binds:
+            steps.append(f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}")
+            if ro:
+                steps.append(f"mount -o remount,bind,ro {shlex.quote(dst)}")
+        return ["nsenter", f"--net=/run/netns/{self.name}", "--", "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", " && ".join([*steps, 'exec "$@"']), "sh", *argv]
+
+    def env(self, extra: dict[str, str]) -> dict[str, str]:
+        keep = {k: v for k, v in os.environ.items() if not k.startswith(("ISTIO_", "REDIRECT_", "CNI_", "POD_"))}
+        return {**keep, "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}", **extra}
+
+    def start(self, name: str) -> list[str]:
+        c = container(name)
+        cenv = container_env(c, {"spec.nodeName": self.name})
+        argv = argv_of(c, cenv)
+        with open(self.base / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen(self.command(argv, self.binds(c)), env=self.env(cenv),
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return argv
+
+    def log(self, name: str) -> str:
+        return (self.base / f"{name}.log").read_text()
+
+    def probe(self, probe: dict[str, Any]) -> int:
+        g = probe["httpGet"]
+        url = f"http://{g.get('host', '127.0.0.1')}:{g['port']}{g['path']}"
+
+        def get() -> int:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as e:
+                return int(e.code)
+            except OSError:
+                return 0
+
+        return netkit.in_netns(self.name, get)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        try:
+            node.teardown_node(self.name)
+        finally:
+            netkit.remove_netns(self.name)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    assert recs and all({"time", "level", "msg"} <= r.keys() for r in recs), text[-2000:]
+    return recs
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or None in NEEDED or not os.path.exists(f"{CNI_DIR}/bridge"),
+                    reason="needs root, containerd, ctr, runc, busybox-static, unshare and the CNI reference plugins")
+@pytest.mark.timeout(180)
+def test_the_daemonsets_command_lines_run_a_node_that_captures_a_containerd_pod(
+        containerd: Containerd) -> None:  # noqa: F811 - pytest's fixture by name
+    mounts = ["/etc/redirect", *TEST_HOST_PATHS]
+    with default_cni_dirs(), mount_points(*mounts):
+        n = NodeUnderTest(containerd.base)
+        run: subprocess.Popen[bytes] | None = None
+        try:
+            net_d, bin_d, run_d = (n.host[p] for p in TEST_HOST_PATHS)
+            for plugin in ("bridge", "host-local", "loopback"):
+                os.symlink(os.path.join(CNI_DIR, plugin), bin_d / plugin)
+            r = int.from_bytes(os.urandom(1), "big") % 200 + 20
+            (net_d / "10-rdrt-node.conflist").write_text(json.dumps({
+                "cniVersion": "1.0.0", "name": "rdrt-node", "plugins": [{
+                    "type": "bridge", "bridge": "rdrtbr0", "isGateway": False, "ipMasq": False,
+                    "ipam": {"type": "host-local", "subnet": f"10.246.{r}.0/24",
+                             "dataDir": str(n.base / "ipam")}}]}))
+            for name in ("agent", "node-proxy", "install-cni"):
+                n.start(name)
+            deadline = time.monotonic() + 60
+            while not (n.probe(container("agent")["readinessProbe"]) == 200
+                       and '"redirect-cni"' in (net_d / "10-rdrt-node.conflist").read_text()
+                       and (bin_d / "redirect-cni").exists()):
+                for name, p in n.procs.items():
+                    assert p.poll() is None, f"{name} exited: {n.log(name)[-3000:]}"
+                assert time.monotonic() < deadline, {k: n.log(k)[-1500:] for k in n.procs}
+                time.sleep(0.1)
+            assert n.probe(container("agent")["livenessProbe"]) == 200
+
+            cid = f"rdrt-{os.urandom(3).hex()}"
+            rootfs = n.base / "rootfs"
+            busybox_rootfs(str(rootfs))
+            run = subprocess.Popen(
+                n.command(["ctr", "-a", containerd.sock, "run", "--rm", "--cni", "--rootfs", str(rootfs), cid,
+                           "/bin/sleep", "60"], n.binds(None)),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            pid = None
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and run.poll() is None and pid is None:
+                pid = containerd.task_pid(cid)
+                time.sleep(0.05)
+            assert pid is not None, run.stdout.read() if run.stdout and run.poll() is not None else "no task"
+            (pod,) = client.list_pods(str(run_d / "agent.sock"))  # enrolled before the task ran
+            assert pod["uid"] == f"default-{cid}" and pod["ips"][0].startswith(f"10.246.{r}.")
+            assert node.list_pods(n.name) == {ip: pod["uid"] for ip in pod["ips"]}  # the node's probe sets
+            target = f"10.246.{r}.200"
+            containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c",
+                           f"echo hi | /bin/busybox nc -w 1 {target} 8080", timeout=15)
+            deadline = time.monotonic() + 10
+            while not [e for e in json_lines(n.log("node-proxy")) if e.get("event") == "accept"]:
+                assert time.monotonic() < deadline, n.log("node-proxy")[-2000:]
+                time.sleep(0.05)
+            (accept,) = [e for e in json_lines(n.log("node-proxy")) if e.get("event") == "accept"]
+            assert accept["orig_dst"] == [target, 8080] and accept["pod"] == pod["uid"], accept
+
+            containerd.ctr("task", "kill", "-s", "KILL", cid)
+            run.wait(20)
+            assert client.list_pods(str(run_d / "agent.sock")) == [] and node.list_pods(n.name) == {}
+            cni_log = json_lines((run_d / "cni.log").read_text())  # the ConfigMap's logFile, as JSON lines
+            assert {r.get("container_id") for r in cni_log} == {f"default-{cid}"}
+            assert [r for r in cni_log if "ADD" in r["msg"]] and [r for r in cni_log if "DEL" in r["msg"]]
+            for name in ("agent", "install-cni"):
+                json_lines(n.log(name))
+        finally:
+            if run is not None and run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait(5)
+            n.close()
