@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import kubernetes_validate
@@ -21,6 +22,7 @@ from redirect.errors import ConfigError
 from redirect.istio import config_from_istio_args
 from redirect.k8s import inject
 from tests.netkit import Pod
+from tests.test_wait import health
 
 K8S_VERSION = "1.30"
 T = "traffic.sidecar.istio.io/"
@@ -196,6 +198,40 @@ def test_the_injected_init_command_installs_what_the_annotations_mean(pod: Pod) 
         res = redirect.check(pod.name, config_from_annotations(annotations))
         assert res.ok, res.differences
         assert not redirect.check(pod.name, config_from_annotations({})).ok  # and not the defaults
+    finally:
+        redirect.teardown(pod.name)
+
+
+def test_a_held_pod_starts_as_the_kubelet_would_run_its_injected_commands(pod: Pod) -> None:
+    """The injected init command, then the proxy's postStart hook exactly as written (Istio's URL on
+    localhost:15020 inside the pod): the hook returns only once the proxy answers, and fails (the
+    kubelet would kill the container) when it never does."""
+    injected = inject.inject_object(workloads({T + "excludeOutboundPorts": "22"})[0],
+                                    inject.InjectOptions(proxy_image="proxy-with-redirect:1", hold_application=True,
+                                                         wait_timeout=20))
+    spec = injected["spec"]
+    hook = spec["containers"][0]["lifecycle"]["postStart"]["exec"]["command"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ISTIO_", "REDIRECT_", "ENVOY_", "INVALID_"))}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '/usr/bin:/bin')}"  # redirect on PATH
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", "netns", "exec", pod.name, *command], capture_output=True, text=True,
+                              timeout=60, env=env)
+
+    try:
+        p = run(spec["initContainers"][0]["command"])
+        assert p.returncode == 0, p.stderr
+        with health(pod.name, ready_after=1.0, port=15020) as h:
+            t0 = time.monotonic()
+            p = run(hook)
+            took = time.monotonic() - t0
+        assert p.returncode == 0 and took >= 1.0, (p.stderr, took)
+        assert h.answers[-1] == 200 and 503 in h.answers
+        short = inject.inject_object(injected, inject.InjectOptions(proxy_image="p:1", hold_application=True,
+                                                                    wait_timeout=1))
+        with health(pod.name, ready_after=None, port=15020):
+            p = run(short["spec"]["containers"][0]["lifecycle"]["postStart"]["exec"]["command"])
+        assert p.returncode == 1 and "503" in p.stderr, p.stderr
     finally:
         redirect.teardown(pod.name)
 

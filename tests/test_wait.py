@@ -25,7 +25,7 @@ class Health:
     """An HTTP server on 127.0.0.1 inside ``ns``: 503 until ``ready_after`` s have passed, then 200
     (``ready_after=None``: never ready)."""
 
-    def __init__(self, ns: str, ready_after: float | None) -> None:
+    def __init__(self, ns: str, ready_after: float | None, port: int = 0) -> None:
         self.t0 = time.monotonic()
         self.ready_after = ready_after
         self.answers: list[int] = []
@@ -43,7 +43,7 @@ class Health:
                 pass
 
         with rnetns.enter(ns):  # the listening socket belongs to the pod netns from here on
-            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/healthz/ready"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -56,8 +56,8 @@ class Health:
 
 
 @contextmanager
-def health(ns: str, ready_after: float | None) -> Iterator[Health]:
-    h = Health(ns, ready_after)
+def health(ns: str, ready_after: float | None, port: int = 0) -> Iterator[Health]:
+    h = Health(ns, ready_after, port)
     try:
         yield h
     finally:
