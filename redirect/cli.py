@@ -174,7 +174,7 @@ def _parse_value(v: str) -> Any:
     if s.startswith(("[", "{", '"')):
         try:
             return json.loads(s)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or nested too deeply): the text itself
             return s
     return s
 

@@ -8,7 +8,10 @@ raises ``ConfigError`` naming the field and the value, before anything touches a
 kernel. Nothing downstream re-validates.
 
 Port, CIDR and id lists accept Python sequences or comma-separated strings; ``"*"``
-means "all" where a field allows it, and an empty value means "none".
+means "all" where a field allows it, and an empty value means "none". Numbers in strings
+are ASCII digits only (marks may be ``0x`` hex). A JSON or YAML document (text or file)
+may be at most ``MAX_CONFIG_BYTES`` (256 KiB) long; error messages show at most a
+couple of hundred characters of a value.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import ipaddress
 import json
 import pwd
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, brief, brief_text
 
 Mode = Literal["sidecar", "ambient"]
 Interception = Literal["REDIRECT", "TPROXY"]
@@ -33,8 +36,17 @@ Ports = Union[Literal["*"], tuple[int, ...]]
 Cidrs = Union[Literal["*"], tuple[str, ...]]
 Groups = Union[Literal["*"], tuple[IdSpec, ...]]
 
-_IFNAME = re.compile(r"^[^\s/:]{1,15}$")
 _MAX_ID = 2**32 - 2  # (uid_t)-1 is "no id"
+#: The longest JSON or YAML config document accepted (a file's bytes, a string's characters).
+MAX_CONFIG_BYTES = 256 * 1024
+# ASCII digits only: ``int()`` and ``\d`` also accept other scripts' digits and "1_0".
+_DEC = re.compile(r"[0-9]{1,20}")
+_DEC_OR_HEX = re.compile(r"[0-9]{1,20}|0x[0-9a-f]{1,16}")
+_ID_RANGE = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+#: Characters an interface name may not contain: the kernel refuses '/' and ':' (and whitespace,
+#: with printable ASCII required anyway); the others mean something where names are written
+#: (lists, iptables-restore quoting, nftables wildcards and escapes).
+_IFNAME_BAD = frozenset('/:,"\'*\\')
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,10 @@ class RedirectConfig:
     #: Capture DNS to every server, not just ``dns_servers``.
     capture_all_dns: bool = False
     dns_servers: tuple[str, ...] = ()
+    #: With DNS capture, the proxy gids' hairpin rule (their lo traffic to a non-loopback address
+    #: goes to inbound capture) leaves port 53 alone, as the uids' does. istio-iptables leaves only
+    #: the tunnel port alone for gids; ``redirect init`` sets False to match it exactly.
+    gid_hairpin_skips_dns: bool = True
     #: Drop packets conntrack deems INVALID (out-of-window) instead of letting them reset.
     drop_invalid: bool = False
     #: The loopback range that is never captured (Istio's ``ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR``).
@@ -120,39 +136,44 @@ class RedirectConfig:
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            name = str(key).replace("-", "_")
+            if not isinstance(key, str):
+                raise ConfigError(brief(key, 60), value, "field names are strings")
+            name = key.replace("-", "_")
             if name not in known:
-                raise ConfigError(str(key), value, f"unknown field; known fields: {', '.join(sorted(known))}")
+                raise ConfigError(brief_text(key, 60), value,
+                                  f"unknown field; known fields: {', '.join(sorted(known))}")
             kwargs[name] = value
         return cls(**kwargs)
 
     @classmethod
     def from_json(cls, text: str) -> RedirectConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError("config", text[:80], f"not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        """Build from a JSON object of field names (at most ``MAX_CONFIG_BYTES`` characters)."""
+        return cls.from_dict(_decode(text, "JSON", "config", text))
 
     @classmethod
     def from_yaml(cls, text: str) -> RedirectConfig:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError("config", text[:80], f"not valid YAML: {e}") from None
-        return cls.from_dict(data or {})
+        """Build from a YAML mapping of field names (at most ``MAX_CONFIG_BYTES`` characters)."""
+        return cls.from_dict(_decode(text, "YAML", "config", text))
 
     @classmethod
     def from_file(cls, path: str) -> RedirectConfig:
-        """Build from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        """Build from a ``.json``, ``.yaml`` or ``.yml`` file (UTF-8, at most ``MAX_CONFIG_BYTES``)."""
+        import os
+
+        path = os.fspath(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
-            raise ConfigError("config", path, f"cannot read: {e.strerror}") from None
-        return cls.from_json(text) if path.endswith(".json") else cls.from_yaml(text)
+            raise ConfigError("config", path, f"cannot read: {e.strerror or e}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError("config", path, f"larger than {MAX_CONFIG_BYTES} bytes, the limit for a config file")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError("config", path, f"not UTF-8 text: byte {e.start} is {raw[e.start:e.start + 1]!r}") \
+                from None
+        return cls.from_dict(_decode(text, "JSON" if path.endswith(".json") else "YAML", "config", path))
 
     def replace(self, **changes: Any) -> RedirectConfig:
         """A copy with some fields changed (validated again)."""
@@ -181,6 +202,30 @@ class RedirectConfig:
         return self.dns_capture and (self.capture_all_dns or bool(self.dns_servers))
 
 
+def _decode(text: str, kind: str, field: str, source: object) -> Any:
+    """The document in ``text`` (``kind`` "JSON" or "YAML"); a ``ConfigError`` naming ``field`` and
+    ``source`` (the text itself, or the file it came from) when it is too long or does not decode."""
+    if not isinstance(text, str):
+        raise ConfigError(field, source, f"expected {kind} text, not {type(text).__name__}")
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(field, source, f"{len(text)} characters: longer than the {MAX_CONFIG_BYTES} allowed")
+    load: Callable[[str], Any]
+    errors: tuple[type[Exception], ...]
+    if kind == "JSON":
+        load, errors = json.loads, (ValueError,)
+    else:
+        import yaml
+
+        load, errors = yaml.safe_load, (ValueError, yaml.YAMLError)
+    try:
+        data = load(text)
+    except RecursionError:
+        raise ConfigError(field, source, f"not valid {kind}: nested too deeply") from None
+    except errors as e:  # also ValueError: an integer too long for Python to convert
+        raise ConfigError(field, source, f"not valid {kind}: {brief_text(str(e))}") from None
+    return {} if data is None and kind == "YAML" else data  # an empty YAML document: the defaults
+
+
 # --- validation ----------------------------------------------------------------------
 
 
@@ -201,104 +246,111 @@ def _split(value: object) -> list[object]:
 def _port(name: str, raw: object, value: object) -> int:
     if isinstance(value, bool):
         raise ConfigError(name, raw, "ports must be integers 1-65535, not booleans")
-    try:
-        port = int(value) if not isinstance(value, float) else None  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        port = None
-    if port is None or not 1 <= port <= 65535 or (isinstance(value, str) and not value.strip().isdigit()):
-        raise ConfigError(name, raw, f"{value!r} is not a port (1-65535)")
+    port: int | None = None
+    if isinstance(value, int):
+        port = value
+    elif isinstance(value, str) and _DEC.fullmatch(value.strip()):
+        port = int(value.strip())
+    if port is None or not 1 <= port <= 65535:
+        raise ConfigError(name, raw, f"{brief(value)} is not a port (1-65535)")
     return port
 
 
-def _ports(name: str, value: object, star: bool) -> Ports:
-    if star and (value == "*" or value == ["*"] or value == ("*",)):
-        return "*"
+def _star(value: object) -> bool:
+    return value == "*" or value == ["*"] or value == ("*",)
+
+
+def _items(name: str, value: object, star: bool, what: str) -> list[object]:
     try:
         items = _split(value)
     except TypeError:
-        raise ConfigError(name, value, "expected a list of ports or a comma-separated string") from None
+        raise ConfigError(name, value, f"expected a list of {what} or a comma-separated string") from None
     if "*" in items:
         raise ConfigError(name, value, '"*" is not allowed here' if not star else '"*" must stand alone')
-    out: list[int] = []
-    for item in items:
-        p = _port(name, value, item)
-        if p not in out:
-            out.append(p)
-    return tuple(out)
+    return items
+
+
+def _ports(name: str, value: object, star: bool) -> Ports:
+    if star and _star(value):
+        return "*"
+    items = _items(name, value, star, "ports")
+    return tuple(dict.fromkeys(_port(name, value, item) for item in items))  # in order, once each
 
 
 def _cidr(name: str, raw: object, value: object) -> str:
     if not isinstance(value, str):
-        raise ConfigError(name, raw, f"{value!r} is not a CIDR string")
+        raise ConfigError(name, raw, f"{brief(value)} is not a CIDR string")
     try:
         net = ipaddress.ip_network(value.strip(), strict=False)
     except ValueError:
-        raise ConfigError(name, raw, f"{value!r} is not an IPv4 or IPv6 CIDR") from None
+        raise ConfigError(name, raw, f"{brief(value)} is not an IPv4 or IPv6 CIDR") from None
     return str(net)
 
 
 def _cidrs(name: str, value: object, star: bool) -> Cidrs:
-    if star and (value == "*" or value == ["*"] or value == ("*",)):
+    if star and _star(value):
         return "*"
-    try:
-        items = _split(value)
-    except TypeError:
-        raise ConfigError(name, value, "expected a list of CIDRs or a comma-separated string") from None
-    if "*" in items:
-        raise ConfigError(name, value, '"*" is not allowed here' if not star else '"*" must stand alone')
-    out: list[str] = []
-    for item in items:
-        c = _cidr(name, value, item)
-        if c not in out:
-            out.append(c)
-    return tuple(out)
+    items = _items(name, value, star, "CIDRs")
+    return tuple(dict.fromkeys(_cidr(name, value, item) for item in items))
 
 
 def _id(name: str, raw: object, value: object, kind: str) -> IdSpec:
     if isinstance(value, bool):
-        raise ConfigError(name, raw, f"{value!r} is not a {kind} id")
+        raise ConfigError(name, raw, f"{brief(value)} is not a {kind} id")
     if isinstance(value, int):
         n = value
     elif isinstance(value, (tuple, list)) and len(value) == 2:
         lo = _id(name, raw, value[0], kind)
         hi = _id(name, raw, value[1], kind)
         if not isinstance(lo, int) or not isinstance(hi, int) or lo > hi:
-            raise ConfigError(name, raw, f"{value!r} is not a {kind} id range low-high")
+            raise ConfigError(name, raw, f"{brief(value)} is not a {kind} id range low-high")
         return (lo, hi) if lo != hi else lo
     elif isinstance(value, str):
         s = value.strip()
-        if re.fullmatch(r"\d+", s):
+        if _DEC.fullmatch(s):
             n = int(s)
-        elif re.fullmatch(r"\d+-\d+", s):
-            lo_s, hi_s = s.split("-")
-            return _id(name, raw, (int(lo_s), int(hi_s)), kind)
+        elif m := _ID_RANGE.fullmatch(s):
+            return _id(name, raw, (int(m[1]), int(m[2])), kind)
         else:
             try:
                 n = pwd.getpwnam(s).pw_uid if kind == "user" else grp.getgrnam(s).gr_gid
             except (KeyError, ValueError):
-                raise ConfigError(name, raw, f"{s!r} is not a number, a range, or a known {kind} name") from None
+                raise ConfigError(name, raw, f"{brief(s)} is not a number, a range, or a known {kind} name") from None
     else:
-        raise ConfigError(name, raw, f"{value!r} is not a {kind} id")
+        raise ConfigError(name, raw, f"{brief(value)} is not a {kind} id")
     if not 0 <= n <= _MAX_ID:
-        raise ConfigError(name, raw, f"{n} is out of range for a {kind} id (0-{_MAX_ID})")
+        raise ConfigError(name, raw, f"{brief(n)} is out of range for a {kind} id (0-{_MAX_ID})")
     return n
 
 
 def _ids(name: str, value: object, kind: str, star: bool = False) -> Any:
-    if star and (value == "*" or value == ["*"] or value == ("*",)):
+    if star and _star(value):
         return "*"
-    try:
-        items = _split(value)
-    except TypeError:
-        raise ConfigError(name, value, f"expected a list of {kind} ids or a comma-separated string") from None
-    if "*" in items:
-        raise ConfigError(name, value, '"*" is not allowed here' if not star else '"*" must stand alone')
-    out: list[IdSpec] = []
-    for item in items:
-        i = _id(name, value, item, kind)
-        if i not in out:
-            out.append(i)
-    return tuple(out)
+    items = _items(name, value, star, f"{kind} ids")
+    return tuple(dict.fromkeys(_id(name, value, item, kind) for item in items))
+
+
+def _ifname_problem(item: object) -> str | None:
+    """Why ``item`` is not an interface name we accept, or None. The kernel's rules (1-15 bytes,
+    not "." or "..", no '/', ':' or whitespace), in printable ASCII, and nothing that iptables or
+    nftables would read as more than a name: '+' at the end is iptables' wildcard (``l+``
+    matches lo), a leading '-' or '!' an option or a negation."""
+    if not isinstance(item, str):
+        return "interface names are strings"
+    if not 1 <= len(item) <= 15:
+        return "an interface name is 1-15 characters"
+    if not (item.isascii() and item.isprintable()) or " " in item:
+        return "an interface name is printable ASCII without spaces"
+    if item in (".", ".."):
+        return '"." and ".." are not interface names'
+    bad = sorted(set(item) & _IFNAME_BAD)
+    if bad:
+        return f"an interface name may not contain {' '.join(bad)}"
+    if item[0] in "-!":
+        return f"an interface name may not start with {item[0]} (iptables reads an option or a negation)"
+    if item.endswith("+"):
+        return "an interface name may not end with + (an iptables wildcard: it would match other interfaces)"
+    return None
 
 
 def _ifaces(name: str, value: object) -> tuple[str, ...]:
@@ -306,13 +358,11 @@ def _ifaces(name: str, value: object) -> tuple[str, ...]:
         items = _split(value)
     except TypeError:
         raise ConfigError(name, value, "expected a list of interface names") from None
-    out: list[str] = []
     for item in items:
-        if not isinstance(item, str) or not _IFNAME.match(item) or item in (".", ".."):
-            raise ConfigError(name, value, f"{item!r} is not a valid interface name (1-15 chars, no / : or space)")
-        if item not in out:
-            out.append(item)
-    return tuple(out)
+        why = _ifname_problem(item)
+        if why is not None:
+            raise ConfigError(name, value, f"{brief(item)} is not a valid interface name: {why}")
+    return tuple(dict.fromkeys(items))  # type: ignore[arg-type]
 
 
 def _int(name: str, value: object, lo: int, hi: int) -> int:
@@ -320,10 +370,9 @@ def _int(name: str, value: object, lo: int, hi: int) -> int:
         raise ConfigError(name, value, f"expected an integer {lo}-{hi}")
     if isinstance(value, str):
         s = value.strip().lower()
-        try:
-            value = int(s, 16) if s.startswith("0x") else int(s)
-        except ValueError:
-            raise ConfigError(name, value, f"expected an integer {lo}-{hi}") from None
+        if not _DEC_OR_HEX.fullmatch(s):
+            raise ConfigError(name, value, f"expected an integer {lo}-{hi} (decimal, or hex with 0x)")
+        value = int(s, 16) if s.startswith("0x") else int(s)
     if not isinstance(value, int) or not lo <= value <= hi:
         raise ConfigError(name, value, f"expected an integer {lo}-{hi}")
     return value
@@ -346,11 +395,13 @@ def _bool(name: str, value: object, allow_none: bool = False) -> bool | None:
 
 
 def _addr(name: str, value: object, version: int) -> str:
+    if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
+        value = str(value)
     try:
-        a = ipaddress.ip_address(str(value).strip())
+        a = ipaddress.ip_address(value.strip()) if isinstance(value, str) else None
     except ValueError:
-        raise ConfigError(name, value, f"not an IPv{version} address") from None
-    if a.version != version:
+        a = None
+    if a is None or a.version != version:
         raise ConfigError(name, value, f"not an IPv{version} address")
     return str(a)
 
@@ -399,21 +450,24 @@ def _validate(cfg: RedirectConfig) -> None:
         bad = "exclude_interfaces" if "lo" in cfg.exclude_interfaces else "reroute_interfaces"
         raise ConfigError(bad, getattr(cfg, bad), '"lo" carries the proxy hand-off and cannot be listed')
 
-    for name in ("dns_capture", "capture_all_dns", "drop_invalid", "bypass_inbound_capture"):
+    for name in ("dns_capture", "capture_all_dns", "gid_hairpin_skips_dns", "drop_invalid", "bypass_inbound_capture"):
         _set(cfg, name, _bool(name, getattr(cfg, name)))
     _set(cfg, "ipv6", _bool("ipv6", cfg.ipv6, allow_none=True))
     try:
         servers = _split(cfg.dns_servers)
     except TypeError:
         raise ConfigError("dns_servers", cfg.dns_servers, "expected a list of IP addresses") from None
-    out: list[str] = []
+    out: dict[str, None] = {}
     for s in servers:
+        if isinstance(s, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
+            s = str(s)
         try:
-            a = str(ipaddress.ip_address(str(s).strip()))
+            a = str(ipaddress.ip_address(s.strip())) if isinstance(s, str) else None
         except ValueError:
-            raise ConfigError("dns_servers", cfg.dns_servers, f"{s!r} is not an IP address") from None
-        if a not in out:
-            out.append(a)
+            a = None
+        if a is None:
+            raise ConfigError("dns_servers", cfg.dns_servers, f"{brief(s)} is not an IP address")
+        out[a] = None
     _set(cfg, "dns_servers", tuple(out))
 
     _set(cfg, "tproxy_mark", _int("tproxy_mark", cfg.tproxy_mark, 1, 2**32 - 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,18 +95,19 @@ def _env_name(long: str) -> str:
     return long.lstrip("-").replace("-", "_").upper()
 
 
+_DURATION = re.compile(r"([0-9]{1,6}(?:\.[0-9]{1,6})?)(ms|s|m)?")
+MAX_PROBE_TIMEOUT = 600.0
+
+
 def _duration(name: str, value: str) -> float:
-    v = value.strip()
-    try:
-        if v.endswith("ms"):
-            return float(v[:-2]) / 1000
-        if v.endswith("s"):
-            return float(v[:-1])
-        if v.endswith("m"):
-            return float(v[:-1]) * 60
-        return float(v)
-    except ValueError:
-        raise ConfigError(name, value, "expected a duration like 5s or 500ms") from None
+    """A duration like ``5s``, ``500ms``, ``1m`` or ``2`` (seconds): ASCII digits, up to 10 minutes."""
+    m = _DURATION.fullmatch(value.strip())
+    if m is None:
+        raise ConfigError(name, value, "expected a duration like 5s or 500ms")
+    seconds = float(m[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m[2]]
+    if not 0 < seconds <= MAX_PROBE_TIMEOUT:
+        raise ConfigError(name, value, f"expected a duration above 0 and at most {MAX_PROBE_TIMEOUT:g}s")
+    return seconds
 
 
 def _truthy(name: str, value: str) -> bool:
@@ -152,6 +154,9 @@ def options_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = No
         kwargs["owner_groups_exclude"] = env["ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE"]
     if env.get("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR"):
         kwargs["ipv4_loopback_cidr"] = env["ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR"]
+    if kwargs.get("dns_capture"):
+        # istio-iptables' hairpin rule for proxy gids leaves only the tunnel port alone, DNS or not.
+        kwargs["gid_hairpin_skips_dns"] = False
     if kwargs.get("dns_capture") and not kwargs.get("capture_all_dns"):
         kwargs["dns_servers"] = resolv_conf_servers(env.get("REDIRECT_RESOLV_CONF", "/etc/resolv.conf"))
     # Istio: the exclude lists only apply when capturing all; "*" in the exclude CIDRs is rejected.
@@ -172,12 +177,10 @@ def options_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = No
         backend = f"iptables-{variant}" if variant else "iptables"
     else:
         backend = "iptables"
-    try:
-        probe_port = int(raw["--iptables-probe-port"])
-        if not 1 <= probe_port <= 65535:
-            raise ValueError
-    except ValueError:
-        raise ConfigError("--iptables-probe-port", raw["--iptables-probe-port"], "not a port (1-65535)") from None
+    probe = raw["--iptables-probe-port"].strip()
+    probe_port = int(probe) if re.fullmatch(r"[0-9]{1,5}", probe) else 0  # ASCII digits only
+    if not 1 <= probe_port <= 65535:
+        raise ConfigError("--iptables-probe-port", raw["--iptables-probe-port"], "not a port (1-65535)")
     return InitOptions(
         config=cfg,
         netns=raw["--network-namespace"] or None,
@@ -210,14 +213,18 @@ def _default_proxy_uid(env: Mapping[str, str]) -> str:
         return DEFAULT_PROXY_UID
 
 
+#: How much of resolv.conf is read (glibc uses at most 3 nameservers anyway).
+MAX_RESOLV_CONF = 64 * 1024
+
+
 def resolv_conf_servers(path: str = "/etc/resolv.conf") -> tuple[str, ...]:
     """The ``nameserver`` addresses of a resolv.conf (empty if it can't be read)."""
     import ipaddress
 
     out: list[str] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
+    try:  # bounded and never fatal: a resolv.conf that is huge or not UTF-8 gives what it can
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f.read(MAX_RESOLV_CONF).splitlines():
                 parts = line.split()
                 if len(parts) >= 2 and parts[0] == "nameserver":
                     try:

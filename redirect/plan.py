@@ -405,8 +405,9 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
             else:
                 b.add("nat", "INBOUND", [TCP], Jump("IN_REDIRECT"), "inbound to the proxy")
         else:
+            skip = {*cfg.inbound_exclude_ports, cfg.tunnel_port}  # a set: both lists may be long
             for p in cfg.inbound_ports:
-                if p in cfg.inbound_exclude_ports or p == cfg.tunnel_port:
+                if p in skip:
                     continue
                 if tproxy:
                     b.add("mangle", "INBOUND", [TCP, Port("dst", (p,)), CtState(("RELATED", "ESTABLISHED"))],
@@ -427,12 +428,14 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
 
     include = cfg.outbound_cidrs
     include_has_loopback = include != "*" and any(ipaddress.ip_network(c).is_loopback for c in include)
-    hairpin_exclude = (DNS_PORT, cfg.tunnel_port) if dns else (cfg.tunnel_port,)
     for kind, ids in (("uid", uids), ("gid", gids)):
+        # With DNS capture the proxy's own DNS over lo is not hairpinned either (Istio: only for
+        # uids; for gids only with gid_hairpin_skips_dns, our default, see README).
+        skip_dns = dns and (kind == "uid" or cfg.gid_hairpin_skips_dns)
+        hairpin_exclude = (DNS_PORT, cfg.tunnel_port) if skip_dns else (cfg.tunnel_port,)
         for i in ids:
             # app -> own service VIP -> proxy -> app: the proxy's lo traffic to a
-            # non-loopback address goes to inbound capture. (Istio skips port 53 only
-            # for uids; we apply it to both, the DNS listener lives on lo too.)
+            # non-loopback address goes to inbound capture.
             for fam, lo in loop.items():
                 b.add("nat", "OUTBOUND",
                       [Iface("out", "lo"), Addr("dst", lo, neg=True), TCP, Port("dst", hairpin_exclude, neg=True),
@@ -483,9 +486,10 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
         b.add("mangle", "OUTPUT", [TCP, ConnMark(cfg.tproxy_mark)], RestoreMark(), "replies follow the policy route")
         for fam in FAMILIES:
             routes.append(PolicyRoute(fam, cfg.tproxy_mark, 0xFFFFFFFF, cfg.tproxy_route_table))  # type: ignore[arg-type]
-    if cfg.inbound_ports != ():
-        # The proxy's inbound passthrough binds ::6 (IPv4 has all of 127/8 on lo already).
-        addresses.append(LocalAddress(6, INBOUND_PASSTHROUGH_V6))
+    # The proxy's inbound passthrough binds ::6 (IPv4 has all of 127/8 on lo already). As in
+    # istio-iptables, it comes whatever the inbound ports (the backends add it only in a pod with
+    # IPv6 of its own, Istio's EnableIPv6).
+    addresses.append(LocalAddress(6, INBOUND_PASSTHROUGH_V6))
 
     return Plan("sidecar", b.build(), tuple(routes), tuple(addresses), cfg.ipv6)
 

@@ -776,6 +776,8 @@ def _unsupported(cfg: RedirectConfig) -> None:
         no(f"exclude_interfaces={cfg.exclude_interfaces!r}", "socket hooks run before routing picks an interface")
     if cfg.reroute_interfaces:
         no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
+    if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
+        no("gid_hairpin_skips_dns=False", "the programs leave port 53 alone for proxy uids and gids alike")
     for name in ("proxy_uids", "proxy_gids", "owner_groups", "owner_groups_exclude"):
         if getattr(cfg, name) != "*" and len(getattr(cfg, name)) > MAX_IDS:
             no(f"{name} with more than {MAX_IDS} entries", "fixed-size policy entry")
@@ -863,7 +865,8 @@ def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[byt
         if cfg.inbound_ports == "*":
             ports |= {(PORT_IN_EXCL, p) for p in cfg.inbound_exclude_ports}
         else:
-            ports |= {(PORT_IN_INCL, p) for p in cfg.inbound_ports if p not in cfg.inbound_exclude_ports}
+            excluded = set(cfg.inbound_exclude_ports)
+            ports |= {(PORT_IN_INCL, p) for p in cfg.inbound_ports if p not in excluded}
     cidrs: set[tuple[int, int, bytes]] = set()
 
     def add(kind4: int, kind6: int, items: tuple[str, ...]) -> None:

@@ -56,8 +56,12 @@ The pod namespace comes from ``CNI_ARGS`` ``K8S_POD_NAMESPACE``. Each source mus
 be a mapping of strings to strings; a bad source or a bad value fails ADD (and
 CHECK) with code 101 naming the annotation and the value.
 
-Error codes: 1 incompatible cniVersion, 4 invalid network config, 6 undecodable
-stdin, 7 invalid environment variables, 11 try again later (backend busy),
+The network config on stdin may be at most ``MAX_STDIN`` (1 MiB); a longer one, one that is
+not UTF-8 JSON, or one nested too deeply is error 6. ``CNI_NETNS`` is resolved the same way by
+every command (a bare name is one under ``/run/netns``).
+
+Error codes: 1 incompatible cniVersion, 4 invalid network config (a malformed ``prevResult``
+included), 6 undecodable stdin, 7 invalid environment variables, 11 try again later (backend busy),
 50 plugin not available (STATUS); ours: 100 setup failed, 101 bad pod annotation,
 102 backend unavailable, 103 the node agent did not enrol the ambient pod (unreachable, timed out, refused),
 104 CHECK found differences, 105 teardown failed.
@@ -70,6 +74,8 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import Any
+
+from ..errors import brief
 
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST = "1.1.0"
@@ -87,6 +93,9 @@ E_BACKEND = 102
 E_AMBIENT = 103
 E_CHECK = 104
 E_TEARDOWN = 105
+
+#: The longest network config accepted on stdin, in bytes.
+MAX_STDIN = 1 << 20
 
 RUNTIME_ANNOTATION_KEYS = ("io.kubernetes.cri.pod-annotations", "podAnnotations")
 CNI_ARGS_ANNOTATIONS = "REDIRECT_ANNOTATIONS"
@@ -114,17 +123,21 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 def parse_netconf(raw: bytes) -> dict[str, Any]:
     """The network config from stdin, with ``cniVersion`` checked."""
+    if len(raw) > MAX_STDIN:
+        raise CniError(E_DECODE, f"the network config on stdin is larger than {MAX_STDIN} bytes")
     try:
         conf = json.loads(raw.decode("utf-8") or "{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CniError(E_DECODE, "cannot decode the network config on stdin", str(e)) from None
+    except RecursionError:
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", "JSON nested too deeply") from None
+    except ValueError as e:  # not UTF-8, not JSON, an integer too long to convert
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", brief(str(e))) from None
     if not isinstance(conf, dict):
-        raise CniError(E_DECODE, "the network config on stdin must be a JSON object", repr(conf)[:80])
+        raise CniError(E_DECODE, "the network config on stdin must be a JSON object", brief(conf))
     version = conf.get("cniVersion")
     if not isinstance(version, str):
         raise CniError(E_INVALID_CONFIG, f"cniVersion={version!r}: missing or not a string")
     if version not in SUPPORTED_VERSIONS:
-        raise CniError(E_INCOMPATIBLE, f"cniVersion={version!r}: unsupported",
+        raise CniError(E_INCOMPATIBLE, f"cniVersion={brief(version)}: unsupported",
                        f"supported: {', '.join(SUPPORTED_VERSIONS)}")
     return conf
 
@@ -137,7 +150,7 @@ def parse_cni_args(text: str) -> dict[str, str]:
             continue
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise CniError(E_ENV, f"CNI_ARGS: invalid pair {pair!r} (expected KEY=VALUE)")
+            raise CniError(E_ENV, f"CNI_ARGS: invalid pair {brief(pair)} (expected KEY=VALUE)")
         out[key.strip()] = value
     return out
 
@@ -153,7 +166,7 @@ def encode_annotations(annotations: Mapping[str, str]) -> str:
 def _annotation_map(source: str, value: object) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise CniError(E_ANNOTATION, f"{source}: pod annotations must be a JSON object of strings to strings",
-                       repr(value)[:200])
+                       brief(value))
     return value
 
 
@@ -175,11 +188,36 @@ def pod_annotations(conf: Mapping[str, Any], cni_args: Mapping[str, str]) -> dic
 
         try:
             decoded = json.loads(base64.urlsafe_b64decode(enc + "=" * (-len(enc) % 4)).decode("utf-8"))
-        except (binascii.Error, ValueError) as e:
+        except (binascii.Error, ValueError, RecursionError) as e:
             raise CniError(E_ANNOTATION, f"CNI_ARGS {CNI_ARGS_ANNOTATIONS}: not base64url-encoded JSON",
-                           f"{enc[:60]!r}: {e}") from None
+                           f"{brief(enc, 60)}: {brief(str(e))}") from None
         out.update(_annotation_map(f"CNI_ARGS {CNI_ARGS_ANNOTATIONS}", decoded))
     return out
+
+
+def _check_prev_result(prev: object) -> None:
+    """``prevResult`` is an object whose ``ips`` (if any) are objects with an ``address`` in CIDR
+    form: we convert it for older versions and give the addresses to the node agent."""
+    import ipaddress
+
+    if not isinstance(prev, dict):
+        raise CniError(E_INVALID_CONFIG, f"prevResult={brief(prev)}: expected an object")
+    ips = prev.get("ips")
+    if ips is None:
+        return
+    if not isinstance(ips, list):
+        raise CniError(E_INVALID_CONFIG, f"prevResult.ips={brief(ips)}: expected a list of objects")
+    for i, ip in enumerate(ips):
+        if not isinstance(ip, dict):
+            raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}]={brief(ip)}: expected an object")
+        address = ip.get("address")
+        try:
+            ok = isinstance(address, str) and bool(ipaddress.ip_interface(address))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}].address={brief(address)}: "
+                           "expected an IP address with its prefix length (CIDR)")
 
 
 class PluginConf:
@@ -191,36 +229,38 @@ class PluginConf:
         self.name = conf.get("name", "")
         self.backend = conf.get("backend", "iptables")
         if not isinstance(self.backend, str) or not self.backend:
-            raise CniError(E_INVALID_CONFIG, f"backend={self.backend!r}: expected a backend name")
+            raise CniError(E_INVALID_CONFIG, f"backend={brief(self.backend)}: expected a backend name")
         self.mode = conf.get("mode", "sidecar")
         if self.mode not in ("sidecar", "ambient"):
-            raise CniError(E_INVALID_CONFIG, f"mode={self.mode!r}: expected \"sidecar\" or \"ambient\"")
+            raise CniError(E_INVALID_CONFIG, f"mode={brief(self.mode)}: expected \"sidecar\" or \"ambient\"")
         self.capture = conf.get("capture", {})
         if not isinstance(self.capture, dict):
-            raise CniError(E_INVALID_CONFIG, f"capture={self.capture!r}: expected an object of RedirectConfig fields")
+            raise CniError(E_INVALID_CONFIG,
+                           f"capture={brief(self.capture)}: expected an object of RedirectConfig fields")
         excl = conf.get("excludeNamespaces", [])
         if not isinstance(excl, list) or not all(isinstance(n, str) for n in excl):
-            raise CniError(E_INVALID_CONFIG, f"excludeNamespaces={excl!r}: expected a list of namespace names")
+            raise CniError(E_INVALID_CONFIG, f"excludeNamespaces={brief(excl)}: expected a list of namespace names")
         self.exclude_namespaces = tuple(excl)
         self.log_level = conf.get("logLevel", "info")
         if not isinstance(self.log_level, str) or self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise CniError(E_INVALID_CONFIG, f"logLevel={self.log_level!r}: expected debug, info, warning or error")
+            raise CniError(E_INVALID_CONFIG,
+                           f"logLevel={brief(self.log_level)}: expected debug, info, warning or error")
         self.log_file = conf.get("logFile")
         if self.log_file is not None and not isinstance(self.log_file, str):
-            raise CniError(E_INVALID_CONFIG, f"logFile={self.log_file!r}: expected a path")
+            raise CniError(E_INVALID_CONFIG, f"logFile={brief(self.log_file)}: expected a path")
         self.log_json = conf.get("logJson", False)
         if not isinstance(self.log_json, bool):
-            raise CniError(E_INVALID_CONFIG, f"logJson={self.log_json!r}: expected true or false")
+            raise CniError(E_INVALID_CONFIG, f"logJson={brief(self.log_json)}: expected true or false")
         self.agent_socket = conf.get("agentSocket")
         if self.agent_socket is not None and not isinstance(self.agent_socket, str):
-            raise CniError(E_INVALID_CONFIG, f"agentSocket={self.agent_socket!r}: expected a path")
+            raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path")
         self.agent_timeout = conf.get("agentTimeout", 10)
         if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
                 or not 0 < self.agent_timeout <= 300:
-            raise CniError(E_INVALID_CONFIG, f"agentTimeout={self.agent_timeout!r}: expected seconds in (0, 300]")
+            raise CniError(E_INVALID_CONFIG, f"agentTimeout={brief(self.agent_timeout)}: expected seconds in (0, 300]")
         self.prev_result = conf.get("prevResult")
-        if self.prev_result is not None and not isinstance(self.prev_result, dict):
-            raise CniError(E_INVALID_CONFIG, "prevResult: expected an object", repr(self.prev_result)[:80])
+        if self.prev_result is not None:
+            _check_prev_result(self.prev_result)
 
     def base_config(self) -> Any:
         """The default ``RedirectConfig`` from ``capture`` and ``mode``."""
@@ -321,7 +361,7 @@ def _pod_config(pc: PluginConf, env: Mapping[str, str], log: Any) -> Any | None:
             return None
         return config_from_annotations(annotations, base)
     except ConfigError as e:
-        raise CniError(E_ANNOTATION, f"pod {pod}: bad annotation {e.field}={e.value!r}: {e.reason}", str(e)) from None
+        raise CniError(E_ANNOTATION, f"pod {brief(pod)}: bad annotation {e}", str(e)) from None
 
 
 def _prev_ips(pc: PluginConf) -> list[str]:
@@ -335,6 +375,21 @@ def _prev_ips(pc: PluginConf) -> list[str]:
 
 def _pod_uid(container_id: str, cni_args: Mapping[str, str]) -> str:
     return cni_args.get("K8S_POD_UID") or container_id
+
+
+def _netns_gone(netns: str) -> bool:
+    """True when ``CNI_NETNS`` is empty or names no namespace any more. Resolved as ADD resolves it
+    (``redirect.netns.path_of``: a bare name is one under /run/netns), never against the cwd."""
+    if not netns:
+        return True
+    from ..errors import NetnsError
+    from ..netns import path_of
+
+    try:
+        path = path_of(netns)
+    except NetnsError:
+        return True
+    return path is not None and not os.path.exists(path)
 
 
 def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mapping[str, str], cfg: Any) -> None:
@@ -376,7 +431,7 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
         return
     except AgentError as e:
         log.warning("DEL container=%s: node agent unavailable (%s); removing in-pod rules directly", container, e)
-    if not netns or not os.path.exists(netns):
+    if _netns_gone(netns):
         return
     from .. import api
     from ..agent import identity
@@ -431,7 +486,7 @@ def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
         return
     container = _env("CNI_CONTAINERID", env, required=False)
     netns = env.get("CNI_NETNS", "")
-    if not netns or not os.path.exists(netns):
+    if _netns_gone(netns):
         log.info("DEL container=%s netns=%r: namespace gone, nothing to remove in it", container, netns)
         _collect_ebpf_garbage(pc, log)
         return
@@ -516,8 +571,8 @@ def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | Non
     try:
         if command == "VERSION":
             try:
-                v = json.loads(stdin.decode("utf-8") or "{}").get("cniVersion") or LATEST
-            except (ValueError, AttributeError):
+                v = json.loads(stdin[:MAX_STDIN].decode("utf-8") or "{}").get("cniVersion") or LATEST
+            except (ValueError, AttributeError, RecursionError):
                 v = LATEST
             return 0, {"cniVersion": v if isinstance(v, str) else LATEST, "supportedVersions": list(SUPPORTED_VERSIONS)}
         if command not in ("ADD", "DEL", "CHECK", "STATUS", "GC"):
@@ -555,7 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         from .install import cli_main
 
         return cli_main(sys.argv[1:] if argv is None else argv)
-    stdin = b"" if os.environ["CNI_COMMAND"] == "VERSION" and sys.stdin.isatty() else sys.stdin.buffer.read()
+    # Read one byte past the limit, so parse_netconf can tell a config that is too long.
+    tty = os.environ["CNI_COMMAND"] == "VERSION" and sys.stdin.isatty()
+    stdin = b"" if tty else sys.stdin.buffer.read(MAX_STDIN + 1)
     rc, out = run(os.environ, stdin)
     if out is not None:
         sys.stdout.write(json.dumps(out) + "\n")
