@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -17,10 +19,19 @@ INJECTOR = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", 
             "-d", "15090,15021,15020"]
 
 
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(*args: str, env: dict[str, str] | None = None, cpu_seconds: int | None = None,
+        memory: int | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI as a process; ``cpu_seconds``/``memory`` set RLIMIT_CPU/RLIMIT_AS on it."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("ISTIO_", "REDIRECT_FAULT"))}
     e.update(env or {})
-    return subprocess.run([*REDIRECT, *args], capture_output=True, text=True, timeout=60, env=e)
+
+    def limits() -> None:
+        if cpu_seconds is not None:
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+        if memory is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    return subprocess.run([*REDIRECT, *args], capture_output=True, text=True, timeout=60, env=e, preexec_fn=limits)
 
 
 def rules(ns: str) -> str:
@@ -70,6 +81,41 @@ def test_bad_config_exits_2_and_installs_nothing(pod: Pod, tmp_path: object) -> 
     p = run("init", "--netns", pod.name, "-i", "10.0.0.0/33")
     assert p.returncode == 2 and "--istio-service-cidr" in p.stderr
     assert rules(pod.name) == before
+
+
+def installed_state(ns: str) -> str:
+    """Every rule of both families and variants, and lo's addresses: what setup could change."""
+    lo = subprocess.run(["ip", "-n", ns, "addr", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    return rules(ns) + "\n" + lo
+
+
+def test_hostile_input_exits_2_naming_the_field_and_value_and_installs_nothing(pod: Pod, tmp_path: Any) -> None:
+    from tests.test_config import alias_bomb
+
+    before = installed_state(pod.name)
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"proxy_port: 15001\n# caf\xe9\n")
+    cases: list[tuple[list[str], list[str]]] = [
+        (["--config", str(bomb)], ["outbound_ports", "'lol'"]),
+        (["--config", "/dev/zero"], ["config='/dev/zero'", "larger than"]),
+        (["--config", str(latin1)], [f"config='{latin1}'", "not UTF-8"]),
+        (["--set", "proxy_port=\u0661\u0665\u0660\u0660\u0662"], ["proxy_port", "'\u0661\u0665\u0660\u0660\u0662'"]),
+        (["--mode", "ambient", "--set", "proxy_mark=1_3_3_7"], ["proxy_mark", "'1_3_3_7'"]),
+        (["--set", "outbound_ports=" + "[" * 20_000], ["outbound_ports", "not a port"]),
+    ] + [(["--set", f"exclude_interfaces={n}"], ["exclude_interfaces", f"'{n}'"]) for n in ("+", "l+", "-j")]
+    for args, words in cases:
+        p = run("setup", pod.name, *args, cpu_seconds=10, memory=1 << 30)
+        assert p.returncode == 2, (args, p.returncode, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr and len(p.stderr) < 2000, p.stderr[-2000:]
+        for w in words:
+            assert w in p.stderr, (args, w, p.stderr)
+    for flag, value in (("-c", "l+"), ("-c", "+"), ("--kube-virt-interfaces", "-j"),
+                        ("-p", "\u0661\u0665\u0660\u0660\u0662"), ("--iptables-probe-port", "\u0661\u0665")):
+        p = run("init", "--netns", pod.name, *INJECTOR, f"{flag}={value}")
+        assert p.returncode == 2 and repr(value) in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert installed_state(pod.name) == before
 
 
 def test_missing_netns_exits_1_with_a_clear_message() -> None:

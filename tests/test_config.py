@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import resource
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -11,7 +15,7 @@ from hypothesis import strategies as st
 
 from redirect import ConfigError, RedirectConfig
 from redirect.config import field_names
-from redirect.istio import config_from_istio_args, resolv_conf_servers
+from redirect.istio import add_arguments, config_from_istio_args, options_from_args, resolv_conf_servers
 
 INJECTOR = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*",
             "-d", "15090,15021,15020"]
@@ -180,3 +184,167 @@ def test_resolv_conf_servers(tmp_path: Any) -> None:
     p.write_text("# comment\nnameserver 10.0.0.10\nnameserver fe80::1%eth0\nnameserver junk\nsearch x\n")
     assert resolv_conf_servers(str(p)) == ("10.0.0.10", "fe80::1")
     assert resolv_conf_servers(str(tmp_path / "missing")) == ()
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+def run_limited(code: str, cpu_seconds: int = 10, memory: int = 1 << 30) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter under RLIMIT_CPU and RLIMIT_AS: over either, it dies
+    (SIGXCPU, or MemoryError), which the caller's assertions then see."""
+
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=limits)
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """A ~0.5-0.7 KB YAML document whose list field expands to width**levels strings."""
+    lines = ["outbound_ports:", "  - &a0 [" + ",".join(['"lol"'] * width) + "]"]
+    lines += [f"  - &a{i} [" + ",".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_rejected_in_bounded_time_and_memory() -> None:
+    text = alias_bomb()
+    assert len(text) < 800
+    p = run_limited("from redirect import RedirectConfig, ConfigError\n"
+                    "try:\n    RedirectConfig.from_yaml(" + repr(text) + ")\n"
+                    "except ConfigError as e:\n    print(len(str(e)), e.field)\n", cpu_seconds=10, memory=1 << 30)
+    assert p.returncode == 0, p.stderr[-2000:]
+    size, field = p.stdout.split()
+    assert field == "outbound_ports" and int(size) < 1000
+
+
+@pytest.mark.parametrize("value", [
+    "x" * 1_000_000,
+    list(range(100_000)),
+    {"k" * 10_000: ["v" * 10_000] * 10_000},
+    10**5000,
+    b"\xff" * 1_000_000,
+], ids=["str", "list", "dict", "int", "bytes"])
+def test_error_messages_show_a_bounded_part_of_the_value(value: Any) -> None:
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig(mode=value)
+    msg = str(ei.value)
+    assert msg.startswith("mode=") and len(msg) < 1000
+    assert "..." in msg or "<int of" in msg
+    assert ei.value.value is value  # the value itself is kept for callers
+
+
+def test_deduplicating_every_port_is_linear() -> None:
+    """65,535 distinct ports (and as many ids and CIDRs) validate within a CPU-time limit that the
+    quadratic membership test (~19 s for the ports alone) did not meet."""
+    p = run_limited("from redirect import RedirectConfig\n"
+                    "from redirect.plan import build_plan\n"
+                    "ports = list(range(1, 65536))\n"
+                    "c = RedirectConfig(outbound_exclude_ports=ports, inbound_ports=ports[:32000],\n"
+                    "                   inbound_exclude_ports=','.join(map(str, ports[32000:])),\n"
+                    "                   proxy_uids=list(range(65536)),\n"
+                    "                   outbound_exclude_cidrs=[f'10.{i >> 8}.{i & 255}.0/24' for i in range(65536)])\n"
+                    "assert len(c.outbound_exclude_ports) == 65535 and len(c.proxy_uids) == 65536\n"
+                    "build_plan(RedirectConfig(inbound_ports=ports[:32000], inbound_exclude_ports=ports[32000:]))\n"
+                    "print('ok')\n", cpu_seconds=8)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("proxy_port", "١٥٠٠٢"),  # Arabic-Indic digits: int() reads 15002
+    ("proxy_port", "1_5001"),
+    ("inbound_ports", "80,８０"),  # fullwidth digits
+    ("outbound_exclude_ports", ["2_2"]),
+    ("proxy_uids", "١٣٣٧"),
+    ("proxy_gids", "1_337"),
+    ("owner_groups_exclude", "1_0-2_0"),
+    ("proxy_mark", "1_3_3_7"),
+    ("proxy_mark", "0x5_39"),
+    ("conn_mark", "٢٧٣"),
+    ("tproxy_route_table", "1_33"),
+])
+def test_numbers_are_ascii_digits_only(field: str, value: Any) -> None:
+    kw: dict[str, Any] = {field: value}
+    if field in ("proxy_mark", "conn_mark"):
+        kw["mode"] = "ambient"
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig(**kw)
+    assert ei.value.field == field and repr(value) in str(ei.value)
+
+
+def test_ascii_numbers_and_hex_marks_still_work() -> None:
+    c = RedirectConfig(mode="ambient", proxy_port=" 15001 ", proxy_mark="0x539", conn_mark="273", route_table="100")
+    assert (c.proxy_port, c.proxy_mark, c.conn_mark, c.route_table) == (15001, 0x539, 273, 100)
+    c = RedirectConfig(proxy_uids="1337, 1000-2000", inbound_ports="080,8080")
+    assert c.proxy_uids == (1337, (1000, 2000)) and c.inbound_ports == (80, 8080)
+
+
+@pytest.mark.parametrize("name", [
+    "+", "l+", "eth+", "-j", "!eth0", "eth*", "a,b", 'a"b', "a'b", "a\\b", ".", "..", "a/b", "a:b", "a b",
+    "eth0\t", "é0", "eth\x00", "x" * 16, "",
+])
+@pytest.mark.parametrize("field", ["exclude_interfaces", "reroute_interfaces"])
+def test_interface_names_are_what_the_kernel_and_iptables_take_literally(field: str, name: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig(**{field: [name]})
+    assert ei.value.field == field and "not a valid interface name" in str(ei.value)
+
+
+def test_real_interface_names_are_accepted() -> None:
+    names = ("eth0", "eth0.100", "br-1a2b3c4d5e6f", "k6t-eth0", "cali1a2b3c4d5e6", "vxlan.calico", "cilium_host",
+             "x" * 15, "tap@1", "net1")
+    assert RedirectConfig(exclude_interfaces=names).exclude_interfaces == names
+
+
+def test_documents_are_size_limited_and_every_decode_failure_is_a_config_error(tmp_path: Any) -> None:
+    from redirect.config import MAX_CONFIG_BYTES
+
+    big = "# " + "x" * MAX_CONFIG_BYTES + "\n"
+    for builder in (RedirectConfig.from_json, RedirectConfig.from_yaml):
+        with pytest.raises(ConfigError, match="longer than"):
+            builder(big)
+    for text, words in (("[" * 100_000 + "]" * 100_000, "nested too deeply"), ("x: " + "1" * 5000, "not valid YAML"),
+                        ("- a\n", "mapping"), ("{a: [}", "not valid YAML")):
+        with pytest.raises(ConfigError, match=words):
+            RedirectConfig.from_yaml(text)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        RedirectConfig.from_json("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        RedirectConfig.from_json('{"proxy_port": ' + "1" * 5000 + "}")
+    latin1 = tmp_path / "c.yaml"
+    latin1.write_bytes(b"proxy_port: 15001\n# caf\xe9\n")
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig.from_file(str(latin1))
+    assert ei.value.value == str(latin1) and "not UTF-8" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig.from_file("/dev/zero")
+    assert ei.value.value == "/dev/zero" and "larger than" in str(ei.value)
+    broken = tmp_path / "c.json"
+    broken.write_text('{"proxy_port": ')
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig.from_file(str(broken))
+    assert ei.value.value == str(broken) and "not valid JSON" in str(ei.value)
+    with pytest.raises(ConfigError, match="field names are strings"):
+        RedirectConfig.from_dict({1: 2})
+
+
+def test_istio_probe_flags_take_ascii_numbers_only() -> None:
+    for argv, flag in ((["--iptables-probe-port", "١٥٠٠٢"], "--iptables-probe-port"),
+                       (["--probe-timeout", "٥s"], "--probe-timeout"), (["--probe-timeout", "inf"], "--probe-timeout"),
+                       (["--probe-timeout", "0s"], "--probe-timeout"), (["-p", "1_5001"], "--envoy-port")):
+        p = argparse.ArgumentParser(add_help=False)
+        add_arguments(p)
+        with pytest.raises(ConfigError) as ei:
+            options_from_args(p.parse_args(argv), env={})
+        assert ei.value.field == flag
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    opts = options_from_args(p.parse_args(["--probe-timeout", "500ms", "--iptables-probe-port", "15002"]), env={})
+    assert (opts.probe_timeout, opts.probe_port) == (0.5, 15002)
+
+
+def test_resolv_conf_that_is_not_utf8_still_gives_its_servers(tmp_path: Any) -> None:
+    p = tmp_path / "resolv.conf"
+    p.write_bytes(b"# \xff\xfe\nnameserver 10.0.0.10\n")
+    assert resolv_conf_servers(str(p)) == ("10.0.0.10",)
