@@ -245,13 +245,21 @@ def netconf(version: str = "1.0.0", prev: dict[str, Any] | None = PREV, **ours: 
     return conf
 
 
-def cni(command: str, conf: dict[str, Any] | bytes, netns: str = "", args: str = "",
-        container: str = "ctr1", extra_env: dict[str, str] | None = None) -> tuple[int, dict[str, Any] | None]:
+def cni_proc(command: str, conf: dict[str, Any] | bytes, netns: str = "", args: str = "",
+             container: str = "ctr1", extra_env: dict[str, str] | None = None,
+             cwd: str | None = None) -> subprocess.CompletedProcess[bytes]:
+    """The plugin executable run as a runtime runs it: CNI env vars, the config on stdin."""
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
            "CNI_CONTAINERID": container, "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
            "CNI_ARGS": args, **(extra_env or {})}
     data = conf if isinstance(conf, bytes) else json.dumps(conf).encode()
-    p = subprocess.run([PLUGIN], input=data, env=env, capture_output=True, timeout=30)
+    return subprocess.run([PLUGIN], input=data, env=env, capture_output=True, timeout=30, cwd=cwd)
+
+
+def cni(command: str, conf: dict[str, Any] | bytes, netns: str = "", args: str = "",
+        container: str = "ctr1", extra_env: dict[str, str] | None = None,
+        cwd: str | None = None) -> tuple[int, dict[str, Any] | None]:
+    p = cni_proc(command, conf, netns, args, container, extra_env, cwd)
     out = json.loads(p.stdout) if p.stdout.strip() else None
     return p.returncode, out
 
@@ -318,6 +326,41 @@ def test_del_when_netns_is_gone() -> None:
     assert cni("DEL", netconf(), "") == (0, None)
 
 
+def test_del_with_a_bare_netns_name_from_another_cwd_removes_the_rules(pod: Pod, tmp_path: Any) -> None:
+    """ADD and DEL resolve CNI_NETNS alike: a bare name is one under /run/netns, wherever the
+    runtime runs the plugin from (DEL used to look the name up in its cwd, find nothing, and leave
+    the rules)."""
+    conf = netconf()
+    assert cni("ADD", conf, pod.name, cwd=str(tmp_path)) == (0, PREV)
+    assert ours_installed(pod.name)
+    assert cni("CHECK", conf, pod.name, cwd="/") == (0, None)
+    assert cni("DEL", conf, pod.name, cwd=str(tmp_path)) == (0, None)
+    assert not ours_installed(pod.name)
+    assert cni("DEL", conf, pod.name, cwd=str(tmp_path)) == (0, None)  # idempotent
+    assert cni("DEL", conf, "rdrt-no-such-netns", cwd=str(tmp_path)) == (0, None)
+
+
+@pytest.mark.parametrize("prev,words", [
+    ({"cniVersion": "1.0.0", "ips": "10.0.0.1/24"}, "prevResult.ips="),
+    ({"cniVersion": "1.0.0", "ips": {"address": "10.0.0.1/24"}}, "prevResult.ips="),
+    ({"cniVersion": "1.0.0", "ips": [1]}, "prevResult.ips[0]=1"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.1/24"}, {"address": 5}]}, "prevResult.ips[1].address=5"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "not-an-ip"}]}, "prevResult.ips[0].address='not-an-ip'"),
+    ({"cniVersion": "1.0.0", "ips": [{"interface": 0}]}, "prevResult.ips[0].address=None"),
+    (["10.0.0.1/24"], "prevResult=['10.0.0.1/24']"),
+], ids=["ips-str", "ips-obj", "ip-int", "address-int", "address-junk", "address-missing", "not-an-object"])
+def test_a_malformed_prev_result_is_error_4_with_a_message(pod: Pod, prev: Any, words: str) -> None:
+    conf = netconf(prev=None)
+    conf["prevResult"] = prev
+    for version in ("1.0.0", "0.4.0"):
+        conf["cniVersion"] = version
+        p = cni_proc("ADD", conf, pod.path)
+        out = json.loads(p.stdout)
+        assert p.returncode == 1 and out["code"] == 4 and words in out["msg"], out
+        assert b"Traceback" not in p.stderr, p.stderr.decode()[-2000:]
+    assert not ours_installed(pod.name)
+
+
 def test_bad_annotation_fails_closed(pod: Pod) -> None:
     enc = encode_annotations({T + "excludeOutboundPorts": "22,ssh"})
     args = f"K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;REDIRECT_ANNOTATIONS={enc}"
@@ -350,8 +393,18 @@ def test_excluded_namespace_and_opt_out_are_not_captured(pod: Pod) -> None:
     assert cni("ADD", conf, pod.path) == (0, PREV) and not ours_installed(pod.name)
 
 
+def _nested(depth: int) -> bytes:
+    head = b'{"cniVersion": "1.0.0", "name": "x", "type": "redirect-cni", "capture": '
+    return head + b"[" * depth + b"]" * depth + b"}"
+
+
 @pytest.mark.parametrize("conf,code", [
     (b"{not json", 6),
+    (b"[" * 100_000 + b"]" * 100_000, 6),  # nested too deeply for the JSON decoder
+    (_nested(100_000), 6),
+    (b'{"cniVersion": "1.0.0", "name": "\xff"}', 6),
+    (json.dumps(netconf()).encode() + b" " * (1 << 20), 6),  # over MAX_STDIN
+    (json.dumps(netconf(capture={"outbound_ports": [[[[[["x"] * 50] * 50] * 50]]]})).encode(), 4),
     (json.dumps({"cniVersion": "0.2.0", "name": "x", "type": "redirect-cni"}).encode(), 1),
     (json.dumps(netconf(capture={"proxy_port": 0})).encode(), 4),
     (json.dumps(netconf(capture={"no_such_field": 1})).encode(), 4),
@@ -359,9 +412,11 @@ def test_excluded_namespace_and_opt_out_are_not_captured(pod: Pod) -> None:
     (json.dumps(netconf(backend="nope")).encode(), 102),
 ])
 def test_config_errors_have_cni_codes(pod: Pod, conf: bytes, code: int) -> None:
-    rc, out = cni("ADD", conf, pod.path)
-    assert rc == 1 and out is not None and out["code"] == code and out["msg"]
+    p = cni_proc("ADD", conf, pod.path)
+    out = json.loads(p.stdout)
+    assert p.returncode == 1 and out["code"] == code and out["msg"], out
     assert set(out) == {"cniVersion", "code", "msg", "details"}
+    assert len(out["msg"]) + len(out["details"]) < 2000 and b"Traceback" not in p.stderr
     assert not ours_installed(pod.name)
 
 
