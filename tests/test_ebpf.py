@@ -827,12 +827,15 @@ def test_a_proxy_already_listening_is_found_however_it_is_bound(pod: Pod, setup_
         _close(proxy, app)
 
 
+@pytest.mark.parametrize("inbound", ["inbound", "no-inbound"])
 @pytest.mark.parametrize("path", ["fresh", "general"])
 def test_v6_passthrough_is_one_of_the_pods_own_addresses_only_while_it_is_there(
-        pod: Pod, bpf_root: str, setup_pod, path: str) -> None:
+        pod: Pod, bpf_root: str, setup_pod, path: str, inbound: str) -> None:
     """``::6`` on lo is a local address of the pod (a connect to it leaves over lo) once setup
-    added it, for a pod with IPv6 of its own; in one without, there is no ``::6`` and no entry
-    for it. Both the native call and the general path (a second setup) write the same."""
+    added it, for a pod with IPv6 of its own, with inbound capture or without (as istio-iptables
+    adds it); in one without, there is no ``::6`` and no entry for it. Both the native call and
+    the general path (a second setup) write the same."""
+    cfg = RedirectConfig() if inbound == "inbound" else OUT_ONLY
     local6 = ebpf.CIDR_KEY.pack(96 + 128, ebpf.CIDR_LOCAL6, _cookie(pod), socket.inet_pton(socket.AF_INET6, "::6"))
     ip6 = ["ip", "-n", pod.name, "-6", "addr"]
     own = [f"{pod.pod_ip6}/64", "dev", pod.pod_if]
@@ -841,10 +844,13 @@ def test_v6_passthrough_is_one_of_the_pods_own_addresses_only_while_it_is_there(
                        check=has_v6 is False)
         if path == "general":
             setup_pod(pod, RedirectConfig(inbound_ports=(8080,)))  # the next one finds a policy
-        res = setup_pod(pod, RedirectConfig())
+        res = setup_pod(pod, cfg)
         assert res.detail["path"] == path, res.detail
         assert (local6 in entries_mentioning(bpf_root, _cookie(pod))["cidrs"]) is has_v6
-        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+        on_lo = subprocess.run(["ip", "-n", pod.name, "-6", "-o", "addr", "show", "dev", "lo"],
+                               capture_output=True, text=True, check=True).stdout
+        assert (" ::6/128 " in on_lo) is has_v6
+        assert api.check(pod.name, cfg, backend="ebpf").ok
         api.teardown(pod.name, backend="ebpf")
 
 

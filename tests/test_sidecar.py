@@ -516,6 +516,26 @@ def test_passthrough_address_comes_with_the_pods_own_ipv6(pod: Pod, backend: str
         assert _passthrough_on_lo(pod.name) == stays
 
 
+def test_passthrough_address_comes_with_ipv6_whatever_the_inbound_ports(pod: Pod, backend: str) -> None:
+    """istio-iptables adds ``::6`` whenever the pod has IPv6 (its EnableIPv6), inbound capture or
+    not: with ``inbound_ports=()`` a pod with IPv6 of its own gets it (a proxy can bind it and its
+    passthrough reaches the app), and one without does not."""
+    cfg = RedirectConfig(inbound_ports=())
+    with TcpListener(pod.name, 7000, family=6, label="app") as app:
+        res = redirect.setup(pod.name, cfg, backend=backend)
+        assert 6 in res.families and _passthrough_on_lo(pod.name)
+        assert redirect.check(pod.name, cfg, backend=backend).ok
+        hit = landing(pod.name, pod.pod_ip6, 7000, app, uid=PROXY_UID, src="::6")
+        assert hit.listener is app, hit.result
+        redirect.teardown(pod.name, backend=backend)
+    assert not _passthrough_on_lo(pod.name)
+    subprocess.run(["ip", "-n", pod.name, "-6", "addr", "del", f"{pod.pod_ip6}/64", "dev", pod.pod_if], check=True)
+    res = redirect.setup(pod.name, cfg, backend=backend)
+    assert 6 in res.families and not _passthrough_on_lo(pod.name)
+    assert redirect.check(pod.name, cfg, backend=backend).ok
+    redirect.teardown(pod.name, backend=backend)
+
+
 def test_twenty_namespaces_set_up_concurrently(make_pod, backend: str) -> None:  # type: ignore[no-untyped-def]
     pods = [make_pod() for _ in range(20)]
     errors: list[BaseException] = []
