@@ -147,6 +147,25 @@ def test_istio_injector_flags_give_the_default_config() -> None:
     assert config_from_istio_args(INJECTOR, env={}) == RedirectConfig()
 
 
+def test_istio_dns_flags_keep_istios_gid_hairpin_and_the_library_default_differs() -> None:
+    """istio-iptables' hairpin rule for proxy gids leaves only the tunnel port alone under DNS
+    capture; ``redirect init`` renders it so, the library's default leaves 53 alone too (README)."""
+    import redirect
+
+    init = config_from_istio_args([*INJECTOR, "--redirect-dns", "--capture-all-dns"], env={})
+    lib = RedirectConfig(dns_capture=True, capture_all_dns=True)
+    assert init == lib.replace(gid_hairpin_skips_dns=False)
+
+    def hairpins(cfg: RedirectConfig) -> list[str]:
+        return [ln for ln in redirect.render(cfg, backend="iptables").splitlines() if "hairpin" in ln]
+
+    for ln in hairpins(init):
+        assert ("--dports 53,15008" in ln) == ("--uid-owner" in ln), ln
+        assert "--gid-owner" not in ln or "! --dport 15008" in ln, ln
+    assert all("--dports 53,15008" in ln for ln in hairpins(lib))
+    assert hairpins(init.replace(dns_capture=False)) == hairpins(RedirectConfig())  # only with DNS capture
+
+
 def test_istio_bare_flags_capture_nothing_like_istio() -> None:
     c = config_from_istio_args([], env={})
     assert c.inbound_ports == () and c.outbound_cidrs == ()

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.netkit import Listener, Pod, TcpListener, landing
+import redirect
+from redirect import RedirectConfig
+from tests.netkit import Listener, Pod, TcpListener, UdpListener, landing
 
 APP, PROXY = 1000, 1337
 
@@ -169,3 +171,142 @@ def test_redirect_init_behaves_like_istio_iptables(make_pod, fam: int, tproxy: b
     assert by["proxy->own ip:7000 (hairpin)"] == "proxy-in"
     assert by["peer->pod:7000"] == "proxy-in"
     assert by["peer->pod:15021"] == "pod-health"
+
+
+# --------------------------------------------------------------------------- DNS capture
+
+
+def istio_dns_reference(fam: int) -> str:
+    """What istio-iptables installs for the injector's flags + ``--redirect-dns --capture-all-dns``
+    (proxy uid and gid 1337), as its run.go builds it and its dns-uid-gid golden file shows: the
+    hairpin rule leaves port 53 alone for the uid, only the tunnel port for the gid."""
+    lo = "127.0.0.1/32" if fam == 4 else "::1/128"
+    six = "127.0.0.6/32" if fam == 4 else "::6/128"
+    nat = [
+        "*nat", ":ISTIO_INBOUND - [0:0]", ":ISTIO_REDIRECT - [0:0]", ":ISTIO_IN_REDIRECT - [0:0]",
+        ":ISTIO_OUTPUT - [0:0]", ":ISTIO_OUTPUT_DNS - [0:0]",
+        "-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN",
+        "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
+        "-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006",
+        "-A PREROUTING -p tcp -j ISTIO_INBOUND",
+        *[f"-A ISTIO_INBOUND -p tcp --dport {p} -j RETURN" for p in (15090, 15021, 15020)],
+        "-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT",
+        "-A OUTPUT -j ISTIO_OUTPUT",
+        f"-A ISTIO_OUTPUT -o lo -s {six} -j RETURN",
+        f"-A ISTIO_OUTPUT -o lo ! -d {lo} -p tcp -m multiport ! --dports 53,15008 -m owner --uid-owner 1337"
+        " -j ISTIO_IN_REDIRECT",
+        "-A ISTIO_OUTPUT -o lo -p tcp ! --dport 53 -m owner ! --uid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN",
+        f"-A ISTIO_OUTPUT -o lo ! -d {lo} -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT",
+        "-A ISTIO_OUTPUT -o lo -p tcp ! --dport 53 -m owner ! --gid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS",
+        "-A ISTIO_OUTPUT_DNS -p tcp --dport 53 -j REDIRECT --to-ports 15053",
+        "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -j REDIRECT --to-ports 15053",
+        f"-A ISTIO_OUTPUT -d {lo} -j RETURN",
+        "-A ISTIO_OUTPUT -j ISTIO_REDIRECT",
+        "COMMIT",
+    ]
+    raw = [
+        "*raw", ":ISTIO_OUTPUT_DNS - [0:0]", ":ISTIO_INBOUND - [0:0]",
+        "-A OUTPUT -j ISTIO_OUTPUT_DNS",
+        "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 1337 -j CT --zone 1",
+        "-A ISTIO_OUTPUT_DNS -p udp --sport 15053 -m owner --uid-owner 1337 -j CT --zone 2",
+        "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1337 -j CT --zone 1",
+        "-A ISTIO_OUTPUT_DNS -p udp --sport 15053 -m owner --gid-owner 1337 -j CT --zone 2",
+        "-A PREROUTING -j ISTIO_INBOUND",
+        "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -j CT --zone 2",
+        "-A ISTIO_INBOUND -p udp --sport 53 -j CT --zone 1",
+        "COMMIT",
+    ]
+    return "\n".join(nat + raw) + "\n"
+
+
+DNS_FLAGS = ["--redirect-dns", "--capture-all-dns"]
+
+
+@contextlib.contextmanager
+def dns_world(pod: Pod, fam: int) -> Iterator[list[Listener]]:
+    """The proxy's listeners (15001, 15006, the DNS proxy on 15053 TCP and UDP), an app in the pod
+    on 7000 and a DNS server on 53, and DNS servers on the peer."""
+    with contextlib.ExitStack() as st:
+        ls: list[Listener] = [
+            TcpListener(pod.name, 15001, family=fam, label="proxy-out"),
+            TcpListener(pod.name, 15006, family=fam, label="proxy-in"),
+            TcpListener(pod.name, 15053, family=fam, label="proxy-dns"),
+            # The DNS proxy answers as the proxy: conntrack zone 2 is what un-NATs its answers.
+            UdpListener(pod.name, 15053, family=fam, label="proxy-dns-udp", owner=(PROXY, PROXY)),
+            TcpListener(pod.name, 7000, family=fam, label="pod-app"),
+            TcpListener(pod.name, 53, family=fam, label="pod-dns"),
+            TcpListener(pod.peer_name, 53, family=fam, label="peer-dns"),
+            UdpListener(pod.peer_name, 53, family=fam, label="peer-dns-udp"),
+            TcpListener(pod.peer_name, 8080, family=fam, label="peer-8080"),
+        ]
+        yield [st.enter_context(x) for x in ls]
+
+
+def dns_matrix(pod: Pod, fam: int, listeners: list[Listener]) -> list[tuple[str, str | None, str | None]]:
+    roles = {pod.pod_ip(fam): "pod", pod.peer_ip(fam): "peer", "127.0.0.1": "lo", "::1": "lo"}
+    lo = "127.0.0.1" if fam == 4 else "::1"
+    own, peer = pod.pod_ip(fam), pod.peer_ip(fam)
+    probes: list[tuple[str, str, str, int, str, dict[str, int]]] = [
+        ("app->peer:53 tcp", pod.name, peer, 53, "tcp", {"uid": APP}),
+        ("app->peer:53 udp", pod.name, peer, 53, "udp", {"uid": APP}),
+        ("proxy uid->peer:53 udp", pod.name, peer, 53, "udp", {"uid": PROXY}),
+        ("proxy gid->peer:53 udp", pod.name, peer, 53, "udp", {"uid": APP, "gid": PROXY}),
+        ("proxy uid->peer:53 tcp", pod.name, peer, 53, "tcp", {"uid": PROXY}),
+        ("proxy gid->peer:53 tcp", pod.name, peer, 53, "tcp", {"uid": APP, "gid": PROXY}),
+        ("app->own ip:53 tcp", pod.name, own, 53, "tcp", {"uid": APP}),
+        ("proxy uid->own ip:53 tcp", pod.name, own, 53, "tcp", {"uid": PROXY}),
+        ("proxy gid->own ip:53 tcp (hairpin)", pod.name, own, 53, "tcp", {"uid": APP, "gid": PROXY}),
+        ("proxy gid->own ip:7000 (hairpin)", pod.name, own, 7000, "tcp", {"uid": APP, "gid": PROXY}),
+        ("app->lo:53 tcp", pod.name, lo, 53, "tcp", {"uid": APP}),
+        ("app->peer:8080", pod.name, peer, 8080, "tcp", {"uid": APP}),
+        ("peer->pod:7000", pod.peer_name, own, 7000, "tcp", {}),
+    ]
+    out = []
+    for name, ns, ip, port, proto, kw in probes:
+        hit = landing(ns, ip, port, *listeners, proto=proto, **kw)  # type: ignore[arg-type]
+        dst = hit.orig_dst if hit.orig_dst is not None and hit.orig_dst[1] != 15006 else hit.local
+        where = None if dst is None else f"{roles.get(dst[0], dst[0])}:{dst[1]}"
+        proxy = hit.label is not None and hit.label.startswith("proxy")
+        out.append((name, hit.label, where if proxy else None))
+    return out
+
+
+@pytest.mark.parametrize("fam", [4, 6])
+def test_redirect_init_with_dns_capture_behaves_like_istio_iptables(make_pod, fam: int) -> None:  # type: ignore[no-untyped-def]
+    """With DNS capture, the proxy gid's hairpin over lo captures port 53 to inbound in
+    istio-iptables (only its uid's leaves 53 alone); ``redirect init`` does the same. The library's
+    default leaves 53 alone for gids too (README): there the probe reaches the pod's DNS server."""
+    ref, ours, lib = make_pod(), make_pod(), make_pod()
+    ns = ["ip", "netns", "exec", ref.name]
+    for f, tool in ((4, "iptables-restore"), (6, "ip6tables-restore")):
+        subprocess.run([*ns, tool, "--noflush"], input=istio_dns_reference(f), text=True, check=True)
+    subprocess.run(["ip", "-n", ref.name, "-6", "addr", "add", "::6/128", "dev", "lo", "nodad"], check=True)
+    flags = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*",
+             "-d", "15090,15021,15020", *DNS_FLAGS]
+    p = subprocess.run([sys.executable, "-m", "redirect.cli", "init", "--netns", ours.name, *flags],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    redirect.setup(lib.name, RedirectConfig(dns_capture=True, capture_all_dns=True))
+    with dns_world(ref, fam) as lr:
+        expected = dns_matrix(ref, fam, lr)
+    with dns_world(ours, fam) as lo:
+        got = dns_matrix(ours, fam, lo)
+    assert got == expected
+    by = {name: label for name, label, _ in expected}
+    assert by["app->peer:53 tcp"] == "proxy-dns" and by["app->peer:53 udp"] == "proxy-dns-udp"
+    assert by["proxy uid->peer:53 udp"] == "peer-dns-udp" and by["proxy gid->peer:53 udp"] == "peer-dns-udp"
+    assert by["proxy uid->own ip:53 tcp"] == "pod-dns"
+    assert by["proxy gid->own ip:53 tcp (hairpin)"] == "proxy-in"  # Istio's gid rule: only 15008 left alone
+    # (Other lo traffic of a process with the proxy gid but another uid already returned at the
+    # uid's "app traffic over lo" rule, in both.)
+    assert by["proxy gid->own ip:7000 (hairpin)"] == "pod-app"
+    with dns_world(lib, fam) as ll:
+        library = dict((name, label) for name, label, _ in dns_matrix(lib, fam, ll))
+    assert library["proxy gid->own ip:53 tcp (hairpin)"] == "pod-dns"
+    assert {k: v for k, v in library.items() if "gid->own ip:53" not in k} == \
+        {k: v for k, v in by.items() if "gid->own ip:53" not in k}
