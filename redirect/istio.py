@@ -41,7 +41,7 @@ _STRING_FLAGS: list[tuple[str | None, str, str | None, str, str]] = [
     (None, "--network-namespace", None, "", "netns to configure (name, path); default: the current one"),
     (None, "--force-iptables-binary", None, "", "iptables binary to use: iptables-legacy or iptables-nft"),
     (None, "--iptables-probe-port", None, "15002", "port used by --run-validation"),
-    (None, "--probe-timeout", None, "5s", "how long --run-validation waits"),
+    (None, "--probe-timeout", None, "5s", "how long --run-validation waits (5s, 500ms, 1m; at most 10m)"),
 ]
 
 #: (flag, RedirectConfig field or None, env var providing the default)

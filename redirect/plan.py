@@ -215,7 +215,8 @@ class PolicyRoute:
 
 @dataclass(frozen=True)
 class LocalAddress:
-    """An address the plan needs on an interface (TPROXY/IPv6: ``::6`` on ``lo``)."""
+    """An address the plan needs on an interface (``::6`` on ``lo``: the source of the proxy's IPv6
+    inbound passthrough; backends add IPv6 ones only in a pod with IPv6 of its own)."""
 
     family: Family
     cidr: str
