@@ -75,7 +75,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import brief
+from ..errors import brief, brief_text
 
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST = "1.1.0"
@@ -135,7 +135,7 @@ def parse_netconf(raw: bytes) -> dict[str, Any]:
         raise CniError(E_DECODE, "the network config on stdin must be a JSON object", brief(conf))
     version = conf.get("cniVersion")
     if not isinstance(version, str):
-        raise CniError(E_INVALID_CONFIG, f"cniVersion={version!r}: missing or not a string")
+        raise CniError(E_INVALID_CONFIG, f"cniVersion={brief(version)}: missing or not a string")
     if version not in SUPPORTED_VERSIONS:
         raise CniError(E_INCOMPATIBLE, f"cniVersion={brief(version)}: unsupported",
                        f"supported: {', '.join(SUPPORTED_VERSIONS)}")
@@ -601,7 +601,8 @@ def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | Non
     except Exception as e:  # noqa: BLE001 - the runtime must always get error JSON
         if log is not None:
             log.exception("%s failed", command)
-        return 1, {"cniVersion": version, "code": E_SETUP, "msg": f"{type(e).__name__}: {e}", "details": ""}
+        return 1, {"cniVersion": version, "code": E_SETUP, "msg": f"{type(e).__name__}: {brief_text(str(e))}",
+                   "details": ""}
 
 
 def main(argv: list[str] | None = None) -> int:
