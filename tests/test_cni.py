@@ -232,6 +232,27 @@ def test_cli_install_uninstall(tmp_path: Any) -> None:
     assert (tmp_path / "10-net.conflist").read_text() == CONFLISTS["empty"]
 
 
+def test_cli_install_reports_undecodable_input_and_touches_nothing(tmp_path: Any) -> None:
+    """A --plugin-config file that is not UTF-8, JSON nested too deeply, and a conflist in the
+    conf dir that does not decode: exit 1 with a message naming what, no traceback, no config changed."""
+    conf = tmp_path / "10-net.conflist"
+    conf.write_text(CONFLISTS["empty"])
+    latin1 = tmp_path / "plugin.json"
+    latin1.write_bytes(b'{"logLevel": "caf\xe9"}')
+    env = {k: v for k, v in os.environ.items() if k != "CNI_COMMAND"}
+    args = ["install", "--conf-dir", str(tmp_path), "--bin-dir", str(tmp_path / "bin")]
+    for extra, words in (([f"--plugin-config=@{latin1}"], "not UTF-8"),
+                         (["--plugin-config=" + "[" * 50_000], "nested too deeply"),
+                         (["--primary=" + "[" * 50_000, "--standalone", "x"], "nested too deeply")):
+        p = subprocess.run([PLUGIN, *args, *extra], env=env, capture_output=True, text=True, timeout=30)
+        assert p.returncode == 1 and words in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert conf.read_text() == CONFLISTS["empty"]
+    conf.write_text("[" * 100_000)
+    p = subprocess.run([PLUGIN, *args], env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and "nested too deeply" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert conf.read_text() == "[" * 100_000
+
+
 # --- the plugin against a real netns ---------------------------------------------------------------
 
 PREV = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "x"}],

@@ -31,6 +31,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import brief_text
 from .plugin import PLUGIN_TYPE
 
 DEFAULT_CONF_DIR = "/etc/cni/net.d"
@@ -175,8 +176,10 @@ def _is_ours(plugin: object) -> bool:
 def _load(path: str, data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InstallError(f"{path}: not valid JSON ({e}); not touching it") from None
+    except RecursionError:
+        raise InstallError(f"{path}: not valid JSON (nested too deeply); not touching it") from None
+    except ValueError as e:  # not UTF-8, not JSON, an integer too long to convert
+        raise InstallError(f"{path}: not valid JSON ({brief_text(str(e))}); not touching it") from None
     if not isinstance(doc, dict):
         raise InstallError(f"{path}: not a JSON object; not touching it")
     return doc
@@ -401,16 +404,32 @@ def watch(
 # --- CLI -----------------------------------------------------------------------------------------
 
 
+#: The longest ``--plugin-config`` / ``--primary`` file read.
+MAX_JSON_ARG = 1 << 20
+
+
 def _json_arg(text: str | None, what: str) -> Any:
     if text is None:
         return None
     if text.startswith("@"):
-        with open(text[1:], encoding="utf-8") as f:
-            text = f.read()
+        path = text[1:]
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_JSON_ARG + 1)
+        except OSError as e:
+            raise InstallError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+        if len(raw) > MAX_JSON_ARG:
+            raise InstallError(f"{what}: {path} is larger than {MAX_JSON_ARG} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InstallError(f"{what}: {path} is not UTF-8 (byte {e.start})") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InstallError(f"{what}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise InstallError(f"{what}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise InstallError(f"{what}: not valid JSON ({brief_text(str(e))})") from None
 
 
 def cli_main(argv: list[str]) -> int:
