@@ -19,7 +19,7 @@ ffibuilder.cdef("\n".join(line for line in (HERE / "redirect_native.h").read_tex
 ffibuilder.set_source(
     "redirect._native",
     '#include "redirect_native.h"',
-    sources=[str(HERE / "redirect_native.c"), str(HERE / "pod_setup.c")],
+    sources=[str(HERE / "redirect_native.c"), str(HERE / "pod_setup.c"), str(HERE / "netfilter_probe.c")],
     include_dirs=[str(HERE)],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )

@@ -481,6 +481,9 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, scratch);
 	if (ret != -ENOENT)
 		goto slow;
+	/* Nor netfilter capture (the general path replaces it): no netfilter table at all. */
+	if (rdr_netfilter_present() != 0)
+		goto slow;
 	pin_name = snprintf(pin, sizeof(pin), "%s/", r->pin_dir);
 	if (pin_name < 0 || (size_t)pin_name >= sizeof(pin) ||
 	    (size_t)snprintf(pin + pin_name, sizeof(pin) - (size_t)pin_name, "%llu-sk_lookup",
@@ -633,7 +636,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		     int watch_fd, int lock_fd)
 {
 	uint64_t wall = now_ns();
-	struct stat st;
+	struct stat st, hst;
 	int nsfd, home, ret;
 
 	/* A host pin was added or removed since the caller checked its objects (another process
@@ -660,7 +663,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	nsfd = netns_path ? open(netns_path, O_RDONLY | O_CLOEXEC) : netns_fd;
 	if (nsfd < 0)
 		return RDR_POD_SLOW;
-	if (fstat(nsfd, &st) < 0) {
+	if (fstat(nsfd, &st) < 0 || st.st_ino == r->host_netns_ino[0] || st.st_ino == r->host_netns_ino[1]) {
 		ret = RDR_POD_SLOW;
 		goto out;
 	}
@@ -672,7 +675,8 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	home = rdr_thread_netns();
 	if (home < 0) {
 		ret = RDR_POD_SLOW;
-	} else if (setns(nsfd, CLONE_NEWNET) < 0) {
+	} else if (fstat(home, &hst) < 0 || (hst.st_dev == st.st_dev && hst.st_ino == st.st_ino) ||
+		   setns(nsfd, CLONE_NEWNET) < 0) { /* (the caller's own netns: not a pod) */
 		ret = RDR_POD_SLOW;
 		close(home);
 	} else {

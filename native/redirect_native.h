@@ -102,6 +102,9 @@ struct rdr_pod_req {
 	int add_v6_lo[2];           /* the plan adds ::6/128 on lo (to a pod with IPv6 of its own) */
 	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a
 				     * bind probe of the inbound port */
+	uint64_t host_netns_ino[2]; /* the host's netns inodes (redirect.netns.host_netns_inodes(), 0:
+				     * none): the call backs off for them and for the caller's own, which
+				     * redirect.setup refuses (or allows) on its general path */
 };
 
 /* What one call found and did. */
@@ -118,7 +121,15 @@ int rdr_tcp_diag_ok(void);
  * watch_fd: an inotify fd on the host pin dirs (rdr_watch_add), or -1. lock_fd: the calling
  * thread's own open of the netns lock file: an OFD write lock on the byte at the netns inode
  * is held throughout (-1: none, and the call backs off: threads could not be told apart).
+ * A netns that is the host's (r->host_netns_ino, or the caller's own) or that has any netfilter
+ * table (rdr_netfilter_present: capture of another backend may be there) is not a fresh pod.
  * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.
  * 0: the pod is set up (c filled in); RDR_POD_*; or -errno of what failed (everything undone). */
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,
 		     int watch_fd, int lock_fd);
+
+/* --- netfilter in the calling thread's netns (netfilter_probe.c) ------------- */
+
+/* 1 if the calling thread's netns has any netfilter table (nf_tables, or legacy x_tables for
+ * IPv4 or IPv6), 0 if none, -errno if it can't tell. Creates nothing. */
+int rdr_netfilter_present(void);

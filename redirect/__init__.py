@@ -6,8 +6,9 @@
     redirect.check("pod1", cfg)                         # CheckResult(ok, differences)
     redirect.teardown("pod1")
 
-``netns`` is a name under /run/netns, a path, ``redirect.Pid(n)``, ``redirect.Fd(n)``,
-or an int (an open netns fd, else a pid).
+``netns`` is ``"pid:N"`` (process N's), a path (it has a ``/``), else a name under
+/run/netns (``"1"`` too); or ``redirect.Pid(n)``, ``redirect.Fd(n)``, or an int (an open
+netns fd, else a pid). ``setup`` refuses the host's own netns unless ``allow_host_netns=True``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from .api import check, render, setup, show, teardown
 from .backends.base import CheckResult, Installed
 from .config import RedirectConfig
-from .errors import BackendUnavailable, ConfigError, NetnsError, RedirectError, SetupError
+from .errors import BackendUnavailable, ConfigError, HostNetnsError, NetnsError, RedirectError, SetupError
 from .netns import Fd, Pid
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "BackendUnavailable",
     "SetupError",
     "NetnsError",
+    "HostNetnsError",
     "RedirectError",
     "Pid",
     "Fd",

@@ -1,25 +1,27 @@
-"""The public entry points: ``setup``, ``teardown``, ``check``, ``show``, ``render``."""
+"""The public entry points: ``setup``, ``teardown``, ``check``, ``show``, ``render``.
+
+A netns holds the capture of one backend at a time: ``setup`` with another backend than the
+one installed puts the new capture in first and then removes the old (capture never lapses);
+``teardown``, ``check`` and ``show`` without a backend act on whatever of ours is installed,
+whichever backend put it there. ``setup`` refuses the host's own network namespace unless
+``allow_host_netns=True``. Every change of a netns holds its lock (``redirect.locks``).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import functools
 import logging
 import os
-import struct
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from . import netns as _netns
-from .backends import get_backend
+from .backends import KINDS, ebpf_root, get_backend, kind_of
 from .backends.base import CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
-from .errors import ConfigError, RedirectError, SetupError
+from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
+from .locks import netns_lock, thread_lock_fd
 from .plan import Plan, build_plan
 
 #: Plans depend only on the (frozen, hashable) config, and pods of one platform share a few
@@ -27,107 +29,6 @@ from .plan import Plan, build_plan
 _plan: functools._lru_cache_wrapper[Plan] = functools.lru_cache(maxsize=256)(build_plan)
 
 log = logging.getLogger("redirect")
-
-_locks_guard = threading.Lock()
-_locks: dict[int, threading.Lock] = {}
-
-
-def _lock_for(inode: int) -> threading.Lock:
-    """An in-process lock per namespace, for when the lock file can't be opened."""
-    lk = _locks.get(inode)
-    if lk is not None:
-        return lk
-    with _locks_guard:
-        return _locks.setdefault(inode, threading.Lock())
-
-
-#: Threads and processes (the CNI plugin, the agent, ``redirect init``, a user's) take one byte
-#: of this file, at the netns inode's offset, while they change that netns: no lock file per pod
-#: to clean up. The lock is an OFD lock (``F_OFD_SETLK``), which belongs to an open file
-#: description: each thread opens the file for itself, so one lock keeps out other threads and
-#: other processes alike (and the POSIX record locks of older versions: the two kinds conflict).
-NETNS_LOCK_FILE = "/run/lock/redirect-netns.lock"
-LOCK_WAIT_S = 30.0
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-
-
-class _LockFile:
-    """One thread's own open of ``NETNS_LOCK_FILE``, closed with the thread's locals."""
-
-    __slots__ = ("fd", "gen")
-
-    def __init__(self, fd: int, gen: int) -> None:
-        self.fd, self.gen = fd, gen
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            os.close(self.fd)
-
-
-_tls = threading.local()
-#: Bumped in a forked child: the child's threads open the file anew (a description shared with
-#: the parent would share its locks, not contend for them).
-_fork_gen = 0
-
-
-def thread_lock_fd() -> int | None:
-    """This thread's own fd of ``NETNS_LOCK_FILE`` (opened on first use); None if it can't be
-    opened (then only threads of this process are kept apart, by ``_lock_for``)."""
-    lf = getattr(_tls, "lock_file", None)
-    if lf is not None and lf.gen == _fork_gen:
-        return int(lf.fd)
-    try:
-        os.makedirs(os.path.dirname(NETNS_LOCK_FILE), exist_ok=True)
-        fd = os.open(NETNS_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        log.debug("no netns lock file (%s: %s); this process's threads only are kept apart", NETNS_LOCK_FILE, e)
-        return None
-    _tls.lock_file = _LockFile(fd, _fork_gen)
-    return fd
-
-
-def _after_fork_in_child() -> None:
-    # Locks other threads of the parent held at the fork would stay held here for ever.
-    global _locks_guard, _fork_gen
-    _locks_guard = threading.Lock()
-    _locks.clear()
-    _fork_gen += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _ofd_lock(fd: int, inode: int, kind: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, inode, 1, 0))
-
-
-@contextlib.contextmanager
-def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
-    """Hold the netns ``inode`` against other threads and processes that use this library.
-    Waits at most ``wait_s`` for another holder, then raises ``SetupError``."""
-    fd = thread_lock_fd()
-    if fd is None:
-        with _lock_for(inode):
-            yield
-        return
-    deadline = time.monotonic() + wait_s
-    pause = 0.0005
-    while True:
-        try:
-            _ofd_lock(fd, inode, fcntl.F_WRLCK)
-            break
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another thread or process
-                raise
-        if time.monotonic() >= deadline:
-            raise SetupError(f"netns inode {inode}: another thread or process has been changing it for over"
-                             f" {wait_s:.0f} s (lock {NETNS_LOCK_FILE}, byte {inode})")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    try:
-        yield
-    finally:
-        _ofd_lock(fd, inode, fcntl.F_UNLCK)
 
 
 def _families(cfg: RedirectConfig) -> tuple[int, ...]:
@@ -176,31 +77,33 @@ def _fresh_setup_of(backend: str) -> Any:
 def _setup_fresh(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str) -> Installed | None:
     """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF),
     under the same lock as the general path (taken by the call, on this thread's own fd of the
-    lock file). None: take the general path (nothing changed)."""
+    lock file). It backs off (None: take the general path, nothing changed) for anything but a
+    fresh pod: capture of ours there, any netfilter table, the host's netns."""
     fresh = _fresh_setup_of(backend)
     if fresh is None:
         return None
-    lock_fd = thread_lock_fd()
-    if lock_fd is None:  # the call could not keep other threads out
-        return None
-    res: Installed | None = fresh(cfg, netns, name, lock_fd)
+    res: Installed | None = fresh(cfg, netns, name, thread_lock_fd())
     return res
 
 
-def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> Installed:
+def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables", *,
+          allow_host_netns: bool = False) -> Installed:
     """Install redirection for ``config`` (Istio's injection defaults when None) in ``netns``.
 
     Atomic: on any failure the namespace is left as it was and ``SetupError`` is raised.
     Idempotent: the same config again changes nothing (``Installed.changed`` is False);
-    a different config replaces ours. Serialized per netns with other threads and processes
-    (``netns_lock``).
+    a different config replaces ours, and so does capture of another backend (the new one goes
+    in first, then the old one is removed). Serialized per netns with other threads and
+    processes (``redirect.locks.netns_lock``). The host's network namespace (the initial one,
+    pid 1's, or the caller's own) is refused with ``HostNetnsError`` unless
+    ``allow_host_netns``.
     """
     cfg = _config(config)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
     res = fresh = _setup_fresh(backend, cfg, netns, name)
     if res is None:
-        res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns)
+        res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns, name, allow_host_netns)
         res = Installed(res.backend, name, res.families, res.changed, res.detail)
     if log.isEnabledFor(logging.INFO):
         log.info(
@@ -211,83 +114,174 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     return res
 
 
-def _setup_general(impl: Any, cfg: RedirectConfig, plan: Plan, netns: _netns.NetnsRef) -> Installed:
+def _refuse_host_netns(name: str) -> None:
+    """``HostNetnsError`` if the netns the thread entered is the host's (``netns.host_netns_reason``)."""
+    why = _netns.host_netns_reason()
+    if why is not None:
+        raise HostNetnsError(f"netns={name!r}: {why}; capture there would take the node's own traffic."
+                             " Refused: name a pod's netns, or pass --allow-host-netns (allow_host_netns=True)"
+                             " if the host is really meant")
+
+
+def _setup_general(impl: Any, cfg: RedirectConfig, plan: Plan, netns: _netns.NetnsRef, name: str,
+                   allow_host_netns: bool) -> Installed:
     """``setup`` inside the netns, under ``netns_lock``: any backend, any previous state."""
     with _netns.enter(netns), one_nft_context():
+        if not allow_host_netns:
+            _refuse_host_netns(name)
         with netns_lock(_netns.current_inode()):
             families = _families_for(impl, cfg)
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
-            # refill of libnftables' cache of our new table after it (~0.3 ms of an nftables setup).
-            other = _other_netfilter_installed(impl.name)
+            # refill of libnftables' cache of our new table after it.
+            others = _installed(skip=kind_of(impl.name), strict=False)
             res = impl.apply(plan, cfg, families)
-            if other is not None and _retire_other_netfilter(impl.name, other):
+            if others and _retire(impl.name, others, plan, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
     return res
 
 
-def _netfilter_kind(backend_name: str) -> str | None:
-    if backend_name == "nftables":
-        return "nftables"
-    return "iptables" if backend_name.startswith("iptables") else None
+def _netfilter_present() -> bool:
+    """Whether the calling thread's netns has any netfilter table (else no netfilter capture of
+    ours can be there); True when it can't tell."""
+    from ._native import lib
+
+    return bool(lib.rdr_netfilter_present() != 0)
 
 
-def _other_netfilter_installed(backend_name: str) -> Any:
-    """The other netfilter backend (iptables <-> nftables) if it has rules of ours here, else None."""
-    mine = _netfilter_kind(backend_name)
-    if mine is None:
-        return None
-    other = "iptables" if mine == "nftables" else "nftables"
+def _candidates(skip: str | None) -> list[str]:
+    """The kinds of capture that may be in the calling thread's netns (not ``skip``): a netfilter
+    kind only if the netns has a netfilter table, eBPF only if its pin root exists."""
+    nf: bool | None = None
+    out = []
+    for kind in KINDS:
+        if kind == skip:
+            continue
+        if kind == "ebpf":
+            if os.path.isdir(ebpf_root()):
+                out.append(kind)
+            continue
+        if nf is None:
+            nf = _netfilter_present()
+        if nf:
+            out.append(kind)
+    return out
+
+
+def _backend_of(kind: str) -> Any:
+    """The backend object for ``kind``, or None when it can't run here (then nothing of it can be
+    installed: its own setup would have needed it)."""
     try:
-        impl = get_backend(other, None)
-        return impl if impl.installed() else None
-    except RedirectError as e:
-        log.error("could not tell whether %s rules of ours are installed: %s", other, e)
+        return get_backend(kind, None)
+    except BackendUnavailable as e:
+        log.debug("backend %s unavailable here (%s): none of its capture can be installed", kind, e)
         return None
 
 
-def _retire_other_netfilter(backend_name: str, impl: Any) -> bool:
-    """Mixed hosts: once ``backend_name`` applied, remove our rules made by the other
-    netfilter backend ``impl`` (as ``_other_netfilter_installed`` found it), keeping the
-    routes both share. New rules first, old ones after: capture never lapses. True if
-    anything was removed."""
-    mine, other = _netfilter_kind(backend_name), impl.name
-    try:
-        log.info("switching backend: removing our %s rules now that %s ones are in", other, mine)
-        return bool(impl.remove(keep_routes=True))
-    except RedirectError as e:
-        # Capture is in place (both rule sets do the same thing); the next setup retries.
-        log.error("could not remove our old %s rules after switching to %s: %s", other, mine, e)
-        return False
+def _installed(skip: str | None = None, strict: bool = True) -> list[Any]:
+    """The backends (objects, in ``KINDS`` order) with capture of ours in the calling thread's
+    netns, ``skip``'s kind aside. ``strict``: an error telling raises; else it is logged and that
+    kind is taken as not installed."""
+    out = []
+    for kind in _candidates(skip):
+        impl = _backend_of(kind)
+        if impl is None:
+            continue
+        try:
+            if impl.installed():
+                out.append(impl)
+        except (RedirectError, OSError) as e:
+            if strict:
+                raise
+            log.error("could not tell whether %s capture of ours is installed: %s", kind, e)
+    return out
 
 
-def teardown(netns: _netns.NetnsRef, backend: str = "iptables") -> bool:
-    """Remove our redirection from ``netns`` (nothing else). True if anything was removed."""
-    impl = get_backend(backend, None)
-    name = _netns.describe(netns)
-    with _netns.enter(netns), one_nft_context():
-        with netns_lock(_netns.current_inode()):
-            removed = impl.remove()
-            if backend == "auto":  # whichever netfilter backend made them
-                other = _other_netfilter_installed(impl.name)
-                removed = (other is not None and _retire_other_netfilter(impl.name, other)) or removed
-    log.info("teardown netns=%s backend=%s removed=%s", name, impl.name, removed)
+def _retire(backend_name: str, olds: list[Any], plan: Plan, families: tuple[int, ...]) -> bool:
+    """Once ``backend_name``'s capture is in, remove that of the backends ``olds`` (as
+    ``_installed`` found them): new first, old after, so capture never lapses. Routes and
+    addresses of ours are then what ``plan`` wants (the new backend's apply made sure of those
+    it wants; another backend's policy routes go). True if anything was removed."""
+    from . import routes as rt
+
+    removed = False
+    for old in olds:
+        try:
+            log.info("switching backend: removing our %s capture now that %s capture is in", old.name, backend_name)
+            removed = bool(old.remove(keep_routes=True)) or removed
+        except RedirectError as e:
+            # Capture is in place (both do the same thing); the next setup retries.
+            log.error("could not remove our old %s capture after switching to %s: %s", old.name, backend_name, e)
+    if removed:
+        rt.txn_for(plan, families).finish()
     return removed
 
 
-def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables") -> CheckResult:
-    """Whether what is installed in ``netns`` equals what ``config`` wants; the differences if not."""
+def _any(backend: str | None) -> bool:
+    """``backend`` means "whatever is installed" (None, or ``auto`` for teardown, check, show)."""
+    return backend is None or backend == "auto"
+
+
+def teardown(netns: _netns.NetnsRef, backend: str | None = None) -> bool:
+    """Remove our redirection from ``netns`` (nothing else). True if anything was removed.
+
+    ``backend`` None (or ``auto``): all of ours, whichever backend installed it; a backend
+    name: that backend's capture only."""
+    name = _netns.describe(netns)
+    with _netns.enter(netns), one_nft_context():
+        with netns_lock(_netns.current_inode()):
+            if not _any(backend):
+                impls = [get_backend(backend, None)]  # type: ignore[arg-type]
+            else:  # each that may be here: its remove also takes leftovers of an interrupted setup
+                impls = [impl for kind in _candidates(None) if (impl := _backend_of(kind)) is not None]
+            removed = False
+            for impl in impls:
+                removed = bool(impl.remove()) or removed
+            if _any(backend):
+                from . import routes as rt
+
+                removed = rt.remove_all_ours() or removed  # routes of an interrupted setup, if any
+    log.info("teardown netns=%s backend=%s removed=%s", name, backend or "any", removed)
+    return removed
+
+
+def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str | None = None) -> CheckResult:
+    """Whether what is installed in ``netns`` equals what ``config`` wants; the differences if not.
+
+    ``backend`` None (or ``auto``): compared with the backend whose capture is installed
+    (nothing installed, or capture of two backends, is a difference); a backend name: with that
+    backend's capture."""
     cfg = _config(config)
     plan = _plan(cfg)
-    impl = get_backend(backend, cfg)
     with _netns.enter(netns), one_nft_context():
-        return impl.check(plan, cfg, _families_for(impl, cfg))
+        if not _any(backend):
+            impl = get_backend(backend, cfg)  # type: ignore[arg-type]
+            return impl.check(plan, cfg, _families_for(impl, cfg))  # type: ignore[no-any-return]
+        found = _installed()
+        if not found:
+            return CheckResult(False, "none", ("no capture of ours is installed (by any backend)",))
+        impl = get_backend(found[0].name, cfg)
+        res: CheckResult = impl.check(plan, cfg, _families_for(impl, cfg))
+        extra = tuple(f"capture of the {o.name} backend is installed too (a setup replaces it, teardown removes it)"
+                      for o in found[1:])
+        return CheckResult(res.ok and not extra, res.backend, res.differences + extra)
 
 
-def show(netns: _netns.NetnsRef, backend: str = "iptables") -> dict[str, Any]:
-    """What of ours is installed in ``netns``, read from the kernel."""
-    impl = get_backend(backend, None)
-    with _netns.enter(netns):
-        out = impl.show()
+def show(netns: _netns.NetnsRef, backend: str | None = None) -> dict[str, Any]:
+    """What of ours is installed in ``netns``, read from the kernel.
+
+    ``backend`` None (or ``auto``): found whichever backend installed it; ``backend`` names it
+    (None if nothing), ``backends`` lists every one found (more than one only after an
+    interrupted switch), with the first one's details at the top and the others' under
+    ``also_installed``. A backend name: that backend's view."""
+    with _netns.enter(netns), one_nft_context():
+        if not _any(backend):
+            out: dict[str, Any] = get_backend(backend, None).show()  # type: ignore[arg-type]
+        else:
+            found = _installed()
+            out = found[0].show() if found else {"backend": None, "installed": False}
+            if len(found) > 1:
+                out["also_installed"] = {o.name: o.show() for o in found[1:]}
+            out["backends"] = [o.name for o in found]
     out["netns"] = _netns.describe(netns)
     return out
 

@@ -1,13 +1,16 @@
 """The ``redirect`` command line.
 
-    redirect setup NETNS [--config FILE] [--set FIELD=VALUE ...] [--backend B] [--dry-run]
-    redirect teardown NETNS [--backend B]
-    redirect check NETNS [--config FILE] [--set ...] [--json]
-    redirect show NETNS [--json]
+    redirect setup NETNS [--config FILE] [--set FIELD=VALUE ...] [--backend B] [--dry-run] [--allow-host-netns]
+    redirect teardown NETNS [--backend B]          (no --backend: whatever of ours is installed)
+    redirect check NETNS [--config FILE] [--set ...] [--backend B] [--json]
+    redirect show NETNS [--backend B] [--json]
     redirect init [istio-iptables flags]      (drop-in for istio-iptables)
     redirect wait [--url URL] [--netns NS] [--timeout S] [--period-ms N]   (a postStart hook)
     redirect inject [-f FILE|-] [--image IMG] [--proxy-image IMG] [--hold-application]
     redirect node setup|check|teardown|add-pod|remove-pod|list-pods   (ambient node probe rules)
+
+NETNS is ``pid:N`` (process N's netns), a path (anything with a ``/``: ``/proc/42/ns/net``,
+``./ns``), or a name under /run/netns (a bare number too: ``1`` is /run/netns/1).
 
 Exit codes: 0 ok, 2 bad configuration or usage, 1 failure (nothing was left half-installed).
 Imports are lazy so that a per-pod exec (``redirect init``) starts fast.
@@ -41,12 +44,28 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("sidecar", "ambient"), help="shorthand for --set mode=...")
 
 
+NETNS_HELP = ("network namespace: pid:N (process N's), a path (anything with a '/', e.g. /proc/42/ns/net), "
+              "or a name under /run/netns (a bare number is a name too)")
+ANY_BACKEND_HELP = ("only this backend's capture (default: whatever of ours is installed, by any backend: "
+                    "iptables, nftables or ebpf)")
+
+
 def _netns_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("netns", help="network namespace: a name under /run/netns, a path, or a pid")
+    p.add_argument("netns", help=NETNS_HELP)
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", "-b", default=os.environ.get("REDIRECT_BACKEND", "iptables"), help=BACKEND_HELP)
+
+
+def _any_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", "-b", default=None, help=ANY_BACKEND_HELP)
+
+
+def _host_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-host-netns", action="store_true",
+                   help="allow capture in the host's own network namespace (the initial one, pid 1's, or this "
+                        "process's own); refused without it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,25 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     _netns_arg(s)
     _config_args(s)
     _backend_arg(s)
+    _host_arg(s)
     s.add_argument("--dry-run", "-n", action="store_true", help="print the rules; touch nothing")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_setup)
 
-    t = sub.add_parser("teardown", help="remove our redirection from a netns (nothing else)")
+    t = sub.add_parser("teardown", help="remove our redirection from a netns, by any backend (nothing else)")
     _netns_arg(t)
-    _backend_arg(t)
+    _any_backend_arg(t)
     t.set_defaults(func=cmd_teardown)
 
-    c = sub.add_parser("check", help="compare what is installed with a config; exit 1 on drift")
+    c = sub.add_parser("check", help="compare what is installed (by any backend) with a config; exit 1 on drift")
     _netns_arg(c)
     _config_args(c)
-    _backend_arg(c)
+    _any_backend_arg(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
 
-    w = sub.add_parser("show", help="what of ours is installed in a netns")
+    w = sub.add_parser("show", help="what of ours is installed in a netns, and by which backend")
     _netns_arg(w)
-    _backend_arg(w)
+    _any_backend_arg(w)
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=cmd_show)
 
@@ -100,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(i)
     i.add_argument("--netns", dest="netns_alias", metavar="NETNS", help="same as --network-namespace")
+    _host_arg(i)
     i.set_defaults(func=cmd_init)
 
     wt = sub.add_parser(
@@ -190,7 +211,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(redirect.render(cfg, backend=args.backend))
         return EXIT_OK
-    res = redirect.setup(args.netns, cfg, backend=args.backend)
+    res = redirect.setup(args.netns, cfg, backend=args.backend, allow_host_netns=args.allow_host_netns)
     if args.json:
         _print_json({"backend": res.backend, "netns": res.netns, "families": list(res.families),
                      "changed": res.changed, "detail": res.detail})
@@ -232,8 +253,21 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(info)
         return EXIT_OK
-    print(f"netns {info['netns']}: backend {info.get('backend')}, "
-          f"{'redirection installed' if info.get('installed') else 'nothing of ours installed'}")
+    if info.get("installed"):
+        print(f"netns {info['netns']}: redirection installed by the {info.get('backend')} backend")
+    elif args.backend:
+        print(f"netns {info['netns']}: no capture of ours by the {info.get('backend')} backend")
+    else:
+        print(f"netns {info['netns']}: nothing of ours installed (by any backend)")
+    _print_details(info)
+    for other, details in info.get("also_installed", {}).items():
+        print(f"netns {info['netns']}: also installed by the {other} backend (an interrupted switch: a setup "
+              f"replaces it, teardown removes it)")
+        _print_details(details)
+    return EXIT_OK
+
+
+def _print_details(info: dict[str, Any]) -> None:
     for variant, fams in info.get("variants", {}).items():
         for fam, tables in fams.items():
             for table, st in tables.items():
@@ -247,9 +281,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         for item in info.get(key, []):
             print(f"  {key[:-1]}: {item}")
     for key, value in info.items():
-        if key not in ("netns", "backend", "installed", "variants", "routes", "addresses"):
+        if key not in ("netns", "backend", "backends", "installed", "variants", "routes", "addresses",
+                       "also_installed"):
             print(f"  {key}: {json.dumps(value, default=str)}")
-    return EXIT_OK
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -271,7 +305,11 @@ def cmd_init(args: argparse.Namespace) -> int:
         print("removed redirect rules" if removed else "nothing of ours was installed")
         return EXIT_OK
     if not opts.skip_rule_apply:
-        res = redirect.setup(target, opts.config, backend=opts.backend)
+        allow_host = args.allow_host_netns
+        if not opts.netns and not allow_host:
+            _refuse_init_on_host(target)
+            allow_host = True  # its own netns: what istio-iptables installs in (inside the pod)
+        res = redirect.setup(target, opts.config, backend=opts.backend, allow_host_netns=allow_host)
         print(f"{'installed' if res.changed else 'already in place'}: sidecar capture ({res.backend}, "
               f"{'+'.join(f'IPv{f}' for f in res.families)})")
     if opts.run_validation:
@@ -282,6 +320,19 @@ def cmd_init(args: argparse.Namespace) -> int:
         if not ok:
             return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _refuse_init_on_host(target: str) -> None:
+    """``redirect init`` without a netns installs in its own, as istio-iptables does inside the
+    pod; that own netns must still not be the host's (initial or pid 1's)."""
+    from .errors import HostNetnsError
+    from .netns import enter, host_netns_reason
+
+    with enter(target):
+        why = host_netns_reason(own_ok=True)
+    if why is not None:
+        raise HostNetnsError(f"redirect init without --network-namespace installs in its own netns, and {why}."
+                             " Refused: run it inside the pod, name the pod's netns, or pass --allow-host-netns")
 
 
 def _pod_netns(args: argparse.Namespace) -> str | None:

@@ -93,3 +93,7 @@ class SetupError(RedirectError):
 
 class NetnsError(RedirectError):
     """A network namespace could not be found or entered."""
+
+
+class HostNetnsError(NetnsError):
+    """``setup`` was pointed at the host's own network namespace and not told that is meant."""

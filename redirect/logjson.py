@@ -24,8 +24,9 @@ the record's own fields
 ``exc``
     the traceback, when there is one.
 
-A newline inside a message or a field stays inside its JSON string, so one record is
-always one line. Pod fields come from what a pod controls (its name, annotations):
+A newline inside a message or a field stays inside its JSON string (in text lines the
+message's control characters are escaped as ``\\xNN`` and fields are JSON strings), so one
+record is always one line. Pod fields come from what a pod controls (its name, annotations):
 each is cut to :data:`MAX_FIELD` characters.
 """
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import stat
 import sys
 import time
 from collections.abc import Mapping
@@ -47,6 +50,8 @@ MAX_FIELD = 256
 POD_ENV = {"POD_NAME": "pod_name", "POD_NAMESPACE": "pod_namespace", "POD_UID": "pod_uid"}
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: Control characters, escaped in text lines.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _bounded(value: object) -> str:
@@ -114,6 +119,12 @@ class TextFormatter(logging.Formatter):
         super().__init__(fmt)
         self.pod = dict(pod or {})
 
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        # What a pod controls (a container id, a name) may hold a newline: it never starts a line.
+        if _CONTROL.search(record.message):
+            record.message = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         fields = getattr(record, "fields", None)
@@ -131,12 +142,30 @@ def log_fields(logger: logging.Logger, level: int, msg: str, /, **fields: Any) -
 _HANDLER_NAME = "redirect.logjson"
 
 
+def open_log_file(path: str) -> IO[str]:
+    """``path`` for appending: created with mode 0600, never through a symlink (root writes
+    logs, often where others may create entries); an existing one must be a regular file of
+    this user's, and loses any access of group and others. ``OSError`` otherwise."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"log file {path!r}: not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(f"log file {path!r}: owned by uid {st.st_uid}, not by this user")
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 class _FileHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Appends to a file created with mode 0600; ``close`` closes it."""
+    """Appends to a file opened by ``open_log_file``; ``close`` closes it."""
 
     def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        super().__init__(os.fdopen(fd, "a", encoding="utf-8"))
+        super().__init__(open_log_file(path))
 
     def close(self) -> None:
         self.acquire()
@@ -161,7 +190,8 @@ def setup(
     """Send ``logger``'s records (``redirect`` and below) to ``path`` or ``stream`` (stderr).
 
     ``json_lines`` picks the format. ``pod`` fields are added to every line. A file is
-    opened for appending and created with mode 0600 (logs name pods and addresses).
+    opened for appending by ``open_log_file`` (mode 0600: logs name pods and addresses; no
+    symlinks).
     Replaces the handlers this function added before, so calling it twice does not
     print every line twice. Returns the handler.
     """

@@ -2,7 +2,9 @@
 
 A namespace is named by:
 
-- a ``str``: a name under ``/run/netns`` (``"pod1"``) or a path (``"/proc/42/ns/net"``);
+- a ``str``: ``"pid:N"``, the namespace of process ``N``; a path (it contains a ``/``:
+  ``"/proc/42/ns/net"``, ``"./ns"``); otherwise a name under ``/run/netns`` (``"pod1"``, and
+  ``"1"`` too: a bare number is a name, never a pid);
 - an ``os.PathLike``: a path;
 - ``Pid(n)``: the namespace of process ``n``; ``Fd(n)``: an open namespace fd;
 - a plain ``int``: an fd if it is an open network-namespace fd, otherwise a pid.
@@ -10,12 +12,17 @@ A namespace is named by:
 ``setns(2)`` acts on one OS thread, so many threads may each work in their own
 namespace at the same time; ``enter()`` restores the thread's namespace on the way
 out, even when the body raises.
+
+``host_netns_reason()`` tells whether the namespace a thread entered is the host's own
+(the initial one, pid 1's, or the one the caller came from): ``redirect.setup`` refuses to
+install capture there unless asked to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -25,6 +32,13 @@ from .errors import NetnsError
 
 NETNS_RUN_DIR = "/run/netns"
 CLONE_NEWNET = 0x40000000
+PID_PREFIX = "pid:"
+#: The inode of the kernel's initial network namespace where the kernel gives it a fixed one
+#: (``PROC_NET_INIT_INO``; dynamically numbered namespaces start at 0xF0000000, so no other
+#: namespace has it on older kernels).
+INIT_NET_INO = 0xEFFFFFF9
+#: The inode of the initial pid namespace (``PROC_PID_INIT_INO``): in it, pid 1 is the host's init.
+INIT_PID_NS_INO = 0xEFFFFFFC
 
 
 class Pid(int):
@@ -48,9 +62,18 @@ def _is_netns_fd(fd: int) -> bool:
         return False
 
 
+def _pid_path(ref: str) -> str:
+    n = ref[len(PID_PREFIX):]
+    if not (n.isascii() and n.isdigit() and 0 < len(n) <= 10 and int(n) > 0):
+        raise NetnsError(f"netns={ref!r}: expected pid:<process id> (ASCII digits, > 0)")
+    return f"/proc/{int(n)}/ns/net"
+
+
 def path_of(ref: NetnsRef) -> str | None:
     """The filesystem path of a namespace reference, or None for an fd."""
     if type(ref) is str and ref and "/" not in ref:
+        if ref.startswith(PID_PREFIX):
+            return _pid_path(ref)
         return NETNS_RUN_DIR + "/" + ref  # a name under NETNS_RUN_DIR: the common case, first
     if isinstance(ref, Fd):
         return None
@@ -61,6 +84,8 @@ def path_of(ref: NetnsRef) -> str | None:
     path = os.fspath(ref)
     if not path:
         raise NetnsError("netns='': empty namespace name")
+    if path.startswith(PID_PREFIX) and "/" not in path:
+        return _pid_path(path)
     if "/" not in path:
         return os.path.join(NETNS_RUN_DIR, path)
     return path
@@ -68,7 +93,7 @@ def path_of(ref: NetnsRef) -> str | None:
 
 def describe(ref: NetnsRef) -> str:
     """A short human name for logs and errors."""
-    if type(ref) is str and ref and "/" not in ref:
+    if type(ref) is str and ref and "/" not in ref and not ref.startswith(PID_PREFIX):
         return ref  # a name under NETNS_RUN_DIR (the common case, without a path join)
     path = path_of(ref)
     if path is None:
@@ -152,11 +177,14 @@ def enter(ref: NetnsRef) -> Iterator[int]:
         except OSError as e:
             raise NetnsError(f"netns={describe(ref)!r}: setns failed: {e.strerror}") from None
         stack = _entered.__dict__.setdefault("fds", [])
+        homes = _entered.__dict__.setdefault("homes", [])
         stack.append(target)
+        homes.append(home)
         try:
             yield target
         finally:
             stack.pop()
+            homes.pop()
             try:
                 _setns(home)
             except OSError as e:  # pragma: no cover - kernel out of memory
@@ -164,6 +192,47 @@ def enter(ref: NetnsRef) -> Iterator[int]:
     finally:
         os.close(home)
         os.close(target)
+
+
+@functools.lru_cache(maxsize=1)
+def _pid1_netns() -> tuple[int, int] | None:
+    """(dev, inode) of pid 1's netns when this process is in the initial pid namespace (there pid
+    1 is the host's init); None elsewhere (a container's pid 1 is its own) or if unreadable."""
+    try:
+        if os.stat("/proc/self/ns/pid").st_ino != INIT_PID_NS_INO:
+            return None
+        st = os.stat("/proc/1/ns/net")
+    except OSError:
+        return None  # (some sandboxes hide pid 1's namespaces even from root)
+    return st.st_dev, st.st_ino
+
+
+def host_netns_inodes() -> tuple[int, int]:
+    """The inodes of the host's network namespace as far as they are known without entering
+    anything: the kernel's fixed one of the initial netns, and pid 1's (0 when not known)."""
+    pid1 = _pid1_netns()
+    return INIT_NET_INO, (pid1[1] if pid1 is not None else 0)
+
+
+def host_netns_reason(own_ok: bool = False) -> str | None:
+    """Why the netns the calling thread entered (innermost ``enter``) is the host's, or None.
+
+    The host's is the kernel's initial network namespace, pid 1's (seen from the initial pid
+    namespace), or, unless ``own_ok``, the caller's own: the one the thread was in before its
+    outermost ``enter`` (for a node agent or a CNI plugin, the node's). Two ``fstat`` calls on
+    fds ``enter`` holds anyway."""
+    stack: list[int] | None = getattr(_entered, "fds", None)
+    if not stack:
+        raise RuntimeError("host_netns_reason() outside netns.enter()")
+    st = os.fstat(stack[-1])
+    home = os.fstat(_entered.homes[0])
+    if not own_ok and (st.st_dev, st.st_ino) == (home.st_dev, home.st_ino):
+        return "it is the caller's own network namespace (the host's, when run on a node)"
+    if st.st_ino == INIT_NET_INO:
+        return "it is the host's initial network namespace"
+    if (st.st_dev, st.st_ino) == _pid1_netns():
+        return "it is the network namespace of pid 1 (the host's)"
+    return None
 
 
 def netns_cookie(ref: NetnsRef) -> int:

@@ -88,11 +88,12 @@ from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, RedirectError, SetupError
 from ..netns import NetnsRef
 from ..plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
+from . import EBPF_DEFAULT_ROOT
 from .base import CheckResult, Installed, fault_point
 
 log = logging.getLogger("redirect.ebpf")
 
-DEFAULT_ROOT = "/sys/fs/bpf/redirect"
+DEFAULT_ROOT = EBPF_DEFAULT_ROOT  # (defined with the backends: redirect.api looks for pins there too)
 DEFAULT_CGROUP = "/sys/fs/cgroup/unified"
 BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
@@ -274,16 +275,17 @@ def _ensure_bpffs(root: str) -> None:
         raise BackendUnavailable(f"ebpf: pin root {root!r} is not on a bpffs mount")
 
 
-def _lock_path(root: str) -> str:
-    return "/run/lock/redirect-ebpf-" + re.sub(r"[^A-Za-z0-9]", "_", root) + ".lock"
+def _lock_name(root: str) -> str:
+    """The host lock's file in the run directory (``redirect.locks``)."""
+    return "ebpf-" + re.sub(r"[^A-Za-z0-9]", "_", root) + ".lock"
 
 
 @contextlib.contextmanager
 def _host_lock(root: str) -> Iterator[None]:
     """One loader per host at a time (other processes too)."""
-    os.makedirs("/run/lock", exist_ok=True)
-    name = _lock_path(root)
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    from .. import locks
+
+    fd = locks.open_private(_lock_name(root))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -339,6 +341,7 @@ class HostPrograms:
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
         r.tcp_diag = _tcp_diag_ok()
+        r.host_netns_ino = _netns.host_netns_inodes()
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
         r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
         for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
@@ -746,8 +749,10 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
         existed = os.path.exists(r)
         _unpin_all(r)
         if r != DEFAULT_ROOT:  # a scratch root (tests): leave no lock file behind either
+            from .. import locks
+
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(_lock_path(r))
+                os.unlink(os.path.join(locks.run_dir_path(), _lock_name(r)))
         return existed
 
 
@@ -1360,7 +1365,7 @@ class EbpfBackend:
         cookie = current_netns_cookie()
         had_policy = h.pods.lookup(U64.pack(cookie)) is not None
         removed = _remove_pod(h, cookie)
-        if had_policy:
+        if had_policy and not keep_routes:  # (kept: another backend's capture uses them now)
             _remove_our_addresses()
         return removed
 

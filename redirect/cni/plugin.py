@@ -322,14 +322,18 @@ def _setup_logging(pc: PluginConf | None, env: Mapping[str, str] | None = None) 
                              netns=env.get("CNI_NETNS"))
     kw: dict[str, Any] = {"json_lines": bool(pc is not None and pc.log_json), "pod": pod,
                           "text_format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}
+    problem: OSError | None = None
     if pc is not None and pc.log_file:
         try:
             logjson.setup(path=pc.log_file, level=pc.log_level, **kw)
             return logging.getLogger("redirect.cni")
-        except OSError:
-            pass
+        except OSError as e:
+            problem = e
     logjson.setup(level=logging.WARNING if pc is None or not pc.log_file else pc.log_level, **kw)
-    return logging.getLogger("redirect.cni")
+    log = logging.getLogger("redirect.cni")
+    if problem is not None:
+        log.warning("logging to stderr: cannot use the logFile: %s", problem)
+    return log
 
 
 # --- commands --------------------------------------------------------------------------
