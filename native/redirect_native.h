@@ -130,6 +130,6 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 
 /* --- netfilter in the calling thread's netns (netfilter_probe.c) ------------- */
 
-/* 1 if the calling thread's netns has any netfilter table (nf_tables, or legacy x_tables for
- * IPv4 or IPv6), 0 if none, -errno if it can't tell. Creates nothing. */
+/* 1 if the calling thread's netns has any nf_tables table or legacy IPv4 x_tables table, 0 if
+ * none, -errno if it can't tell. Creates nothing. */
 int rdr_netfilter_present(void);

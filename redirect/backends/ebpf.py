@@ -1478,7 +1478,7 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
     ``REDIRECT_BPF_ROOT``), in one native call (native/pod_setup.c): what
     ``redirect.setup(..., backend="ebpf")`` tries first. From outside the netns, it opens
     ``netns``, takes its lock on ``lock_fd`` (the calling thread's own fd of
-    ``redirect.api.NETNS_LOCK_FILE``), enters, sets the pod up and comes back.
+    the netns lock file, ``redirect.locks``), enters, sets the pod up and comes back.
 
     None when the pod is not fresh, the lock is held, or anything looks unusual (the namespace
     too: the general path reports it): nothing was changed and the caller takes the general
