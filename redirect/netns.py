@@ -224,9 +224,24 @@ def host_netns_reason(own_ok: bool = False) -> str | None:
     stack: list[int] | None = getattr(_entered, "fds", None)
     if not stack:
         raise RuntimeError("host_netns_reason() outside netns.enter()")
-    st = os.fstat(stack[-1])
-    home = os.fstat(_entered.homes[0])
-    if not own_ok and (st.st_dev, st.st_ino) == (home.st_dev, home.st_ino):
+    return _host_reason(os.fstat(stack[-1]), None if own_ok else os.fstat(_entered.homes[0]))
+
+
+def host_netns_reason_of(ref: NetnsRef) -> str | None:
+    """``host_netns_reason`` of the namespace ``ref`` names, without entering it (the caller's
+    own being the one its thread is in, or was in before its outermost ``enter``)."""
+    fd = open_netns(ref)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    homes: list[int] | None = getattr(_entered, "homes", None)
+    home = os.fstat(homes[0]) if homes else os.stat("/proc/thread-self/ns/net")
+    return _host_reason(st, home)
+
+
+def _host_reason(st: os.stat_result, home: os.stat_result | None) -> str | None:
+    if home is not None and (st.st_dev, st.st_ino) == (home.st_dev, home.st_ino):
         return "it is the caller's own network namespace (the host's, when run on a node)"
     if st.st_ino == INIT_NET_INO:
         return "it is the host's initial network namespace"

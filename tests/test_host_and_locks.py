@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -114,6 +115,24 @@ def test_cni_add_naming_the_host_netns_fails_with_bad_environment() -> None:
     out = json.loads(p.stdout)
     assert p.returncode != 0 and out["code"] == 7 and "network namespace" in out["msg"], out
     assert host_capture() == before
+
+
+def test_agent_refuses_an_event_naming_the_host_netns(tmp_path: Path) -> None:
+    from redirect.agent import client, identity
+    from tests.test_agent import Node
+
+    n = Node(tmp_path)
+    try:
+        n.start_agent()
+        assert n.agent is not None
+        before = host_capture()
+        for ref in ("/proc/self/ns/net", f"/proc/{n.agent.proc.pid}/ns/net"):  # (the agent's own: the host's)
+            with pytest.raises(client.AgentError, match="network namespace") as e:
+                client.add_pod(n.events, uid="u-host", netns=ref, config={"mode": "ambient"})
+            assert e.value.reason == "netns"
+        assert host_capture() == before and identity.read("/proc/self/ns/net") is None
+    finally:
+        n.close()
 
 
 def test_the_override_and_redirect_init_in_a_pods_own_netns(pod: Pod) -> None:

@@ -608,8 +608,11 @@ class Agent:
         cfg = self._pod_config(pod)
         try:
             inode = _netns.netns_inode(path)
+            host = _netns.host_netns_reason_of(path)  # (before anything is written there)
         except RedirectError as e:
             raise EventError("netns", str(e)) from None
+        if host is not None:
+            raise EventError("netns", f"pod.netns={path!r}: {host}: refused")
         return PodRecord(uid=uid, name=_text(pod, "name"), namespace=_text(pod, "namespace", limit=63),
                          netns=path, inode=inode, ips=parsed, container_id=_text(pod, "container_id", limit=128),
                          backend=backend, config=cfg, node=self.opts.node_name)
