@@ -295,26 +295,35 @@ def test_no_fallback_when_the_run_dir_cannot_be_made(pod: Pod, run_dir: Callable
 # --- the CNI plugin's log file ---------------------------------------------------------------
 
 
-def cni_del(log_file: str, container: str) -> subprocess.CompletedProcess[bytes]:
+def cni_del(log_file: str, container: str, log_json: bool = True) -> subprocess.CompletedProcess[bytes]:
     plugin = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
     conf = {"cniVersion": "1.0.0", "name": "rdrt-test", "type": "redirect-cni", "logFile": log_file,
-            "logLevel": "info"}
+            "logLevel": "info", "logJson": log_json}
     env = {"PATH": os.environ.get("PATH", ""), "CNI_COMMAND": "DEL", "CNI_CONTAINERID": container,
            "CNI_NETNS": "", "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni"}
     return subprocess.run([plugin], input=json.dumps(conf).encode(), env=env, capture_output=True, timeout=60)
 
 
-def test_cni_log_file_is_private_and_one_json_object_per_line(shared_tmp: str) -> None:
+FORGED = '{"level": "error", "msg": "forged"}'
+
+
+def test_cni_log_file_is_private_and_a_container_id_cannot_forge_a_line(shared_tmp: str) -> None:
     log_file = os.path.join(shared_tmp, "cni.log")
-    forged = '{"level": "error", "msg": "forged"}'
-    assert cni_del(log_file, "c1\n" + forged).returncode == 0
+    assert cni_del(log_file, "c1\n" + FORGED).returncode == 0
     assert stat.S_IMODE(os.stat(log_file).st_mode) == 0o600
     with open(log_file, encoding="utf-8") as f:
         lines = f.read().splitlines()
     records = [json.loads(ln) for ln in lines]  # every line is one object
-    assert forged not in lines
-    assert any("c1\n" + forged in r["msg"] for r in records), records
+    assert FORGED not in lines
+    assert any("c1\n" + FORGED in r["msg"] for r in records), records
     assert all({"time", "level", "logger", "msg"} <= set(r) for r in records)
+
+    # Text lines (logJson false) escape it too.
+    text_file = os.path.join(shared_tmp, "cni.txt")
+    assert cni_del(text_file, "c1\n" + FORGED, log_json=False).returncode == 0
+    with open(text_file, encoding="utf-8") as f:
+        text = f.read()
+    assert "c1\\x0a" + FORGED in text and not any(ln.startswith(FORGED) for ln in text.splitlines()), text
 
     # An existing log readable by others is made private; a symlink is never followed.
     os.chmod(log_file, 0o644)
