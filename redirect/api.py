@@ -212,7 +212,11 @@ def _retire(backend_name: str, olds: list[Any], plan: Plan, families: tuple[int,
             # Capture is in place (both do the same thing); the next setup retries.
             log.error("could not remove our old %s capture after switching to %s: %s", old.name, backend_name, e)
     if removed:
-        rt.txn_for(plan, families).finish()
+        try:
+            rt.txn_for(plan, families).finish()
+        except (RedirectError, OSError) as e:  # (as above: capture is in place; the next setup retries)
+            log.error("could not remove the old %s capture's routes after switching to %s: %s",
+                      "+".join(o.name for o in olds), backend_name, e)
     return removed
 
 
