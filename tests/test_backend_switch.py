@@ -204,3 +204,30 @@ def test_the_one_call_ebpf_path_replaces_netfilter_capture_too(ebpf_root: str, p
             assert landing(pod.name, pod.peer_ip4, 8080, out, app, uid=1000, timeout=T).listener is app
         finally:
             redirect.teardown(pod.name)
+
+
+def test_cni_del_removes_capture_of_any_backend(ebpf_root: str, pod: Pod) -> None:
+    """The conflist's backend changed between a pod's ADD and its DEL: the DEL still removes it."""
+    import json
+    import subprocess
+    import sys
+
+    plugin = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
+
+    def cni(command: str, backend: str) -> int:
+        conf = {"cniVersion": "1.0.0", "name": "rdrt-switch", "type": "redirect-cni", "backend": backend,
+                "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": f"{pod.pod_ip4}/24"}]}}
+        env = {"PATH": os.environ.get("PATH", ""), "CNI_COMMAND": command, "CNI_CONTAINERID": "c1",
+               "CNI_NETNS": pod.path, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni", "REDIRECT_BPF_ROOT": ebpf_root}
+        return subprocess.run([plugin], input=json.dumps(conf).encode(), env=env, capture_output=True,
+                              timeout=60).returncode
+
+    from redirect.backends import ebpf
+
+    try:
+        assert cni("ADD", "ebpf") == 0
+        assert redirect.show(pod.name)["backends"] == ["ebpf"]
+        assert cni("DEL", "iptables") == 0
+        assert redirect.show(pod.name)["backends"] == [] and ebpf.registered_pods(ebpf_root) == []
+    finally:
+        redirect.teardown(pod.name)

@@ -13,7 +13,7 @@ Commands
              Ambient with ``agentSocket``: the pod goes to the node agent (``redirect-agent``),
              which installs the rules and hands the netns to the node proxy; no confirmation
              within ``agentTimeout`` s -> error 103 (docs/agent-protocol.md).
-``DEL``      ``redirect.teardown`` in ``CNI_NETNS``; succeeds when ``CNI_NETNS`` is empty
+``DEL``      ``redirect.teardown`` in ``CNI_NETNS`` (ours by any backend); succeeds when ``CNI_NETNS`` is empty
              or the namespace is already gone; idempotent. Ambient with ``agentSocket``: the
              agent removes the pod (if it can't be reached, the in-pod rules are removed here).
 ``CHECK``    ``redirect.check`` against the same config ADD used; differences -> error 104.
@@ -497,7 +497,8 @@ def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     from .. import api
 
     try:
-        removed = _redirect_errors(api.teardown, netns, pc.backend, code=E_TEARDOWN)
+        # Whichever backend put it there (the config's may have changed since the ADD).
+        removed = _redirect_errors(api.teardown, netns, None, code=E_TEARDOWN)
     except CniError as e:
         if e.code == E_ENV:  # vanished between the exists() and the open
             log.info("DEL container=%s netns=%r: %s", container, netns, e.msg)
