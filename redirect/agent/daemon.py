@@ -29,16 +29,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import itertools
+import fcntl
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,16 +47,33 @@ from .. import netns as _netns
 from ..config import RedirectConfig
 from ..errors import ConfigError, RedirectError, SetupError
 from . import identity, protocol
+from .events import EventServer
 from .metrics import Metrics, serve_http
+from .pods import ENROLLED, INTENT, BadPod, PodRecord, ambient_config, backend_of, from_record, ips_of, text, uid_of
+from .proxies import ProxyConn, Waiter, proxy_name
 
 log = logging.getLogger("redirect.agent")
 
-_DEFAULT_CFG = RedirectConfig().to_dict()
+#: Fault injection for the kill-point tests: ``REDIRECT_AGENT_FAULT=<point>`` makes the agent
+#: SIGKILL itself when it reaches ``<point>`` (see ``FAULT_POINTS``), as a crash there would.
+FAULT_ENV = "REDIRECT_AGENT_FAULT"
+FAULT_POINTS = ("add.start", "add.intent", "add.rules", "add.node_set", "add.proxy_sent", "add.proxy_acked",
+                "add.committed")
+
+NS_GET_USERNS = 0xB701  # ioctl on an nsfs fd: an fd of the user namespace that owns it
 
 
 def jlog(level: int, msg: str, **fields: Any) -> None:
     """A structured log line: ``msg`` plus ``fields`` (keys of the JSON line, see ``redirect.logjson``)."""
     log.log(level, msg, extra={"fields": fields})
+
+
+def fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        jlog(logging.CRITICAL, "fault point reached: the agent kills itself", point=point)
+        for h in logging.getLogger("redirect").handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class EventError(Exception):
@@ -67,152 +84,30 @@ class EventError(Exception):
         self.reason = reason
 
 
-# --- pods --------------------------------------------------------------------------------
-
-
-@dataclass
-class PodRecord:
-    uid: str
-    name: str
-    namespace: str
-    netns: str
-    inode: int
-    ips: tuple[str, ...]
-    container_id: str
-    backend: str
-    config: RedirectConfig
-    node: str
-
-    def record(self) -> dict[str, Any]:
-        """What is stored in the pod netns (``identity``)."""
-        cfg = {k: v for k, v in self.config.to_dict().items() if k == "mode" or _DEFAULT_CFG.get(k) != v}
-        return {"node": self.node, "uid": self.uid, "name": self.name, "namespace": self.namespace,
-                "netns": self.netns, "ips": list(self.ips), "container_id": self.container_id,
-                "backend": self.backend, "config": cfg}
-
-    def for_proxy(self) -> dict[str, Any]:
-        return {"uid": self.uid, "name": self.name, "namespace": self.namespace, "ips": list(self.ips),
-                "netns": self.netns, "netns_inode": self.inode}
-
-    @classmethod
-    def from_record(cls, rec: dict[str, Any], netns: str, inode: int) -> PodRecord:
-        return cls(uid=str(rec["uid"]), name=str(rec.get("name", "")), namespace=str(rec.get("namespace", "")),
-                   netns=netns, inode=inode, ips=tuple(rec.get("ips") or ()),
-                   container_id=str(rec.get("container_id", "")), backend=str(rec.get("backend", "iptables")),
-                   config=RedirectConfig.from_dict(rec.get("config") or {"mode": "ambient"}),
-                   node=str(rec.get("node", "")))
-
-
-def _text(pod: dict[str, Any], key: str, required: bool = False, limit: int = 253) -> str:
-    value = pod.get(key, "")
-    if value is None:
-        value = ""
-    if not isinstance(value, str) or len(value) > limit or any(ord(c) < 32 for c in value):
-        raise EventError("bad_request", f"pod.{key}={value!r}: expected a string of at most {limit} printable chars")
-    if required and not value:
-        raise EventError("bad_request", f"pod.{key}: missing")
-    return value
-
-
-# --- node proxies --------------------------------------------------------------------------
-
-
-class Waiter:
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.ok = False
-        self.error = ""
-
-    def done(self, ok: bool, error: str = "") -> None:
-        self.ok, self.error = ok, error
-        self.event.set()
-
-
-class ProxyConn:
-    """One connected node proxy: an ordered send queue (writer thread) and an ack reader."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, agent: Agent, sock: socket.socket, name: str) -> None:
-        self.agent = agent
-        self.sock = sock
-        self.name = name
-        self.q: queue.Queue[tuple[dict[str, Any], int | None] | None] = queue.Queue()
-        self.pending: dict[int, Waiter] = {}
-        self.lock = threading.Lock()
-        self.alive = True
-        self.synced = threading.Event()  # acked its first snapshot_done
-        threading.Thread(target=self._writer, name=f"proxy-w:{name}", daemon=True).start()
-        threading.Thread(target=self._reader, name=f"proxy-r:{name}", daemon=True).start()
-
-    def enqueue(self, msg: dict[str, Any], fd: int | None = None) -> Waiter:
-        w = Waiter()
-        mid = next(self._ids)
-        with self.lock:
-            if not self.alive:
-                if fd is not None:
-                    os.close(fd)
-                w.done(False, "proxy disconnected")
-                return w
-            self.pending[mid] = w
-            self.q.put(({**msg, "id": mid}, fd))  # under the lock: never after close()'s None
-        return w
-
-    def send_add(self, pod: PodRecord) -> Waiter:
+def _userns_of(path: str) -> tuple[int, int] | None:
+    """(dev, inode) of the user namespace owning the network namespace at ``path``; None if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        ufd = fcntl.ioctl(fd, NS_GET_USERNS)
         try:
-            fd = _netns.open_netns(pod.netns)
-        except RedirectError as e:
-            w = Waiter()
-            w.done(False, str(e))
-            return w
-        return self.enqueue({"type": "add", "pod": pod.for_proxy()}, fd)
+            st = os.fstat(ufd)
+            return st.st_dev, st.st_ino
+        finally:
+            os.close(ufd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
-    def _writer(self) -> None:
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            msg, fd = item
-            try:
-                if self.alive:
-                    protocol.send(self.sock, msg, (fd,) if fd is not None else ())
-            except OSError as e:
-                jlog(logging.WARNING, "sending to node proxy failed", proxy=self.name, error=str(e))
-                self.close()
-            finally:
-                if fd is not None:
-                    os.close(fd)
 
-    def _reader(self) -> None:
-        try:
-            while True:
-                got = protocol.recv(self.sock, max_fds=0)
-                if got is None:
-                    break
-                msg, _ = got
-                if msg["type"] != "ack":
-                    continue
-                with self.lock:
-                    w = self.pending.pop(int(msg.get("id", -1)), None)
-                if w is not None:
-                    w.done(bool(msg.get("ok")), str(msg.get("error", "")))
-        except (OSError, protocol.ProtocolError, ValueError) as e:
-            jlog(logging.WARNING, "node proxy connection failed", proxy=self.name, error=str(e))
-        self.close()
-
-    def close(self) -> None:
-        with self.lock:
-            if not self.alive:
-                return
-            self.alive = False
-            pending, self.pending = self.pending, {}
-            self.q.put(None)  # the writer closes the fds of what is still queued, then stops
-        for w in pending.values():
-            w.done(False, "proxy disconnected")
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.agent._proxy_gone(self)
-        self.sock.close()
+def _same_inode(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
 
 
 # --- the agent -----------------------------------------------------------------------------
@@ -233,14 +128,26 @@ class Options:
     capture: dict[str, Any] = field(default_factory=dict)
     scan_proc: bool = True
     resync_seconds: float = 30.0
+    idle_timeout: float = 10.0
+    max_clients: int = 256
+
+
+@dataclass
+class Found:
+    """What a scan of the node's namespaces found: committed pods, and enrolments that never committed."""
+
+    enrolled: dict[str, PodRecord] = field(default_factory=dict)
+    unfinished: list[PodRecord] = field(default_factory=list)
+    ignored: int = 0
 
 
 class Agent:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self.metrics = Metrics()
-        self.lock = threading.Lock()  # pods + proxies
-        self.pods: dict[str, PodRecord] = {}
+        self.lock = threading.Lock()  # pods, enrolling, proxies
+        self.pods: dict[str, PodRecord] = {}  # committed
+        self.enrolling: dict[str, PodRecord] = {}  # handed to the proxies, not committed yet
         self.proxies: list[ProxyConn] = []
         self._uid_guard = threading.Lock()
         self._uid_locks: dict[str, threading.Lock] = {}
@@ -248,9 +155,9 @@ class Agent:
         self.stopping = threading.Event()
         self._socks: list[socket.socket] = []
         self._paths: list[str] = []
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=opts.workers, thread_name_prefix="agent-ev")
-        self._inflight = threading.BoundedSemaphore(opts.workers * 8)
+        self.events: EventServer | None = None
         self.http: Any = None
+        self._userns = os.stat("/proc/self/ns/user")
         try:
             base = {**opts.capture, "mode": "ambient"}
             self.base = RedirectConfig.from_dict(base)
@@ -263,11 +170,15 @@ class Agent:
         t0 = time.monotonic()
         events = self._bind(self.opts.events_socket)
         proxies = self._bind(self.opts.proxy_socket)
-        self.http = serve_http(self.opts.http_host, self.opts.http_port, self.metrics, self._readiness)
+        self.http = serve_http(self.opts.http_host, self.opts.http_port, self.metrics, self._readiness,
+                               idle_timeout=self.opts.idle_timeout, max_clients=self.opts.max_clients)
         jlog(logging.INFO, "http listening", host=self.opts.http_host, port=self.http.server_address[1])
         self.reconcile()
         threading.Thread(target=self._accept_proxies, args=(proxies,), name="agent-proxies", daemon=True).start()
-        threading.Thread(target=self._accept_events, args=(events,), name="agent-events", daemon=True).start()
+        self.events = EventServer(events, self.handle, lambda reason: self.metrics.inc("failures", reason),
+                                  workers=self.opts.workers, max_clients=self.opts.max_clients,
+                                  idle_timeout=self.opts.idle_timeout)
+        self.events.start()
         if self.opts.resync_seconds > 0:
             threading.Thread(target=self._resync_loop, name="agent-resync", daemon=True).start()
         self.ready = True
@@ -312,12 +223,13 @@ class Agent:
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        if self.events is not None:
+            self.events.stop()
         jlog(logging.INFO, "agent stopped; redirection left in place", pods=len(self.pods))
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
         with self.lock:
-            return self.ready, {"pods": len(self.pods), "proxies": len(self.proxies)}
+            return self.ready, {"pods": len(self.pods), "proxies": sum(1 for c in self.proxies if c.serving)}
 
     def _uid_lock(self, uid: str) -> threading.Lock:
         with self._uid_guard:
@@ -328,8 +240,15 @@ class Agent:
 
     # -- restart safety
 
-    def discover(self) -> dict[str, PodRecord]:
-        """Our pods, read from the kernel: the identity set in every namespace we can reach."""
+    def _ours(self, path: str) -> bool:
+        """Whether the netns at ``path`` is owned by the agent's (the node's) user namespace: only
+        root on the node can make one, so a record in it was not written by an unprivileged user."""
+        return _userns_of(path) == (self._userns.st_dev, self._userns.st_ino)
+
+    def discover(self) -> Found:
+        """Our pods, read from the kernel: the record in every namespace we can reach that the
+        node's user namespace owns. Each record is validated like an ``add`` event; a netns of
+        another user namespace, or a record that is not right, is logged and ignored."""
         paths: list[str] = []
         with contextlib.suppress(FileNotFoundError):
             paths += [os.path.join(_netns.NETNS_RUN_DIR, n) for n in sorted(os.listdir(_netns.NETNS_RUN_DIR))]
@@ -343,56 +262,113 @@ class Agent:
                 continue
             by_inode.setdefault((st.st_dev, st.st_ino), []).append(p)
 
-        def read(item: tuple[tuple[int, int], list[str]]) -> PodRecord | None:
+        def read(item: tuple[tuple[int, int], list[str]]) -> tuple[PodRecord, str] | str | None:
             (_, ino), names = item
             try:
+                if not self._ours(names[0]):
+                    if identity.exists(names[0]):
+                        jlog(logging.WARNING, "pod record ignored: its netns belongs to another user namespace "
+                             "(not made by root on this node)", netns=names[0])
+                        return "ignored"
+                    return None
                 rec = identity.scan(names[0])
             except (RedirectError, OSError):
                 return None
-            if rec is None or rec.get("node") != self.opts.node_name or not isinstance(rec.get("uid"), str):
+            if rec is None:
                 return None
             path = rec.get("netns") if isinstance(rec.get("netns"), str) else ""
             if not path or not _same_inode(path, ino):
                 path = names[0]
             try:
-                return PodRecord.from_record(rec, path, ino)
-            except (ConfigError, KeyError, TypeError, ValueError) as e:
-                jlog(logging.ERROR, "unreadable pod identity", netns=names[0], error=str(e))
+                return from_record(rec, path, ino, self.opts.node_name)
+            except BadPod as e:
+                if e.field != "record.node":  # another node's pod (a shared /run/netns): not ours, quietly
+                    jlog(logging.ERROR, "pod record ignored: not a record the agent writes", netns=names[0],
+                         error=str(e))
+                    return "ignored"
                 return None
 
-        found: dict[str, PodRecord] = {}
+        found = Found()
         with concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-scan") as ex:
-            for pod in ex.map(read, by_inode.items()):
-                if pod is not None:
-                    found[pod.uid] = pod
+            for got in ex.map(read, by_inode.items()):
+                if got == "ignored":
+                    found.ignored += 1
+                if not isinstance(got, tuple):
+                    continue
+                pod, phase = got
+                if phase == INTENT:
+                    found.unfinished.append(pod)
+                    continue
+                other = found.enrolled.get(pod.uid)
+                if other is not None:
+                    # Two namespaces claim one uid (an old sandbox still held): keep the one whose
+                    # record names where it is, else the first; the other is not adopted.
+                    keep = other if _same_inode(other.netns, other.inode) or not _same_inode(pod.netns, pod.inode) \
+                        else pod
+                    jlog(logging.ERROR, "two namespaces hold a record of one pod: adopting one", pod=pod.uid,
+                         adopted=keep.netns, ignored=(pod if keep is other else other).netns)
+                    pod = keep
+                found.enrolled[pod.uid] = pod
         return found
 
     def reconcile(self) -> None:
         t0 = time.monotonic()
+        host = self._host()
         if self.opts.host_rules:
-            node.setup_node(self._host())
+            node.setup_node(host)
         found = self.discover()
+        for pod in found.unfinished:
+            self._undo(pod, "an enrolment cut short (no commit record): removed")
+            self.metrics.inc("reconciled", "removed")
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.opts.workers) as ex:
-            results = list(ex.map(self._fix_rules, found.values()))
+            results = list(ex.map(self._fix_rules, found.enrolled.values()))
         for r in results:
             self.metrics.inc("reconciled", r)
         if self.opts.host_rules:
-            host = self._host()
-            for pod in found.values():
+            for pod in found.enrolled.values():
                 if pod.ips:
-                    node.add_pods(pod.ips, host, owner=pod.uid)
+                    try:
+                        node.add_pods(pod.ips, host, owner=pod.uid)
+                    except Exception as e:  # noqa: BLE001 - one pod never stops the agent
+                        jlog(logging.ERROR, "node set entries could not be added", pod=pod.uid, error=str(e))
             stale: dict[str, list[str]] = {}
             for ip, owner in node.list_pods(host).items():
-                if owner and owner not in found:
+                if owner and owner not in found.enrolled:
                     stale.setdefault(owner, []).append(ip)
             for owner, ips in stale.items():
-                node.remove_pods(ips, host, owner=owner)
-                jlog(logging.INFO, "removed node set entries of a pod that is gone", pod=owner, ips=ips)
+                try:
+                    node.remove_pods(ips, host, owner=owner)
+                    jlog(logging.INFO, "removed node set entries of a pod that is gone", pod=owner, ips=ips)
+                except Exception as e:  # noqa: BLE001
+                    jlog(logging.ERROR, "stale node set entries could not be removed", pod=owner, error=str(e))
         with self.lock:
-            self.pods = found
-            self.metrics.set("pods_enrolled", len(found))
-        jlog(logging.INFO, "reconciled", pods=len(found), ms=round((time.monotonic() - t0) * 1e3, 1),
+            self.pods = found.enrolled
+            self.metrics.set("pods_enrolled", len(found.enrolled))
+        jlog(logging.INFO, "reconciled", pods=len(found.enrolled), ms=round((time.monotonic() - t0) * 1e3, 1),
+             removed=len(found.unfinished), ignored=found.ignored,
              **{r: results.count(r) for r in ("intact", "repaired", "failed")})
+
+    def _undo(self, pod: PodRecord, why: str) -> None:
+        """Remove every piece of ``pod`` the kernel may hold (rules, routes, node-set entries it
+        owns, its record last), each step on its own so one failure does not stop the others."""
+        steps: list[tuple[str, Callable[[], object]]] = [("rules", lambda: api.teardown(pod.netns, pod.backend))]
+        if self.opts.host_rules and pod.ips:
+            steps.append(("node set", lambda: node.remove_pods(pod.ips, self._host(), owner=pod.uid)))
+        steps.append(("record", lambda: self._clear_record(pod)))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - report, keep undoing
+                jlog(logging.ERROR, "undo step failed", pod=pod.uid, step=what, error=str(e))
+        jlog(logging.WARNING, why, pod=pod.uid, netns=pod.netns)
+
+    def _clear_record(self, pod: PodRecord) -> None:
+        """Remove the record in ``pod``'s netns if it is this pod's (another pod's is never touched)."""
+        if not _same_inode(pod.netns, pod.inode):
+            return
+        rec = identity.scan(pod.netns)
+        if rec is None or rec.get("uid") == pod.uid:
+            identity.clear(pod.netns)
 
     def _fix_rules(self, pod: PodRecord) -> str:
         """Re-install the pod's rules if they differ from its recorded config: intact, repaired or failed."""
@@ -402,7 +378,7 @@ class Agent:
             api.setup(pod.netns, pod.config, pod.backend)
             jlog(logging.WARNING, "pod rules had drifted: re-installed", pod=pod.uid, netns=pod.netns)
             return "repaired"
-        except RedirectError as e:
+        except Exception as e:  # noqa: BLE001 - one pod never stops the agent
             jlog(logging.ERROR, "pod rules could not be repaired", pod=pod.uid, netns=pod.netns, error=str(e))
             return "failed"
 
@@ -483,15 +459,15 @@ class Agent:
             s.settimeout(None)
         except (OSError, protocol.ProtocolError) as e:
             jlog(logging.WARNING, "node proxy rejected", error=str(e))
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, protocol.ProtocolError):
                 protocol.send(s, {"type": "error", "error": str(e)})
             s.close()
             return
-        name = f"{got[0].get('proxy', 'proxy')}#{n}"
-        conn = ProxyConn(self, s, name)
+        name = proxy_name(got[0], n)
+        conn = ProxyConn(s, name, self._proxy_gone)
         with self.lock:
             self.proxies.append(conn)
-            pods = list(self.pods.values())
+            pods = list({**self.pods, **self.enrolling}.values())
             waiters = [conn.send_add(p) for p in pods]
             done = conn.enqueue({"type": "snapshot_done", "pods": sorted(p.uid for p in pods)})
             self.metrics.set("proxy_connections", len(self.proxies))
@@ -524,39 +500,6 @@ class Agent:
 
     # -- events
 
-    def _accept_events(self, lsock: socket.socket) -> None:
-        while not self.stopping.is_set():
-            self._inflight.acquire()
-            try:
-                s, _ = lsock.accept()
-            except OSError:
-                self._inflight.release()
-                return
-            try:
-                self._pool.submit(self._serve_client, s)
-            except RuntimeError:  # shutting down
-                self._inflight.release()
-                s.close()
-                return
-
-    def _serve_client(self, s: socket.socket) -> None:
-        try:
-            s.settimeout(30.0)
-            while True:
-                try:
-                    got = protocol.recv(s, max_fds=0)
-                except protocol.ProtocolError as e:
-                    protocol.send(s, {"type": "result", "ok": False, "reason": "bad_request", "error": str(e)})
-                    continue
-                if got is None:
-                    return
-                protocol.send(s, self.handle(got[0]))
-        except OSError:
-            pass
-        finally:
-            s.close()
-            self._inflight.release()
-
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         kind = msg["type"]
         t0 = time.perf_counter()
@@ -574,12 +517,11 @@ class Agent:
                 ok, detail = self._readiness()
                 out = {"ready": ok, **detail}
             else:
-                raise EventError("bad_request", f"type={kind!r}: expected add, del, check, list or status")
+                raise EventError("bad_request", f"type={kind[:40]!r}: expected add, del, check, list or status")
+        except BadPod as e:
+            return self._failed(kind, msg, EventError("bad_request", str(e)))
         except EventError as e:
-            self.metrics.inc("failures", e.reason)
-            jlog(logging.ERROR, f"{kind} failed", reason=e.reason, error=str(e),
-                 pod=(msg.get("pod") or {}).get("uid") if isinstance(msg.get("pod"), dict) else None)
-            return {"type": "result", "ok": False, "reason": e.reason, "error": str(e)}
+            return self._failed(kind, msg, e)
         except Exception as e:  # noqa: BLE001 - the plugin must always get an answer
             self.metrics.inc("failures", "internal")
             log.exception("%s failed", kind)
@@ -590,21 +532,20 @@ class Agent:
                 self.metrics.observe_setup(time.perf_counter() - t0)
         return {"type": "result", "ok": True, "ms": round((time.perf_counter() - t0) * 1e3, 2), **out}
 
+    def _failed(self, kind: str, msg: dict[str, Any], e: EventError) -> dict[str, Any]:
+        self.metrics.inc("failures", e.reason)
+        pod = msg.get("pod")
+        uid = pod.get("uid") if isinstance(pod, dict) and isinstance(pod.get("uid"), str) else None
+        jlog(logging.ERROR, f"{kind[:40]} failed", reason=e.reason, error=str(e), pod=uid[:128] if uid else None)
+        return {"type": "result", "ok": False, "reason": e.reason, "error": str(e)}
+
     def _parse_pod(self, pod: Any) -> PodRecord:
         if not isinstance(pod, dict):
             raise EventError("bad_request", "pod: expected an object")
-        uid = _text(pod, "uid", required=True, limit=128)
-        if not protocol.UID_RE.match(uid):
-            raise EventError("bad_request", f"pod.uid={uid!r}: expected letters, digits, '.', '_', ':' or '-'")
-        path = _text(pod, "netns", required=True, limit=4096)
-        ips = pod.get("ips") or []
-        try:
-            parsed = tuple(ip for _, ip in node._parse_ips(ips, "pod.ips")) if ips else ()
-        except ConfigError as e:
-            raise EventError("bad_request", str(e)) from None
-        backend = pod.get("backend") or self.opts.backend
-        if not isinstance(backend, str):
-            raise EventError("bad_request", f"pod.backend={backend!r}: expected a backend name")
+        uid = uid_of(pod, "pod")
+        path = text(pod, "netns", "pod", required=True, limit=4096)
+        ips = ips_of(pod.get("ips") or [], "pod.ips")
+        backend = backend_of(pod.get("backend"), "pod.backend", self.opts.backend)
         cfg = self._pod_config(pod)
         try:
             inode = _netns.netns_inode(path)
@@ -613,57 +554,94 @@ class Agent:
             raise EventError("netns", str(e)) from None
         if host is not None:
             raise EventError("netns", f"pod.netns={path!r}: {host}: refused")
-        return PodRecord(uid=uid, name=_text(pod, "name"), namespace=_text(pod, "namespace", limit=63),
-                         netns=path, inode=inode, ips=parsed, container_id=_text(pod, "container_id", limit=128),
+        return PodRecord(uid=uid, name=text(pod, "name", "pod"), namespace=text(pod, "namespace", "pod", limit=63),
+                         netns=path, inode=inode, ips=ips, container_id=text(pod, "container_id", "pod", limit=128),
                          backend=backend, config=cfg, node=self.opts.node_name)
 
     def _pod_config(self, pod: dict[str, Any]) -> RedirectConfig:
         from ..annotations import config_from_annotations
 
         try:
-            if isinstance(pod.get("config"), dict):
-                cfg = RedirectConfig.from_dict(pod["config"])
-            else:
-                ann = pod.get("annotations") or {}
-                if not isinstance(ann, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                        for k, v in ann.items()):
-                    raise EventError("bad_request", "pod.annotations: expected an object of strings")
-                cfg = config_from_annotations(ann, self.base)
+            if "config" in pod and pod["config"] is not None:
+                return ambient_config(pod["config"], "pod.config")
+            ann = pod.get("annotations") or {}
+            if not isinstance(ann, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ann.items()):
+                raise EventError("bad_request", "pod.annotations: expected an object of strings")
+            cfg = config_from_annotations(ann, self.base)
         except ConfigError as e:
             raise EventError("bad_annotation", str(e)) from None
+        except BadPod as e:
+            raise EventError("bad_annotation" if e.field.startswith("pod.config.") else "bad_request", str(e)) from None
         if cfg.mode != "ambient":
             raise EventError("bad_request", f"pod.config.mode={cfg.mode!r}: the agent enrols ambient pods only")
         return cfg
 
+    def _claimed_by(self, pod: PodRecord) -> str | None:
+        """The uid of another pod that holds ``pod``'s netns (enrolled, being enrolled, or recorded there)."""
+        with self.lock:
+            for other in (*self.pods.values(), *self.enrolling.values()):
+                if other.uid != pod.uid and other.inode == pod.inode and _same_inode(other.netns, other.inode):
+                    return other.uid
+        rec = identity.scan(pod.netns)
+        if rec is not None and isinstance(rec.get("uid"), str) and rec["uid"] != pod.uid:
+            return str(rec["uid"])[:128]
+        return None
+
     def add(self, raw: Any) -> dict[str, Any]:
+        """Enrol a pod, as a transaction whose commit record is written last.
+
+        1. an *intent* record in the pod netns (what to remove if the agent dies before 5.);
+        2. the in-pod routes and rules (``redirect.setup``);
+        3. the pod's IPs in the node probe sets, owned by its uid;
+        4. the netns handed to every connected node proxy, and all their acks;
+        5. the *commit* record (``phase: enrolled``) replaces the intent: the pod is enrolled.
+
+        A failure undoes every step (``_rollback``). A restarted agent adopts only pods with a
+        commit record and removes the pieces of one that has only the intent.
+        """
         pod = self._parse_pod(raw)
         with self._uid_lock(pod.uid):
+            other = self._claimed_by(pod)
+            if other is not None:
+                raise EventError("netns", f"pod.netns={pod.netns!r}: that netns is pod {other}'s; nothing was changed")
             with self.lock:
                 if not self.proxies:
                     raise EventError("no_proxy", "no node proxy is connected: the pod would have no proxy")
-            host = self._host()
-            added_ips: list[str] = []
+                cur = self.pods.get(pod.uid)
             waiters: list[tuple[ProxyConn, Waiter]] = []
             try:
-                identity.write(pod.netns, pod.record())
+                fault("add.start")
+                if cur is None or cur.inode != pod.inode:
+                    identity.write(pod.netns, pod.record(INTENT))
+                    fault("add.intent")
                 api.setup(pod.netns, pod.config, pod.backend)
+                fault("add.rules")
                 if self.opts.host_rules and pod.ips:
+                    host = self._host()
                     try:
-                        added_ips = node.add_pods(pod.ips, host, owner=pod.uid)
+                        node.add_pods(pod.ips, host, owner=pod.uid)
                     except SetupError:  # the node sets went away since the start: put them back once
                         node.setup_node(host)
-                        added_ips = node.add_pods(pod.ips, host, owner=pod.uid)
+                        node.add_pods(pod.ips, host, owner=pod.uid)
+                    fault("add.node_set")
                 with self.lock:
-                    self.pods[pod.uid] = pod
-                    self.metrics.set("pods_enrolled", len(self.pods))
+                    self.enrolling[pod.uid] = pod  # in the snapshot of a proxy that connects now
                     waiters = [(c, c.send_add(pod)) for c in self.proxies]
+                fault("add.proxy_sent")
                 if not waiters:
                     raise EventError("no_proxy", "no node proxy is connected")
                 errors = self._wait_all(waiters)
                 if errors:
                     raise EventError("proxy", "node proxy did not take the pod: " + "; ".join(errors))
+                fault("add.proxy_acked")
+                identity.write(pod.netns, pod.record(ENROLLED))
+                fault("add.committed")
+                with self.lock:
+                    self.enrolling.pop(pod.uid, None)
+                    self.pods[pod.uid] = pod
+                    self.metrics.set("pods_enrolled", len(self.pods))
             except Exception as e:
-                self._rollback(pod, added_ips)
+                self._rollback(pod)
                 if isinstance(e, EventError):
                     raise
                 if isinstance(e, RedirectError):
@@ -673,31 +651,26 @@ class Agent:
              ips=list(pod.ips), proxies=len(waiters), backend=pod.backend)
         return {"enrolled": True, "pod": pod.uid, "proxies": len(waiters)}
 
-    def _rollback(self, pod: PodRecord, added_ips: list[str]) -> None:
+    def _rollback(self, pod: PodRecord) -> None:
         """Undo a failed add, whether or not the pod was enrolled before (the runtime retries or DELs)."""
         with self.lock:
-            if self.pods.get(pod.uid) is pod:
-                del self.pods[pod.uid]
+            self.pods.pop(pod.uid, None)
+            self.enrolling.pop(pod.uid, None)
             self.metrics.set("pods_enrolled", len(self.pods))
             conns = list(self.proxies)
         for c in conns:
             c.enqueue({"type": "del", "uid": pod.uid})
-        for step in (lambda: api.teardown(pod.netns, pod.backend), lambda: identity.clear(pod.netns),
-                     lambda: node.remove_pods(added_ips, self._host(), owner=pod.uid) if added_ips else None):
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - report, keep undoing
-                jlog(logging.ERROR, "rollback step failed", pod=pod.uid, error=str(e))
+        self._undo(pod, "failed add rolled back")
 
     def check(self, raw: Any) -> dict[str, Any]:
         """Whether the pod is enrolled in that netns, its rules are as recorded, and a proxy has it."""
         if not isinstance(raw, dict):
             raise EventError("bad_request", "pod: expected an object")
-        uid = _text(raw, "uid", required=True, limit=128)
-        path = _text(raw, "netns", limit=4096)
+        uid = uid_of(raw, "pod")
+        path = text(raw, "netns", "pod", limit=4096)
         with self.lock:
             rec = self.pods.get(uid)
-            proxies = sum(1 for c in self.proxies if c.synced.is_set())
+            proxies = sum(1 for c in self.proxies if c.synced.is_set() and c.serving)
         if rec is None:
             raise EventError("check", f"pod {uid} is not enrolled on this node")
         if path and not _same_inode(path, rec.inode):
@@ -715,9 +688,9 @@ class Agent:
     def delete(self, raw: Any) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise EventError("bad_request", "pod: expected an object")
-        uid = _text(raw, "uid", limit=128)
-        path = _text(raw, "netns", limit=4096)
-        cid = _text(raw, "container_id", limit=128)
+        uid = uid_of(raw, "pod", required=False)
+        path = text(raw, "netns", "pod", limit=4096)
+        cid = text(raw, "container_id", "pod", limit=128)
         if not uid and not cid:
             raise EventError("bad_request", "pod: a del needs uid or container_id")
         if not uid:
@@ -762,13 +735,6 @@ class Agent:
         return {"removed": rec is not None, "pod": uid}
 
 
-def _same_inode(path: str, inode: int) -> bool:
-    try:
-        return os.stat(path).st_ino == inode
-    except OSError:
-        return False
-
-
 # --- CLI -----------------------------------------------------------------------------------
 
 
@@ -800,6 +766,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resync-seconds", type=float, default=30.0,
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")
+    p.add_argument("--idle-timeout", type=float, default=10.0,
+                   help="seconds an events-socket or ops-port client may stay idle, and may take to read an "
+                        "answer, before it is disconnected (%(default)s)")
+    p.add_argument("--max-clients", type=int, default=256,
+                   help="open connections on the events socket, and on the ops port, at most; a new client "
+                        "beyond that disconnects the one idle the longest (%(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=True,
                    help="log one JSON object per line on stderr (time, level, logger, msg, the pod's fields); "
@@ -822,10 +794,15 @@ def options_from_args(a: argparse.Namespace) -> Options:
         raise ConfigError("--resync-seconds", a.resync_seconds, "expected 0 (off) or a positive number of seconds")
     if a.proxy_timeout <= 0:
         raise ConfigError("--proxy-timeout", a.proxy_timeout, "expected a positive number of seconds")
+    if not 0 < a.idle_timeout <= 3600:
+        raise ConfigError("--idle-timeout", a.idle_timeout, "expected seconds in (0, 3600]")
+    if not 1 <= a.max_clients <= 65536:
+        raise ConfigError("--max-clients", a.max_clients, "expected 1..65536")
     return Options(events_socket=a.events_socket, proxy_socket=a.proxy_socket, backend=a.backend,
                    node_name=a.node_name, host_rules=not a.no_host_rules, host_netns=a.host_netns,
                    http_host=a.http_host, http_port=a.http_port, workers=a.workers, proxy_timeout=a.proxy_timeout,
-                   capture=capture, scan_proc=not a.no_proc_scan, resync_seconds=a.resync_seconds)
+                   capture=capture, scan_proc=not a.no_proc_scan, resync_seconds=a.resync_seconds,
+                   idle_timeout=a.idle_timeout, max_clients=a.max_clients)
 
 
 def main(argv: list[str] | None = None) -> int:

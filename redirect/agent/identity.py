@@ -11,8 +11,12 @@ that owns it) is written into the pod netns as an ipset nobody matches on:
 The set is per netns, dies with the netns, is read back with one ``ipset save`` and
 never affects traffic. It is replaced as a whole (build a scratch set, ``swap``,
 destroy the scratch), so a reader sees the old record or the new one. The agent
-finds pods by listing namespaces (``/run/netns``, ``/proc/*/ns/net``) and reading
-this set in each; namespaces without it are not ours.
+writes it twice per enrolment: an *intent* record (``"phase": "intent"``) before it
+installs anything, and the *commit* record (``"phase": "enrolled"``) after everything
+is in place (``redirect.agent.daemon.Agent.add``). The agent finds pods by listing
+namespaces (``/run/netns``, ``/proc/*/ns/net``) that the node's user namespace owns
+and reading this set in each; namespaces without it are not ours. What it reads is
+validated like an event (``redirect.agent.pods``): a record is data, never trusted.
 """
 
 from __future__ import annotations
@@ -117,6 +121,21 @@ def scan(netns: _netns.NetnsRef) -> dict[str, Any] | None:
     return parse("\n".join(f'add {SET} {i} comment "{c}"' for i, c in sorted(chunks.items())))
 
 
+def exists(netns: _netns.NetnsRef) -> bool:
+    """Whether ``netns`` has a set of our name (its header only: nothing of its content is read)."""
+    from pyroute2.ipset import IPSet, NoSuchObject
+
+    with _netns.enter(netns):
+        sock = IPSet()
+    try:
+        sock.headers(SET)
+        return True
+    except NoSuchObject:
+        return False
+    finally:
+        sock.close()
+
+
 def clear(netns: _netns.NetnsRef) -> bool:
     """Remove the record from ``netns``; True if there was one."""
     with _netns.enter(netns):
@@ -127,4 +146,4 @@ def clear(netns: _netns.NetnsRef) -> bool:
     return removed
 
 
-__all__ = ["SET", "write", "read", "scan", "parse", "clear"]
+__all__ = ["SET", "write", "read", "scan", "parse", "exists", "clear"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
-#: Setup latency buckets (seconds): an iptables pod setup is ~20-60 ms here.
+#: Setup latency buckets (seconds).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -84,11 +86,51 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-def serve_http(host: str, port: int, metrics: Metrics, ready: Callable[[], tuple[bool, dict[str, Any]]]
-               ) -> http.server.ThreadingHTTPServer:
-    """Start the ops server on ``host:port`` (0: any free port) in a daemon thread; returns it."""
+class OpsServer(http.server.ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with a bound on open connections: at ``max_clients``, a new
+    connection closes the oldest one (so idle clients never starve a probe); with the
+    handler's timeout, an idle connection holds its thread for ``idle_timeout`` at most."""
+
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], handler: type[http.server.BaseHTTPRequestHandler],
+                 max_clients: int) -> None:
+        super().__init__(addr, handler)
+        self.max_clients = max_clients
+        self._open: dict[socket.socket, None] = {}  # insertion order: oldest first
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            while len(self._open) >= self.max_clients:
+                oldest = next(iter(self._open))
+                del self._open[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its handler reads EOF and ends
+            self._open[request] = None
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    @property
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return len(self._open)
+
+
+def serve_http(host: str, port: int, metrics: Metrics, ready: Callable[[], tuple[bool, dict[str, Any]]],
+               idle_timeout: float = 10.0, max_clients: int = 256) -> OpsServer:
+    """Start the ops server on ``host:port`` (0: any free port) in a daemon thread; returns it.
+
+    One request per connection (HTTP/1.0); a connection that sends no complete request within
+    ``idle_timeout`` seconds is closed; at most ``max_clients`` are open at once."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = idle_timeout  # per read and write of the connection
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
@@ -112,10 +154,9 @@ def serve_http(host: str, port: int, metrics: Metrics, ready: Callable[[], tuple
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - silence per-request logs
             pass
 
-    server = http.server.ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = OpsServer((host, port), Handler, max_clients)
     threading.Thread(target=server.serve_forever, name="agent-http", daemon=True).start()
     return server
 
 
-__all__ = ["Metrics", "serve_http", "BUCKETS"]
+__all__ = ["Metrics", "OpsServer", "serve_http", "BUCKETS"]

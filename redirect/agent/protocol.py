@@ -44,6 +44,8 @@ def decode(data: bytes) -> dict[str, Any]:
         msg = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"not a JSON message: {e}") from None
+    except RecursionError:
+        raise ProtocolError("not a message of this protocol: JSON nested too deep") from None
     if not isinstance(msg, dict):
         raise ProtocolError("a message must be a JSON object")
     if msg.get("v") != VERSION:
