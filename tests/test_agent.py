@@ -30,7 +30,7 @@ import pytest
 
 import redirect
 from redirect import node
-from redirect.agent import client, identity
+from redirect.agent import client, identity, protocol
 from redirect.cni.plugin import convert_result
 from tests import netkit
 from tests.netkit import Pod, TcpListener, in_netns, tcp_probe_detail
@@ -114,14 +114,15 @@ class Node:
         self.proxy_log = tmp / "proxy.log"
         self._n = 0
 
-    def start_agent(self, *extra: str, wait_ready: bool = True) -> Agent:
+    def start_agent(self, *extra: str, wait_ready: bool = True, env: dict[str, str] | None = None) -> Agent:
         self._n += 1
         log = self.tmp / f"agent-{self._n}.log"
         with open(log, "wb") as f:
             p = subprocess.Popen([sys.executable, "-m", "redirect.agent.daemon", "--events-socket", self.events,
                                   "--proxy-socket", self.proxy_sock, "--http-port", "0", "--host-netns", self.ns,
                                   "--node-name", self.name, "--backend", self.backend, "--proxy-timeout", "5",
-                                  *extra], stderr=f, stdout=subprocess.DEVNULL)
+                                  *extra], stderr=f, stdout=subprocess.DEVNULL,
+                                 env={**os.environ, **(env or {})})
         self.procs.append(p)
         port = int(wait_log(log, lambda e: e.get("msg") == "http listening", 15, p)["port"])
         if wait_ready:
@@ -829,3 +830,335 @@ def test_containerd_pod_enrolled_through_the_agent_and_cleaned_up(
             run.wait(5)
         subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
         inst.uninstall(net_d, bin_d)
+
+
+# --- the trust boundary: what an unprivileged user or a bad peer can send -------------------------
+
+
+@contextlib.contextmanager
+def user_netns_with_record(records: list[dict[str, Any]]) -> Iterator[list[str]]:
+    """Network namespaces made by an unprivileged user (``unshare -Urn`` as nobody), each holding an
+    ``rdr-pod-identity`` set with a forged record, as the agent itself would write one. Yields their
+    /proc paths; the holder processes are killed on the way out (their netns go with them)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rec in records:
+            lines = [f"create {identity.SET} bitmap:port range 0-63 comment"]
+            lines += [f'add {identity.SET} {i} comment "{c}"' for i, c in enumerate(identity._chunks(rec))]
+            p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                                  "unshare", "-Urn", "sh", "-c", "ipset restore && exec sleep 60"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            procs.append(p)
+            assert p.stdin is not None
+            p.stdin.write(("\n".join(lines) + "\n").encode())
+            p.stdin.close()
+        deadline = time.monotonic() + 10
+        for p in procs:
+            while Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep":  # the set is made
+                assert p.poll() is None, p.stderr.read() if p.stderr else p.returncode
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert os.stat(f"/proc/{p.pid}/status").st_uid == 65534
+        yield [f"/proc/{p.pid}/ns/net" for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
+
+
+def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_agent(
+        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+    """A plain user's own netns (``unshare -Urn``) holding our identity set with a forged record:
+    one taking over an enrolled pod's uid, one putting a service IP in the node's probe-SNAT set,
+    one with a non-IP (which stopped every start). A restarted agent ignores them all, saying why,
+    and a record in a root-made netns that is not one the agent writes is ignored too."""
+    n = test_node
+    agent = n.start_agent()
+    n.start_proxy()
+    real = make_pod()
+    assert cni("ADD", real, "uid-real", n.events)[0] == 0
+    sets_before = node.list_pods(n.ns)
+    base = {"node": n.name, "name": "x", "namespace": "ns", "container_id": "c", "backend": "iptables",
+            "config": {"mode": "ambient"}, "phase": "enrolled", "netns": ""}
+    forged = [{**base, "uid": "uid-real", "ips": [real.pod_ip4]},          # takes over the real pod
+              {**base, "uid": "uid-svc", "ips": ["10.96.0.10"]},           # a service IP in the SNAT set
+              {**base, "uid": "uid-bad", "ips": ["not-an-ip"]}]            # stopped every start
+    bad_root = netkit.create_netns(f"rdrt-badrec-{os.urandom(3).hex()}")
+    try:
+        identity.write(bad_root, {**base, "uid": "uid-root-bad", "ips": ["not-an-ip"], "netns": ""})
+        with user_netns_with_record(forged) as paths:
+            agent.proc.send_signal(signal.SIGKILL)
+            agent.proc.wait(5)
+            agent = n.start_agent()
+            rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
+            assert (rec["pods"], rec["ignored"]) == (1, 4), rec
+            why = [e for e in read_log(agent.log) if e.get("msg", "").startswith("pod record ignored")]
+            assert sorted(e["netns"] for e in why if "another user namespace" in e["msg"]) == sorted(paths), why
+            assert any(e["netns"].endswith(bad_root) and "record.ips" in e["error"] for e in why), why
+            (pod,) = client.list_pods(n.events)
+            assert pod["uid"] == "uid-real" and pod["netns_inode"] == os.stat(real.path).st_ino, pod
+            assert node.list_pods(n.ns) == sets_before
+            # The real pod keeps its proxy: nothing replaced it, its traffic goes through the proxy.
+            n.wait_synced(2)
+            assert not n.proxy_events("pod_removed")
+            with servers_for([real]) as servers:
+                s = send(real, "out")
+                assert s.label == "server4", s
+                assert_all_through_proxy(n, [s], servers)
+            assert agent.get("/readyz")[0] == 200
+    finally:
+        netkit.remove_netns(bad_root)
+    assert cni("DEL", real, "uid-real", n.events)[0] == 0
+
+
+def _idle_seqpackets(path: str, count: int) -> list[socket.socket]:
+    out = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(5)
+        s.connect(path)
+        out.append(s)
+    return out
+
+
+def _status(path: str, timeout: float = 3.0) -> dict[str, Any]:
+    return protocol.request(path, {"type": "status"}, timeout)
+
+
+def test_idle_clients_never_starve_the_events_socket(test_node: Node) -> None:
+    n = test_node
+    n.start_agent()  # 16 workers
+    idle = _idle_seqpackets(n.events, 40)
+    try:
+        t0 = time.monotonic()
+        assert _status(n.events)["ready"] is True
+        assert time.monotonic() - t0 < 2
+    finally:
+        for s in idle:
+            s.close()
+    # Idle clients are disconnected after --idle-timeout; past --max-clients the one idle the
+    # longest makes room for a newcomer.
+    assert n.agent is not None
+    n.agent.proc.send_signal(signal.SIGTERM)
+    n.agent.proc.wait(10)
+    n.start_agent("--idle-timeout", "1", "--max-clients", "8")
+    idle = _idle_seqpackets(n.events, 20)
+    try:
+        for _ in range(3):
+            assert _status(n.events)["ready"] is True
+        time.sleep(1.6)
+        for s in idle:
+            s.settimeout(2)
+            assert s.recv(100) == b""  # closed by the agent
+        assert _status(n.events)["ready"] is True
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_deeply_nested_json_is_answered_bad_request(test_node: Node) -> None:
+    test_node.start_agent()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+        c.settimeout(5)
+        c.connect(test_node.events)
+        c.send(b'{"v": 1, "type": "add", "pod": ' + b"[" * 30000 + b"]" * 30000 + b"}")
+        ans = json.loads(c.recv(65536))
+        assert ans["ok"] is False and ans["reason"] == "bad_request" and "deep" in ans["error"], ans
+        c.send(json.dumps({"v": 1, "type": "status"}).encode())  # the connection still serves
+        assert json.loads(c.recv(65536))["ready"] is True
+
+
+def test_a_malformed_ack_from_a_node_proxy_is_dropped_and_the_proxy_keeps_serving(
+        test_node: Node, pod: Pod) -> None:
+    """A proxy's ack with ``"id": [1]`` (and other wrong fields) is logged and dropped; the reader
+    goes on, so the pod it acks next is enrolled, and /readyz counts only proxies that serve."""
+    n = test_node
+    agent = n.start_agent()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as p:
+        p.settimeout(10)
+        p.connect(n.proxy_sock)
+        protocol.send(p, {"type": "hello", "proxy": "fake", "pid": os.getpid()})
+        msg, _ = protocol.recv(p, max_fds=0) or ({}, [])
+        assert msg["type"] == "snapshot_done", msg
+        for bad in ({"id": [1], "ok": True}, {"id": True, "ok": True}, {"id": msg["id"], "ok": "yes"},
+                    {"id": -1, "ok": True}, {"id": msg["id"], "ok": True, "error": {"x": 1}}):
+            protocol.send(p, {"type": "ack", **bad})
+        protocol.send(p, {"type": "ack", "id": msg["id"], "ok": True})
+        box: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: box.update(res=client.add_pod(n.events, uid="uid-ack", netns=pod.path,
+                                                                           ips=[pod.pod_ip4], timeout=20)))
+        t.start()
+        add, fds = protocol.recv(p, max_fds=1) or ({}, [])
+        for fd in fds:
+            os.close(fd)
+        assert add["type"] == "add" and add["pod"]["uid"] == "uid-ack", add
+        protocol.send(p, {"type": "ack", "id": add["id"], "ok": True})
+        t.join(15)
+        assert box.get("res", {}).get("enrolled"), box
+        assert json.loads(agent.get("/readyz")[1])["proxies"] == 1
+        bad_logged = [e for e in read_log(agent.log) if e.get("msg") == "bad ack from node proxy: dropped"]
+        assert len(bad_logged) == 5, bad_logged
+    deadline = time.monotonic() + 5
+    while json.loads(agent.get("/readyz")[1])["proxies"] != 0:  # gone with its connection
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.del_pod(n.events, uid="uid-ack", netns=pod.path)["removed"]
+    nothing_left(pod.name, n.ns, "uid-ack")
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def test_ops_port_bounds_its_connections_and_closes_idle_ones(test_node: Node) -> None:
+    n = test_node
+    agent = n.start_agent()  # --max-clients 256 by default
+    before = _threads(agent.proc.pid)
+    conns = []
+    try:
+        for _ in range(400):
+            conns.append(socket.create_connection(("127.0.0.1", agent.port), timeout=5))
+        time.sleep(0.5)
+        assert agent.get("/healthz") == (200, "ok\n")
+        assert _threads(agent.proc.pid) < before + 270, (before, _threads(agent.proc.pid))
+        # The oldest made room for the newer ones: closed by the agent.
+        conns[0].settimeout(5)
+        assert conns[0].recv(10) == b""
+    finally:
+        for c in conns:
+            c.close()
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.proc.wait(10)
+    agent = n.start_agent("--idle-timeout", "1")
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as c:
+        c.sendall(b"GET /healthz HTTP/1.0\r\n")  # never finished
+        t0 = time.monotonic()
+        c.settimeout(5)
+        assert c.recv(100) == b"" and time.monotonic() - t0 < 3
+    assert agent.get("/healthz") == (200, "ok\n")
+
+
+def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
+        test_node: Node, pod: Pod) -> None:
+    n = test_node
+    n.start_agent()
+    n.start_proxy()
+    assert cni("ADD", pod, "uid-owner", n.events)[0] == 0
+    before = (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name))
+    with pytest.raises(client.AgentError) as ei:
+        client.add_pod(n.events, uid="uid-intruder", netns=pod.path, ips=["10.250.1.1"], backend="ebpf")
+    assert ei.value.reason == "netns" and "uid-owner" in str(ei.value), ei.value
+    assert (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
+    assert cni("CHECK", pod, "uid-owner", n.events) == (0, None)
+    assert not n.proxy_events("pod_removed")
+    assert cni("DEL", pod, "uid-owner", n.events)[0] == 0
+    nothing_left(pod.name, n.ns, "uid-owner")
+
+
+# --- enrolment is a transaction: a kill at any step leaves nothing once the runtime DELs ------------
+
+#: (env, what the pod netns holds when the agent dies there): every step of an add, before and after.
+KILL_POINTS = [
+    ({"REDIRECT_AGENT_FAULT": "add.start"}, "nothing yet"),
+    ({"REDIRECT_AGENT_FAULT": "add.intent"}, "the intent record"),
+    ({"REDIRECT_FAULT": "iptables.before_restore_v4:kill"}, "intent, routes, no rules"),
+    ({"REDIRECT_FAULT": "iptables.before_restore_v6:kill"}, "intent, routes, IPv4 rules"),
+    ({"REDIRECT_AGENT_FAULT": "add.rules"}, "intent, routes, rules"),
+    ({"REDIRECT_AGENT_FAULT": "add.node_set"}, "... and the node-set entries"),
+    ({"REDIRECT_AGENT_FAULT": "add.proxy_sent"}, "... and the proxy's add on its way"),
+    ({"REDIRECT_AGENT_FAULT": "add.proxy_acked"}, "... and the proxy's listeners"),
+    ({"REDIRECT_AGENT_FAULT": "add.committed"}, "everything and the commit record, no answer"),
+]
+
+
+def pod_leftovers(pod: Pod, uid: str, node_: Node, ask_agent: bool = True) -> list[str]:
+    """Whatever of an ambient pod remains anywhere: its netns (rules, policy routes, routes, sets,
+    proxy listeners), the node's sets, the agent's list."""
+    out = []
+    shown = redirect.show(pod.name)
+    if shown["installed"] or shown["routes"] or shown["addresses"]:
+        out.append(f"show: {shown}")
+
+    def cmd(*argv: str) -> str:  # ``ip route show table 100`` fails (2) while the table does not exist
+        p = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+        assert p.returncode == 0 or "table does not exist" in p.stderr, (argv, p.stderr)
+        return p.stdout
+
+    for fam in ("-4", "-6"):
+        rules = [ln for ln in in_netns(pod.name, cmd, "ip", fam, "rule").splitlines() if "lookup 100" in ln]
+        routes = in_netns(pod.name, cmd, "ip", fam, "route", "show", "table", "100").strip()
+        out += [f"ip {fam} rule: {r}" for r in rules] + ([f"ip {fam} route table 100: {routes}"] if routes else [])
+    sets = in_netns(pod.name, cmd, "ipset", "list", "-n").split()
+    out += [f"ipset {s}" for s in sets]
+    listening = [ln for ln in in_netns(pod.name, cmd, "ss", "-Hltn").splitlines()
+                 if any(f":{p} " in ln for p in (15001, 15006, 15008))]
+    out += [f"listener {ln}" for ln in listening]
+    entries = {ip: o for ip, o in node.list_pods(node_.ns).items() if o == uid or ip in (pod.pod_ip4, pod.pod_ip6)}
+    out += [f"node set {ip} ({o})" for ip, o in entries.items()]
+    if ask_agent:
+        out += [f"agent lists {p['uid']}" for p in client.list_pods(node_.events) if p["uid"] == uid]
+    return out
+
+
+def test_an_add_killed_at_any_step_leaves_nothing_after_the_runtimes_del_and_a_restart(
+        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+    """SIGKILL the agent at every step of an ADD: the ADD fails (103); after the runtime's DEL
+    (reaching the plugin while the agent is down, or the restarted agent) and the restart, nothing
+    of the pod is left in its netns, the node's sets, the agent or the node proxy; a live pod's
+    traffic flows through the proxy all along."""
+    n = test_node
+    live, victim = make_pod(), make_pod()
+    agent = n.start_agent()
+    n.start_proxy()
+    assert cni("ADD", live, "uid-live", n.events)[0] == 0
+    live_entries = node.list_pods(n.ns)
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.proc.wait(10)
+    # Each point twice: the runtime's DEL reaches the plugin while the agent is down, or the
+    # agent that restarted meanwhile.
+    cases = [(i, env, state, order) for i, (env, state) in enumerate(KILL_POINTS) for order in ("down", "up")]
+    agent = n.start_agent(env=cases[0][1])
+    snapshots = 2
+    n.wait_synced(snapshots)
+    with servers_for([live]) as servers, Traffic([live], max_seconds=100) as traffic:
+        traffic.mark("kills", 0)
+        for k, (i, env, state, order) in enumerate(cases):
+            uid = f"uid-k{k}"
+            rc, out = cni("ADD", victim, uid, n.events)
+            assert rc == 1 and out is not None and out["code"] == 103, (env, out)
+            assert agent.proc.wait(5) == -signal.SIGKILL, (env, agent.log.read_text()[-2000:])
+            rec = identity.read(victim.name)
+            if i == 0:
+                assert rec is None and not pod_leftovers(victim, uid, n, ask_agent=False), env
+            else:  # there is something to clean up, and it says whether it was committed
+                assert rec is not None and rec["phase"] == ("enrolled" if i == len(KILL_POINTS) - 1 else "intent"), rec
+            nxt = cases[k + 1][1] if k + 1 < len(cases) else {}
+            if order == "down":
+                rc, out = cni("DEL", victim, uid, n.events, timeout=2)
+                assert rc == 0, (env, out)
+                agent = n.start_agent(env=nxt)
+            else:
+                agent = n.start_agent(env=nxt)
+                rc, out = cni("DEL", victim, uid, n.events)
+                assert rc == 0, (env, out)
+            snapshots += 1
+            n.wait_synced(snapshots)
+            left = pod_leftovers(victim, uid, n)
+            assert not left, (env, state, order, left, agent.log.read_text()[-3000:])
+            assert node.list_pods(n.ns) == live_entries, env
+            assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-live"], env
+        traffic.mark("end", 10)
+    probes = traffic.of("kills")
+    assert len(probes) >= 30 and all(s.ok for s in probes), [s for s in probes if not s.ok][:3]
+    assert_all_through_proxy(n, probes, servers)
+    assert not [e for e in n.proxy_events("pod_removed") if e["pod"] == "uid-live"]
+    # A victim the agent did enrol after all (a kill after its commit): gone too, and it can be
+    # enrolled again now.
+    assert cni("ADD", victim, "uid-again", n.events)[0] == 0
+    assert cni("DEL", victim, "uid-again", n.events)[0] == 0
+    assert not pod_leftovers(victim, "uid-again", n)

@@ -92,6 +92,7 @@ class OpsServer(http.server.ThreadingHTTPServer):
     handler's timeout, an idle connection holds its thread for ``idle_timeout`` at most."""
 
     daemon_threads = True
+    request_queue_size = 128
 
     def __init__(self, addr: tuple[str, int], handler: type[http.server.BaseHTTPRequestHandler],
                  max_clients: int) -> None:

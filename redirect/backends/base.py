@@ -56,9 +56,15 @@ def fault_point(name: str) -> None:
     """Fault injection for the atomicity tests: ``REDIRECT_FAULT=<name>`` makes this point raise.
 
     Points: ``iptables.before_restore_v4``, ``iptables.before_restore_v6``,
-    ``nftables.before_transaction``, ``nftables.after_transaction``.
+    ``nftables.before_transaction``, ``nftables.after_transaction``. ``<name>:kill`` SIGKILLs
+    the process there instead, as a crash would (the node agent's kill-point tests).
     """
-    if os.environ.get("REDIRECT_FAULT") == name:
+    fault = os.environ.get("REDIRECT_FAULT")
+    if fault == name:
         from ..errors import SetupError
 
         raise SetupError(f"injected fault at {name}")
+    if fault == name + ":kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

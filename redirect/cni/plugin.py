@@ -421,9 +421,11 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
 
 
 def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
-    """Tell the node agent the pod is gone. If the agent can't be reached, remove the in-pod
-    rules and identity here (DEL must not fail on a missing agent); the agent drops the pod's
-    node-set entries when it next starts."""
+    """Tell the node agent the pod is gone. If the agent can't be reached, remove what is in
+    the pod netns here (DEL must not fail on a missing agent): the in-pod rules and routes
+    (the normal teardown) and the pod's record, unless the record names another pod. The
+    rest (node-set entries, the node proxy's listeners) is the agent's: when it starts, it
+    drops what belongs to no pod it has a commit record of."""
     from ..agent.client import AgentError, del_pod
 
     container = env.get("CNI_CONTAINERID", "")
@@ -441,6 +443,11 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     from ..agent import identity
 
     try:
+        rec = _redirect_errors(identity.read, netns, code=E_TEARDOWN)
+        if rec is not None and rec.get("uid") != uid:
+            log.warning("DEL container=%s netns=%r: the netns holds pod %r's record, not %r's: left alone",
+                        container, netns, str(rec.get("uid"))[:128], uid)
+            return
         _redirect_errors(api.teardown, netns, pc.backend, code=E_TEARDOWN)
         _redirect_errors(identity.clear, netns, code=E_TEARDOWN)
     except CniError as e:
