@@ -1051,8 +1051,8 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
     before = (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name))
     with pytest.raises(client.AgentError) as ei:
         client.add_pod(n.events, uid="uid-intruder", netns=pod.path, ips=["10.250.1.1"], backend="ebpf")
-    assert ei.value.reason == "netns" and "uid-owner" in str(ei.value), ei.value
     assert (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    assert ei.value.reason == "netns" and "uid-owner" in str(ei.value), ei.value
     assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
     assert cni("CHECK", pod, "uid-owner", n.events) == (0, None)
     assert not n.proxy_events("pod_removed")
