@@ -1,26 +1,33 @@
 """``redirect-agent``: the ambient node agent.
 
-It enrols ambient pods for a node proxy (like istio-cni's node agent for ztunnel):
+It enrols ambient pods for a node proxy (like istio-cni's node agent for ztunnel). The CNI
+plugin sends a pod ``add`` event over the events socket, and the agent enrols the pod as a
+transaction whose commit record is written last (``Agent.add``):
 
-1. the CNI plugin sends a pod ``add`` event over the events socket;
-2. the agent writes the pod's identity into its netns (``redirect.agent.identity``),
-   installs the in-pod ambient rules (``redirect.setup``) and adds the pod's IPs,
-   owned by its uid, to the node's probe sets (``redirect.node``);
-3. it hands the pod's netns fd to every connected node proxy and waits for their
-   acks; only then does it answer the plugin, which lets the pod start.
+1. an *intent* record in the pod netns (``redirect.agent.identity``, ``phase: intent``);
+2. the in-pod ambient routes and rules (``redirect.setup``);
+3. the pod's IPs, owned by its uid, in the node's probe sets (``redirect.node``);
+4. the pod's netns fd handed to every connected node proxy, and all their acks;
+5. the *commit* record (``phase: enrolled``) replaces the intent; only then does the agent
+   answer the plugin, which lets the pod start.
 
-Any failure undoes what was done and fails the ADD (fail closed). ``del`` tells the
-proxies, removes the rules, the identity and the pod's set entries.
+Any failure undoes every step and fails the ADD (fail closed). ``del`` tells the proxies,
+removes the rules, the record and the pod's set entries.
 
-Restart safety: the agent keeps nothing the kernel does not hold. At start it finds
-its pods by reading the identity set in every namespace under ``/run/netns`` and
-``/proc/*/ns/net`` (deduplicated by inode, filtered by ``--node-name``), re-installs
-rules that drifted, re-asserts the node's probe rules and pod sets, and sends each
-connecting proxy a full snapshot; while running it repeats the repairs every
-``--resync-seconds``. In-pod rules never depend on the agent's process,
-so a killed agent leaves every pod captured. SIGTERM stops it and leaves
-redirection in place.
+Restart safety: the agent keeps nothing the kernel does not hold. At start it finds its pods
+by reading the record in every namespace under ``/run/netns`` and ``/proc/*/ns/net`` that the
+node's user namespace owns (deduplicated by inode, filtered by ``--node-name``, each record
+validated like an event: ``redirect.agent.pods``). It adopts the pods with a commit record
+and removes every piece of those with only an intent (an add cut short by a crash); it
+re-installs rules that drifted, re-asserts the node's probe rules and pod sets (dropping
+entries of uids it did not adopt), and sends each connecting proxy a full snapshot (a proxy
+drops the pods not in it); while running it repeats the repairs every ``--resync-seconds``.
+In-pod rules never depend on the agent's process, so a killed agent leaves every pod
+captured. SIGTERM stops it and leaves redirection in place.
 
+Parts: ``events`` (the events socket: idle clients never hold a worker), ``proxies`` (one node
+proxy connection, its acks validated), ``pods`` (a pod's fields, validated once for events and
+records), ``identity`` (the record), ``metrics`` (/healthz /readyz /metrics).
 Wire formats: ``redirect.agent.protocol`` and docs/agent-protocol.md.
 """
 
