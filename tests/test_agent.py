@@ -1056,6 +1056,14 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
     assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
     assert cni("CHECK", pod, "uid-owner", n.events) == (0, None)
     assert not n.proxy_events("pod_removed")
+    # The intruder's DEL reaching the plugin while the agent is down leaves the owner's pod alone.
+    assert n.agent is not None
+    n.agent.proc.send_signal(signal.SIGKILL)
+    n.agent.proc.wait(5)
+    assert cni("DEL", pod, "uid-intruder", n.events, timeout=2)[0] == 0
+    assert (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    n.start_agent()
+    assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
     assert cni("DEL", pod, "uid-owner", n.events)[0] == 0
     nothing_left(pod.name, n.ns, "uid-owner")
 

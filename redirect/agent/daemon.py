@@ -279,7 +279,9 @@ class Agent:
                         return "ignored"
                     return None
                 rec = identity.scan(names[0])
-            except (RedirectError, OSError):
+            except Exception as e:  # noqa: BLE001 - a netns that can't be read is not adopted, never fatal
+                if not isinstance(e, (RedirectError, OSError)):  # gone meanwhile: the common, quiet case
+                    jlog(logging.WARNING, "netns could not be read: not adopted", netns=names[0], error=str(e))
                 return None
             if rec is None:
                 return None
