@@ -1070,27 +1070,39 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
 
 # --- enrolment is a transaction: a kill at any step leaves nothing once the runtime DELs ------------
 
-#: (env, what the pod netns holds when the agent dies there): every step of an add, before and after.
-KILL_POINTS = [
+#: (env, what the pod netns holds when the agent dies there): every step of an add, before and
+#: after, per backend (inside ``redirect.setup`` the routes come first, then the rules).
+_AGENT_POINTS_BEFORE = [
     ({"REDIRECT_AGENT_FAULT": "add.start"}, "nothing yet"),
     ({"REDIRECT_AGENT_FAULT": "add.intent"}, "the intent record"),
-    ({"REDIRECT_FAULT": "iptables.before_restore_v4:kill"}, "intent, routes, no rules"),
-    ({"REDIRECT_FAULT": "iptables.before_restore_v6:kill"}, "intent, routes, IPv4 rules"),
+]
+_AGENT_POINTS_AFTER = [
     ({"REDIRECT_AGENT_FAULT": "add.rules"}, "intent, routes, rules"),
     ({"REDIRECT_AGENT_FAULT": "add.node_set"}, "... and the node-set entries"),
     ({"REDIRECT_AGENT_FAULT": "add.proxy_sent"}, "... and the proxy's add on its way"),
     ({"REDIRECT_AGENT_FAULT": "add.proxy_acked"}, "... and the proxy's listeners"),
     ({"REDIRECT_AGENT_FAULT": "add.committed"}, "everything and the commit record, no answer"),
 ]
+KILL_POINTS = {
+    "iptables": [*_AGENT_POINTS_BEFORE,
+                 ({"REDIRECT_FAULT": "iptables.before_restore_v4:kill"}, "intent, routes, no rules"),
+                 ({"REDIRECT_FAULT": "iptables.before_restore_v6:kill"}, "intent, routes, IPv4 rules"),
+                 *_AGENT_POINTS_AFTER],
+    "nftables": [*_AGENT_POINTS_BEFORE,
+                 ({"REDIRECT_FAULT": "nftables.before_transaction:kill"}, "intent, routes, no table"),
+                 ({"REDIRECT_FAULT": "nftables.after_transaction:kill"}, "intent, routes, table"),
+                 *_AGENT_POINTS_AFTER],
+}
 
 
 def pod_leftovers(pod: Pod, uid: str, node_: Node, ask_agent: bool = True) -> list[str]:
     """Whatever of an ambient pod remains anywhere: its netns (rules, policy routes, routes, sets,
     proxy listeners), the node's sets, the agent's list."""
     out = []
-    shown = redirect.show(pod.name)
-    if shown["installed"] or shown["routes"] or shown["addresses"]:
-        out.append(f"show: {shown}")
+    for backend in ("iptables", "nftables"):
+        shown = redirect.show(pod.name, backend=backend)
+        if shown["installed"] or shown["routes"] or shown["addresses"]:
+            out.append(f"show {backend}: {shown}")
 
     def cmd(*argv: str) -> str:  # ``ip route show table 100`` fails (2) while the table does not exist
         p = subprocess.run(list(argv), capture_output=True, text=True, check=False)
@@ -1113,23 +1125,25 @@ def pod_leftovers(pod: Pod, uid: str, node_: Node, ask_agent: bool = True) -> li
     return out
 
 
+@pytest.mark.parametrize("backend_node", ["iptables", "nftables"], indirect=True)
 def test_an_add_killed_at_any_step_leaves_nothing_after_the_runtimes_del_and_a_restart(
-        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+        backend_node: Node, make_pod: Callable[..., Pod]) -> None:
     """SIGKILL the agent at every step of an ADD: the ADD fails (103); after the runtime's DEL
     (reaching the plugin while the agent is down, or the restarted agent) and the restart, nothing
     of the pod is left in its netns, the node's sets, the agent or the node proxy; a live pod's
     traffic flows through the proxy all along."""
-    n = test_node
+    n = backend_node
+    points = KILL_POINTS[n.backend]
     live, victim = make_pod(), make_pod()
     agent = n.start_agent()
     n.start_proxy()
-    assert cni("ADD", live, "uid-live", n.events)[0] == 0
+    assert cni("ADD", live, "uid-live", n.events, n.backend)[0] == 0
     live_entries = node.list_pods(n.ns)
     agent.proc.send_signal(signal.SIGTERM)
     agent.proc.wait(10)
     # Each point twice: the runtime's DEL reaches the plugin while the agent is down, or the
     # agent that restarted meanwhile.
-    cases = [(i, env, state, order) for i, (env, state) in enumerate(KILL_POINTS) for order in ("down", "up")]
+    cases = [(i, env, state, order) for i, (env, state) in enumerate(points) for order in ("down", "up")]
     agent = n.start_agent(env=cases[0][1])
     snapshots = 2
     n.wait_synced(snapshots)
@@ -1137,22 +1151,22 @@ def test_an_add_killed_at_any_step_leaves_nothing_after_the_runtimes_del_and_a_r
         traffic.mark("kills", 0)
         for k, (i, env, state, order) in enumerate(cases):
             uid = f"uid-k{k}"
-            rc, out = cni("ADD", victim, uid, n.events)
+            rc, out = cni("ADD", victim, uid, n.events, n.backend)
             assert rc == 1 and out is not None and out["code"] == 103, (env, out)
             assert agent.proc.wait(5) == -signal.SIGKILL, (env, agent.log.read_text()[-2000:])
             rec = identity.read(victim.name)
             if i == 0:
                 assert rec is None and not pod_leftovers(victim, uid, n, ask_agent=False), env
             else:  # there is something to clean up, and it says whether it was committed
-                assert rec is not None and rec["phase"] == ("enrolled" if i == len(KILL_POINTS) - 1 else "intent"), rec
+                assert rec is not None and rec["phase"] == ("enrolled" if i == len(points) - 1 else "intent"), rec
             nxt = cases[k + 1][1] if k + 1 < len(cases) else {}
             if order == "down":
-                rc, out = cni("DEL", victim, uid, n.events, timeout=2)
+                rc, out = cni("DEL", victim, uid, n.events, n.backend, timeout=2)
                 assert rc == 0, (env, out)
                 agent = n.start_agent(env=nxt)
             else:
                 agent = n.start_agent(env=nxt)
-                rc, out = cni("DEL", victim, uid, n.events)
+                rc, out = cni("DEL", victim, uid, n.events, n.backend)
                 assert rc == 0, (env, out)
             snapshots += 1
             n.wait_synced(snapshots)
@@ -1167,6 +1181,6 @@ def test_an_add_killed_at_any_step_leaves_nothing_after_the_runtimes_del_and_a_r
     assert not [e for e in n.proxy_events("pod_removed") if e["pod"] == "uid-live"]
     # A victim the agent did enrol after all (a kill after its commit): gone too, and it can be
     # enrolled again now.
-    assert cni("ADD", victim, "uid-again", n.events)[0] == 0
-    assert cni("DEL", victim, "uid-again", n.events)[0] == 0
+    assert cni("ADD", victim, "uid-again", n.events, n.backend)[0] == 0
+    assert cni("DEL", victim, "uid-again", n.events, n.backend)[0] == 0
     assert not pod_leftovers(victim, "uid-again", n)
