@@ -30,7 +30,7 @@ import pytest
 
 import redirect
 from redirect import node
-from redirect.agent import client, identity, protocol
+from redirect.agent import client, daemon, identity, protocol
 from redirect.cni.plugin import convert_result
 from tests import netkit
 from tests.netkit import Pod, TcpListener, in_netns, tcp_probe_detail
@@ -888,13 +888,18 @@ def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_a
     try:
         identity.write(bad_root, {**base, "uid": "uid-root-bad", "ips": ["not-an-ip"], "netns": ""})
         with user_netns_with_record(forged) as paths:
-            agent.proc.send_signal(signal.SIGKILL)
-            agent.proc.wait(5)
-            agent = n.start_agent()
+            link = f"{netkit.NETNS_DIR}/rdrt-link-{os.urandom(3).hex()}"  # a symlink pins nothing
+            os.symlink(paths[0], link)
+            try:
+                agent.proc.send_signal(signal.SIGKILL)
+                agent.proc.wait(5)
+                agent = n.start_agent()
+            finally:
+                os.unlink(link)
             rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
             assert (rec["pods"], rec["ignored"]) == (1, 4), rec
             why = [e for e in read_log(agent.log) if e.get("msg", "").startswith("pod record ignored")]
-            assert sorted(e["netns"] for e in why if "another user namespace" in e["msg"]) == sorted(paths), why
+            assert sorted(e["netns"] for e in why if "another user namespace" in e["msg"]) == sorted([link, *paths[1:]])
             assert any(e["netns"].endswith(bad_root) and "record.ips" in e["error"] for e in why), why
             (pod,) = client.list_pods(n.events)
             assert pod["uid"] == "uid-real" and pod["netns_inode"] == os.stat(real.path).st_ino, pod
@@ -910,6 +915,46 @@ def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_a
     finally:
         netkit.remove_netns(bad_root)
     assert cni("DEL", real, "uid-real", n.events)[0] == 0
+
+
+def test_a_pod_whose_netns_another_user_namespace_owns_is_adopted_when_pinned_under_run_netns(
+        test_node: Node) -> None:
+    """A runtime may give a pod a netns owned by the pod's own user namespace; pinned under
+    /run/netns (a bind mount only root can make) it is the runtime's, and is adopted after a restart."""
+    n = test_node
+    agent = n.start_agent()
+    n.start_proxy()
+    name = f"rdrt-userns-{os.urandom(3).hex()}"
+    path = f"{netkit.NETNS_DIR}/{name}"
+    holder = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--", "sh", "-c",
+                               "ip link set lo up && exec sleep 60"])
+    try:
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{holder.pid}/comm").read_text().strip() != "sleep":
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.01)
+        Path(path).touch()
+        subprocess.run(["mount", "--bind", f"/proc/{holder.pid}/ns/net", path], check=True)
+    finally:
+        holder.kill()
+        holder.wait(5)
+    try:
+        own = os.stat("/proc/self/ns/user")
+        assert daemon._userns_of(path) not in (None, (own.st_dev, own.st_ino))  # another user namespace's
+        assert client.add_pod(n.events, uid="uid-userns", netns=path, ips=["10.250.8.8"])["enrolled"]
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait(5)
+        agent = n.start_agent()
+        rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
+        assert (rec["pods"], rec["intact"], rec["ignored"]) == (1, 1, 0), rec
+        assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-userns"]
+        assert node.list_pods(n.ns) == {"10.250.8.8": "uid-userns"}
+        assert client.del_pod(n.events, uid="uid-userns", netns=path)["removed"]
+        nothing_left(path, n.ns, "uid-userns")
+    finally:
+        subprocess.run(["umount", path], check=False)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _idle_seqpackets(path: str, count: int) -> list[socket.socket]:

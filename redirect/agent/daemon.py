@@ -253,18 +253,25 @@ class Agent:
         return _userns_of(path) == (self._userns.st_dev, self._userns.st_ino)
 
     def discover(self) -> Found:
-        """Our pods, read from the kernel: the record in every namespace we can reach that the
-        node's user namespace owns. Each record is validated like an ``add`` event; a netns of
-        another user namespace, or a record that is not right, is logged and ignored."""
+        """Our pods, read from the kernel: the record in every namespace we can reach that root
+        made or pinned: owned by the node's user namespace, or bind-mounted under ``/run/netns``
+        (what runtimes do with pod sandboxes, whatever user namespace owns them; a symlink there
+        does not count). Each record is validated like an ``add`` event; a record in any other
+        netns, or one that is not right, is logged and ignored."""
         paths: list[str] = []
         with contextlib.suppress(FileNotFoundError):
             paths += [os.path.join(_netns.NETNS_RUN_DIR, n) for n in sorted(os.listdir(_netns.NETNS_RUN_DIR))]
         if self.opts.scan_proc:
             paths += [f"/proc/{p}/ns/net" for p in os.listdir("/proc") if p.isdigit()]
         by_inode: dict[tuple[int, int], list[str]] = {}
+        pinned: set[str] = set()
         for p in paths:
             try:
                 st = os.stat(p)
+                if p.startswith(_netns.NETNS_RUN_DIR + "/"):
+                    lst = os.lstat(p)  # a mount point shows the netns itself; a symlink, itself
+                    if (lst.st_dev, lst.st_ino) == (st.st_dev, st.st_ino):
+                        pinned.add(p)
             except OSError:
                 continue
             by_inode.setdefault((st.st_dev, st.st_ino), []).append(p)
@@ -272,10 +279,10 @@ class Agent:
         def read(item: tuple[tuple[int, int], list[str]]) -> tuple[PodRecord, str] | str | None:
             (_, ino), names = item
             try:
-                if not self._ours(names[0]):
+                if not pinned.intersection(names) and not self._ours(names[0]):
                     if identity.exists(names[0]):
-                        jlog(logging.WARNING, "pod record ignored: its netns belongs to another user namespace "
-                             "(not made by root on this node)", netns=names[0])
+                        jlog(logging.WARNING, "pod record ignored: its netns was made by another user namespace "
+                             "and is not pinned under /run/netns", netns=names[0])
                         return "ignored"
                     return None
                 rec = identity.scan(names[0])
