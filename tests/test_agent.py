@@ -1111,6 +1111,29 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
     assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
     assert cni("DEL", pod, "uid-owner", n.events)[0] == 0
     nothing_left(pod.name, n.ns, "uid-owner")
+    # Adds of two pods naming one netns at once: one enrols it, the other is refused.
+    n.wait_synced(2)
+    results: dict[str, Any] = {}
+
+    def add(uid: str) -> None:
+        try:
+            results[uid] = client.add_pod(n.events, uid=uid, netns=pod.path, ips=[pod.pod_ip4])
+        except client.AgentError as e:
+            results[uid] = e
+
+    threads = [threading.Thread(target=add, args=(f"uid-race{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    (winner,) = [u for u, r in results.items() if isinstance(r, dict) and r["enrolled"]]
+    assert all(r.reason == "netns" for u, r in results.items() if u != winner), results
+    rec = identity.read(pod.name)
+    assert rec is not None and (rec["uid"], rec["phase"]) == (winner, "enrolled"), rec
+    assert [p["uid"] for p in client.list_pods(n.events)] == [winner]
+    assert node.list_pods(n.ns) == {pod.pod_ip4: winner}
+    assert client.del_pod(n.events, uid=winner, netns=pod.path)["removed"]
+    nothing_left(pod.name, n.ns, winner)
 
 
 # --- enrolment is a transaction: a kill at any step leaves nothing once the runtime DELs ------------

@@ -155,6 +155,7 @@ class Agent:
         self.lock = threading.Lock()  # pods, enrolling, proxies
         self.pods: dict[str, PodRecord] = {}  # committed
         self.enrolling: dict[str, PodRecord] = {}  # handed to the proxies, not committed yet
+        self.claims: dict[int, str] = {}  # netns inode -> uid of the add working in it
         self.proxies: list[ProxyConn] = []
         self._uid_guard = threading.Lock()
         self._uid_locks: dict[str, threading.Lock] = {}
@@ -592,16 +593,29 @@ class Agent:
             raise EventError("bad_request", f"pod.config.mode={cfg.mode!r}: the agent enrols ambient pods only")
         return cfg
 
-    def _claimed_by(self, pod: PodRecord) -> str | None:
-        """The uid of another pod that holds ``pod``'s netns (enrolled, being enrolled, or recorded there)."""
+    def _claim(self, pod: PodRecord) -> None:
+        """Claim ``pod``'s netns for this add, or refuse (``netns``) if another pod holds it: enrolled,
+        being enrolled (claimed), or recorded there. Nothing is changed by a refusal."""
         with self.lock:
-            for other in (*self.pods.values(), *self.enrolling.values()):
-                if other.uid != pod.uid and other.inode == pod.inode and _same_inode(other.netns, other.inode):
-                    return other.uid
-        rec = identity.scan(pod.netns)
-        if rec is not None and isinstance(rec.get("uid"), str) and rec["uid"] != pod.uid:
-            return str(rec["uid"])[:128]
-        return None
+            other = self.claims.get(pod.inode)
+            for p in (*self.pods.values(), *self.enrolling.values()):
+                if other is None and p.uid != pod.uid and p.inode == pod.inode and _same_inode(p.netns, p.inode):
+                    other = p.uid
+            if other is None or other == pod.uid:
+                self.claims[pod.inode] = pod.uid
+                other = None
+        if other is None:
+            rec = identity.scan(pod.netns)
+            if rec is not None and isinstance(rec.get("uid"), str) and rec["uid"] != pod.uid:
+                other = str(rec["uid"])[:128]
+                self._release(pod)
+        if other is not None:
+            raise EventError("netns", f"pod.netns={pod.netns!r}: that netns is pod {other}'s; nothing was changed")
+
+    def _release(self, pod: PodRecord) -> None:
+        with self.lock:
+            if self.claims.get(pod.inode) == pod.uid:
+                del self.claims[pod.inode]
 
     def add(self, raw: Any) -> dict[str, Any]:
         """Enrol a pod, as a transaction whose commit record is written last.
@@ -617,55 +631,60 @@ class Agent:
         """
         pod = self._parse_pod(raw)
         with self._uid_lock(pod.uid):
-            other = self._claimed_by(pod)
-            if other is not None:
-                raise EventError("netns", f"pod.netns={pod.netns!r}: that netns is pod {other}'s; nothing was changed")
-            with self.lock:
-                if not self.proxies:
-                    raise EventError("no_proxy", "no node proxy is connected: the pod would have no proxy")
-                cur = self.pods.get(pod.uid)
-            waiters: list[tuple[ProxyConn, Waiter]] = []
+            self._claim(pod)
             try:
-                fault("add.start")
-                if cur is None or cur.inode != pod.inode:
-                    identity.write(pod.netns, pod.record(INTENT))
-                    fault("add.intent")
-                api.setup(pod.netns, pod.config, pod.backend)
-                fault("add.rules")
-                if self.opts.host_rules and pod.ips:
-                    host = self._host()
-                    try:
-                        node.add_pods(pod.ips, host, owner=pod.uid)
-                    except SetupError:  # the node sets went away since the start: put them back once
-                        node.setup_node(host)
-                        node.add_pods(pod.ips, host, owner=pod.uid)
-                    fault("add.node_set")
-                with self.lock:
-                    self.enrolling[pod.uid] = pod  # in the snapshot of a proxy that connects now
-                    waiters = [(c, c.send_add(pod)) for c in self.proxies]
-                fault("add.proxy_sent")
-                if not waiters:
-                    raise EventError("no_proxy", "no node proxy is connected")
-                errors = self._wait_all(waiters)
-                if errors:
-                    raise EventError("proxy", "node proxy did not take the pod: " + "; ".join(errors))
-                fault("add.proxy_acked")
-                identity.write(pod.netns, pod.record(ENROLLED))
-                fault("add.committed")
-                with self.lock:
-                    self.enrolling.pop(pod.uid, None)
-                    self.pods[pod.uid] = pod
-                    self.metrics.set("pods_enrolled", len(self.pods))
-            except Exception as e:
-                self._rollback(pod)
-                if isinstance(e, EventError):
-                    raise
-                if isinstance(e, RedirectError):
-                    raise EventError("setup", str(e)) from None
-                raise
+                proxies = self._enrol(pod)
+            finally:
+                self._release(pod)
         jlog(logging.INFO, "pod enrolled", pod=pod.uid, name=pod.name, namespace=pod.namespace, netns=pod.netns,
-             ips=list(pod.ips), proxies=len(waiters), backend=pod.backend)
-        return {"enrolled": True, "pod": pod.uid, "proxies": len(waiters)}
+             ips=list(pod.ips), proxies=proxies, backend=pod.backend)
+        return {"enrolled": True, "pod": pod.uid, "proxies": proxies}
+
+    def _enrol(self, pod: PodRecord) -> int:
+        """The steps of ``add`` (under the pod's uid lock and netns claim); how many proxies acked."""
+        with self.lock:
+            if not self.proxies:
+                raise EventError("no_proxy", "no node proxy is connected: the pod would have no proxy")
+            cur = self.pods.get(pod.uid)
+        try:
+            fault("add.start")
+            if cur is None or cur.inode != pod.inode:  # a repeated add keeps its commit record
+                identity.write(pod.netns, pod.record(INTENT))
+                fault("add.intent")
+            api.setup(pod.netns, pod.config, pod.backend)
+            fault("add.rules")
+            if self.opts.host_rules and pod.ips:
+                host = self._host()
+                try:
+                    node.add_pods(pod.ips, host, owner=pod.uid)
+                except SetupError:  # the node sets went away since the start: put them back once
+                    node.setup_node(host)
+                    node.add_pods(pod.ips, host, owner=pod.uid)
+                fault("add.node_set")
+            with self.lock:
+                self.enrolling[pod.uid] = pod  # in the snapshot of a proxy that connects now
+                waiters = [(c, c.send_add(pod)) for c in self.proxies]
+            fault("add.proxy_sent")
+            if not waiters:
+                raise EventError("no_proxy", "no node proxy is connected")
+            errors = self._wait_all(waiters)
+            if errors:
+                raise EventError("proxy", "node proxy did not take the pod: " + "; ".join(errors))
+            fault("add.proxy_acked")
+            identity.write(pod.netns, pod.record(ENROLLED))
+            fault("add.committed")
+            with self.lock:
+                self.enrolling.pop(pod.uid, None)
+                self.pods[pod.uid] = pod
+                self.metrics.set("pods_enrolled", len(self.pods))
+            return len(waiters)
+        except Exception as e:
+            self._rollback(pod)
+            if isinstance(e, EventError):
+                raise
+            if isinstance(e, RedirectError):
+                raise EventError("setup", str(e)) from None
+            raise
 
     def _rollback(self, pod: PodRecord) -> None:
         """Undo a failed add, whether or not the pod was enrolled before (the runtime retries or DELs)."""
