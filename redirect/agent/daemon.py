@@ -293,6 +293,13 @@ class Agent:
                 return None
             if rec is None:
                 return None
+            try:
+                host = _netns.host_netns_reason_of(names[0])
+            except (RedirectError, OSError):
+                return None  # gone meanwhile
+            if host is not None:
+                jlog(logging.ERROR, "pod record ignored: a pod is never the host", netns=names[0], error=host)
+                return "ignored"
             path = rec.get("netns") if isinstance(rec.get("netns"), str) else ""
             if not path or not _same_inode(path, ino):
                 path = names[0]
