@@ -375,7 +375,7 @@ class Agent:
     def _undo(self, pod: PodRecord, why: str) -> None:
         """Remove every piece of ``pod`` the kernel may hold (rules, routes, node-set entries it
         owns, its record last), each step on its own so one failure does not stop the others."""
-        steps: list[tuple[str, Callable[[], object]]] = [("rules", lambda: api.teardown(pod.netns, pod.backend))]
+        steps: list[tuple[str, Callable[[], object]]] = [("rules", lambda: api.teardown(pod.netns))]  # any backend's
         if self.opts.host_rules and pod.ips:
             steps.append(("node set", lambda: node.remove_pods(pod.ips, self._host(), owner=pod.uid)))
         steps.append(("record", lambda: self._clear_record(pod)))

@@ -448,7 +448,7 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
             log.warning("DEL container=%s netns=%r: the netns holds pod %r's record, not %r's: left alone",
                         container, netns, str(rec.get("uid"))[:128], uid)
             return
-        _redirect_errors(api.teardown, netns, pc.backend, code=E_TEARDOWN)
+        _redirect_errors(api.teardown, netns, None, code=E_TEARDOWN)  # ours, whichever backend
         _redirect_errors(identity.clear, netns, code=E_TEARDOWN)
     except CniError as e:
         if e.code != E_ENV:
