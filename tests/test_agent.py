@@ -30,7 +30,7 @@ import pytest
 
 import redirect
 from redirect import node
-from redirect.agent import client, daemon, identity, protocol
+from redirect.agent import client, discovery, identity, protocol
 from redirect.cni.plugin import convert_result
 from tests import netkit
 from tests.netkit import Pod, TcpListener, in_netns, tcp_probe_detail
@@ -885,8 +885,12 @@ def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_a
               {**base, "uid": "uid-svc", "ips": ["10.96.0.10"]},           # a service IP in the SNAT set
               {**base, "uid": "uid-bad", "ips": ["not-an-ip"]}]            # stopped every start
     bad_root = netkit.create_netns(f"rdrt-badrec-{os.urandom(3).hex()}")
+    dup_root = netkit.create_netns(f"rdrt-duprec-{os.urandom(3).hex()}")  # a copy of the real pod's record
     try:
         identity.write(bad_root, {**base, "uid": "uid-root-bad", "ips": ["not-an-ip"], "netns": ""})
+        real_rec = identity.read(real.name)
+        assert real_rec is not None
+        identity.write(dup_root, real_rec)
         with user_netns_with_record(forged) as paths:
             link = f"{netkit.NETNS_DIR}/rdrt-link-{os.urandom(3).hex()}"  # a symlink pins nothing
             os.symlink(paths[0], link)
@@ -901,6 +905,8 @@ def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_a
             why = [e for e in read_log(agent.log) if e.get("msg", "").startswith("pod record ignored")]
             assert sorted(e["netns"] for e in why if "another user namespace" in e["msg"]) == sorted([link, *paths[1:]])
             assert any(e["netns"].endswith(bad_root) and "record.ips" in e["error"] for e in why), why
+            dup = [e for e in read_log(agent.log) if e.get("msg", "").startswith("two namespaces hold a record")]
+            assert [(e["adopted"], e["ignored"]) for e in dup] == [(real.path, f"/run/netns/{dup_root}")], dup
             (pod,) = client.list_pods(n.events)
             assert pod["uid"] == "uid-real" and pod["netns_inode"] == os.stat(real.path).st_ino, pod
             assert node.list_pods(n.ns) == sets_before
@@ -914,6 +920,7 @@ def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_a
             assert agent.get("/readyz")[0] == 200
     finally:
         netkit.remove_netns(bad_root)
+        netkit.remove_netns(dup_root)
     assert cni("DEL", real, "uid-real", n.events)[0] == 0
 
 
@@ -940,7 +947,7 @@ def test_a_pod_whose_netns_another_user_namespace_owns_is_adopted_when_pinned_un
         holder.wait(5)
     try:
         own = os.stat("/proc/self/ns/user")
-        assert daemon._userns_of(path) not in (None, (own.st_dev, own.st_ino))  # another user namespace's
+        assert discovery.userns_of(path) not in (None, (own.st_dev, own.st_ino))  # another user namespace's
         assert client.add_pod(n.events, uid="uid-userns", netns=path, ips=["10.250.8.8"])["enrolled"]
         agent.proc.send_signal(signal.SIGKILL)
         agent.proc.wait(5)

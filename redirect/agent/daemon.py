@@ -26,8 +26,10 @@ In-pod rules never depend on the agent's process, so a killed agent leaves every
 captured. SIGTERM stops it and leaves redirection in place.
 
 Parts: ``events`` (the events socket: idle clients never hold a worker), ``proxies`` (one node
-proxy connection, its acks validated), ``pods`` (a pod's fields, validated once for events and
-records), ``identity`` (the record), ``metrics`` (/healthz /readyz /metrics).
+proxy connection, its acks validated), ``discovery`` (the records found at start), ``pods`` (a
+pod's fields, validated once for events and records), ``identity`` (the record), ``metrics``
+(/healthz /readyz /metrics).
+
 Wire formats: ``redirect.agent.protocol`` and docs/agent-protocol.md.
 """
 
@@ -36,7 +38,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -54,12 +55,12 @@ from .. import netns as _netns
 from ..config import RedirectConfig
 from ..errors import ConfigError, RedirectError, SetupError
 from . import identity, protocol
+from .discovery import Found, discover, same_inode
 from .events import EventServer
+from .logs import jlog, log
 from .metrics import Metrics, serve_http
-from .pods import ENROLLED, INTENT, BadPod, PodRecord, ambient_config, backend_of, from_record, ips_of, text, uid_of
+from .pods import ENROLLED, INTENT, BadPod, PodRecord, ambient_config, backend_of, ips_of, text, uid_of
 from .proxies import ProxyConn, Waiter, proxy_name
-
-log = logging.getLogger("redirect.agent")
 
 #: Fault injection for the kill-point tests: ``REDIRECT_AGENT_FAULT=<point>`` makes the agent
 #: SIGKILL itself when it reaches ``<point>`` (see ``FAULT_POINTS``), as a crash there would.
@@ -67,12 +68,6 @@ FAULT_ENV = "REDIRECT_AGENT_FAULT"
 FAULT_POINTS = ("add.start", "add.intent", "add.rules", "add.node_set", "add.proxy_sent", "add.proxy_acked",
                 "add.committed")
 
-NS_GET_USERNS = 0xB701  # ioctl on an nsfs fd: an fd of the user namespace that owns it
-
-
-def jlog(level: int, msg: str, **fields: Any) -> None:
-    """A structured log line: ``msg`` plus ``fields`` (keys of the JSON line, see ``redirect.logjson``)."""
-    log.log(level, msg, extra={"fields": fields})
 
 
 def fault(point: str) -> None:
@@ -89,32 +84,6 @@ class EventError(Exception):
     def __init__(self, reason: str, msg: str) -> None:
         super().__init__(msg)
         self.reason = reason
-
-
-def _userns_of(path: str) -> tuple[int, int] | None:
-    """(dev, inode) of the user namespace owning the network namespace at ``path``; None if unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        ufd = fcntl.ioctl(fd, NS_GET_USERNS)
-        try:
-            st = os.fstat(ufd)
-            return st.st_dev, st.st_ino
-        finally:
-            os.close(ufd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _same_inode(path: str, inode: int) -> bool:
-    try:
-        return os.stat(path).st_ino == inode
-    except OSError:
-        return False
 
 
 # --- the agent -----------------------------------------------------------------------------
@@ -139,15 +108,6 @@ class Options:
     max_clients: int = 256
 
 
-@dataclass
-class Found:
-    """What a scan of the node's namespaces found: committed pods, and enrolments that never committed."""
-
-    enrolled: dict[str, PodRecord] = field(default_factory=dict)
-    unfinished: list[PodRecord] = field(default_factory=list)
-    ignored: int = 0
-
-
 class Agent:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
@@ -165,7 +125,6 @@ class Agent:
         self._paths: list[str] = []
         self.events: EventServer | None = None
         self.http: Any = None
-        self._userns = os.stat("/proc/self/ns/user")
         try:
             base = {**opts.capture, "mode": "ambient"}
             self.base = RedirectConfig.from_dict(base)
@@ -248,92 +207,9 @@ class Agent:
 
     # -- restart safety
 
-    def _ours(self, path: str) -> bool:
-        """Whether the netns at ``path`` is owned by the agent's (the node's) user namespace: only
-        root on the node can make one, so a record in it was not written by an unprivileged user."""
-        return _userns_of(path) == (self._userns.st_dev, self._userns.st_ino)
-
     def discover(self) -> Found:
-        """Our pods, read from the kernel: the record in every namespace we can reach that root
-        made or pinned: owned by the node's user namespace, or bind-mounted under ``/run/netns``
-        (what runtimes do with pod sandboxes, whatever user namespace owns them; a symlink there
-        does not count). Each record is validated like an ``add`` event; a record in any other
-        netns, or one that is not right, is logged and ignored."""
-        paths: list[str] = []
-        with contextlib.suppress(FileNotFoundError):
-            paths += [os.path.join(_netns.NETNS_RUN_DIR, n) for n in sorted(os.listdir(_netns.NETNS_RUN_DIR))]
-        if self.opts.scan_proc:
-            paths += [f"/proc/{p}/ns/net" for p in os.listdir("/proc") if p.isdigit()]
-        by_inode: dict[tuple[int, int], list[str]] = {}
-        pinned: set[str] = set()
-        for p in paths:
-            try:
-                st = os.stat(p)
-                if p.startswith(_netns.NETNS_RUN_DIR + "/"):
-                    lst = os.lstat(p)  # a mount point shows the netns itself; a symlink, itself
-                    if (lst.st_dev, lst.st_ino) == (st.st_dev, st.st_ino):
-                        pinned.add(p)
-            except OSError:
-                continue
-            by_inode.setdefault((st.st_dev, st.st_ino), []).append(p)
-
-        def read(item: tuple[tuple[int, int], list[str]]) -> tuple[PodRecord, str] | str | None:
-            (_, ino), names = item
-            try:
-                if not pinned.intersection(names) and not self._ours(names[0]):
-                    if identity.exists(names[0]):
-                        jlog(logging.WARNING, "pod record ignored: its netns was made by another user namespace "
-                             "and is not pinned under /run/netns", netns=names[0])
-                        return "ignored"
-                    return None
-                rec = identity.scan(names[0])
-            except Exception as e:  # noqa: BLE001 - a netns that can't be read is not adopted, never fatal
-                if not isinstance(e, (RedirectError, OSError)):  # gone meanwhile: the common, quiet case
-                    jlog(logging.WARNING, "netns could not be read: not adopted", netns=names[0], error=str(e))
-                return None
-            if rec is None:
-                return None
-            try:
-                host = _netns.host_netns_reason_of(names[0])
-            except (RedirectError, OSError):
-                return None  # gone meanwhile
-            if host is not None:
-                jlog(logging.ERROR, "pod record ignored: a pod is never the host", netns=names[0], error=host)
-                return "ignored"
-            path = rec.get("netns") if isinstance(rec.get("netns"), str) else ""
-            if not path or not _same_inode(path, ino):
-                path = names[0]
-            try:
-                return from_record(rec, path, ino, self.opts.node_name)
-            except BadPod as e:
-                if e.field != "record.node":  # another node's pod (a shared /run/netns): not ours, quietly
-                    jlog(logging.ERROR, "pod record ignored: not a record the agent writes", netns=names[0],
-                         error=str(e))
-                    return "ignored"
-                return None
-
-        found = Found()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-scan") as ex:
-            for got in ex.map(read, by_inode.items()):
-                if got == "ignored":
-                    found.ignored += 1
-                if not isinstance(got, tuple):
-                    continue
-                pod, phase = got
-                if phase == INTENT:
-                    found.unfinished.append(pod)
-                    continue
-                other = found.enrolled.get(pod.uid)
-                if other is not None:
-                    # Two namespaces claim one uid (an old sandbox still held): keep the one whose
-                    # record names where it is, else the first; the other is not adopted.
-                    keep = other if _same_inode(other.netns, other.inode) or not _same_inode(pod.netns, pod.inode) \
-                        else pod
-                    jlog(logging.ERROR, "two namespaces hold a record of one pod: adopting one", pod=pod.uid,
-                         adopted=keep.netns, ignored=(pod if keep is other else other).netns)
-                    pod = keep
-                found.enrolled[pod.uid] = pod
-        return found
+        """Our pods, read from the kernel (``redirect.agent.discovery``)."""
+        return discover(self.opts.node_name, self.opts.scan_proc)
 
     def reconcile(self) -> None:
         t0 = time.monotonic()
@@ -388,7 +264,7 @@ class Agent:
 
     def _clear_record(self, pod: PodRecord) -> None:
         """Remove the record in ``pod``'s netns if it is this pod's (another pod's is never touched)."""
-        if not _same_inode(pod.netns, pod.inode):
+        if not same_inode(pod.netns, pod.inode):
             return
         rec = identity.scan(pod.netns)
         if rec is None or rec.get("uid") == pod.uid:
@@ -427,7 +303,7 @@ class Agent:
                 with self.lock:
                     if self.pods.get(pod.uid) is not pod:
                         continue  # added again or deleted meanwhile
-                if not _same_inode(pod.netns, pod.inode):
+                if not same_inode(pod.netns, pod.inode):
                     self._forget(pod)
                     r = "gone"
                 else:
@@ -606,7 +482,7 @@ class Agent:
         with self.lock:
             other = self.claims.get(pod.inode)
             for p in (*self.pods.values(), *self.enrolling.values()):
-                if other is None and p.uid != pod.uid and p.inode == pod.inode and _same_inode(p.netns, p.inode):
+                if other is None and p.uid != pod.uid and p.inode == pod.inode and same_inode(p.netns, p.inode):
                     other = p.uid
             if other is None or other == pod.uid:
                 self.claims[pod.inode] = pod.uid
@@ -715,7 +591,7 @@ class Agent:
             proxies = sum(1 for c in self.proxies if c.synced.is_set() and c.serving)
         if rec is None:
             raise EventError("check", f"pod {uid} is not enrolled on this node")
-        if path and not _same_inode(path, rec.inode):
+        if path and not same_inode(path, rec.inode):
             raise EventError("check", f"pod {uid} is enrolled in another netns than {path}")
         try:
             res = api.check(rec.netns, rec.config, rec.backend)
@@ -757,7 +633,7 @@ class Agent:
             if errors:
                 jlog(logging.WARNING, "node proxy did not ack a delete", pod=uid, errors=errors)
             netns_path = path if target_inode is not None else None
-            if netns_path is None and same and rec is not None and _same_inode(rec.netns, rec.inode):
+            if netns_path is None and same and rec is not None and same_inode(rec.netns, rec.inode):
                 netns_path = rec.netns
             if netns_path is not None:
                 backend = rec.backend if rec is not None else self.opts.backend

@@ -29,14 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import protocol
-
-log = logging.getLogger("redirect.agent")
+from .logs import jlog, log
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
-
-def _jlog(level: int, msg: str, **fields: Any) -> None:
-    log.log(level, msg, extra={"fields": fields})
 
 
 class _Client:
@@ -109,7 +105,7 @@ class EventServer:
             except OSError:
                 return  # the listener was closed (stopping)
             if len(self.clients) >= self.max_clients and not self._evict():
-                _jlog(logging.WARNING, "events socket: every connection is busy; a new client was turned away",
+                jlog(logging.WARNING, "events socket: every connection is busy; a new client was turned away",
                       clients=len(self.clients))
                 s.close()
                 continue
@@ -124,7 +120,7 @@ class EventServer:
         if not idle:
             return False
         oldest = min(idle, key=lambda c: c.last)
-        _jlog(logging.INFO, "events socket: too many clients; closed the one idle the longest",
+        jlog(logging.INFO, "events socket: too many clients; closed the one idle the longest",
               idle_s=round(time.monotonic() - oldest.last, 1))
         self._close(oldest)
         return True

@@ -22,15 +22,11 @@ from typing import Any
 from .. import netns as _netns
 from ..errors import RedirectError
 from . import protocol
+from .logs import jlog, log
 from .pods import PodRecord
-
-log = logging.getLogger("redirect.agent")
 
 MAX_ERROR = 1000  # chars of a proxy's error text kept (logs, the ADD's answer)
 
-
-def _jlog(level: int, msg: str, **fields: Any) -> None:
-    log.log(level, msg, extra={"fields": fields})
 
 
 def proxy_name(hello: dict[str, Any], n: int) -> str:
@@ -121,7 +117,7 @@ class ProxyConn:
                 if self.alive:
                     protocol.send(self.sock, msg, (fd,) if fd is not None else ())
             except (OSError, protocol.ProtocolError) as e:
-                _jlog(logging.WARNING, "sending to node proxy failed", proxy=self.name, error=str(e))
+                jlog(logging.WARNING, "sending to node proxy failed", proxy=self.name, error=str(e))
                 self.close()
             finally:
                 if fd is not None:
@@ -133,7 +129,7 @@ class ProxyConn:
                 try:
                     got = protocol.recv(self.sock, max_fds=0)
                 except protocol.ProtocolError as e:
-                    _jlog(logging.WARNING, "bad message from node proxy: dropped", proxy=self.name, error=str(e))
+                    jlog(logging.WARNING, "bad message from node proxy: dropped", proxy=self.name, error=str(e))
                     continue
                 if got is None:
                     break
@@ -143,14 +139,14 @@ class ProxyConn:
                 try:
                     mid, ok, error = parse_ack(msg)
                 except protocol.ProtocolError as e:
-                    _jlog(logging.WARNING, "bad ack from node proxy: dropped", proxy=self.name, error=str(e))
+                    jlog(logging.WARNING, "bad ack from node proxy: dropped", proxy=self.name, error=str(e))
                     continue
                 with self.lock:
                     w = self.pending.pop(mid, None)
                 if w is not None:
                     w.done(ok, error)
         except OSError as e:
-            _jlog(logging.WARNING, "node proxy connection failed", proxy=self.name, error=str(e))
+            jlog(logging.WARNING, "node proxy connection failed", proxy=self.name, error=str(e))
         except Exception:  # noqa: BLE001 - never leave a proxy counted whose acks can't arrive
             log.exception("node proxy reader failed: closing the connection (proxy %s)", self.name)
         self.close()
