@@ -55,11 +55,15 @@ class Backend(Protocol):
 def fault_point(name: str) -> None:
     """Fault injection for the atomicity tests: ``REDIRECT_FAULT=<name>`` makes this point raise.
 
-    Points: ``iptables.before_restore_v4``, ``iptables.before_restore_v6``,
+    Points: ``iptables.before_restore_v6``, ``iptables.before_restore_v4`` (IPv6 goes first),
+    ``iptables.remove_v4``, ``iptables.remove_v6``, ``iptables.before_routes_finish``,
     ``nftables.before_transaction``, ``nftables.after_transaction``. ``<name>:kill`` SIGKILLs
-    the process there instead, as a crash would (the node agent's kill-point tests).
+    the process there instead, as a crash would (the kill tests: nothing runs after it, not
+    even a rollback).
     """
     fault = os.environ.get("REDIRECT_FAULT")
+    if fault is None:
+        return
     if fault == name:
         from ..errors import SetupError
 
