@@ -10,7 +10,9 @@ limits the rule to ambient pods' IPs with an ipset. We do the same:
 
 - ipsets ``rdr-inpod-probes-v4`` / ``rdr-inpod-probes-v6`` (``hash:ip`` with comments:
   each entry's comment names the pod that owns it);
-- chain ``RDR_NODE_POSTRT`` in the nat table, jumped to first from ``POSTROUTING``:
+- chain ``RDR_NODE_POSTRT`` in the nat table, jumped to first from ``POSTROUTING`` by a rule
+  with our comment (``redirect: kubelet probes``); a chain of that name that no rule or jump
+  of ours marks is someone else's: left alone, and ``setup_node`` refuses:
   ``-p tcp -m owner --socket-exists -m set --match-set rdr-inpod-probes-vN dst
   -j SNAT --to-source <probe address>``.
 
@@ -33,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from . import netns as _netns
-from .backends.base import CheckResult
+from .backends.base import CheckResult, is_owned_comment, owned_comment
 from .backends.iptables import _run, _tool, detect_variant
 from .errors import ConfigError, SetupError
 
@@ -120,40 +122,67 @@ def _desired_rule(fam: int, cfg: NodeConfig) -> str:
             f' -m comment --comment "{_COMMENT}" -j SNAT --to-source {cfg.snat(fam)}')
 
 
+#: Our jump from POSTROUTING, as iptables-save prints it; earlier versions wrote it bare (_OLD_JUMP).
+_JUMP = f'-A POSTROUTING -m comment --comment "{owned_comment("kubelet probes")}" -j {CHAIN}'
+_OLD_JUMP = f"-A POSTROUTING -j {CHAIN}"
+
+
 @dataclass(frozen=True)
 class _NatState:
-    chain: tuple[str, ...] | None  # our chain's rules, None if the chain does not exist
-    jumps: int  # jumps from POSTROUTING into it
+    chain: tuple[str, ...] | None  # our chain's rules, None if the chain does not exist (or is not ours)
+    jumps: tuple[str, ...]  # our jumps from POSTROUTING into it
+    #: Why a chain of our name here is someone else's (then ``chain`` is None and nothing is touched).
+    foreign: str | None = None
 
 
 def _read(variant: str, fam: int) -> _NatState:
+    """Our chain and jumps in the nat table. The chain is ours when one of its rules carries our
+    comment or one of our jumps leads to it (marked, or bare as earlier versions wrote it)."""
     text = _run([_tool(variant, fam, "save"), "-t", "nat"])
     chain: list[str] | None = None
-    jumps = 0
+    jumps: list[str] = []
+    others: list[str] = []
     for line in text.splitlines():
         if line.startswith(f":{CHAIN} "):
             chain = chain or []
         elif line.startswith(f"-A {CHAIN} "):
             chain = (chain or []) + [line]
-        elif line.startswith("-A POSTROUTING ") and line.endswith(f"-j {CHAIN}"):
-            jumps += 1
-    return _NatState(tuple(chain) if chain is not None else None, jumps)
+        elif line.endswith(f"-j {CHAIN}"):
+            (jumps if line in (_JUMP, _OLD_JUMP) else others).append(line)
+    if chain is not None and not jumps and not any(is_owned_comment(c) for c in _comments(chain)):
+        return _NatState(None, (), f"IPv{fam} nat chain {CHAIN} is not ours (no rule or jump of ours)")
+    if chain is not None and others:
+        return _NatState(None, (), f"IPv{fam} nat rules not ours jump to {CHAIN}: {others}")
+    return _NatState(tuple(chain) if chain is not None else None, tuple(jumps))
+
+
+def _comments(lines: Iterable[str]) -> list[str]:
+    return [ln.split('--comment "', 1)[1].split('"', 1)[0] for ln in lines if '--comment "' in ln]
+
+
+def _refuse_foreign(states: Iterable[_NatState]) -> None:
+    foreign = [s.foreign for s in states if s.foreign]
+    if foreign:
+        raise SetupError(f"named like ours but not ours, so left alone and node setup refused: {'; '.join(foreign)};"
+                         " rename or remove them")
 
 
 def _payload(cur: _NatState, want_rule: str | None) -> str:
     """Restore payload turning ``cur`` into ours (``want_rule``) or into nothing (None)."""
+    if cur.foreign:
+        return ""
     lines = ["*nat"]
     if want_rule is not None:
-        if cur.chain == (want_rule,) and cur.jumps == 1:
+        if cur.chain == (want_rule,) and cur.jumps == (_JUMP,):
             return ""
         lines += [f":{CHAIN} - [0:0]", want_rule]  # declaring flushes it
-        lines += [f"-D POSTROUTING -j {CHAIN}"] * max(cur.jumps - 1, 0)
-        if cur.jumps == 0:
-            lines.append(f"-I POSTROUTING 1 -j {CHAIN}")
+        if cur.jumps != (_JUMP,):
+            lines += ["-D" + j[2:] for j in cur.jumps]
+            lines.append(f"-I POSTROUTING 1 {_JUMP.split(' ', 2)[2]}")  # first: before any other SNAT
     else:
-        if cur.chain is None and cur.jumps == 0:
+        if cur.chain is None and not cur.jumps:
             return ""
-        lines += [f"-D POSTROUTING -j {CHAIN}"] * cur.jumps
+        lines += ["-D" + j[2:] for j in cur.jumps]
         if cur.chain is not None:
             lines += [f":{CHAIN} - [0:0]", f"-X {CHAIN}"]
     return "\n".join(lines + ["COMMIT"]) + "\n"
@@ -199,6 +228,7 @@ def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
         families = _families(cfg)
         variant = detect_variant()
         before = {fam: _read(variant, fam) for fam in (4, 6)}
+        _refuse_foreign(before.values())
         created: list[str] = []
         done: list[int] = []
         changed = False
@@ -262,14 +292,17 @@ def check_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
         variant = detect_variant()
         for fam in (4, 6):
             st = _read(variant, fam)
-            if fam in families:
+            if st.foreign:
+                diffs.append(st.foreign)
+            elif fam in families:
                 want = _desired_rule(fam, cfg)
                 if st.chain is None:
                     diffs.append(f"IPv{fam} nat: missing chain {CHAIN}")
                 elif st.chain != (want,):
                     diffs.append(f"IPv{fam} nat: {CHAIN} is {list(st.chain)}, want [{want}]")
-                if st.jumps != 1:
-                    diffs.append(f"IPv{fam} nat: {st.jumps} jumps from POSTROUTING to {CHAIN}, want 1")
+                if st.jumps != (_JUMP,):
+                    diffs.append(f"IPv{fam} nat: jumps from POSTROUTING to {CHAIN} are {list(st.jumps)},"
+                                 f" want [{_JUMP}]")
                 if not _set_exists(SET_NAMES[fam]):
                     diffs.append(f"missing ipset {SET_NAMES[fam]}")
             elif st.chain is not None or st.jumps:

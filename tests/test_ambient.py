@@ -380,12 +380,12 @@ def test_node_rules_are_reasserted_and_removed_cleanly(pod: Pod, node_ns: str) -
     assert node.check_node(node_ns).ok
     installed = {f: _nat_save(node_ns, f) for f in FAMILIES}
     for f in FAMILIES:
-        assert f"-A POSTROUTING -j {node.CHAIN}" in installed[f]
+        assert f'-A POSTROUTING -m comment --comment "redirect: kubelet probes" -j {node.CHAIN}' in installed[f]
         assert f"--match-set {node.SET_NAMES[f]} dst" in installed[f]
         assert f"--to-source {PROBE_SRC[f]}" in installed[f]
     # Someone deletes our rule (IPv4) and our jump (IPv6): check says so, setup restores them.
     in_netns(node_ns, subprocess.run, ["iptables", "-t", "nat", "-F", node.CHAIN], check=True)
-    in_netns(node_ns, subprocess.run, ["ip6tables", "-t", "nat", "-D", "POSTROUTING", "-j", node.CHAIN], check=True)
+    in_netns(node_ns, subprocess.run, ["ip6tables", "-t", "nat", "-D", "POSTROUTING", "1"], check=True)
     res = node.check_node(node_ns)
     assert not res.ok and len(res.differences) == 2, res.differences
     assert node.setup_node(node_ns)

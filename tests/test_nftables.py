@@ -68,17 +68,17 @@ def test_render_is_deterministic_json_with_iptables_priorities() -> None:
 def test_render_rules_in_nft_list_form() -> None:
     rs = nb.desired_ruleset(build_plan(RedirectConfig(outbound_exclude_ports=(22, 80))), (4, 6))
     texts = [nb.expr_text(*r) for r in rs["nat_OUTBOUND"].rules]
-    assert 'tcp dport 22 return comment "excluded outbound port 22"' in texts
-    assert 'oifname "lo" ip saddr 127.0.0.6 return comment "inbound passthrough from the proxy"' in texts
+    assert 'tcp dport 22 return comment "redirect: excluded outbound port 22"' in texts
+    assert 'oifname "lo" ip saddr 127.0.0.6 return comment "redirect: inbound passthrough from the proxy"' in texts
     assert rs["nat_REDIRECT"].rules == [([{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
-                                          {"redirect": {"port": 15001}}], "to the proxy outbound port")]
+                                          {"redirect": {"port": 15001}}], "redirect: to the proxy outbound port")]
 
 
 def test_ipv4_only_config_leaves_ipv6_to_other_rules() -> None:
     rs = nb.desired_ruleset(build_plan(RedirectConfig(ipv6=False)), (4,))
     for spec in rs.values():
         if spec.base:
-            assert nb.expr_text(*spec.rules[0]) == 'meta nfproto ipv6 return comment "IPv6 is not captured"'
+            assert nb.expr_text(*spec.rules[0]) == 'meta nfproto ipv6 return comment "redirect: IPv6 is not captured"'
     assert not any("ip6 " in nb.expr_text(*r) for s in rs.values() for r in s.rules)
 
 

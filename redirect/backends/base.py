@@ -9,6 +9,25 @@ from typing import Any, Protocol
 from ..config import RedirectConfig
 from ..plan import Plan
 
+#: Every rule of ours carries a comment starting with this (``redirect`` or ``redirect: <purpose>``):
+#: with our exact object names (``POD_CHAINS`` under each backend's prefix), what tells ours
+#: from someone else's object of the same name.
+MARK = "redirect"
+
+#: The plan's chain names (sidecar and ambient): a pod's chains are exactly these (with the
+#: backend's prefix or table); any other name is not the pod's.
+POD_CHAINS = frozenset({"PREROUTING", "OUTPUT", "INBOUND", "OUTBOUND", "REDIRECT", "IN_REDIRECT", "DIVERT",
+                        "TPROXY", "DROP", "DNS", "DNS_IN"})
+
+
+def owned_comment(purpose: str) -> str:
+    """The comment of one rule of ours: our mark, then why the rule exists."""
+    return f"{MARK}: {purpose}" if purpose else MARK
+
+
+def is_owned_comment(comment: str) -> bool:
+    return comment == MARK or comment.startswith(MARK + ": ")
+
 
 @dataclass(frozen=True)
 class Installed:

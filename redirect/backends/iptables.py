@@ -54,7 +54,7 @@ from ..plan import (
     Socket,
     TProxy,
 )
-from .base import CheckResult, Installed, fault_point
+from .base import MARK, POD_CHAINS, CheckResult, Installed, fault_point, is_owned_comment, owned_comment
 
 log = logging.getLogger("redirect.iptables")
 
@@ -63,13 +63,8 @@ log = logging.getLogger("redirect.iptables")
 #: so no state in between captures less than one of the two configs.
 GENERATIONS = ("RDR_", "RDR2_")
 PREFIX = GENERATIONS[0]
-#: The plan's chain names (sidecar and ambient): a pod's chains are exactly these under a
-#: generation prefix. Other ``RDR_*`` chains (the node's ``RDR_NODE_POSTRT``, anyone's) are
-#: not the pod's.
-POD_CHAINS = frozenset({"PREROUTING", "OUTPUT", "INBOUND", "OUTBOUND", "REDIRECT", "IN_REDIRECT", "DIVERT",
-                        "TPROXY", "DROP", "DNS", "DNS_IN"})
-#: Every rule of ours carries this comment (``redirect`` or ``redirect: <purpose>``).
-MARK = "redirect"
+#: A pod's chains are exactly ``POD_CHAINS`` under a generation prefix: other ``RDR_*`` chains
+#: (the node's ``RDR_NODE_POSTRT``, anyone's) are not the pod's.
 JUMP_COMMENT = f"{MARK}: capture"
 BUILTIN = {"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
 HOOK_CHAIN = {"prerouting": "PREROUTING", "output": "OUTPUT"}
@@ -94,11 +89,6 @@ def _quote(text: str) -> str:
     if any(c in text for c in "\"'\\"):
         raise ValueError(f"rule comment {text!r} must not contain quotes or backslashes")
     return f'"{text}"'
-
-
-def owned_comment(purpose: str) -> str:
-    """The comment of one rule of ours: our mark, then why the rule exists."""
-    return f"{MARK}: {purpose}" if purpose else MARK
 
 
 def render_rule(chain: str, rule: Rule, prefix: str = PREFIX) -> str:
@@ -229,7 +219,7 @@ _TARGET_RE = re.compile(r" -j (\S+)")
 def _marked(line: str) -> bool:
     """The rule carries our comment (``redirect`` or ``redirect: ...``)."""
     m = _COMMENT_RE.search(line)
-    return m is not None and (m.group(1) == MARK or m.group(1).startswith(MARK + ": "))
+    return m is not None and is_owned_comment(m.group(1))
 
 
 def _target(line: str) -> str | None:

@@ -109,7 +109,7 @@ from ..plan import (
     Socket,
     TProxy,
 )
-from .base import CheckResult, Installed, fault_point
+from .base import POD_CHAINS, CheckResult, Installed, fault_point, owned_comment
 
 log = logging.getLogger("redirect.nftables")
 
@@ -321,10 +321,13 @@ def desired_ruleset(plan: Plan, families: tuple[int, ...]) -> Ruleset:
                 ) from None
             base = {"type": typ, "hook": c.hook, "prio": prio, "policy": "accept"}
             for f in skipped:
-                rules.append(([_match(_meta("nfproto"), _NFPROTO[f]), {"return": None}], f"IPv{f} is not captured"))
+                rules.append(([_match(_meta("nfproto"), _NFPROTO[f]), {"return": None}],
+                              owned_comment(f"IPv{f} is not captured")))
+        if c.name not in POD_CHAINS:
+            raise ValueError(f"plan chain {c.name!r} is not one of the pod chains {sorted(POD_CHAINS)}")
         for r in c.rules:
             for expr in render_rule(c.table, r):
-                rules.append((expr, r.comment))
+                rules.append((expr, owned_comment(r.comment)))
         if name in out:
             raise ValueError(f"two plan chains render to the nft chain {name}")
         out[name] = ChainSpec(base, rules)
@@ -618,12 +621,49 @@ def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
     return out
 
 
+def not_ours(items: list[dict[str, Any]]) -> str | None:
+    """Why the table listed as ``items`` is not ours, or None if it is.
+
+    Ours holds only chains named ``<raw|mangle|nat>_<pod chain>``, base chains exactly where
+    ``BASE_CHAINS`` puts them with an accept policy, and rules; its rules carry our comment.
+    A table of the same name with anything else (someone's firewall) is not ours. A table of
+    that layout whose rules carry no comment of ours at all is what earlier versions wrote
+    (plain comments): it is taken as ours and replaced by the next setup.
+    """
+    chains = [i["chain"] for i in items if "chain" in i]
+    other = sorted({k for i in items for k in i if k not in ("metainfo", "table", "chain", "rule")})
+    if other:
+        return f"it holds {', '.join(other)} objects"
+    if not chains:
+        return "it has no chain"
+    for c in chains:
+        table, _, name = str(c.get("name", "")).partition("_")
+        if table not in ("raw", "mangle", "nat") or name not in POD_CHAINS:
+            return f"chain {c.get('name')!r} is not one of ours"
+        if "hook" in c:
+            typ, prio = BASE_CHAINS.get((table, c["hook"]), (None, None))
+            if (c.get("type"), c.get("prio"), c.get("policy")) != (typ, prio, "accept"):
+                return (f"base chain {c['name']!r} is type {c.get('type')} hook {c['hook']} priority {c.get('prio')}"
+                        f" policy {c.get('policy')}, not ours")
+    return None
+
+
+class NotOurs(SetupError):
+    """A table named like ours that is not ours: never changed or deleted."""
+
+
 def read_table(nft: Any) -> Ruleset | None:
-    """Our table as installed, or None when there is none."""
+    """Our table as installed, or None when there is none; ``NotOurs`` if a table of our name is
+    someone else's."""
     if (FAMILY, TABLE) not in table_names(nft):
         return None
     out = _run(nft, [{"list": {"table": dict(_TABLE_OBJ)}}])
-    return parse_listing(out.get("nftables", []))
+    items = out.get("nftables", [])
+    why = not_ours(items)
+    if why is not None:
+        raise NotOurs(f"table {FAMILY} {TABLE} exists and is not ours ({why}): it is left alone and setup refused;"
+                      " rename or delete it")
+    return parse_listing(items)
 
 
 #: Test-only: commands appended to every setup batch (e.g. an invalid rule, to make it fail).
@@ -718,6 +758,8 @@ class NftablesBackend:
             if read_table(nft) is not None:
                 _run(nft, commands_for({}))
                 changed = True
+        except NotOurs as e:
+            log.warning("%s", e)
         finally:
             release(nft)
         if keep_routes:
@@ -731,6 +773,8 @@ class NftablesBackend:
             return False
         try:
             return read_table(nft) is not None
+        except NotOurs:
+            return False
         finally:
             release(nft)
 
@@ -739,6 +783,8 @@ class NftablesBackend:
         nft = _context()
         try:
             current = read_table(nft)
+        except NotOurs as e:
+            return CheckResult(False, self.name, (str(e),) + tuple(rt.differences(plan, families)))
         finally:
             release(nft)
         if current is None:
@@ -750,11 +796,16 @@ class NftablesBackend:
 
     def show(self) -> dict[str, Any]:
         nft = _context()
+        foreign = None
         try:
             current = read_table(nft)
+        except NotOurs as e:
+            current, foreign = None, str(e)
         finally:
             release(nft)
         out: dict[str, Any] = {"backend": self.name, "table": f"{FAMILY} {TABLE}", "installed": current is not None}
+        if foreign:
+            out["not_ours"] = foreign
         out["chains"] = {
             name: {"base": _base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
             for name, spec in (current or {}).items()
