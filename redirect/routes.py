@@ -186,12 +186,15 @@ def differences(plan: Plan, families: tuple[int, ...]) -> list[str]:
     diffs = []
     for r in sorted(want_routes - state.routes, key=str):
         diffs.append(f"missing policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
+    # Another config's (a setup adds the new config's before its rules and removes the old
+    # config's after them: a setup killed in between leaves both); setup removes them.
+    left = "(another config's, as an interrupted setup leaves them; setup removes it)"
     for r in sorted(state.routes - want_routes, key=str):
-        diffs.append(f"unexpected policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table}")
+        diffs.append(f"unexpected policy route: IPv{r.family} fwmark {r.fwmark:#x} lookup {r.table} {left}")
     for a in sorted(want_addrs - state.addresses, key=str):
         diffs.append(f"missing address {a.cidr} on {a.dev}")
     for a in sorted(state.addresses - want_addrs, key=str):
-        diffs.append(f"unexpected address {a.cidr} on {a.dev}")
+        diffs.append(f"unexpected address {a.cidr} on {a.dev} {left}")
     return diffs
 
 

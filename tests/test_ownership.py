@@ -43,7 +43,8 @@ def full_ruleset(ns: str) -> str:
         out.append(f"## {tool}")
         out += [re.sub(r"\[\d+:\d+\]", "[0:0]", ln) for ln in sh(ns, tool).splitlines() if not ln.startswith("#")]
     out.append("## nft list ruleset")
-    out += [re.sub(r"packets \d+ bytes \d+", "packets 0 bytes 0", ln) for ln in sh(ns, "nft", "list", "ruleset").splitlines()]
+    nft = sh(ns, "nft", "list", "ruleset")
+    out += [re.sub(r"packets \d+ bytes \d+", "packets 0 bytes 0", ln) for ln in nft.splitlines()]
     return "\n".join(out)
 
 
