@@ -284,3 +284,22 @@ def test_a_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod, back
         print(f"{backend}: {kills} kills, {bypass_checked} probed, seed {seed}, span {span * 1e3:.1f} ms,"
               f" in {time.monotonic() - t_start:.1f} s")
     redirect.teardown(pod.name, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["iptables-nft", "iptables-legacy"])
+def test_a_failure_once_the_new_rules_are_in_keeps_them_and_says_so(
+        pod: Pod, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = RedirectConfig(outbound_exclude_ports=(9090,)), RedirectConfig(inbound_interception="TPROXY")
+    redirect.setup(pod.name, old, backend=backend)
+    monkeypatch.setenv("REDIRECT_FAULT", "iptables.remove_v4")
+    with pytest.raises(redirect.SetupError, match="after the new rules were in.*run setup again"):
+        redirect.setup(pod.name, new, backend=backend)
+    monkeypatch.delenv("REDIRECT_FAULT")
+    assert generations(our_lines(pod.name, backend)) == {"RDR_", "RDR2_"}
+    res = redirect.check(pod.name, new, backend=backend)
+    assert not res.ok and res.differences[0].startswith("interrupted setup"), res.differences
+    assert redirect.setup(pod.name, new, backend=backend).changed
+    assert redirect.check(pod.name, new, backend=backend).ok
+    assert generations(our_lines(pod.name, backend)) == {"RDR2_"}
+    redirect.teardown(pod.name, backend=backend)
+    assert not our_lines(pod.name, backend)

@@ -428,7 +428,7 @@ def test_check_reports_drift(pod: Pod, backend: str) -> None:
 
 #: Where each backend can be made to fail: after routes are in, and after the first family/transaction.
 FAULT_POINTS = {
-    "iptables": ("iptables.before_restore_v4", "iptables.before_restore_v6"),
+    "iptables": ("iptables.before_restore_v6", "iptables.before_restore_v4"),  # IPv6 goes in first
     "nftables": ("nftables.before_transaction", "nftables.after_transaction"),
     "ebpf": ("ebpf.before_entries", "ebpf.before_policy"),
 }
@@ -457,7 +457,7 @@ def test_failure_half_way_leaves_the_namespace_as_it_was(
 
 def test_failed_first_setup_leaves_nothing(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> None:
     before_rules, before_routes = rules_only(pod.name), routing_state(pod.name)
-    monkeypatch.setenv("REDIRECT_FAULT", "iptables.before_restore_v6")
+    monkeypatch.setenv("REDIRECT_FAULT", "iptables.before_restore_v4")  # after IPv6's rules went in
     with pytest.raises(redirect.SetupError):
         redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend="iptables-nft")
     assert rules_only(pod.name) == before_rules

@@ -1,15 +1,27 @@
-"""The iptables backend: one ``iptables-restore --noflush`` payload per family.
+"""The iptables backend: ``iptables-restore --noflush`` payloads of our chains only.
 
-Only our chains (``RDR_*``) and one unconditional jump per hook into them are ever
-written; every other rule is left as it is. Rules are rendered in exactly the form
-``iptables-save`` prints them, so what is installed can be read back and compared
-line by line (``check``), and a setup whose rules are already in place changes
-nothing.
+What is ours. Our chains have exact names: a generation prefix (``RDR_`` or ``RDR2_``) and
+one of the plan's chain names (``POD_CHAINS``); every rule of ours, and each jump from a
+built-in chain into ours, carries the comment ``redirect: <purpose>``. A chain with one of
+our names that holds no rule of ours and that no rule of ours jumps to is someone else's:
+setup refuses, naming it, and nothing touches it. Other ``RDR_*`` chains (the node's
+``RDR_NODE_POSTRT``, a firewall's ``RDR_MYFW``) are never looked at. Rules are rendered in
+exactly the form ``iptables-save`` prints them, so what is installed is read back and compared
+line by line (``check``), and a setup whose rules are already in place changes nothing. The
+previous release's layout (no comments; bare ``-A OUTPUT -j RDR_OUTPUT`` and ``-A PREROUTING
+-j RDR_PREROUTING`` jumps in raw, mangle or nat, and our chains reached from them) is
+recognised as ours, and the next setup replaces it.
 
-A config change rewrites our chains inside one restore per family (atomic per
-table: the kernel swaps each table's rules at once). Across families and routes,
-atomicity comes from rollback: if the IPv6 payload fails after IPv4 applied, the
-IPv4 rules and routes are put back as they were.
+Order of a change (see ``IptablesBackend``): the new config goes in under the other
+generation's names beside the old one, then the old one is removed, IPv4's nat table marking
+the moment each generation is whole. ``iptables-restore`` commits table by table, so that is
+the unit of atomicity; a failure while adding is rolled back, and a setup killed anywhere
+leaves a state that the next setup finishes or undoes.
+
+Teardown gives the ruleset back as it was: with iptables-nft, the built-in chains (nft base
+chains) and tables that exist only because of our jumps are deleted with them. A legacy
+xtables table that did not exist before setup stays, empty: the kernel has no way to remove
+one from a namespace.
 
 The variant (legacy xtables or nf_tables) is chosen per namespace: whichever one
 already holds rules there wins; with neither, the host's ``iptables`` alternative.

@@ -1,10 +1,16 @@
 """The nftables backend: one libnftables JSON transaction over one table of ours.
 
 Layout. Everything lives in one table, ``inet rdr_redirect``; nothing else is ever
-read for writing or touched. Each plan chain ``(table, NAME)`` becomes the chain
-``<table>_<NAME>`` in it (``nat_OUTBOUND``, ``mangle_DIVERT``...). A plan chain with
-a hook becomes a base chain at the priority (and of the type) of the iptables
-table it stands for, so our chains run exactly where iptables' would:
+read for writing or touched. A table of that name is ours only if it holds nothing but
+chains named as below, base chains exactly where ``BASE_CHAINS`` puts them with an accept
+policy, and rules (ours carry the comment ``redirect: <purpose>``; the previous release's
+carried plain comments and are taken as ours). Anything else (someone's firewall of that
+name) is refused by setup, naming it, and never changed or deleted (``not_ours``).
+
+Each plan chain ``(table, NAME)`` becomes the chain ``<table>_<NAME>`` in our table
+(``nat_OUTBOUND``, ``mangle_DIVERT``...). A plan chain with a hook becomes a base chain at
+the priority (and of the type) of the iptables table it stands for, so our chains run
+exactly where iptables' would:
 
 =======  ==============  ============  ========
 table    hook            nft type      priority
@@ -53,7 +59,9 @@ rendered plan: equal means nothing changes (``Installed.changed=False``). Otherw
 one batch ``add table; delete table; add table; add chains; add rules`` replaces
 it: the kernel commits the batch at once, so no packet sees a half-filled table
 or no table. Routes and addresses come from ``redirect.routes`` as for iptables,
-added before the batch and rolled back if it fails.
+added before the batch and rolled back if it fails; those only the old config needed are
+removed after it. A setup killed in between leaves one config's table whole with the routes
+of both: ``check`` reports them, the next setup removes them.
 
 Mixed hosts. A namespace holding our iptables chains that is set up
 with ``backend="nftables"`` (or the reverse) first gets the new backend's rules,
