@@ -1160,8 +1160,8 @@ _AGENT_POINTS_AFTER = [
 ]
 KILL_POINTS = {
     "iptables": [*_AGENT_POINTS_BEFORE,
-                 ({"REDIRECT_FAULT": "iptables.before_restore_v4:kill"}, "intent, routes, no rules"),
-                 ({"REDIRECT_FAULT": "iptables.before_restore_v6:kill"}, "intent, routes, IPv4 rules"),
+                 ({"REDIRECT_FAULT": "iptables.before_restore_v6:kill"}, "intent, routes, no rules"),
+                 ({"REDIRECT_FAULT": "iptables.before_restore_v4:kill"}, "intent, routes, IPv6 rules"),
                  *_AGENT_POINTS_AFTER],
     "nftables": [*_AGENT_POINTS_BEFORE,
                  ({"REDIRECT_FAULT": "nftables.before_transaction:kill"}, "intent, routes, no table"),

@@ -2,7 +2,7 @@
 
 A forked copy of this process runs ``redirect.setup`` from one config to another and is
 SIGKILLed (with its process group: an ``iptables-restore`` in flight dies too) after a random
-delay, or at a named step (``REDIRECT_FAULT=kill:<point>``). Then, in the state left behind:
+delay, or at a named step (``REDIRECT_FAULT=<point>:kill``). Then, in the state left behind:
 
 - exactly: our rules (every line of ours in ``iptables-save``, or our nft table) and our policy
   routes and addresses are read back, and at least one config is whole in them: every line and
@@ -148,7 +148,7 @@ def killed_setup(ns: str, cfg: RedirectConfig, backend: str, delay: float, point
         try:
             os.setpgid(0, 0)
             if point:
-                os.environ["REDIRECT_FAULT"] = f"kill:{point}"
+                os.environ["REDIRECT_FAULT"] = f"{point}:kill"
             redirect.setup(ns, cfg, backend=backend)
         finally:
             os._exit(0)
