@@ -97,6 +97,30 @@ static __always_inline int is_v6_passthrough(const __u32 *ip)
 	return ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(6); /* ::6 */
 }
 
+/* ::ffff:a.b.c.d: an IPv4 peer of a dual-stack IPv6 socket. On the wire (and to
+ * netfilter) that connection is IPv4, so it is keyed, matched and answered as
+ * IPv4 everywhere. */
+static __always_inline int is_v4_mapped(const __u32 *ip)
+{
+	return ip[0] == 0 && ip[1] == 0 && ip[2] == bpf_htonl(0xffff);
+}
+
+/* The key of a socket's end as the other end sees it: an IPv4-mapped address is
+ * the IPv4 address (the app's AF_INET socket and a dual-stack proxy's accepted
+ * socket then name the same connection alike). */
+static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const __u32 *ip6, __u32 ip4)
+{
+	if (family == AF_INET6 && !is_v4_mapped(ip6)) {
+		k->family = AF_INET6;
+		__builtin_memcpy(k->addr, ip6, 16);
+	} else {
+		k->family = AF_INET;
+		if (family == AF_INET6)
+			ip4 = ip6[3];
+		__builtin_memcpy(k->addr, &ip4, 4);
+	}
+}
+
 #define RDR_PASS 0
 
 /* Where a new outbound connection/datagram goes: RDR_PASS or the local port

@@ -24,13 +24,26 @@ static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, _
 		orig_by_cookie.update(&key, &o);
 }
 
+/* outbound_target for an IPv4 destination (src: the socket's source, for the
+ * passthrough address). */
+static __always_inline __u16 target4(const struct pod_policy *p, __u64 netns, int tcp, __u16 port, __u32 dst,
+				     __u32 src)
+{
+	__u8 addr[16] = {};
+
+	__builtin_memcpy(addr, &dst, 4);
+	return outbound_target(p, netns, tcp, port, addr, 0,
+			       is_v4_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0),
+			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src));
+}
+
 static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg)
 {
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_policy *p = pod_of(netns);
 	__u8 addr[16] = {};
 	__u32 dst = ctx->user_ip4;
-	__u16 port, to;
+	__u16 to;
 	int tcp;
 
 	if (!p)
@@ -40,16 +53,13 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 		return SYS_PROCEED;
 	if (from_sendmsg && tcp)
 		return SYS_PROCEED;
-	port = bpf_ntohs((__u16)ctx->user_port);
-	__builtin_memcpy(addr, &dst, 4);
-	to = outbound_target(p, netns, tcp, port, addr, 0,
-			     is_v4_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0),
-			     (dst & p->lo4_mask) == p->lo4_addr,
-			     is_v4_passthrough(from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4));
+	to = target4(p, netns, tcp, bpf_ntohs((__u16)ctx->user_port), dst,
+		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4);
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	/* TCP: keyed by this socket's cookie until sock_ops learns its port.
 	 * UDP: keyed by cookie for as long as the socket lives (recvmsg). */
+	__builtin_memcpy(addr, &dst, 4);
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port, addr, to);
 	ctx->user_ip4 = bpf_htonl(0x7f000001);
 	ctx->user_port = bpf_htons(to);
@@ -61,10 +71,11 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_policy *p = pod_of(netns);
 	__u32 dst[4], src[4];
+	__u8 addr[16] = {};
 	__u16 port, to;
 	int tcp;
 
-	if (!p || !(p->flags & RDR_F_V6))
+	if (!p)
 		return SYS_PROCEED;
 	tcp = ctx->type == SOCK_STREAM;
 	if (!tcp && ctx->type != SOCK_DGRAM)
@@ -89,6 +100,25 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		src[3] = ctx->sk->src_ip6[3];
 	}
 	port = bpf_ntohs((__u16)ctx->user_port);
+	if (is_v4_mapped(dst)) {
+		/* An IPv4 destination through a dual-stack socket: IPv4 on the wire,
+		 * so IPv4's rules (whatever the pod's IPv6), recorded as IPv4, sent
+		 * to the IPv4 loopback. */
+		to = target4(p, netns, tcp, port, dst[3], is_v4_mapped(src) ? src[3] : 0);
+		if (to == RDR_PASS)
+			return SYS_PROCEED;
+		__builtin_memcpy(addr, &dst[3], 4);
+		remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port,
+			 addr, to);
+		ctx->user_ip6[0] = 0;
+		ctx->user_ip6[1] = 0;
+		ctx->user_ip6[2] = bpf_htonl(0xffff);
+		ctx->user_ip6[3] = bpf_htonl(0x7f000001);
+		ctx->user_port = bpf_htons(to);
+		return SYS_PROCEED;
+	}
+	if (!(p->flags & RDR_F_V6))
+		return SYS_PROCEED;
 	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1,
 			     is_v6_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
 			     is_v6_loopback(dst), is_v6_passthrough(src));
@@ -143,18 +173,42 @@ int rdr_recvmsg4(struct bpf_sock_addr *ctx)
 	return SYS_PROCEED;
 }
 
+/* Where we sent an IPv6 socket's connection or datagram: ::1, or
+ * ::ffff:127.0.0.1 for an IPv4 destination (recorded as AF_INET). */
+static __always_inline int sent_to_us6(const struct orig_dst *o, __u32 ip0, __u32 ip1, __u32 ip2, __u32 ip3)
+{
+	if (ip0 || ip1)
+		return 0;
+	if (o->family == AF_INET)
+		return ip2 == bpf_htonl(0xffff) && ip3 == bpf_htonl(0x7f000001);
+	return o->family == AF_INET6 && !ip2 && ip3 == bpf_htonl(1);
+}
+
+/* The original destination as an IPv6 socket names it (IPv4 ones mapped). */
+static __always_inline void orig_as6(const struct orig_dst *o, __u32 *ip)
+{
+	if (o->family == AF_INET) {
+		ip[0] = 0;
+		ip[1] = 0;
+		ip[2] = bpf_htonl(0xffff);
+		__builtin_memcpy(&ip[3], o->addr, 4);
+	} else {
+		__builtin_memcpy(ip, o->addr, 16);
+	}
+}
+
 int rdr_recvmsg6(struct bpf_sock_addr *ctx)
 {
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
 	__u32 ip[4];
 
-	if (!o || o->family != AF_INET6 || !pod_of(o->netns))
+	if (!o || !pod_of(o->netns))
 		return SYS_PROCEED;
-	if (ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] || ctx->user_ip6[3] != bpf_htonl(1) ||
+	if (!sent_to_us6(o, ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]) ||
 	    bpf_ntohs((__u16)ctx->user_port) != o->via_port)
 		return SYS_PROCEED;
-	__builtin_memcpy(ip, o->addr, 16);
+	orig_as6(o, ip);
 	ctx->user_ip6[0] = ip[0];
 	ctx->user_ip6[1] = ip[1];
 	ctx->user_ip6[2] = ip[2];
@@ -213,28 +267,33 @@ int rdr_getpeername6(struct bpf_sock_addr *ctx)
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct orig_dst *o;
 	__u64 cookie;
-	__u32 ip[4];
+	__u32 ip[4], u[4];
 
-	if (!pod_of(netns) || ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] ||
-	    ctx->user_ip6[3] != bpf_htonl(1))
+	if (!pod_of(netns))
+		return SYS_PROCEED;
+	u[0] = ctx->user_ip6[0];
+	u[1] = ctx->user_ip6[1];
+	u[2] = ctx->user_ip6[2];
+	u[3] = ctx->user_ip6[3];
+	if (u[0] || u[1] || !((!u[2] && u[3] == bpf_htonl(1)) || (u[2] == bpf_htonl(0xffff) && u[3] == bpf_htonl(0x7f000001))))
 		return SYS_PROCEED;
 	if (ctx->type == SOCK_STREAM) {
-		struct tuple_key k = {.netns = netns, .family = AF_INET6};
+		struct tuple_key k = {.netns = netns};
 
 		k.port_be = bpf_htons((__u16)ctx->sk->src_port);
 		ip[0] = ctx->sk->src_ip6[0];
 		ip[1] = ctx->sk->src_ip6[1];
 		ip[2] = ctx->sk->src_ip6[2];
 		ip[3] = ctx->sk->src_ip6[3];
-		__builtin_memcpy(k.addr, ip, 16);
+		tuple_addr(&k, AF_INET6, ip, 0);
 		o = orig_by_tuple.lookup(&k);
 	} else {
 		cookie = bpf_get_socket_cookie(ctx);
 		o = dns_by_cookie.lookup(&cookie);
 	}
-	if (!o || o->family != AF_INET6 || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
+	if (!o || !sent_to_us6(o, u[0], u[1], u[2], u[3]) || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
 		return SYS_PROCEED;
-	__builtin_memcpy(ip, o->addr, 16);
+	orig_as6(o, ip);
 	ctx->user_ip6[0] = ip[0];
 	ctx->user_ip6[1] = ip[1];
 	ctx->user_ip6[2] = ip[2];

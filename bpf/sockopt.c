@@ -21,18 +21,11 @@
 
 static __always_inline void tuple_of_local(struct bpf_sock_ops *ctx, struct tuple_key *k, __u64 netns)
 {
+	__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+
 	k->netns = netns;
-	k->family = ctx->family;
 	k->port_be = bpf_htons((__u16)ctx->local_port);
-	if (ctx->family == AF_INET) {
-		__u32 ip = ctx->local_ip4;
-
-		__builtin_memcpy(k->addr, &ip, 4);
-	} else {
-		__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
-
-		__builtin_memcpy(k->addr, ip, 16);
-	}
+	tuple_addr(k, ctx->family, ip, ctx->local_ip4);
 }
 
 /* The proxy's inbound listener, as it starts listening: sk_lookup hands it
@@ -121,12 +114,17 @@ static __always_inline int answer6(struct bpf_sockopt *ctx, const __u8 *addr, __
 	return 1;
 }
 
+/* What netfilter answers, level by level: conntrack is asked for the socket's
+ * tuple in the level's family, so SOL_IP answers for IPv4 connections (an
+ * AF_INET socket, or an IPv4 peer of a dual-stack one: ::ffff:a.b.c.d) and
+ * SOL_IPV6 for native IPv6 ones; the other level is ENOENT, left to the kernel. */
 int rdr_getsockopt(struct bpf_sockopt *ctx)
 {
 	struct tuple_key k = {};
 	struct pod_policy *p;
 	struct orig_dst *o;
 	struct bpf_sock *sk = ctx->sk;
+	__u32 dst6[4], src6[4], src4;
 	__u64 netns;
 	int v6;
 
@@ -139,21 +137,18 @@ int rdr_getsockopt(struct bpf_sockopt *ctx)
 	p = pod_of(netns);
 	if (!p)
 		return 1;
-	v6 = ctx->level == SOL_IPV6;
-	if (sk->family != (v6 ? AF_INET6 : AF_INET))
+	if (sk->family != AF_INET && sk->family != AF_INET6)
 		return 1;
+	dst6[0] = sk->dst_ip6[0];
+	dst6[1] = sk->dst_ip6[1];
+	dst6[2] = sk->dst_ip6[2];
+	dst6[3] = sk->dst_ip6[3];
 	k.netns = netns;
-	k.family = sk->family;
 	k.port_be = (__u16)sk->dst_port;
-	if (v6) {
-		__u32 ip[4] = {sk->dst_ip6[0], sk->dst_ip6[1], sk->dst_ip6[2], sk->dst_ip6[3]};
-
-		__builtin_memcpy(k.addr, ip, 16);
-	} else {
-		__u32 ip = sk->dst_ip4;
-
-		__builtin_memcpy(k.addr, &ip, 4);
-	}
+	tuple_addr(&k, sk->family, dst6, sk->dst_ip4);
+	v6 = ctx->level == SOL_IPV6;
+	if (k.family != (v6 ? AF_INET6 : AF_INET))
+		return 1; /* the other level's connection: netfilter has no answer either */
 	o = orig_by_tuple.lookup(&k);
 	if (o)
 		return v6 ? answer6(ctx, o->addr, o->port_be) : answer4(ctx, o->addr, o->port_be);
@@ -164,12 +159,12 @@ int rdr_getsockopt(struct bpf_sockopt *ctx)
 	if (ctx->retval == 0 || sk->src_port == p->proxy_port)
 		return 1;
 	if (v6) {
-		__u32 ip[4] = {sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3]};
-
-		return answer6(ctx, (const __u8 *)ip, bpf_htons((__u16)sk->src_port));
-	} else {
-		__u32 ip = sk->src_ip4;
-
-		return answer4(ctx, (const __u8 *)&ip, bpf_htons((__u16)sk->src_port));
+		src6[0] = sk->src_ip6[0];
+		src6[1] = sk->src_ip6[1];
+		src6[2] = sk->src_ip6[2];
+		src6[3] = sk->src_ip6[3];
+		return answer6(ctx, (const __u8 *)src6, bpf_htons((__u16)sk->src_port));
 	}
+	src4 = sk->src_ip4; /* an IPv4-mapped socket has its IPv4 address there too */
+	return answer4(ctx, (const __u8 *)&src4, bpf_htons((__u16)sk->src_port));
 }

@@ -10,6 +10,7 @@ the sidecar plan.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import subprocess
@@ -613,3 +614,92 @@ def test_existing_ruleset_decides_the_iptables_variant(pod: Pod, variant: str) -
     finally:
         redirect.teardown(pod.name, backend="iptables")
     assert "RDR_" not in save_all(pod.name)
+
+
+# --------------------------------------------------------------------------- dual-stack proxy
+
+
+class DualStackListener(TcpListener):
+    """One ``[::]`` socket with ``IPV6_V6ONLY=0`` (squid's, HAProxy's ``v4v6``, Go's and Java's default):
+    IPv4 connections arrive as ``::ffff:a.b.c.d``. Records what both getsockopt levels answer:
+    (family, address, port) or the errno name."""
+
+    def __init__(self, netns: str, port: int, label: str) -> None:
+        super().__init__(netns, port, family=6, label=label)
+        self.answers: list[dict[str, object]] = []
+
+    def _configure(self, s: socket.socket) -> None:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+
+    def _handle(self, c: socket.socket, peer: object) -> None:
+        got: dict[str, object] = {}
+        for level, size in (("SOL_IP", 16), ("SOL_IPV6", 28)):
+            try:
+                raw = c.getsockopt(socket.IPPROTO_IP if level == "SOL_IP" else socket.IPPROTO_IPV6, 80, size)
+            except OSError as e:
+                got[level] = errno.errorcode.get(e.errno or 0, str(e.errno))
+                continue
+            fam = int.from_bytes(raw[:2], "little")
+            port = int.from_bytes(raw[2:4], "big")
+            if fam == socket.AF_INET:
+                got[level] = ("AF_INET", socket.inet_ntop(socket.AF_INET, raw[4:8]), port)
+            else:
+                got[level] = ("AF_INET6", socket.inet_ntop(socket.AF_INET6, raw[8:24]), port)
+        with self._cond:
+            self.answers.append(got)
+        super()._handle(c, peer)
+
+
+def _dual_stack_answers(pod: Pod, backend: str) -> dict[str, dict[str, object]]:
+    """What a dual-stack proxy reads, outbound (15001) and inbound (15006), for IPv4 and IPv6 connections."""
+    out: dict[str, dict[str, object]] = {}
+    with installed(pod, None, backend), DualStackListener(pod.name, 15001, "proxy-out") as po, \
+            DualStackListener(pod.name, 15006, "proxy-in") as pi:
+        for fam in FAMILIES:
+            hit = landing(pod.name, pod.peer_ip(fam), 8080, po, pi, uid=APP_UID)
+            assert hit.listener is po, hit.result
+            out[f"out{fam}"] = po.answers[-1]
+            hit = landing(pod.peer_name, pod.pod_ip(fam), 8000, po, pi)
+            assert hit.listener is pi, hit.result
+            out[f"in{fam}"] = pi.answers[-1]
+    return out
+
+
+def test_a_dual_stack_proxy_reads_the_original_destination_at_both_levels(pod: Pod, backend: str) -> None:
+    """As netfilter answers (conntrack looks the socket's tuple up in the level's family): an IPv4
+    connection (``::ffff:a.b.c.d`` on the socket) has its original destination at ``SOL_IP`` and none
+    (ENOENT) at ``SOL_IPV6``; a native IPv6 one the reverse. Outbound and inbound alike."""
+    got = _dual_stack_answers(pod, backend)
+    want = {}
+    for way, ip4, ip6, port in (("out", pod.peer_ip4, pod.peer_ip6, 8080), ("in", pod.pod_ip4, pod.pod_ip6, 8000)):
+        want[f"{way}4"] = {"SOL_IP": ("AF_INET", ip4, port), "SOL_IPV6": "ENOENT"}
+        want[f"{way}6"] = {"SOL_IP": "ENOENT", "SOL_IPV6": ("AF_INET6", ip6, port)}
+    assert got == want
+
+
+@pytest.mark.parametrize("ipv6", [None, False])
+def test_an_ipv4_destination_through_a_dual_stack_app_socket_is_captured_as_ipv4(
+    pod: Pod, backend: str, ipv6: bool | None
+) -> None:
+    """The app's AF_INET6 socket connecting to ``::ffff:a.b.c.d`` sends IPv4: IPv4's rules capture it
+    (also when IPv6 is not captured), the proxy reads it at ``SOL_IP``, and the app's getpeername
+    names what it asked for."""
+    from tests import netkit
+
+    cfg = RedirectConfig(ipv6=ipv6)
+    with installed(pod, cfg, backend), DualStackListener(pod.name, 15001, "proxy-out") as po, \
+            TcpListener(pod.peer_name, 8080, family=4, label="peer-app") as app:
+        mapped = f"::ffff:{pod.peer_ip4}"
+
+        def connect() -> dict[str, object]:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+                s.settimeout(3)
+                s.connect((mapped, 8080))
+                s.sendall(b"hi\n")
+                return {"peer": list(s.getpeername()[:2]), "answer": s.recv(100).decode().strip()}
+
+        got = netkit._in_child(pod.name, APP_UID, APP_UID, 5.0, connect)
+        assert got.get("answer") == "proxy-out", got
+        assert got["peer"] == [mapped, 8080]
+        assert not app.conns
+        assert po.answers[-1] == {"SOL_IP": ("AF_INET", pod.peer_ip4, 8080), "SOL_IPV6": "ENOENT"}
