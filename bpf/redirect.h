@@ -115,20 +115,13 @@ struct tuple_key {
 	__u8 addr[16];
 };
 
-/* Inbound: sk_lookup can't read the netns cookie (the verifier refuses
- * bpf_get_netns_cookie there), so pods are found by their own addresses. */
-struct addr_key {
-	__u32 family;
-	__u8 addr[16];
-};
-
 struct listener_key {
 	__u64 netns;
 	__u32 family;
 	__u32 _pad;
 };
 
-/* What one pod owns in ports/cidrs/pod_addrs, so teardown and check touch
+/* What one pod owns in ports/cidrs, so teardown and check touch
  * only that pod's entries instead of walking whole maps: key i of the pod
  * is in entry (netns, inv_base + i / RDR_INV_CHUNK). Only userspace reads
  * and writes it. */
@@ -140,7 +133,6 @@ struct inv_key {
 
 #define RDR_INV_PORTS 1
 #define RDR_INV_CIDRS 2
-#define RDR_INV_ADDRS 3
 
 #define RDR_INV_CHUNK 8 /* keys per entry: a typical pod has one */
 
@@ -153,7 +145,16 @@ BPF_HASH(pods, __u64, struct pod_policy, 4096);
 BPF_F_TABLE("hash", struct inv_key, struct inv_val, inventory, 65536, BPF_F_NO_PREALLOC);
 BPF_HASH(ports, struct port_key, __u8, 65536);
 BPF_LPM_TRIE(cidrs, struct cidr_key, __u8, 65536);
-BPF_HASH(pod_addrs, struct addr_key, __u64, 16384);
+/* sk_lookup can't ask for its netns cookie (the verifier refuses
+ * bpf_get_netns_cookie there), so each pod's netns gets a program of its own,
+ * a stub that holds the cookie as a constant (native/redirect_native.c,
+ * rdr_ebpf_lookup_prog): it stores it in lookup_netns and tail-calls
+ * rdr_sk_lookup (lookup_prog[0]), which reads it back and zeroes it. TCP's
+ * lookups run with bottom halves off, so nothing else runs on that CPU in
+ * between; a run that interrupts another (a lookup from process context)
+ * completes, and leaves the slot zero, never another pod's cookie. */
+BPF_PERCPU_ARRAY(lookup_netns, __u64, 1);
+BPF_PROG_ARRAY(lookup_prog, 1);
 /* Staging: socket cookie -> original dst, from connect4/6 until sock_ops
  * sees the local port (TCP_CONNECT_CB). LRU, so a connect that fails before
  * then can't leak an entry forever. */

@@ -2,6 +2,11 @@
  * inbound TCP connections for captured ports to the proxy's inbound
  * listener. The accepted socket keeps the original destination as its local
  * address (like TPROXY, without marks or routes).
+ *
+ * The pod is the netns the packet is in, never "whoever has this address":
+ * two pods may share an address (one gone without a teardown, or both alive
+ * in separate networks). The netns cookie comes from the pod's own stub
+ * program (see lookup_netns in redirect.h), whatever the destination.
  */
 #include "policy.h"
 
@@ -46,38 +51,31 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 netns)
 
 int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 {
-	struct addr_key ak = {};
 	struct listener_key lk = {};
 	struct pod_policy *p;
 	struct bpf_sock *sk;
-	__u64 *netns;
+	__u32 zero = 0;
+	__u64 *slot, netns;
 	int err;
 
+	slot = lookup_netns.lookup(&zero);
+	if (!slot)
+		return SK_PASS;
+	netns = *slot;
+	*slot = 0;
 	if (ctx->protocol != IPPROTO_TCP)
 		return SK_PASS;
 	/* Traffic over lo was generated in this pod (the app to itself, the
 	 * proxy to the app): iptables' PREROUTING never captured it either. */
 	if (ctx->ingress_ifindex == LOOPBACK_IFINDEX)
 		return SK_PASS;
-	ak.family = ctx->family;
-	if (ctx->family == AF_INET) {
-		__u32 ip = ctx->local_ip4;
-
-		__builtin_memcpy(ak.addr, &ip, 4);
-	} else {
-		__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
-
-		__builtin_memcpy(ak.addr, ip, 16);
-	}
-	netns = pod_addrs.lookup(&ak);
-	if (!netns)
+	p = pod_of(netns);
+	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)) ||
+	    !inbound_captured(p, netns, (__u16)ctx->local_port))
 		return SK_PASS;
-	if (from_this_pod(ctx, *netns))
+	if (from_this_pod(ctx, netns))
 		return SK_PASS;
-	p = pod_of(*netns);
-	if (!p || !inbound_captured(p, *netns, (__u16)ctx->local_port))
-		return SK_PASS;
-	lk.netns = *netns;
+	lk.netns = netns;
 	lk.family = ctx->family;
 	sk = (struct bpf_sock *)listeners.lookup(&lk);
 	if (!sk && ctx->family == AF_INET) {

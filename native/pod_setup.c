@@ -6,14 +6,14 @@
  * about as long in the interpreter as in the kernel, and this spends ~nothing
  * there. When the pod is not fresh (a policy, something on the proxy's inbound
  * port) it returns RDR_POD_SLOW before changing anything; leftovers of an
- * earlier attempt (entries, a pinned link) and addresses another pod has
- * registered are found by the writes themselves (BPF_NOEXIST, EEXIST), which
+ * earlier attempt (entries, a pinned link) are found by the writes themselves
+ * (BPF_NOEXIST, EEXIST), which
  * are then undone before it returns RDR_POD_SLOW. Either way the pod is as it
  * was and the caller takes the general path.
  *
  * What it writes, and in which order, is what apply writes: the plan's ::6 on
  * lo (when the pod has an IPv6 address of its own), the inventory, the
- * port/CIDR/address entries, the sk_lookup link pinned at
+ * port and CIDR entries, the sk_lookup link (its own program, holding the netns cookie) pinned at
  * <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture on).
  * A failure on the way undoes everything written, in reverse.
  *
@@ -51,12 +51,10 @@
 
 #define PORT_KEY_SIZE 16 /* struct port_key */
 #define CIDR_KEY_SIZE 32 /* struct cidr_key */
-#define ADDR_KEY_SIZE 20 /* struct addr_key */
 #define INV_KEY_SIZE 16  /* struct inv_key */
 #define INV_CHUNK 8      /* RDR_INV_CHUNK */
 #define INV_PORTS 1
 #define INV_CIDRS 2
-#define INV_ADDRS 3
 #define CIDR_LOCAL4 7
 #define CIDR_LOCAL6 8
 #define MAX_ITEMS 256 /* entries of one pod on this path; more go the general way */
@@ -450,7 +448,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	char pin[4096];
 	uint8_t policy[512];
 	uint8_t cookie_v[8], one = 1, scratch[512];
-	int s, ret, n = 0, nd = 0, set, link = -1, pinned = 0, addr_added = 0, pin_name, want_v6_lo;
+	int s, ret, n = 0, nd = 0, set, prog, link = -1, pinned = 0, addr_added = 0, pin_name, want_v6_lo;
 	uint32_t seq = 1;
 
 	if (r->policy_size > sizeof(policy) || r->policy_inv_base_off + 4 > r->policy_size ||
@@ -475,7 +473,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		goto slow;
 
 	/* Fresh? No policy for this cookie. Leftovers of an earlier attempt (entries, a pinned
-	 * link) or an address another pod registered show as EEXIST below: every write is
+	 * link) show as EEXIST below: every write is
 	 * BPF_NOEXIST (the pin fails on an existing one), so nothing of theirs is overwritten,
 	 * ours is undone, and the general path sorts it out. */
 	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, scratch);
@@ -524,17 +522,6 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto slow;
 	}
 	if (r->inbound_port) {
-		for (int i = 0; i < sc.n; i++) {
-			uint8_t k[ADDR_KEY_SIZE];
-			uint32_t af = sc.a[i].family == 4 ? AF_INET : AF_INET6;
-
-			if ((sc.a[i].family == 6 && !c->v6) || sc.a[i].ifindex == 1)
-				continue;
-			memcpy(k, &af, 4);
-			memcpy(k + 4, sc.a[i].addr, 16);
-			if (add_item(items, &n, INV_ADDRS, ADDR_KEY_SIZE, k) < 0)
-				goto slow;
-		}
 		/* The proxy may already listen: the general path finds the listener and registers it. */
 		if (r->tcp_diag ? !no_listener(r->inbound_port, c->v6, &sc) : !port_free(r->inbound_port, c->v6))
 			goto slow;
@@ -571,17 +558,21 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		memcpy(done[nd++].key, ik, INV_KEY_SIZE);
 	}
 	for (int i = 0; i < n; i++) {
-		int mfd = items[i].map == INV_PORTS ? r->map_ports
-			  : items[i].map == INV_CIDRS ? r->map_cidrs : r->map_pod_addrs;
+		int mfd = items[i].map == INV_PORTS ? r->map_ports : r->map_cidrs;
 
-		ret = rdr_bpf_map_update(mfd, items[i].key, items[i].map == INV_ADDRS ? (void *)cookie_v : &one,
-					 BPF_NOEXIST);
+		ret = rdr_bpf_map_update(mfd, items[i].key, &one, BPF_NOEXIST);
 		if (ret < 0)
 			goto undo;
 		done[nd].fd = mfd;
 		memcpy(done[nd++].key, items[i].key, (size_t)items[i].size);
 	}
-	link = rdr_bpf_link_create(r->prog_sk_lookup, netns_fd, BPF_SK_LOOKUP, 0);
+	prog = rdr_ebpf_lookup_prog(r->map_lookup_netns, r->map_lookup_prog, sc.cookie);
+	if (prog < 0) {
+		ret = prog;
+		goto undo;
+	}
+	link = rdr_bpf_link_create(prog, netns_fd, BPF_SK_LOOKUP, 0);
+	close(prog); /* the link holds it */
 	if (link < 0) {
 		ret = link;
 		goto undo;
@@ -625,7 +616,7 @@ undo:
 	if (addr_added)
 		v6_lo_addr(s, 0, 0, 0, seq++);
 	close(s);
-	/* Something of an earlier attempt or another pod was in the way (see above): not fresh. */
+	/* Something of an earlier attempt was in the way (see above): not fresh. */
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
 slow:
 	close(s);

@@ -325,3 +325,77 @@ int rdr_pidfd_getfd(int pidfd, int fd)
 
 	return ret < 0 ? -errno : (int)ret;
 }
+
+/* --- the pod's sk_lookup stub ----------------------------------------------------------------- */
+
+#define STUB_NAME "rdr_pod_lookup"
+#define STUB_COOKIE_REG 7
+
+int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie)
+{
+	/* r6 = ctx; r7 = cookie; lookup_netns[0] = r7; tail_call(ctx, lookup_prog, 0); return SK_PASS */
+	struct bpf_insn insns[] = {
+		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 6, .src_reg = 1},
+		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = STUB_COOKIE_REG, .imm = (int32_t)(uint32_t)cookie},
+		{.imm = (int32_t)(uint32_t)(cookie >> 32)},
+		{.code = BPF_ST | BPF_MEM | BPF_W, .dst_reg = 10, .off = -4, .imm = 0},
+		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 1, .src_reg = BPF_PSEUDO_MAP_FD, .imm = netns_map_fd},
+		{.imm = 0},
+		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 2, .src_reg = 10},
+		{.code = BPF_ALU64 | BPF_ADD | BPF_K, .dst_reg = 2, .imm = -4},
+		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_map_lookup_elem},
+		{.code = BPF_JMP | BPF_JEQ | BPF_K, .dst_reg = 0, .off = 6, .imm = 0},
+		{.code = BPF_STX | BPF_MEM | BPF_DW, .dst_reg = 0, .src_reg = STUB_COOKIE_REG},
+		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 1, .src_reg = 6},
+		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 2, .src_reg = BPF_PSEUDO_MAP_FD, .imm = prog_map_fd},
+		{.imm = 0},
+		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 3, .imm = 0},
+		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_tail_call},
+		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = 1 /* SK_PASS */},
+		{.code = BPF_JMP | BPF_EXIT},
+	};
+	union bpf_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.prog_type = BPF_PROG_TYPE_SK_LOOKUP;
+	attr.expected_attach_type = BPF_SK_LOOKUP;
+	attr.insns = (uint64_t)(uintptr_t)insns;
+	attr.insn_cnt = sizeof(insns) / sizeof(insns[0]);
+	attr.license = (uint64_t)(uintptr_t)"GPL";
+	memcpy(attr.prog_name, STUB_NAME, sizeof(STUB_NAME));
+	return sys_bpf(BPF_PROG_LOAD, &attr);
+}
+
+int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie)
+{
+	struct bpf_insn insns[64];
+	struct bpf_prog_info info;
+	union bpf_attr attr;
+	int fd, ret;
+	uint32_t n;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.prog_id = prog_id;
+	fd = sys_bpf(BPF_PROG_GET_FD_BY_ID, &attr);
+	if (fd < 0)
+		return fd;
+	memset(&info, 0, sizeof(info));
+	info.xlated_prog_len = sizeof(insns);
+	info.xlated_prog_insns = (uint64_t)(uintptr_t)insns;
+	ret = obj_info(fd, &info, sizeof(info));
+	close(fd);
+	if (ret < 0)
+		return ret;
+	if (info.type != BPF_PROG_TYPE_SK_LOOKUP || strcmp(info.name, STUB_NAME) != 0 ||
+	    info.xlated_prog_len > sizeof(insns))
+		return -ENOENT;
+	n = info.xlated_prog_len / sizeof(insns[0]);
+	for (uint32_t i = 0; i + 1 < n; i++) {
+		if (insns[i].code == (BPF_LD | BPF_DW | BPF_IMM) && insns[i].dst_reg == STUB_COOKIE_REG &&
+		    insns[i].src_reg == 0) {
+			*cookie = (uint64_t)(uint32_t)insns[i].imm | (uint64_t)(uint32_t)insns[i + 1].imm << 32;
+			return 0;
+		}
+	}
+	return -ENOENT;
+}

@@ -64,6 +64,14 @@ int rdr_bpf_prog_id(int prog_fd, uint32_t *id);
 int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_id,
 		      uint32_t *attach_type, uint64_t *target);
 
+/* The sk_lookup program of one pod's netns (BPF_PROG_LOAD, a new fd): stores `cookie` in
+ * lookup_netns (netns_map_fd) and tail-calls rdr_sk_lookup from lookup_prog (prog_map_fd)
+ * (bpf/redirect.h: sk_lookup can't ask for the netns cookie itself). */
+int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie);
+
+/* The cookie such a program holds, from its id: 0, or -ENOENT if the program is not one. */
+int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie);
+
 /* pidfd_getfd(2): a duplicate of another process's fd (needs ptrace rights). */
 int rdr_pidfd_getfd(int pidfd, int fd);
 
@@ -83,8 +91,8 @@ struct rdr_pod_req {
 	const char *root;           /* the host objects' root: the call backs off (RDR_POD_STALE) when
 				     * $REDIRECT_BPF_ROOT (or its default, default_root) names another */
 	const char *default_root;
-	int map_pods, map_inventory, map_ports, map_cidrs, map_pod_addrs;
-	int prog_sk_lookup;
+	int map_pods, map_inventory, map_ports, map_cidrs;
+	int map_lookup_netns, map_lookup_prog; /* for the pod's sk_lookup program (rdr_ebpf_lookup_prog) */
 	const char *pin_dir;        /* <root>/pods: the link is pinned at <pin_dir>/<cookie>-sk_lookup */
 	int pin_dir_fd;             /* that directory, open (O_PATH): the pin is made relative to it
 				     * where the kernel can (no walk of the root's path); or -1 */

@@ -119,8 +119,8 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
     "rdr_sk_lookup": (PROG_SK_LOOKUP, 36, False),
 }
 SK_LOOKUP_ATTACH = 36
-MAPS = ("pods", "inventory", "ports", "cidrs", "pod_addrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners")
+MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
+        "listeners", "lookup_netns", "lookup_prog")
 
 # Layouts of bpf/redirect.h (x86-64, native byte order, no implicit padding).
 POLICY = struct.Struct("=4HI4s4s4I16I16I2I16I")
@@ -129,15 +129,15 @@ PORT_KEY = struct.Struct("=QHHI")
 CIDR_KEY = struct.Struct("=IIQ16s")
 ORIG = struct.Struct("=QI2sH16s")
 TUPLE_KEY = ORIG
-ADDR_KEY = struct.Struct("=I16s")
 LISTENER_KEY = struct.Struct("=QII")
 INV_KEY = struct.Struct("=QII")
 INV_CHUNK = 8  # keys per inventory entry (bpf/redirect.h RDR_INV_CHUNK)
 INV_VAL = struct.Struct(f"={INV_CHUNK}I{INV_CHUNK * 32}s")
-INV_PORTS, INV_CIDRS, INV_ADDRS = 1, 2, 3
-INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs", INV_ADDRS: "pod_addrs"}
-INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size, INV_ADDRS: ADDR_KEY.size}
+INV_PORTS, INV_CIDRS = 1, 2
+INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs"}
+INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size}
 U64 = struct.Struct("=Q")
+U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 
 F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6 = (1 << i for i in range(7))
@@ -332,8 +332,8 @@ class HostPrograms:
         r = ffi.new("struct rdr_pod_req *")
         m = self.maps
         r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
-        r.map_cidrs, r.map_pod_addrs = m["cidrs"].fd, m["pod_addrs"].fd
-        r.prog_sk_lookup = self.progs["rdr_sk_lookup"]
+        r.map_cidrs = m["cidrs"].fd
+        r.map_lookup_netns, r.map_lookup_prog = m["lookup_netns"].fd, m["lookup_prog"].fd
         r.alive = self.alive
         root, default_root = ffi.new("char[]", self.root.encode()), ffi.new("char[]", DEFAULT_ROOT.encode())
         r.root, r.default_root = root, default_root
@@ -539,8 +539,9 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
     return {
         "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
         "cidrs": (CIDR_KEY.size, 1),
-        "pod_addrs": (ADDR_KEY.size, 8), "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
-        "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8),
+        "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
+        "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
+        "lookup_prog": (4, 4),
     }
 
 
@@ -598,6 +599,9 @@ def _load_and_pin(root: str, cgroup: str) -> None:
         obj_pin(fd, os.path.join(root, "maps", _build_pin()))
         for name, fn in fns.items():
             obj_pin(fn.fd, os.path.join(root, "progs", name))
+        # The pods' sk_lookup programs tail-call this one (bpf/redirect.h, lookup_netns).
+        _check(_native().lib.rdr_bpf_map_update(libbcc.lib.bpf_table_fd(b.module, b"lookup_prog"), U32.pack(0),
+                                                U32.pack(fns["rdr_sk_lookup"].fd), 0), "update lookup_prog")
         cgfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for name, (_pt, atype, cg) in PROGRAMS.items():
@@ -810,14 +814,13 @@ class PodEntries:
     policy: bytes
     ports: frozenset[bytes]
     cidrs: frozenset[bytes]
-    addrs: frozenset[bytes]
 
     @property
     def inbound(self) -> bool:
         return bool(POLICY.unpack(self.policy)[P_FLAGS] & F_INBOUND)
 
     def by_map(self) -> dict[int, frozenset[bytes]]:
-        return {INV_PORTS: self.ports, INV_CIDRS: self.cidrs, INV_ADDRS: self.addrs}
+        return {INV_PORTS: self.ports, INV_CIDRS: self.cidrs}
 
 
 def _policy_core(policy: bytes) -> bytes:
@@ -906,12 +909,7 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
         if f in families:
             raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
             cidrs.add(CIDR_KEY.pack(96 + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6, cookie, raw))
-    # Inbound is steered by the address a connection arrives at: the pod's, not lo's.
-    inbound = bool(POLICY.unpack_from(policy)[P_FLAGS] & F_INBOUND)
-    addrs = frozenset(ADDR_KEY.pack(AF[f], socket.inet_pton(AF[f], ip).ljust(16, b"\0"))
-                      for f, ip, idx in local or ()
-                      if f in families and idx != LOOPBACK_IFINDEX) if inbound else frozenset()
-    return PodEntries(policy, ports, frozenset(cidrs), addrs)
+    return PodEntries(policy, ports, frozenset(cidrs))
 
 
 @functools.lru_cache(maxsize=1)
@@ -1146,10 +1144,6 @@ class PodState:
     def cidrs(self) -> set[bytes]:
         return self.entries[INV_CIDRS]
 
-    @property
-    def addrs(self) -> set[bytes]:
-        return self.entries[INV_ADDRS]
-
 
 class EbpfBackend:
     """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
@@ -1186,8 +1180,8 @@ class EbpfBackend:
     def _read(self, h: HostPrograms, cookie: int) -> PodState:
         """The pod's policy and its entries, by its inventory: O(entries of this pod).
 
-        An entry counts only if it is in its map (for ``pod_addrs``: owned by this pod), so
-        entries deleted behind our back show as missing and the next ``apply`` rewrites them.
+        An entry counts only if it is in its map, so entries deleted behind our back show as
+        missing and the next ``apply`` rewrites them.
         """
         policy = h.pods.lookup(U64.pack(cookie))
         st = PodState(policy, {m: set() for m in INV_MAPS}, [])
@@ -1210,7 +1204,7 @@ class EbpfBackend:
                     continue
                 k = raw[32 * j : 32 * j + INV_KEY_SIZE[m]]
                 live = h.maps[INV_MAPS[m]].lookup(k)
-                if live is not None and (m != INV_ADDRS or live == U64.pack(cookie)):
+                if live is not None:
                     st.entries[m].add(k)
         return st
 
@@ -1249,7 +1243,7 @@ class EbpfBackend:
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
         # collect_garbage() finds pods whose netns went without a teardown.
         pinned_target = _link_target(link_path)  # None: no pin
-        have_link = pinned_target == sc.inode
+        have_link = pinned_target == sc.inode and _link_prog_cookie(link_path) == cookie
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
@@ -1259,16 +1253,6 @@ class EbpfBackend:
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
-        for a in want.addrs - old.addrs:
-            v = h.maps["pod_addrs"].lookup(a)
-            owner = None if v is None else U64.unpack(v)[0]
-            if owner is not None and owner != cookie and _link_target(_pod_link(self.root, owner)) == 0:
-                _remove_pod(h, owner)  # its netns is gone (no teardown came): the address is free
-                v = h.maps["pod_addrs"].lookup(a)
-            if v is not None and U64.unpack(v)[0] != cookie:
-                fam, raw = ADDR_KEY.unpack(a)
-                raise SetupError(f"ebpf: address {_fmt_addr(fam, raw)} is already registered by another pod"
-                                 f" (netns cookie {U64.unpack(v)[0]})")
         old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
         base = 0 if old_base else 1 << 31  # the other half: old and new inventories never overlap
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
@@ -1297,7 +1281,7 @@ class EbpfBackend:
                 for m, k in items:
                     if k not in old.entries[m]:
                         target = h.maps[INV_MAPS[m]]
-                        target.update(k, U64.pack(cookie) if m == INV_ADDRS else U8.pack(1))
+                        target.update(k, U8.pack(1))
                         written.append((target, k))
                 # Listeners already open; the sock_ops program adds those opened later.
                 for fam, lfd in lfds.items():
@@ -1310,7 +1294,7 @@ class EbpfBackend:
                     if nsfd is None:
                         nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     try:
-                        lfd = link_create(h.progs["rdr_sk_lookup"], nsfd, SK_LOOKUP_ATTACH)
+                        lfd = _pod_lookup_link(h, cookie, nsfd)
                     finally:
                         if own_fd:
                             os.close(nsfd)
@@ -1385,14 +1369,12 @@ class EbpfBackend:
             diffs.append(f"no policy entry for netns cookie {cookie}")
         elif _policy_core(st.policy) != want.policy:
             diffs.append("policy entry differs: have " + _fmt_policy(st.policy) + ", want " + _fmt_policy(want.policy))
-        fmt = {INV_PORTS: _fmt_port, INV_CIDRS: _fmt_cidr, INV_ADDRS: lambda k: _fmt_addr(*ADDR_KEY.unpack(k))}
-        what = {INV_PORTS: "port entry", INV_CIDRS: "CIDR entry", INV_ADDRS: "inbound address"}
-        cookie_v = U64.pack(cookie)
+        fmt = {INV_PORTS: _fmt_port, INV_CIDRS: _fmt_cidr}
+        what = {INV_PORTS: "port entry", INV_CIDRS: "CIDR entry"}
         for m, w in want.by_map().items():
             target = h.maps[INV_MAPS[m]]
             # Read back from the maps (not only our inventory): an entry deleted by hand is drift.
-            live = st.entries[m] | {k for k in w if (v := target.lookup(k)) is not None
-                                    and (m != INV_ADDRS or v == cookie_v)}
+            live = st.entries[m] | {k for k in w if target.lookup(k) is not None}
             diffs += [f"missing {what[m]} {fmt[m](k)}" for k in sorted(w - live)]
             diffs += [f"extra {what[m]} {fmt[m](k)}" for k in sorted(live - w)]
         link = self._pod_link_path(cookie)
@@ -1406,8 +1388,8 @@ class EbpfBackend:
                 os.close(fd)
             if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
                 diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
-            if info["prog_id"] != prog_id(h.progs["rdr_sk_lookup"]):
-                diffs.append("sk_lookup link runs another program")
+            if _lookup_prog_cookie(info["prog_id"]) != cookie:
+                diffs.append("sk_lookup link runs another program than this pod's")
         from .. import routes as rt
 
         diffs += rt.differences(plan, families)
@@ -1426,7 +1408,8 @@ class EbpfBackend:
             "host_programs": {n: prog_id(fd) for n, fd in h.progs.items()},
             "policy": _fmt_policy(st.policy) if st.policy else None,
             "ports": sorted(_fmt_port(k) for k in st.ports), "cidrs": sorted(_fmt_cidr(k) for k in st.cidrs),
-            "addresses": sorted(_fmt_addr(*ADDR_KEY.unpack(k)) for k in st.addrs),
+            "addresses": sorted(_fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
+                                if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "sk_lookup_link": link if os.path.exists(link) else None,
         }
@@ -1443,10 +1426,9 @@ class EbpfBackend:
         lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
         lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
         lines.append("cidrs[local <each pod address>]")
+        lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
         if e.inbound:
-            lines.append("pod_addrs[<each pod address>] = <netns>")
             lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
-            lines.append("sk_lookup link on the pod netns")
         return "\n".join(lines) + "\n"
 
 
@@ -1524,6 +1506,23 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
     return Installed("ebpf", name, (4, 6) if c.v6 else (4,), True, d)
 
 
+def _pod_lookup_link(h: HostPrograms, cookie: int, netns_fd: int) -> int:
+    """A new sk_lookup link on ``netns_fd`` running the pod's own program (it holds ``cookie``:
+    bpf/redirect.h, lookup_netns); the link fd."""
+    pfd = _check(_native().lib.rdr_ebpf_lookup_prog(h.maps["lookup_netns"].fd, h.maps["lookup_prog"].fd, cookie),
+                 "BPF_PROG_LOAD sk_lookup")
+    try:
+        return link_create(pfd, netns_fd, SK_LOOKUP_ATTACH)
+    finally:
+        os.close(pfd)
+
+
+def _lookup_prog_cookie(prog: int) -> int | None:
+    """The netns cookie the pod's sk_lookup program ``prog`` (an id) holds; None if it is not one."""
+    out = _native().ffi.new("uint64_t *")
+    return int(out[0]) if _native().lib.rdr_ebpf_lookup_prog_cookie(prog, out) == 0 else None
+
+
 def _pod_link(root: str, cookie: int) -> str:
     return os.path.join(root, "pods", f"{cookie}-sk_lookup")
 
@@ -1545,13 +1544,27 @@ def _link_target(path: str) -> int | None:
         os.close(fd)
 
 
+def _link_prog_cookie(path: str) -> int | None:
+    """The netns cookie held by the program of the link pinned at ``path`` (None: none, or not ours)."""
+    try:
+        fd = obj_get(path)
+    except OSError:
+        return None
+    try:
+        return _lookup_prog_cookie(link_info(fd)["prog_id"])
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _remove_pod(h: HostPrograms, cookie: int) -> bool:
     """Everything of the pod ``cookie`` in the maps, and its link: O(its entries), from any netns."""
     st = EbpfBackend(root=h.root)._read(h, cookie)
     removed = h.pods.delete(U64.pack(cookie))  # first: switches capture off at once
     for m, keys in st.entries.items():
         for k in keys:
-            removed |= h.maps[INV_MAPS[m]].delete(k)  # _read kept pod_addrs keys only if still ours
+            removed |= h.maps[INV_MAPS[m]].delete(k)
     for ik in st.inv_keys:
         h.maps["inventory"].delete(ik)
     for fam in (4, 6):
@@ -1628,10 +1641,6 @@ def _detach_pinned(path: str) -> None:
             os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _fmt_addr(fam: int, raw: bytes) -> str:
-    return str(ipaddress.ip_address(raw[:4] if fam == socket.AF_INET else raw))
 
 
 _PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-include",
