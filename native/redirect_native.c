@@ -399,3 +399,51 @@ int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie)
 	}
 	return -ENOENT;
 }
+
+/* --- finding objects whose pins are gone -------------------------------------------------------- */
+
+int rdr_bpf_prog_get_fd_by_id(uint32_t id)
+{
+	union bpf_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.prog_id = id;
+	return sys_bpf(BPF_PROG_GET_FD_BY_ID, &attr);
+}
+
+int rdr_bpf_map_get_fd_by_id(uint32_t id)
+{
+	union bpf_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.map_id = id;
+	return sys_bpf(BPF_MAP_GET_FD_BY_ID, &attr);
+}
+
+int rdr_bpf_prog_map_ids(int prog_fd, uint32_t *ids, uint32_t max)
+{
+	struct bpf_prog_info info;
+	int ret;
+
+	memset(&info, 0, sizeof(info));
+	info.nr_map_ids = max;
+	info.map_ids = (uint64_t)(uintptr_t)ids;
+	ret = obj_info(prog_fd, &info, sizeof(info));
+	if (ret < 0)
+		return ret;
+	return (int)(info.nr_map_ids < max ? info.nr_map_ids : max);
+}
+
+int rdr_bpf_map_name(int map_fd, char *name)
+{
+	struct bpf_map_info info;
+	int ret;
+
+	memset(&info, 0, sizeof(info));
+	ret = obj_info(map_fd, &info, sizeof(info));
+	if (ret < 0)
+		return ret;
+	memcpy(name, info.name, sizeof(info.name));
+	name[sizeof(info.name) - 1] = 0;
+	return 0;
+}

@@ -72,6 +72,16 @@ int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie);
 /* The cookie such a program holds, from its id: 0, or -ENOENT if the program is not one. */
 int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie);
 
+/* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */
+int rdr_bpf_prog_get_fd_by_id(uint32_t id);
+int rdr_bpf_map_get_fd_by_id(uint32_t id);
+
+/* The ids of the maps a program uses (at most max, written to ids): their number. */
+int rdr_bpf_prog_map_ids(int prog_fd, uint32_t *ids, uint32_t max);
+
+/* A map's name (BPF_OBJ_NAME_LEN = 16 bytes, NUL-terminated, written to name). */
+int rdr_bpf_map_name(int map_fd, char *name);
+
 /* pidfd_getfd(2): a duplicate of another process's fd (needs ptrace rights). */
 int rdr_pidfd_getfd(int pidfd, int fd);
 

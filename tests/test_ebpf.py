@@ -377,6 +377,75 @@ def test_a_removed_map_pin_reloads_when_no_pod_is_registered_else_fails_clearly(
         api.teardown(b.name, backend="ebpf")
 
 
+def test_check_fails_while_any_host_link_is_missing_or_detached(pod: Pod, scratch_root: str) -> None:
+    """Every pod depends on every cgroup link: without one (its pin removed, or detached) part of the
+    capture is off, and check says which; the next setup re-creates a missing one."""
+    proxy = _proxy_listeners(pod, 15001, "proxy")
+    app = [TcpListener(pod.peer_name, 8080, label="app").start()]
+    try:
+        api.setup(pod.name, OUT_ONLY, backend="ebpf")
+        assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
+        link = os.path.join(scratch_root, "links", "rdr_connect4")
+        os.unlink(link)
+        assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener is app[0], "capture is off"
+        res = api.check(pod.name, OUT_ONLY, backend="ebpf")
+        assert not res.ok and any(link in d and "missing" in d for d in res.differences), res.differences
+        api.setup(pod.name, OUT_ONLY, backend="ebpf")
+        assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
+        assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy
+        for name in ebpf._cgroup_progs():
+            link = os.path.join(scratch_root, "links", name)
+            fd = ebpf.obj_get(link)
+            try:  # detached, pin left in place
+                assert ebpf._native().lib.rdr_bpf_link_detach(fd) == 0
+            finally:
+                os.close(fd)
+            res = api.check(pod.name, OUT_ONLY, backend="ebpf")
+            assert not res.ok and any(link in d and "detached" in d for d in res.differences), (name, res)
+            os.unlink(link)
+            res = api.check(pod.name, OUT_ONLY, backend="ebpf")
+            assert not res.ok and any(link in d and "missing" in d for d in res.differences), (name, res)
+            api.setup(pod.name, OUT_ONLY, backend="ebpf")
+            assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok, name
+    finally:
+        _close(proxy, app)
+        api.teardown(pod.name, backend="ebpf")
+
+
+@pytest.mark.parametrize("gone", [("maps/pods",), ("maps/pods", "maps/inventory", "progs/rdr_sk_lookup",
+                                                   "progs/rdr_connect4")])
+def test_teardown_without_map_pins_removes_the_pod_still_captured(pod: Pod, scratch_root: str,
+                                                                  gone: tuple[str, ...]) -> None:
+    """Pins removed by hand while a pod is captured: check fails naming them, show and teardown find the
+    pod through what is still attached, and after the teardown nothing of it captures."""
+    inbound = _proxy_listeners(pod, 15006, "in")
+    proxy = _proxy_listeners(pod, 15001, "proxy")
+    app = [TcpListener(pod.peer_name, 8080, label="app").start(), TcpListener(pod.name, 4000, label="local").start()]
+    try:
+        api.setup(pod.name, RedirectConfig(), backend="ebpf")
+        for g in gone:
+            os.unlink(os.path.join(scratch_root, g))
+        res = api.check(pod.name, RedirectConfig(), backend="ebpf")
+        assert not res.ok
+        for g in gone:
+            assert any(os.path.join(scratch_root, g) in d for d in res.differences), (g, res.differences)
+        assert api.show(pod.name, backend="ebpf")["installed"] is True
+        assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy, "still captured"
+        assert landing(pod.peer_name, pod.pod_ip4, 4000, *inbound, *app).listener in inbound
+        assert api.teardown(pod.name, backend="ebpf") is True
+        assert api.show(pod.name, backend="ebpf")["installed"] is False
+        assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener is app[0]
+        assert landing(pod.peer_name, pod.pod_ip4, 4000, *inbound, *app).listener is app[1]
+        assert api.teardown(pod.name, backend="ebpf") is False
+        # No pod is registered any more: the next setup replaces the partial pins with a clean load.
+        res2 = api.setup(pod.name, OUT_ONLY, backend="ebpf")
+        assert res2.detail["compiled"] is True and not ebpf.missing_pins(scratch_root)
+        assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
+    finally:
+        _close(inbound, proxy, app)
+        api.teardown(pod.name, backend="ebpf")
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""

@@ -484,12 +484,18 @@ def missing_pins(root: str) -> list[str]:
 def _pods_in(root: str) -> int | None:
     """How many pods are registered under ``root``; ``None`` if that can't be told.
 
-    Without the ``pods`` pin the count comes from the per-pod link pins, and is unknown
-    while cgroup links are pinned (the attached programs may still serve outbound-only pods).
+    Without the ``pods`` pin: the map the attached programs still use (``recover_host``), else the
+    per-pod link pins; unknown while cgroup links are pinned (they may serve outbound-only pods).
     """
     try:
         fd = obj_get(os.path.join(root, "maps", "pods"))
     except OSError:
+        r = recover_host(root)
+        if r is not None:
+            try:
+                return sum(1 for _ in r.pods.keys())
+            finally:
+                r.close()
         try:
             pod_links = os.listdir(os.path.join(root, "pods"))
         except FileNotFoundError:
@@ -714,6 +720,162 @@ def _watch_pins(root: str) -> tuple[int, bool]:
     watched = lib.rdr_watch_add(fd, ffi.new("const char *[]", dirs), len(dirs)) == 0
     lib.rdr_watch_changed(fd)  # what happened before now, the caller's look at the pins covers
     return fd, watched
+
+
+def _fd_by_id(kind: str, ident: int) -> int | None:
+    lib = _native().lib
+    fd = int(lib.rdr_bpf_prog_get_fd_by_id(ident) if kind == "prog" else lib.rdr_bpf_map_get_fd_by_id(ident))
+    return fd if fd >= 0 else None
+
+
+def _link_prog_fd(path: str) -> int | None:
+    """A new fd of the program of the link pinned at ``path``, None if there is none."""
+    try:
+        fd = obj_get(path)
+    except OSError:
+        return None
+    try:
+        return _fd_by_id("prog", link_info(fd)["prog_id"])
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def recover_host(root: str) -> HostPrograms | None:
+    """A handle on the host objects under ``root`` when pins of maps or programs are gone (removed by
+    hand, a half-done unload): what is still attached keeps its programs, and they keep their maps.
+    Programs come from their pins or from the pinned links (the cgroup links and the pods' sk_lookup
+    links: those reach ``rdr_sk_lookup`` through ``lookup_prog``), maps from their pins or by name from
+    those programs. ``inventory`` is used by no program: without its pin it is gone, and a pod's entries
+    are then found by a walk of the maps. None if no ``pods`` map can be found (nothing of ours can
+    capture). Not cached: the caller closes it."""
+    lib, ffi = _native().lib, _native().ffi
+    progs: dict[str, int] = {}
+    seeds: list[int] = []
+    maps: dict[str, Map] = {}
+    sizes = _map_sizes()
+
+    def add_map(name: str, fd: int) -> bool:
+        if name in maps or name not in sizes:
+            return False
+        have = _map_fdinfo(fd)
+        if (have.get("key_size"), have.get("value_size")) != sizes[name]:
+            return False
+        maps[name] = Map(name, fd, *sizes[name])
+        return True
+
+    try:
+        for name in PROGRAMS:
+            with contextlib.suppress(OSError):
+                progs[name] = obj_get(os.path.join(root, "progs", name))
+        for name in _cgroup_progs():
+            if name not in progs:
+                fd = _link_prog_fd(os.path.join(root, "links", name))
+                if fd is not None:
+                    progs[name] = fd
+        with contextlib.suppress(FileNotFoundError):
+            for n in os.listdir(os.path.join(root, "pods")):
+                fd = _link_prog_fd(os.path.join(root, "pods", n))
+                if fd is not None:
+                    seeds.append(fd)
+        for name in MAPS:
+            with contextlib.suppress(OSError):
+                fd = obj_get(os.path.join(root, "maps", name))
+                if not add_map(name, fd):
+                    os.close(fd)
+        todo = [*progs.values(), *seeds]
+        seen: set[int] = set()
+        while todo:
+            pfd = todo.pop()
+            ids = ffi.new("uint32_t[]", 32)
+            count = int(lib.rdr_bpf_prog_map_ids(pfd, ids, 32))
+            for i in range(max(count, 0)):
+                if ids[i] in seen:
+                    continue
+                seen.add(ids[i])
+                mfd = _fd_by_id("map", ids[i])
+                if mfd is None:
+                    continue
+                buf = ffi.new("char[16]")
+                name = ffi.string(buf).decode() if lib.rdr_bpf_map_name(mfd, buf) == 0 else ""
+                if not add_map(name, mfd):
+                    os.close(mfd)
+                    continue
+                if name == "lookup_prog" and "rdr_sk_lookup" not in progs:
+                    v = maps[name].lookup(U32.pack(0))  # a program array answers with the program's id
+                    main = None if v is None else _fd_by_id("prog", U32.unpack(v)[0])
+                    if main is not None:
+                        progs["rdr_sk_lookup"] = main
+                        todo.append(main)
+    finally:
+        for fd in seeds:
+            os.close(fd)
+    if "pods" not in maps:
+        for m in maps.values():
+            os.close(m.fd)
+        for fd in progs.values():
+            os.close(fd)
+        return None
+    return HostPrograms(root, maps, progs, False, 0.0)
+
+
+@contextlib.contextmanager
+def reading_host(root: str) -> Iterator[HostPrograms | None]:
+    """``host(root, load=False)``, or while pins are gone ``recover_host(root)`` (closed on exit):
+    what reading and removing a pod work on, so a missing pin never hides a pod still captured."""
+    h = host(root, load=False)
+    if h is not None:
+        yield h
+        return
+    r = recover_host(root)
+    if r is not None:
+        log.warning("ebpf: host pins under %s are incomplete (missing: %s); using the objects still attached",
+                    root, ", ".join(missing_pins(root)))
+    try:
+        yield r
+    finally:
+        if r is not None:
+            r.close()
+
+
+def host_problems(root: str, cgroup: str, h: HostPrograms | None) -> list[str]:
+    """What is wrong with the host part every pod depends on: pins missing, cgroup links detached,
+    attached elsewhere or running another program, ``lookup_prog`` not holding ``rdr_sk_lookup``."""
+    out: list[str] = []
+    for m in missing_pins(root):
+        if m.startswith("maps/build-"):
+            out.append(f"host pin {root}/{m} is missing: the pinned programs come from another build of bpf/")
+        elif m.startswith("links/"):
+            out.append(f"host link {root}/{m} is missing: {m[6:]} is not attached (its capture is off)")
+        else:
+            out.append(f"host pin {root}/{m} is missing")
+    try:
+        cg = os.stat(cgroup).st_ino  # a cgroup v2 directory's inode number is its cgroup id
+    except OSError:
+        cg = 0
+        out.append(f"cgroup {cgroup} is not there")
+    for name in _cgroup_progs():
+        path = os.path.join(root, "links", name)
+        try:
+            fd = obj_get(path)
+        except OSError:
+            continue  # reported above
+        try:
+            info = link_info(fd)
+        finally:
+            os.close(fd)
+        if info["target"] == 0:
+            out.append(f"host link {path} is detached (its capture is off)")
+        elif cg and info["target"] != cg:
+            out.append(f"host link {path} is attached to another cgroup than {cgroup}")
+        elif h is not None and name in h.progs and info["prog_id"] != prog_id(h.progs[name]):
+            out.append(f"host link {path} runs another program than {root}/progs/{name}")
+    if h is not None and "lookup_prog" in h.maps and "rdr_sk_lookup" in h.progs:
+        v = h.maps["lookup_prog"].lookup(U32.pack(0))
+        if v is None or U32.unpack(v)[0] != prog_id(h.progs["rdr_sk_lookup"]):
+            out.append(f"{root}/maps/lookup_prog does not hold rdr_sk_lookup (inbound capture is off)")
+    return out
 
 
 def registered_pods(root: str | None = None) -> list[int]:
@@ -1185,6 +1347,11 @@ class EbpfBackend:
         """
         policy = h.pods.lookup(U64.pack(cookie))
         st = PodState(policy, {m: set() for m in INV_MAPS}, [])
+        if "inventory" not in h.maps:  # its pin is gone (``recover_host``): find them by a walk of the maps
+            cv = U64.pack(cookie)
+            for m, off in ((INV_PORTS, 0), (INV_CIDRS, 8)):
+                st.entries[m] = {k for k in h.maps[INV_MAPS[m]].keys() if k[off : off + 8] == cv}
+            return st
         if policy is None:
             return st
         v = POLICY.unpack(policy)
@@ -1209,8 +1376,8 @@ class EbpfBackend:
         return st
 
     def installed(self) -> bool:
-        h = host(self.root, load=False)
-        return h is not None and h.pods.lookup(U64.pack(current_netns_cookie())) is not None
+        with reading_host(self.root) as h:
+            return h is not None and h.pods.lookup(U64.pack(current_netns_cookie())) is not None
 
     # --- apply / remove ------------------------------------------------------------
     def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
@@ -1343,12 +1510,16 @@ class EbpfBackend:
         Per-socket state (original destinations) goes with the sockets, and is inert once the
         policy is gone: every program looks the pod up first.
         """
-        h = host(self.root, load=False)
-        if h is None:
-            return False
         cookie = current_netns_cookie()
-        had_policy = h.pods.lookup(U64.pack(cookie)) is not None
-        removed = _remove_pod(h, cookie)
+        with reading_host(self.root) as h:
+            if h is None:  # no pods map anywhere: no program of ours can capture; a link pin may be left
+                link = self._pod_link_path(cookie)
+                if os.path.exists(link):
+                    _detach_pinned(link)
+                    return True
+                return False
+            had_policy = h.pods.lookup(U64.pack(cookie)) is not None
+            removed = _remove_pod(h, cookie)
         if had_policy and not keep_routes:  # (kept: another backend's capture uses them now)
             _remove_our_addresses()
         return removed
@@ -1357,14 +1528,18 @@ class EbpfBackend:
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
         """Compare the maps, read back entry by entry, and the link with what ``cfg`` wants here."""
         _unsupported(cfg)
-        h = host(self.root, load=False)
-        if h is None:
-            return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}",))
+        with reading_host(self.root) as h:
+            host_diffs = host_problems(self.root, self.cgroup, h)
+            if h is None:
+                return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}", *host_diffs))
+            return self._check(h, host_diffs, plan, cfg, families)
+
+    def _check(self, h: HostPrograms, diffs: list[str], plan: Plan, cfg: RedirectConfig,
+               families: tuple[int, ...]) -> CheckResult:
         sc = self._take_scan()
         cookie = sc.cookie
         want = pod_entries(cfg, families, cookie, sc.local)
         st = self._read(h, cookie)
-        diffs: list[str] = []
         if st.policy is None:
             diffs.append(f"no policy entry for netns cookie {cookie}")
         elif _policy_core(st.policy) != want.policy:
@@ -1396,9 +1571,12 @@ class EbpfBackend:
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
-        h = host(self.root, load=False)
-        if h is None:
-            return {"backend": self.name, "root": self.root, "host_programs": None, "installed": False}
+        with reading_host(self.root) as h:
+            if h is None:
+                return {"backend": self.name, "root": self.root, "host_programs": None, "installed": False}
+            return self._show(h)
+
+    def _show(self, h: HostPrograms) -> dict[str, Any]:
         cookie = current_netns_cookie()
         st = self._read(h, cookie)
         link = self._pod_link_path(cookie)
@@ -1412,6 +1590,7 @@ class EbpfBackend:
                                 if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "sk_lookup_link": link if os.path.exists(link) else None,
+            "missing_host_pins": missing_pins(self.root),
         }
 
     def render(self, plan: Plan, families: tuple[int, ...]) -> str:
