@@ -68,7 +68,7 @@ static __always_inline int port_listed(__u64 netns, __u16 kind, __u16 port)
 
 static __always_inline int cidr_listed(__u64 netns, __u32 kind, const __u8 *addr, int v6)
 {
-	struct cidr_key k = {.prefixlen = 96 + (v6 ? 128 : 32), .kind = kind, .netns = netns};
+	struct cidr_key k = {.prefixlen = RDR_CIDR_PREFIX_BASE + (v6 ? 128 : 32), .kind = kind, .netns = netns};
 
 	__builtin_memcpy(k.addr, addr, 16);
 	return cidrs.lookup(&k) != NULL;

@@ -5,10 +5,8 @@
  * cookie is not a key of `pods`: other processes on this host (and other
  * backends' tests) run under the same programs.
  *
- * The layouts below are mirrored byte for byte by redirect/backends/ebpf.py
- * (struct formats next to each name there). Addresses are stored in network
- * byte order as 16 raw bytes (IPv4 in the first 4); ports in host order
- * unless the field name says _be.
+ * The map layouts are in abi.h, shared with native/ and (through cffi)
+ * redirect/backends/ebpf.py.
  */
 #ifndef RDR_REDIRECT_H
 #define RDR_REDIRECT_H
@@ -24,122 +22,7 @@
 #define SOCK_DGRAM 2
 #endif
 
-#define RDR_MAX_IDS 8
-
-/* pod_policy.flags */
-#define RDR_F_OUT_ALL         (1U << 0) /* outbound_cidrs == "*" */
-#define RDR_F_DNS             (1U << 1) /* DNS capture on (dns_effective) */
-#define RDR_F_DNS_ALL         (1U << 2) /* capture_all_dns */
-#define RDR_F_INCL_LOOPBACK   (1U << 3) /* an included CIDR is loopback: app lo traffic is not returned */
-#define RDR_F_INBOUND         (1U << 4) /* inbound capture on */
-#define RDR_F_INBOUND_ALL     (1U << 5) /* inbound_ports == "*" */
-#define RDR_F_V6              (1U << 6) /* IPv6 is captured too */
-
-/* ports.kind */
-#define RDR_PORT_OUT_EXCL 1
-#define RDR_PORT_OUT_INCL 2
-#define RDR_PORT_IN_INCL  3
-#define RDR_PORT_IN_EXCL  4
-
-/* cidrs.kind: family-specific, so one trie serves both families */
-#define RDR_CIDR_OUT_EXCL4 1
-#define RDR_CIDR_OUT_INCL4 2
-#define RDR_CIDR_DNS4      3
-#define RDR_CIDR_OUT_EXCL6 4
-#define RDR_CIDR_OUT_INCL6 5
-#define RDR_CIDR_DNS6      6
-#define RDR_CIDR_LOCAL4    7 /* the pod's own addresses: a connect to them leaves over lo */
-#define RDR_CIDR_LOCAL6    8
-
-struct id_range {
-	__u32 lo;
-	__u32 hi;
-};
-
-/* One per pod, keyed by netns cookie: the pod is "registered" iff present. */
-struct pod_policy {
-	__u16 proxy_port;
-	__u16 inbound_port;
-	__u16 tunnel_port;
-	__u16 dns_port;
-	__u32 flags;
-	__u32 lo4_addr; /* ipv4_loopback_cidr, network order */
-	__u32 lo4_mask;
-	__u32 n_uids;
-	__u32 n_gids;
-	__u32 inv_base; /* this pod's inventory entries are inventory[netns, inv_base + i], i < n_inv */
-	__u32 n_inv;
-	struct id_range uids[RDR_MAX_IDS];
-	struct id_range gids[RDR_MAX_IDS];
-	__u32 groups_mode; /* RDR_GROUPS_*: owner_groups / owner_groups_exclude */
-	__u32 n_groups;
-	struct id_range groups[RDR_MAX_IDS];
-};
-
-#define RDR_GROUPS_ALL     0 /* owner_groups = "*" */
-#define RDR_GROUPS_ONLY    1 /* only these groups are captured */
-#define RDR_GROUPS_EXCLUDE 2 /* these groups are not captured */
-
-struct port_key {
-	__u64 netns;
-	__u16 kind;
-	__u16 port;
-	__u32 _pad;
-};
-
-/* LPM trie key: the prefix covers kind and netns (always 96 bits) plus the
- * CIDR's own prefix, so a lookup never matches another pod or family. */
-struct cidr_key {
-	__u32 prefixlen;
-	__u32 kind;
-	__u64 netns;
-	__u8 addr[16];
-};
-
-/* The destination a socket asked for, before we rewrote it. */
-struct orig_dst {
-	__u64 netns;
-	__u32 family;   /* AF_INET or AF_INET6 */
-	__u16 port_be;
-	__u16 via_port; /* the port we sent it to (host order) */
-	__u8 addr[16];
-};
-
-/* The client end of a connection to the proxy, as the proxy's accepted
- * socket sees its peer. */
-struct tuple_key {
-	__u64 netns;
-	__u32 family;
-	__u16 port_be;
-	__u16 _pad;
-	__u8 addr[16];
-};
-
-struct listener_key {
-	__u64 netns;
-	__u32 family;
-	__u32 _pad;
-};
-
-/* What one pod owns in ports/cidrs, so teardown and check touch
- * only that pod's entries instead of walking whole maps: key i of the pod
- * is in entry (netns, inv_base + i / RDR_INV_CHUNK). Only userspace reads
- * and writes it. */
-struct inv_key {
-	__u64 netns;
-	__u32 idx;
-	__u32 _pad;
-};
-
-#define RDR_INV_PORTS 1
-#define RDR_INV_CIDRS 2
-
-#define RDR_INV_CHUNK 8 /* keys per entry: a typical pod has one */
-
-struct inv_val {
-	__u32 map[RDR_INV_CHUNK];     /* RDR_INV_*, 0 = unused */
-	__u8 key[RDR_INV_CHUNK][32]; /* the keys in those maps, zero-padded */
-};
+#include "abi.h" /* the map keys and values */
 
 BPF_HASH(pods, __u64, struct pod_policy, 4096);
 BPF_F_TABLE("hash", struct inv_key, struct inv_val, inventory, 65536, BPF_F_NO_PREALLOC);

@@ -37,6 +37,19 @@ static __always_inline __u16 target4(const struct pod_policy *p, __u64 netns, in
 			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src));
 }
 
+/* A socket of a registered pod, of a kind we redirect: TCP on connect, UDP
+ * (DNS) on connect and sendmsg. *tcp says which. */
+static __always_inline int redirectable(struct bpf_sock_addr *ctx, const struct pod_policy *p, int from_sendmsg,
+					int *tcp)
+{
+	if (!p)
+		return 0;
+	*tcp = ctx->type == SOCK_STREAM;
+	if (!*tcp && ctx->type != SOCK_DGRAM)
+		return 0;
+	return !(from_sendmsg && *tcp);
+}
+
 static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg)
 {
 	__u64 netns = bpf_get_netns_cookie(ctx);
@@ -46,12 +59,7 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 	__u16 to;
 	int tcp;
 
-	if (!p)
-		return SYS_PROCEED;
-	tcp = ctx->type == SOCK_STREAM;
-	if (!tcp && ctx->type != SOCK_DGRAM)
-		return SYS_PROCEED;
-	if (from_sendmsg && tcp)
+	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
 	to = target4(p, netns, tcp, bpf_ntohs((__u16)ctx->user_port), dst,
 		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4);
@@ -75,12 +83,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	__u16 port, to;
 	int tcp;
 
-	if (!p)
-		return SYS_PROCEED;
-	tcp = ctx->type == SOCK_STREAM;
-	if (!tcp && ctx->type != SOCK_DGRAM)
-		return SYS_PROCEED;
-	if (from_sendmsg && tcp)
+	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
 	/* ctx->user_ip6 is read one 32-bit word at a time (narrower or wider
 	 * loads are refused by the verifier). */
@@ -184,9 +187,11 @@ static __always_inline int sent_to_us6(const struct orig_dst *o, __u32 ip0, __u3
 	return o->family == AF_INET6 && !ip2 && ip3 == bpf_htonl(1);
 }
 
-/* The original destination as an IPv6 socket names it (IPv4 ones mapped). */
-static __always_inline void orig_as6(const struct orig_dst *o, __u32 *ip)
+/* The answer of an IPv6 socket says the original destination (an IPv4 one mapped). */
+static __always_inline int restore6(struct bpf_sock_addr *ctx, const struct orig_dst *o)
 {
+	__u32 ip[4];
+
 	if (o->family == AF_INET) {
 		ip[0] = 0;
 		ip[1] = 0;
@@ -195,26 +200,25 @@ static __always_inline void orig_as6(const struct orig_dst *o, __u32 *ip)
 	} else {
 		__builtin_memcpy(ip, o->addr, 16);
 	}
-}
-
-int rdr_recvmsg6(struct bpf_sock_addr *ctx)
-{
-	__u64 cookie = bpf_get_socket_cookie(ctx);
-	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
-	__u32 ip[4];
-
-	if (!o || !pod_of(o->netns))
-		return SYS_PROCEED;
-	if (!sent_to_us6(o, ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]) ||
-	    bpf_ntohs((__u16)ctx->user_port) != o->via_port)
-		return SYS_PROCEED;
-	orig_as6(o, ip);
 	ctx->user_ip6[0] = ip[0];
 	ctx->user_ip6[1] = ip[1];
 	ctx->user_ip6[2] = ip[2];
 	ctx->user_ip6[3] = ip[3];
 	ctx->user_port = o->port_be;
 	return SYS_PROCEED;
+}
+
+int rdr_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	struct orig_dst *o = dns_by_cookie.lookup(&cookie);
+
+	if (!o || !pod_of(o->netns))
+		return SYS_PROCEED;
+	if (!sent_to_us6(o, ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]) ||
+	    bpf_ntohs((__u16)ctx->user_port) != o->via_port)
+		return SYS_PROCEED;
+	return restore6(ctx, o);
 }
 
 /* Per-socket state (the original destination staged by connect, a DNS
@@ -293,11 +297,5 @@ int rdr_getpeername6(struct bpf_sock_addr *ctx)
 	}
 	if (!o || !sent_to_us6(o, u[0], u[1], u[2], u[3]) || bpf_ntohs((__u16)ctx->user_port) != o->via_port)
 		return SYS_PROCEED;
-	orig_as6(o, ip);
-	ctx->user_ip6[0] = ip[0];
-	ctx->user_ip6[1] = ip[1];
-	ctx->user_ip6[2] = ip[2];
-	ctx->user_ip6[3] = ip[3];
-	ctx->user_port = o->port_be;
-	return SYS_PROCEED;
+	return restore6(ctx, o);
 }

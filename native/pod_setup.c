@@ -43,36 +43,24 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "abi.h"
 #include "redirect_native.h"
 
 #ifndef IFA_PROTO
 #define IFA_PROTO 11
 #endif
 
-#define PORT_KEY_SIZE 16 /* struct port_key */
-#define CIDR_KEY_SIZE 32 /* struct cidr_key */
-#define INV_KEY_SIZE 16  /* struct inv_key */
-#define INV_CHUNK 8      /* RDR_INV_CHUNK */
-#define INV_PORTS 1
-#define INV_CIDRS 2
-#define CIDR_LOCAL4 7
-#define CIDR_LOCAL6 8
 #define MAX_ITEMS 256 /* entries of one pod on this path; more go the general way */
 
 struct item {
-	int map;     /* INV_* */
+	int map;     /* RDR_INV_* */
 	int size;    /* key size */
-	uint8_t key[32];
-};
-
-struct inv_val {
-	uint32_t map[INV_CHUNK];
-	uint8_t key[INV_CHUNK][32];
+	uint8_t key[RDR_INV_KEY_MAX];
 };
 
 struct written {
 	int fd;
-	uint8_t key[32];
+	uint8_t key[RDR_INV_KEY_MAX];
 };
 
 /* --- netlink ------------------------------------------------------------- */
@@ -246,15 +234,13 @@ static int v6_lo_addr(int s, int add, uint8_t proto, uint32_t flags, uint32_t se
 /* --- the pod ----------------------------------------------------------------- */
 
 /* The cidrs key of one of the pod's own addresses (a connect to it leaves over lo). */
-static void local_key(uint8_t k[CIDR_KEY_SIZE], const uint8_t cookie_v[8], int family, const uint8_t addr[16])
+static void local_key(struct cidr_key *k, uint64_t cookie, int family, const uint8_t addr[16])
 {
-	uint32_t plen = family == 4 ? 96 + 32 : 96 + 128;
-	uint32_t kind = family == 4 ? CIDR_LOCAL4 : CIDR_LOCAL6;
-
-	memcpy(k, &plen, 4);
-	memcpy(k + 4, &kind, 4);
-	memcpy(k + 8, cookie_v, 8);
-	memcpy(k + 16, addr, 16);
+	memset(k, 0, sizeof(*k));
+	k->prefixlen = RDR_CIDR_PREFIX_BASE + (family == 4 ? 32 : 128);
+	k->kind = family == 4 ? RDR_CIDR_LOCAL4 : RDR_CIDR_LOCAL6;
+	k->netns = cookie;
+	memcpy(k->addr, addr, 16);
 }
 
 static int has_item(const struct item *it, int n, const struct item *x)
@@ -265,7 +251,7 @@ static int has_item(const struct item *it, int n, const struct item *x)
 	return 0;
 }
 
-static int add_item(struct item *it, int *n, int map, int size, const uint8_t *key)
+static int add_item(struct item *it, int *n, int map, int size, const void *key)
 {
 	struct item x;
 
@@ -443,17 +429,14 @@ static uint64_t now_ns(void)
 static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netns_fd, int fail_at)
 {
 	struct item items[MAX_ITEMS];
-	struct written done[MAX_ITEMS + MAX_ITEMS / INV_CHUNK + 1];
+	struct written done[MAX_ITEMS + MAX_ITEMS / RDR_INV_CHUNK + 1];
 	struct scan sc;
 	char pin[4096];
-	uint8_t policy[512];
-	uint8_t cookie_v[8], one = 1, scratch[512];
+	struct pod_policy policy;
+	uint8_t cookie_v[8], one = 1;
 	int s, ret, n = 0, nd = 0, set, prog, link = -1, pinned = 0, addr_added = 0, pin_name, want_v6_lo;
 	uint32_t seq = 1;
 
-	if (r->policy_size > sizeof(policy) || r->policy_inv_base_off + 4 > r->policy_size ||
-	    r->policy_n_inv_off + 4 > r->policy_size)
-		return -EINVAL;
 	memset(&sc, 0, sizeof(sc));
 	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
 	if (s < 0)
@@ -476,7 +459,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	 * link) show as EEXIST below: every write is
 	 * BPF_NOEXIST (the pin fails on an existing one), so nothing of theirs is overwritten,
 	 * ours is undone, and the general path sorts it out. */
-	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, scratch);
+	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, &policy);
 	if (ret != -ENOENT)
 		goto slow;
 	/* Nor netfilter capture (the general path replaces it): no netfilter table at all. */
@@ -490,35 +473,33 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 
 	/* The entries: the config's (cookie patched in), then the pod's own addresses. */
 	for (uint32_t i = 0; i < r->n_ports[set]; i++) {
-		uint8_t k[PORT_KEY_SIZE];
+		struct port_key k = r->ports[set][i];
 
-		memcpy(k, r->ports[set] + i * PORT_KEY_SIZE, PORT_KEY_SIZE);
-		memcpy(k, cookie_v, 8);
-		if (add_item(items, &n, INV_PORTS, PORT_KEY_SIZE, k) < 0)
+		k.netns = sc.cookie;
+		if (add_item(items, &n, RDR_INV_PORTS, sizeof(k), &k) < 0)
 			goto slow;
 	}
 	for (uint32_t i = 0; i < r->n_cidrs[set]; i++) {
-		uint8_t k[CIDR_KEY_SIZE];
+		struct cidr_key k = r->cidrs[set][i];
 
-		memcpy(k, r->cidrs[set] + i * CIDR_KEY_SIZE, CIDR_KEY_SIZE);
-		memcpy(k + 8, cookie_v, 8);
-		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
+		k.netns = sc.cookie;
+		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
 	for (int i = 0; i < sc.n; i++) {
-		uint8_t k[CIDR_KEY_SIZE];
+		struct cidr_key k;
 
 		if (sc.a[i].family == 6 && !c->v6)
 			continue;
-		local_key(k, cookie_v, sc.a[i].family, sc.a[i].addr);
-		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
+		local_key(&k, sc.cookie, sc.a[i].family, sc.a[i].addr);
+		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
 	if (want_v6_lo && !sc.v6_lo_there) { /* the ::6 added below is one of the pod's own */
-		uint8_t k[CIDR_KEY_SIZE];
+		struct cidr_key k;
 
-		local_key(k, cookie_v, 6, V6_PASSTHROUGH);
-		if (add_item(items, &n, INV_CIDRS, CIDR_KEY_SIZE, k) < 0)
+		local_key(&k, sc.cookie, 6, V6_PASSTHROUGH);
+		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
 	if (r->inbound_port) {
@@ -538,27 +519,26 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		ret = RDR_POD_FAULT;
 		goto undo;
 	}
-	for (int c = 0; c < n; c += INV_CHUNK) {
+	for (int c = 0; c < n; c += RDR_INV_CHUNK) {
 		struct inv_val v;
-		uint8_t ik[INV_KEY_SIZE];
-		uint32_t idx = (uint32_t)(c / INV_CHUNK);
+		struct inv_key ik;
 
 		memset(&v, 0, sizeof(v));
-		for (int j = 0; j < INV_CHUNK && c + j < n; j++) {
+		for (int j = 0; j < RDR_INV_CHUNK && c + j < n; j++) {
 			v.map[j] = (uint32_t)items[c + j].map;
 			memcpy(v.key[j], items[c + j].key, (size_t)items[c + j].size);
 		}
-		memset(ik, 0, sizeof(ik));
-		memcpy(ik, cookie_v, 8);
-		memcpy(ik + 8, &idx, 4); /* base 0: a fresh pod's inventory starts there */
-		ret = rdr_bpf_map_update(r->map_inventory, ik, &v, BPF_NOEXIST);
+		memset(&ik, 0, sizeof(ik));
+		ik.netns = sc.cookie;
+		ik.idx = (uint32_t)(c / RDR_INV_CHUNK); /* base 0: a fresh pod's inventory starts there */
+		ret = rdr_bpf_map_update(r->map_inventory, &ik, &v, BPF_NOEXIST);
 		if (ret < 0)
 			goto undo;
 		done[nd].fd = r->map_inventory;
-		memcpy(done[nd++].key, ik, INV_KEY_SIZE);
+		memcpy(done[nd++].key, &ik, sizeof(ik));
 	}
 	for (int i = 0; i < n; i++) {
-		int mfd = items[i].map == INV_PORTS ? r->map_ports : r->map_cidrs;
+		int mfd = items[i].map == RDR_INV_PORTS ? r->map_ports : r->map_cidrs;
 
 		ret = rdr_bpf_map_update(mfd, items[i].key, &one, BPF_NOEXIST);
 		if (ret < 0)
@@ -588,14 +568,10 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		ret = RDR_POD_FAULT;
 		goto undo;
 	}
-	memcpy(policy, r->policy[set], r->policy_size);
-	{
-		uint32_t inv = (uint32_t)n, base = 0;
-
-		memcpy(policy + r->policy_inv_base_off, &base, 4);
-		memcpy(policy + r->policy_n_inv_off, &inv, 4);
-	}
-	ret = rdr_bpf_map_update(r->map_pods, cookie_v, policy, BPF_NOEXIST);
+	policy = *r->policy[set];
+	policy.inv_base = 0;
+	policy.n_inv = (uint32_t)n;
+	ret = rdr_bpf_map_update(r->map_pods, cookie_v, &policy, BPF_NOEXIST);
 	if (ret < 0)
 		goto undo;
 	close(link);

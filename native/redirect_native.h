@@ -3,6 +3,8 @@
  * side can raise OSError with the right code without reading errno itself. */
 #include <stdint.h>
 
+#include "abi.h" /* bpf/abi.h: the eBPF maps' keys and values */
+
 /* setns(2) on the calling thread. nstype 0 or CLONE_NEWNET. */
 int rdr_setns(int fd, int nstype);
 
@@ -110,12 +112,11 @@ struct rdr_pod_req {
 	uint16_t inbound_port;      /* 0: no inbound capture (no pod addresses, no listener check) */
 	uint8_t addr_proto;         /* IFA_PROTO of the ::6 we add */
 	uint32_t addr_flags;        /* its IFA_FLAGS */
-	/* What the config writes, [0] for IPv4 alone, [1] for IPv4 and IPv6: */
-	const uint8_t *policy[2];   /* struct pod_policy, inventory fields zero */
-	uint32_t policy_size, policy_inv_base_off, policy_n_inv_off;
-	const uint8_t *ports[2];    /* struct port_key each, netns zero */
+	/* What the config writes, [0] for IPv4 alone, [1] for IPv4 and IPv6 (bpf/abi.h): */
+	const struct pod_policy *policy[2]; /* inventory fields zero */
+	const struct port_key *ports[2];    /* netns zero */
 	uint32_t n_ports[2];
-	const uint8_t *cidrs[2];    /* struct cidr_key each, netns zero */
+	const struct cidr_key *cidrs[2];    /* netns zero */
 	uint32_t n_cidrs[2];
 	int add_v6_lo[2];           /* the plan adds ::6/128 on lo (to a pod with IPv6 of its own) */
 	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a

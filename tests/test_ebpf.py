@@ -1185,3 +1185,28 @@ def test_a_new_root_in_the_environment_is_followed_from_the_next_pod_on(make_pod
         monkeypatch.setenv("REDIRECT_BPF_ROOT", bpf_root)
         ebpf.force_unload_host(other)
     assert not os.path.exists(other)
+
+
+def test_the_map_layouts_are_those_of_the_abi_header() -> None:
+    """bpf/abi.h is the one description of the maps' keys and values: the struct formats the backend
+    packs with are derived from cffi's declarations of it (the C compiler's sizes and offsets)."""
+    from redirect._native import ffi
+
+    from redirect.backends import ebpf_abi
+
+    for name in ("pod_policy", "port_key", "cidr_key", "orig_dst", "tuple_key", "listener_key", "inv_key", "inv_val"):
+        lay = ebpf_abi.layout(name)
+        assert lay.struct.size == ffi.sizeof(f"struct {name}"), name
+        for field, off in lay.offset.items():
+            assert off == ffi.offsetof(f"struct {name}", field), (name, field)
+    # A value packed in Python reads back field by field through the C declaration.
+    addr = b"\x0a\x01\x02" + bytes(13)
+    k = ebpf.CIDR_KEY.pack(ebpf.CIDR_PREFIX_BASE + 24, ebpf.CIDR_OUT_EXCL4, 0x1122334455667788, addr)
+    c = ffi.cast("struct cidr_key *", ffi.from_buffer(k))
+    assert (c.prefixlen, c.kind, c.netns, bytes(c.addr)[:3]) == (120, ebpf.CIDR_OUT_EXCL4, 0x1122334455667788,
+                                                                  b"\x0a\x01\x02")
+    v = list(ebpf.POLICY.unpack(bytes(ebpf.POLICY.size)))
+    v[ebpf.P_FLAGS], v[ebpf.P_N_INV] = ebpf.F_V6, 7
+    p = ffi.cast("struct pod_policy *", ffi.from_buffer(ebpf.POLICY.pack(*v)))
+    assert (p.flags, p.n_inv, p.inv_base) == (ebpf.F_V6, 7, 0)
+    assert ebpf.PROGRAMS["rdr_sk_lookup"][1] == ebpf.SK_LOOKUP_ATTACH == 36  # BPF_SK_LOOKUP, by name

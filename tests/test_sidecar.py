@@ -703,3 +703,4 @@ def test_an_ipv4_destination_through_a_dual_stack_app_socket_is_captured_as_ipv4
         assert got["peer"] == [mapped, 8080]
         assert not app.conns
         assert po.answers[-1] == {"SOL_IP": ("AF_INET", pod.peer_ip4, 8080), "SOL_IPV6": "ENOENT"}
+

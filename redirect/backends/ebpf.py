@@ -90,6 +90,7 @@ from ..netns import NetnsRef
 from ..plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from . import EBPF_DEFAULT_ROOT
 from .base import CheckResult, Installed, fault_point
+from .ebpf_abi import const, layout
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -99,53 +100,57 @@ BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
 SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c")
-BPF_FS_MAGIC = 0xCAFE4A11
 
-# uapi numbers (bcc 0.26 lacks some of them; see FACTS.md)
-PROG_CGROUP_SOCK, PROG_SOCK_OPS, PROG_CGROUP_SOCK_ADDR, PROG_CGROUP_SOCKOPT, PROG_SK_LOOKUP = 9, 13, 18, 25, 30
-#: program name -> (prog type, attach type, attached to the cgroup root?)
+#: program name -> (prog type, attach type, attached to the cgroup root?), by the kernel's names
+#: (bcc 0.26 lacks some of them; the native module has them from <linux/bpf.h>).
 PROGRAMS: dict[str, tuple[int, int, bool]] = {
-    "rdr_connect4": (PROG_CGROUP_SOCK_ADDR, 10, True),
-    "rdr_connect6": (PROG_CGROUP_SOCK_ADDR, 11, True),
-    "rdr_sendmsg4": (PROG_CGROUP_SOCK_ADDR, 14, True),
-    "rdr_sendmsg6": (PROG_CGROUP_SOCK_ADDR, 15, True),
-    "rdr_recvmsg4": (PROG_CGROUP_SOCK_ADDR, 19, True),
-    "rdr_recvmsg6": (PROG_CGROUP_SOCK_ADDR, 20, True),
-    "rdr_getpeername4": (PROG_CGROUP_SOCK_ADDR, 29, True),
-    "rdr_getpeername6": (PROG_CGROUP_SOCK_ADDR, 30, True),
-    "rdr_getsockopt": (PROG_CGROUP_SOCKOPT, 21, True),
-    "rdr_sockops": (PROG_SOCK_OPS, 3, True),
-    "rdr_sock_release": (PROG_CGROUP_SOCK, 34, True),
-    "rdr_sk_lookup": (PROG_SK_LOOKUP, 36, False),
+    "rdr_connect4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET4_CONNECT"), True),
+    "rdr_connect6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET6_CONNECT"), True),
+    "rdr_sendmsg4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP4_SENDMSG"), True),
+    "rdr_sendmsg6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP6_SENDMSG"), True),
+    "rdr_recvmsg4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP4_RECVMSG"), True),
+    "rdr_recvmsg6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP6_RECVMSG"), True),
+    "rdr_getpeername4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET4_GETPEERNAME"), True),
+    "rdr_getpeername6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET6_GETPEERNAME"), True),
+    "rdr_getsockopt": (const("BPF_PROG_TYPE_CGROUP_SOCKOPT"), const("BPF_CGROUP_GETSOCKOPT"), True),
+    "rdr_sockops": (const("BPF_PROG_TYPE_SOCK_OPS"), const("BPF_CGROUP_SOCK_OPS"), True),
+    "rdr_sock_release": (const("BPF_PROG_TYPE_CGROUP_SOCK"), const("BPF_CGROUP_INET_SOCK_RELEASE"), True),
+    "rdr_sk_lookup": (const("BPF_PROG_TYPE_SK_LOOKUP"), const("BPF_SK_LOOKUP"), False),
 }
-SK_LOOKUP_ATTACH = 36
+SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
 MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
         "listeners", "lookup_netns", "lookup_prog")
 
-# Layouts of bpf/redirect.h (x86-64, native byte order, no implicit padding).
-POLICY = struct.Struct("=4HI4s4s4I16I16I2I16I")
-P_FLAGS, P_INV_BASE, P_N_INV = 4, 9, 10  # field indexes in POLICY
-PORT_KEY = struct.Struct("=QHHI")
-CIDR_KEY = struct.Struct("=IIQ16s")
-ORIG = struct.Struct("=QI2sH16s")
-TUPLE_KEY = ORIG
-LISTENER_KEY = struct.Struct("=QII")
-INV_KEY = struct.Struct("=QII")
-INV_CHUNK = 8  # keys per inventory entry (bpf/redirect.h RDR_INV_CHUNK)
-INV_VAL = struct.Struct(f"={INV_CHUNK}I{INV_CHUNK * 32}s")
-INV_PORTS, INV_CIDRS = 1, 2
+# The maps' keys and values, from bpf/abi.h (ebpf_abi): addresses and _be ports as raw bytes.
+_POLICY = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
+POLICY = _POLICY.struct
+P_FLAGS, P_INV_BASE, P_N_INV = (_POLICY.index[f] for f in ("flags", "inv_base", "n_inv"))
+PORT_KEY = layout("port_key").struct
+CIDR_KEY = layout("cidr_key").struct
+ORIG = layout("orig_dst", raw=("port_be",)).struct
+TUPLE_KEY = layout("tuple_key", raw=("port_be",)).struct
+LISTENER_KEY = layout("listener_key").struct
+INV_KEY = layout("inv_key").struct
+INV_VAL = layout("inv_val").struct
+INV_CHUNK = const("RDR_INV_CHUNK")  # keys per inventory entry
+INV_KEY_MAX = const("RDR_INV_KEY_MAX")  # room for one key in an entry
+INV_PORTS, INV_CIDRS = const("RDR_INV_PORTS"), const("RDR_INV_CIDRS")
 INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs"}
 INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size}
 U64 = struct.Struct("=Q")
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 
-F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6 = (1 << i for i in range(7))
-PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = 1, 2, 3, 4
-CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = 1, 2, 3, 4, 5, 6
-CIDR_LOCAL4, CIDR_LOCAL6 = 7, 8
-MAX_IDS = 8
-GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = 0, 1, 2
+F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6 = (
+    const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6"))
+PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = (
+    const(f"RDR_PORT_{n}") for n in ("OUT_EXCL", "OUT_INCL", "IN_INCL", "IN_EXCL"))
+CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = (
+    const(f"RDR_CIDR_{n}") for n in ("OUT_EXCL4", "OUT_INCL4", "DNS4", "OUT_EXCL6", "OUT_INCL6", "DNS6"))
+CIDR_LOCAL4, CIDR_LOCAL6 = const("RDR_CIDR_LOCAL4"), const("RDR_CIDR_LOCAL6")
+CIDR_PREFIX_BASE = const("RDR_CIDR_PREFIX_BASE")  # cidr_key.prefixlen = this + the CIDR's own
+MAX_IDS = const("RDR_MAX_IDS")
+GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = (const(f"RDR_GROUPS_{n}") for n in ("ALL", "ONLY", "EXCLUDE"))
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
@@ -343,7 +348,6 @@ class HostPrograms:
         r.tcp_diag = _tcp_diag_ok()
         r.host_netns_ino = _netns.host_netns_inodes()
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
-        r.policy_size, r.policy_inv_base_off, r.policy_n_inv_off = POLICY.size, _POLICY_INV_BASE_OFF, _POLICY_N_INV_OFF
         for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
             r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
             r.add_v6_lo[i] = v6_lo
@@ -730,16 +734,8 @@ def _fd_by_id(kind: str, ident: int) -> int | None:
 
 def _link_prog_fd(path: str) -> int | None:
     """A new fd of the program of the link pinned at ``path``, None if there is none."""
-    try:
-        fd = obj_get(path)
-    except OSError:
-        return None
-    try:
-        return _fd_by_id("prog", link_info(fd)["prog_id"])
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    info = _pinned_link_info(path)
+    return None if info is None else _fd_by_id("prog", info["prog_id"])
 
 
 def recover_host(root: str) -> HostPrograms | None:
@@ -857,14 +853,11 @@ def host_problems(root: str, cgroup: str, h: HostPrograms | None) -> list[str]:
         out.append(f"cgroup {cgroup} is not there")
     for name in _cgroup_progs():
         path = os.path.join(root, "links", name)
-        try:
-            fd = obj_get(path)
-        except OSError:
-            continue  # reported above
-        try:
-            info = link_info(fd)
-        finally:
-            os.close(fd)
+        info = _pinned_link_info(path)
+        if info is None:
+            if os.path.exists(path):
+                out.append(f"host link {path} can't be read as a link")
+            continue  # else reported above
         if info["target"] == 0:
             out.append(f"host link {path} is detached (its capture is off)")
         elif cg and info["target"] != cg:
@@ -1070,7 +1063,8 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
     for f, ip, _dev in local or ():
         if f in families:
             raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
-            cidrs.add(CIDR_KEY.pack(96 + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6, cookie, raw))
+            cidrs.add(CIDR_KEY.pack(CIDR_PREFIX_BASE + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6,
+                                    cookie, raw))
     return PodEntries(policy, ports, frozenset(cidrs))
 
 
@@ -1097,7 +1091,10 @@ class FreshPodTemplate:
                 self.inbound_port = cfg.inbound_port
             ports = b"".join(PORT_KEY.pack(0, kind, p, 0) for kind, p in port_specs)
             cidrs = b"".join(CIDR_KEY.pack(plen, kind, 0, raw) for plen, kind, raw in cidr_specs)
-            bufs = [ffi.new("uint8_t[]", b or b"\0") for b in (policy, ports, cidrs)]
+            bufs = [ffi.new(t, max(n, 1)) for t, n in (("struct pod_policy[]", 1), ("struct port_key[]",
+                                                       len(port_specs)), ("struct cidr_key[]", len(cidr_specs)))]
+            for buf, b in zip(bufs, (policy, ports, cidrs), strict=True):
+                ffi.memmove(buf, b, len(b))
             v6_lo = any(a.family == 6 and a.dev == "lo" for a in _plan_addresses(plan, families, True))
             self.sets.append((bufs[0], bufs[1], len(port_specs), bufs[2], len(cidr_specs), v6_lo))
 
@@ -1115,10 +1112,6 @@ def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
     return FreshPodTemplate(cfg, plan)
 
 
-#: Offsets of POLICY's inv_base and n_inv (fields P_INV_BASE, P_N_INV): after 4 ports, flags,
-#: the loopback address and mask, n_uids and n_gids.
-_POLICY_INV_BASE_OFF = struct.calcsize("=4HI4s4sII")
-_POLICY_N_INV_OFF = _POLICY_INV_BASE_OFF + 4
 
 
 _V6_LOOPBACK = bytes(15) + b"\1"
@@ -1369,7 +1362,7 @@ class EbpfBackend:
                 m = fields[j]
                 if m not in INV_MAPS:
                     continue
-                k = raw[32 * j : 32 * j + INV_KEY_SIZE[m]]
+                k = raw[INV_KEY_MAX * j : INV_KEY_MAX * j + INV_KEY_SIZE[m]]
                 live = h.maps[INV_MAPS[m]].lookup(k)
                 if live is not None:
                     st.entries[m].add(k)
@@ -1443,7 +1436,7 @@ class EbpfBackend:
                     chunk = items[c : c + INV_CHUNK]
                     maps_ = [m for m, _ in chunk] + [0] * (INV_CHUNK - len(chunk))
                     ik = INV_KEY.pack(cookie, base + c // INV_CHUNK, 0)
-                    inv.update(ik, INV_VAL.pack(*maps_, b"".join(k.ljust(32, b"\0") for _, k in chunk)))
+                    inv.update(ik, INV_VAL.pack(*maps_, b"".join(k.ljust(INV_KEY_MAX, b"\0") for _, k in chunk)))
                     written.append((inv, ik))
                 for m, k in items:
                     if k not in old.entries[m]:
@@ -1723,18 +1716,24 @@ def _link_target(path: str) -> int | None:
         os.close(fd)
 
 
-def _link_prog_cookie(path: str) -> int | None:
-    """The netns cookie held by the program of the link pinned at ``path`` (None: none, or not ours)."""
+def _pinned_link_info(path: str) -> dict[str, int] | None:
+    """``link_info`` of the link pinned at ``path``; None if there is none (or it can't be read)."""
     try:
         fd = obj_get(path)
     except OSError:
         return None
     try:
-        return _lookup_prog_cookie(link_info(fd)["prog_id"])
+        return link_info(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _link_prog_cookie(path: str) -> int | None:
+    """The netns cookie held by the program of the link pinned at ``path`` (None: none, or not ours)."""
+    info = _pinned_link_info(path)
+    return None if info is None else _lookup_prog_cookie(info["prog_id"])
 
 
 def _remove_pod(h: HostPrograms, cookie: int) -> bool:
@@ -1846,11 +1845,19 @@ def _fmt_policy(raw: bytes) -> str:
     flags = v[P_FLAGS]
     names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6"]
     on = [n for i, n in enumerate(names) if flags & (1 << i)]
-    return (f"proxy_port={v[0]} inbound_port={v[1]} tunnel_port={v[2]} dns_port={v[3]} flags={'+'.join(on) or '-'}"
-            f" loopback={socket.inet_ntoa(v[5])}/{socket.inet_ntoa(v[6])} uids={_fmt_ids(v[11:27], v[7])}"
-            f" gids={_fmt_ids(v[27:43], v[8])}"
-            + ("" if v[43] == GROUPS_ALL else
-               f" {'owner_groups' if v[43] == GROUPS_ONLY else 'owner_groups_exclude'}={_fmt_ids(v[45:61], v[44])}"))
+    f = {name: v[i] for name, i in _POLICY.index.items()}
+
+    def ids(name: str, n: str) -> str:
+        i = _POLICY.index[name]
+        return _fmt_ids(v[i : i + 2 * MAX_IDS], f[n])
+
+    groups = f["groups_mode"]
+    return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
+            f" dns_port={f['dns_port']} flags={'+'.join(on) or '-'}"
+            f" loopback={socket.inet_ntoa(f['lo4_addr'])}/{socket.inet_ntoa(f['lo4_mask'])}"
+            f" uids={ids('uids', 'n_uids')} gids={ids('gids', 'n_gids')}"
+            + ("" if groups == GROUPS_ALL else
+               f" {'owner_groups' if groups == GROUPS_ONLY else 'owner_groups_exclude'}={ids('groups', 'n_groups')}"))
 
 
 def _fmt_ids(flat: tuple[int, ...], n: int) -> str:

@@ -1,0 +1,139 @@
+/* The eBPF backend's ABI: the layouts of the map keys and values, and their
+ * constants, in one place. Included by the BPF programs (bpf/redirect.h), by
+ * the native helpers (native/pod_setup.c) and given to cffi's cdef
+ * (native/build_native.py), from which redirect/backends/ebpf.py takes its
+ * sizes, offsets and struct formats: a layout is changed here, once.
+ *
+ * Plain C for all three readers: fixed-width __uN types, no padding the
+ * compiler would add (explicit _pad fields), constants as plain integers
+ * (cffi's cdef reads only "#define NAME <integer>"). Addresses are stored in
+ * network byte order as 16 raw bytes (IPv4 in the first 4); ports in host
+ * order unless the field name says _be.
+ */
+#ifndef RDR_ABI_H
+#define RDR_ABI_H
+
+#include <linux/types.h>
+
+#define RDR_MAX_IDS 8 /* uid/gid/group ranges in a policy */
+
+/* pod_policy.flags */
+#define RDR_F_OUT_ALL 0x1        /* outbound_cidrs == "*" */
+#define RDR_F_DNS 0x2            /* DNS capture on (dns_effective) */
+#define RDR_F_DNS_ALL 0x4        /* capture_all_dns */
+#define RDR_F_INCL_LOOPBACK 0x8  /* an included CIDR is loopback: app lo traffic is not returned */
+#define RDR_F_INBOUND 0x10       /* inbound capture on */
+#define RDR_F_INBOUND_ALL 0x20   /* inbound_ports == "*" */
+#define RDR_F_V6 0x40            /* IPv6 is captured too */
+
+/* pod_policy.groups_mode: owner_groups / owner_groups_exclude */
+#define RDR_GROUPS_ALL 0     /* owner_groups = "*" */
+#define RDR_GROUPS_ONLY 1    /* only these groups are captured */
+#define RDR_GROUPS_EXCLUDE 2 /* these groups are not captured */
+
+/* port_key.kind */
+#define RDR_PORT_OUT_EXCL 1
+#define RDR_PORT_OUT_INCL 2
+#define RDR_PORT_IN_INCL 3
+#define RDR_PORT_IN_EXCL 4
+
+/* cidr_key.kind: family-specific, so one trie serves both families */
+#define RDR_CIDR_OUT_EXCL4 1
+#define RDR_CIDR_OUT_INCL4 2
+#define RDR_CIDR_DNS4 3
+#define RDR_CIDR_OUT_EXCL6 4
+#define RDR_CIDR_OUT_INCL6 5
+#define RDR_CIDR_DNS6 6
+#define RDR_CIDR_LOCAL4 7 /* the pod's own addresses: a connect to them leaves over lo */
+#define RDR_CIDR_LOCAL6 8
+
+/* cidr_key.prefixlen = RDR_CIDR_PREFIX_BASE + the CIDR's own prefix length */
+#define RDR_CIDR_PREFIX_BASE 96
+
+struct id_range {
+	__u32 lo;
+	__u32 hi;
+};
+
+/* One per pod, keyed by netns cookie: the pod is "registered" iff present. */
+struct pod_policy {
+	__u16 proxy_port;
+	__u16 inbound_port;
+	__u16 tunnel_port;
+	__u16 dns_port;
+	__u32 flags;
+	__u32 lo4_addr; /* ipv4_loopback_cidr, network order */
+	__u32 lo4_mask;
+	__u32 n_uids;
+	__u32 n_gids;
+	__u32 inv_base; /* this pod's inventory entries are inventory[netns, inv_base + i], i < n_inv */
+	__u32 n_inv;
+	struct id_range uids[RDR_MAX_IDS];
+	struct id_range gids[RDR_MAX_IDS];
+	__u32 groups_mode; /* RDR_GROUPS_* */
+	__u32 n_groups;
+	struct id_range groups[RDR_MAX_IDS];
+};
+
+struct port_key {
+	__u64 netns;
+	__u16 kind;
+	__u16 port;
+	__u32 _pad;
+};
+
+/* LPM trie key: the prefix covers kind and netns (always 96 bits) plus the
+ * CIDR's own prefix, so a lookup never matches another pod or family. */
+struct cidr_key {
+	__u32 prefixlen;
+	__u32 kind;
+	__u64 netns;
+	__u8 addr[16];
+};
+
+/* The destination a socket asked for, before we rewrote it. */
+struct orig_dst {
+	__u64 netns;
+	__u32 family;   /* AF_INET or AF_INET6 */
+	__u16 port_be;
+	__u16 via_port; /* the port we sent it to (host order) */
+	__u8 addr[16];
+};
+
+/* The client end of a connection to the proxy, as the proxy's accepted
+ * socket sees its peer (an IPv4-mapped address as IPv4). */
+struct tuple_key {
+	__u64 netns;
+	__u32 family;
+	__u16 port_be;
+	__u16 _pad;
+	__u8 addr[16];
+};
+
+struct listener_key {
+	__u64 netns;
+	__u32 family;
+	__u32 _pad;
+};
+
+/* What one pod owns in ports/cidrs, so teardown and check touch only that
+ * pod's entries instead of walking whole maps: key i of the pod is in entry
+ * (netns, inv_base + i / RDR_INV_CHUNK). Only userspace reads and writes it. */
+struct inv_key {
+	__u64 netns;
+	__u32 idx;
+	__u32 _pad;
+};
+
+#define RDR_INV_PORTS 1 /* inv_val.map: the key is a port_key */
+#define RDR_INV_CIDRS 2 /* a cidr_key */
+
+#define RDR_INV_CHUNK 8    /* keys per entry: a typical pod has one */
+#define RDR_INV_KEY_MAX 32 /* the largest key an entry holds */
+
+struct inv_val {
+	__u32 map[RDR_INV_CHUNK];                  /* RDR_INV_*, 0 = unused */
+	__u8 key[RDR_INV_CHUNK][RDR_INV_KEY_MAX]; /* the keys in those maps, zero-padded */
+};
+
+#endif
