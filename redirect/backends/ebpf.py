@@ -15,19 +15,23 @@ Per pod (``apply``, with the calling thread inside the pod netns, as
 ``redirect.api`` does it; for a pod with nothing of ours yet, ``setup_fresh``
 does the same in one native call, ``native/pod_setup.c``, and backs off to
 ``apply`` before changing anything when the pod is not fresh): map entries keyed by the netns cookie (policy,
-ports, CIDRs, the pod's own addresses, the proxy's inbound listeners), an
+ports, CIDRs, the pod's own addresses as ``local`` CIDRs, the proxy's inbound listeners), an
 ``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
 pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
 detaches it when the netns dies, which is how ``collect_garbage`` finds pods
-whose netns went without a teardown; a new pod that gets such a pod's address
-frees it the same way), and ``::6`` on lo (the plan's address for the proxy's
-inbound passthrough). ``remove`` deletes exactly those, through the inventory:
-O(entries of that pod), never a walk of the host maps. Per-socket state (original destinations) is removed with its
-socket (``sock_release``, TCP close) and is inert once the pod's policy is
-gone. ``unload_host`` removes the host part and refuses while any pod is
-registered. A partly pinned host (a pin removed by hand) is repaired (missing
-cgroup links) or reloaded (no pod registered) by the next setup, else setup
-raises ``SetupError`` saying what is missing. Fault points for the atomicity
+whose netns went without a teardown), and ``::6`` on lo (the plan's address for the proxy's
+inbound passthrough). The link runs a program of the pod's own
+(``native/redirect_native.c: rdr_ebpf_lookup_prog``) that holds the netns cookie, which an
+sk_lookup program can't ask the kernel for, and tail-calls the shared ``rdr_sk_lookup``: nothing
+is found by address, so pods sharing an IP never see each other's policy. ``remove`` deletes
+exactly those, through the inventory: O(entries of that pod), never a walk of the host maps.
+Per-socket state (original destinations) is removed with its socket (``sock_release``, TCP
+close) and is inert once the pod's policy is gone. ``unload_host`` removes the host part and refuses while any pod is
+registered. A partly pinned host (a pin removed by hand) is reported by ``check``
+(``host_problems``: missing pins, cgroup links detached or running another program),
+read and torn down through what is still attached (``recover_host``), and repaired (missing
+cgroup links) or reloaded (no pod registered) by the next setup, else setup raises
+``SetupError`` saying what is missing. Fault points for the atomicity
 tests: ``ebpf.before_entries``, ``ebpf.before_policy``.
 
 The policy is derived from the ``RedirectConfig`` directly, not from the plan:
@@ -42,6 +46,10 @@ policy-route plumbing; inbound here keeps the original destination anyway);
 ``reroute_interfaces`` (the socket hooks run before routing picks an output
 interface); more than 8 entries in ``proxy_uids``, ``proxy_gids``,
 ``owner_groups`` or ``owner_groups_exclude`` (fixed-size policy entry).
+
+The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
+include it, and the struct formats here are derived from cffi's declarations of it
+(``ebpf_abi``). Program and attach types are taken by the kernel's names.
 
 How the iptables semantics are met without packets:
 
@@ -62,7 +70,11 @@ How the iptables semantics are met without packets:
   to captured ports are dropped (fail closed; iptables answers them with a
   reset from the unused port).
   The proxy's inbound socket sees the original destination as its local
-  address; ``getsockopt(SO_ORIGINAL_DST)`` on it answers the same.
+  address; ``getsockopt(SO_ORIGINAL_DST)`` on it answers the same;
+- ``getsockopt(SO_ORIGINAL_DST)`` answers at the level conntrack would: ``SOL_IP`` for IPv4
+  connections, also as a dual-stack socket's ``::ffff:a.b.c.d`` peer, ``SOL_IPV6`` for native IPv6
+  ones, ENOENT at the other level; an app's IPv6 socket connecting to ``::ffff:a.b.c.d`` follows
+  the IPv4 rules (it is IPv4 on the wire).
 """
 
 from __future__ import annotations
