@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
@@ -344,12 +345,17 @@ int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie)
 		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 2, .src_reg = 10},
 		{.code = BPF_ALU64 | BPF_ADD | BPF_K, .dst_reg = 2, .imm = -4},
 		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_map_lookup_elem},
-		{.code = BPF_JMP | BPF_JEQ | BPF_K, .dst_reg = 0, .off = 6, .imm = 0},
+		{.code = BPF_JMP | BPF_JEQ | BPF_K, .dst_reg = 0, .off = 7, .imm = 0},
 		{.code = BPF_STX | BPF_MEM | BPF_DW, .dst_reg = 0, .src_reg = STUB_COOKIE_REG},
 		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 1, .src_reg = 6},
 		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 2, .src_reg = BPF_PSEUDO_MAP_FD, .imm = prog_map_fd},
 		{.imm = 0},
-		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 3, .imm = 0},
+		/* The index: ctx->family >> 16, 0 at run time. A constant the verifier can see would make
+		 * this a direct tail call, whose jump the kernel patches into the program's text at load
+		 * (text_poke, a cross-CPU synchronisation): several times the cost of the whole load. */
+		{.code = BPF_LDX | BPF_MEM | BPF_W, .dst_reg = 3, .src_reg = 6,
+		 .off = offsetof(struct bpf_sk_lookup, family)},
+		{.code = BPF_ALU64 | BPF_RSH | BPF_K, .dst_reg = 3, .imm = 16},
 		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_tail_call},
 		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = 1 /* SK_PASS */},
 		{.code = BPF_JMP | BPF_EXIT},
