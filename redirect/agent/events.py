@@ -85,16 +85,23 @@ class EventServer:
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            for key, _ in self.sel.select(timeout=min(self.idle_timeout / 2, 1.0)):
-                if key.data is None:
-                    self._accept()
-                elif key.data == "wake":
-                    with contextlib.suppress(OSError):
-                        os.read(self._wake_r, 4096)
-                else:
-                    self._readable(key.data)
-            self._returned()
-            self._expire()
+            try:
+                self._turn()
+            except Exception:  # noqa: BLE001 - the one thread that serves every client must go on
+                log.exception("events socket: unexpected error (serving on)")
+                time.sleep(0.1)
+
+    def _turn(self) -> None:
+        for key, _ in self.sel.select(timeout=min(self.idle_timeout / 2, 1.0)):
+            if key.data is None:
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+            else:
+                self._readable(key.data)
+        self._returned()
+        self._expire()
 
     def _accept(self) -> None:
         while True:
