@@ -213,3 +213,36 @@ def test_teardown_removes_the_previous_releases_rules(pod: Pod, backend: str) ->
     install_previous(pod.name, backend)
     assert redirect.teardown(pod.name, backend=backend)
     assert full_ruleset(pod.name) == before
+
+
+@pytest.mark.parametrize("backend", ["iptables-nft", "iptables-legacy"])
+@pytest.mark.parametrize("point", ["iptables.before_restore_v4", "iptables.remove_v4", "iptables.remove_v6"])
+def test_an_upgrade_killed_midway_keeps_the_previous_rules_whole_until_repaired(
+        pod: Pod, backend: str, point: str) -> None:
+    from tests.test_kill import killed_setup, our_lines
+
+    add_foreign(pod.name)
+    before = full_ruleset(pod.name)
+    install_previous(pod.name, backend)
+    def ours() -> set[tuple[int, str, str]]:
+        return {x for x in our_lines(pod.name, backend) if "RDR_MYFW" not in x[2]}
+
+    previous = ours()
+    killed_setup(pod.name, PREVIOUS_IPT, backend, 10.0, point)
+    now = ours()
+    new = {x for x in now if "RDR2_" in x[2]}
+    if point == "iptables.before_restore_v4":  # the new rules half in (IPv6): the previous ones all there
+        assert previous <= now and new and not any(x[0] == 4 for x in new)
+        # The repair removes the half-added generation first, never the previous whole one.
+        killed_setup(pod.name, PREVIOUS_IPT, backend, 10.0, "iptables.remove_v6")
+        assert previous <= ours()
+    else:  # the new rules all in; the previous ones all there, or IPv4's gone
+        assert {x[0] for x in new} == {4, 6}
+        assert previous <= now if point == "iptables.remove_v4" else not any(x[0] == 4 for x in now - new)
+    res = redirect.check(pod.name, PREVIOUS_IPT, backend=backend)
+    assert res.differences[0].startswith("interrupted setup"), res.differences
+    assert redirect.setup(pod.name, PREVIOUS_IPT, backend=backend).changed
+    assert redirect.check(pod.name, PREVIOUS_IPT, backend=backend).ok
+    assert not any("RDR_" in x[2] for x in ours())  # only the new generation
+    assert redirect.teardown(pod.name, backend=backend)
+    assert full_ruleset(pod.name) == before

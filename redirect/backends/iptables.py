@@ -532,8 +532,10 @@ def _gen_present(cur: Read, g: int) -> bool:
 
 
 def _complete(cur: Read, g: int) -> bool:
-    """Generation ``g`` holds its anchor: its setup finished adding it and no removal began."""
-    return _anchor(GENERATIONS[g]) in cur[4].gens[g].get("nat", TableState()).jumps
+    """Generation ``g`` holds its anchor: its setup finished adding it and no removal began (the
+    previous release's bare jump counts for generation 0: it wrote each family in one go)."""
+    jumps = cur[4].gens[g].get("nat", TableState()).jumps
+    return _anchor(GENERATIONS[g]) in jumps or (g == 0 and f"-A OUTPUT -j {GENERATIONS[0]}OUTPUT" in jumps)
 
 
 class IptablesBackend:
