@@ -68,4 +68,13 @@ if [ -z "$so" ] || [ -n "$(find native bpf/abi.h -newer "$so" -type f 2>/dev/nul
   "$VENV/bin/python" native/build_native.py >/dev/null
   echo "$pkg_want" > "$pkg_stamp"
 fi
+# The thin CNI plugin (native/cni_thin.c): a static binary next to the package's code, where
+# `redirect-cni install` takes it from; rebuilt when its source changes.
+thin=redirect/cni/redirect-cni-thin
+if [ ! -x "$thin" ] || [ native/cni_thin.c -nt "$thin" ]; then
+  log "building the thin CNI plugin ($thin)"
+  cflags=(-O2 -Wall -Wextra -Werror -o "$thin.tmp" native/cni_thin.c)
+  gcc -static "${cflags[@]}" 2>/dev/null || gcc "${cflags[@]}"
+  mv -f "$thin.tmp" "$thin"
+fi
 log "ready: $VENV"

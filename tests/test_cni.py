@@ -150,11 +150,12 @@ def test_install_uninstall_round_trip_is_byte_identical(tmp_path: Any, kind: str
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert inst.install(str(conf_dir), str(bin_dir), {"backend": "iptables"}) is None  # no duplicate
     assert sum(p["type"] == "redirect-cni" for p in json.loads(path.read_text())["plugins"]) == 1
-    launcher = bin_dir / "redirect-cni"
+    thin, launcher = bin_dir / "redirect-cni", bin_dir / "redirect-cni-python"
+    assert os.access(thin, os.X_OK) and thin.read_bytes() == open(inst.THIN_BINARY, "rb").read()
     assert os.access(launcher, os.X_OK) and launcher.read_text().startswith(f"#!{sys.executable}")
     assert inst.uninstall(str(conf_dir), str(bin_dir)) == [str(path)]
     assert path.read_bytes() == original
-    assert not launcher.exists()
+    assert not thin.exists() and not launcher.exists()
     assert sorted(os.listdir(conf_dir)) == ["10-net.conflist"]  # no temp files left
 
 

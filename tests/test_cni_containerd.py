@@ -2,7 +2,9 @@
 
 A containerd of the test's own (temp ``root``/``state``/socket, CRI disabled) runs
 a busybox container whose network comes from the reference plugins chained with
-ours, installed by ``redirect-cni install`` into a conf dir of the test's own.
+ours, installed by ``redirect-cni install`` into a conf dir of the test's own. No
+node agent runs: the thin plugin falls back to the Python plugin (``agentDown:
+inProcess``); tests/test_cni_thin.py runs the same through the agent.
 ``ctr`` (containerd 1.6) reads only /etc/cni/net.d and /opt/cni/bin
 (``gocni.WithDefaultConf``, no env override), so it runs in a private mount
 namespace where the test's dirs are bind-mounted over those two paths; the host's
@@ -166,7 +168,9 @@ def test_container_started_by_containerd_is_captured_and_cleaned_up(containerd: 
         json.dump(primary, f, indent=2)
     original = open(conflist, "rb").read()
     log_file = os.path.join(base, "cni.log")
-    assert inst.install(net_d, bin_d, {"logFile": log_file, "logLevel": "info"}) == conflist
+    # No node agent runs here: the thin plugin execs the Python one (tests/test_cni_thin.py has the agent)
+    assert inst.install(net_d, bin_d, {"logFile": log_file, "logLevel": "info", "agentDown": "inProcess",
+                                       "agentSocket": os.path.join(base, "no-agent.sock")}) == conflist
 
     cid = f"rdrt-{os.urandom(3).hex()}"
     target = f"10.244.{r}.200"  # inside the bridge subnet, no one there: only capture can answer
@@ -213,3 +217,4 @@ def test_container_started_by_containerd_is_captured_and_cleaned_up(containerd: 
     inst.uninstall(net_d, bin_d)
     assert open(conflist, "rb").read() == original
     assert not os.path.exists(os.path.join(bin_d, "redirect-cni"))
+    assert not os.path.exists(os.path.join(bin_d, "redirect-cni-python"))

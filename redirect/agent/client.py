@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
 
 from . import protocol
+
+#: Where an event goes: the agent's events socket (a path), or, inside the agent, the function
+#: that handles an event (``Agent.handle``: message in, ``result`` message out).
+AgentTarget = Union[str, Callable[[dict[str, Any]], dict[str, Any]]]
 
 
 class AgentError(Exception):
@@ -16,7 +20,9 @@ class AgentError(Exception):
         self.reason = reason
 
 
-def _call(socket_path: str, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _call(socket_path: AgentTarget, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    if callable(socket_path):  # in the agent's own process: no socket, no timeout to wait out
+        return _result(socket_path({"v": protocol.VERSION, **msg}))
     try:
         out = protocol.request(socket_path, msg, timeout)
     except TimeoutError:
@@ -27,12 +33,16 @@ def _call(socket_path: str, msg: dict[str, Any], timeout: float) -> dict[str, An
         raise AgentError("unreachable", f"node agent at {socket_path}: {e.strerror or e}") from None
     except protocol.ProtocolError as e:
         raise AgentError("protocol", f"node agent at {socket_path}: {e}") from None
+    return _result(out)
+
+
+def _result(out: dict[str, Any]) -> dict[str, Any]:
     if out.get("type") != "result" or not out.get("ok"):
         raise AgentError(str(out.get("reason", "refused")), str(out.get("error", out)))
     return out
 
 
-def add_pod(socket_path: str, *, uid: str, netns: str, name: str = "", namespace: str = "",
+def add_pod(socket_path: AgentTarget, *, uid: str, netns: str, name: str = "", namespace: str = "",
             ips: Iterable[str] = (), annotations: Mapping[str, str] | None = None, container_id: str = "",
             config: Mapping[str, Any] | None = None, backend: str | None = None,
             timeout: float = 10.0) -> dict[str, Any]:
@@ -49,14 +59,14 @@ def add_pod(socket_path: str, *, uid: str, netns: str, name: str = "", namespace
     return _call(socket_path, msg, timeout)
 
 
-def del_pod(socket_path: str, *, uid: str = "", netns: str = "", container_id: str = "",
+def del_pod(socket_path: AgentTarget, *, uid: str = "", netns: str = "", container_id: str = "",
             timeout: float = 10.0) -> dict[str, Any]:
     """Remove a pod (idempotent). Raises ``AgentError``."""
     return _call(socket_path, {"type": "del", "pod": {"uid": uid, "netns": netns, "container_id": container_id}},
                  timeout)
 
 
-def check_pod(socket_path: str, *, uid: str, netns: str = "", timeout: float = 10.0) -> dict[str, Any]:
+def check_pod(socket_path: AgentTarget, *, uid: str, netns: str = "", timeout: float = 10.0) -> dict[str, Any]:
     """Whether the agent has the pod, with intact rules and a proxy. Raises ``AgentError`` (reason ``check``)."""
     return _call(socket_path, {"type": "check", "pod": {"uid": uid, "netns": netns}}, timeout)
 
@@ -67,4 +77,4 @@ def list_pods(socket_path: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     return pods if isinstance(pods, list) else []
 
 
-__all__ = ["AgentError", "add_pod", "del_pod", "check_pod", "list_pods"]
+__all__ = ["AgentTarget", "AgentError", "add_pod", "del_pod", "check_pod", "list_pods"]

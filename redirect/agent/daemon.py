@@ -54,7 +54,7 @@ from .. import api, node
 from .. import netns as _netns
 from ..config import RedirectConfig
 from ..errors import ConfigError, RedirectError, SetupError
-from . import identity, protocol
+from . import cni_requests, identity, protocol
 from .discovery import Found, discover, same_inode
 from .events import EventServer
 from .logs import jlog, log
@@ -144,7 +144,8 @@ class Agent:
         threading.Thread(target=self._accept_proxies, args=(proxies,), name="agent-proxies", daemon=True).start()
         self.events = EventServer(events, self.handle, lambda reason: self.metrics.inc("failures", reason),
                                   workers=self.opts.workers, max_clients=self.opts.max_clients,
-                                  idle_timeout=self.opts.idle_timeout)
+                                  idle_timeout=self.opts.idle_timeout,
+                                  fd_handlers={"cni": lambda msg, fds: cni_requests.serve(self, msg, fds)})
         self.events.start()
         if self.opts.resync_seconds > 0:
             threading.Thread(target=self._resync_loop, name="agent-resync", daemon=True).start()

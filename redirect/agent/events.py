@@ -32,6 +32,9 @@ from . import protocol
 from .logs import jlog, log
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+#: A request type whose message carries fds, and whose reply does: (message, its fds) -> (reply,
+#: the fds to send with it). It owns the fds it gets; the server closes the ones it returns.
+FdHandler = Callable[[dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]
 
 
 
@@ -46,9 +49,11 @@ class _Client:
 
 class EventServer:
     def __init__(self, lsock: socket.socket, handle: Handler, on_bad: Callable[[str], None], *,
-                 workers: int, max_clients: int, idle_timeout: float) -> None:
+                 workers: int, max_clients: int, idle_timeout: float,
+                 fd_handlers: dict[str, FdHandler] | None = None) -> None:
         self.lsock = lsock
         self.handle = handle
+        self.fd_handlers = dict(fd_handlers or {})
         self.on_bad = on_bad
         self.max_clients = max_clients
         self.idle_timeout = idle_timeout
@@ -141,7 +146,8 @@ class EventServer:
 
     def _readable(self, c: _Client) -> None:
         try:
-            got: tuple[dict[str, Any], list[int]] | None | protocol.ProtocolError = protocol.recv(c.sock, max_fds=0)
+            got: tuple[dict[str, Any], list[int]] | None | protocol.ProtocolError = protocol.recv(
+                c.sock, max_fds=1 if self.fd_handlers else 0)
         except (BlockingIOError, InterruptedError):
             return
         except protocol.ProtocolError as e:
@@ -182,19 +188,26 @@ class EventServer:
 
     def _serve(self, c: _Client, got: tuple[dict[str, Any], list[int]] | protocol.ProtocolError) -> None:
         keep = True
+        out_fds: list[int] = []
         try:
             if isinstance(got, protocol.ProtocolError):  # framing: answered, not counted as a pod failure
                 reply = {"type": "result", "ok": False, "reason": "bad_request", "error": str(got)}
             else:
                 try:
-                    reply = self.handle(got[0])
+                    fd_handler = self.fd_handlers.get(got[0]["type"])
+                    if fd_handler is not None:
+                        reply, out_fds = fd_handler(*got)
+                    else:
+                        for fd in got[1]:
+                            os.close(fd)
+                        reply = self.handle(got[0])
                 except Exception as e:  # noqa: BLE001 - the client always gets an answer
                     log.exception("event handler failed")
                     self.on_bad("internal")
                     reply = {"type": "result", "ok": False, "reason": "internal", "error": f"{type(e).__name__}: {e}"}
             c.sock.settimeout(self.idle_timeout)  # a reply not taken in time closes the connection
             try:
-                protocol.send(c.sock, reply)
+                protocol.send(c.sock, reply, tuple(out_fds))
             except protocol.ProtocolError as e:  # a reply over the size limit: say so instead
                 protocol.send(c.sock, {"type": "result", "ok": False, "reason": "internal", "error": str(e)})
         except OSError:
@@ -203,8 +216,10 @@ class EventServer:
             log.exception("events socket: reply failed")
             keep = False
         finally:
+            for fd in out_fds:
+                os.close(fd)
             self._done.put((c, keep))
             self._wake()
 
 
-__all__ = ["EventServer"]
+__all__ = ["EventServer", "FdHandler"]

@@ -2,7 +2,11 @@
 
 ``install`` appends our entry to the ``plugins`` of the conf dir's active network
 config (the first ``*.conf``/``*.conflist``/``*.json`` by name, as libcni picks it),
-and writes a launcher for the plugin into the bin dir. It edits the file's text in
+and writes two executables into the bin dir: ``redirect-cni``, the thin plugin
+(``native/cni_thin.c``: it hands every request to ``redirect-agent``, which runs the
+plugin code in its long-lived process), and ``redirect-cni-python``, a launcher of the
+Python plugin (``redirect.cni.plugin``) that the thin one execs when no agent runs and
+its config says ``"agentDown": "inProcess"``. It edits the file's text in
 place, so every other plugin, key order, indentation and the file mode stay as they
 were, and ``uninstall`` takes out exactly what ``install`` put in: the round trip
 gives back the original bytes. A single-plugin ``.conf`` becomes a ``.conflist``
@@ -12,9 +16,10 @@ byte for byte. Every write is atomic (temp file in the same dir + rename); our
 entry is never duplicated (an outdated one is replaced).
 
 ``install --standalone NAME`` writes a conflist of our own instead (optionally with
-``--primary`` plugins before ours). ``install --watch`` keeps our entry present:
-it polls the conf dir and re-adds it when another tool rewrites the file, until
-SIGTERM/SIGINT or ``--max-seconds``.
+``--primary`` plugins before ours). ``install --watch`` keeps our entry and our two
+executables present: it polls the conf dir and the bin dir and re-adds the entry when
+another tool rewrites the file, and the binaries when they are removed or replaced,
+until SIGTERM/SIGINT or ``--max-seconds``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ DEFAULT_BIN_DIR = "/opt/cni/bin"
 CONF_EXTS = (".conf", ".conflist", ".json")
 MARK_KEY = "redirectInstall"
 LAUNCHER_MARK = "# redirect-cni launcher"
+PYTHON_PLUGIN = "redirect-cni-python"
+#: the thin plugin as ``scripts/bootstrap.sh`` builds it, and the string it carries
+THIN_BINARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "redirect-cni-thin")
+THIN_MARK = b"redirect-cni thin plugin (written by `redirect-cni install`)"
 DEFAULT_ENTRY: dict[str, Any] = {
     "type": PLUGIN_TYPE,
     "backend": "iptables",
@@ -244,18 +253,32 @@ def _launcher(python: str) -> bytes:
     ).encode()
 
 
-def install_binary(bin_dir: str, python: str | None = None) -> bool:
-    """Write the launcher ``<bin_dir>/redirect-cni``; True if it changed."""
-    os.makedirs(bin_dir, exist_ok=True)
-    path = os.path.join(bin_dir, PLUGIN_TYPE)
-    data = _launcher(python or sys.executable)
+def thin_binary() -> bytes:
+    """The thin plugin's bytes, as built by ``scripts/bootstrap.sh``."""
     try:
-        if _read(path)[0] == data:
-            return False
+        data = _read(THIN_BINARY)[0]
     except FileNotFoundError:
-        pass
-    atomic_write(path, data, 0o755)
-    return True
+        raise InstallError(f"{THIN_BINARY}: the thin CNI plugin is not built (make bootstrap builds it)") from None
+    if THIN_MARK not in data:
+        raise InstallError(f"{THIN_BINARY}: not the thin CNI plugin (no install mark in it)")
+    return data
+
+
+def install_binary(bin_dir: str, python: str | None = None) -> list[str]:
+    """Write ``<bin_dir>/redirect-cni`` (the thin plugin) and ``<bin_dir>/redirect-cni-python``
+    (the Python plugin's launcher) where missing or different; the paths written."""
+    os.makedirs(bin_dir, exist_ok=True)
+    written = []
+    for name, data in ((PLUGIN_TYPE, thin_binary()), (PYTHON_PLUGIN, _launcher(python or sys.executable))):
+        path = os.path.join(bin_dir, name)
+        try:
+            if _read(path)[0] == data:
+                continue
+        except FileNotFoundError:
+            pass
+        atomic_write(path, data, 0o755)
+        written.append(path)
+    return written
 
 
 def install(
@@ -364,12 +387,14 @@ def uninstall(conf_dir: str = DEFAULT_CONF_DIR, bin_dir: str | None = DEFAULT_BI
         atomic_write(path, text.encode("utf-8"), mode, owner)
         changed.append(path)
     if bin_dir:
-        launcher = os.path.join(bin_dir, PLUGIN_TYPE)
-        try:
-            if LAUNCHER_MARK.encode() in _read(launcher)[0]:
-                os.unlink(launcher)
-        except FileNotFoundError:
-            pass
+        for name, mark in ((PLUGIN_TYPE, THIN_MARK), (PLUGIN_TYPE, LAUNCHER_MARK.encode()),
+                           (PYTHON_PLUGIN, LAUNCHER_MARK.encode())):
+            path = os.path.join(bin_dir, name)
+            try:
+                if mark in _read(path)[0]:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
     return changed
 
 
@@ -383,16 +408,22 @@ def watch(
     max_seconds: float | None = None,
     on_install: Any = None,
 ) -> int:
-    """Keep our entry installed until ``stop`` is set (or ``max_seconds``); returns how often we re-added it."""
+    """Keep our entry and executables installed until ``stop`` is set (or ``max_seconds``): the
+    entry is re-added when the config is rewritten, a binary when it is removed or replaced.
+    Returns how many files were (re-)written; ``on_install`` gets each path."""
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     count = 0
     while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+        paths: list[str] = []
         try:
-            path = install(conf_dir, bin_dir, entry, conf_file)
-        except InstallError as e:  # no primary config yet: wait for it
-            path = None
+            if bin_dir:
+                paths += install_binary(bin_dir)
+            path = install(conf_dir, None, entry, conf_file)
+            if path is not None:
+                paths.append(path)
+        except (InstallError, OSError) as e:  # no primary config yet: wait for it
             logging.getLogger("redirect.cni.install").warning("install --watch: %s", e)
-        if path is not None:
+        for path in paths:
             count += 1
             if on_install is not None:
                 on_install(path)

@@ -73,13 +73,17 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..agent.client import AgentTarget
 
 from ..errors import brief, brief_text
 
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST = "1.1.0"
 PLUGIN_TYPE = "redirect-cni"
+COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
 
 E_INCOMPATIBLE = 1
 E_INVALID_CONFIG = 4
@@ -94,7 +98,10 @@ E_AMBIENT = 103
 E_CHECK = 104
 E_TEARDOWN = 105
 
-#: The longest network config accepted on stdin, in bytes.
+#: ``agentDown`` (the thin plugin, ``native/cni_thin.c``, when no agent listens at its socket):
+#: fail with code 11 so the runtime retries, or exec the in-process Python plugin
+AGENT_DOWN_POLICIES = ("tryAgain", "inProcess")
+#: The longest network config accepted on stdin, in bytes (the thin plugin has the same bound).
 MAX_STDIN = 1 << 20
 
 RUNTIME_ANNOTATION_KEYS = ("io.kubernetes.cri.pod-annotations", "podAnnotations")
@@ -258,6 +265,13 @@ class PluginConf:
         if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
                 or not 0 < self.agent_timeout <= 300:
             raise CniError(E_INVALID_CONFIG, f"agentTimeout={brief(self.agent_timeout)}: expected seconds in (0, 300]")
+        self.agent_down = conf.get("agentDown", AGENT_DOWN_POLICIES[0])
+        if self.agent_down not in AGENT_DOWN_POLICIES:
+            raise CniError(E_INVALID_CONFIG, f"agentDown={brief(self.agent_down)}: expected "
+                           + " or ".join(f'"{p}"' for p in AGENT_DOWN_POLICIES))
+        #: where ambient pods go: the node agent's events socket, or the agent itself when it
+        #: serves this request in its own process (``run(..., node_agent=...)``)
+        self.agent: AgentTarget | None = self.agent_socket
         self.prev_result = conf.get("prevResult")
         if self.prev_result is not None:
             _check_prev_result(self.prev_result)
@@ -407,7 +421,7 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
     from ..agent.client import AgentError, add_pod
 
     try:
-        res = add_pod(pc.agent_socket or "", uid=_pod_uid(container_id, cni_args), netns=netns,
+        res = add_pod(pc.agent or "", uid=_pod_uid(container_id, cni_args), netns=netns,
                       name=cni_args.get("K8S_POD_NAME", ""), namespace=cni_args.get("K8S_POD_NAMESPACE", ""),
                       ips=_prev_ips(pc), annotations=pod_annotations(pc.raw, cni_args), container_id=container_id,
                       config=cfg.to_dict(), backend=pc.backend, timeout=pc.agent_timeout)
@@ -432,7 +446,7 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     netns = env.get("CNI_NETNS", "")
     uid = _pod_uid(container, parse_cni_args(env.get("CNI_ARGS", "")))
     try:
-        del_pod(pc.agent_socket or "", uid=uid, netns=netns, container_id=container, timeout=pc.agent_timeout)
+        del_pod(pc.agent or "", uid=uid, netns=netns, container_id=container, timeout=pc.agent_timeout)
         log.info("DEL container=%s netns=%r ambient: removed by the node agent", container, netns)
         return
     except AgentError as e:
@@ -480,7 +494,7 @@ def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
     cfg = _pod_config(pc, env, log)
     if cfg is None:
         return result
-    if pc.mode == "ambient" and pc.agent_socket:
+    if pc.mode == "ambient" and pc.agent:
         _ambient_add(pc, netns, container, parse_cni_args(env.get("CNI_ARGS", "")), cfg)
         return result
     from .. import api
@@ -492,7 +506,7 @@ def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
 
 
 def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
-    if pc.mode == "ambient" and pc.agent_socket:
+    if pc.mode == "ambient" and pc.agent:
         _ambient_del(pc, env, log)
         return
     container = _env("CNI_CONTAINERID", env, required=False)
@@ -538,11 +552,11 @@ def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     cfg = _pod_config(pc, env, log)
     if cfg is None:
         return
-    if pc.mode == "ambient" and pc.agent_socket:
+    if pc.mode == "ambient" and pc.agent:
         from ..agent.client import AgentError, check_pod
 
         try:
-            check_pod(pc.agent_socket, uid=_pod_uid(container, parse_cni_args(env.get("CNI_ARGS", ""))), netns=netns,
+            check_pod(pc.agent, uid=_pod_uid(container, parse_cni_args(env.get("CNI_ARGS", ""))), netns=netns,
                       timeout=pc.agent_timeout)
         except AgentError as e:
             raise CniError(E_CHECK if e.reason == "check" else E_AMBIENT, f"node agent: {e}",
@@ -571,12 +585,18 @@ def cmd_status(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
             get_backend(pc.backend, None)
         except Exception as e:  # noqa: BLE001 - any failure means "not available"
             raise CniError(E_NOT_AVAILABLE, f"backend {pc.backend}: {e}") from None
-    if pc.mode == "ambient" and pc.agent_socket and not os.path.exists(pc.agent_socket):
+    if pc.mode == "ambient" and isinstance(pc.agent, str) and not os.path.exists(pc.agent):
         raise CniError(E_NOT_AVAILABLE, f"agentSocket {pc.agent_socket}: the node agent is not listening")
 
 
-def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | None]:
-    """One plugin invocation: (exit code, JSON to print or None)."""
+def run(env: Mapping[str, str], stdin: bytes,
+        node_agent: AgentTarget | None = None) -> tuple[int, dict[str, Any] | None]:
+    """One plugin invocation: (exit code, JSON to print or None).
+
+    The Python plugin (``main``) and the node agent (``redirect.agent.cni_requests``, for the
+    thin plugin) both call this. ``node_agent``: the agent serving the request in its own
+    process; ambient pods are then enrolled by it directly, whatever ``agentSocket`` says.
+    """
     command = env.get("CNI_COMMAND", "")
     version = LATEST
     log: Any = None
@@ -587,11 +607,13 @@ def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | Non
             except (ValueError, AttributeError, RecursionError):
                 v = LATEST
             return 0, {"cniVersion": v if isinstance(v, str) else LATEST, "supportedVersions": list(SUPPORTED_VERSIONS)}
-        if command not in ("ADD", "DEL", "CHECK", "STATUS", "GC"):
+        if command not in COMMANDS:
             raise CniError(E_ENV, f"CNI_COMMAND={command!r}: expected ADD, DEL, CHECK, STATUS, GC or VERSION")
         conf = parse_netconf(stdin)
         version = conf["cniVersion"]
         pc = PluginConf(conf)
+        if node_agent is not None:
+            pc.agent = node_agent
         log = _setup_logging(pc, env)
         if command == "ADD":
             return 0, cmd_add(pc, env, log)

@@ -1,0 +1,738 @@
+/* redirect-cni, the thin CNI plugin: hands every CNI request to the node agent.
+ *
+ * The container runtime execs the plugin once per pod event, so its start-up is on every
+ * pod's start. This program does no CNI work of its own: it reads the request (the CNI_*
+ * environment and the network config on stdin, both bounded), sends it as it got it to
+ * redirect-agent's events socket in one "cni" message (docs/agent-protocol.md: the env in the
+ * JSON, stdin as a sealed memfd passed with SCM_RIGHTS), waits for the answer and prints what
+ * the agent's plugin code printed (its stdout arrives as a memfd), exiting with its code. The
+ * agent parses and validates the config with redirect.cni.plugin, the same code as the Python
+ * plugin, so codes and messages are the same.
+ *
+ * Read here, from the top level of the config only: cniVersion (VERSION is answered locally,
+ * and errors raised here carry it), agentSocket (default /run/redirect/agent.sock),
+ * agentTimeout (seconds, default 10) and agentDown, what to do when no agent listens:
+ *   "tryAgain"  (default) CNI error 11, so the runtime retries: fail closed;
+ *   "inProcess" exec redirect-cni-python from this binary's directory (the Python plugin,
+ *               written there by `redirect-cni install`) with the same env and stdin.
+ * An agent that goes away mid-request (closes without answering, a restart) or does not
+ * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
+ * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
+ * undoes it. Never a success without the agent's.
+ *
+ * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (scanned
+ * without recursion, nesting bounded by MAX_DEPTH) or not an object gets error 6, a bad or
+ * oversized CNI_* variable error 7, as the Python plugin answers.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_STDIN (1 << 20)        /* redirect.cni.plugin.MAX_STDIN */
+#define MAX_MESSAGE (64 * 1024)    /* redirect.agent.protocol.MAX_MESSAGE */
+#define MAX_ENV_VALUE (32 * 1024)  /* redirect.agent.cni_requests.MAX_ENV_VALUE */
+#define MAX_DEPTH 512
+#define LATEST "1.1.0"
+#define DEFAULT_SOCKET "/run/redirect/agent.sock"
+#define DEFAULT_TIMEOUT_S 10.0
+#define PYTHON_PLUGIN "redirect-cni-python"
+
+enum { E_INCOMPATIBLE = 1, E_INVALID_CONFIG = 4, E_DECODE = 6, E_ENV = 7, E_TRY_AGAIN = 11, E_SETUP = 100 };
+
+/* `redirect-cni uninstall` removes a redirect-cni binary only if it holds this string */
+__attribute__((used)) static const char INSTALL_MARK[] = "redirect-cni thin plugin (written by `redirect-cni install`)";
+
+static const char *const SUPPORTED[] = {"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"};
+static const char *const ENV_NAMES[] = {"CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS",
+                                        "CNI_IFNAME", "CNI_ARGS", "CNI_PATH"};
+
+/* --- a growing buffer ------------------------------------------------------------------ */
+
+struct buf {
+    char *p;
+    size_t n, cap;
+};
+
+static void die_oom(void) {
+    /* nothing sensible to print without memory; the runtime sees a failure */
+    _exit(1);
+}
+
+static void put(struct buf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) die_oom();
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static void puts_(struct buf *b, const char *s) { put(b, s, strlen(s)); }
+
+/* `s` as a JSON string literal (s must be valid UTF-8). */
+static void put_json_string(struct buf *b, const char *s, size_t n) {
+    put(b, "\"", 1);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        char esc[8];
+        if (c == '"' || c == '\\') {
+            esc[0] = '\\';
+            esc[1] = (char)c;
+            put(b, esc, 2);
+        } else if (c < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", c);
+            put(b, esc, 6);
+        } else {
+            put(b, (const char *)&s[i], 1);
+        }
+    }
+    put(b, "\"", 1);
+}
+
+/* --- UTF-8 ---------------------------------------------------------------------------- */
+
+/* Offset of the first byte that is not valid UTF-8 (as Python's strict decoder sees it), or -1. */
+static long utf8_invalid_at(const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        size_t len;
+        uint32_t cp;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xE0) == 0xC0) {
+            len = 2;
+            cp = c & 0x1F;
+        } else if ((c & 0xF0) == 0xE0) {
+            len = 3;
+            cp = c & 0x0F;
+        } else if ((c & 0xF8) == 0xF0) {
+            len = 4;
+            cp = c & 0x07;
+        } else {
+            return (long)i;
+        }
+        if (i + len > n) return (long)i;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return (long)i;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+            cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return (long)i;
+        i += len;
+    }
+    return -1;
+}
+
+/* --- a JSON scanner: top-level members only, no recursion --------------------------------- */
+
+struct span {
+    const char *p;
+    size_t n;
+};
+
+struct scan {
+    const char *s;
+    size_t n, i;
+    const char *err; /* why scanning stopped */
+};
+
+static void ws(struct scan *sc) {
+    while (sc->i < sc->n && (sc->s[sc->i] == ' ' || sc->s[sc->i] == '\t' || sc->s[sc->i] == '\n' ||
+                             sc->s[sc->i] == '\r'))
+        sc->i++;
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* A string at sc->i (its opening quote): checked and skipped. */
+static int scan_string(struct scan *sc) {
+    if (sc->i >= sc->n || sc->s[sc->i] != '"') {
+        sc->err = "expected a string";
+        return -1;
+    }
+    sc->i++;
+    while (sc->i < sc->n) {
+        unsigned char c = (unsigned char)sc->s[sc->i];
+        if (c == '"') {
+            sc->i++;
+            return 0;
+        }
+        if (c < 0x20) {
+            sc->err = "control character in a string";
+            return -1;
+        }
+        if (c == '\\') {
+            if (sc->i + 1 >= sc->n) break;
+            char e = sc->s[sc->i + 1];
+            if (e == 'u') {
+                if (sc->i + 6 > sc->n) break;
+                for (int k = 2; k < 6; k++)
+                    if (hexval(sc->s[sc->i + k]) < 0) {
+                        sc->err = "bad \\u escape";
+                        return -1;
+                    }
+                sc->i += 6;
+                continue;
+            }
+            if (!strchr("\"\\/bfnrt", e) || e == 0) {
+                sc->err = "bad escape";
+                return -1;
+            }
+            sc->i += 2;
+            continue;
+        }
+        sc->i++;
+    }
+    sc->err = "unterminated string";
+    return -1;
+}
+
+/* Any value at sc->i: checked (structure, strings) and skipped, nesting kept in a bounded stack. */
+static int skip_value(struct scan *sc) {
+    char stack[MAX_DEPTH];
+    int depth = 0;
+    for (;;) {
+        ws(sc);
+        if (sc->i >= sc->n) {
+            sc->err = "truncated: expected a value";
+            return -1;
+        }
+        char c = sc->s[sc->i];
+        if (c == '"') {
+            if (scan_string(sc) < 0) return -1;
+        } else if (c == '{' || c == '[') {
+            if (depth >= MAX_DEPTH) {
+                sc->err = "nested deeper than 512 levels";
+                return -1;
+            }
+            stack[depth++] = c;
+            sc->i++;
+            ws(sc);
+            if (sc->i < sc->n && sc->s[sc->i] == (c == '{' ? '}' : ']')) {
+                depth--;
+                sc->i++;
+            } else {
+                if (c == '{') {
+                    if (scan_string(sc) < 0) return -1;
+                    ws(sc);
+                    if (sc->i >= sc->n || sc->s[sc->i] != ':') {
+                        sc->err = "expected ':'";
+                        return -1;
+                    }
+                    sc->i++;
+                }
+                continue; /* the first element's value */
+            }
+        } else {
+            size_t start = sc->i;
+            while (sc->i < sc->n && (strchr("+-.", sc->s[sc->i]) ||
+                                     (sc->s[sc->i] >= '0' && sc->s[sc->i] <= '9') ||
+                                     (sc->s[sc->i] >= 'a' && sc->s[sc->i] <= 'z') ||
+                                     (sc->s[sc->i] >= 'A' && sc->s[sc->i] <= 'Z')) && sc->s[sc->i])
+                sc->i++;
+            if (sc->i == start) {
+                sc->err = "unexpected character";
+                return -1;
+            }
+        }
+        /* after a value: close containers, or go on to the next element */
+        for (;;) {
+            if (depth == 0) return 0;
+            ws(sc);
+            if (sc->i >= sc->n) {
+                sc->err = "truncated: unclosed object or array";
+                return -1;
+            }
+            char d = sc->s[sc->i];
+            char top = stack[depth - 1];
+            if ((d == '}' && top == '{') || (d == ']' && top == '[')) {
+                depth--;
+                sc->i++;
+                continue;
+            }
+            if (d != ',') {
+                sc->err = "expected ',' or a closing bracket";
+                return -1;
+            }
+            sc->i++;
+            if (top == '{') {
+                ws(sc);
+                if (scan_string(sc) < 0) return -1;
+                ws(sc);
+                if (sc->i >= sc->n || sc->s[sc->i] != ':') {
+                    sc->err = "expected ':'";
+                    return -1;
+                }
+                sc->i++;
+            }
+            break;
+        }
+    }
+}
+
+/* Decode the JSON string literal `v` (quotes included) into out (NUL-terminated, at most cap-1
+ * bytes). -1 if too long, or it holds a NUL or a lone surrogate. */
+static int unescape(struct span v, char *out, size_t cap) {
+    size_t o = 0;
+    for (size_t i = 1; i + 1 < v.n;) {
+        char c = v.p[i];
+        uint32_t cp;
+        if (c != '\\') {
+            if (o + 1 >= cap) return -1;
+            out[o++] = c;
+            i++;
+            continue;
+        }
+        char e = v.p[i + 1];
+        if (e != 'u') {
+            const char *from = "\"\\/bfnrt", *to = "\"\\/\b\f\n\r\t";
+            if (o + 1 >= cap) return -1;
+            out[o++] = to[strchr(from, e) - from];
+            i += 2;
+            continue;
+        }
+        cp = (uint32_t)(hexval(v.p[i + 2]) << 12 | hexval(v.p[i + 3]) << 8 | hexval(v.p[i + 4]) << 4 |
+                        hexval(v.p[i + 5]));
+        i += 6;
+        if (cp >= 0xD800 && cp <= 0xDBFF && i + 6 <= v.n - 1 && v.p[i] == '\\' && v.p[i + 1] == 'u') {
+            uint32_t lo = (uint32_t)(hexval(v.p[i + 2]) << 12 | hexval(v.p[i + 3]) << 8 |
+                                     hexval(v.p[i + 4]) << 4 | hexval(v.p[i + 5]));
+            if (lo < 0xDC00 || lo > 0xDFFF) return -1;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            i += 6;
+        } else if (cp >= 0xD800 && cp <= 0xDFFF) {
+            return -1;
+        }
+        if (cp == 0 || o + 4 >= cap) return -1;
+        if (cp < 0x80) {
+            out[o++] = (char)cp;
+        } else if (cp < 0x800) {
+            out[o++] = (char)(0xC0 | cp >> 6);
+            out[o++] = (char)(0x80 | (cp & 0x3F));
+        } else if (cp < 0x10000) {
+            out[o++] = (char)(0xE0 | cp >> 12);
+            out[o++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            out[o++] = (char)(0x80 | (cp & 0x3F));
+        } else {
+            out[o++] = (char)(0xF0 | cp >> 18);
+            out[o++] = (char)(0x80 | ((cp >> 12) & 0x3F));
+            out[o++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            out[o++] = (char)(0x80 | (cp & 0x3F));
+        }
+    }
+    out[o] = 0;
+    return 0;
+}
+
+/* The top-level members named in keys[] (values as raw spans; later duplicates win, as in
+ * Python). 0: an object; 1: valid JSON but not an object; -1: not JSON (sc->err says why). */
+static int top_members(struct scan *sc, const char *const *keys, struct span *vals, int nkeys) {
+    ws(sc);
+    if (sc->i >= sc->n) { /* empty stdin reads as {} (the Python plugin's rule) */
+        return 0;
+    }
+    if (sc->s[sc->i] != '{') {
+        if (skip_value(sc) < 0) return -1;
+        ws(sc);
+        if (sc->i != sc->n) {
+            sc->err = "extra data after the value";
+            return -1;
+        }
+        return 1;
+    }
+    sc->i++;
+    ws(sc);
+    if (sc->i < sc->n && sc->s[sc->i] == '}') {
+        sc->i++;
+    } else {
+        for (;;) {
+            ws(sc);
+            size_t k0 = sc->i;
+            if (scan_string(sc) < 0) return -1;
+            struct span key = {sc->s + k0, sc->i - k0};
+            ws(sc);
+            if (sc->i >= sc->n || sc->s[sc->i] != ':') {
+                sc->err = "expected ':'";
+                return -1;
+            }
+            sc->i++;
+            ws(sc);
+            size_t v0 = sc->i;
+            if (skip_value(sc) < 0) return -1;
+            char name[64];
+            if (unescape(key, name, sizeof name) == 0)
+                for (int k = 0; k < nkeys; k++)
+                    if (strcmp(name, keys[k]) == 0) {
+                        vals[k].p = sc->s + v0;
+                        vals[k].n = sc->i - v0;
+                    }
+            ws(sc);
+            if (sc->i >= sc->n) {
+                sc->err = "truncated: unclosed object";
+                return -1;
+            }
+            if (sc->s[sc->i] == ',') {
+                sc->i++;
+                continue;
+            }
+            if (sc->s[sc->i] != '}') {
+                sc->err = "expected ',' or '}'";
+                return -1;
+            }
+            sc->i++;
+            break;
+        }
+    }
+    ws(sc);
+    if (sc->i != sc->n) {
+        sc->err = "extra data after the object";
+        return -1;
+    }
+    return 0;
+}
+
+static int is_string(struct span v) { return v.p && v.n >= 2 && v.p[0] == '"'; }
+
+/* --- output --------------------------------------------------------------------------- */
+
+static const char *version = LATEST; /* cniVersion of our error JSON */
+
+static void write_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+__attribute__((noreturn, format(printf, 3, 4))) static void fail(int code, const char *details, const char *fmt,
+                                                                  ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    /* msg and details may hold bytes from the config: keep only valid UTF-8 */
+    long bad = utf8_invalid_at((const unsigned char *)msg, strlen(msg));
+    if (bad >= 0) msg[bad] = 0;
+    struct buf b = {0};
+    puts_(&b, "{\"cniVersion\": \"");
+    puts_(&b, version);
+    puts_(&b, "\", \"code\": ");
+    char num[16];
+    snprintf(num, sizeof num, "%d", code);
+    puts_(&b, num);
+    puts_(&b, ", \"msg\": ");
+    put_json_string(&b, msg, strlen(msg));
+    puts_(&b, ", \"details\": ");
+    size_t dn = details ? strlen(details) : 0;
+    if (details && utf8_invalid_at((const unsigned char *)details, dn) >= 0) dn = 0;
+    put_json_string(&b, details ? details : "", dn);
+    puts_(&b, "}\n");
+    write_all(1, b.p, b.n);
+    exit(1);
+}
+
+/* --- the request ------------------------------------------------------------------------ */
+
+static char *read_stdin(size_t *len) {
+    size_t cap = 64 * 1024, n = 0;
+    char *p = malloc(cap + 1);
+    if (!p) die_oom();
+    for (;;) {
+        if (n == cap) {
+            if (cap > MAX_STDIN) break;
+            cap *= 2;
+            if (cap > MAX_STDIN + 1) cap = MAX_STDIN + 1;
+            char *q = realloc(p, cap + 1);
+            if (!q) die_oom();
+            p = q;
+        }
+        ssize_t r = read(0, p + n, cap - n);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            fail(E_DECODE, strerror(errno), "cannot read the network config on stdin");
+        }
+        if (r == 0) break;
+        n += (size_t)r;
+    }
+    if (n > MAX_STDIN) fail(E_DECODE, "", "the network config on stdin is larger than %d bytes", MAX_STDIN);
+    p[n] = 0;
+    *len = n;
+    return p;
+}
+
+static int memfd_with(const char *data, size_t n) {
+    int fd = memfd_create("redirect-cni-stdin", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) fail(E_TRY_AGAIN, strerror(errno), "memfd_create failed");
+    size_t off = 0;
+    while (off < n) {
+        ssize_t w = write(fd, data + off, n - off);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            fail(E_TRY_AGAIN, strerror(errno), "writing the request to a memfd failed");
+        }
+        off += (size_t)w;
+    }
+    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
+    return fd;
+}
+
+/* The agentDown policy "inProcess": the Python plugin next to this binary, same env and stdin. */
+__attribute__((noreturn)) static void exec_python(const char *data, size_t n, const char *why) {
+    char self[PATH_MAX], path[PATH_MAX + 32];
+    ssize_t l = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (l <= 0) fail(E_TRY_AGAIN, why, "node agent unavailable and this plugin's own path is unknown");
+    self[l] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash) *slash = 0;
+    snprintf(path, sizeof path, "%s/%s", self, PYTHON_PLUGIN);
+    int fd = memfd_with(data, n);
+    lseek(fd, 0, SEEK_SET);
+    if (dup2(fd, 0) < 0) fail(E_TRY_AGAIN, strerror(errno), "dup2 failed");
+    char *argv[] = {path, NULL};
+    extern char **environ;
+    execve(path, argv, environ);
+    char details[PATH_MAX + 700];
+    snprintf(details, sizeof details, "%s: %s (agent: %s)", path, strerror(errno), why);
+    fail(E_TRY_AGAIN, details, "node agent unavailable and the in-process plugin could not be started");
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+int main(void) {
+    const char *command = getenv("CNI_COMMAND");
+    if (!command)
+        fail(E_ENV, "this is the thin redirect-cni plugin, run by a container runtime; "
+                    "install it with `redirect-cni install`",
+             "CNI_COMMAND is not set");
+    size_t len = 0;
+    char *data = (strcmp(command, "VERSION") == 0 && isatty(0)) ? strdup("") : read_stdin(&len);
+    if (!data) die_oom();
+
+    int is_version = strcmp(command, "VERSION") == 0;
+    if (!is_version) {
+        static const char *const ok[] = {"ADD", "DEL", "CHECK", "STATUS", "GC"};
+        int found = 0;
+        for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) found |= strcmp(command, ok[k]) == 0;
+        if (!found) {
+            char shown[64];
+            snprintf(shown, sizeof shown, "%s", command);
+            fail(E_ENV, "", "CNI_COMMAND='%s': expected ADD, DEL, CHECK, STATUS, GC or VERSION", shown);
+        }
+    }
+
+    static const char *const keys[] = {"cniVersion", "agentSocket", "agentTimeout", "agentDown"};
+    struct span vals[4] = {{0}};
+    long bad = utf8_invalid_at((const unsigned char *)data, len);
+    struct scan sc = {data, len, 0, NULL};
+    int top = bad >= 0 ? -2 : top_members(&sc, keys, vals, 4);
+
+    char cni_version[32] = "";
+    if (top == 0 && is_string(vals[0])) unescape(vals[0], cni_version, sizeof cni_version);
+    if (is_version) { /* answered here: {"cniVersion": <asked, or latest>, "supportedVersions": [...]} */
+        struct buf b = {0};
+        puts_(&b, "{\"cniVersion\": ");
+        if (top == 0 && is_string(vals[0]) && vals[0].n > 2)
+            put(&b, vals[0].p, vals[0].n);
+        else
+            puts_(&b, "\"" LATEST "\"");
+        puts_(&b, ", \"supportedVersions\": [");
+        for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++) {
+            if (k) puts_(&b, ", ");
+            puts_(&b, "\"");
+            puts_(&b, SUPPORTED[k]);
+            puts_(&b, "\"");
+        }
+        puts_(&b, "]}\n");
+        write_all(1, b.p, b.n);
+        return 0;
+    }
+    for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++)
+        if (strcmp(cni_version, SUPPORTED[k]) == 0) version = SUPPORTED[k];
+    if (top == -2) {
+        char d[64];
+        snprintf(d, sizeof d, "invalid UTF-8 at byte %ld", bad);
+        fail(E_DECODE, d, "cannot decode the network config on stdin");
+    }
+    if (top < 0) {
+        char d[128];
+        snprintf(d, sizeof d, "%s at byte %zu", sc.err ? sc.err : "invalid JSON", sc.i);
+        fail(E_DECODE, d, "cannot decode the network config on stdin");
+    }
+    if (top == 1) fail(E_DECODE, "", "the network config on stdin must be a JSON object");
+
+    char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)] = DEFAULT_SOCKET;
+    if (vals[1].p && !(is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]))
+        fail(E_INVALID_CONFIG, "", "agentSocket=%.*s: expected a path of at most %zu bytes",
+             (int)(vals[1].n > 200 ? 200 : vals[1].n), vals[1].p, sizeof sock_path - 1);
+    double timeout = DEFAULT_TIMEOUT_S;
+    if (vals[2].p) {
+        char num[32];
+        snprintf(num, sizeof num, "%.*s", (int)(vals[2].n < 31 ? vals[2].n : 31), vals[2].p);
+        char *end;
+        double t = strtod(num, &end);
+        if (*end == 0 && t > 0 && t <= 300) timeout = t; /* else the agent's plugin code says why */
+    }
+    int in_process = 0;
+    if (vals[3].p) {
+        char pol[32] = "";
+        if (is_string(vals[3])) unescape(vals[3], pol, sizeof pol);
+        if (strcmp(pol, "inProcess") == 0)
+            in_process = 1;
+        else if (strcmp(pol, "tryAgain") != 0)
+            fail(E_INVALID_CONFIG, "", "agentDown=%.*s: expected \"tryAgain\" or \"inProcess\"",
+                 (int)(vals[3].n > 100 ? 100 : vals[3].n), vals[3].p);
+    }
+
+    /* the message: {"v":1,"type":"cni","cni":{"env":{...},"stdin_len":N}} + the stdin memfd */
+    struct buf msg = {0};
+    puts_(&msg, "{\"v\":1,\"type\":\"cni\",\"cni\":{\"env\":{");
+    int first = 1;
+    for (size_t k = 0; k < sizeof ENV_NAMES / sizeof ENV_NAMES[0]; k++) {
+        const char *v = getenv(ENV_NAMES[k]);
+        if (!v) continue;
+        size_t vn = strlen(v);
+        if (vn > MAX_ENV_VALUE) fail(E_ENV, "", "%s is longer than %d bytes", ENV_NAMES[k], MAX_ENV_VALUE);
+        if (utf8_invalid_at((const unsigned char *)v, vn) >= 0) fail(E_ENV, "", "%s is not UTF-8", ENV_NAMES[k]);
+        if (!first) puts_(&msg, ",");
+        first = 0;
+        put_json_string(&msg, ENV_NAMES[k], strlen(ENV_NAMES[k]));
+        puts_(&msg, ":");
+        put_json_string(&msg, v, vn);
+    }
+    char tail[64];
+    snprintf(tail, sizeof tail, "},\"stdin_len\":%zu}}", len);
+    puts_(&msg, tail);
+    if (msg.n > MAX_MESSAGE) fail(E_ENV, "", "the CNI_* environment is larger than %d bytes", MAX_MESSAGE / 2);
+
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (s < 0) fail(E_TRY_AGAIN, strerror(errno), "socket() failed");
+    struct timeval tv = {(time_t)timeout, (suseconds_t)((timeout - (double)(time_t)timeout) * 1e6)};
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    memcpy(addr.sun_path, sock_path, strlen(sock_path) + 1);
+    if (connect(s, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        int err = errno;
+        char why[600];
+        snprintf(why, sizeof why, "%s: %s", sock_path, strerror(err));
+        if (err == ENOENT || err == ECONNREFUSED) {
+            if (in_process) exec_python(data, len, why);
+            fail(E_TRY_AGAIN, why, "the node agent is not running (agentDown: tryAgain)");
+        }
+        fail(E_TRY_AGAIN, why, "cannot reach the node agent");
+    }
+    int fd = memfd_with(data, len);
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    memset(cbuf, 0, sizeof cbuf);
+    struct iovec iov = {msg.p, msg.n};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    double deadline = now_s() + timeout;
+    ssize_t sent;
+    do sent = sendmsg(s, &mh, MSG_NOSIGNAL);
+    while (sent < 0 && errno == EINTR);
+    if (sent < 0) fail(E_TRY_AGAIN, strerror(errno), "sending the request to the node agent at %s failed", sock_path);
+    close(fd);
+
+    /* the answer: {"v":1,"type":"result","ok":true,"rc":N,...} + a memfd with the plugin's stdout */
+    static char reply[MAX_MESSAGE + 1];
+    char rbuf[CMSG_SPACE(sizeof(int) * 4)];
+    ssize_t got;
+    for (;;) {
+        int left = (int)((deadline - now_s()) * 1000);
+        struct pollfd pfd = {s, POLLIN, 0};
+        int pr = left > 0 ? poll(&pfd, 1, left) : 0;
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr <= 0)
+            fail(E_TRY_AGAIN, sock_path, "the node agent did not answer within %g s (agentTimeout)", timeout);
+        iov.iov_base = reply;
+        iov.iov_len = sizeof reply;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = rbuf;
+        mh.msg_controllen = sizeof rbuf;
+        got = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+        if (got < 0 && errno == EINTR) continue;
+        break;
+    }
+    if (got <= 0)
+        fail(E_TRY_AGAIN, got < 0 ? strerror(errno) : "connection closed",
+             "the node agent at %s went away without answering (restarting?)", sock_path);
+    int outfd = -1;
+    for (cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+            size_t nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t k = 0; k < nfd; k++) {
+                int f;
+                memcpy(&f, CMSG_DATA(cm) + k * sizeof(int), sizeof f);
+                if (outfd < 0) outfd = f;
+                else close(f);
+            }
+        }
+    if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) fail(E_SETUP, "", "the node agent's answer was truncated");
+    static const char *const rkeys[] = {"type", "ok", "rc", "error", "reason"};
+    struct span r[5] = {{0}};
+    struct scan rs = {reply, (size_t)got, 0, NULL};
+    if (utf8_invalid_at((const unsigned char *)reply, (size_t)got) >= 0 || top_members(&rs, rkeys, r, 5) != 0 ||
+        !r[0].p || r[0].n != 8 || memcmp(r[0].p, "\"result\"", 8) != 0 || !r[1].p)
+        fail(E_SETUP, "", "the node agent's answer is not a result message");
+    if (r[1].n != 4 || memcmp(r[1].p, "true", 4) != 0) {
+        char err[700] = "", reason[64] = "";
+        if (is_string(r[3])) unescape(r[3], err, sizeof err);
+        if (is_string(r[4])) unescape(r[4], reason, sizeof reason);
+        fail(E_SETUP, err, "the node agent refused the request (%s)", reason[0] ? reason : "no reason given");
+    }
+    int rc = r[2].p && r[2].n == 1 && r[2].p[0] >= '0' && r[2].p[0] <= '9' ? r[2].p[0] - '0' : -1;
+    if (rc < 0 || outfd < 0) fail(E_SETUP, "", "the node agent's answer has no exit code or output");
+    char out[65536];
+    off_t off = 0;
+    for (;;) {
+        ssize_t n = pread(outfd, out, sizeof out, off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        write_all(1, out, (size_t)n);
+        off += n;
+    }
+    return rc;
+}

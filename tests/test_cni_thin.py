@@ -1,0 +1,448 @@
+"""The thin CNI plugin (native/cni_thin.c) driven as a runtime drives it, with a real redirect-agent.
+
+The plugin is installed into a bin dir of the test's own by ``redirect.cni.install`` (the thin
+binary as ``redirect-cni``, the Python plugin's launcher as ``redirect-cni-python``) and exec'd
+with CNI env vars and a config on stdin; the agent runs as a process on a socket in a temp dir,
+serving sidecar pods in-process with the configured backend and ambient pods for a node proxy.
+Traffic is real and asserted captured after ADD and not after DEL.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import redirect
+from redirect.cni import install as inst
+from redirect.cni.plugin import MAX_STDIN, convert_result, encode_annotations
+from tests import netkit
+from tests.netkit import Pod, TcpListener, landing
+from tests.test_agent import Node, read_log, wait_log
+from tests.test_cni_containerd import (  # the containerd harness, reused
+    CNI_DIR,
+    NEEDED,
+    Containerd,
+    busybox_rootfs,
+    containerd,  # noqa: F401 - the fixture
+    default_cni_dirs,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+PYTHON_PLUGIN = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
+PREV = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "x"}],
+        "ips": [{"address": "10.250.0.2/24", "interface": 0}], "dns": {}}
+T = "traffic.sidecar.istio.io/"
+
+
+@pytest.fixture(scope="module")
+def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = str(tmp_path_factory.mktemp("cni-bin"))
+    inst.install_binary(d)
+    return d
+
+
+def netconf(sock: str, version: str = "1.0.0", prev: dict[str, Any] | None = PREV, **ours: Any) -> dict[str, Any]:
+    conf: dict[str, Any] = {"cniVersion": version, "name": "rdrt-thin", "type": "redirect-cni",
+                            "agentSocket": sock, **ours}
+    if prev is not None:
+        conf["prevResult"] = convert_result(prev, version)
+    return conf
+
+
+def run_plugin(exe: str, command: str, conf: dict[str, Any] | bytes, netns: str = "", args: str = "",
+               container: str = "ctr1", env: dict[str, str] | None = None) -> tuple[int, dict[str, Any] | None]:
+    e = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
+         "CNI_CONTAINERID": container, "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
+         "CNI_ARGS": args, **(env or {})}
+    data = conf if isinstance(conf, bytes) else json.dumps(conf).encode()
+    p = subprocess.run([exe], input=data, env=e, capture_output=True, timeout=60)
+    out = json.loads(p.stdout) if p.stdout.strip() else None
+    return p.returncode, out
+
+
+class Thin:
+    """The thin plugin in ``bin_dir``, talking to the agent of ``node``."""
+
+    def __init__(self, bin_dir: str, node: Node) -> None:
+        self.exe = os.path.join(bin_dir, "redirect-cni")
+        self.node = node
+
+    def __call__(self, command: str, conf: dict[str, Any] | bytes, netns: str = "", **kw: Any) -> tuple[
+            int, dict[str, Any] | None]:
+        return run_plugin(self.exe, command, conf, netns, **kw)
+
+
+@contextlib.contextmanager
+def agent_node(tmp: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
+    """A test node whose agent serves CNI requests; eBPF host programs in a scratch bpffs root."""
+    root = f"/sys/fs/bpf/rdrt-thin-{os.getpid()}-{os.urandom(2).hex()}"
+    if backend == "ebpf":
+        monkeypatch.setenv("REDIRECT_BPF_ROOT", root)  # inherited by the agent
+    n = Node(tmp, backend)
+    try:
+        yield n
+    finally:
+        n.close()
+        if backend == "ebpf":
+            from redirect.backends import ebpf
+
+            ebpf.force_unload_host(root)
+            assert not os.path.exists(root)
+
+
+def captured(pod: Pod, backend: str) -> bool:
+    """Outbound traffic of the pod lands on its proxy port (15001), not on the app behind it."""
+    with TcpListener(pod.name, 15001, label="proxy") as proxy, TcpListener(pod.peer_name, 8080, label="app") as app:
+        hit = landing(pod.name, pod.peer_ip4, 8080, proxy, app, uid=1000)
+        return hit.label == "proxy"
+
+
+def installed(pod: Pod, backend: str) -> bool:
+    shown = redirect.show(pod.name, backend=backend)
+    return bool(shown["installed"])
+
+
+# --- without an agent ------------------------------------------------------------------------
+
+
+def test_version_is_answered_locally(bin_dir: str) -> None:
+    exe = os.path.join(bin_dir, "redirect-cni")
+    assert run_plugin(exe, "VERSION", {"cniVersion": "0.4.0"}) == run_plugin(PYTHON_PLUGIN, "VERSION",
+                                                                             {"cniVersion": "0.4.0"})
+    rc, out = run_plugin(exe, "VERSION", b"")
+    assert rc == 0 and out == {"cniVersion": "1.1.0", "supportedVersions": ["0.3.0", "0.3.1", "0.4.0", "1.0.0",
+                                                                          "1.1.0"]}
+
+
+HOSTILE = {
+    "truncated": b'{"cniVersion": "1.0.0", "name": "x", "plugins": [{"a": ',
+    "not-utf8": b'{"cniVersion": "1.0.0", "name": "\xff\xfe"}',
+    "not-an-object": b'["cniVersion", "1.0.0"]',
+    "garbage": b"\x00\x01\x02 not json",
+    "trailing": b'{"cniVersion": "1.0.0"} {}',
+    "huge": b'{"cniVersion": "1.0.0", "pad": "' + b"a" * (MAX_STDIN + 10) + b'"}',
+    "bad-escape": b'{"cniVersion": "1.0.0", "name": "\\x41"}',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_stdin_gets_the_python_plugins_code(bin_dir: str, kind: str, tmp_path: Path) -> None:
+    """Bad stdin never reaches the agent (none runs here) and gets the code the Python plugin gives."""
+    exe = os.path.join(bin_dir, "redirect-cni")
+    rc, out = run_plugin(exe, "ADD", HOSTILE[kind], "/proc/self/ns/net")
+    assert rc == 1 and out is not None and set(out) == {"cniVersion", "code", "msg", "details"}, out
+    prc, pout = run_plugin(PYTHON_PLUGIN, "ADD", HOSTILE[kind], "/proc/self/ns/net")
+    assert (rc, out["code"]) == (prc, pout["code"] if pout else None) == (1, 6)
+
+
+def test_deep_nesting_and_bad_env_are_refused(bin_dir: str) -> None:
+    exe = os.path.join(bin_dir, "redirect-cni")
+    deep = b'{"cniVersion": "1.0.0", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    rc, out = run_plugin(exe, "ADD", deep, "/proc/self/ns/net")
+    assert rc == 1 and out is not None and out["code"] == 6 and "nested" in out["details"], out
+    for command in ("BOGUS", ""):
+        rc, out = run_plugin(exe, command, {"cniVersion": "1.0.0"})
+        assert rc == 1 and out is not None and out["code"] == 7, out
+    rc, out = run_plugin(exe, "ADD", {"cniVersion": "1.0.0"}, "/proc/self/ns/net", args="A=" + "x" * 40_000)
+    assert rc == 1 and out is not None and out["code"] == 7 and "CNI_ARGS" in out["msg"], out
+    p = subprocess.run([exe], input=b"{}", env={"PATH": "/usr/bin"}, capture_output=True, timeout=10)
+    assert p.returncode == 1 and json.loads(p.stdout)["code"] == 7
+
+
+def test_agent_down_tries_again_or_falls_back_to_the_python_plugin(bin_dir: str, pod: Pod,
+                                                                    tmp_path: Path) -> None:
+    exe = os.path.join(bin_dir, "redirect-cni")
+    sock = str(tmp_path / "no-agent.sock")
+    rc, out = run_plugin(exe, "ADD", netconf(sock), pod.path)
+    assert rc == 1 and out is not None and out["code"] == 11 and sock in out["details"], out
+    assert not installed(pod, "iptables")
+    # A socket file whose agent died (SIGKILL leaves it behind): the same.
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(sock)
+    rc, out = run_plugin(exe, "ADD", netconf(sock, agentDown="tryAgain"), pod.path)
+    assert rc == 1 and out is not None and out["code"] == 11, out
+    assert not installed(pod, "iptables")
+    # inProcess: the Python plugin next to the binary does the work.
+    conf = netconf(sock, agentDown="inProcess")
+    rc, out = run_plugin(exe, "ADD", conf, pod.path)
+    assert (rc, out) == (0, PREV)
+    assert captured(pod, "iptables")
+    assert run_plugin(exe, "CHECK", conf, pod.path) == (0, None)
+    assert run_plugin(exe, "DEL", conf, pod.path) == (0, None)
+    assert not installed(pod, "iptables") and not captured(pod, "iptables")
+    rc, out = run_plugin(exe, "ADD", netconf(sock, agentDown="sometimes"), pod.path)
+    assert rc == 1 and out is not None and out["code"] == 4 and "agentDown" in out["msg"], out
+
+
+# --- with the agent --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["iptables", "nftables", "ebpf"])
+def test_sidecar_add_check_del_status_gc_through_the_agent(bin_dir: str, make_pod: Callable[..., Pod],
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            backend: str) -> None:
+    with agent_node(tmp_path, backend, monkeypatch) as n:
+        n.start_agent()
+        thin = Thin(bin_dir, n)
+        pod = make_pod()
+        capture = {"inbound_ports": []} if backend == "ebpf" else {}
+        conf = netconf(n.events, backend=backend, capture=capture)
+        assert not captured(pod, backend)
+        rc, out = thin("ADD", conf, pod.path)
+        assert (rc, out) == (0, PREV)  # prevResult passed through
+        assert captured(pod, backend)
+        assert thin("ADD", conf, pod.path) == (0, PREV)  # a repeated ADD is harmless
+        assert thin("CHECK", conf, pod.path) == (0, None)
+        old = netconf(n.events, "0.4.0", backend=backend, capture=capture)
+        rc, out = thin("ADD", old, pod.path)
+        assert rc == 0 and out is not None and out["cniVersion"] == "0.4.0" and out["ips"][0]["version"] == "4"
+        assert thin("STATUS", netconf(n.events, "1.1.0", backend=backend)) == (0, None)
+        assert thin("GC", netconf(n.events, "1.1.0", backend=backend)) == (0, None)
+        assert thin("DEL", conf, pod.path) == (0, None)
+        assert not installed(pod, backend)
+        assert not captured(pod, backend)
+        assert thin("DEL", conf, pod.path) == (0, None)  # idempotent
+        assert thin("DEL", conf, "/run/netns/rdrt-does-not-exist") == (0, None)
+        assert n.agent is not None
+        assert n.agent.metric('redirect_agent_events_total{type="cni_add"}') == 3
+
+
+def test_errors_are_the_python_plugins_word_for_word(bin_dir: str, pod: Pod, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the agent answers for a bad request is what the Python plugin prints for it."""
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        thin = Thin(bin_dir, n)
+        enc = encode_annotations({T + "excludeOutboundPorts": "22,ssh"})
+        cases: list[tuple[str, dict[str, Any] | bytes, str, str]] = [
+            ("ADD", netconf(n.events, capture={"proxy_port": 0}), pod.path, ""),
+            ("ADD", netconf(n.events, mode="both"), pod.path, ""),
+            ("ADD", netconf(n.events, backend="nope"), pod.path, ""),
+            ("ADD", {"cniVersion": "0.2.0", "agentSocket": n.events}, pod.path, ""),
+            ("ADD", {"cniVersion": 5, "agentSocket": n.events}, pod.path, ""),
+            ("ADD", netconf(n.events), pod.path, f"K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;"
+                                                 f"REDIRECT_ANNOTATIONS={enc}"),
+            ("ADD", netconf(n.events), pod.path, "garbage"),
+            ("ADD", netconf(n.events), "", ""),
+            ("ADD", netconf(n.events), "/run/netns/rdrt-does-not-exist", ""),
+            ("ADD", netconf(n.events, prev=None, prevResult=[1]), pod.path, ""),
+            ("CHECK", netconf(n.events, "0.3.1"), pod.path, ""),
+            ("CHECK", netconf(n.events), pod.path, ""),
+        ]
+        for command, conf, netns, args in cases:
+            got = thin(command, conf, netns, args=args)
+            want = run_plugin(PYTHON_PLUGIN, command, conf, netns, args=args)
+            assert got == want, (command, conf, got, want)
+            assert got[0] == 1
+            assert not installed(pod, "iptables")
+
+
+def test_hundred_concurrent_adds(bin_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node starting 100 pods at once: every ADD succeeds and installs capture; DELs leave nothing."""
+    count = 100
+    names = [f"rdrt-thin{i}-{os.urandom(2).hex()}" for i in range(count)]
+    with agent_node(tmp_path, "nftables", monkeypatch) as n:
+        try:
+            for name in names:
+                netkit.create_netns(name)
+            n.start_agent()
+            thin = Thin(bin_dir, n)
+            conf = netconf(n.events, backend="nftables")
+
+            def add(name: str) -> tuple[int, dict[str, Any] | None, float]:
+                t0 = time.perf_counter()
+                rc, out = thin("ADD", conf, f"/run/netns/{name}", container=name)
+                return rc, out, (time.perf_counter() - t0) * 1e3
+
+            with concurrent.futures.ThreadPoolExecutor(count) as ex:
+                results = list(ex.map(add, names))
+            errors = [(name, out) for name, (rc, out, _) in zip(names, results, strict=True) if rc != 0]
+            assert not errors, errors[:3]
+            ms = sorted(r[2] for r in results)
+            print(f"100 concurrent ADDs through the thin plugin: p50 {ms[49]:.0f} ms, p99 {ms[98]:.0f} ms")
+            cfg = redirect.RedirectConfig()
+            assert all(redirect.check(name, cfg, backend="nftables").ok for name in names)
+            with concurrent.futures.ThreadPoolExecutor(16) as ex:
+                dels = list(ex.map(lambda name: thin("DEL", conf, f"/run/netns/{name}", container=name), names))
+            assert all(d == (0, None) for d in dels), [d for d in dels if d != (0, None)][:3]
+            assert not any(redirect.show(name, backend="nftables")["installed"] for name in names)
+        finally:
+            for name in names:
+                netkit.remove_netns(name)
+
+
+def test_agent_restart_during_adds_fails_them_with_try_again(bin_dir: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL of the agent while ADDs are in flight: each ADD either succeeded with capture in place,
+    or failed with code 11; none succeeded without capture. After the restart the retries succeed."""
+    count = 40
+    names = [f"rdrt-thr{i}-{os.urandom(2).hex()}" for i in range(count)]
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        try:
+            for name in names:
+                netkit.create_netns(name)
+            agent = n.start_agent("--workers", "2")
+            thin = Thin(bin_dir, n)
+            conf = netconf(n.events, agentTimeout=20)
+            started = threading.Event()
+
+            def add(name: str) -> tuple[int, dict[str, Any] | None]:
+                started.set()
+                return thin("ADD", conf, f"/run/netns/{name}", container=name)
+
+            with concurrent.futures.ThreadPoolExecutor(count) as ex:
+                futs = [ex.submit(add, name) for name in names]
+                started.wait(10)
+                wait_log(agent.log, lambda e: "ADD container=" in str(e.get("msg", "")), 20, agent.proc)
+                agent.proc.send_signal(signal.SIGKILL)
+                agent.proc.wait(5)
+                results = [f.result() for f in futs]
+            cfg = redirect.RedirectConfig()
+            ok = [name for name, (rc, _) in zip(names, results, strict=True) if rc == 0]
+            failed = [(name, out) for name, (rc, out) in zip(names, results, strict=True) if rc != 0]
+            assert failed, "the kill came after every ADD was served: nothing tested"
+            assert all(out is not None and out["code"] == 11 for _, out in failed), failed[:3]
+            assert all(redirect.check(name, cfg, backend="iptables").ok for name in ok)
+            print(f"agent SIGKILL during {count} ADDs: {len(ok)} done, {len(failed)} 'try again'")
+            n.start_agent()
+            for name, _ in failed:  # the runtime retries
+                assert thin("ADD", conf, f"/run/netns/{name}", container=name) == (0, PREV)
+                assert redirect.check(name, cfg, backend="iptables").ok
+            for name in names:
+                assert thin("DEL", conf, f"/run/netns/{name}", container=name) == (0, None)
+        finally:
+            for name in names:
+                netkit.remove_netns(name)
+
+
+def test_ambient_pod_through_the_thin_plugin(bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ambient mode: the agent enrols the pod itself (rules, node sets, the node proxy's ack)."""
+    from redirect import node as rnode
+    from redirect.agent import client, identity
+
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        thin = Thin(bin_dir, n)
+        pod = make_pod()
+        prev = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": pod.path}],
+                "ips": [{"address": f"{pod.pod_ip4}/24", "interface": 0}]}
+        conf = netconf(n.events, prev=prev, mode="ambient")
+        args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;K8S_POD_UID=uid-thin-1"
+        rc, out = thin("ADD", conf, pod.path, args=args)
+        assert rc == 1 and out is not None and out["code"] == 103 and "no node proxy" in out["msg"], out
+        assert identity.read(pod.name) is None and not installed(pod, "iptables")
+        n.start_proxy()
+        rc, out = thin("ADD", conf, pod.path, args=args)
+        assert rc == 0 and out == convert_result(prev, "1.0.0"), out
+        (enrolled,) = client.list_pods(n.events)
+        assert enrolled["uid"] == "uid-thin-1" and rnode.list_pods(n.ns) == {pod.pod_ip4: "uid-thin-1"}
+        assert [e["pod"] for e in n.proxy_events("pod_added")] == ["uid-thin-1"]
+        assert thin("CHECK", conf, pod.path, args=args) == (0, None)
+        assert thin("DEL", conf, pod.path, args=args) == (0, None)
+        assert client.list_pods(n.events) == [] and rnode.list_pods(n.ns) == {}
+        assert identity.read(pod.name) is None and not installed(pod, "iptables")
+
+
+# --- a real runtime: containerd + ctr run --cni through the thin plugin --------------------------
+
+needs_containerd = pytest.mark.skipif(
+    os.geteuid() != 0 or None in NEEDED or not os.path.exists(f"{CNI_DIR}/bridge"),
+    reason="needs root, containerd, ctr, runc, busybox-static, unshare and the CNI reference plugins")
+
+
+@needs_containerd
+@pytest.mark.parametrize("mode,backend", [("sidecar", "iptables"), ("sidecar", "nftables"), ("sidecar", "ebpf"),
+                                          ("ambient", "iptables")])
+def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path: Path,  # noqa: F811
+                                                monkeypatch: pytest.MonkeyPatch, mode: str, backend: str) -> None:
+    """``ctr run --cni`` with bridge + host-local + the thin redirect-cni: the container's traffic is
+    captured (sidecar: on its proxy port; ambient: by the node proxy), and the runtime's DEL (empty
+    CNI_NETNS) leaves nothing of it behind."""
+    from redirect import node as rnode
+    from redirect.agent import client
+
+    with agent_node(tmp_path, backend, monkeypatch) as n:
+        agent = n.start_agent()
+        if mode == "ambient":
+            n.start_proxy()
+        base = containerd.base
+        net_d, bin_d, rootfs, ipam = (os.path.join(base, x) for x in ("net.d", "bin", "rootfs", "ipam"))
+        os.makedirs(net_d)
+        os.makedirs(bin_d)
+        busybox_rootfs(rootfs)
+        for plugin in ("bridge", "host-local", "loopback"):
+            os.symlink(os.path.join(CNI_DIR, plugin), os.path.join(bin_d, plugin))
+        r = int.from_bytes(os.urandom(1), "big") % 200 + 20
+        bridge = f"rdrtbr{os.urandom(3).hex()}"
+        primary = {"cniVersion": "1.0.0", "name": "rdrt-thin", "plugins": [{
+            "type": "bridge", "bridge": bridge, "isGateway": False, "ipMasq": False,
+            "ipam": {"type": "host-local", "subnet": f"10.246.{r}.0/24", "dataDir": ipam}}]}
+        with open(os.path.join(net_d, "10-rdrt-thin.conflist"), "w") as f:
+            json.dump(primary, f)
+        entry: dict[str, Any] = {"mode": mode, "backend": backend, "agentSocket": n.events}
+        if backend == "ebpf":
+            entry["capture"] = {"inbound_ports": []}
+        inst.install(net_d, bin_d, entry)
+        assert open(os.path.join(bin_d, "redirect-cni"), "rb").read() == open(inst.THIN_BINARY, "rb").read()
+        cid = f"rdrt-{os.urandom(3).hex()}"
+        target = f"10.246.{r}.200"  # inside the bridge subnet, no one there: only capture can answer
+        run: subprocess.Popen[bytes] | None = None
+        try:
+            with default_cni_dirs():
+                mounts = f"mount --bind {net_d} /etc/cni/net.d && mount --bind {bin_d} /opt/cni/bin"
+                t0 = time.monotonic()
+                run = subprocess.Popen(
+                    ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                     f"{mounts} && exec ctr -a {containerd.sock} run --rm --cni --rootfs {rootfs} {cid} /bin/sleep 60"],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                pid = None
+                while time.monotonic() - t0 < 20 and run.poll() is None and pid is None:
+                    pid = containerd.task_pid(cid)
+                    time.sleep(0.05)
+                assert pid is not None, run.stdout.read() if run.stdout and run.poll() is not None else "no task"
+                started = time.monotonic() - t0
+                probe = f"echo from-container | /bin/busybox nc -w 2 {target} 8080"
+                if mode == "sidecar":
+                    with TcpListener(f"/proc/{pid}/ns/net", 15001, label="proxy") as proxy:
+                        containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c", probe,
+                                       timeout=15)
+                        conns = proxy.wait_for(1, timeout=5)
+                    assert conns[0].line == "from-container" and conns[0].orig_dst == (target, 8080)
+                else:
+                    (pod,) = client.list_pods(n.events)  # enrolled before the task ran
+                    assert pod["netns_inode"] == os.stat(f"/proc/{pid}/ns/net").st_ino
+                    containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c", probe,
+                                   timeout=15)
+                    e = wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["pod"] == pod["uid"])
+                    assert e["orig_dst"] == [target, 8080], e
+                containerd.ctr("task", "kill", "-s", "KILL", cid)
+                run.wait(20)
+                msgs = [str(e.get("msg", "")) for e in read_log(agent.log)]
+                assert any(m.startswith(f"ADD container=default-{cid}") for m in msgs), msgs[-5:]
+                assert any(m.startswith(f"DEL container=default-{cid}") for m in msgs), msgs[-5:]
+                if mode == "ambient":
+                    assert client.list_pods(n.events) == [] and rnode.list_pods(n.ns) == {}
+                print(f"ctr run --cni ({mode}, {backend}) to a running captured container: {started * 1e3:.0f} ms")
+        finally:
+            if run is not None and run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait(5)
+            subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
+            inst.uninstall(net_d, bin_d)
+        assert not os.path.exists(os.path.join(bin_d, "redirect-cni"))
