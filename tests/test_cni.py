@@ -220,6 +220,39 @@ def test_watch_re_adds_after_another_tool_rewrites(tmp_path: Any) -> None:
     assert json.loads(path.read_text())["plugins"][-1]["type"] == "redirect-cni"
 
 
+def test_watch_puts_back_a_removed_or_replaced_binary(tmp_path: Any) -> None:
+    (tmp_path / "10-net.conflist").write_text(CONFLISTS["compact"])
+    bin_dir = tmp_path / "bin"
+    thin, launcher = bin_dir / "redirect-cni", bin_dir / "redirect-cni-python"
+    stop = threading.Event()
+    seen: list[str] = []
+    t = threading.Thread(target=inst.watch, args=(stop, str(tmp_path), str(bin_dir)),
+                         kwargs={"interval": 0.05, "max_seconds": 10, "on_install": seen.append}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+
+        def wait_for(n: int) -> None:
+            while len(seen) < n and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+        wait_for(3)  # both binaries and the entry
+        assert sorted(seen) == sorted([str(thin), str(launcher), str(tmp_path / "10-net.conflist")])
+        thin.unlink()  # removed
+        wait_for(4)
+        thin.write_bytes(b"#!/bin/sh\nexit 0\n")  # replaced by something else
+        wait_for(5)
+        launcher.unlink()
+        wait_for(6)
+    finally:
+        stop.set()
+        t.join(5)
+    assert not t.is_alive()
+    assert seen[3:] == [str(thin), str(thin), str(launcher)]
+    assert thin.read_bytes() == open(inst.THIN_BINARY, "rb").read() and os.access(thin, os.X_OK)
+    assert launcher.read_text().startswith(f"#!{sys.executable}")
+
+
 def test_cli_install_uninstall(tmp_path: Any) -> None:
     (tmp_path / "10-net.conflist").write_text(CONFLISTS["empty"])
     env = {k: v for k, v in os.environ.items() if k != "CNI_COMMAND"}

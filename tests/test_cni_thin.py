@@ -286,6 +286,41 @@ def test_hundred_concurrent_adds(bin_dir: str, tmp_path: Path, monkeypatch: pyte
                 netkit.remove_netns(name)
 
 
+def test_a_slow_pod_does_not_delay_the_others(bin_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pod's ADD waits (its netns lock is held, as by a concurrent setup of that netns); the ADDs
+    of other pods are served meanwhile, and the slow one completes once the lock is free."""
+    from redirect import api
+    from redirect import netns as rn
+
+    names = [f"rdrt-ths{i}-{os.urandom(2).hex()}" for i in range(13)]
+    with agent_node(tmp_path, "nftables", monkeypatch) as n:
+        try:
+            for name in names:
+                netkit.create_netns(name)
+            n.start_agent("--workers", "4")
+            thin = Thin(bin_dir, n)
+            conf = netconf(n.events, backend="nftables")
+            slow, others = names[0], names[1:]
+            with concurrent.futures.ThreadPoolExecutor(8) as ex:
+                with api.netns_lock(rn.netns_inode(slow)):
+                    pending = ex.submit(thin, "ADD", conf, f"/run/netns/{slow}", container=slow)
+                    time.sleep(0.5)  # the slow ADD is in the agent, waiting for the lock
+                    t0 = time.monotonic()
+                    done = list(ex.map(lambda m: thin("ADD", conf, f"/run/netns/{m}", container=m), others))
+                    others_s = time.monotonic() - t0
+                    assert all(d == (0, PREV) for d in done), done[:3]
+                    assert not pending.done()
+                assert pending.result(timeout=20) == (0, PREV)
+            assert others_s < 8, others_s
+            cfg = redirect.RedirectConfig()
+            assert all(redirect.check(name, cfg, backend="nftables").ok for name in names)
+            for name in names:
+                assert thin("DEL", conf, f"/run/netns/{name}", container=name) == (0, None)
+        finally:
+            for name in names:
+                netkit.remove_netns(name)
+
+
 def test_agent_restart_during_adds_fails_them_with_try_again(bin_dir: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL of the agent while ADDs are in flight: each ADD either succeeded with capture in place,

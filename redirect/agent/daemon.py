@@ -1,8 +1,10 @@
-"""``redirect-agent``: the ambient node agent.
+"""``redirect-agent``: the node agent.
 
-It enrols ambient pods for a node proxy (like istio-cni's node agent for ztunnel). The CNI
-plugin sends a pod ``add`` event over the events socket, and the agent enrols the pod as a
-transaction whose commit record is written last (``Agent.add``):
+It serves the thin CNI plugin's requests (``cni`` messages, ``redirect.agent.cni_requests``:
+sidecar and ambient pods, through the plugin's own code), and it enrols ambient pods for a
+node proxy (like istio-cni's node agent for ztunnel). The CNI plugin sends a pod ``add``
+event over the events socket, and the agent enrols the pod as a transaction whose commit
+record is written last (``Agent.add``):
 
 1. an *intent* record in the pod netns (``redirect.agent.identity``, ``phase: intent``);
 2. the in-pod ambient routes and rules (``redirect.setup``);
@@ -660,9 +662,10 @@ class Agent:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="redirect-agent",
-        description="Ambient node agent: enrols pods sent by redirect-cni (in-pod rules, node probe sets) and "
-                    "hands their network namespaces to the node proxy. Restart-safe: state is read back from "
-                    "the kernel. SIGTERM stops it and leaves redirection in place.")
+        description="Node agent: serves the thin redirect-cni plugin's requests (sidecar and ambient pods), "
+                    "enrols ambient pods (in-pod rules, node probe sets) and hands their network namespaces to "
+                    "the node proxy. Restart-safe: state is read back from the kernel. SIGTERM stops it and "
+                    "leaves redirection in place.")
     p.add_argument("--events-socket", default=protocol.DEFAULT_EVENTS_SOCKET,
                    help="unix SOCK_SEQPACKET socket for pod events from the CNI plugin (default %(default)s)")
     p.add_argument("--proxy-socket", default=protocol.DEFAULT_PROXY_SOCKET,
@@ -676,7 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-host-rules", action="store_true", help="do not manage the node's probe SNAT rules and sets")
     p.add_argument("--http-host", default="127.0.0.1", help="address of /healthz, /readyz, /metrics (%(default)s)")
     p.add_argument("--http-port", type=int, default=15995, help="port of the ops server; 0 = any (%(default)s)")
-    p.add_argument("--workers", type=int, default=16, help="pod events handled at once (%(default)s)")
+    p.add_argument("--workers", type=int, default=16,
+                   help="pod events and CNI requests handled at once (%(default)s)")
     p.add_argument("--proxy-timeout", type=float, default=5.0,
                    help="seconds to wait for the node proxy's ack of a pod (%(default)s)")
     p.add_argument("--capture", default="{}",

@@ -5,6 +5,12 @@ CNI spec 1.0.0/1.1.0 says, with ``CNI_COMMAND`` in the environment and the netwo
 config on stdin. Run without ``CNI_COMMAND`` it is the installer
 (``redirect-cni install|uninstall``, see ``redirect.cni.install``).
 
+This module's ``run`` is the plugin, whoever runs it: this process (the ``redirect-cni``
+console script, or ``redirect-cni-python`` in a CNI bin dir), or ``redirect-agent`` for the
+thin plugin (``native/cni_thin.c``, what ``install`` puts in the bin dir as ``redirect-cni``),
+which forwards each request to the agent (``redirect.agent.cni_requests``). Served by the
+agent, ambient pods are enrolled by that agent directly, and log lines go to its log.
+
 Commands
 --------
 ``ADD``      resolve the pod's capture config, ``redirect.setup`` it in ``CNI_NETNS``,
@@ -37,6 +43,7 @@ Config (one entry of the conflist's ``plugins``)::
      "logJson": false,                              # true: JSON lines (redirect.logjson) with the pod's fields
      "agentSocket": "/var/run/redirect/agent.sock", # ambient: hand the pod to the node agent
      "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
+     "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
 
 Per-pod overrides (Istio annotation names, see ``redirect.annotations``) are read,
