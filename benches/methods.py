@@ -6,7 +6,8 @@ run once, so a method that silently does nothing can't post a great number). Kin
 - ``api``: ``redirect.setup`` / ``redirect.teardown`` in this process;
 - ``cli``: ``redirect init`` with istio-iptables flags (process start included); for what init
   can't express (a backend without an istio-iptables flag, ambient mode) ``redirect setup``;
-- ``cni``: the CNI plugin's ADD and DEL (``redirect-cni``), when it is installed;
+- ``cni``: the CNI plugin's ADD and DEL (``redirect-cni``), when it is installed; the thin
+  plugin's (``cni-thin/...``) are built in ``cnithin.py``;
 - ``reference``: Istio's exec sequence (``reference.py``).
 """
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from . import nsutil, podcost, report
+from . import cnithin, nsutil, podcost, report
 from .methods import Method, Unavailable, api_method, cli_method, cni_method, reference_method
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,15 +26,15 @@ PROFILES: dict[str, dict[str, Any]] = {
     # exec_samples: pods per exec'd method (redirect init, redirect-cni), which cost a process start each.
     # focus: exec'd methods, scale and memory only for sidecar mode and the non-variant backends.
     "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=20, mem_pods=100,
-                 rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False),
+                 rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False, concurrent_pods=100),
     "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=8, mem_pods=100,
-                  rounds=5, seconds=0.5, max_conns=50_000, bulk_seconds=0.2, focus=True),
+                  rounds=5, seconds=0.5, max_conns=50_000, bulk_seconds=0.2, focus=True, concurrent_pods=100),
     "tiny": dict(samples=3, exec_samples=2, levels=[1, 3], level_samples=2, mem_pods=3,
-                 rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True),
+                 rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True, concurrent_pods=10),
 }
 #: Variants of the iptables backend: in focused runs they get the in-process per-pod figure only.
 VARIANTS = ("iptables-legacy", "iptables-nft")
-PHASES = ("per_pod", "cli", "cni", "scale", "memory", "datapath")
+PHASES = ("per_pod", "cli", "cni", "cni_thin", "cni_concurrent", "scale", "memory", "datapath")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -152,6 +152,17 @@ def discover(backends: list[str], modes: list[str], skip: set[str], notes: list[
                     notes.append(f"{kind} {b} {mode}: skipped ({type(e).__name__}: {e})")
                     continue
                 execd.append(other)
+            if mode == "sidecar" and "cni_thin" not in skip:
+                # cheap enough to take the in-process methods' sample count
+                try:
+                    thin = cnithin.thin_method(b, mode)
+                    podcost.warm_and_verify(thin)
+                    per_pod.append(thin)
+                except Unavailable as e:
+                    if (note := f"cni_thin: skipped ({e})") not in notes:
+                        notes.append(note)
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"cni_thin {b} {mode}: skipped ({type(e).__name__}: {e})")
     if focus:
         notes.append("focused run: redirect init / redirect-cni, scale and memory measured for sidecar mode and "
                      f"the non-variant backends only (not {', '.join(VARIANTS)}; a full run does all)")
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                            "profile": "tiny" if args.tiny else "quick" if args.quick else "full",
                            "quick": bool(args.quick or args.tiny), "host": _host(), "backends": backends,
                            "settings": prof, "notes": notes, "skipped_backends": skipped,
-                           "per_pod": {}, "scale": {}, "memory": {}, "datapath": {}}
+                           "per_pod": {}, "cni_concurrent": {}, "scale": {}, "memory": {}, "datapath": {}}
     bar: Bar | None = None
     try:
         print("benches: discovering backends and entry points ...", file=sys.stderr)
@@ -230,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         scale_methods = [methods[0], *api]
+        thin = [m for m in methods if m.key.startswith("cni-thin/")] if "cni_concurrent" not in skip else []
         sidecar_api = [m for m in api if m.mode == "sidecar"]
         levels = prof["levels"]
         total = (2 * (prof["samples"] * len(methods) + exec_samples * len(execd)) if "per_pod" not in skip else 0)
@@ -238,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         total += len(scale_methods) * prof["mem_pods"] if "memory" not in skip else 0
         n_cases = 2 + len(sidecar_api)
         total += n_cases * (1 + prof["rounds"]) if "datapath" not in skip else 0
+        total += len(thin)
         bar = Bar(total, not args.no_progress)
         failed: dict[str, str] = {}
         if "per_pod" not in skip:
@@ -248,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                 res["per_pod"].update(podcost.per_pod(execd, exec_samples, bar, failed))
             for k, why in failed.items():
                 bar.note(f"{k}: {why}")
+        for m in thin:
+            bar.phase(f"{prof['concurrent_pods']} concurrent ADDs {m.backend}")
+            try:
+                res["cni_concurrent"][m.key] = cnithin.concurrent_adds(m, prof["concurrent_pods"])
+            except Exception as e:  # noqa: BLE001
+                bar.note(f"concurrent ADDs {m.key}: {e}")
+                res["cni_concurrent"][m.key] = {"error": str(e)}
+            bar(1)
         if "scale" not in skip:
             for m in scale_methods:
                 bar.phase(f"scale {m.backend}/{m.mode}")
