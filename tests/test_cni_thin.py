@@ -197,10 +197,12 @@ def test_sidecar_add_check_del_status_gc_through_the_agent(bin_dir: str, make_po
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             backend: str) -> None:
     with agent_node(tmp_path, backend, monkeypatch) as n:
-        n.start_agent()
+        agent = n.start_agent()
         thin = Thin(bin_dir, n)
         pod = make_pod()
         capture = {"inbound_ports": []} if backend == "ebpf" else {}
+        if backend == "ebpf":  # the agent loads the host programs at start, not on the first pod
+            wait_log(agent.log, lambda e: e.get("msg") == "eBPF host programs ready", 60, agent.proc)
         conf = netconf(n.events, backend=backend, capture=capture)
         assert not captured(pod, backend)
         rc, out = thin("ADD", conf, pod.path)

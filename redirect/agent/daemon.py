@@ -151,6 +151,8 @@ class Agent:
         self.events.start()
         if self.opts.resync_seconds > 0:
             threading.Thread(target=self._resync_loop, name="agent-resync", daemon=True).start()
+        threading.Thread(target=cni_requests.warm_up, args=(self.opts.backend,), name="agent-warm-up",
+                         daemon=True).start()
         self.ready = True
         jlog(logging.INFO, "agent ready", node=self.opts.node_name, pods=len(self.pods),
              events_socket=self.opts.events_socket, proxy_socket=self.opts.proxy_socket,
