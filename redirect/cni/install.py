@@ -477,7 +477,8 @@ def cli_main(argv: list[str]) -> int:
             s.add_argument("--standalone", metavar="NAME", help="write a conflist of our own named NAME")
             s.add_argument("--primary", help="with --standalone: JSON list (or @file) of plugins before ours")
             s.add_argument("--python", help="interpreter for the launcher (default: this one)")
-            s.add_argument("--watch", action="store_true", help="keep our entry and executables installed (re-add them) until stopped")
+            s.add_argument("--watch", action="store_true",
+                           help="keep our entry and executables installed (re-add them) until stopped")
             s.add_argument("--interval", type=float, default=1.0, help="--watch poll interval, seconds")
             s.add_argument("--max-seconds", type=float, help="--watch stops after this long")
         s.add_argument("--log-json", action="store_true",
