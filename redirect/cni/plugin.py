@@ -41,7 +41,8 @@ Config (one entry of the conflist's ``plugins``)::
      "excludeNamespaces": ["kube-system"],          # pods there are never captured
      "logLevel": "info", "logFile": "/var/log/redirect-cni.log",
      "logJson": false,                              # true: JSON lines (redirect.logjson) with the pod's fields
-     "agentSocket": "/var/run/redirect/agent.sock", # ambient: hand the pod to the node agent
+     "agentSocket": "/var/run/redirect/agent.sock", # the node agent: ambient pods go to it; the thin
+                                                    # plugin sends it every request (default /run/redirect/agent.sock)
      "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
      "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
