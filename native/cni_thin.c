@@ -12,7 +12,8 @@
  * Read here, from the top level of the config only: cniVersion (VERSION is answered locally,
  * and errors raised here carry it), agentSocket (default /run/redirect/agent.sock),
  * agentTimeout (seconds, default 10) and agentDown, what to do when no agent listens:
- *   "tryAgain"  (default) CNI error 11, so the runtime retries: fail closed;
+ *   "tryAgain"  (default) CNI error 11, so the runtime retries: fail closed (STATUS: error 50,
+ *               "plugin not available", so the runtime starts no pods meanwhile);
  *   "inProcess" exec redirect-cni-python from this binary's directory (the Python plugin,
  *               written there by `redirect-cni install`) with the same env and stdin.
  * An agent that goes away mid-request (closes without answering, a restart) or does not
@@ -51,7 +52,8 @@
 #define DEFAULT_TIMEOUT_S 10.0
 #define PYTHON_PLUGIN "redirect-cni-python"
 
-enum { E_INCOMPATIBLE = 1, E_INVALID_CONFIG = 4, E_DECODE = 6, E_ENV = 7, E_TRY_AGAIN = 11, E_SETUP = 100 };
+enum { E_INCOMPATIBLE = 1, E_INVALID_CONFIG = 4, E_DECODE = 6, E_ENV = 7, E_TRY_AGAIN = 11, E_NOT_AVAILABLE = 50,
+       E_SETUP = 100 };
 
 /* `redirect-cni uninstall` removes a redirect-cni binary only if it holds this string */
 __attribute__((used)) static const char INSTALL_MARK[] = "redirect-cni thin plugin (written by `redirect-cni install`)";
@@ -653,6 +655,8 @@ int main(void) {
         snprintf(why, sizeof why, "%s: %s", sock_path, strerror(err));
         if (err == ENOENT || err == ECONNREFUSED) {
             if (in_process) exec_python(data, len, why);
+            if (strcmp(command, "STATUS") == 0) /* the runtime should not start pods until it is back */
+                fail(E_NOT_AVAILABLE, why, "the node agent is not running (agentDown: tryAgain)");
             fail(E_TRY_AGAIN, why, "the node agent is not running (agentDown: tryAgain)");
         }
         fail(E_TRY_AGAIN, why, "cannot reach the node agent");

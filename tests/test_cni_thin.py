@@ -169,6 +169,8 @@ def test_agent_down_tries_again_or_falls_back_to_the_python_plugin(bin_dir: str,
     rc, out = run_plugin(exe, "ADD", netconf(sock), pod.path)
     assert rc == 1 and out is not None and out["code"] == 11 and sock in out["details"], out
     assert not installed(pod, "iptables")
+    rc, out = run_plugin(exe, "STATUS", netconf(sock, "1.1.0"))
+    assert rc == 1 and out is not None and out["code"] == 50, out  # the runtime starts no pods meanwhile
     # A socket file whose agent died (SIGKILL leaves it behind): the same.
     import socket
 
