@@ -328,14 +328,18 @@ def test_a_slow_pod_does_not_delay_the_others(bin_dir: str, tmp_path: Path, monk
 def test_agent_restart_during_adds_fails_them_with_try_again(bin_dir: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL of the agent while ADDs are in flight: each ADD either succeeded with capture in place,
-    or failed with code 11; none succeeded without capture. After the restart the retries succeed."""
+    or failed with code 11; none succeeded without capture. Four of them are surely in the agent at
+    the kill (their netns locks are held here). After the restart the retries succeed."""
+    from redirect import api
+    from redirect import netns as rn
+
     count = 40
     names = [f"rdrt-thr{i}-{os.urandom(2).hex()}" for i in range(count)]
     with agent_node(tmp_path, "iptables", monkeypatch) as n:
         try:
             for name in names:
                 netkit.create_netns(name)
-            agent = n.start_agent("--workers", "2")
+            agent = n.start_agent("--workers", "6")
             thin = Thin(bin_dir, n)
             conf = netconf(n.events, agentTimeout=20)
             started = threading.Event()
@@ -344,18 +348,25 @@ def test_agent_restart_during_adds_fails_them_with_try_again(bin_dir: str, tmp_p
                 started.set()
                 return thin("ADD", conf, f"/run/netns/{name}", container=name)
 
-            with concurrent.futures.ThreadPoolExecutor(count) as ex:
+            held = names[:4]
+            with concurrent.futures.ThreadPoolExecutor(count) as ex, contextlib.ExitStack() as locks:
+                for name in held:
+                    locks.enter_context(api.netns_lock(rn.netns_inode(name)))
                 futs = [ex.submit(add, name) for name in names]
                 started.wait(10)
                 wait_log(agent.log, lambda e: "ADD container=" in str(e.get("msg", "")), 20, agent.proc)
                 agent.proc.send_signal(signal.SIGKILL)
                 agent.proc.wait(5)
+                locks.close()
                 results = [f.result() for f in futs]
             cfg = redirect.RedirectConfig()
             ok = [name for name, (rc, _) in zip(names, results, strict=True) if rc == 0]
             failed = [(name, out) for name, (rc, out) in zip(names, results, strict=True) if rc != 0]
             assert failed, "the kill came after every ADD was served: nothing tested"
             assert all(out is not None and out["code"] == 11 for _, out in failed), failed[:3]
+            for name in held:  # in the agent at the kill: it went away without answering
+                rc, out = results[names.index(name)]
+                assert rc == 1 and out is not None and "went away without answering" in out["msg"], out
             assert all(redirect.check(name, cfg, backend="iptables").ok for name in ok)
             print(f"agent SIGKILL during {count} ADDs: {len(ok)} done, {len(failed)} 'try again'")
             n.start_agent()
