@@ -205,7 +205,8 @@ def test_sidecar_add_check_del_status_gc_through_the_agent(bin_dir: str, make_po
         capture = {"inbound_ports": []} if backend == "ebpf" else {}
         if backend == "ebpf":  # the agent loads the host programs at start, not on the first pod
             wait_log(agent.log, lambda e: e.get("msg") == "eBPF host programs ready", 60, agent.proc)
-        conf = netconf(n.events, backend=backend, capture=capture)
+        log_file = tmp_path / "cni.log"
+        conf = netconf(n.events, backend=backend, capture=capture, logFile=str(log_file), logJson=True)
         assert not captured(pod, backend)
         rc, out = thin("ADD", conf, pod.path)
         assert (rc, out) == (0, PREV)  # prevResult passed through
@@ -222,6 +223,11 @@ def test_sidecar_add_check_del_status_gc_through_the_agent(bin_dir: str, make_po
         assert not captured(pod, backend)
         assert thin("DEL", conf, pod.path) == (0, None)  # idempotent
         assert thin("DEL", conf, "/run/netns/rdrt-does-not-exist") == (0, None)
+        # the config's logFile has the plugin's lines, as the Python plugin writes them
+        lines = [json.loads(ln) for ln in log_file.read_text().splitlines()]
+        words = [ln["msg"].split()[0] for ln in lines]
+        assert [w for w in words if w.isupper()] == ["ADD", "ADD", "CHECK", "DEL", "DEL", "DEL"], lines
+        assert all(ln["container_id"] == "ctr1" and ln["logger"] == "redirect.cni" for ln in lines), lines
         assert n.agent is not None
         assert n.agent.metric('redirect_agent_events_total{type="cni_add"}') == 3
 

@@ -9,7 +9,8 @@ This module's ``run`` is the plugin, whoever runs it: this process (the ``redire
 console script, or ``redirect-cni-python`` in a CNI bin dir), or ``redirect-agent`` for the
 thin plugin (``native/cni_thin.c``, what ``install`` puts in the bin dir as ``redirect-cni``),
 which forwards each request to the agent (``redirect.agent.cni_requests``). Served by the
-agent, ambient pods are enrolled by that agent directly, and log lines go to its log.
+agent, ambient pods are enrolled by that agent directly, and log lines go to its log as well
+as to ``logFile``.
 
 Commands
 --------
@@ -324,6 +325,68 @@ def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, 
 # --- logging -----------------------------------------------------------------------------
 
 
+def _pod_log_fields(env: Mapping[str, str]) -> dict[str, str]:
+    from .. import logjson
+
+    try:
+        cni_args = parse_cni_args(env.get("CNI_ARGS", ""))
+    except CniError:
+        cni_args = {}
+    return logjson.pod_fields(pod_name=cni_args.get("K8S_POD_NAME"), pod_namespace=cni_args.get("K8S_POD_NAMESPACE"),
+                              pod_uid=cni_args.get("K8S_POD_UID"), container_id=env.get("CNI_CONTAINERID"),
+                              netns=env.get("CNI_NETNS"))
+
+
+class _AgentRequestLog:
+    """The plugin's log when the node agent serves the request (the thin plugin): each line goes
+    to the agent's log (logger ``redirect.cni``, with the pod's fields) and, when the config
+    names a ``logFile``, is appended there as the Python plugin would write it (``logLevel``,
+    ``logJson``, the pod's fields), so the node's CNI log reads the same either way."""
+
+    def __init__(self, pc: PluginConf, env: Mapping[str, str]) -> None:
+        import logging
+
+        from .. import logjson
+
+        self.log = logging.getLogger("redirect.cni")
+        self.pod = _pod_log_fields(env)
+        self.path = pc.log_file
+        self.level = logging.getLevelName(pc.log_level.upper())
+        self.formatter: logging.Formatter = (
+            logjson.JsonFormatter(self.pod) if pc.log_json
+            else logjson.TextFormatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s", self.pod))
+
+    def _emit(self, level: int, msg: str, args: tuple[Any, ...], exc_info: bool = False) -> None:
+        self.log.log(level, msg, *args, exc_info=exc_info, extra={"fields": self.pod})
+        if not self.path or level < self.level:
+            return
+        record = self.log.makeRecord(self.log.name, level, __file__, 0, msg, args,
+                                     sys.exc_info() if exc_info else None)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, (self.formatter.format(record) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # the agent's own log has the line
+
+    def debug(self, msg: str, *args: Any) -> None:
+        self._emit(10, msg, args)
+
+    def info(self, msg: str, *args: Any) -> None:
+        self._emit(20, msg, args)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._emit(30, msg, args)
+
+    def error(self, msg: str, *args: Any) -> None:
+        self._emit(40, msg, args)
+
+    def exception(self, msg: str, *args: Any) -> None:
+        self._emit(40, msg, args, exc_info=True)
+
+
 def _setup_logging(pc: PluginConf | None, env: Mapping[str, str] | None = None) -> Any:
     """Log to ``logFile`` at ``logLevel`` (else warnings to stderr), as text or (``logJson``) JSON
     lines carrying the pod's fields from ``CNI_ARGS``, ``CNI_CONTAINERID`` and ``CNI_NETNS``."""
@@ -335,13 +398,7 @@ def _setup_logging(pc: PluginConf | None, env: Mapping[str, str] | None = None) 
     if root.handlers:
         return logging.getLogger("redirect.cni")
     env = {} if env is None else env
-    try:
-        cni_args = parse_cni_args(env.get("CNI_ARGS", ""))
-    except CniError:
-        cni_args = {}
-    pod = logjson.pod_fields(pod_name=cni_args.get("K8S_POD_NAME"), pod_namespace=cni_args.get("K8S_POD_NAMESPACE"),
-                             pod_uid=cni_args.get("K8S_POD_UID"), container_id=env.get("CNI_CONTAINERID"),
-                             netns=env.get("CNI_NETNS"))
+    pod = _pod_log_fields(env)
     kw: dict[str, Any] = {"json_lines": bool(pc is not None and pc.log_json), "pod": pod,
                           "text_format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}
     problem: OSError | None = None
@@ -418,7 +475,8 @@ def _netns_gone(netns: str) -> bool:
     return path is not None and not os.path.exists(path)
 
 
-def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mapping[str, str], cfg: Any) -> None:
+def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mapping[str, str], cfg: Any,
+                 log: Any = None) -> None:
     """Hand an ambient pod to the node agent at ``pc.agent_socket`` and wait for it to confirm.
 
     The agent installs the in-pod rules, adds the pod to the node's probe sets and
@@ -438,8 +496,8 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
                        f"agentSocket={pc.agent_socket}") from None
     import logging
 
-    logging.getLogger("redirect.cni").info("ADD container=%s netns=%s ambient: enrolled by the node agent in %s ms",
-                                           container_id, netns, res.get("ms"))
+    (log or logging.getLogger("redirect.cni")).info("ADD container=%s netns=%s ambient: enrolled by the node agent "
+                                                    "in %s ms", container_id, netns, res.get("ms"))
 
 
 def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
@@ -503,7 +561,7 @@ def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
     if cfg is None:
         return result
     if pc.mode == "ambient" and pc.agent:
-        _ambient_add(pc, netns, container, parse_cni_args(env.get("CNI_ARGS", "")), cfg)
+        _ambient_add(pc, netns, container, parse_cni_args(env.get("CNI_ARGS", "")), cfg, log)
         return result
     from .. import api
 
@@ -622,7 +680,7 @@ def run(env: Mapping[str, str], stdin: bytes,
         pc = PluginConf(conf)
         if node_agent is not None:
             pc.agent = node_agent
-        log = _setup_logging(pc, env)
+        log = _AgentRequestLog(pc, env) if node_agent is not None else _setup_logging(pc, env)
         if command == "ADD":
             return 0, cmd_add(pc, env, log)
         if command == "DEL":
