@@ -325,6 +325,9 @@ def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, 
 # --- logging -----------------------------------------------------------------------------
 
 
+_TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+
+
 def _pod_log_fields(env: Mapping[str, str]) -> dict[str, str]:
     from .. import logjson
 
@@ -353,8 +356,7 @@ class _AgentRequestLog:
         self.path = pc.log_file
         self.level = logging.getLevelName(pc.log_level.upper())
         self.formatter: logging.Formatter = (
-            logjson.JsonFormatter(self.pod) if pc.log_json
-            else logjson.TextFormatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s", self.pod))
+            logjson.JsonFormatter(self.pod) if pc.log_json else logjson.TextFormatter(_TEXT_FORMAT, self.pod))
 
     def _emit(self, level: int, msg: str, args: tuple[Any, ...], exc_info: bool = False) -> None:
         self.log.log(level, msg, *args, exc_info=exc_info, extra={"fields": self.pod})
@@ -362,12 +364,11 @@ class _AgentRequestLog:
             return
         record = self.log.makeRecord(self.log.name, level, __file__, 0, msg, args,
                                      sys.exc_info() if exc_info else None)
+        from .. import logjson
+
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, (self.formatter.format(record) + "\n").encode())
-            finally:
-                os.close(fd)
+            with logjson.open_log_file(self.path) as f:  # as the Python plugin opens it: 0600, no symlink
+                f.write(self.formatter.format(record) + "\n")
         except OSError:
             pass  # the agent's own log has the line
 
@@ -399,8 +400,7 @@ def _setup_logging(pc: PluginConf | None, env: Mapping[str, str] | None = None) 
         return logging.getLogger("redirect.cni")
     env = {} if env is None else env
     pod = _pod_log_fields(env)
-    kw: dict[str, Any] = {"json_lines": bool(pc is not None and pc.log_json), "pod": pod,
-                          "text_format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}
+    kw: dict[str, Any] = {"json_lines": bool(pc is not None and pc.log_json), "pod": pod, "text_format": _TEXT_FORMAT}
     problem: OSError | None = None
     if pc is not None and pc.log_file:
         try:
