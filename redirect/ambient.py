@@ -37,6 +37,7 @@ from .plan import (
     UDP,
     Accept,
     Addr,
+    ChainBuilder,
     ConnMark,
     CtZone,
     Family,
@@ -49,7 +50,6 @@ from .plan import (
     RestoreMark,
     Return,
     SetConnMark,
-    _Builder,
 )
 
 DNS_PORT = 53
@@ -59,7 +59,7 @@ _LOOPBACK: dict[Family, str] = {4: "127.0.0.1/32", 6: "::1/128"}
 
 def build_ambient_plan(cfg: RedirectConfig) -> Plan:
     """The in-pod plan for ``cfg`` (``cfg.mode == "ambient"``)."""
-    b = _Builder()
+    b = ChainBuilder()
     mark = Mark(cfg.proxy_mark, cfg.proxy_mark_mask)
     not_mark = Mark(cfg.proxy_mark, cfg.proxy_mark_mask, neg=True)
     conn = ConnMark(cfg.conn_mark, cfg.proxy_mark_mask)

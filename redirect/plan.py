@@ -19,17 +19,23 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 from .config import IdSpec, RedirectConfig
+from .intent import (
+    DNS_PORT,
+    FAMILIES,
+    INBOUND_PASSTHROUGH_V4,
+    INBOUND_PASSTHROUGH_V6,
+    LOOPBACK_V6,
+    Family,
+    Intent,
+    LocalAddress,
+    OwnerKind,
+    intent_of,
+)
 
 Table = Literal["raw", "mangle", "nat"]
 Hook = Literal["prerouting", "output"]
-Family = Literal[4, 6]
 
-# Istio's fixed values that are not configurable there either.
-INBOUND_PASSTHROUGH_V4 = "127.0.0.6/32"
-INBOUND_PASSTHROUGH_V6 = "::6/128"
-LOOPBACK_V6 = "::1/128"
 OUTBOUND_MARK = 1338  # TPROXY: proxy-to-app over lo, so inbound does not capture it again
-DNS_PORT = 53
 DNS_ZONE_PROXY = 1  # proxy <-> upstream resolver
 DNS_ZONE_APP = 2  # app <-> proxy
 
@@ -214,16 +220,6 @@ class PolicyRoute:
 
 
 @dataclass(frozen=True)
-class LocalAddress:
-    """An address the plan needs on an interface (``::6`` on ``lo``: the source of the proxy's IPv6
-    inbound passthrough; backends add IPv6 ones only in a pod with IPv6 of its own)."""
-
-    family: Family
-    cidr: str
-    dev: str = "lo"
-
-
-@dataclass(frozen=True)
 class Plan:
     mode: str
     chains: tuple[Chain, ...]
@@ -231,6 +227,8 @@ class Plan:
     addresses: tuple[LocalAddress, ...] = ()
     #: Families the plan wants; ``None`` entries are resolved by the backend (auto IPv6).
     ipv6: bool | None = None
+    #: What the rules were lowered from (sidecar plans; the eBPF backend lowers it to map entries).
+    intent: Intent | None = None
 
     def chains_for(self, family: Family) -> tuple[Chain, ...]:
         """The chains with only the rules of ``family``; empty non-hook chains are kept
@@ -269,8 +267,8 @@ def _family_of(cidr: str) -> Family:
     return 4 if ipaddress.ip_network(cidr).version == 4 else 6
 
 
-class _Builder:
-    """Collects rules per (table, chain) in order of creation."""
+class ChainBuilder:
+    """Collects rules per (table, chain) in order of creation (the sidecar and ambient plans)."""
 
     def __init__(self) -> None:
         self._chains: dict[tuple[Table, str], list[Rule]] = {}
@@ -309,13 +307,8 @@ class _Builder:
 #: Logical chain names that are hook entry points.
 _HOOKS: dict[str, Hook] = {"PREROUTING": "prerouting", "OUTPUT": "output"}
 
-FAMILIES: tuple[Family, ...] = (4, 6)
 TCP = Proto("tcp")
 UDP = Proto("udp")
-
-
-def _loopbacks(cfg: RedirectConfig) -> dict[Family, str]:
-    return {4: cfg.ipv4_loopback_cidr, 6: LOOPBACK_V6}
 
 
 def build_plan(cfg: RedirectConfig) -> Plan:
@@ -324,24 +317,24 @@ def build_plan(cfg: RedirectConfig) -> Plan:
         from .ambient import build_ambient_plan
 
         return build_ambient_plan(cfg)
-    return _sidecar_plan(cfg)
+    return _sidecar_plan(intent_of(cfg))
 
 
-def _sidecar_plan(cfg: RedirectConfig) -> Plan:
-    """Istio ``istio-iptables`` semantics, rule purposes in Istio's order."""
-    b = _Builder()
-    tproxy = cfg.inbound_interception == "TPROXY"
+def _sidecar_plan(it: Intent) -> Plan:
+    """The netfilter lowering of a sidecar intent: Istio ``istio-iptables`` rule purposes, in its order."""
+    b = ChainBuilder()
+    tproxy = it.interception == "TPROXY"
     inbound_table: Table = "mangle" if tproxy else "nat"
-    dns = cfg.dns_effective
-    uids, gids = cfg.proxy_uids, cfg.proxy_gids
-    loop = _loopbacks(cfg)
+    dns = it.dns
+    loop: dict[Family, str] = dict(it.loopback)
+    passthrough: dict[Family, str] = dict(it.passthrough)
 
     # Hook chains first, so each table's entry is created in a stable order.
     b.chain("nat", "PREROUTING", "prerouting")
     b.chain("nat", "OUTPUT", "output")
 
     # 1. Excluded interfaces: nothing on them is captured.
-    for ifname in cfg.exclude_interfaces:
+    for ifname in it.exclude_interfaces:
         b.add("nat", "PREROUTING", [Iface("in", ifname)], Return(), f"exclude interface {ifname}")
         b.add("nat", "OUTPUT", [Iface("out", ifname)], Return(), f"exclude interface {ifname}")
         if tproxy:
@@ -351,11 +344,11 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
     # 2. Reroute (kube-virt) interfaces: their inbound goes to the outbound port.
     #    Istio inserts these at the top of nat PREROUTING (return when not capturing all).
     reroute_rules: list[tuple[tuple[Match, ...], Action, str]] = []
-    for ifname in cfg.reroute_interfaces:
-        if cfg.outbound_cidrs == "*":
+    for ifname in it.reroute_interfaces:
+        if it.outbound_all:
             reroute_rules.append(((Iface("in", ifname),), Jump("REDIRECT"), f"reroute {ifname} to outbound"))
-        elif cfg.outbound_cidrs:
-            for cidr in cfg.outbound_cidrs:
+        else:
+            for cidr in it.outbound_include_cidrs:
                 reroute_rules.append(
                     ((Iface("in", ifname), Addr("dst", cidr)), Jump("REDIRECT"), f"reroute {ifname} {cidr}")
                 )
@@ -364,40 +357,39 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
         b.add("nat", "PREROUTING", matches, action, comment)
 
     # 3. Drop conntrack-INVALID packets rather than letting them reset connections.
-    if cfg.drop_invalid:
+    if it.drop_invalid:
         b.add("mangle", "PREROUTING", [CtState(("INVALID",))], Jump("DROP"), "drop invalid")
         b.add("mangle", "DROP", [], Drop(), "drop invalid")
 
     # 4. The redirect targets.
-    b.add("nat", "REDIRECT", [TCP], Redirect(cfg.proxy_port), "to the proxy outbound port")
-    b.add("nat", "IN_REDIRECT", [TCP], Redirect(cfg.inbound_port), "to the proxy inbound port")
+    b.add("nat", "REDIRECT", [TCP], Redirect(it.proxy_port), "to the proxy outbound port")
+    b.add("nat", "IN_REDIRECT", [TCP], Redirect(it.inbound_port), "to the proxy inbound port")
 
     # 5. Inbound.
-    if cfg.inbound_ports != ():
+    if it.inbound:
         if tproxy:
-            b.add("mangle", "DIVERT", [], SetMark(cfg.tproxy_mark), "mark for the policy route to lo")
+            b.add("mangle", "DIVERT", [], SetMark(it.tproxy_mark), "mark for the policy route to lo")
             b.add("mangle", "DIVERT", [], Accept(), "deliver locally")
             for fam, lo in loop.items():
                 b.add(
                     "mangle",
                     "TPROXY",
                     [Addr("dst", lo, neg=True), TCP],
-                    TProxy(cfg.inbound_port, cfg.tproxy_mark),
+                    TProxy(it.inbound_port, it.tproxy_mark),
                     "new inbound to the proxy inbound port",
                     family=fam,
                 )
             # Prevent loops: ours and proxy -> app traffic is not captured again.
-            b.add("mangle", "INBOUND", [TCP, Mark(cfg.tproxy_mark)], Return(), "already diverted")
-            b.add("mangle", "INBOUND", [TCP, Addr("src", INBOUND_PASSTHROUGH_V4), Iface("in", "lo")], Return(),
-                  "inbound passthrough from the proxy")
-            b.add("mangle", "INBOUND", [TCP, Addr("src", INBOUND_PASSTHROUGH_V6), Iface("in", "lo")], Return(),
-                  "inbound passthrough from the proxy")
+            b.add("mangle", "INBOUND", [TCP, Mark(it.tproxy_mark)], Return(), "already diverted")
+            for fam in FAMILIES:
+                b.add("mangle", "INBOUND", [TCP, Addr("src", passthrough[fam]), Iface("in", "lo")], Return(),
+                      "inbound passthrough from the proxy")
             b.add("mangle", "INBOUND", [TCP, Iface("in", "lo"), Mark(OUTBOUND_MARK, neg=True)], Return(),
                   "app to itself over lo")
         b.add(inbound_table, "PREROUTING", [TCP], Jump("INBOUND"), "inbound TCP")
-        b.add(inbound_table, "INBOUND", [TCP, Port("dst", (cfg.tunnel_port,))], Return(), "tunnel (HBONE) port")
-        if cfg.inbound_ports == "*":
-            for p in cfg.inbound_exclude_ports:
+        b.add(inbound_table, "INBOUND", [TCP, Port("dst", (it.tunnel_port,))], Return(), "tunnel (HBONE) port")
+        if it.inbound_all:
+            for p in it.inbound_exclude_ports:
                 b.add(inbound_table, "INBOUND", [TCP, Port("dst", (p,))], Return(), f"excluded inbound port {p}")
             if tproxy:
                 b.add("mangle", "INBOUND", [TCP, CtState(("RELATED", "ESTABLISHED"))], Jump("DIVERT"),
@@ -406,10 +398,9 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
             else:
                 b.add("nat", "INBOUND", [TCP], Jump("IN_REDIRECT"), "inbound to the proxy")
         else:
-            skip = {*cfg.inbound_exclude_ports, cfg.tunnel_port}  # a set: both lists may be long
-            for p in cfg.inbound_ports:
-                if p in skip:
-                    continue
+            for p in it.inbound_include_ports:
+                if p == it.tunnel_port:
+                    continue  # returned above
                 if tproxy:
                     b.add("mangle", "INBOUND", [TCP, Port("dst", (p,)), CtState(("RELATED", "ESTABLISHED"))],
                           Jump("DIVERT"), f"established inbound port {p}")
@@ -419,30 +410,23 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
 
     # 6. Outbound.
     b.add("nat", "OUTPUT", [], Jump("OUTBOUND"), "outbound")
-    for p in cfg.outbound_exclude_ports:
+    for p in it.outbound_exclude_ports:
         b.add("nat", "OUTBOUND", [TCP, Port("dst", (p,))], Return(), f"excluded outbound port {p}")
         b.add("nat", "OUTBOUND", [UDP, Port("dst", (p,))], Return(), f"excluded outbound port {p}")
-    b.add("nat", "OUTBOUND", [Iface("out", "lo"), Addr("src", INBOUND_PASSTHROUGH_V4)], Return(),
-          "inbound passthrough from the proxy")
-    b.add("nat", "OUTBOUND", [Iface("out", "lo"), Addr("src", INBOUND_PASSTHROUGH_V6)], Return(),
-          "inbound passthrough from the proxy")
+    for fam in FAMILIES:
+        b.add("nat", "OUTBOUND", [Iface("out", "lo"), Addr("src", passthrough[fam])], Return(),
+              "inbound passthrough from the proxy")
 
-    include = cfg.outbound_cidrs
-    include_has_loopback = include != "*" and any(ipaddress.ip_network(c).is_loopback for c in include)
-    for kind, ids in (("uid", uids), ("gid", gids)):
-        # With DNS capture the proxy's own DNS over lo is not hairpinned either (Istio: only for
-        # uids; for gids only with gid_hairpin_skips_dns, our default, see README).
-        skip_dns = dns and (kind == "uid" or cfg.gid_hairpin_skips_dns)
-        hairpin_exclude = (DNS_PORT, cfg.tunnel_port) if skip_dns else (cfg.tunnel_port,)
-        for i in ids:
+    for kind in ("uid", "gid"):
+        for i in it.owners_of(kind):  # type: ignore[arg-type]
             # app -> own service VIP -> proxy -> app: the proxy's lo traffic to a
             # non-loopback address goes to inbound capture.
             for fam, lo in loop.items():
                 b.add("nat", "OUTBOUND",
-                      [Iface("out", "lo"), Addr("dst", lo, neg=True), TCP, Port("dst", hairpin_exclude, neg=True),
-                       Owner(kind, i)],  # type: ignore[arg-type]
+                      [Iface("out", "lo"), Addr("dst", lo, neg=True), TCP,
+                       Port("dst", it.hairpin_exclude_of(kind), neg=True), Owner(kind, i)],  # type: ignore[arg-type]
                       Jump("IN_REDIRECT"), f"proxy {kind} {_id(i)} hairpin over lo", family=fam)
-            if not include_has_loopback:
+            if not it.include_has_loopback:
                 m: list[Match] = [Iface("out", "lo")]
                 if dns:
                     m += [TCP, Port("dst", (DNS_PORT,), neg=True)]
@@ -451,96 +435,87 @@ def _sidecar_plan(cfg: RedirectConfig) -> Plan:
             b.add("nat", "OUTBOUND", [Owner(kind, i)], Return(), f"proxy {kind} {_id(i)}")  # type: ignore[arg-type]
 
     # Owner groups: only (or all but) these groups' traffic is captured.
-    if cfg.owner_groups_exclude:
-        for g in cfg.owner_groups_exclude:
+    if it.groups_mode == "exclude":
+        for g in it.groups:
             b.add("nat", "OUTBOUND", [Owner("gid", g)], Return(), f"owner group {_id(g)} not captured")
-    elif cfg.owner_groups != "*":
-        b.add("nat", "OUTBOUND", [Owner("gid", g, neg=True) for g in cfg.owner_groups], Return(),
+    elif it.groups_mode == "only":
+        b.add("nat", "OUTBOUND", [Owner("gid", g, neg=True) for g in it.groups], Return(),
               "not in a captured owner group")
 
     if dns:
-        _sidecar_dns(b, cfg)
+        _sidecar_dns(b, it)
 
     for fam, lo in loop.items():
         b.add("nat", "OUTBOUND", [Addr("dst", lo)], Return(), "loopback", family=fam)
-    for cidr in cfg.outbound_exclude_cidrs:
+    for cidr in it.outbound_exclude_cidrs:
         b.add("nat", "OUTBOUND", [Addr("dst", cidr)], Return(), f"excluded CIDR {cidr}")
-    for p in cfg.outbound_ports:
+    for p in it.outbound_include_ports:
         b.add("nat", "OUTBOUND", [TCP, Port("dst", (p,))], Jump("REDIRECT"), f"included outbound port {p}")
-    if include == "*":
+    if it.outbound_all:
         b.add("nat", "OUTBOUND", [], Jump("REDIRECT"), "all other outbound to the proxy")
     else:
-        for cidr in include:
+        for cidr in it.outbound_include_cidrs:
             b.add("nat", "OUTBOUND", [Addr("dst", cidr)], Jump("REDIRECT"), f"included CIDR {cidr}")
 
     routes: list[PolicyRoute] = []
-    addresses: list[LocalAddress] = []
-    if tproxy and cfg.inbound_ports != ():
-        b.add("mangle", "PREROUTING", [TCP, Mark(cfg.tproxy_mark)], SaveMark(), "remember the divert mark")
-        b.add("mangle", "OUTPUT", [TCP, Iface("out", "lo"), Mark(cfg.tproxy_mark)], Return(), "proxy to app, marked")
-        for kind, ids in (("uid", uids), ("gid", gids)):
-            for i in ids:
+    if tproxy and it.inbound:
+        b.add("mangle", "PREROUTING", [TCP, Mark(it.tproxy_mark)], SaveMark(), "remember the divert mark")
+        b.add("mangle", "OUTPUT", [TCP, Iface("out", "lo"), Mark(it.tproxy_mark)], Return(), "proxy to app, marked")
+        for kind in ("uid", "gid"):
+            for i in it.owners_of(kind):  # type: ignore[arg-type]
                 for fam, lo in loop.items():
                     b.add("mangle", "OUTPUT",
                           [Addr("dst", lo, neg=True), TCP, Iface("out", "lo"), Owner(kind, i)],  # type: ignore[arg-type]
                           SetMark(OUTBOUND_MARK), f"proxy {kind} {_id(i)} to app over lo", family=fam)
-        b.add("mangle", "OUTPUT", [TCP, ConnMark(cfg.tproxy_mark)], RestoreMark(), "replies follow the policy route")
+        b.add("mangle", "OUTPUT", [TCP, ConnMark(it.tproxy_mark)], RestoreMark(), "replies follow the policy route")
         for fam in FAMILIES:
-            routes.append(PolicyRoute(fam, cfg.tproxy_mark, 0xFFFFFFFF, cfg.tproxy_route_table))  # type: ignore[arg-type]
-    # The proxy's inbound passthrough binds ::6 (IPv4 has all of 127/8 on lo already). As in
-    # istio-iptables, it comes whatever the inbound ports (the backends add it only in a pod with
-    # IPv6 of its own, Istio's EnableIPv6).
-    addresses.append(LocalAddress(6, INBOUND_PASSTHROUGH_V6))
+            routes.append(PolicyRoute(fam, it.tproxy_mark, 0xFFFFFFFF, it.tproxy_route_table))
 
-    return Plan("sidecar", b.build(), tuple(routes), tuple(addresses), cfg.ipv6)
+    return Plan("sidecar", b.build(), tuple(routes), it.local_addresses, it.ipv6, it)
 
 
-def _sidecar_dns(b: _Builder, cfg: RedirectConfig) -> None:
+def _sidecar_dns(b: ChainBuilder, it: Intent) -> None:
     """DNS to port 53 goes to the DNS proxy, with conntrack zones splitting the flows."""
-    servers: dict[Family, tuple[str, ...]] = {
-        4: tuple(f"{s}/32" for s in cfg.dns_servers_of_family(4)),
-        6: tuple(f"{s}/128" for s in cfg.dns_servers_of_family(6)),
-    }
-    owners = [("uid", i) for i in cfg.proxy_uids] + [("gid", i) for i in cfg.proxy_gids]
+    owners: list[tuple[OwnerKind, IdSpec]] = [("uid", i) for i in it.owners_of("uid")]
+    owners += [("gid", i) for i in it.owners_of("gid")]
     dns53 = Port("dst", (DNS_PORT,))
     # nat: TCP and UDP to 53 -> dns_port, except the proxy's own queries.
     b.chain("nat", "DNS")
     for fam in FAMILIES:
-        if cfg.capture_all_dns or servers[fam]:
+        if it.dns_all or it.dns_servers_of(fam):
             b.add("nat", "OUTBOUND", [], Jump("DNS"), "DNS", family=fam)
-    if cfg.capture_all_dns:
-        b.add("nat", "DNS", [TCP, dns53], Redirect(cfg.dns_port), "TCP DNS to the DNS proxy")
+    if it.dns_all:
+        b.add("nat", "DNS", [TCP, dns53], Redirect(it.dns_port), "TCP DNS to the DNS proxy")
     else:
         for fam in FAMILIES:
-            for s in servers[fam]:
-                b.add("nat", "DNS", [TCP, dns53, Addr("dst", s)], Redirect(cfg.dns_port), f"TCP DNS to {s}")
+            for s in it.dns_servers_of(fam):
+                b.add("nat", "DNS", [TCP, dns53, Addr("dst", s)], Redirect(it.dns_port), f"TCP DNS to {s}")
     for kind, i in owners:
-        b.add("nat", "DNS", [UDP, dns53, Owner(kind, i)], Return(), f"proxy {kind} {_id(i)} DNS upstream")  # type: ignore[arg-type]
-    if cfg.capture_all_dns:
-        b.add("nat", "DNS", [UDP, dns53], Redirect(cfg.dns_port), "UDP DNS to the DNS proxy")
+        b.add("nat", "DNS", [UDP, dns53, Owner(kind, i)], Return(), f"proxy {kind} {_id(i)} DNS upstream")
+    if it.dns_all:
+        b.add("nat", "DNS", [UDP, dns53], Redirect(it.dns_port), "UDP DNS to the DNS proxy")
     else:
         for fam in FAMILIES:
-            for s in servers[fam]:
-                b.add("nat", "DNS", [UDP, dns53, Addr("dst", s)], Redirect(cfg.dns_port), f"UDP DNS to {s}")
+            for s in it.dns_servers_of(fam):
+                b.add("nat", "DNS", [UDP, dns53, Addr("dst", s)], Redirect(it.dns_port), f"UDP DNS to {s}")
 
     # raw: conntrack zones, so the proxy's upstream flow and the app's flow to the
     # proxy never share a conntrack entry (UDP races).
     b.chain("raw", "OUTPUT", "output")
     b.add("raw", "OUTPUT", [], Jump("DNS"), "DNS conntrack zones")
     for kind, i in owners:
-        b.add("raw", "DNS", [UDP, dns53, Owner(kind, i)], CtZone(DNS_ZONE_PROXY),  # type: ignore[arg-type]
-              "proxy upstream queries")
-        b.add("raw", "DNS", [UDP, Port("src", (cfg.dns_port,)), Owner(kind, i)], CtZone(DNS_ZONE_APP),  # type: ignore[arg-type]
+        b.add("raw", "DNS", [UDP, dns53, Owner(kind, i)], CtZone(DNS_ZONE_PROXY), "proxy upstream queries")
+        b.add("raw", "DNS", [UDP, Port("src", (it.dns_port,)), Owner(kind, i)], CtZone(DNS_ZONE_APP),
               "proxy answers to apps")
-    if cfg.capture_all_dns:
+    if it.dns_all:
         b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones")
         b.add("raw", "DNS", [UDP, dns53], CtZone(DNS_ZONE_APP), "app queries")
         b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,))], CtZone(DNS_ZONE_PROXY), "resolver answers")
     else:
         for fam in FAMILIES:
-            if servers[fam]:
+            if it.dns_servers_of(fam):
                 b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones", family=fam)
-            for s in servers[fam]:
+            for s in it.dns_servers_of(fam):
                 b.add("raw", "DNS", [UDP, dns53, Addr("dst", s)], CtZone(DNS_ZONE_APP), f"app queries to {s}")
                 b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,)), Addr("src", s)], CtZone(DNS_ZONE_PROXY),
                       f"answers from {s}")
@@ -551,7 +526,8 @@ def _id(i: IdSpec) -> str:
 
 
 __all__ = [
-    "Plan", "Chain", "Rule", "PolicyRoute", "LocalAddress", "build_plan",
+    "Plan", "Chain", "Rule", "PolicyRoute", "LocalAddress", "ChainBuilder", "build_plan", "Intent",
+    "Family", "FAMILIES", "DNS_PORT", "INBOUND_PASSTHROUGH_V4", "INBOUND_PASSTHROUGH_V6", "LOOPBACK_V6",
     "Proto", "Addr", "Port", "Iface", "Owner", "Mark", "ConnMark", "CtState", "Socket",
     "Redirect", "TProxy", "Return", "Accept", "Drop", "Jump", "SetMark", "SetConnMark",
     "SaveMark", "RestoreMark", "CtZone",
