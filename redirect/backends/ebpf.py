@@ -34,10 +34,12 @@ cgroup links) or reloaded (no pod registered) by the next setup, else setup rais
 ``SetupError`` saying what is missing. Fault points for the atomicity
 tests: ``ebpf.before_entries``, ``ebpf.before_policy``.
 
-The policy is derived from the ``RedirectConfig`` directly, not from the plan:
-the plan is netfilter-shaped (chains and jumps), while the programs implement
-the same rule order (``bpf/policy.h: outbound_target``, mirroring
-``plan._sidecar_plan`` rule for rule) over map lookups.
+The policy comes from the same intent as the netfilter plan (``redirect.intent``):
+``redirect.lower_ebpf`` lowers it to typed map entries, which ``_config_entries``
+packs; the programs implement Istio's rule order over map lookups
+(``bpf/policy.h: outbound_target``). ``redirect.evaluate`` models them, and a
+property test (``tests/test_lowerings.py``) checks that they land every drawn
+connection where the netfilter plan does.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option): ``mode="ambient"``; ``inbound_interception="TPROXY"`` (its mark and
@@ -98,6 +100,8 @@ from typing import Any
 from .. import netns as _netns
 from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, RedirectError, SetupError
+from ..intent import intent_of
+from ..lower_ebpf import lower_ebpf
 from ..netns import NetnsRef
 from ..plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from . import EBPF_DEFAULT_ROOT
@@ -1008,58 +1012,30 @@ def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[byt
                                                                              tuple[tuple[int, int, bytes], ...]]:
     """What ``cfg`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
 
-    Cached (configs are frozen): many pods share a config, and this is ~20 us of ``ipaddress``.
+    The eBPF lowering of the config's intent (``redirect.lower_ebpf``), packed. Cached (configs
+    are frozen): many pods share a config, and lowering is ~20 us of ``ipaddress``.
     """
-    flags = 0
-    if cfg.outbound_cidrs == "*":
-        flags |= F_OUT_ALL
-    elif any(ipaddress.ip_network(c).is_loopback for c in cfg.outbound_cidrs):
-        flags |= F_INCL_LOOPBACK
-    if cfg.dns_effective:
-        flags |= F_DNS | (F_DNS_ALL if cfg.capture_all_dns else 0)
-    inbound = cfg.inbound_ports != () and not cfg.bypass_inbound_capture
-    if inbound:
-        flags |= F_INBOUND | (F_INBOUND_ALL if cfg.inbound_ports == "*" else 0)
-    if 6 in families:
-        flags |= F_V6
-    lo = ipaddress.ip_network(cfg.ipv4_loopback_cidr)
-    groups: tuple[IdSpec, ...] = ()
-    groups_mode = GROUPS_ALL
-    if cfg.owner_groups_exclude:
-        groups_mode, groups = GROUPS_EXCLUDE, cfg.owner_groups_exclude
-    elif cfg.owner_groups != "*":
-        groups_mode, groups = GROUPS_ONLY, tuple(cfg.owner_groups)
+    e = lower_ebpf(intent_of(cfg), families)
+    p = e.policy
+    flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
+                                     (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
+                                     (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6)) if on)
+    lo = ipaddress.ip_network(p.loopback4)
+    groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
-        cfg.proxy_port, cfg.inbound_port, cfg.tunnel_port, cfg.dns_port, flags,
-        lo.network_address.packed, lo.netmask.packed, len(cfg.proxy_uids), len(cfg.proxy_gids), 0, 0,
-        *_ranges(cfg.proxy_uids), *_ranges(cfg.proxy_gids), groups_mode, len(groups), *_ranges(groups),
+        p.proxy_port, p.inbound_port, p.tunnel_port, p.dns_port, flags,
+        lo.network_address.packed, lo.netmask.packed, len(p.uids), len(p.gids), 0, 0,
+        *_ranges(p.uids), *_ranges(p.gids), groups_mode, len(p.groups), *_ranges(p.groups),
     )
-    ports = {(PORT_OUT_EXCL, p) for p in cfg.outbound_exclude_ports}
-    ports |= {(PORT_OUT_INCL, p) for p in cfg.outbound_ports}
-    if inbound:
-        if cfg.inbound_ports == "*":
-            ports |= {(PORT_IN_EXCL, p) for p in cfg.inbound_exclude_ports}
-        else:
-            excluded = set(cfg.inbound_exclude_ports)
-            ports |= {(PORT_IN_INCL, p) for p in cfg.inbound_ports if p not in excluded}
-    cidrs: set[tuple[int, int, bytes]] = set()
-
-    def add(kind4: int, kind6: int, items: tuple[str, ...]) -> None:
-        for c in items:
-            net = ipaddress.ip_network(c, strict=False)
-            if net.version == 6 and 6 not in families:
-                continue
-            kind = kind4 if net.version == 4 else kind6
-            cidrs.add((96 + net.prefixlen, kind, net.network_address.packed.ljust(16, b"\0")))
-
-    add(CIDR_OUT_EXCL4, CIDR_OUT_EXCL6, cfg.outbound_exclude_cidrs)
-    if cfg.outbound_cidrs != "*":
-        add(CIDR_OUT_INCL4, CIDR_OUT_INCL6, cfg.outbound_cidrs)
-    if cfg.dns_effective and not cfg.capture_all_dns:
-        add(CIDR_DNS4, CIDR_DNS6, cfg.dns_servers)
+    port_kind = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_include": PORT_IN_INCL,
+                 "in_exclude": PORT_IN_EXCL}
+    cidr_kind = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
+                 "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
+                 "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6}
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
-    return policy, tuple(sorted(ports)), tuple(sorted(cidrs))
+    return (policy, tuple(sorted((port_kind[k], port) for k, port in e.ports)),
+            tuple(sorted((96 + plen, cidr_kind[k], raw) for plen, k, raw in e.cidrs)))
 
 
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,

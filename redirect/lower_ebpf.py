@@ -1,0 +1,136 @@
+"""The eBPF lowering: an ``Intent`` as the eBPF backend's map entries, typed.
+
+``lower_ebpf(intent, families)`` says what a config writes for any pod: the ``pods`` map's
+policy (``EbpfPolicy``: ports, flags, loopback range, owner ranges, owner groups), the
+``ports`` map's (kind, port) entries and the ``cidrs`` LPM trie's (prefix length, kind,
+address) entries. ``pod_local`` adds what depends on the pod: its own addresses (``local``
+CIDRs: a connect to them leaves over lo) and, with inbound capture, the ``pod_addrs``
+entries sk_lookup finds the pod by. ``redirect.backends.ebpf`` only packs these into the
+structs of ``bpf/redirect.h``; ``bpf/policy.h`` reads them, and ``redirect.evaluate``
+models what it does with them.
+
+Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
+its own (0-32 or 0-128): the trie key's prefix adds the 96 bits of kind and netns cookie.
+Options the eBPF backend refuses (ambient mode, TPROXY, ``drop_invalid``, interfaces, more
+than 8 owner ranges) have no place here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import IdSpec
+from .intent import GroupsMode, Intent
+
+PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
+CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
+                   "local4", "local6"]
+IdRange = tuple[int, int]
+#: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
+LocalAddr = tuple[int, str, int]
+LOOPBACK_IFINDEX = 1
+
+
+@dataclass(frozen=True)
+class EbpfPolicy:
+    """The ``pods`` map's value for a pod (``struct pod_policy``, inventory fields aside)."""
+
+    proxy_port: int
+    inbound_port: int
+    tunnel_port: int
+    dns_port: int
+    #: ``RDR_F_*``: every destination captured; DNS capture; to every server; an included CIDR is
+    #: loopback; inbound capture; of every port; IPv6 captured too.
+    out_all: bool
+    dns: bool
+    dns_all: bool
+    incl_loopback: bool
+    inbound: bool
+    inbound_all: bool
+    v6: bool
+    #: The IPv4 loopback range never captured (``ipv4_loopback_cidr``).
+    loopback4: str
+    uids: tuple[IdRange, ...]
+    gids: tuple[IdRange, ...]
+    groups_mode: GroupsMode
+    groups: tuple[IdRange, ...]
+
+
+@dataclass(frozen=True)
+class EbpfEntries:
+    """What one config writes for any pod: the policy, ``ports`` and ``cidrs`` entries."""
+
+    policy: EbpfPolicy
+    ports: tuple[tuple[PortKind, int], ...]
+    #: (prefix length of the CIDR, kind, its network address as 16 bytes, IPv4 in the first 4).
+    cidrs: tuple[tuple[int, CidrKind, bytes], ...]
+
+
+def _range(i: IdSpec) -> IdRange:
+    return (i, i) if isinstance(i, int) else i
+
+
+def _cidr_spec(cidr: str, kind4: CidrKind, kind6: CidrKind) -> tuple[int, CidrKind, bytes]:
+    net = ipaddress.ip_network(cidr, strict=False)
+    return net.prefixlen, kind4 if net.version == 4 else kind6, net.network_address.packed.ljust(16, b"\0")
+
+
+def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
+    """The map entries of ``it`` for a pod captured in ``families`` (``(4,)`` or ``(4, 6)``)."""
+    policy = EbpfPolicy(
+        proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
+        out_all=it.outbound_all, dns=it.dns, dns_all=it.dns_all, incl_loopback=it.include_has_loopback,
+        inbound=it.inbound, inbound_all=it.inbound and it.inbound_all, v6=6 in families,
+        loopback4=it.loopback_of(4),
+        uids=tuple(_range(i) for i in it.owners_of("uid")), gids=tuple(_range(i) for i in it.owners_of("gid")),
+        groups_mode=it.groups_mode, groups=tuple(_range(g) for g in it.groups),
+    )
+    ports: dict[tuple[PortKind, int], None] = {}
+    for p in it.outbound_exclude_ports:
+        ports[("out_exclude", p)] = None
+    for p in it.outbound_include_ports:
+        ports[("out_include", p)] = None
+    if it.inbound:
+        if it.inbound_all:
+            for p in it.inbound_exclude_ports:
+                ports[("in_exclude", p)] = None
+        else:
+            for p in it.inbound_include_ports:
+                ports[("in_include", p)] = None
+    cidrs: dict[tuple[int, CidrKind, bytes], None] = {}
+
+    def add(items: Iterable[str], kind4: CidrKind, kind6: CidrKind) -> None:
+        for c in items:
+            spec = _cidr_spec(c, kind4, kind6)
+            if spec[1] == kind6 and 6 not in families:
+                continue
+            cidrs[spec] = None
+
+    add(it.outbound_exclude_cidrs, "out_exclude4", "out_exclude6")
+    add(it.outbound_include_cidrs, "out_include4", "out_include6")
+    add((c for _f, c in it.dns_servers), "dns4", "dns6")
+    return EbpfEntries(policy, tuple(ports), tuple(cidrs))
+
+
+def pod_local(policy: EbpfPolicy, families: tuple[int, ...], local: Iterable[LocalAddr]
+              ) -> tuple[tuple[tuple[int, CidrKind, bytes], ...], tuple[tuple[int, bytes], ...]]:
+    """The entries a pod's own addresses ``local`` add: ``local`` CIDRs (a connect to them leaves
+    over lo, Istio's ``-o lo`` rules) and, with inbound capture, ``pod_addrs`` keys (family,
+    address) of those not on lo (inbound is steered by the address a connection arrives at)."""
+    cidrs: list[tuple[int, CidrKind, bytes]] = []
+    addrs: list[tuple[int, bytes]] = []
+    for f, ip, index in local:
+        if f not in families:
+            continue
+        raw = ipaddress.ip_address(ip).packed.ljust(16, b"\0")
+        cidrs.append((32 if f == 4 else 128, "local4" if f == 4 else "local6", raw))
+        if policy.inbound and index != LOOPBACK_IFINDEX:
+            addrs.append((f, raw))
+    return tuple(cidrs), tuple(addrs)
+
+
+__all__ = ["EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "pod_local",
+           "LOOPBACK_IFINDEX"]
