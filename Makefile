@@ -15,8 +15,13 @@ lint: bootstrap
 	.venv/bin/ruff check .
 	.venv/bin/mypy redirect/
 
+# First the tests that need no root and no kernel (golden renderings, plan, lowerings: seconds),
+# then the kernel tests; each test runs once. Exit 5 is pytest's "nothing selected" (PYTEST_ARGS
+# may select only one kind).
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PYTEST) -m noroot $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
+	$(PYTEST) -m "not noroot" $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 
 # make bench [ARGS=--quick]: results in benches/results/ (JSON, summary.md, PNG plots)
 bench: bootstrap

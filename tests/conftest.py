@@ -17,6 +17,7 @@ from tests.netkit import Pod
 ROOT_FIXTURES = {"pod", "pod_pair", "make_pod", "pod_with_extra_iface"}
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: `pytest -m noroot` runs without root
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.geteuid() == 0:
         return

@@ -280,6 +280,14 @@ def test_only_included_inbound_ports_are_captured(pod: Pod, backend: str) -> Non
         assert landing(pod.peer_name, pod.pod_ip4, 8001, *L.values()).label == "app-8001"
 
 
+def test_bypass_inbound_capture_is_an_ambient_option_a_sidecar_still_captures_inbound(
+        pod: Pod, backend: str) -> None:
+    with installed(pod, RedirectConfig(bypass_inbound_capture=True), backend), listeners(
+        (pod.name, 15006, 4, "proxy-in"), (pod.name, 8000, 4, "pod-app"),
+    ) as L:
+        assert landing(pod.peer_name, pod.pod_ip4, 8000, *L.values()).label == "proxy-in"
+
+
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend: str, fam: int) -> None:
     if unsupported_here(pod, backend, "inbound_interception"):
