@@ -12,7 +12,7 @@ models what it does with them.
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds the 96 bits of kind and netns cookie.
 Options the eBPF backend refuses (ambient mode, TPROXY, ``drop_invalid``, interfaces, more
-than 8 owner ranges) have no place here.
+than 8 owner ranges, a gid hairpin unlike the uids') have no place here.
 """
 
 from __future__ import annotations
@@ -79,7 +79,14 @@ def _cidr_spec(cidr: str, kind4: CidrKind, kind6: CidrKind) -> tuple[int, CidrKi
 
 
 def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
-    """The map entries of ``it`` for a pod captured in ``families`` (``(4,)`` or ``(4, 6)``)."""
+    """The map entries of ``it`` for a pod captured in ``families`` (``(4,)`` or ``(4, 6)``).
+
+    ``ValueError`` if the entries cannot say it: the programs leave the same ports alone in the
+    hairpin of proxy uids and gids (the backend refuses such configs by name first).
+    """
+    if it.owners_of("gid") and it.hairpin_exclude_of("gid") != it.hairpin_exclude_of("uid"):
+        raise ValueError(f"eBPF lowering: the proxy gids' hairpin leaves {it.hairpin_exclude_of('gid')} alone, "
+                         f"the uids' {it.hairpin_exclude_of('uid')}: the programs treat both alike")
     policy = EbpfPolicy(
         proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
         out_all=it.outbound_all, dns=it.dns, dns_all=it.dns_all, incl_loopback=it.include_has_loopback,

@@ -84,6 +84,15 @@ def test_both_lowerings_follow_istio(what: str, fields: dict[str, Any], conn: Co
     assert evaluate_ebpf(lower_ebpf(intent_of(cfg), (4, 6)), POD, conn) == want, "eBPF"
 
 
+def test_the_gid_hairpin_takes_dns_only_as_istio_when_asked() -> None:
+    istio = RedirectConfig(dns_capture=True, capture_all_dns=True, gid_hairpin_skips_dns=False)
+    gid_proxy = {"uid": 1000, "gid": 1337}
+    assert evaluate_plan(build_plan(istio), (4, 6), POD, out("10.1.0.2", 53, who=gid_proxy)) == ("redirect", 15006)
+    assert evaluate_plan(build_plan(istio), (4, 6), POD, out("10.1.0.2", 53, who=PROXY)) == DIRECT
+    with pytest.raises(ValueError, match="gid"):
+        lower_ebpf(intent_of(istio), (4, 6))
+
+
 def test_ipv6_is_not_captured_when_only_ipv4_is_installed() -> None:
     cfg, conn = RedirectConfig(), out("2001:db8::1", 443)
     assert evaluate_plan(build_plan(cfg), (4,), POD, conn) == DIRECT
@@ -99,11 +108,14 @@ def test_intent_decides_istio_derived_values_once() -> None:
     assert it.inbound and not it.inbound_all and it.inbound_include_ports == (8080, 15008)
     assert (it.groups_mode, it.groups) == ("exclude", (5,))
     assert it.proxy_owners == (("uid", 1337), ("gid", (10, 20)))
-    assert it.hairpin_exclude_ports == (15008,)
+    assert it.hairpin_exclude_of("uid") == it.hairpin_exclude_of("gid") == (15008,)
     assert it.local_addresses == (LocalAddress(6, "::6/128"),)
     dns = intent_of(RedirectConfig(dns_capture=True, dns_servers=("10.0.0.10", "fd00::a"), inbound_ports=()))
     assert dns.dns and dns.dns_servers == ((4, "10.0.0.10/32"), (6, "fd00::a/128"))
-    assert dns.hairpin_exclude_ports == (53, 15008) and dns.local_addresses == ()
+    assert dns.hairpin_exclude_of("uid") == dns.hairpin_exclude_of("gid") == (53, 15008)
+    assert dns.local_addresses == (LocalAddress(6, "::6/128"),)  # whatever the inbound ports, as Istio
+    istio = intent_of(RedirectConfig(dns_capture=True, capture_all_dns=True, gid_hairpin_skips_dns=False))
+    assert istio.hairpin_exclude_of("uid") == (53, 15008) and istio.hairpin_exclude_of("gid") == (15008,)
     assert intent_of(RedirectConfig()) is intent_of(RedirectConfig())  # computed once per config
 
 

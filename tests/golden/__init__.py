@@ -44,6 +44,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "sidecar-dns-all": {"dns_capture": True, "capture_all_dns": True},
     "sidecar-dns-servers": {"dns_capture": True, "dns_servers": ("10.96.0.10", "fd00:96::a")},
     "sidecar-dns-ineffective": {"dns_capture": True},
+    "sidecar-dns-gid-hairpin-as-istio": {"dns_capture": True, "capture_all_dns": True,
+                                         "gid_hairpin_skips_dns": False},
     "sidecar-tproxy": {"inbound_interception": "TPROXY", "inbound_exclude_ports": (15090,)},
     "sidecar-tproxy-ports": {"inbound_interception": "TPROXY", "inbound_ports": (8080, 8081),
                              "dns_capture": True, "capture_all_dns": True, "tproxy_mark": 4242,
