@@ -15,13 +15,15 @@ LPM trie's prefix rules. Both answer a ``Landing``:
 
 The pod is described by ``PodNet`` (its own addresses; a destination among them, or a
 loopback one, leaves over lo) and the connection by ``Conn``. Modelled: the first packet of
-a new connection (conntrack state NEW) and its socket's owner and mark; not modelled:
-routing beyond "local or out through ``PodNet.dev``", IPv4-mapped IPv6 destinations,
-``sendmsg`` with an explicit source (``IP_PKTINFO``).
+a new connection (conntrack state NEW) and its socket's owner and mark; an IPv6
+socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
+netfilter, ``connect6`` for the programs). Not modelled: routing beyond "local or out
+through ``PodNet.dev``", ``sendmsg`` with an explicit source (``IP_PKTINFO``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 from dataclasses import dataclass
@@ -68,6 +70,12 @@ _ip = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
 _net = functools.lru_cache(maxsize=4096)(ipaddress.ip_network)
 
 
+def _mapped(ip: str) -> str | None:
+    """The IPv4 address of an IPv4-mapped IPv6 address, else None."""
+    a = _ip(ip)
+    return str(a.ipv4_mapped) if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None else None
+
+
 @dataclass(frozen=True)
 class Conn:
     """A new connection (TCP) or datagram flow (UDP) seen from the pod."""
@@ -90,7 +98,16 @@ class Conn:
 
     @property
     def family(self) -> int:
+        """The socket's family (6 for an IPv4-mapped destination)."""
         return _ip(self.dst).version
+
+    def on_the_wire(self) -> Conn:
+        """The connection as its packets carry it: an IPv4-mapped destination (and bound source)
+        as the IPv4 address."""
+        dst, src = _mapped(self.dst), _mapped(self.src) if self.src is not None else None
+        if dst is None:
+            return self
+        return dataclasses.replace(self, dst=dst, src=src or self.src)
 
 
 @dataclass(frozen=True)
@@ -236,6 +253,7 @@ def _hooks(plan_chains: tuple[Chain, ...], hook: str, tables: tuple[str, ...], p
 
 def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn) -> Landing:
     """Where ``conn`` lands under ``plan`` installed for ``families``."""
+    conn = conn.on_the_wire()
     fam = conn.family
     if fam not in families:
         return DIRECT
@@ -407,6 +425,7 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
     to = _connect(m, conn)
     if to:
         return ("redirect", to)
+    conn = conn.on_the_wire()  # sk_lookup sees the packets
     if pod.is_local(conn.dst):
         # Delivered locally as it is: sk_lookup runs at the address's device.
         return _sk_lookup(m, conn, pod.source_for(conn), pod.ifindex_of(conn.dst))

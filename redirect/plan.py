@@ -1,10 +1,14 @@
 """The plan: a pure function ``config -> Plan`` in a small typed vocabulary.
 
-A ``Plan`` is what every backend renders. It says, per netfilter-style table and
-hook, which ordered rules to run (matches + one action), which policy routes and
-local addresses come with them, and for which address families. It never touches
-a kernel, so it is unit-testable without root, and each behaviour is written here
-once however many backends there are.
+A ``Plan`` says, per netfilter-style table and hook, which ordered rules to run
+(matches + one action), which policy routes and local addresses come with them,
+and for which address families; the iptables and nftables backends render it. A
+sidecar plan is the netfilter lowering of the config's ``Intent``
+(``redirect.intent``), which it carries: the eBPF backend lowers the same intent to
+map entries (``redirect.lower_ebpf``). The ambient plan (``redirect.ambient``) is
+built with the same vocabulary. It never touches a kernel, so it is unit-testable
+without root (``redirect.evaluate`` interprets it), and each behaviour is written
+here once however many backends there are.
 
 Chain names are logical (``"OUTBOUND"``); each backend adds its own prefix. A chain
 with ``hook`` set is an entry point: the backend hooks it into that table's built-in
