@@ -4,9 +4,11 @@
 connection walks the hook chains table by table (raw, mangle, nat), following jumps and
 returns, matching on the typed vocabulary, until a verdict. ``evaluate_ebpf`` is a model of
 what the eBPF programs do with the map entries of ``redirect.lower_ebpf``: ``connect4/6``
-and ``sendmsg4/6`` (``bpf/sock_addr.c``, ``outbound_target`` in ``bpf/policy.h``) for
-outbound, ``sk_lookup`` (``bpf/sk_lookup.c``) for inbound, statement for statement, with the
-LPM trie's prefix rules. Both answer a ``Landing``:
+and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``bpf/sock_addr.c``, ``outbound_target``
+in ``bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``bpf/sk_lookup.c``) for inbound,
+statement for statement, with the LPM trie's prefix rules. A change to those programs'
+decisions changes this model with it; ``tests/test_lowerings.py`` then says whether they
+still agree with the netfilter plan. Both answer a ``Landing``:
 
 - ``("redirect", port)``: the connection goes to the local port (NAT ``REDIRECT``, a connect
   rewritten to loopback, or sk_lookup handing it to the proxy's inbound listener);
@@ -283,12 +285,9 @@ class _Maps:
 
     def __init__(self, entries: EbpfEntries, local: tuple[LocalAddr, ...]) -> None:
         p = entries.policy
-        families = (4, 6) if p.v6 else (4,)
-        local_cidrs, addrs = pod_local(p, families, local)
         self.policy = p
         self.ports = set(entries.ports)
-        self.cidrs = list(entries.cidrs) + list(local_cidrs)
-        self.pod_addrs = set(addrs)
+        self.cidrs = list(entries.cidrs) + list(pod_local((4, 6) if p.v6 else (4,), local))
 
     def port_listed(self, kind: str, port: int) -> bool:
         return (kind, port) in self.ports
@@ -372,36 +371,49 @@ def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, 
     return 0
 
 
+def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
+    """``target4`` of bpf/sock_addr.c."""
+    addr = _raw(dst)
+    out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False)
+    dst_is_lo_cidr = _ip(dst) in _net(m.policy.loopback4)
+    return _outbound_target(m, conn, addr, False, out_lo, dst_is_lo_cidr,
+                            src is not None and _ip(src) == V4_PASSTHROUGH)
+
+
 def _connect(m: _Maps, conn: Conn) -> int:
-    """``redirect4``/``redirect6`` of bpf/sock_addr.c (connect, or sendmsg of UDP)."""
-    p = m.policy
+    """``redirect4``/``redirect6`` of bpf/sock_addr.c (connect, or sendmsg of UDP): the port the
+    destination is rewritten to (on the socket family's loopback), or 0."""
     dst = _ip(conn.dst)
-    v6 = dst.version == 6
-    if v6 and not p.v6:
+    # The socket's source when the hook runs: the bound address, else none yet.
+    if dst.version == 4:
+        return _target4(m, conn, conn.dst, conn.src)
+    mapped = _mapped(conn.dst)
+    if mapped is not None:  # a dual-stack socket's IPv4 peer: IPv4's rules, whatever the pod's IPv6
+        return _target4(m, conn, mapped, _mapped(conn.src) if conn.src is not None else None)
+    if not m.policy.v6:
         return 0
     addr = _raw(conn.dst)
-    src = _ip(conn.src) if conn.src is not None else None  # unbound: zero at connect
-    if not v6:
-        lo4 = _net(p.loopback4)
-        out_lo = (int(dst) >> 24) == 127 or m.cidr_listed("local4", addr, False)
-        dst_is_lo_cidr = dst in lo4
-        src_passthrough = src == V4_PASSTHROUGH
-    else:
-        out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True)
-        dst_is_lo_cidr = dst == V6_LOOPBACK
-        src_passthrough = src == V6_PASSTHROUGH
-    return _outbound_target(m, conn, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough)
+    out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True)
+    src_passthrough = conn.src is not None and _ip(conn.src) == V6_PASSTHROUGH
+    return _outbound_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK, src_passthrough)
+
+
+def _inbound_captured(m: _Maps, port: int) -> bool:
+    p = m.policy
+    if not p.inbound or port in (p.tunnel_port, p.inbound_port):
+        return False
+    return (not m.port_listed("in_exclude", port)) if p.inbound_all else m.port_listed("in_include", port)
 
 
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
-    """``rdr_sk_lookup`` of bpf/sk_lookup.c, with the proxy's inbound listener registered."""
-    p = m.policy
+    """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's inbound listener
+    registered (without one, a captured connection is dropped)."""
     if conn.proto != "tcp":
         return DIRECT
     if ingress_ifindex == LOOPBACK_IFINDEX:
         return DIRECT
     fam = conn.family
-    if (fam, _raw(conn.dst)) not in m.pod_addrs:
+    if (fam == 6 and not m.policy.v6) or not _inbound_captured(m, conn.port):
         return DIRECT
     s = _ip(src)
     if fam == 4:
@@ -410,11 +422,7 @@ def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
         from_pod = s == V6_LOOPBACK or m.cidr_listed("local6", _raw(src), True)
     if from_pod:
         return DIRECT
-    port = conn.port
-    if not p.inbound or port in (p.tunnel_port, p.inbound_port):
-        return DIRECT
-    captured = (not m.port_listed("in_exclude", port)) if p.inbound_all else m.port_listed("in_include", port)
-    return ("redirect", p.inbound_port) if captured else DIRECT
+    return ("redirect", m.policy.inbound_port)
 
 
 def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:

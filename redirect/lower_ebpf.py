@@ -4,13 +4,13 @@
 policy (``EbpfPolicy``: ports, flags, loopback range, owner ranges, owner groups), the
 ``ports`` map's (kind, port) entries and the ``cidrs`` LPM trie's (prefix length, kind,
 address) entries. ``pod_local`` adds what depends on the pod: its own addresses (``local``
-CIDRs: a connect to them leaves over lo) and, with inbound capture, the ``pod_addrs``
-entries sk_lookup finds the pod by. ``redirect.backends.ebpf`` only packs these into the
-structs of ``bpf/redirect.h``; ``bpf/policy.h`` reads them, and ``redirect.evaluate``
-models what it does with them.
+CIDRs: a connect to them leaves over lo; inbound from them is the pod to itself).
+``redirect.backends.ebpf`` only packs these into the structs of ``bpf/abi.h``; the programs
+read them, and ``redirect.evaluate`` models what they do with them.
 
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
-its own (0-32 or 0-128): the trie key's prefix adds the 96 bits of kind and netns cookie.
+its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
+of kind and netns cookie.
 Options the eBPF backend refuses (ambient mode, TPROXY, ``drop_invalid``, interfaces, more
 than 8 owner ranges, a gid hairpin unlike the uids') have no place here.
 """
@@ -122,21 +122,12 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
     return EbpfEntries(policy, tuple(ports), tuple(cidrs))
 
 
-def pod_local(policy: EbpfPolicy, families: tuple[int, ...], local: Iterable[LocalAddr]
-              ) -> tuple[tuple[tuple[int, CidrKind, bytes], ...], tuple[tuple[int, bytes], ...]]:
-    """The entries a pod's own addresses ``local`` add: ``local`` CIDRs (a connect to them leaves
-    over lo, Istio's ``-o lo`` rules) and, with inbound capture, ``pod_addrs`` keys (family,
-    address) of those not on lo (inbound is steered by the address a connection arrives at)."""
-    cidrs: list[tuple[int, CidrKind, bytes]] = []
-    addrs: list[tuple[int, bytes]] = []
-    for f, ip, index in local:
-        if f not in families:
-            continue
-        raw = ipaddress.ip_address(ip).packed.ljust(16, b"\0")
-        cidrs.append((32 if f == 4 else 128, "local4" if f == 4 else "local6", raw))
-        if policy.inbound and index != LOOPBACK_IFINDEX:
-            addrs.append((f, raw))
-    return tuple(cidrs), tuple(addrs)
+def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tuple[int, CidrKind, bytes], ...]:
+    """The ``local`` CIDR entries of a pod's own addresses ``local``: a connect to them leaves over
+    lo (Istio's ``-o lo`` rules), and inbound from them is the pod talking to itself."""
+    return tuple((32 if f == 4 else 128, "local4" if f == 4 else "local6",
+                  ipaddress.ip_address(ip).packed.ljust(16, b"\0"))
+                 for f, ip, _index in local if f in families)
 
 
 __all__ = ["EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "pod_local",

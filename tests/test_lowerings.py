@@ -158,13 +158,6 @@ def known_difference(cfg: RedirectConfig, pod: PodNet, conn: Conn, nf: Landing, 
         # proxy's hairpin, or DNS/TCP capture where the app's lo traffic is not returned). Istio's
         # proxy binds ::6 and connects to the app's address; nothing connects to ::6 itself.
         return "connect6 cannot see the source an unbound socket will get"
-    if conn.direction == "out" and conn.on_the_wire().family == 4 and conn.family == 6:
-        # An IPv6 socket's connect to an IPv4-mapped address sends IPv4 packets, which netfilter's
-        # IPv4 rules judge as any IPv4 connection. The programs run connect6 and take it as IPv6:
-        # not captured at all when IPv6 is not (ipv6=False), IPv4 CIDRs (included, excluded,
-        # DNS servers) and the IPv4 loopback never match it, and it is sent to ::1. A capture
-        # bypass under eBPF, for bpf/sock_addr.c to fix (take a mapped destination as IPv4).
-        return "connect6 takes an IPv4-mapped destination as IPv6"
     return None
 
 

@@ -7,7 +7,6 @@ the kernel tests check the same behaviours with real rules, programs and sockets
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -93,15 +92,19 @@ def test_the_gid_hairpin_takes_dns_only_as_istio_when_asked() -> None:
         lower_ebpf(intent_of(istio), (4, 6))
 
 
-@pytest.mark.parametrize("fields", [{"ipv6": False}, {"outbound_cidrs": ("10.0.0.0/8",)}])
-def test_known_difference_an_ipv4_mapped_destination_bypasses_ebpf_capture(fields: dict[str, Any]) -> None:
-    """Istio's rules capture an IPv6 socket's connect to ``::ffff:10.2.0.1`` (IPv4 packets); the
-    programs (connect6, as modelled) do not. When bpf/sock_addr.c takes a mapped destination as
-    IPv4, the model follows it, this test flips and ``known_difference`` loses its entry."""
-    cfg, conn = RedirectConfig(**fields), out("::ffff:10.2.0.1", 80)
+@pytest.mark.parametrize(("fields", "dst", "want"), [
+    ({"ipv6": False}, "::ffff:10.2.0.1", ("redirect", 15001)),
+    ({"outbound_cidrs": ("10.0.0.0/8",)}, "::ffff:10.2.0.1", ("redirect", 15001)),
+    ({"outbound_exclude_cidrs": ("10.2.0.0/16",)}, "::ffff:10.2.0.1", DIRECT),
+    ({}, "::ffff:127.0.0.1", DIRECT),
+])
+def test_an_ipv4_mapped_destination_follows_the_ipv4_rules(fields: dict[str, Any], dst: str, want: Landing) -> None:
+    """An IPv6 socket's connect to ``::ffff:a.b.c.d`` sends IPv4 packets: Istio's IPv4 rules judge
+    it, whatever the IPv6 capture and the IPv6 CIDRs (dual-stack clients)."""
+    cfg, conn = RedirectConfig(**fields), out(dst, 80)
     families = (4,) if fields.get("ipv6") is False else (4, 6)
-    assert evaluate_plan(build_plan(cfg), families, POD, conn) == ("redirect", 15001)
-    assert evaluate_ebpf(lower_ebpf(intent_of(cfg), families), POD, conn) == DIRECT
+    assert evaluate_plan(build_plan(cfg), families, POD, conn) == want
+    assert evaluate_ebpf(lower_ebpf(intent_of(cfg), families), POD, conn) == want
 
 
 def test_ipv6_is_not_captured_when_only_ipv4_is_installed() -> None:
@@ -148,11 +151,8 @@ def test_ebpf_lowering_is_typed_and_skips_ipv6_entries_without_ipv6() -> None:
     assert [k for _p, k, _a in e46.cidrs] == ["out_exclude4", "out_exclude6", "dns4"]
     assert e4.policy.groups_mode == "only" and e4.policy.groups == ((3000, 3000), (4000, 4001))
     assert e4.policy.dns and not e4.policy.dns_all and e4.policy.inbound and not e4.policy.inbound_all
-    cidrs, addrs = pod_local(e46.policy, (4, 6), POD.addrs)
-    assert [k for _p, k, _a in cidrs] == ["local4", "local6", "local6"]
-    assert len(addrs) == 2  # ::6 is on lo: sk_lookup never finds the pod by it
-    _c, none = pod_local(dataclasses.replace(e46.policy, inbound=False), (4, 6), POD.addrs)
-    assert none == ()
+    assert [k for _p, k, _a in pod_local((4, 6), POD.addrs)] == ["local4", "local6", "local6"]
+    assert [k for _p, k, _a in pod_local((4,), POD.addrs)] == ["local4"]
 
 
 def test_the_evaluator_follows_marks_accepts_and_tproxy() -> None:

@@ -1035,7 +1035,7 @@ def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[byt
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
     return (policy, tuple(sorted((port_kind[k], port) for k, port in e.ports)),
-            tuple(sorted((96 + plen, cidr_kind[k], raw) for plen, k, raw in e.cidrs)))
+            tuple(sorted((CIDR_PREFIX_BASE + plen, cidr_kind[k], raw) for plen, k, raw in e.cidrs)))
 
 
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
