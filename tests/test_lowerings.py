@@ -5,9 +5,10 @@ IPv6 addresses, ``::6`` on lo when the plan adds it) and thousands of connection
 bound source, destination, port, protocol, direction), and asks both evaluators of
 ``redirect.evaluate`` where each lands: the netfilter plan interpreted rule by rule, and the
 model of the eBPF programs over the lowered map entries. They must agree, but for the
-documented differences in ``known_difference``. The kernel-level differential tests
-(``test_nftables_diff.py``, ``test_ebpf.py``) keep the evaluators honest against real rules
-and programs.
+documented differences in ``known_difference``. ``test_evaluate_kernel.py`` keeps the
+evaluators honest: real iptables rules and real eBPF programs land a probe matrix where they
+say; the kernel-level differential tests (``test_nftables_diff.py``, ``test_ebpf.py``) compare
+the backends themselves.
 """
 
 from __future__ import annotations

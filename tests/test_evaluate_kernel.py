@@ -1,0 +1,115 @@
+"""The evaluators against the kernel: ``redirect.evaluate`` says where real rules and programs land.
+
+The no-root property (``test_lowerings.py``) compares the two lowerings through their
+evaluators; this keeps the evaluators honest. Hypothesis draws configs the eBPF backend
+supports (``test_nftables_diff.specs``); each is set up in one pod with ``backend="iptables"``
+and in another with ``backend="ebpf"``; a probe matrix (the app, the proxy's uid, an owner
+group; outbound ports and CIDRs, DNS over UDP and TCP, inbound ports, the pod to itself, the
+inbound passthrough, a dual-stack socket to an IPv4 peer; IPv4 and IPv6) runs in both, and
+each probe must land where ``evaluate_plan`` (iptables) and ``evaluate_ebpf`` (eBPF) say.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+
+import redirect
+from redirect.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
+from redirect.intent import intent_of
+from redirect.lower_ebpf import lower_ebpf
+from redirect.plan import build_plan
+from tests import test_nftables_diff as diff
+from tests.netkit import Listener, Pod, landing
+from tests.test_ebpf import bpf_root  # noqa: F401 - the fixture: host programs under a scratch root
+
+#: Listener label -> where the evaluators say such a connection lands.
+CAPTURED: dict[str, Landing] = {"proxy-out": ("redirect", 15001), "proxy-in": ("redirect", 15006),
+                                "dns-tcp": ("redirect", 15053), "dns-udp": ("redirect", 15053)}
+
+
+def probes(pod: Pod, v6_passthrough: bool) -> list[tuple[str, Conn, dict[str, Any]]]:
+    """(name, the connection as the evaluators see it, landing()'s arguments); the IPv6
+    passthrough probe only when ``::6`` is on lo (setup adds it when IPv6 is captured)."""
+    out: list[tuple[str, Conn, dict[str, Any]]] = []
+    for fam in (4, 6):
+        peer, own = pod.peer_ip(fam), pod.pod_ip(fam)
+        for who, ids in (("app", (0, 0)), ("proxy", (1337, 0)), ("group", (1000, diff.APP_GID))):
+            kw = {} if who == "app" else {"uid": ids[0], "gid": ids[1]}
+            for port in diff.OUT_PORTS:
+                out.append((f"out {who} v{fam} :{port}", Conn("out", "tcp", peer, port, uid=ids[0], gid=ids[1]),
+                            {"ip": peer, "port": port, **kw}))
+            out.append((f"self {who} v{fam}", Conn("out", "tcp", own, 8080, uid=ids[0], gid=ids[1]),
+                        {"ip": own, "port": 8080, **kw}))
+        out.append((f"dns tcp v{fam}", Conn("out", "tcp", peer, 53), {"ip": peer, "port": 53}))
+        out.append((f"dns udp v{fam}", Conn("out", "udp", peer, 53),
+                    {"ip": peer, "port": 53, "proto": "udp", "timeout": 0.15}))
+        lo, src = ("127.0.0.1", "127.0.0.6") if fam == 4 else ("::1", "::6")
+        out.append((f"loopback v{fam}", Conn("out", "tcp", lo, 9090, uid=1337), {"ip": lo, "port": 9090, "uid": 1337}))
+        if fam == 4 or v6_passthrough:
+            out.append((f"passthrough v{fam}", Conn("out", "tcp", own, 8080, uid=1337, src=src),
+                        {"ip": own, "port": 8080, "uid": 1337, "src": src}))
+        for port in diff.IN_PORTS:
+            out.append((f"in v{fam} :{port}", Conn("in", "tcp", own, port, src=peer),
+                        {"ns": pod.peer_name, "ip": own, "port": port}))
+    mapped = f"::ffff:{pod.peer_ip4}"
+    out.append(("dual-stack socket to IPv4 :80", Conn("out", "tcp", mapped, 80), {"ip": mapped, "port": 80}))
+    return out
+
+
+def landed(pod: Pod, ls: list[Listener], kw: dict[str, Any]) -> Landing | str:
+    kw = dict(kw)
+    hit = landing(kw.pop("ns", pod.name), kw.pop("ip"), kw.pop("port"), *ls, **{"timeout": 1.0, **kw})
+    if hit.listener is None:
+        return f"nowhere ({hit.result.error})"
+    return CAPTURED.get(hit.listener.label, DIRECT)
+
+
+def test_evaluators_land_every_probe_where_the_kernel_does(make_pod, bpf_root: str) -> None:  # noqa: F811
+    specs = diff.specs.map(lambda d: {**d, "inbound_interception": "REDIRECT", "drop_invalid": False})
+    ipt, bpf = make_pod(), make_pod()
+    ls = {ipt.name: diff.listeners(ipt), bpf.name: diff.listeners(bpf)}
+    for group in ls.values():
+        for lst in group:
+            lst.start()
+    kinds: set[Landing | str] = set()
+    try:
+        for p in (ipt, bpf):  # a fresh pod's first IPv6 connections wait for neighbour discovery
+            landing(p.name, p.peer_ip6, 80, *ls[p.name], timeout=3.0)
+            landing(p.peer_name, p.pod_ip6, 8080, *ls[p.name], timeout=3.0)
+        seen: list[dict[str, Any]] = []
+
+        @settings(max_examples=12, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+        @given(spec=specs)
+        def example(spec: dict[str, Any]) -> None:
+            wrong: dict[str, Any] = {}
+            for pod, backend in ((ipt, "iptables"), (bpf, "ebpf")):
+                cfg = diff.config_for(spec, pod)
+                fams = (4, 6) if cfg.ipv6 is not False else (4,)
+                redirect.setup(pod.name, cfg, backend=backend)
+                net = PodNet(((4, pod.pod_ip4, 2), (6, pod.pod_ip6, 2)) + (((6, "::6", 1),) if 6 in fams else ()))
+                plan, entries = build_plan(cfg), lower_ebpf(intent_of(cfg), fams)
+                for lst in ls[pod.name]:
+                    lst.clear()
+                for name, conn, kw in probes(pod, 6 in fams):
+                    want = evaluate_plan(plan, fams, net, conn) if backend == "iptables" else \
+                        evaluate_ebpf(entries, net, conn)
+                    got = landed(pod, ls[pod.name], kw)
+                    kinds.add(got)
+                    if got != want:
+                        wrong[f"{backend}: {name}"] = (got, want)
+            seen.append(spec)
+            assert not wrong, f"kernel vs evaluator (got, predicted) for {spec}: {wrong}"
+
+        example()
+        print(f"evaluators vs kernel: {len(seen)} configs, landings {sorted(map(str, kinds))}")
+        assert len(seen) >= 8, f"only {len(seen)} configs were compared"
+        assert {DIRECT, *CAPTURED.values()} <= kinds, kinds
+    finally:
+        for group in ls.values():
+            for lst in group:
+                lst.close()
+        redirect.teardown(ipt.name, backend="iptables")
+        redirect.teardown(bpf.name, backend="ebpf")
