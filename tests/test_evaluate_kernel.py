@@ -50,6 +50,10 @@ def probes(pod: Pod, v6_passthrough: bool) -> list[tuple[str, Conn, dict[str, An
         if fam == 4 or v6_passthrough:
             out.append((f"passthrough v{fam}", Conn("out", "tcp", own, 8080, uid=1337, src=src),
                         {"ip": own, "port": 8080, "uid": 1337, "src": src}))
+        if fam == 6 and v6_passthrough:
+            # The known difference (test_lowerings.known_difference): unbound, the source is ::6.
+            out.append(("proxy to ::6", Conn("out", "tcp", "::6", 9090, uid=1337), {"ip": "::6", "port": 9090,
+                                                                                   "uid": 1337}))
         for port in diff.IN_PORTS:
             out.append((f"in v{fam} :{port}", Conn("in", "tcp", own, port, src=peer),
                         {"ns": pod.peer_name, "ip": own, "port": port}))
