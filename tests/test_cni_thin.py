@@ -262,6 +262,57 @@ def test_errors_are_the_python_plugins_word_for_word(bin_dir: str, pod: Pod, tmp
             assert not installed(pod, "iptables")
 
 
+def test_a_malformed_cni_message_is_refused_and_the_agent_serves_on(bin_dir: str, pod: Pod, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The envelope of a ``cni`` message is checked before anything runs: a missing, extra or
+    non-file fd, a length that does not match, a variable that is not a CNI one: ``bad_request``."""
+    import socket
+
+    from redirect.agent import protocol
+
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+
+        def ask(msg: dict[str, Any], fds: tuple[int, ...]) -> dict[str, Any]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.settimeout(10)
+                s.connect(n.events)
+                protocol.send(s, msg, fds)
+                got = protocol.recv(s, max_fds=1)
+            assert got is not None
+            for fd in got[1]:
+                os.close(fd)
+            return got[0]
+
+        memfd = os.memfd_create("rdrt-test")
+        os.write(memfd, b"{}")
+        r, w = os.pipe()
+        try:
+            env = {"CNI_COMMAND": "ADD", "CNI_NETNS": pod.path, "CNI_CONTAINERID": "c", "CNI_IFNAME": "eth0"}
+            cases: list[tuple[Any, tuple[int, ...]]] = [
+                ({"env": env, "stdin_len": 2}, ()),                    # no stdin fd
+                ({"env": env, "stdin_len": 2}, (memfd, memfd)),        # two fds
+                ({"env": env, "stdin_len": 2}, (r,)),                  # a pipe, not a memfd
+                ({"env": env, "stdin_len": 3}, (memfd,)),              # length does not match
+                ({"env": env, "stdin_len": MAX_STDIN + 1}, (memfd,)),  # too long
+                ({"env": {**env, "LD_PRELOAD": "x"}, "stdin_len": 2}, (memfd,)),
+                ({"env": {**env, "CNI_ARGS": 5}, "stdin_len": 2}, (memfd,)),
+                ({"env": env}, (memfd,)),
+                ("ADD", (memfd,)),
+            ]
+            for body, fds in cases:
+                reply = ask({"type": "cni", "cni": body}, fds)
+                assert reply["ok"] is False and reply["reason"] == "bad_request", (body, reply)
+        finally:
+            for fd in (memfd, r, w):
+                os.close(fd)
+        assert not installed(pod, "iptables")
+        thin = Thin(bin_dir, n)
+        assert thin("ADD", netconf(n.events), pod.path) == (0, PREV)
+        assert installed(pod, "iptables")
+        assert thin("DEL", netconf(n.events), pod.path) == (0, None)
+
+
 def test_hundred_concurrent_adds(bin_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node starting 100 pods at once: every ADD succeeds and installs capture; DELs leave nothing."""
     count = 100
