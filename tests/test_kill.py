@@ -15,6 +15,8 @@ delay, or at a named step (``REDIRECT_FAULT=<point>:kill``). Then, in the state 
   interrupted setup when two generations of iptables chains are present;
 - sometimes a second setup, to a third config, is killed on top of the first; then a setup
   repairs: ``check`` is ok and the rules are exactly those of a plain setup.
+
+The eBPF backend's general path is killed the same way and checked by traffic only.
 """
 
 from __future__ import annotations
@@ -303,3 +305,58 @@ def test_a_failure_once_the_new_rules_are_in_keeps_them_and_says_so(
     assert generations(our_lines(pod.name, backend)) == {"RDR2_"}
     redirect.teardown(pod.name, backend=backend)
     assert not our_lines(pod.name, backend)
+
+
+#: The eBPF backend's configs (it has no TPROXY or ambient mode).
+EBPF_POOL = [
+    RedirectConfig(),
+    RedirectConfig(outbound_exclude_ports=(9090,)),
+    RedirectConfig(inbound_ports=(8000,), outbound_exclude_cidrs=("10.0.0.0/8",)),
+    RedirectConfig(ipv6=False),
+    RedirectConfig(outbound_ports=(9090,), outbound_cidrs=()),
+]
+
+
+@pytest.fixture
+def ebpf_root() -> Iterator[str]:
+    """The eBPF backend's host programs under a scratch root of this test (removed at the end)."""
+    from redirect.backends import ebpf
+
+    root = f"/sys/fs/bpf/rdrt-kill-{os.getpid()}"
+    old = os.environ.get("REDIRECT_BPF_ROOT")
+    os.environ["REDIRECT_BPF_ROOT"] = root
+    try:
+        yield root
+    finally:
+        ebpf.force_unload_host(root)
+        if old is None:
+            os.environ.pop("REDIRECT_BPF_ROOT", None)
+        else:
+            os.environ["REDIRECT_BPF_ROOT"] = old
+        assert not os.path.exists(root), f"left pins under {root}"
+
+
+def test_an_ebpf_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod, ebpf_root: str) -> None:
+    """The eBPF backend's general path (a pod set up before): its state is map entries, read back
+    by probing only: after each kill every probe one of the two configs captures is captured."""
+    seed = int(os.environ.get("REDIRECT_KILL_SEED") or int.from_bytes(os.urandom(4), "big"))
+    rnd = random.Random(seed)
+    with probes_for(pod) as probes, subreaper():
+        captures = {}
+        for i, cfg in enumerate(EBPF_POOL):
+            redirect.setup(pod.name, cfg, backend="ebpf")
+            captures[i] = probes.captured()
+        assert len(set(captures.values())) == len(EBPF_POOL)  # each config captures something else
+        span = sorted(timed_setup(pod.name, EBPF_POOL[j], "ebpf") for j in (0, 1, 2))[1] * 1.3
+        cur = 2
+        for k in range(100):
+            target = rnd.choice([j for j in range(len(EBPF_POOL)) if j != cur])
+            killed_setup(pod.name, EBPF_POOL[target], "ebpf", rnd.uniform(0, span))
+            got = probes.landings()
+            caught = {p for p, label in got.items() if label == "proxy"}
+            assert captures[cur] <= caught or captures[target] <= caught, (
+                f"bypass after kill {k} (seed {seed}) from config {cur} to {target}: {got}")
+            redirect.setup(pod.name, EBPF_POOL[target], backend="ebpf")
+            assert redirect.check(pod.name, EBPF_POOL[target], backend="ebpf").ok
+            cur = target
+        redirect.teardown(pod.name, backend="ebpf")
