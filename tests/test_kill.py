@@ -338,7 +338,7 @@ def ebpf_root() -> Iterator[str]:
 
 def test_an_ebpf_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod, ebpf_root: str) -> None:
     """The eBPF backend's general path (a pod set up before): its state is map entries, read back
-    by probing only: after each kill every probe one of the two configs captures is captured."""
+    by probing only: after each kill the probes captured include all those of one of the two configs."""
     seed = int(os.environ.get("REDIRECT_KILL_SEED") or int.from_bytes(os.urandom(4), "big"))
     rnd = random.Random(seed)
     with probes_for(pod) as probes, subreaper():
