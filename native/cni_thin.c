@@ -16,6 +16,9 @@
  *               "plugin not available", so the runtime starts no pods meanwhile);
  *   "inProcess" exec redirect-cni-python from this binary's directory (the Python plugin,
  *               written there by `redirect-cni install`) with the same env and stdin.
+ * A DEL when no agent listens execs redirect-cni-python whatever agentDown says (it removes the
+ * in-pod rules, as the Python plugin's DEL does without an agent), and succeeds if that can't
+ * be started: a DEL never fails for want of an agent.
  * An agent that goes away mid-request (closes without answering, a restart) or does not
  * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
  * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
@@ -511,24 +514,29 @@ static int memfd_with(const char *data, size_t n) {
     return fd;
 }
 
-/* The agentDown policy "inProcess": the Python plugin next to this binary, same env and stdin. */
-__attribute__((noreturn)) static void exec_python(const char *data, size_t n, const char *why) {
+/* The Python plugin next to this binary, with the same env and stdin (agentDown "inProcess", and
+ * any DEL when no agent runs). Returns only if it could not be started, with why in `details`. */
+static void exec_python(const char *data, size_t n, char *details, size_t cap) {
     char self[PATH_MAX], path[PATH_MAX + 32];
     ssize_t l = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (l <= 0) fail(E_TRY_AGAIN, why, "node agent unavailable and this plugin's own path is unknown");
+    if (l <= 0) {
+        snprintf(details, cap, "this plugin's own path is unknown: %s", strerror(errno));
+        return;
+    }
     self[l] = 0;
     char *slash = strrchr(self, '/');
     if (slash) *slash = 0;
     snprintf(path, sizeof path, "%s/%s", self, PYTHON_PLUGIN);
     int fd = memfd_with(data, n);
     lseek(fd, 0, SEEK_SET);
-    if (dup2(fd, 0) < 0) fail(E_TRY_AGAIN, strerror(errno), "dup2 failed");
+    if (dup2(fd, 0) < 0) {
+        snprintf(details, cap, "dup2: %s", strerror(errno));
+        return;
+    }
     char *argv[] = {path, NULL};
     extern char **environ;
     execve(path, argv, environ);
-    char details[PATH_MAX + 700];
-    snprintf(details, sizeof details, "%s: %s (agent: %s)", path, strerror(errno), why);
-    fail(E_TRY_AGAIN, details, "node agent unavailable and the in-process plugin could not be started");
+    snprintf(details, cap, "%s: %s", path, strerror(errno));
 }
 
 static double now_s(void) {
@@ -654,7 +662,17 @@ int main(void) {
         char why[600];
         snprintf(why, sizeof why, "%s: %s", sock_path, strerror(err));
         if (err == ENOENT || err == ECONNREFUSED) {
-            if (in_process) exec_python(data, len, why);
+            int is_del = strcmp(command, "DEL") == 0;
+            if (in_process || is_del) {
+                char details[PATH_MAX + 300];
+                exec_python(data, len, details, sizeof details);
+                /* A DEL never fails for want of an agent (as with the Python plugin): the pod's
+                 * netns goes with the pod, and what lives outside it the agent removes when it
+                 * starts (node sets) or a later DEL or GC does (eBPF map entries). */
+                if (is_del) return 0;
+                fail(E_TRY_AGAIN, details, "the node agent is not running and the in-process plugin could not be "
+                                           "started (agentDown: inProcess)");
+            }
             if (strcmp(command, "STATUS") == 0) /* the runtime should not start pods until it is back */
                 fail(E_NOT_AVAILABLE, why, "the node agent is not running (agentDown: tryAgain)");
             fail(E_TRY_AGAIN, why, "the node agent is not running (agentDown: tryAgain)");

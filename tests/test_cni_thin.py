@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,10 +186,20 @@ def test_agent_down_tries_again_or_falls_back_to_the_python_plugin(bin_dir: str,
     assert (rc, out) == (0, PREV)
     assert captured(pod, "iptables")
     assert run_plugin(exe, "CHECK", conf, pod.path) == (0, None)
-    assert run_plugin(exe, "DEL", conf, pod.path) == (0, None)
+    # A DEL never fails for want of an agent, whatever agentDown says: the Python plugin removes
+    # the in-pod rules, as its own DEL does without an agent.
+    assert run_plugin(exe, "DEL", netconf(sock), pod.path) == (0, None)
     assert not installed(pod, "iptables") and not captured(pod, "iptables")
     rc, out = run_plugin(exe, "ADD", netconf(sock, agentDown="sometimes"), pod.path)
     assert rc == 1 and out is not None and out["code"] == 4 and "agentDown" in out["msg"], out
+    # Without the Python plugin beside it: inProcess can't help (try again); a DEL still succeeds.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy2(exe, alone / "redirect-cni")
+    rc, out = run_plugin(str(alone / "redirect-cni"), "ADD", conf, pod.path)
+    assert rc == 1 and out is not None and out["code"] == 11 and "redirect-cni-python" in out["details"], out
+    assert not installed(pod, "iptables")
+    assert run_plugin(str(alone / "redirect-cni"), "DEL", netconf(sock), pod.path) == (0, None)
 
 
 # --- with the agent --------------------------------------------------------------------------
