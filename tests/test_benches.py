@@ -110,6 +110,18 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
         ebpf_row = next(t for t in res["targets"] if t["name"] == "ebpf: per-pod setup vs reference")
         assert ebpf_row["status"] == "n/a" and ebpf_row["note"] == res["skipped_backends"]["ebpf"]
 
+    # The thin CNI plugin through the run's own agent: timed per pod, and pods started at once
+    # with every ADD answered and every pod captured (the tiny profile starts 10).
+    thin = res["per_pod"]["cni-thin/iptables/sidecar"]
+    assert thin["setup"]["n"] == 2 and thin["teardown"]["n"] == 2, thin
+    assert "cni-thin/iptables/sidecar" in r["setup_vs_reference"]
+    burst = res["cni_concurrent"]["cni-thin/iptables/sidecar"]
+    assert burst["pods"] == 10 and burst["add"]["n"] == 10, burst
+    assert (burst["add"]["errors"], burst["add"]["not_captured"], burst["del"]["errors"]) == (0, 0, 0), burst
+    assert any(t["name"] == "cni-thin/iptables/sidecar: 10 concurrent ADDs, errors or uncaptured pods"
+               and t["status"] == "PASS" for t in res["targets"]), res["targets"]
+    assert "## CNI: pods started at once" in (tmp_path / "summary.md").read_text()
+
     assert res["targets"] and {t["status"] for t in res["targets"]} <= {"PASS", "FAIL", "n/a"}
     assert any(t["name"].startswith("iptables: per-pod setup") for t in res["targets"])
     md = (tmp_path / "summary.md").read_text()
