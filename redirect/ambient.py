@@ -31,7 +31,9 @@ Not captured in ambient mode (as in Istio): UDP other than DNS, loopback.
 from __future__ import annotations
 
 from .config import RedirectConfig
+from .intent import DNS_PORT, AmbientIntent, ambient_intent_of
 from .plan import (
+    DNS_ZONE_PROXY,
     FAMILIES,
     TCP,
     UDP,
@@ -52,21 +54,23 @@ from .plan import (
     SetConnMark,
 )
 
-DNS_PORT = 53
-DNS_ZONE_PROXY = 1  # proxy <-> upstream resolver (Istio: CT --zone 1)
-_LOOPBACK: dict[Family, str] = {4: "127.0.0.1/32", 6: "::1/128"}
-
 
 def build_ambient_plan(cfg: RedirectConfig) -> Plan:
     """The in-pod plan for ``cfg`` (``cfg.mode == "ambient"``)."""
+    return _ambient_plan(ambient_intent_of(cfg))
+
+
+def _ambient_plan(it: AmbientIntent) -> Plan:
+    """The netfilter lowering of an ambient intent."""
     b = ChainBuilder()
-    mark = Mark(cfg.proxy_mark, cfg.proxy_mark_mask)
-    not_mark = Mark(cfg.proxy_mark, cfg.proxy_mark_mask, neg=True)
-    conn = ConnMark(cfg.conn_mark, cfg.proxy_mark_mask)
-    conn_as_mark = Mark(cfg.conn_mark, cfg.proxy_mark_mask)
-    snat: dict[Family, str] = {4: f"{cfg.probe_snat_ipv4}/32", 6: f"{cfg.probe_snat_ipv6}/128"}
-    capture_inbound = not cfg.bypass_inbound_capture
-    dns = cfg.dns_capture
+    mark = Mark(it.proxy_mark, it.mark_mask)
+    not_mark = Mark(it.proxy_mark, it.mark_mask, neg=True)
+    conn = ConnMark(it.conn_mark, it.mark_mask)
+    conn_as_mark = Mark(it.conn_mark, it.mark_mask)
+    snat: dict[Family, str] = dict(it.probe_sources)
+    loopback: dict[Family, str] = dict(it.loopback)
+    capture_inbound = it.inbound
+    dns = it.dns
 
     # Hook chains first, so each table's entry is created in a stable order.
     b.chain("mangle", "PREROUTING", "prerouting")
@@ -76,13 +80,13 @@ def build_ambient_plan(cfg: RedirectConfig) -> Plan:
 
     # --- mangle: the proxy's connections to the app route their replies back to it.
     if capture_inbound:
-        b.add("mangle", "PREROUTING", [mark], SetConnMark(cfg.conn_mark, cfg.proxy_mark_mask),
+        b.add("mangle", "PREROUTING", [mark], SetConnMark(it.conn_mark, it.mark_mask),
               "proxy-marked: remember the connection")
     b.add("mangle", "OUTPUT", [conn], RestoreMark(), "replies to the proxy take the local route")
 
     # --- nat PREROUTING: inbound.
-    for ifname in cfg.reroute_interfaces:
-        b.add("nat", "PREROUTING", [Iface("in", ifname), TCP], Redirect(cfg.proxy_port),
+    for ifname in it.reroute_interfaces:
+        b.add("nat", "PREROUTING", [Iface("in", ifname), TCP], Redirect(it.proxy_port),
               f"reroute {ifname} inbound to the proxy outbound port")
         b.add("nat", "PREROUTING", [Iface("in", ifname), TCP], Return(), f"rest of {ifname} is not captured")
     if capture_inbound:
@@ -90,8 +94,8 @@ def build_ambient_plan(cfg: RedirectConfig) -> Plan:
             b.add("nat", "PREROUTING", [Addr("src", snat[fam]), TCP], Accept(), "kubelet probe (SNAT source)")
         for fam in FAMILIES:
             b.add("nat", "PREROUTING",
-                  [Addr("dst", _LOOPBACK[fam], neg=True), TCP, Port("dst", (cfg.tunnel_port,), neg=True), not_mark],
-                  Redirect(cfg.inbound_port), "inbound to the proxy inbound port (not the tunnel port)")
+                  [Addr("dst", loopback[fam], neg=True), TCP, Port("dst", (it.tunnel_port,), neg=True), not_mark],
+                  Redirect(it.inbound_port), "inbound to the proxy inbound port (not the tunnel port)")
 
     # --- nat OUTPUT: outbound.
     for fam in FAMILIES:
@@ -99,16 +103,16 @@ def build_ambient_plan(cfg: RedirectConfig) -> Plan:
     if dns:
         for fam in FAMILIES:
             b.add("nat", "OUTPUT", [Iface("out", "lo", neg=True), UDP, Port("dst", (DNS_PORT,)), not_mark],
-                  Redirect(cfg.dns_port), "UDP DNS to the DNS proxy", family=fam)
+                  Redirect(it.dns_port), "UDP DNS to the DNS proxy", family=fam)
         for fam in FAMILIES:
-            b.add("nat", "OUTPUT", [Addr("dst", _LOOPBACK[fam], neg=True), TCP, Port("dst", (DNS_PORT,)), not_mark],
-                  Redirect(cfg.dns_port), "TCP DNS to the DNS proxy")
+            b.add("nat", "OUTPUT", [Addr("dst", loopback[fam], neg=True), TCP, Port("dst", (DNS_PORT,)), not_mark],
+                  Redirect(it.dns_port), "TCP DNS to the DNS proxy")
     b.add("nat", "OUTPUT", [TCP, conn_as_mark], Accept(), "connmark-routed: not captured")
     for fam in FAMILIES:
-        b.add("nat", "OUTPUT", [Addr("dst", _LOOPBACK[fam], neg=True), Iface("out", "lo")], Accept(),
+        b.add("nat", "OUTPUT", [Addr("dst", loopback[fam], neg=True), Iface("out", "lo")], Accept(),
               "to the pod itself over lo")
     for fam in FAMILIES:
-        b.add("nat", "OUTPUT", [Addr("dst", _LOOPBACK[fam], neg=True), TCP, not_mark], Redirect(cfg.proxy_port),
+        b.add("nat", "OUTPUT", [Addr("dst", loopback[fam], neg=True), TCP, not_mark], Redirect(it.proxy_port),
               "outbound to the proxy outbound port")
 
     # --- raw: conntrack zone for the proxy's upstream DNS (istio/istio#33469).
@@ -120,8 +124,8 @@ def build_ambient_plan(cfg: RedirectConfig) -> Plan:
         b.add("raw", "PREROUTING", [UDP, Port("src", (DNS_PORT,)), not_mark], CtZone(DNS_ZONE_PROXY),
               "upstream DNS answers")
 
-    routes = tuple(PolicyRoute(fam, cfg.conn_mark, cfg.proxy_mark_mask, cfg.route_table) for fam in FAMILIES)
-    return Plan("ambient", b.build(), routes, (), cfg.ipv6)
+    routes = tuple(PolicyRoute(fam, it.conn_mark, it.mark_mask, it.route_table) for fam in FAMILIES)
+    return Plan("ambient", b.build(), routes, (), it.ipv6, it)
 
 
 __all__ = ["build_ambient_plan"]

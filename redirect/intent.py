@@ -1,6 +1,7 @@
-"""The capture intent: what a sidecar config captures, decided once, before any backend's shape.
+"""The capture intent: what a config captures, decided once, before any backend's shape.
 
-``intent_of(cfg)`` turns a ``RedirectConfig`` into an ``Intent``: a small, typed, frozen
+``intent_of(cfg)`` turns a sidecar ``RedirectConfig`` into an ``Intent`` (``ambient_intent_of``
+an ambient one into an ``AmbientIntent``): a small, typed, frozen
 statement of the capture semantics (which outbound ports and CIDRs are excluded or
 included, whose traffic is the proxy's, which owner groups are captured, DNS capture and its
 servers, which inbound ports go to the proxy, the loopback and passthrough addresses, the
@@ -127,6 +128,54 @@ class Intent:
         return dict(self.hairpin_exclude)[kind]
 
 
+@dataclass(frozen=True)
+class AmbientIntent:
+    """What one ambient config captures (``ambient_intent_of``), for a node proxy that opens its
+    listeners in the pod's netns and marks its sockets."""
+
+    proxy_port: int
+    inbound_port: int
+    tunnel_port: int
+    dns_port: int
+    #: The node proxy's socket mark under ``mark_mask``: its traffic is never captured.
+    proxy_mark: int
+    mark_mask: int
+    #: Connmark of the proxy's connections to the app, under ``mark_mask``: their replies are
+    #: routed back to it through ``route_table``.
+    conn_mark: int
+    route_table: int
+    #: Inbound TCP is captured (not Istio's ingress mode, ``bypass_inbound_capture``).
+    inbound: bool
+    #: UDP and TCP port 53 go to the DNS port (``dns_capture``; ambient needs no servers).
+    dns: bool
+    #: Interfaces whose inbound TCP goes to the outbound port.
+    reroute_interfaces: tuple[str, ...]
+    #: Per family, the host address kubelet probes come from: they reach the app directly.
+    probe_sources: tuple[tuple[Family, str], ...]
+    #: Per family, loopback: never captured.
+    loopback: tuple[tuple[Family, str], ...]
+    ipv6: bool | None
+
+    def probe_source_of(self, family: Family) -> str:
+        return dict(self.probe_sources)[family]
+
+    def loopback_of(self, family: Family) -> str:
+        return dict(self.loopback)[family]
+
+
+@functools.lru_cache(maxsize=64)
+def ambient_intent_of(cfg: RedirectConfig) -> AmbientIntent:
+    """The intent of an ambient ``cfg`` (cached)."""
+    return AmbientIntent(
+        proxy_port=cfg.proxy_port, inbound_port=cfg.inbound_port, tunnel_port=cfg.tunnel_port,
+        dns_port=cfg.dns_port, proxy_mark=cfg.proxy_mark, mark_mask=cfg.proxy_mark_mask, conn_mark=cfg.conn_mark,
+        route_table=cfg.route_table, inbound=not cfg.bypass_inbound_capture, dns=cfg.dns_capture,
+        reroute_interfaces=cfg.reroute_interfaces,
+        probe_sources=((4, f"{cfg.probe_snat_ipv4}/32"), (6, f"{cfg.probe_snat_ipv6}/128")),
+        loopback=((4, "127.0.0.1/32"), (6, LOOPBACK_V6)), ipv6=cfg.ipv6,
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def intent_of(cfg: RedirectConfig) -> Intent:
     """The intent of ``cfg`` (cached: configs are frozen and pods share a few)."""
@@ -191,5 +240,5 @@ def intent_of(cfg: RedirectConfig) -> Intent:
     )
 
 
-__all__ = ["Intent", "intent_of", "LocalAddress", "Family", "OwnerKind", "GroupsMode", "FAMILIES",
-           "INBOUND_PASSTHROUGH_V4", "INBOUND_PASSTHROUGH_V6", "LOOPBACK_V6", "DNS_PORT"]
+__all__ = ["Intent", "intent_of", "AmbientIntent", "ambient_intent_of", "LocalAddress", "Family", "OwnerKind",
+           "GroupsMode", "FAMILIES", "INBOUND_PASSTHROUGH_V4", "INBOUND_PASSTHROUGH_V6", "LOOPBACK_V6", "DNS_PORT"]

@@ -29,6 +29,7 @@ from .intent import (
     INBOUND_PASSTHROUGH_V4,
     INBOUND_PASSTHROUGH_V6,
     LOOPBACK_V6,
+    AmbientIntent,
     Family,
     Intent,
     LocalAddress,
@@ -231,8 +232,8 @@ class Plan:
     addresses: tuple[LocalAddress, ...] = ()
     #: Families the plan wants; ``None`` entries are resolved by the backend (auto IPv6).
     ipv6: bool | None = None
-    #: What the rules were lowered from (sidecar plans; the eBPF backend lowers it to map entries).
-    intent: Intent | None = None
+    #: What the rules were lowered from (a sidecar plan's the eBPF backend lowers to map entries too).
+    intent: Intent | AmbientIntent | None = None
 
     def chains_for(self, family: Family) -> tuple[Chain, ...]:
         """The chains with only the rules of ``family``; empty non-hook chains are kept

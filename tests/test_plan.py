@@ -13,7 +13,7 @@ import pytest
 
 from redirect import RedirectConfig
 from redirect.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.intent import LocalAddress, intent_of
+from redirect.intent import AmbientIntent, LocalAddress, intent_of
 from redirect.lower_ebpf import lower_ebpf, pod_local
 from redirect.plan import ChainBuilder, Redirect, build_plan
 
@@ -136,7 +136,10 @@ def test_intent_decides_istio_derived_values_once() -> None:
 def test_the_plan_carries_its_intent() -> None:
     cfg = RedirectConfig()
     assert build_plan(cfg).intent == intent_of(cfg)
-    assert build_plan(RedirectConfig(mode="ambient")).intent is None
+    ambient = build_plan(RedirectConfig(mode="ambient", bypass_inbound_capture=True, dns_capture=True))
+    assert isinstance(ambient.intent, AmbientIntent)
+    assert not ambient.intent.inbound and ambient.intent.dns  # ambient: DNS capture needs no servers
+    assert ambient.intent.probe_source_of(4) == "169.254.7.127/32"
 
 
 def test_ebpf_lowering_is_typed_and_skips_ipv6_entries_without_ipv6() -> None:
