@@ -57,6 +57,27 @@ def pod_pair(make_pod: Callable[..., Pod]) -> tuple[Pod, Pod]:
     return make_pod(), make_pod()
 
 
+@pytest.fixture(scope="module")
+def ebpf_root(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The eBPF backend's host programs under a scratch bpffs root of this test module, made the
+    process's root (``$REDIRECT_BPF_ROOT``) while the module runs and removed at the end."""
+    from redirect.backends import ebpf
+
+    tag = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    root = f"/sys/fs/bpf/rdrt-{tag}-{os.getpid()}"
+    old = os.environ.get("REDIRECT_BPF_ROOT")
+    os.environ["REDIRECT_BPF_ROOT"] = root
+    try:
+        yield root
+    finally:
+        ebpf.force_unload_host(root)
+        if old is None:
+            os.environ.pop("REDIRECT_BPF_ROOT", None)
+        else:
+            os.environ["REDIRECT_BPF_ROOT"] = old
+        assert not os.path.exists(root), f"left pins under {root}"
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_netns() -> Iterator[None]:
     """Fail the test that leaves a namespace this process created behind (and remove it)."""

@@ -25,23 +25,6 @@ CFG = RedirectConfig()
 T = 5.0
 
 
-@pytest.fixture(scope="module")
-def ebpf_root() -> Iterator[str]:
-    from redirect.backends import ebpf
-
-    root = f"/sys/fs/bpf/rdrt-switch-{os.getpid()}"
-    old = os.environ.get("REDIRECT_BPF_ROOT")
-    os.environ["REDIRECT_BPF_ROOT"] = root
-    try:
-        yield root
-    finally:
-        ebpf.force_unload_host(root)
-        if old is None:
-            os.environ.pop("REDIRECT_BPF_ROOT", None)
-        else:
-            os.environ["REDIRECT_BPF_ROOT"] = old
-        assert not os.path.exists(root), f"left pins under {root}"
-
 
 @contextlib.contextmanager
 def listeners(pod: Pod) -> Iterator[dict[str, TcpListener]]:

@@ -47,23 +47,6 @@ def host_capture() -> str:
 # --- the host's netns ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ebpf_root() -> Iterator[str]:
-    from redirect.backends import ebpf
-
-    root = f"/sys/fs/bpf/rdrt-hostns-{os.getpid()}"
-    old = os.environ.get("REDIRECT_BPF_ROOT")
-    os.environ["REDIRECT_BPF_ROOT"] = root
-    try:
-        yield root
-    finally:
-        ebpf.force_unload_host(root)
-        if old is None:
-            os.environ.pop("REDIRECT_BPF_ROOT", None)
-        else:
-            os.environ["REDIRECT_BPF_ROOT"] = old
-        assert not os.path.exists(root), f"left pins under {root}"
-
 
 HOST_FORMS = ["/proc/self/ns/net", "../../proc/self/ns/net", "/proc/thread-self/ns/net", "pid:SELF", "pid:1",
               "/proc/1/ns/net"]

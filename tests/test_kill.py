@@ -317,24 +317,6 @@ EBPF_POOL = [
 ]
 
 
-@pytest.fixture
-def ebpf_root() -> Iterator[str]:
-    """The eBPF backend's host programs under a scratch root of this test (removed at the end)."""
-    from redirect.backends import ebpf
-
-    root = f"/sys/fs/bpf/rdrt-kill-{os.getpid()}"
-    old = os.environ.get("REDIRECT_BPF_ROOT")
-    os.environ["REDIRECT_BPF_ROOT"] = root
-    try:
-        yield root
-    finally:
-        ebpf.force_unload_host(root)
-        if old is None:
-            os.environ.pop("REDIRECT_BPF_ROOT", None)
-        else:
-            os.environ["REDIRECT_BPF_ROOT"] = old
-        assert not os.path.exists(root), f"left pins under {root}"
-
 
 def test_an_ebpf_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod, ebpf_root: str) -> None:
     """The eBPF backend's general path (a pod set up before): its state is map entries, read back
