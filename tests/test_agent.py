@@ -33,15 +33,15 @@ from redirect import node
 from redirect.agent import client, discovery, identity, protocol
 from redirect.cni.plugin import convert_result
 from tests import netkit
-from tests.netkit import Pod, TcpListener, in_netns, tcp_probe_detail
-from tests.test_cni_containerd import (  # the containerd harness, reused
-    CNI_DIR,
-    NEEDED,
+from tests.ctrkit import (  # the containerd kit
     Containerd,
-    busybox_rootfs,
+    bridge_net,
     containerd,  # noqa: F401 - the fixture
-    default_cni_dirs,
+    ctr_run,
+    needs_containerd,
+    wait_task,
 )
+from tests.netkit import Pod, TcpListener, in_netns, tcp_probe_detail
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -765,8 +765,7 @@ def test_resync_repairs_drift_while_running_and_drops_pods_whose_netns_went(
 
 # --- a real runtime: containerd + ctr run --cni, through the agent ---------------------------------
 
-@pytest.mark.skipif(os.geteuid() != 0 or None in NEEDED or not os.path.exists(f"{CNI_DIR}/bridge"),
-                    reason="needs root, containerd, ctr, runc, busybox-static, unshare and the CNI reference plugins")
+@needs_containerd
 def test_containerd_pod_enrolled_through_the_agent_and_cleaned_up(
         containerd: Containerd, test_node: Node) -> None:  # noqa: F811 - pytest's fixture by name
     """``ctr run --cni`` (bridge + host-local + redirect-cni in ambient mode with agentSocket): the
@@ -777,59 +776,31 @@ def test_containerd_pod_enrolled_through_the_agent_and_cleaned_up(
     n = test_node
     n.start_agent()
     n.start_proxy()
-    base = containerd.base
-    net_d, bin_d, rootfs, ipam = (os.path.join(base, x) for x in ("net.d", "bin", "rootfs", "ipam"))
-    os.makedirs(net_d)
-    os.makedirs(bin_d)
-    busybox_rootfs(rootfs)
-    for plugin in ("bridge", "host-local", "loopback"):
-        os.symlink(os.path.join(CNI_DIR, plugin), os.path.join(bin_d, plugin))
-    r = int.from_bytes(os.urandom(1), "big") % 200 + 20
-    bridge = f"rdrtbr{os.urandom(3).hex()}"
-    primary = {"cniVersion": "1.0.0", "name": "rdrt-amb", "plugins": [{
-        "type": "bridge", "bridge": bridge, "isGateway": False, "ipMasq": False,
-        "ipam": {"type": "host-local", "subnet": f"10.245.{r}.0/24", "dataDir": ipam}}]}
-    with open(os.path.join(net_d, "10-rdrt-amb.conflist"), "w") as f:
-        json.dump(primary, f)
-    log_file = os.path.join(base, "cni.log")
-    inst.install(net_d, bin_d, {"mode": "ambient", "agentSocket": n.events, "agentTimeout": 10,
-                                "logFile": log_file, "logLevel": "info"})
-    cid = f"rdrt-{os.urandom(3).hex()}"
-    uid = f"default-{cid}"  # ctr's CNI_CONTAINERID; no K8S_POD_UID outside Kubernetes
-    target = f"10.245.{r}.200"
-    run: subprocess.Popen[bytes] | None = None
-    try:
-        with default_cni_dirs():
-            mounts = f"mount --bind {net_d} /etc/cni/net.d && mount --bind {bin_d} /opt/cni/bin"
-            run = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                 f"{mounts} && exec ctr -a {containerd.sock} run --rm --cni --rootfs {rootfs} {cid} /bin/sleep 60"],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            deadline = time.monotonic() + 20
-            pid = None
-            while time.monotonic() < deadline and run.poll() is None and pid is None:
-                pid = containerd.task_pid(cid)
-                time.sleep(0.05)
-            assert pid is not None, run.stdout.read() if run.stdout and run.poll() is not None else "no task"
-            (pod,) = client.list_pods(n.events)  # enrolled before the task ran
-            assert pod["uid"] == uid and pod["netns_inode"] == os.stat(f"/proc/{pid}/ns/net").st_ino
-            assert node.list_pods(n.ns) == {ip: uid for ip in pod["ips"]} and pod["ips"][0].startswith("10.245.")
-            containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c",
-                           f"echo hi | /bin/busybox nc -w 1 {target} 8080", timeout=15)
-            e = wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["pod"] == uid)
-            assert e["orig_dst"] == [target, 8080] and e["kind"] == "outbound", e
-            containerd.ctr("task", "kill", "-s", "KILL", cid)
-            run.wait(20)
-            assert "removed by the node agent" in open(log_file).read()
-            assert client.list_pods(n.events) == []
-            assert node.list_pods(n.ns) == {}
-            wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == uid, 5)
-    finally:
-        if run is not None and run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait(5)
-        subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
-        inst.uninstall(net_d, bin_d)
+    with bridge_net(containerd.base, "rdrt-amb", 245) as net:
+        log_file = os.path.join(containerd.base, "cni.log")
+        inst.install(net.net_d, net.bin_d, {"mode": "ambient", "agentSocket": n.events, "agentTimeout": 10,
+                                            "logFile": log_file, "logLevel": "info"})
+        cid = f"rdrt-{os.urandom(3).hex()}"
+        uid = f"default-{cid}"  # ctr's CNI_CONTAINERID; no K8S_POD_UID outside Kubernetes
+        try:
+            with ctr_run(containerd, net, cid) as run:
+                pid = wait_task(containerd, cid, run)
+                (pod,) = client.list_pods(n.events)  # enrolled before the task ran
+                assert pod["uid"] == uid and pod["netns_inode"] == os.stat(f"/proc/{pid}/ns/net").st_ino
+                assert node.list_pods(n.ns) == {ip: uid for ip in pod["ips"]}
+                assert pod["ips"][0].startswith(f"{net.prefix}.")
+                containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c",
+                               f"echo hi | /bin/busybox nc -w 1 {net.target} 8080", timeout=15)
+                e = wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["pod"] == uid)
+                assert e["orig_dst"] == [net.target, 8080] and e["kind"] == "outbound", e
+                containerd.ctr("task", "kill", "-s", "KILL", cid)
+                run.wait(20)
+                assert "removed by the node agent" in open(log_file).read()
+                assert client.list_pods(n.events) == []
+                assert node.list_pods(n.ns) == {}
+                wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == uid, 5)
+        finally:
+            inst.uninstall(net.net_d, net.bin_d)
 
 
 # --- the trust boundary: what an unprivileged user or a bad peer can send -------------------------

@@ -29,16 +29,16 @@ import redirect
 from redirect.cni import install as inst
 from redirect.cni.plugin import MAX_STDIN, convert_result, encode_annotations
 from tests import netkit
+from tests.ctrkit import (  # the containerd kit
+    Containerd,
+    bridge_net,
+    containerd,  # noqa: F401 - the fixture
+    ctr_run,
+    needs_containerd,
+    wait_task,
+)
 from tests.netkit import Pod, TcpListener, landing
 from tests.test_agent import Node, read_log, wait_log
-from tests.test_cni_containerd import (  # the containerd harness, reused
-    CNI_DIR,
-    NEEDED,
-    Containerd,
-    busybox_rootfs,
-    containerd,  # noqa: F401 - the fixture
-    default_cni_dirs,
-)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -483,11 +483,6 @@ def test_ambient_pod_through_the_thin_plugin(bin_dir: str, make_pod: Callable[..
 
 # --- a real runtime: containerd + ctr run --cni through the thin plugin --------------------------
 
-needs_containerd = pytest.mark.skipif(
-    os.geteuid() != 0 or None in NEEDED or not os.path.exists(f"{CNI_DIR}/bridge"),
-    reason="needs root, containerd, ctr, runc, busybox-static, unshare and the CNI reference plugins")
-
-
 @needs_containerd
 @pytest.mark.parametrize("mode,backend", [("sidecar", "iptables"), ("sidecar", "nftables"), ("sidecar", "ebpf"),
                                           ("ambient", "iptables"), ("ambient", "nftables")])
@@ -503,78 +498,50 @@ def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path
         agent = n.start_agent()
         if mode == "ambient":
             n.start_proxy()
-        base = containerd.base
-        net_d, bin_d, rootfs, ipam = (os.path.join(base, x) for x in ("net.d", "bin", "rootfs", "ipam"))
-        os.makedirs(net_d)
-        os.makedirs(bin_d)
-        busybox_rootfs(rootfs)
-        for plugin in ("bridge", "host-local", "loopback"):
-            os.symlink(os.path.join(CNI_DIR, plugin), os.path.join(bin_d, plugin))
-        r = int.from_bytes(os.urandom(1), "big") % 200 + 20
-        bridge = f"rdrtbr{os.urandom(3).hex()}"
-        primary = {"cniVersion": "1.0.0", "name": "rdrt-thin", "plugins": [{
-            "type": "bridge", "bridge": bridge, "isGateway": False, "ipMasq": False,
-            "ipam": {"type": "host-local", "subnet": f"10.246.{r}.0/24", "dataDir": ipam}}]}
-        with open(os.path.join(net_d, "10-rdrt-thin.conflist"), "w") as f:
-            json.dump(primary, f)
-        entry: dict[str, Any] = {"mode": mode, "backend": backend, "agentSocket": n.events}
-        if backend == "ebpf":
-            entry["capture"] = {"inbound_ports": []}
-        inst.install(net_d, bin_d, entry)
-        assert open(os.path.join(bin_d, "redirect-cni"), "rb").read() == open(inst.THIN_BINARY, "rb").read()
-        cid = f"rdrt-{os.urandom(3).hex()}"
-        target = f"10.246.{r}.200"  # inside the bridge subnet, no one there: only capture can answer
-        run: subprocess.Popen[bytes] | None = None
-        try:
-            with default_cni_dirs():
-                mounts = f"mount --bind {net_d} /etc/cni/net.d && mount --bind {bin_d} /opt/cni/bin"
+        with bridge_net(containerd.base, "rdrt-thin", 246) as net:
+            entry: dict[str, Any] = {"mode": mode, "backend": backend, "agentSocket": n.events}
+            if backend == "ebpf":
+                entry["capture"] = {"inbound_ports": []}
+            inst.install(net.net_d, net.bin_d, entry)
+            assert open(os.path.join(net.bin_d, "redirect-cni"), "rb").read() == open(inst.THIN_BINARY, "rb").read()
+            cid = f"rdrt-{os.urandom(3).hex()}"
+            try:
                 t0 = time.monotonic()
-                run = subprocess.Popen(
-                    ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                     f"{mounts} && exec ctr -a {containerd.sock} run --rm --cni --rootfs {rootfs} {cid} /bin/sleep 60"],
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-                pid = None
-                while time.monotonic() - t0 < 20 and run.poll() is None and pid is None:
-                    pid = containerd.task_pid(cid)
-                    time.sleep(0.05)
-                assert pid is not None, run.stdout.read() if run.stdout and run.poll() is not None else "no task"
-                started = time.monotonic() - t0
-                probe = f"echo from-container | /bin/busybox nc -w 2 {target} 8080"
-                if mode == "sidecar":
-                    with TcpListener(f"/proc/{pid}/ns/net", 15001, label="proxy") as proxy:
+                with ctr_run(containerd, net, cid) as run:
+                    pid = wait_task(containerd, cid, run)
+                    started = time.monotonic() - t0
+                    probe = f"echo from-container | /bin/busybox nc -w 2 {net.target} 8080"
+                    if mode == "sidecar":
+                        with TcpListener(f"/proc/{pid}/ns/net", 15001, label="proxy") as proxy:
+                            containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c", probe,
+                                           timeout=15)
+                            conns = proxy.wait_for(1, timeout=5)
+                        assert conns[0].line == "from-container" and conns[0].orig_dst == (net.target, 8080)
+                    else:
+                        (pod,) = client.list_pods(n.events)  # enrolled before the task ran
+                        assert pod["netns_inode"] == os.stat(f"/proc/{pid}/ns/net").st_ino
                         containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c", probe,
                                        timeout=15)
-                        conns = proxy.wait_for(1, timeout=5)
-                    assert conns[0].line == "from-container" and conns[0].orig_dst == (target, 8080)
-                else:
-                    (pod,) = client.list_pods(n.events)  # enrolled before the task ran
-                    assert pod["netns_inode"] == os.stat(f"/proc/{pid}/ns/net").st_ino
-                    containerd.ctr("task", "exec", "--exec-id", "probe", cid, "/bin/busybox", "sh", "-c", probe,
-                                   timeout=15)
-                    e = wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["pod"] == pod["uid"])
-                    assert e["orig_dst"] == [target, 8080], e
-                containerd.ctr("task", "kill", "-s", "KILL", cid)
-                run.wait(20)
-                wait_log(agent.log, lambda e: str(e.get("msg", "")).startswith(f"DEL container=default-{cid}"), 10)
-                msgs = [str(e.get("msg", "")) for e in read_log(agent.log)]
-                assert any(m.startswith(f"ADD container=default-{cid}") for m in msgs), msgs[-5:]
-                if mode == "ambient":
-                    assert client.list_pods(n.events) == [] and rnode.list_pods(n.ns) == {}
-                if backend == "ebpf":  # the pod's host map entries: gone once the kernel let go of its netns
-                    from redirect.backends import ebpf
+                        e = wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["pod"] == pod["uid"])
+                        assert e["orig_dst"] == [net.target, 8080], e
+                    containerd.ctr("task", "kill", "-s", "KILL", cid)
+                    run.wait(20)
+                    wait_log(agent.log, lambda e: str(e.get("msg", "")).startswith(f"DEL container=default-{cid}"), 10)
+                    msgs = [str(e.get("msg", "")) for e in read_log(agent.log)]
+                    assert any(m.startswith(f"ADD container=default-{cid}") for m in msgs), msgs[-5:]
+                    if mode == "ambient":
+                        assert client.list_pods(n.events) == [] and rnode.list_pods(n.ns) == {}
+                    if backend == "ebpf":  # the pod's host map entries: gone once the kernel let go of its netns
+                        from redirect.backends import ebpf
 
-                    gc_conf = {"cniVersion": "1.1.0", "name": "rdrt-thin", "type": "redirect-cni",
-                               "backend": "ebpf", "agentSocket": n.events}
-                    deadline = time.monotonic() + 20
-                    while ebpf.registered_pods() and time.monotonic() < deadline:
-                        assert run_plugin(os.path.join(bin_d, "redirect-cni"), "GC", gc_conf) == (0, None)
-                        time.sleep(0.2)
-                    assert ebpf.registered_pods() == []
-                print(f"ctr run --cni ({mode}, {backend}) to a running captured container: {started * 1e3:.0f} ms")
-        finally:
-            if run is not None and run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
-                run.wait(5)
-            subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
-            inst.uninstall(net_d, bin_d)
-        assert not os.path.exists(os.path.join(bin_d, "redirect-cni"))
+                        gc_conf = {"cniVersion": "1.1.0", "name": "rdrt-thin", "type": "redirect-cni",
+                                   "backend": "ebpf", "agentSocket": n.events}
+                        deadline = time.monotonic() + 20
+                        while ebpf.registered_pods() and time.monotonic() < deadline:
+                            assert run_plugin(os.path.join(net.bin_d, "redirect-cni"), "GC", gc_conf) == (0, None)
+                            time.sleep(0.2)
+                        assert ebpf.registered_pods() == []
+                    print(f"ctr run --cni ({mode}, {backend}) to a running captured container: {started * 1e3:.0f} ms")
+            finally:
+                inst.uninstall(net.net_d, net.bin_d)
+            assert not os.path.exists(os.path.join(net.bin_d, "redirect-cni"))

@@ -37,13 +37,14 @@ import yaml
 from redirect import node
 from redirect.agent import client
 from tests import netkit
-from tests.test_cni_containerd import (  # the containerd harness, reused
+from tests.ctrkit import (  # the containerd kit
     CNI_DIR,
-    NEEDED,
     Containerd,
     busybox_rootfs,
     containerd,  # noqa: F401 - the fixture
     default_cni_dirs,
+    needs_containerd,
+    wait_task,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,8 +267,7 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     return recs
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or None in NEEDED or not os.path.exists(f"{CNI_DIR}/bridge"),
-                    reason="needs root, containerd, ctr, runc, busybox-static, unshare and the CNI reference plugins")
+@needs_containerd
 @pytest.mark.timeout(180)
 def test_the_daemonsets_command_lines_run_a_node_that_captures_a_containerd_pod(
         containerd: Containerd) -> None:  # noqa: F811 - pytest's fixture by name
@@ -304,12 +304,7 @@ def test_the_daemonsets_command_lines_run_a_node_that_captures_a_containerd_pod(
                 n.command(["ctr", "-a", containerd.sock, "run", "--rm", "--cni", "--rootfs", str(rootfs), cid,
                            "/bin/sleep", "60"], n.binds(None)),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            pid = None
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and run.poll() is None and pid is None:
-                pid = containerd.task_pid(cid)
-                time.sleep(0.05)
-            assert pid is not None, run.stdout.read() if run.stdout and run.poll() is not None else "no task"
+            wait_task(containerd, cid, run, timeout=30)
             (pod,) = client.list_pods(str(run_d / "agent.sock"))  # enrolled before the task ran
             assert pod["uid"] == f"default-{cid}" and pod["ips"][0].startswith(f"10.246.{r}.")
             assert node.list_pods(n.name) == {ip: pod["uid"] for ip in pod["ips"]}  # the node's probe sets
