@@ -164,6 +164,20 @@ def markdown(res: dict[str, Any]) -> str:
             L.append(f"| {key} | {c['pods']} | {_fmt(a.get('median_ms'))} / {_fmt(a.get('p99_ms'))} | {a['errors']} | "
                      f"{a.get('not_captured')} | {_fmt(a['wall_ms'])} | {_fmt(d.get('median_ms'))} / "
                      f"{_fmt(d.get('p99_ms'))} | {d['errors']} |")
+    ps = res.get("pod_start", {})
+    if ps:
+        L += ["", "## Pod start and stop through containerd (`ctr run --rm --cni` of a busybox container running "
+              "`sleep 0`)", "",
+              "Wall time of the whole run: CNI ADD, task start, exit, CNI DEL, container delete, in a bridge + "
+              "host-local network alone and chained with our plugin (sidecar mode).", "",
+              "| case | runs | median / p99 (ms) | added to a pod's start and stop (ms) | errors |",
+              "|---|---|---|---|---|"]
+        if "error" in ps:
+            L.append(f"| - | - | {ps['error']} | | |")
+        for name, c in ps.get("cases", {}).items():
+            L.append(f"| {name} | {c.get('n')} | {_fmt(c.get('median_ms'))} / {_fmt(c.get('p99_ms'))} | "
+                     f"{_fmt(c.get('added_ms'))} | {c.get('errors')}"
+                     + (f" ({c['first_error']})" if c.get("first_error") else "") + " |")
     if res.get("scale"):
         levels = sorted({int(n) for sc in res["scale"].values() for n in sc.get("levels", {})})
         L += ["", "## Scale: median setup (ms) of the Nth pod while N-1 are live", "",

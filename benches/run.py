@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from . import cnithin, nsutil, podcost, report
+from . import cnithin, nsutil, podcost, podstart, report
 from .methods import Method, Unavailable, api_method, cli_method, cni_method, reference_method
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,18 +23,22 @@ EXTRA_BACKENDS = ("ebpf",)
 
 PROFILES: dict[str, dict[str, Any]] = {
     #           per-pod samples, scale levels, samples per level, memory pods, datapath rounds/seconds/max/bulk
+    # pod_starts: pod starts through containerd per case.
     # exec_samples: pods per exec'd method (redirect init, redirect-cni), which cost a process start each.
     # focus: exec'd methods, scale and memory only for sidecar mode and the non-variant backends.
     "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=20, mem_pods=100,
-                 rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False, concurrent_pods=100),
+                 rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False, concurrent_pods=100,
+                 pod_starts=10),
     "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=8, mem_pods=100,
-                  rounds=5, seconds=0.5, max_conns=50_000, bulk_seconds=0.2, focus=True, concurrent_pods=100),
+                  rounds=5, seconds=0.5, max_conns=50_000, bulk_seconds=0.2, focus=True, concurrent_pods=100,
+                  pod_starts=5),
     "tiny": dict(samples=3, exec_samples=2, levels=[1, 3], level_samples=2, mem_pods=3,
-                 rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True, concurrent_pods=10),
+                 rounds=1, seconds=0.2, max_conns=2_000, bulk_seconds=0.1, focus=True, concurrent_pods=10,
+                 pod_starts=1),
 }
 #: Variants of the iptables backend: in focused runs they get the in-process per-pod figure only.
 VARIANTS = ("iptables-legacy", "iptables-nft")
-PHASES = ("per_pod", "cli", "cni", "cni_thin", "cni_concurrent", "scale", "memory", "datapath")
+PHASES = ("per_pod", "cli", "cni", "cni_thin", "cni_concurrent", "pod_start", "scale", "memory", "datapath")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                            "profile": "tiny" if args.tiny else "quick" if args.quick else "full",
                            "quick": bool(args.quick or args.tiny), "host": _host(), "backends": backends,
                            "settings": prof, "notes": notes, "skipped_backends": skipped,
-                           "per_pod": {}, "cni_concurrent": {}, "scale": {}, "memory": {}, "datapath": {}}
+                           "per_pod": {}, "cni_concurrent": {}, "pod_start": {}, "scale": {}, "memory": {},
+                           "datapath": {}}
     bar: Bar | None = None
     try:
         print("benches: discovering backends and entry points ...", file=sys.stderr)
@@ -241,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         scale_methods = [methods[0], *api]
-        thin = [m for m in methods if m.key.startswith("cni-thin/")] if "cni_concurrent" not in skip else []
+        thin_all = [m for m in methods if m.key.startswith("cni-thin/")]
+        thin = thin_all if "cni_concurrent" not in skip else []
         sidecar_api = [m for m in api if m.mode == "sidecar"]
         levels = prof["levels"]
         total = (2 * (prof["samples"] * len(methods) + exec_samples * len(execd)) if "per_pod" not in skip else 0)
@@ -251,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         n_cases = 2 + len(sidecar_api)
         total += n_cases * (1 + prof["rounds"]) if "datapath" not in skip else 0
         total += len(thin)
+        start_backends = [m.backend for m in thin_all]
+        n_starts = len(podstart._cases(start_backends)) * prof["pod_starts"] if "pod_start" not in skip else 0
+        total += n_starts
         bar = Bar(total, not args.no_progress)
         failed: dict[str, str] = {}
         if "per_pod" not in skip:
@@ -269,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                 bar.note(f"concurrent ADDs {m.key}: {e}")
                 res["cni_concurrent"][m.key] = {"error": str(e)}
             bar(1)
+        if n_starts:
+            bar.phase("pod start through containerd")
+            try:
+                res["pod_start"] = podstart.run(start_backends, prof["pod_starts"], bar)
+            except Exception as e:  # noqa: BLE001 - recorded; the run goes on
+                bar.note(f"pod start through containerd: {e}")
+                res["pod_start"] = {"error": str(e)}
         if "scale" not in skip:
             for m in scale_methods:
                 bar.phase(f"scale {m.backend}/{m.mode}")

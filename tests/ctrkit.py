@@ -53,8 +53,10 @@ class Containerd:
         return None
 
 
-@pytest.fixture
-def containerd() -> Iterator[Containerd]:
+@contextlib.contextmanager
+def running_containerd() -> Iterator[Containerd]:
+    """A containerd of its own (temp root, state and socket, CRI off), stopped with every task and
+    shim of its own, and its temp dir removed, on the way out."""
     base = tempfile.mkdtemp(prefix="rdrt-ctd-")
     cfg = os.path.join(base, "config.toml")
     with open(cfg, "w") as f:
@@ -98,6 +100,12 @@ def containerd() -> Iterator[Containerd]:
             if len(parts) > 1 and parts[1].startswith(base):
                 subprocess.run(["umount", "-l", parts[1]], check=False)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def containerd() -> Iterator[Containerd]:
+    with running_containerd() as ctd:
+        yield ctd
 
 
 def _shims_of(sock: str) -> list[int]:
@@ -187,15 +195,16 @@ def bridge_net(base: str, name: str, second_octet: int) -> Iterator[BridgeNet]:
 
 
 @contextlib.contextmanager
-def ctr_run(containerd: Containerd, net: BridgeNet, cid: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``ctr run --rm --cni`` of a busybox container ``cid`` sleeping 60 s, with ``net``'s dirs
+def ctr_run(containerd: Containerd, net: BridgeNet, cid: str,
+            cmd: str = "/bin/sleep 60") -> Iterator[subprocess.Popen[bytes]]:
+    """``ctr run --rm --cni`` of a busybox container ``cid`` running ``cmd``, with ``net``'s dirs
     bind-mounted over the CNI paths in a private mount namespace; killed on the way out if it is
     still running."""
     with default_cni_dirs():
         mounts = f"mount --bind {net.net_d} /etc/cni/net.d && mount --bind {net.bin_d} /opt/cni/bin"
         run = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             f"{mounts} && exec ctr -a {containerd.sock} run --rm --cni --rootfs {net.rootfs} {cid} /bin/sleep 60"],
+             f"{mounts} && exec ctr -a {containerd.sock} run --rm --cni --rootfs {net.rootfs} {cid} {cmd}"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield run

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benches import report
+from benches import podstart, report
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the harness creates network namespaces: needs root")
@@ -121,6 +121,14 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
     assert any(t["name"] == "cni-thin/iptables/sidecar: 10 concurrent ADDs, errors or uncaptured pods"
                and t["status"] == "PASS" for t in res["targets"]), res["targets"]
     assert "## CNI: pods started at once" in (tmp_path / "summary.md").read_text()
+
+    # Whole pod starts through containerd: the reference plugins alone, then with ours.
+    starts = res["pod_start"]["cases"]
+    assert {podstart.BASELINE, "thin plugin + agent, iptables", "Python plugin, iptables"} <= set(starts), starts
+    for name, c in starts.items():
+        assert (c["n"], c["errors"]) == (1, 0), (name, c)
+    assert starts[podstart.BASELINE]["added_ms"] == 0
+    assert "## Pod start and stop through containerd" in (tmp_path / "summary.md").read_text()
 
     assert res["targets"] and {t["status"] for t in res["targets"]} <= {"PASS", "FAIL", "n/a"}
     assert any(t["name"].startswith("iptables: per-pod setup") for t in res["targets"])
