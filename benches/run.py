@@ -182,21 +182,13 @@ def _scratch_bpf_root() -> str:
     os.environ["REDIRECT_BPF_ROOT"] = root  # inherited by redirect init / redirect-cni
 
     def unload() -> None:
-        import contextlib
-
         from redirect.backends import ebpf
         from redirect.errors import SetupError
 
         try:
             ebpf.unload_host(root)
         except SetupError:  # pods still registered (an interrupted run): their namespaces are gone
-            with ebpf._host_cache_lock:
-                h = ebpf._host_cache.pop(root, None)
-                if h is not None:
-                    h.close()
-            ebpf._unpin_all(root)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(ebpf._lock_path(root))
+            ebpf.force_unload_host(root)
         if os.path.exists(root):
             raise RuntimeError(f"BPF pins left under {root}")
 

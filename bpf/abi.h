@@ -1,7 +1,7 @@
 /* The eBPF backend's ABI: the layouts of the map keys and values, and their
  * constants, in one place. Included by the BPF programs (bpf/redirect.h), by
  * the native helpers (native/pod_setup.c) and given to cffi's cdef
- * (native/build_native.py), from which redirect/backends/ebpf.py takes its
+ * (native/build_native.py), from which redirect/backends/ebpf/abi.py takes its
  * sizes, offsets and struct formats: a layout is changed here, once.
  *
  * Plain C for all three readers: fixed-width __uN types, no padding the

@@ -6,7 +6,7 @@
  * backends' tests) run under the same programs.
  *
  * The map layouts are in abi.h, shared with native/ and (through cffi)
- * redirect/backends/ebpf.py.
+ * redirect/backends/ebpf/abi.py.
  */
 #ifndef RDR_REDIRECT_H
 #define RDR_REDIRECT_H

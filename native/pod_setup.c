@@ -1,6 +1,6 @@
 /* The eBPF backend's per-pod setup of a fresh pod, in one call.
  *
- * redirect/backends/ebpf.py: EbpfBackend.apply is the general path (any pod,
+ * redirect/backends/ebpf/backend.py: EbpfBackend.apply is the general path (any pod,
  * any previous state). This is the same work for the common case, a pod that
  * has nothing of ours yet (a CNI ADD, a sidecar init): the Python path spends
  * about as long in the interpreter as in the kernel, and this spends ~nothing

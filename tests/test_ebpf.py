@@ -46,11 +46,7 @@ def bpf_root() -> Iterator[str]:
         try:
             ebpf.unload_host(root)
         except SetupError:
-            ebpf._unpin_all(root)  # pods left registered by a failed test: their namespaces are gone anyway
-            with ebpf._host_cache_lock:
-                h = ebpf._host_cache.pop(root, None)
-                if h is not None:
-                    h.close()
+            ebpf.force_unload_host(root)  # pods left registered by a failed test: their namespaces are gone anyway
         if old is None:
             os.environ.pop("REDIRECT_BPF_ROOT", None)
         else:
@@ -868,7 +864,7 @@ def _snapshot(pod: Pod, root: str) -> dict[str, Any]:
     assert h is not None
     with rn.enter(pod.name):
         cookie = ebpf.current_netns_cookie()
-        st = ebpf.EbpfBackend(root=root)._read(h, cookie)
+        st = ebpf.read_pod(h, cookie)
         ours = routes.read_ours((6,)).addresses
     return {"keys": entries_mentioning(root, cookie), "entries": st.entries,
             "policy": None if st.policy is None else ebpf._policy_core(st.policy),
@@ -1192,7 +1188,7 @@ def test_the_map_layouts_are_those_of_the_abi_header() -> None:
     packs with are derived from cffi's declarations of it (the C compiler's sizes and offsets)."""
     from redirect._native import ffi
 
-    from redirect.backends import ebpf_abi
+    from redirect.backends.ebpf import abi as ebpf_abi
 
     for name in ("pod_policy", "port_key", "cidr_key", "orig_dst", "tuple_key", "listener_key", "inv_key", "inv_val"):
         lay = ebpf_abi.layout(name)

@@ -1,0 +1,134 @@
+"""The eBPF backend: capture without netfilter.
+
+Host part, done once per host (``HostPrograms.open_or_load``): ``bpf/*.c`` is
+compiled through bcc, every program and map is pinned under a bpffs directory
+(``/sys/fs/bpf/redirect``, or ``$REDIRECT_BPF_ROOT``), and the cgroup programs
+(``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getpeername4/6``,
+``getsockopt``, ``sock_ops``, ``sock_release``)
+are attached to the cgroup v2 root (``/sys/fs/cgroup/unified``, or
+``$REDIRECT_BPF_CGROUP``) with pinned ``bpf_link``\\ s. A later process finds
+the pins and reuses them: nothing is compiled again. The host programs act
+only on sockets whose netns cookie is a key of the ``pods`` map; for every
+other socket on the host they are a no-op.
+
+Per pod (``apply``, with the calling thread inside the pod netns, as
+``redirect.api`` does it; for a pod with nothing of ours yet, ``setup_fresh``
+does the same in one native call, ``native/pod_setup.c``, and backs off to
+``apply`` before changing anything when the pod is not fresh): map entries keyed by the netns cookie (policy,
+ports, CIDRs, the pod's own addresses as ``local`` CIDRs, the proxy's inbound listeners), an
+``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
+pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
+detaches it when the netns dies, which is how ``collect_garbage`` finds pods
+whose netns went without a teardown), and ``::6`` on lo (the plan's address for the proxy's
+inbound passthrough). The link runs a program of the pod's own
+(``native/redirect_native.c: rdr_ebpf_lookup_prog``) that holds the netns cookie, which an
+sk_lookup program can't ask the kernel for, and tail-calls the shared ``rdr_sk_lookup``: nothing
+is found by address, so pods sharing an IP never see each other's policy. ``remove`` deletes
+exactly those, through the inventory: O(entries of that pod), never a walk of the host maps.
+Per-socket state (original destinations) is removed with its socket (``sock_release``, TCP
+close) and is inert once the pod's policy is gone. ``unload_host`` removes the host part and refuses while any pod is
+registered. A partly pinned host (a pin removed by hand) is reported by ``check``
+(``host_problems``: missing pins, cgroup links detached or running another program),
+read and torn down through what is still attached (``recover_host``), and repaired (missing
+cgroup links) or reloaded (no pod registered) by the next setup, else setup raises
+``SetupError`` saying what is missing. Fault points for the atomicity
+tests: ``ebpf.before_entries``, ``ebpf.before_policy``.
+
+The policy comes from the same intent as the netfilter plan (``redirect.intent``):
+``redirect.lower_ebpf`` lowers it to typed map entries, which ``_config_entries``
+packs; the programs implement Istio's rule order over map lookups
+(``bpf/policy.h: outbound_target``). ``redirect.evaluate`` models them, and a
+property test (``tests/test_lowerings.py``) checks that they land every drawn
+connection where the netfilter plan does.
+
+Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
+the option): ``mode="ambient"``; ``inbound_interception="TPROXY"`` (its mark and
+policy-route plumbing; inbound here keeps the original destination anyway);
+``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
+``reroute_interfaces`` (the socket hooks run before routing picks an output
+interface); more than 8 entries in ``proxy_uids``, ``proxy_gids``,
+``owner_groups`` or ``owner_groups_exclude`` (fixed-size policy entry).
+
+The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
+include it, and the struct formats here are derived from cffi's declarations of it
+(``.abi``). Program and attach types are taken by the kernel's names.
+
+The package's modules: ``abi`` (layouts, constants), ``syscalls`` (bpf(2) calls, ``Map``, links),
+``host`` (``HostPrograms``: load, pin, repair, recover), ``lifetime`` (the per-process handle,
+unload, garbage collection), ``entries`` (what a config writes), ``pods`` (one pod's entries and
+link), ``podnet`` (what the pod's netns holds), ``backend`` (``EbpfBackend``: apply, remove,
+check, show, render), ``fresh`` (a fresh pod in one native call).
+
+How the iptables semantics are met without packets:
+
+- "leaves over lo" (Istio's ``-o lo`` rules) is "the destination is loopback
+  or one of the pod's own addresses" (those present at setup, plus ``::6``;
+  ``check`` reports addresses added later). So, as with iptables, the app's
+  connection to its own pod IP is not captured, and the proxy's (uid/gid 1337)
+  goes to inbound capture (the service-VIP hairpin), except to the tunnel port;
+- the app's ``getpeername`` names the original destination (TCP and connected
+  UDP), as through NAT; its socket's *local* address is loopback, though
+  (iptables: the pod address), so the proxy sees outbound connections come
+  from ``127.0.0.1`` / ``::1``;
+- owner matches use the calling task's uid and primary gid, like iptables'
+  ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``;
+- inbound: the proxy's inbound listener is put in a sockhash when it starts
+  listening (``sock_ops`` ``TCP_LISTEN_CB``, also after a proxy restart), or by
+  ``apply`` if it already listens. Until one exists, new inbound connections
+  to captured ports are dropped (fail closed; iptables answers them with a
+  reset from the unused port).
+  The proxy's inbound socket sees the original destination as its local
+  address; ``getsockopt(SO_ORIGINAL_DST)`` on it answers the same;
+- ``getsockopt(SO_ORIGINAL_DST)`` answers at the level conntrack would: ``SOL_IP`` for IPv4
+  connections, also as a dual-stack socket's ``::ffff:a.b.c.d`` peer, ``SOL_IPV6`` for native IPv6
+  ones, ENOENT at the other level; an app's IPv6 socket connecting to ``::ffff:a.b.c.d`` follows
+  the IPv4 rules (it is IPv4 on the wire).
+"""
+
+from __future__ import annotations
+
+from ...errors import RedirectError
+from .abi import (
+    AF,
+    CIDR_KEY,
+    CIDR_LOCAL4,
+    CIDR_LOCAL6,
+    CIDR_OUT_EXCL4,
+    CIDR_PREFIX_BASE,
+    F_V6,
+    MAPS,
+    P_FLAGS,
+    P_N_INV,
+    POLICY,
+    PORT_KEY,
+    PORT_OUT_EXCL,
+    PROGRAMS,
+    SK_LOOKUP_ATTACH,
+    U64,
+)
+from .backend import EbpfBackend
+from .entries import _policy_core, _unsupported, pod_entries
+from .fresh import setup_fresh
+from .host import (
+    DEFAULT_CGROUP,
+    DEFAULT_ROOT,
+    HostPrograms,
+    _cgroup_progs,
+    _pods_in,
+    _root,
+    _unpin_all,
+    build_id,
+    missing_pins,
+    probe_kernel,
+)
+from .lifetime import collect_garbage, force_unload_host, host, registered_pods, unload_host
+from .pods import _pod_link, read_pod
+from .syscalls import _link_target, _native, current_netns_cookie, link_info, obj_get, prog_id
+
+__all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_host", "registered_pods",
+           "probe_kernel", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id", "missing_pins",
+           "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF", "CIDR_KEY", "CIDR_LOCAL4",
+           "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV", "POLICY",
+           "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "_policy_core", "_unsupported",
+           "_cgroup_progs", "_pods_in", "_root", "_unpin_all", "_pod_link", "_link_target", "_native", "link_info",
+           "obj_get", "prog_id"]

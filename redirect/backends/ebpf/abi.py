@@ -1,0 +1,138 @@
+"""The eBPF maps' keys and values, as ``bpf/abi.h`` lays them out, and the kernel's program and attach
+types the backend uses, by name.
+
+``bpf/abi.h`` is the one description of the layouts: the BPF programs and ``native/`` include it,
+and ``native/build_native.py`` gives it to cffi's cdef, so the compiled ``redirect._native`` knows
+every struct with the C compiler's own sizes and offsets. The ``struct.Struct`` formats the eBPF
+backend packs and unpacks with are derived here from those declarations (field by field, in
+offset order, any gap the compiler left as pad bytes), and checked against ``ffi.sizeof``: a
+layout is changed in the header, once.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ..._native import ffi, lib
+
+_FORMATS = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A C struct of ``bpf/abi.h`` as a ``struct.Struct`` (native byte order), and where each of its
+    top-level fields starts among the packed values (an array of structs is flattened: its
+    elements' fields one after the other)."""
+
+    struct: struct.Struct
+    index: dict[str, int]
+    offset: dict[str, int]
+
+
+def _fields(ctype: Any, base: int, raw: frozenset[str]) -> list[tuple[str, int, str]]:
+    """(top-level name, offset, format) of every value of ``ctype``, in offset order."""
+    out: list[tuple[str, int, str]] = []
+    for name, f in ctype.fields:
+        t, off = f.type, base + f.offset
+        if t.kind == "struct":
+            out += [(name, o, fm) for _n, o, fm in _fields(t, off, frozenset())]
+        elif t.kind == "primitive":
+            out.append((name, off, f"{ffi.sizeof(t)}s" if name in raw else _FORMATS[t.cname]))
+        elif t.kind == "array" and t.item.kind == "struct":
+            n = ffi.sizeof(t.item)
+            for i in range(t.length):
+                out += [(name, o, fm) for _n, o, fm in _fields(t.item, off + i * n, frozenset())]
+        elif t.kind == "array" and t.item.kind == "primitive" and t.item.cname != "uint8_t":
+            out += [(name, off + i * ffi.sizeof(t.item), _FORMATS[t.item.cname]) for i in range(t.length)]
+        elif t.kind == "array":  # bytes (an address, keys): one value
+            out.append((name, off, f"{ffi.sizeof(t)}s"))
+        else:
+            raise TypeError(f"bpf/abi.h: field {name} of {ctype.cname} has a type this reader does not know")
+    return out
+
+
+def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
+    """``struct <name>`` of ``bpf/abi.h``; ``raw``: fields packed as bytes as they are (in network byte
+    order: addresses, ``_be`` ports) rather than as numbers."""
+    ctype = ffi.typeof(f"struct {name}")
+    fmt, pos = "=", 0
+    index: dict[str, int] = {}
+    offset: dict[str, int] = {}
+    for i, (field, off, f) in enumerate(_fields(ctype, 0, frozenset(raw))):
+        if off < pos:
+            raise TypeError(f"bpf/abi.h: struct {name} field {field} overlaps the one before")
+        fmt += f"{off - pos}x" if off > pos else ""
+        fmt += f
+        pos = off + struct.calcsize("=" + f)
+        index.setdefault(field, i)
+        offset.setdefault(field, off)
+    size = ffi.sizeof(ctype)
+    if size > pos:
+        fmt += f"{size - pos}x"
+    s = struct.Struct(fmt)
+    if s.size != size:
+        raise TypeError(f"bpf/abi.h: struct {name} is {size} bytes, its derived format {fmt!r} {s.size}")
+    return Layout(s, index, offset)
+
+
+def const(name: str) -> int:
+    """An integer ``#define`` of ``bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type."""
+    return int(getattr(lib, name))
+
+
+# --------------------------------------------------------------------------- the layouts and names
+
+#: program name -> (prog type, attach type, attached to the cgroup root?), by the kernel's names
+#: (bcc 0.26 lacks some of them; the native module has them from <linux/bpf.h>).
+PROGRAMS: dict[str, tuple[int, int, bool]] = {
+    "rdr_connect4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET4_CONNECT"), True),
+    "rdr_connect6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET6_CONNECT"), True),
+    "rdr_sendmsg4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP4_SENDMSG"), True),
+    "rdr_sendmsg6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP6_SENDMSG"), True),
+    "rdr_recvmsg4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP4_RECVMSG"), True),
+    "rdr_recvmsg6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP6_RECVMSG"), True),
+    "rdr_getpeername4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET4_GETPEERNAME"), True),
+    "rdr_getpeername6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET6_GETPEERNAME"), True),
+    "rdr_getsockopt": (const("BPF_PROG_TYPE_CGROUP_SOCKOPT"), const("BPF_CGROUP_GETSOCKOPT"), True),
+    "rdr_sockops": (const("BPF_PROG_TYPE_SOCK_OPS"), const("BPF_CGROUP_SOCK_OPS"), True),
+    "rdr_sock_release": (const("BPF_PROG_TYPE_CGROUP_SOCK"), const("BPF_CGROUP_INET_SOCK_RELEASE"), True),
+    "rdr_sk_lookup": (const("BPF_PROG_TYPE_SK_LOOKUP"), const("BPF_SK_LOOKUP"), False),
+}
+SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
+MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
+        "listeners", "lookup_netns", "lookup_prog")
+
+# The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
+POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
+POLICY = POLICY_LAYOUT.struct
+P_FLAGS, P_INV_BASE, P_N_INV = (POLICY_LAYOUT.index[f] for f in ("flags", "inv_base", "n_inv"))
+PORT_KEY = layout("port_key").struct
+CIDR_KEY = layout("cidr_key").struct
+ORIG = layout("orig_dst", raw=("port_be",)).struct
+TUPLE_KEY = layout("tuple_key", raw=("port_be",)).struct
+LISTENER_KEY = layout("listener_key").struct
+INV_KEY = layout("inv_key").struct
+INV_VAL = layout("inv_val").struct
+INV_CHUNK = const("RDR_INV_CHUNK")  # keys per inventory entry
+INV_KEY_MAX = const("RDR_INV_KEY_MAX")  # room for one key in an entry
+INV_PORTS, INV_CIDRS = const("RDR_INV_PORTS"), const("RDR_INV_CIDRS")
+INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs"}
+INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size}
+U64 = struct.Struct("=Q")
+U32 = struct.Struct("=I")
+U8 = struct.Struct("=B")
+
+F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6 = (
+    const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6"))
+PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = (
+    const(f"RDR_PORT_{n}") for n in ("OUT_EXCL", "OUT_INCL", "IN_INCL", "IN_EXCL"))
+CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = (
+    const(f"RDR_CIDR_{n}") for n in ("OUT_EXCL4", "OUT_INCL4", "DNS4", "OUT_EXCL6", "OUT_INCL6", "DNS6"))
+CIDR_LOCAL4, CIDR_LOCAL6 = const("RDR_CIDR_LOCAL4"), const("RDR_CIDR_LOCAL6")
+CIDR_PREFIX_BASE = const("RDR_CIDR_PREFIX_BASE")  # cidr_key.prefixlen = this + the CIDR's own
+MAX_IDS = const("RDR_MAX_IDS")
+GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = (const(f"RDR_GROUPS_{n}") for n in ("ALL", "ONLY", "EXCLUDE"))
+AF = {4: socket.AF_INET, 6: socket.AF_INET6}

@@ -1,0 +1,329 @@
+"""``EbpfBackend``: per pod apply, remove, check, show and render (the general path: any pod, any
+state; a fresh pod is first tried in one native call, ``.fresh``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ... import netns as _netns
+from ...config import RedirectConfig
+from ...errors import RedirectError, SetupError
+from ...plan import LocalAddress, Plan
+from ..base import CheckResult, Installed, fault_point
+from .abi import (
+    AF,
+    CIDR_KEY,
+    CIDR_LOCAL4,
+    CIDR_LOCAL6,
+    INV_CHUNK,
+    INV_CIDRS,
+    INV_KEY,
+    INV_KEY_MAX,
+    INV_MAPS,
+    INV_PORTS,
+    INV_VAL,
+    LISTENER_KEY,
+    P_INV_BASE,
+    POLICY,
+    U8,
+    U64,
+)
+from .entries import _fmt_cidr, _fmt_policy, _fmt_port, _policy_core, _unsupported, _with_inventory, pod_entries
+from .fresh import _detail
+from .host import HostPrograms, _cgroup, _root, host_problems, missing_pins
+from .lifetime import host, reading_host
+from .podnet import (
+    _V6_ON_LO,
+    LOOPBACK_IFINDEX,
+    NetnsScan,
+    _add_address,
+    _our_addresses,
+    _plan_addresses,
+    _port_bound,
+    _remove_our_addresses,
+    _unserved,
+    proxy_listeners,
+    scan_netns,
+)
+from .pods import _link_prog_cookie, _lookup_prog_cookie, _pod_link, _pod_lookup_link, _remove_pod, read_pod
+from .syscalls import Map, _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, obj_pin, prog_id
+
+log = logging.getLogger("redirect.ebpf")
+
+
+class EbpfBackend:
+    """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
+
+    name = "ebpf"
+
+    def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
+        #: The config ``render`` describes (the plan is netfilter-shaped; see the module docstring).
+        self.cfg = cfg
+        self.root = _root(root)
+        self.cgroup = _cgroup(cgroup)
+        self._scan: NetnsScan | None = None
+
+    def detect_families(self, cfg: RedirectConfig) -> tuple[int, ...]:
+        """The families ``cfg`` captures here (``redirect.setup``/``check`` ask the backend when it
+        has this): IPv6 is on when the netns has an IPv6 address. Read in the dump that ``apply``
+        and ``check`` need anyway (kept for them), so a pod costs no IPv6 sysctl read."""
+        self._scan = scan_netns()
+        if cfg.ipv6 is None:
+            return (4, 6) if self._scan.v6_on else (4,)
+        return (4, 6) if cfg.ipv6 else (4,)
+
+    def _take_scan(self) -> NetnsScan:
+        """The scan ``detect_families`` made, if it was of this thread's current netns; else a new one."""
+        sc, self._scan = self._scan, None
+        if sc is not None and sc.thread == threading.get_ident() and sc.inode == _netns.current_inode():
+            return sc
+        return scan_netns()
+
+    def _pod_link_path(self, cookie: int) -> str:
+        return _pod_link(self.root, cookie)
+
+    # --- reading what is installed -----------------------------------------------
+    def installed(self) -> bool:
+        with reading_host(self.root) as h:
+            return h is not None and h.pods.lookup(U64.pack(current_netns_cookie())) is not None
+
+    # --- apply / remove ------------------------------------------------------------
+    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
+        _unsupported(cfg)
+        t0 = time.perf_counter()
+        h = host(self.root, self.cgroup)
+        assert h is not None
+        t_host = time.perf_counter()
+        sc = self._take_scan()
+        cookie, local = sc.cookie, sc.local
+        old = read_pod(h, cookie)
+        plan_addrs = _plan_addresses(plan, families, sc.own_v6)
+        # A config without the plan's addresses (or a pod without an IPv6 address of its own): ours
+        # (::6) go at the end, so they are not the pod's own.
+        dropping = (_our_addresses() if not plan_addrs and (old.policy is not None or _V6_ON_LO in local)
+                    else ())
+        if dropping:
+            gone = {(a.family, a.cidr.split("/")[0]) for a in dropping}
+            local = tuple(x for x in local if (x[0], x[1]) not in gone)
+        # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
+        # netfilter backends add them; read from the same listing, no netlink dump per pod.
+        on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
+        add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
+        # Once added they are the pod's own, as what the scan found.
+        local = (*local, *((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in add_addrs))
+        want = pod_entries(cfg, families, cookie, local)
+        inbound = want.inbound
+        link_path = self._pod_link_path(cookie)
+        # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
+        # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
+        # collect_garbage() finds pods whose netns went without a teardown.
+        pinned_target = _link_target(link_path)  # None: no pin
+        have_link = pinned_target == sc.inode and _link_prog_cookie(link_path) == cookie
+        # Listeners the proxy opened before this setup (those opened later the sock_ops program
+        # registers as they start listening): looked for only while a family has none.
+        unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
+        scan = inbound and _port_bound(cfg.inbound_port, unserved)
+        unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
+                     and not dropping
+                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
+        if unchanged:
+            return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
+        old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
+        base = 0 if old_base else 1 << 31  # the other half: old and new inventories never overlap
+        listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
+            proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
+        )
+        inv = h.maps["inventory"]
+        with listeners_cm as lfds:
+            written: list[tuple[Map, bytes]] = []
+            created_link = False
+            added: list[LocalAddress] = []
+            try:
+                from ... import routes as rt
+
+                for la in add_addrs:
+                    _add_address(la)
+                    added.append(la)
+                fault_point("ebpf.before_entries")
+                items = [(m, k) for m, keys in want.by_map().items() for k in sorted(keys)]
+                n = len(items)
+                for c in range(0, n, INV_CHUNK):
+                    chunk = items[c : c + INV_CHUNK]
+                    maps_ = [m for m, _ in chunk] + [0] * (INV_CHUNK - len(chunk))
+                    ik = INV_KEY.pack(cookie, base + c // INV_CHUNK, 0)
+                    inv.update(ik, INV_VAL.pack(*maps_, b"".join(k.ljust(INV_KEY_MAX, b"\0") for _, k in chunk)))
+                    written.append((inv, ik))
+                for m, k in items:
+                    if k not in old.entries[m]:
+                        target = h.maps[INV_MAPS[m]]
+                        target.update(k, U8.pack(1))
+                        written.append((target, k))
+                # Listeners already open; the sock_ops program adds those opened later.
+                for fam, lfd in lfds.items():
+                    h.maps["listeners"].update(LISTENER_KEY.pack(cookie, AF[fam], 0), U64.pack(lfd))
+                if not have_link:
+                    if pinned_target is not None:
+                        _detach_pinned(link_path)  # a detached, foreign or unreadable one
+                    nsfd = _netns.current_fd()  # the fd redirect.setup entered the netns with
+                    own_fd = nsfd is None
+                    if nsfd is None:
+                        nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        lfd = _pod_lookup_link(h, cookie, nsfd)
+                    finally:
+                        if own_fd:
+                            os.close(nsfd)
+                    try:
+                        obj_pin(lfd, link_path)
+                        created_link = True
+                    finally:
+                        os.close(lfd)
+                fault_point("ebpf.before_policy")
+                # The policy entry goes last: it is what switches capture on (or to the new config).
+                h.pods.update(U64.pack(cookie), _with_inventory(want.policy, base, n))
+            except BaseException as e:
+                for mp, k in reversed(written):
+                    with contextlib.suppress(OSError):
+                        mp.delete(k)
+                if created_link:
+                    _detach_pinned(link_path)
+                for la in added:
+                    with contextlib.suppress(OSError, RedirectError):
+                        rt.remove_address(la)
+                if old.policy is None:
+                    for fam in (4, 6):
+                        with contextlib.suppress(OSError):
+                            h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+                if isinstance(e, OSError):
+                    raise SetupError(f"ebpf: setup failed and was undone: {e}") from e
+                raise
+        # Stale entries of the previous config, now that the new policy is live.
+        for m, had in old.entries.items():
+            for k in had - want.by_map()[m]:
+                h.maps[INV_MAPS[m]].delete(k)
+        for ik in old.inv_keys:
+            inv.delete(ik)
+        if not inbound:
+            for fam in (4, 6):
+                h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+        for ours in dropping:
+            rt.remove_address(ours)
+        d = _general_detail(h, cookie, t0, t_host, link_path)
+        log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
+        return Installed(self.name, "", families, True, d)
+
+    def remove(self, keep_routes: bool = False) -> bool:
+        """Delete this pod's policy, its inventoried entries, listeners and link: O(its entries).
+
+        Per-socket state (original destinations) goes with the sockets, and is inert once the
+        policy is gone: every program looks the pod up first.
+        """
+        cookie = current_netns_cookie()
+        with reading_host(self.root) as h:
+            if h is None:  # no pods map anywhere: no program of ours can capture; a link pin may be left
+                link = self._pod_link_path(cookie)
+                if os.path.exists(link):
+                    _detach_pinned(link)
+                    return True
+                return False
+            had_policy = h.pods.lookup(U64.pack(cookie)) is not None
+            removed = _remove_pod(h, cookie)
+        if had_policy and not keep_routes:  # (kept: another backend's capture uses them now)
+            _remove_our_addresses()
+        return removed
+
+    # --- check / show / render ----------------------------------------------------
+    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
+        """Compare the maps, read back entry by entry, and the link with what ``cfg`` wants here."""
+        _unsupported(cfg)
+        with reading_host(self.root) as h:
+            host_diffs = host_problems(self.root, self.cgroup, h)
+            if h is None:
+                return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}", *host_diffs))
+            return self._check(h, host_diffs, plan, cfg, families)
+
+    def _check(self, h: HostPrograms, diffs: list[str], plan: Plan, cfg: RedirectConfig,
+               families: tuple[int, ...]) -> CheckResult:
+        sc = self._take_scan()
+        cookie = sc.cookie
+        want = pod_entries(cfg, families, cookie, sc.local)
+        st = read_pod(h, cookie)
+        if st.policy is None:
+            diffs.append(f"no policy entry for netns cookie {cookie}")
+        elif _policy_core(st.policy) != want.policy:
+            diffs.append("policy entry differs: have " + _fmt_policy(st.policy) + ", want " + _fmt_policy(want.policy))
+        fmt = {INV_PORTS: _fmt_port, INV_CIDRS: _fmt_cidr}
+        what = {INV_PORTS: "port entry", INV_CIDRS: "CIDR entry"}
+        for m, w in want.by_map().items():
+            target = h.maps[INV_MAPS[m]]
+            # Read back from the maps (not only our inventory): an entry deleted by hand is drift.
+            live = st.entries[m] | {k for k in w if target.lookup(k) is not None}
+            diffs += [f"missing {what[m]} {fmt[m](k)}" for k in sorted(w - live)]
+            diffs += [f"extra {what[m]} {fmt[m](k)}" for k in sorted(live - w)]
+        link = self._pod_link_path(cookie)
+        if not os.path.exists(link):
+            diffs.append("no sk_lookup link on this netns")
+        else:
+            fd = obj_get(link)
+            try:
+                info = link_info(fd)
+            finally:
+                os.close(fd)
+            if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
+                diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
+            if _lookup_prog_cookie(info["prog_id"]) != cookie:
+                diffs.append("sk_lookup link runs another program than this pod's")
+        from ... import routes as rt
+
+        diffs += rt.differences(plan, families)
+        return CheckResult(not diffs, self.name, tuple(diffs))
+
+    def show(self) -> dict[str, Any]:
+        with reading_host(self.root) as h:
+            if h is None:
+                return {"backend": self.name, "root": self.root, "host_programs": None, "installed": False}
+            return self._show(h)
+
+    def _show(self, h: HostPrograms) -> dict[str, Any]:
+        cookie = current_netns_cookie()
+        st = read_pod(h, cookie)
+        link = self._pod_link_path(cookie)
+        listening = [f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0))]
+        return {
+            "backend": self.name, "root": self.root, "netns_cookie": cookie, "installed": st.policy is not None,
+            "host_programs": {n: prog_id(fd) for n, fd in h.progs.items()},
+            "policy": _fmt_policy(st.policy) if st.policy else None,
+            "ports": sorted(_fmt_port(k) for k in st.ports), "cidrs": sorted(_fmt_cidr(k) for k in st.cidrs),
+            "addresses": sorted(_fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
+                                if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
+            "inbound_listeners": [f"IPv{f}" for f in listening],
+            "sk_lookup_link": link if os.path.exists(link) else None,
+            "missing_host_pins": missing_pins(self.root),
+        }
+
+    def render(self, plan: Plan, families: tuple[int, ...]) -> str:
+        """What ``apply`` would write for the config this backend was made with."""
+        return self.render_config(self.cfg or RedirectConfig(), families)
+
+    def render_config(self, cfg: RedirectConfig, families: tuple[int, ...]) -> str:
+        """The map entries ``apply`` would write, as text (netns cookie shown as <netns>)."""
+        _unsupported(cfg)
+        e = pod_entries(cfg, families, 0)
+        lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
+        lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
+        lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
+        lines.append("cidrs[local <each pod address>]")
+        lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
+        if e.inbound:
+            lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
+        return "\n".join(lines) + "\n"
+
+
+def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:
+    """``_detail`` of ``apply``, which started at ``t0`` and had the host programs at ``t_host``."""
+    return _detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path)

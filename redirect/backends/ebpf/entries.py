@@ -1,0 +1,214 @@
+"""What a config writes into the maps, packed in the ``bpf/abi.h`` layout, and how entries read.
+
+The eBPF lowering of the config's intent (``redirect.lower_ebpf``) gives typed entries;
+``_config_entries`` packs them once per config, ``pod_entries`` keys them by a pod's netns cookie.
+``_unsupported`` refuses the options this backend does not implement. The ``_fmt_*`` functions
+turn entries into the text of ``check``, ``show`` and ``render``.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+from ...config import IdSpec, RedirectConfig
+from ...errors import BackendUnavailable
+from ...intent import intent_of
+from ...lower_ebpf import lower_ebpf
+from .abi import (
+    AF,
+    CIDR_DNS4,
+    CIDR_DNS6,
+    CIDR_KEY,
+    CIDR_LOCAL4,
+    CIDR_LOCAL6,
+    CIDR_OUT_EXCL4,
+    CIDR_OUT_EXCL6,
+    CIDR_OUT_INCL4,
+    CIDR_OUT_INCL6,
+    CIDR_PREFIX_BASE,
+    F_DNS,
+    F_DNS_ALL,
+    F_INBOUND,
+    F_INBOUND_ALL,
+    F_INCL_LOOPBACK,
+    F_OUT_ALL,
+    F_V6,
+    GROUPS_ALL,
+    GROUPS_EXCLUDE,
+    GROUPS_ONLY,
+    INV_CIDRS,
+    INV_PORTS,
+    MAX_IDS,
+    P_FLAGS,
+    P_INV_BASE,
+    P_N_INV,
+    POLICY,
+    POLICY_LAYOUT,
+    PORT_IN_EXCL,
+    PORT_IN_INCL,
+    PORT_KEY,
+    PORT_OUT_EXCL,
+    PORT_OUT_INCL,
+)
+
+
+def _unsupported(cfg: RedirectConfig) -> None:
+    def no(option: str, why: str) -> None:
+        raise BackendUnavailable(f"backend=ebpf: {option} is not available with eBPF ({why}); use backend=iptables")
+
+    if cfg.mode != "sidecar":
+        no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
+    if cfg.inbound_interception == "TPROXY":
+        no("inbound_interception='TPROXY'", "mark and policy-route plumbing; inbound keeps the original dst anyway")
+    if cfg.drop_invalid:
+        no("drop_invalid=True", "needs conntrack")
+    if cfg.exclude_interfaces:
+        no(f"exclude_interfaces={cfg.exclude_interfaces!r}", "socket hooks run before routing picks an interface")
+    if cfg.reroute_interfaces:
+        no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
+    if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
+        no("gid_hairpin_skips_dns=False", "the programs leave port 53 alone for proxy uids and gids alike")
+    for name in ("proxy_uids", "proxy_gids", "owner_groups", "owner_groups_exclude"):
+        if getattr(cfg, name) != "*" and len(getattr(cfg, name)) > MAX_IDS:
+            no(f"{name} with more than {MAX_IDS} entries", "fixed-size policy entry")
+
+
+def _ranges(ids: tuple[IdSpec, ...]) -> list[int]:
+    out: list[int] = []
+    for i in ids:
+        lo, hi = (i, i) if isinstance(i, int) else i
+        out += [lo, hi]
+    return out + [0] * (2 * MAX_IDS - len(out))
+
+
+def _addr16(ip: str) -> bytes:
+    return ipaddress.ip_address(ip).packed.ljust(16, b"\0")
+
+
+@dataclass(frozen=True)
+class PodEntries:
+    """Everything one pod has in the maps (listeners, the inventory and the link aside).
+
+    ``policy`` has its inventory fields zeroed (``apply`` fills them in).
+    """
+
+    policy: bytes
+    ports: frozenset[bytes]
+    cidrs: frozenset[bytes]
+
+    @property
+    def inbound(self) -> bool:
+        return bool(POLICY.unpack(self.policy)[P_FLAGS] & F_INBOUND)
+
+    def by_map(self) -> dict[int, frozenset[bytes]]:
+        return {INV_PORTS: self.ports, INV_CIDRS: self.cidrs}
+
+
+def _policy_core(policy: bytes) -> bytes:
+    """The policy without its inventory bookkeeping: what a config decides."""
+    v = list(POLICY.unpack(policy))
+    v[P_INV_BASE] = v[P_N_INV] = 0
+    return POLICY.pack(*v)
+
+
+def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
+    v = list(POLICY.unpack(policy))
+    v[P_INV_BASE], v[P_N_INV] = base, n
+    return POLICY.pack(*v)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
+                                                                             tuple[tuple[int, int, bytes], ...]]:
+    """What ``cfg`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
+
+    The eBPF lowering of the config's intent (``redirect.lower_ebpf``), packed. Cached (configs
+    are frozen): many pods share a config, and lowering is ~20 us of ``ipaddress``.
+    """
+    e = lower_ebpf(intent_of(cfg), families)
+    p = e.policy
+    flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
+                                     (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
+                                     (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6)) if on)
+    lo = ipaddress.ip_network(p.loopback4)
+    groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
+    policy = POLICY.pack(
+        p.proxy_port, p.inbound_port, p.tunnel_port, p.dns_port, flags,
+        lo.network_address.packed, lo.netmask.packed, len(p.uids), len(p.gids), 0, 0,
+        *_ranges(p.uids), *_ranges(p.gids), groups_mode, len(p.groups), *_ranges(p.groups),
+    )
+    port_kind = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_include": PORT_IN_INCL,
+                 "in_exclude": PORT_IN_EXCL}
+    cidr_kind = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
+                 "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
+                 "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6}
+    # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
+    # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
+    return (policy, tuple(sorted((port_kind[k], port) for k, port in e.ports)),
+            tuple(sorted((CIDR_PREFIX_BASE + plen, cidr_kind[k], raw) for plen, k, raw in e.cidrs)))
+
+
+def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
+                local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
+    """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
+
+    ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it.
+    """
+    policy, port_specs, cidr_specs = _config_entries(cfg, families)
+    ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
+    cidrs = {CIDR_KEY.pack(plen, kind, cookie, raw) for plen, kind, raw in cidr_specs}
+    # The pod's own addresses: a connect to them leaves over lo (Istio's "-o lo" rules).
+    for f, ip, _dev in local or ():
+        if f in families:
+            raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
+            cidrs.add(CIDR_KEY.pack(CIDR_PREFIX_BASE + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6,
+                                    cookie, raw))
+    return PodEntries(policy, ports, frozenset(cidrs))
+
+
+_PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-include",
+               PORT_IN_INCL: "inbound-include", PORT_IN_EXCL: "inbound-exclude"}
+_CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-include", CIDR_DNS4: "dns-server",
+               CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
+               CIDR_LOCAL4: "local", CIDR_LOCAL6: "local"}
+
+
+def _fmt_port(k: bytes) -> str:
+    _c, kind, port, _ = PORT_KEY.unpack(k)
+    return f"{_PORT_KINDS.get(kind, kind)} {port}"
+
+
+def _fmt_cidr(k: bytes) -> str:
+    plen, kind, _c, raw = CIDR_KEY.unpack(k)
+    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6)
+    ip = ipaddress.ip_address(raw if v6 else raw[:4])
+    return f"{_CIDR_KINDS.get(kind, kind)} {ip}/{plen - 96}"
+
+
+def _fmt_policy(raw: bytes) -> str:
+    v = POLICY.unpack(raw)
+    flags = v[P_FLAGS]
+    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6"]
+    on = [n for i, n in enumerate(names) if flags & (1 << i)]
+    f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
+
+    def ids(name: str, n: str) -> str:
+        i = POLICY_LAYOUT.index[name]
+        return _fmt_ids(v[i : i + 2 * MAX_IDS], f[n])
+
+    groups = f["groups_mode"]
+    return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
+            f" dns_port={f['dns_port']} flags={'+'.join(on) or '-'}"
+            f" loopback={socket.inet_ntoa(f['lo4_addr'])}/{socket.inet_ntoa(f['lo4_mask'])}"
+            f" uids={ids('uids', 'n_uids')} gids={ids('gids', 'n_gids')}"
+            + ("" if groups == GROUPS_ALL else
+               f" {'owner_groups' if groups == GROUPS_ONLY else 'owner_groups_exclude'}={ids('groups', 'n_groups')}"))
+
+
+def _fmt_ids(flat: tuple[int, ...], n: int) -> str:
+    return ",".join(str(flat[2 * i]) if flat[2 * i] == flat[2 * i + 1] else f"{flat[2 * i]}-{flat[2 * i + 1]}"
+                    for i in range(n)) or "-"
+
