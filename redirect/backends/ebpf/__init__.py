@@ -127,8 +127,8 @@ from .syscalls import _link_target, _native, current_netns_cookie, link_info, ob
 
 __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_host", "registered_pods",
            "probe_kernel", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id", "missing_pins",
-           "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF", "CIDR_KEY", "CIDR_LOCAL4",
-           "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV", "POLICY",
-           "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "_policy_core", "_unsupported",
-           "_cgroup_progs", "_pods_in", "_root", "_unpin_all", "_pod_link", "_link_target", "_native", "link_info",
-           "obj_get", "prog_id"]
+           "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF", "CIDR_KEY",
+           "CIDR_LOCAL4", "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
+           "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "_policy_core",
+           "_unsupported", "_cgroup_progs", "_pods_in", "_root", "_unpin_all", "_pod_link", "_link_target",
+           "_native", "link_info", "obj_get", "prog_id"]
