@@ -97,6 +97,11 @@ static __always_inline int is_v6_passthrough(const __u32 *ip)
 	return ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(6); /* ::6 */
 }
 
+static __always_inline int is_v6_unspecified(const __u32 *ip)
+{
+	return ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == 0; /* :: (a socket with no source yet) */
+}
+
 /* ::ffff:a.b.c.d: an IPv4 peer of a dual-stack IPv6 socket. On the wire (and to
  * netfilter) that connection is IPv4, so it is keyed, matched and answered as
  * IPv4 everywhere. */
@@ -124,8 +129,10 @@ static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const 
 #define RDR_PASS 0
 
 /* Where a new outbound connection/datagram goes: RDR_PASS or the local port
- * to rewrite it to. Istio's OUTPUT chain, rule for rule and in its order
- * (redirect/plan.py, _sidecar_plan and _sidecar_dns). */
+ * to rewrite it to, in Istio's rule order over the entries of the eBPF
+ * lowering (redirect/lower_ebpf.py). redirect/evaluate.py models this
+ * (evaluate_ebpf), and the property test tests/test_lowerings.py checks that
+ * it lands every drawn connection where the netfilter lowering does. */
 static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
 					     const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr,
 					     int src_passthrough)

@@ -122,9 +122,12 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	}
 	if (!(p->flags & RDR_F_V6))
 		return SYS_PROCEED;
+	/* No source yet and ::6 as the destination: the kernel picks ::6 itself as the source (the
+	 * destination is a local address), so netfilter sees the inbound passthrough. */
 	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1,
 			     is_v6_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
-			     is_v6_loopback(dst), is_v6_passthrough(src));
+			     is_v6_loopback(dst),
+			     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)));
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,

@@ -394,7 +394,8 @@ def _connect(m: _Maps, conn: Conn) -> int:
         return 0
     addr = _raw(conn.dst)
     out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True)
-    src_passthrough = conn.src is not None and _ip(conn.src) == V6_PASSTHROUGH
+    # No source yet and ::6 as the destination: the kernel will pick ::6 itself as the source.
+    src_passthrough = (_ip(conn.src) if conn.src is not None else dst) == V6_PASSTHROUGH
     return _outbound_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK, src_passthrough)
 
 

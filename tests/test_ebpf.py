@@ -153,6 +153,23 @@ def test_inbound_lands_on_proxy_with_original_dst_as_local_address(pod: Pod, set
         _close(inbound, app)
 
 
+def test_the_proxys_unbound_connect_to_the_v6_passthrough_address_is_not_captured(pod: Pod, setup_pod) -> None:
+    """An unbound socket's connect to ``::6`` gets ``::6`` as its source (the kernel prefers the
+    destination itself), which iptables returns as the proxy's inbound passthrough (``-s ::6 -o
+    lo``). connect6 runs before the source is chosen: with none yet and ``::6`` as the destination
+    it is the passthrough too, not the proxy's hairpin to its inbound port."""
+    setup_pod(pod, RedirectConfig())
+    inbound = _proxy_listeners(pod, 15006, "proxy-in")
+    app = [TcpListener(pod.name, 9090, family=6, label="app").start()]
+    try:
+        hit = landing(pod.name, "::6", 9090, *inbound, *app, uid=PROXY_UID)
+        assert hit.listener is app[0], hit.result
+        # Capture is on: to the pod's own address the proxy's connection is hairpinned.
+        assert landing(pod.name, pod.pod_ip6, 9090, *inbound, *app, uid=PROXY_UID).listener is inbound[1]
+    finally:
+        _close(inbound, app)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_proxy_that_listens_after_setup_or_restarts_gets_inbound(pod: Pod, setup_pod, family: int) -> None:
     """The CNI order: setup first, the proxy starts later (sock_ops registers its listener), and restarts."""

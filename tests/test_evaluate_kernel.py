@@ -51,7 +51,7 @@ def probes(pod: Pod, v6_passthrough: bool) -> list[tuple[str, Conn, dict[str, An
             out.append((f"passthrough v{fam}", Conn("out", "tcp", own, 8080, uid=1337, src=src),
                         {"ip": own, "port": 8080, "uid": 1337, "src": src}))
         if fam == 6 and v6_passthrough:
-            # The known difference (test_lowerings.known_difference): unbound, the source is ::6.
+            # Unbound: the kernel picks ::6 as the source, so it is the passthrough on every backend.
             out.append(("proxy to ::6", Conn("out", "tcp", "::6", 9090, uid=1337), {"ip": "::6", "port": 9090,
                                                                                    "uid": 1337}))
         for port in diff.IN_PORTS:

@@ -4,8 +4,8 @@ Hypothesis draws a config of the options the eBPF backend supports, a pod (its o
 IPv6 addresses, ``::6`` on lo when the plan adds it) and thousands of connections (owner,
 bound source, destination, port, protocol, direction), and asks both evaluators of
 ``redirect.evaluate`` where each lands: the netfilter plan interpreted rule by rule, and the
-model of the eBPF programs over the lowered map entries. They must agree, but for the
-documented differences in ``known_difference``. ``test_evaluate_kernel.py`` keeps the
+model of the eBPF programs over the lowered map entries. They must agree (``known_difference``
+is where a difference would be documented: none is). ``test_evaluate_kernel.py`` keeps the
 evaluators honest: real iptables rules and real eBPF programs land a probe matrix where they
 say; the kernel-level differential tests (``test_nftables_diff.py``, ``test_ebpf.py``) compare
 the backends themselves.
@@ -151,14 +151,8 @@ def normalized(conn: Conn, landing: Landing) -> Landing:
 
 
 def known_difference(cfg: RedirectConfig, pod: PodNet, conn: Conn, nf: Landing, bpf: Landing) -> str | None:
-    """Why the two may differ for this connection (None: they must not)."""
-    if conn.direction == "out" and conn.src is None and conn.dst == "::6" and nf == DIRECT:
-        # An unbound socket's connect to ::6 gets source ::6 (the same address is preferred), so
-        # netfilter returns it as the inbound passthrough ("-s ::6 -o lo"); connect6 runs before
-        # the source is chosen and sees none, so the rules after the passthrough one decide (the
-        # proxy's hairpin, or DNS/TCP capture where the app's lo traffic is not returned). Istio's
-        # proxy binds ::6 and connects to the app's address; nothing connects to ::6 itself.
-        return "connect6 cannot see the source an unbound socket will get"
+    """Why the two may differ for this connection (None: they must not). None are known: this is
+    where one would be documented, with its reason."""
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from ... import netns as _netns
 from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
+from ...intent import Intent, intent_of
 from ...plan import LocalAddress, Plan
 from ..base import CheckResult, Installed, fault_point
 from .abi import (
@@ -33,7 +34,16 @@ from .abi import (
     U8,
     U64,
 )
-from .entries import _fmt_cidr, _fmt_policy, _fmt_port, _policy_core, _unsupported, _with_inventory, pod_entries
+from .entries import (
+    _fmt_cidr,
+    _fmt_policy,
+    _fmt_port,
+    _policy_core,
+    _unsupported,
+    _with_inventory,
+    intent_entries,
+    pod_entries,
+)
 from .fresh import _detail
 from .host import HostPrograms, _cgroup, _root, host_problems, missing_pins
 from .lifetime import host, reading_host
@@ -62,7 +72,7 @@ class EbpfBackend:
     name = "ebpf"
 
     def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
-        #: The config ``render`` describes (the plan is netfilter-shaped; see the module docstring).
+        #: The config (``render`` refuses what this backend cannot do; it lowers the plan's intent).
         self.cfg = cfg
         self.root = _root(root)
         self.cgroup = _cgroup(cgroup)
@@ -307,21 +317,29 @@ class EbpfBackend:
         }
 
     def render(self, plan: Plan, families: tuple[int, ...]) -> str:
-        """What ``apply`` would write for the config this backend was made with."""
-        return self.render_config(self.cfg or RedirectConfig(), families)
+        """What ``apply`` would write for ``plan``: the eBPF lowering of its intent."""
+        if self.cfg is not None:
+            _unsupported(self.cfg)
+        if not isinstance(plan.intent, Intent):  # a plan made without one (or an ambient one)
+            return self.render_config(self.cfg or RedirectConfig(), families)
+        return _render(plan.intent, families)
 
     def render_config(self, cfg: RedirectConfig, families: tuple[int, ...]) -> str:
-        """The map entries ``apply`` would write, as text (netns cookie shown as <netns>)."""
+        """The map entries ``apply`` would write for ``cfg``, as text (netns cookie shown as <netns>)."""
         _unsupported(cfg)
-        e = pod_entries(cfg, families, 0)
-        lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
-        lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
-        lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
-        lines.append("cidrs[local <each pod address>]")
-        lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
-        if e.inbound:
-            lines.append(f"listeners[<netns>, family] = proxy socket listening on {cfg.inbound_port}")
-        return "\n".join(lines) + "\n"
+        return _render(intent_of(cfg), families)
+
+
+def _render(it: Intent, families: tuple[int, ...]) -> str:
+    e = intent_entries(it, families, 0)
+    lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
+    lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
+    lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
+    lines.append("cidrs[local <each pod address>]")
+    lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
+    if e.inbound:
+        lines.append(f"listeners[<netns>, family] = proxy socket listening on {it.inbound_port}")
+    return "\n".join(lines) + "\n"
 
 
 def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """What a config writes into the maps, packed in the ``bpf/abi.h`` layout, and how entries read.
 
 The eBPF lowering of the config's intent (``redirect.lower_ebpf``) gives typed entries;
-``_config_entries`` packs them once per config, ``pod_entries`` keys them by a pod's netns cookie.
+``_intent_entries`` packs them once per intent, ``intent_entries`` (``pod_entries`` for a config) keys
+them by a pod's netns cookie and adds the pod's own addresses (``lower_ebpf.pod_local``).
 ``_unsupported`` refuses the options this backend does not implement. The ``_fmt_*`` functions
 turn entries into the text of ``check``, ``show`` and ``render``.
 """
@@ -15,10 +16,9 @@ from dataclasses import dataclass
 
 from ...config import IdSpec, RedirectConfig
 from ...errors import BackendUnavailable
-from ...intent import intent_of
-from ...lower_ebpf import lower_ebpf
+from ...intent import Intent, intent_of
+from ...lower_ebpf import lower_ebpf, pod_local
 from .abi import (
-    AF,
     CIDR_DNS4,
     CIDR_DNS6,
     CIDR_KEY,
@@ -120,15 +120,22 @@ def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
     return POLICY.pack(*v)
 
 
-@functools.lru_cache(maxsize=256)
-def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
-                                                                             tuple[tuple[int, int, bytes], ...]]:
-    """What ``cfg`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
+_PORT_KIND = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_include": PORT_IN_INCL,
+              "in_exclude": PORT_IN_EXCL}
+_CIDR_KIND = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
+              "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
+              "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6}
 
-    The eBPF lowering of the config's intent (``redirect.lower_ebpf``), packed. Cached (configs
-    are frozen): many pods share a config, and lowering is ~20 us of ``ipaddress``.
+
+@functools.lru_cache(maxsize=256)
+def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
+                                                                   tuple[tuple[int, int, bytes], ...]]:
+    """What ``it`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
+
+    The eBPF lowering of the intent (``redirect.lower_ebpf``), packed. Cached (intents are
+    frozen): many pods share a config, and lowering is ~20 us of ``ipaddress``.
     """
-    e = lower_ebpf(intent_of(cfg), families)
+    e = lower_ebpf(it, families)
     p = e.policy
     flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
                                      (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
@@ -140,15 +147,16 @@ def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[byt
         lo.network_address.packed, lo.netmask.packed, len(p.uids), len(p.gids), 0, 0,
         *_ranges(p.uids), *_ranges(p.gids), groups_mode, len(p.groups), *_ranges(p.groups),
     )
-    port_kind = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_include": PORT_IN_INCL,
-                 "in_exclude": PORT_IN_EXCL}
-    cidr_kind = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
-                 "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
-                 "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6}
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
-    return (policy, tuple(sorted((port_kind[k], port) for k, port in e.ports)),
-            tuple(sorted((CIDR_PREFIX_BASE + plen, cidr_kind[k], raw) for plen, k, raw in e.cidrs)))
+    return (policy, tuple(sorted((_PORT_KIND[k], port) for k, port in e.ports)),
+            tuple(sorted((CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
+
+
+def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
+                                                                             tuple[tuple[int, int, bytes], ...]]:
+    """``_intent_entries`` of ``cfg``'s intent."""
+    return _intent_entries(intent_of(cfg), families)
 
 
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
@@ -157,15 +165,18 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
 
     ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it.
     """
-    policy, port_specs, cidr_specs = _config_entries(cfg, families)
+    return intent_entries(intent_of(cfg), families, cookie, local)
+
+
+def intent_entries(it: Intent, families: tuple[int, ...], cookie: int,
+                   local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
+    """``pod_entries`` of an intent: its lowering, and the pod's own addresses as ``local`` CIDRs
+    (``lower_ebpf.pod_local``: a connect to them leaves over lo, Istio's "-o lo" rules)."""
+    policy, port_specs, cidr_specs = _intent_entries(it, families)
     ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
     cidrs = {CIDR_KEY.pack(plen, kind, cookie, raw) for plen, kind, raw in cidr_specs}
-    # The pod's own addresses: a connect to them leaves over lo (Istio's "-o lo" rules).
-    for f, ip, _dev in local or ():
-        if f in families:
-            raw = socket.inet_pton(AF[f], ip).ljust(16, b"\0")
-            cidrs.add(CIDR_KEY.pack(CIDR_PREFIX_BASE + (32 if f == 4 else 128), CIDR_LOCAL4 if f == 4 else CIDR_LOCAL6,
-                                    cookie, raw))
+    cidrs.update(CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw)
+                 for plen, k, raw in pod_local(families, local or ()))
     return PodEntries(policy, ports, frozenset(cidrs))
 
 
