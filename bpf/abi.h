@@ -15,8 +15,6 @@
 
 #include <linux/types.h>
 
-#define RDR_MAX_IDS 8 /* uid/gid/group ranges in a policy */
-
 /* pod_policy.flags */
 #define RDR_F_OUT_ALL 0x1        /* outbound_cidrs == "*" */
 #define RDR_F_DNS 0x2            /* DNS capture on (dns_effective) */
@@ -46,6 +44,11 @@
 #define RDR_CIDR_DNS6 6
 #define RDR_CIDR_LOCAL4 7 /* the pod's own addresses: a connect to them leaves over lo */
 #define RDR_CIDR_LOCAL6 8
+/* Owner ids past a kind's first range (any number): each range as prefix blocks of the id in
+ * network order in addr's first 4 bytes, prefix 0-32 (an IPv4-shaped key). */
+#define RDR_CIDR_UID 9   /* proxy_uids */
+#define RDR_CIDR_GID 10  /* proxy_gids */
+#define RDR_CIDR_GROUP 11 /* owner_groups / owner_groups_exclude */
 
 /* cidr_key.prefixlen = RDR_CIDR_PREFIX_BASE + the CIDR's own prefix length */
 #define RDR_CIDR_PREFIX_BASE 96
@@ -64,15 +67,15 @@ struct pod_policy {
 	__u32 flags;
 	__u32 lo4_addr; /* ipv4_loopback_cidr, network order */
 	__u32 lo4_mask;
-	__u32 n_uids;
-	__u32 n_gids;
+	__u32 n_uids; /* ranges of proxy_uids: the first is uid0, the others RDR_CIDR_UID entries */
+	__u32 n_gids; /* likewise gid0 and RDR_CIDR_GID */
 	__u32 inv_base; /* this pod's inventory entries are inventory[netns, inv_base + i], i < n_inv */
 	__u32 n_inv;
-	struct id_range uids[RDR_MAX_IDS];
-	struct id_range gids[RDR_MAX_IDS];
+	struct id_range uid0;
+	struct id_range gid0;
 	__u32 groups_mode; /* RDR_GROUPS_* */
-	__u32 n_groups;
-	struct id_range groups[RDR_MAX_IDS];
+	__u32 n_groups; /* the first is group0, the others RDR_CIDR_GROUP entries */
+	struct id_range group0;
 };
 
 struct port_key {

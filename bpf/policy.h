@@ -11,54 +11,6 @@ static __always_inline struct pod_policy *pod_of(__u64 netns)
 	return pods.lookup(&netns);
 }
 
-/* The proxy's own sockets (sidecar: uid/gid 1337) are never captured: that
- * is what keeps its connect to the original destination from looping. The
- * owner is the task calling connect/sendmsg, like iptables' owner match on
- * locally generated traffic. */
-static __always_inline int is_proxy(const struct pod_policy *p)
-{
-	__u64 ug = bpf_get_current_uid_gid();
-	__u32 uid = (__u32)ug, gid = (__u32)(ug >> 32);
-
-#pragma unroll
-	for (int i = 0; i < RDR_MAX_IDS; i++)
-		if (i < p->n_uids && uid >= p->uids[i].lo && uid <= p->uids[i].hi)
-			return 1;
-#pragma unroll
-	for (int i = 0; i < RDR_MAX_IDS; i++)
-		if (i < p->n_gids && gid >= p->gids[i].lo && gid <= p->gids[i].hi)
-			return 1;
-	return 0;
-}
-
-#define RDR_OWN_NEXT 0
-#define RDR_OWN_PASS 1
-#define RDR_OWN_INBOUND 2
-
-/* One owner's three rules of Istio's OUTPUT chain, per uid/gid range in
- * order (plan.py, "proxy uid hairpin over lo" / "app traffic over lo" /
- * "proxy uid"): the proxy's lo traffic to a non-loopback address goes to
- * inbound capture; anyone else's lo traffic returns; the proxy returns. */
-static __always_inline int owner_rules(const struct id_range *r, __u32 n, __u32 id, int out_lo, int hairpin,
-				       int lo_return)
-{
-#pragma unroll
-	for (int i = 0; i < RDR_MAX_IDS; i++) {
-		int in;
-
-		if (i >= n)
-			break;
-		in = id >= r[i].lo && id <= r[i].hi;
-		if (out_lo && hairpin && in)
-			return RDR_OWN_INBOUND;
-		if (out_lo && lo_return && !in)
-			return RDR_OWN_PASS;
-		if (in)
-			return RDR_OWN_PASS;
-	}
-	return RDR_OWN_NEXT;
-}
-
 static __always_inline int port_listed(__u64 netns, __u16 kind, __u16 port)
 {
 	struct port_key k = {.netns = netns, .kind = kind, .port = port};
@@ -72,6 +24,48 @@ static __always_inline int cidr_listed(__u64 netns, __u32 kind, const __u8 *addr
 
 	__builtin_memcpy(k.addr, addr, 16);
 	return cidrs.lookup(&k) != NULL;
+}
+
+/* Whether id is in one kind's ranges: the first (inline in the policy, all a
+ * pod with one range needs), else its other n - 1 in the cidrs trie. */
+static __always_inline int id_listed(__u64 netns, __u32 kind, const struct id_range *first, __u32 n, __u32 id)
+{
+	__u32 be = bpf_htonl(id);
+	__u8 addr[16] = {};
+
+	if (n == 0)
+		return 0;
+	if (id >= first->lo && id <= first->hi)
+		return 1;
+	if (n == 1)
+		return 0;
+	__builtin_memcpy(addr, &be, 4);
+	return cidr_listed(netns, kind, addr, 0);
+}
+
+#define RDR_OWN_NEXT 0
+#define RDR_OWN_PASS 1
+#define RDR_OWN_INBOUND 2
+
+/* One owner kind's three rules of Istio's OUTPUT chain, per uid/gid range in
+ * order (plan.py, "proxy uid hairpin over lo" / "app traffic over lo" /
+ * "proxy uid"): the proxy's lo traffic to a non-loopback address goes to
+ * inbound capture; anyone else's lo traffic returns; the proxy returns. With
+ * lo_return the first range's rules decide every lo connection (whoever is
+ * not in it returns there); otherwise only membership in some range counts. */
+static __always_inline int owner_rules(__u64 netns, __u32 kind, const struct id_range *first, __u32 n, __u32 id,
+				       int out_lo, int hairpin, int lo_return)
+{
+	if (n == 0)
+		return RDR_OWN_NEXT;
+	if (out_lo && lo_return) {
+		if (id >= first->lo && id <= first->hi && hairpin)
+			return RDR_OWN_INBOUND;
+		return RDR_OWN_PASS;
+	}
+	if (!id_listed(netns, kind, first, n, id))
+		return RDR_OWN_NEXT;
+	return out_lo && hairpin ? RDR_OWN_INBOUND : RDR_OWN_PASS;
 }
 
 /* "Leaves over lo" (iptables' -o lo) without a route lookup, which sock_addr
@@ -149,16 +143,17 @@ static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 n
 		return RDR_PASS;
 	hairpin = tcp && !dst_is_lo_cidr && port != p->tunnel_port && !dns53;
 	lo_return = !(p->flags & RDR_F_INCL_LOOPBACK) && (!dns || (tcp && port != RDR_DNS_PORT));
-	own = owner_rules(p->uids, p->n_uids, (__u32)ug, out_lo, hairpin, lo_return);
+	own = owner_rules(netns, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug, out_lo, hairpin, lo_return);
 	if (own == RDR_OWN_NEXT)
-		own = owner_rules(p->gids, p->n_gids, (__u32)(ug >> 32), out_lo, hairpin, lo_return);
+		own = owner_rules(netns, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32), out_lo, hairpin,
+				  lo_return);
 	if (own == RDR_OWN_INBOUND)
 		return p->inbound_port;
 	if (own == RDR_OWN_PASS)
 		return RDR_PASS;
 	/* Owner groups: iptables' --gid-owner without --suppl-groups, i.e. the primary gid. */
 	if (p->groups_mode != RDR_GROUPS_ALL) {
-		int in = owner_rules(p->groups, p->n_groups, (__u32)(ug >> 32), 0, 0, 0) == RDR_OWN_PASS;
+		int in = id_listed(netns, RDR_CIDR_GROUP, &p->group0, p->n_groups, (__u32)(ug >> 32));
 
 		if (in == (p->groups_mode == RDR_GROUPS_EXCLUDE))
 			return RDR_PASS;

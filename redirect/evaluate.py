@@ -318,16 +318,25 @@ def _raw(ip: str) -> bytes:
 _OWN_NEXT, _OWN_PASS, _OWN_INBOUND = 0, 1, 2
 
 
-def _owner_rules(ranges: tuple[IdRange, ...], ident: int, out_lo: bool, hairpin: bool, lo_return: bool) -> int:
-    for lo, hi in ranges:
-        inside = lo <= ident <= hi
-        if out_lo and hairpin and inside:
-            return _OWN_INBOUND
-        if out_lo and lo_return and not inside:
-            return _OWN_PASS
-        if inside:
-            return _OWN_PASS
-    return _OWN_NEXT
+def _id_listed(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int) -> bool:
+    """``id_listed`` of bpf/policy.h: in the first range, else in the kind's ``cidrs`` entries."""
+    if n == 0:
+        return False
+    if first[0] <= ident <= first[1]:
+        return True
+    return n > 1 and m.cidr_listed(kind, ident.to_bytes(4, "big").ljust(16, b"\0"), False)
+
+
+def _owner_rules(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int, out_lo: bool, hairpin: bool,
+                 lo_return: bool) -> int:
+    """``owner_rules`` of bpf/policy.h."""
+    if n == 0:
+        return _OWN_NEXT
+    if out_lo and lo_return:
+        return _OWN_INBOUND if first[0] <= ident <= first[1] and hairpin else _OWN_PASS
+    if not _id_listed(m, kind, first, n, ident):
+        return _OWN_NEXT
+    return _OWN_INBOUND if out_lo and hairpin else _OWN_PASS
 
 
 def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
@@ -343,15 +352,15 @@ def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, 
         return 0
     hairpin = tcp and not dst_is_lo_cidr and port != p.tunnel_port and not dns53
     lo_return = not p.incl_loopback and (not p.dns or (tcp and port != DNS_PORT))
-    own = _owner_rules(p.uids, conn.uid, out_lo, hairpin, lo_return)
+    own = _owner_rules(m, "uid", p.uid0, p.n_uids, conn.uid, out_lo, hairpin, lo_return)
     if own == _OWN_NEXT:
-        own = _owner_rules(p.gids, conn.gid, out_lo, hairpin, lo_return)
+        own = _owner_rules(m, "gid", p.gid0, p.n_gids, conn.gid, out_lo, hairpin, lo_return)
     if own == _OWN_INBOUND:
         return p.inbound_port
     if own == _OWN_PASS:
         return 0
     if p.groups_mode != "all":
-        inside = _owner_rules(p.groups, conn.gid, False, False, False) == _OWN_PASS
+        inside = _id_listed(m, "group", p.group0, p.n_groups, conn.gid)
         if inside == (p.groups_mode == "exclude"):
             return 0
     if dns53 and (p.dns_all or m.cidr_listed("dns6" if v6 else "dns4", addr, v6)):

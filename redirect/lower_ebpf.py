@@ -11,8 +11,8 @@ read them, and ``redirect.evaluate`` models what they do with them.
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
 of kind and netns cookie.
-Options the eBPF backend refuses (ambient mode, TPROXY, ``drop_invalid``, interfaces, more
-than 8 owner ranges, a gid hairpin unlike the uids') have no place here.
+Options the eBPF backend refuses (ambient mode, TPROXY, ``drop_invalid``, interfaces, a gid
+hairpin unlike the uids') have no place here.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .intent import GroupsMode, Intent
 
 PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
 CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
-                   "local4", "local6"]
+                   "local4", "local6", "uid", "gid", "group"]
 IdRange = tuple[int, int]
 #: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
 LocalAddr = tuple[int, str, int]
@@ -53,10 +53,15 @@ class EbpfPolicy:
     v6: bool
     #: The IPv4 loopback range never captured (``ipv4_loopback_cidr``).
     loopback4: str
-    uids: tuple[IdRange, ...]
-    gids: tuple[IdRange, ...]
+    #: Per owner kind (proxy uids, proxy gids, owner groups): the first range and how many there
+    #: are; the others are ``cidrs`` entries of kind ``uid``/``gid``/``group`` (any number).
+    uid0: IdRange
+    n_uids: int
+    gid0: IdRange
+    n_gids: int
     groups_mode: GroupsMode
-    groups: tuple[IdRange, ...]
+    group0: IdRange
+    n_groups: int
 
 
 @dataclass(frozen=True)
@@ -65,12 +70,22 @@ class EbpfEntries:
 
     policy: EbpfPolicy
     ports: tuple[tuple[PortKind, int], ...]
-    #: (prefix length of the CIDR, kind, its network address as 16 bytes, IPv4 in the first 4).
+    #: (prefix length of the CIDR, kind, its network address as 16 bytes, IPv4 in the first 4);
+    #: an owner id range past its kind's first as prefix blocks of the 32-bit id (network order).
     cidrs: tuple[tuple[int, CidrKind, bytes], ...]
 
 
 def _range(i: IdSpec) -> IdRange:
     return (i, i) if isinstance(i, int) else i
+
+
+def _id_blocks(ranges: Iterable[IdRange], kind: CidrKind) -> list[tuple[int, CidrKind, bytes]]:
+    """Owner id ranges as LPM prefix blocks of the id, big-endian in the first 4 bytes."""
+    out: list[tuple[int, CidrKind, bytes]] = []
+    for lo, hi in ranges:
+        for net in ipaddress.summarize_address_range(ipaddress.IPv4Address(lo), ipaddress.IPv4Address(hi)):
+            out.append((net.prefixlen, kind, net.network_address.packed.ljust(16, b"\0")))
+    return out
 
 
 def _cidr_spec(cidr: str, kind4: CidrKind, kind6: CidrKind) -> tuple[int, CidrKind, bytes]:
@@ -87,13 +102,16 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
     if it.owners_of("gid") and it.hairpin_exclude_of("gid") != it.hairpin_exclude_of("uid"):
         raise ValueError(f"eBPF lowering: the proxy gids' hairpin leaves {it.hairpin_exclude_of('gid')} alone, "
                          f"the uids' {it.hairpin_exclude_of('uid')}: the programs treat both alike")
+    uids = [_range(i) for i in it.owners_of("uid")]
+    gids = [_range(i) for i in it.owners_of("gid")]
+    groups = [_range(g) for g in it.groups]
     policy = EbpfPolicy(
         proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
         out_all=it.outbound_all, dns=it.dns, dns_all=it.dns_all, incl_loopback=it.include_has_loopback,
         inbound=it.inbound, inbound_all=it.inbound and it.inbound_all, v6=6 in families,
         loopback4=it.loopback_of(4),
-        uids=tuple(_range(i) for i in it.owners_of("uid")), gids=tuple(_range(i) for i in it.owners_of("gid")),
-        groups_mode=it.groups_mode, groups=tuple(_range(g) for g in it.groups),
+        uid0=uids[0] if uids else (0, 0), n_uids=len(uids), gid0=gids[0] if gids else (0, 0), n_gids=len(gids),
+        groups_mode=it.groups_mode, group0=groups[0] if groups else (0, 0), n_groups=len(groups),
     )
     ports: dict[tuple[PortKind, int], None] = {}
     for p in it.outbound_exclude_ports:
@@ -119,6 +137,10 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
     add(it.outbound_exclude_cidrs, "out_exclude4", "out_exclude6")
     add(it.outbound_include_cidrs, "out_include4", "out_include6")
     add((c for _f, c in it.dns_servers), "dns4", "dns6")
+    owner_kinds: tuple[tuple[list[IdRange], CidrKind], ...] = ((uids, "uid"), (gids, "gid"), (groups, "group"))
+    for ranges, kind in owner_kinds:
+        for spec in _id_blocks(ranges[1:], kind):
+            cidrs[spec] = None
     return EbpfEntries(policy, tuple(ports), tuple(cidrs))
 
 

@@ -302,8 +302,7 @@ def test_unload_host_refuses_while_pods_exist(pod: Pod, setup_pod, bpf_root: str
 
 @pytest.mark.parametrize("kw", [
     {"inbound_interception": "TPROXY"}, {"drop_invalid": True}, {"exclude_interfaces": ("eth0",)},
-    {"reroute_interfaces": ("eth1",)}, {"mode": "ambient"}, {"proxy_uids": tuple(range(1, 10))},
-    {"owner_groups": tuple(range(1, 10))},
+    {"reroute_interfaces": ("eth1",)}, {"mode": "ambient"},
     {"gid_hairpin_skips_dns": False, "dns_capture": True, "capture_all_dns": True},
 ], ids=lambda kw: next(iter(kw)))
 def test_unsupported_options_raise_backend_unavailable(pod: Pod, bpf_root: str, kw: dict) -> None:

@@ -29,7 +29,8 @@ from redirect.plan import build_plan
 
 pytestmark = pytest.mark.noroot
 
-IDS = [0, 1000, 1337, (1300, 1400), (2000, 2001), 3000]
+IDS = [0, 1000, 1337, (1300, 1400), (2000, 2001), 3000, 1350, (2990, 3005), 4000, (5, 999), 65534,
+       (100000, 165535)]
 PORTS = [22, 53, 80, 443, 8080, 9090, 15001, 15006, 15008, 15021, 15053, 15090]
 CIDRS = ["10.0.0.0/8", "10.1.0.0/16", "10.1.2.0/23", "10.1.2.3/32", "10.1.2.4/31", "127.0.0.0/8", "127.0.0.1/32",
          "0.0.0.0/0", "172.16.0.0/12", "fd00::/8", "fc00::/7", "fd00:1::/64", "fd00:1::8/125", "fd00:1::9/128",
@@ -40,8 +41,8 @@ PEERS = ["10.1.2.4", "10.1.3.1", "10.2.0.1", "172.20.0.1", "172.32.0.1", "8.8.8.
          "fd00:2::9", "fe00::1", "2001:db8::1"]
 LOOPBACKS = ["127.0.0.1", "127.0.0.6", "127.1.0.1", "::1"]
 SERVERS = ["10.1.2.4", "10.96.0.10", "fd00:1::9"]
-UIDS = [0, 1000, 1337, 1350, 2000, 3000]
-GIDS = [0, 1000, 1337, 2000, 2001, 3000]
+UIDS = [0, 1000, 1337, 1350, 2000, 3000, 2995, 4000, 65534, 120000, 7]
+GIDS = [0, 1000, 1337, 2000, 2001, 3000, 2995, 4000, 65534, 165535, 7]
 
 
 def subsets(pool: list[Any], max_size: int = 3) -> st.SearchStrategy[tuple[Any, ...]]:
@@ -49,7 +50,8 @@ def subsets(pool: list[Any], max_size: int = 3) -> st.SearchStrategy[tuple[Any, 
 
 
 # Strategies are built once: hypothesis validates each new one, which costs more than an example.
-S_IDS, S_INBOUND = subsets(IDS), st.one_of(st.just("*"), subsets(PORTS, 4))
+# Owner ids: any number of them (past a kind's first range they are entries of the CIDR trie).
+S_IDS, S_INBOUND = subsets(IDS, 10), st.one_of(st.just("*"), subsets(PORTS, 4))
 S_IN_EXCLUDE = subsets([15090, 15021, 9090, 15008, 80])
 S_OUT = st.one_of(st.just("*"), subsets(CIDRS, 4))
 S_CIDRS, S_PORTS, S_SERVERS = subsets(CIDRS), subsets(PORTS), subsets(SERVERS)

@@ -249,6 +249,42 @@ def test_uid_range_is_not_captured(pod: Pod, backend: str) -> None:
         assert landing(pod.name, pod.peer_ip4, 8080, *L.values(), uid=1401).label == "proxy-out"
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_any_number_of_owner_ids_and_ranges(pod: Pod, backend: str, fam: int) -> None:
+    """Dozens of proxy uids, gids and owner groups (ids and ranges) act as one list each, as
+    iptables' one rule per entry does; the first uid alone hairpins over lo (the others' lo traffic
+    returns at its "! --uid-owner" rule)."""
+    uids = (PROXY_UID, *range(3000, 3019), (4000, 4099), 5000, (70000, 70999))
+    gids = (*range(6000, 6011), (7000, 7999))
+    groups = (*range(2000, 2009), (2100, 2355), 9000)
+    cfg = RedirectConfig(proxy_uids=uids, proxy_gids=gids, owner_groups=groups)
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.name, 15006, fam, "proxy-in"),
+        (pod.name, 7000, fam, "local-app"), (pod.peer_name, 8080, fam, "peer-app"),
+    ) as L:
+        assert redirect.check(pod.name, cfg, backend=backend).ok
+        peer = pod.peer_ip(fam)
+
+        def lands(uid: int, gid: int, ip: str = peer, port: int = 8080) -> str | None:
+            return landing(pod.name, ip, port, *L.values(), uid=uid, gid=gid).label
+
+        assert lands(APP_UID, 2008) == "proxy-out"  # the 9th owner group
+        assert lands(APP_UID, 2300) == "proxy-out"  # inside a group range
+        assert lands(APP_UID, 2356) == "peer-app"  # past it: not an owner group
+        assert lands(APP_UID, 9001) == "peer-app"
+        assert lands(3015, 2000) == "peer-app"  # the 17th proxy uid
+        assert lands(4050, 2000) == "peer-app"  # inside a uid range
+        assert lands(70999, 2000) == "peer-app"
+        assert lands(4100, 2000) == "proxy-out"
+        assert lands(APP_UID, 6010) == "peer-app"  # a proxy gid (the 11th)
+        assert lands(APP_UID, 7500) == "peer-app"
+        # Over lo to the pod's own address: the first proxy uid hairpins to inbound capture,
+        # the others return.
+        assert lands(PROXY_UID, PROXY_UID, pod.pod_ip(fam), 7000) == "proxy-in"
+        assert lands(3015, 2000, pod.pod_ip(fam), 7000) == "local-app"
+    assert not redirect.show(pod.name, backend=backend)["installed"]
+
+
 # --------------------------------------------------------------------------- inbound
 
 

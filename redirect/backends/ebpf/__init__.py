@@ -46,8 +46,7 @@ the option): ``mode="ambient"``; ``inbound_interception="TPROXY"`` (its mark and
 policy-route plumbing; inbound here keeps the original destination anyway);
 ``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
 ``reroute_interfaces`` (the socket hooks run before routing picks an output
-interface); more than 8 entries in ``proxy_uids``, ``proxy_gids``,
-``owner_groups`` or ``owner_groups_exclude`` (fixed-size policy entry).
+interface).
 
 The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it
@@ -71,7 +70,9 @@ How the iptables semantics are met without packets:
   (iptables: the pod address), so the proxy sees outbound connections come
   from ``127.0.0.1`` / ``::1``;
 - owner matches use the calling task's uid and primary gid, like iptables'
-  ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``;
+  ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids
+  and ranges: a kind's first range is in the policy entry, the others are
+  prefix blocks in the ``cidrs`` trie (a pod with one uid and one gid has none);
 - inbound: the proxy's inbound listener is put in a sockhash when it starts
   listening (``sock_ops`` ``TCP_LISTEN_CB``, also after a proxy restart), or by
   ``apply`` if it already listens. Until one exists, new inbound connections

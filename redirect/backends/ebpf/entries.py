@@ -14,13 +14,15 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from ...config import IdSpec, RedirectConfig
+from ...config import RedirectConfig
 from ...errors import BackendUnavailable
 from ...intent import Intent, intent_of
 from ...lower_ebpf import lower_ebpf, pod_local
 from .abi import (
     CIDR_DNS4,
     CIDR_DNS6,
+    CIDR_GID,
+    CIDR_GROUP,
     CIDR_KEY,
     CIDR_LOCAL4,
     CIDR_LOCAL6,
@@ -29,6 +31,7 @@ from .abi import (
     CIDR_OUT_INCL4,
     CIDR_OUT_INCL6,
     CIDR_PREFIX_BASE,
+    CIDR_UID,
     F_DNS,
     F_DNS_ALL,
     F_INBOUND,
@@ -41,7 +44,6 @@ from .abi import (
     GROUPS_ONLY,
     INV_CIDRS,
     INV_PORTS,
-    MAX_IDS,
     P_FLAGS,
     P_INV_BASE,
     P_N_INV,
@@ -71,17 +73,6 @@ def _unsupported(cfg: RedirectConfig) -> None:
         no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
     if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
         no("gid_hairpin_skips_dns=False", "the programs leave port 53 alone for proxy uids and gids alike")
-    for name in ("proxy_uids", "proxy_gids", "owner_groups", "owner_groups_exclude"):
-        if getattr(cfg, name) != "*" and len(getattr(cfg, name)) > MAX_IDS:
-            no(f"{name} with more than {MAX_IDS} entries", "fixed-size policy entry")
-
-
-def _ranges(ids: tuple[IdSpec, ...]) -> list[int]:
-    out: list[int] = []
-    for i in ids:
-        lo, hi = (i, i) if isinstance(i, int) else i
-        out += [lo, hi]
-    return out + [0] * (2 * MAX_IDS - len(out))
 
 
 def _addr16(ip: str) -> bytes:
@@ -124,7 +115,7 @@ _PORT_KIND = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_in
               "in_exclude": PORT_IN_EXCL}
 _CIDR_KIND = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
               "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
-              "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6}
+              "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6, "uid": CIDR_UID, "gid": CIDR_GID, "group": CIDR_GROUP}
 
 
 @functools.lru_cache(maxsize=256)
@@ -144,8 +135,8 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
     groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
         p.proxy_port, p.inbound_port, p.tunnel_port, p.dns_port, flags,
-        lo.network_address.packed, lo.netmask.packed, len(p.uids), len(p.gids), 0, 0,
-        *_ranges(p.uids), *_ranges(p.gids), groups_mode, len(p.groups), *_ranges(p.groups),
+        lo.network_address.packed, lo.netmask.packed, p.n_uids, p.n_gids, 0, 0,
+        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0,
     )
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
@@ -184,7 +175,8 @@ _PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-inclu
                PORT_IN_INCL: "inbound-include", PORT_IN_EXCL: "inbound-exclude"}
 _CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-include", CIDR_DNS4: "dns-server",
                CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
-               CIDR_LOCAL4: "local", CIDR_LOCAL6: "local"}
+               CIDR_LOCAL4: "local", CIDR_LOCAL6: "local", CIDR_UID: "proxy-uid", CIDR_GID: "proxy-gid",
+               CIDR_GROUP: "owner-group"}
 
 
 def _fmt_port(k: bytes) -> str:
@@ -195,6 +187,9 @@ def _fmt_port(k: bytes) -> str:
 def _fmt_cidr(k: bytes) -> str:
     plen, kind, _c, raw = CIDR_KEY.unpack(k)
     v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6)
+    if kind in (CIDR_UID, CIDR_GID, CIDR_GROUP):  # ids lo-hi of a prefix block
+        lo = int.from_bytes(raw[:4], "big")
+        return f"{_CIDR_KINDS[kind]} {lo}-{lo + (1 << (32 - (plen - 96))) - 1}"
     ip = ipaddress.ip_address(raw if v6 else raw[:4])
     return f"{_CIDR_KINDS.get(kind, kind)} {ip}/{plen - 96}"
 
@@ -206,17 +201,18 @@ def _fmt_policy(raw: bytes) -> str:
     on = [n for i, n in enumerate(names) if flags & (1 << i)]
     f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
 
-    def ids(name: str, n: str) -> str:
+    def ids(name: str, n: str) -> str:  # the first range, and how many more are in the trie
         i = POLICY_LAYOUT.index[name]
-        return _fmt_ids(v[i : i + 2 * MAX_IDS], f[n])
+        first = _fmt_ids(v[i : i + 2], min(f[n], 1))
+        return first + (f"(+{f[n] - 1})" if f[n] > 1 else "")
 
     groups = f["groups_mode"]
     return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
             f" dns_port={f['dns_port']} flags={'+'.join(on) or '-'}"
             f" loopback={socket.inet_ntoa(f['lo4_addr'])}/{socket.inet_ntoa(f['lo4_mask'])}"
-            f" uids={ids('uids', 'n_uids')} gids={ids('gids', 'n_gids')}"
+            f" uids={ids('uid0', 'n_uids')} gids={ids('gid0', 'n_gids')}"
             + ("" if groups == GROUPS_ALL else
-               f" {'owner_groups' if groups == GROUPS_ONLY else 'owner_groups_exclude'}={ids('groups', 'n_groups')}"))
+               f" {'owner_groups' if groups == GROUPS_ONLY else 'owner_groups_exclude'}={ids('group0', 'n_groups')}"))
 
 
 def _fmt_ids(flat: tuple[int, ...], n: int) -> str:
