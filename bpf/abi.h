@@ -23,6 +23,7 @@
 #define RDR_F_INBOUND 0x10       /* inbound capture on */
 #define RDR_F_INBOUND_ALL 0x20   /* inbound_ports == "*" */
 #define RDR_F_V6 0x40            /* IPv6 is captured too */
+#define RDR_F_TPROXY 0x80        /* inbound_interception = TPROXY (see outbound_target) */
 
 /* pod_policy.groups_mode: owner_groups / owner_groups_exclude */
 #define RDR_GROUPS_ALL 0     /* owner_groups = "*" */
@@ -76,6 +77,7 @@ struct pod_policy {
 	__u32 groups_mode; /* RDR_GROUPS_* */
 	__u32 n_groups; /* the first is group0, the others RDR_CIDR_GROUP entries */
 	struct id_range group0;
+	__u32 tproxy_mark; /* with RDR_F_TPROXY: a socket with this mark is the proxy's to the app */
 };
 
 struct port_key {

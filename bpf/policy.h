@@ -120,16 +120,28 @@ static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const 
 	}
 }
 
+/* Whether an inbound TCP connection to port is captured (Istio's INBOUND chain). */
+static __always_inline int inbound_captured(const struct pod_policy *p, __u64 netns, __u16 port)
+{
+	if (!(p->flags & RDR_F_INBOUND))
+		return 0;
+	if (port == p->tunnel_port || port == p->inbound_port)
+		return 0;
+	if (p->flags & RDR_F_INBOUND_ALL)
+		return !port_listed(netns, RDR_PORT_IN_EXCL, port);
+	return port_listed(netns, RDR_PORT_IN_INCL, port);
+}
+
 #define RDR_PASS 0
 
 /* Where a new outbound connection/datagram goes: RDR_PASS or the local port
- * to rewrite it to, in Istio's rule order over the entries of the eBPF
- * lowering (redirect/lower_ebpf.py). redirect/evaluate.py models this
+ * to rewrite it to, by Istio's nat OUTPUT rules in their order over the
+ * entries of the eBPF lowering (redirect/lower_ebpf.py); outbound_target
+ * below adds TPROXY's mangle ones. redirect/evaluate.py models this
  * (evaluate_ebpf), and the property test tests/test_lowerings.py checks that
  * it lands every drawn connection where the netfilter lowering does. */
-static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
-					     const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr,
-					     int src_passthrough)
+static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
+					const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr, int src_passthrough)
 {
 	int dns = (p->flags & RDR_F_DNS) != 0;
 	int dns53 = dns && port == RDR_DNS_PORT;
@@ -177,6 +189,34 @@ static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 n
 	if (cidr_listed(netns, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, addr, v6))
 		return p->proxy_port;
 	return RDR_PASS;
+}
+
+/* Where a new outbound connection/datagram goes (the nat rules above), and in
+ * TPROXY mode the mangle ones after them (plan.py, "proxy uid to app over lo"
+ * and the INBOUND chain): the proxy's TCP over lo to a non-loopback address
+ * that nat left alone (its hairpin skips DNS and the tunnel port, an excluded
+ * port returns, a uid past the first returns with the app's lo traffic) is
+ * marked and meets inbound capture as it comes back in over lo; a socket
+ * carrying the TPROXY mark (the proxy's connection to the app) is not. Here it
+ * is rewritten to the inbound port at connect, as the hairpin is (its listener
+ * then sees 127.0.0.1/::1 as the local address and reads the original
+ * destination with SO_ORIGINAL_DST, where TPROXY leaves it as the local
+ * address). */
+static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
+					     const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr,
+					     int src_passthrough, __u32 mark)
+{
+	__u16 to = nat_target(p, netns, tcp, port, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough);
+	__u64 ug;
+
+	if (to != RDR_PASS || !(p->flags & RDR_F_TPROXY) || !tcp || !out_lo || dst_is_lo_cidr || src_passthrough ||
+	    mark == p->tproxy_mark)
+		return to;
+	ug = bpf_get_current_uid_gid();
+	if (!id_listed(netns, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug) &&
+	    !id_listed(netns, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32)))
+		return RDR_PASS;
+	return inbound_captured(p, netns, port) ? p->inbound_port : RDR_PASS;
 }
 
 #endif

@@ -12,17 +12,6 @@
 
 #define LOOPBACK_IFINDEX 1 /* lo is ifindex 1 in every netns */
 
-static __always_inline int inbound_captured(const struct pod_policy *p, __u64 netns, __u16 port)
-{
-	if (!(p->flags & RDR_F_INBOUND))
-		return 0;
-	if (port == p->tunnel_port || port == p->inbound_port)
-		return 0;
-	if (p->flags & RDR_F_INBOUND_ALL)
-		return !port_listed(netns, RDR_PORT_IN_EXCL, port);
-	return port_listed(netns, RDR_PORT_IN_INCL, port);
-}
-
 /* The pod to itself (the app to its own address, the proxy to the app) is
  * not captured, like iptables' PREROUTING never saw it. ingress_ifindex does
  * not say lo for these (the route to a local address keeps the address's

@@ -343,6 +343,19 @@ def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, 
                      src_passthrough: bool) -> int:
     """``outbound_target`` of bpf/policy.h: 0 (pass) or the local port to rewrite to."""
     p = m.policy
+    to = _nat_target(m, conn, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough)
+    if to or not p.tproxy or conn.proto != "tcp" or not out_lo or dst_is_lo_cidr or src_passthrough \
+            or conn.mark == p.tproxy_mark:
+        return to
+    if not (_id_listed(m, "uid", p.uid0, p.n_uids, conn.uid) or _id_listed(m, "gid", p.gid0, p.n_gids, conn.gid)):
+        return 0
+    return p.inbound_port if _inbound_captured(m, conn.port) else 0
+
+
+def _nat_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
+                src_passthrough: bool) -> int:
+    """``nat_target`` of bpf/policy.h."""
+    p = m.policy
     tcp = conn.proto == "tcp"
     port = conn.port
     dns53 = p.dns and port == DNS_PORT

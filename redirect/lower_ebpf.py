@@ -11,8 +11,8 @@ read them, and ``redirect.evaluate`` models what they do with them.
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
 of kind and netns cookie.
-Options the eBPF backend refuses (ambient mode, TPROXY, ``drop_invalid``, interfaces, a gid
-hairpin unlike the uids') have no place here.
+Options the eBPF backend refuses (ambient mode, ``drop_invalid``, interfaces, a gid hairpin
+unlike the uids') have no place here.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class EbpfPolicy:
     groups_mode: GroupsMode
     group0: IdRange
     n_groups: int
+    #: ``inbound_interception="TPROXY"``: the proxy's lo traffic that nat leaves alone meets inbound
+    #: capture (but from a socket with ``tproxy_mark``).
+    tproxy: bool
+    tproxy_mark: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
         loopback4=it.loopback_of(4),
         uid0=uids[0] if uids else (0, 0), n_uids=len(uids), gid0=gids[0] if gids else (0, 0), n_gids=len(gids),
         groups_mode=it.groups_mode, group0=groups[0] if groups else (0, 0), n_groups=len(groups),
+        tproxy=it.interception == "TPROXY", tproxy_mark=it.tproxy_mark if it.interception == "TPROXY" else 0,
     )
     ports: dict[tuple[PortKind, int], None] = {}
     for p in it.outbound_exclude_ports:

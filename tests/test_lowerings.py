@@ -62,6 +62,7 @@ S_PROTO, S_PORT = st.sampled_from(["tcp", "tcp", "udp"]), st.sampled_from(PORTS)
 S_UID, S_GID = st.sampled_from(UIDS), st.sampled_from(GIDS)
 S_PICK = st.integers(0, 2**16)
 S_QUARTER, S_TENTH = st.integers(0, 3), st.integers(0, 9)
+S_INTERCEPTION = st.sampled_from(["REDIRECT", "TPROXY"])
 
 
 @st.composite
@@ -83,6 +84,7 @@ def configs(draw: st.DrawFn) -> RedirectConfig:
         # An ambient option: sidecar capture ignores it on every backend.
         "bypass_inbound_capture": draw(st.booleans()),
         "gid_hairpin_skips_dns": draw(st.booleans()),
+        "inbound_interception": draw(S_INTERCEPTION),
     }
     if not kw["proxy_uids"] and not kw["proxy_gids"]:
         kw["proxy_uids"] = (1337,)
@@ -146,6 +148,11 @@ def conns(draw: st.DrawFn, pod: PodNet) -> Conn:
 
 
 def normalized(conn: Conn, landing: Landing) -> Landing:
+    # TPROXY and sk_lookup both hand the connection to the proxy's inbound listener with the original
+    # destination as its local address (which REDIRECT's SO_ORIGINAL_DST also names: the kernel
+    # tests check both).
+    if landing[0] == "tproxy":
+        landing = ("redirect", landing[1])
     # Inbound REDIRECT to the port a connection already has changes nothing its receiver sees.
     if conn.direction == "in" and landing == ("redirect", conn.port):
         return DIRECT

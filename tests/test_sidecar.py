@@ -125,7 +125,6 @@ def snapshot(ns: str, backend: str) -> str:
 
 #: What the eBPF backend can't do (README, "eBPF"): its setup raises BackendUnavailable naming the option.
 EBPF_UNSUPPORTED = {
-    "inbound_interception": RedirectConfig(inbound_interception="TPROXY"),
     "exclude_interfaces": RedirectConfig(exclude_interfaces=("eth0",)),
     "reroute_interfaces": RedirectConfig(reroute_interfaces=("eth0",)),
     "drop_invalid": RedirectConfig(drop_invalid=True),
@@ -326,9 +325,7 @@ def test_bypass_inbound_capture_is_an_ambient_option_a_sidecar_still_captures_in
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend: str, fam: int) -> None:
-    if unsupported_here(pod, backend, "inbound_interception"):
-        return
-    cfg = RedirectConfig(inbound_interception="TPROXY")
+    cfg = RedirectConfig(inbound_interception="TPROXY", outbound_exclude_ports=(8001,))
     with installed(pod, cfg, backend), contextlib.ExitStack() as st:
         proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
         app = st.enter_context(TcpListener(pod.name, 8000, family=fam, label="pod-app"))
@@ -338,6 +335,23 @@ def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend
         # Excluded ports still go straight to the app.
         with TcpListener(pod.name, 15021, family=fam, label="health") as health:
             assert landing(pod.peer_name, pod.pod_ip(fam), 15021, proxy, health).label == "health"
+        # The tunnel port is never captured.
+        with TcpListener(pod.name, 15008, family=fam, label="tunnel") as tunnel:
+            assert landing(pod.peer_name, pod.pod_ip(fam), 15008, proxy, tunnel).label == "tunnel"
+        # The proxy's inbound passthrough (from 127.0.0.6 / ::6) reaches the app; unbound, its
+        # connection to its own pod's address goes to inbound capture (the hairpin).
+        six = "127.0.0.6" if fam == 4 else "::6"
+        assert landing(pod.name, pod.pod_ip(fam), 8000, proxy, app, uid=PROXY_UID, src=six).label == "pod-app"
+        assert landing(pod.name, pod.pod_ip(fam), 8000, proxy, app, uid=PROXY_UID).label == "proxy-in"
+        # TPROXY's mangle rules take the proxy's lo traffic that nat leaves alone (here an excluded
+        # outbound port) to the proxy as well; a socket with the TPROXY mark (the proxy's own
+        # connection to the app) reaches the app. (The proxy's gid with uid 0: setting the mark
+        # needs root.)
+        app2 = st.enter_context(TcpListener(pod.name, 8001, family=fam, label="pod-app-8001"))
+        proxy_gid = {"uid": 0, "gid": PROXY_UID}
+        assert landing(pod.name, pod.pod_ip(fam), 8001, proxy, app2, **proxy_gid).label == "proxy-in"
+        assert landing(pod.name, pod.pod_ip(fam), 8001, proxy, app2, mark=1337, **proxy_gid).label == "pod-app-8001"
+        assert landing(pod.name, pod.pod_ip(fam), 8001, proxy, app2, uid=APP_UID).label == "pod-app-8001"
     assert redirect.check(pod.name, cfg, backend=backend).ok is False  # torn down: nothing matches
 
 
@@ -488,7 +502,7 @@ def test_failure_half_way_leaves_the_namespace_as_it_was(
     redirect.setup(pod.name, RedirectConfig(outbound_exclude_ports=(22,)), backend=backend)
     before_rules, before_routes = snapshot(pod.name, backend), routing_state(pod.name)
     monkeypatch.setenv("REDIRECT_FAULT", point)
-    # A config that changes everything (eBPF: TPROXY is unsupported, so other entries and ports).
+    # A config that changes everything (eBPF: TPROXY changes none of its entries, so other ports).
     new = RedirectConfig(inbound_interception="TPROXY") if backend != "ebpf" else RedirectConfig(
         inbound_ports=(8000,), outbound_ports=(9000,), outbound_exclude_cidrs=("10.0.0.0/8",), dns_capture=True)
     with pytest.raises(redirect.SetupError, match="injected fault"):
@@ -511,16 +525,11 @@ def test_failed_first_setup_leaves_nothing(pod: Pod, monkeypatch: pytest.MonkeyP
 
 def test_teardown_restores_routes_and_addresses(pod: Pod, backend: str) -> None:
     before = routing_state(pod.name)
-    if unsupported_here(pod, backend, "inbound_interception"):
-        # No policy routes without TPROXY; the ::6 address for the proxy's passthrough still comes and goes.
-        redirect.setup(pod.name, None, backend=backend)
-        assert "::6" in routing_state(pod.name)
-        redirect.teardown(pod.name, backend=backend)
-        assert routing_state(pod.name) == before
-        return
     redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend=backend)
     during = routing_state(pod.name)
-    assert "lookup 133" in during and "::6" in during
+    # eBPF delivers by socket (sk_lookup): no marks, so no policy routes; the ::6 address for the
+    # proxy's passthrough still comes and goes.
+    assert ("lookup 133" in during) == (backend != "ebpf") and "::6" in during
     redirect.teardown(pod.name, backend=backend)
     assert routing_state(pod.name) == before
 

@@ -42,9 +42,7 @@ property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
-the option): ``mode="ambient"``; ``inbound_interception="TPROXY"`` (its mark and
-policy-route plumbing; inbound here keeps the original destination anyway);
-``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
+the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
 ``reroute_interfaces`` (the socket hooks run before routing picks an output
 interface).
 
@@ -69,6 +67,11 @@ How the iptables semantics are met without packets:
   UDP), as through NAT; its socket's *local* address is loopback, though
   (iptables: the pod address), so the proxy sees outbound connections come
   from ``127.0.0.1`` / ``::1``;
+- ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
+  the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
+  port at connect (``bpf/policy.h: outbound_target``); no marks or policy
+  routes, so a proxy connecting to the app from the client's address gets no
+  replies (README);
 - owner matches use the calling task's uid and primary gid, like iptables'
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids
   and ranges: a kind's first range is in the policy entry, the others are

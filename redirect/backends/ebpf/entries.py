@@ -38,6 +38,7 @@ from .abi import (
     F_INBOUND_ALL,
     F_INCL_LOOPBACK,
     F_OUT_ALL,
+    F_TPROXY,
     F_V6,
     GROUPS_ALL,
     GROUPS_EXCLUDE,
@@ -63,8 +64,6 @@ def _unsupported(cfg: RedirectConfig) -> None:
 
     if cfg.mode != "sidecar":
         no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
-    if cfg.inbound_interception == "TPROXY":
-        no("inbound_interception='TPROXY'", "mark and policy-route plumbing; inbound keeps the original dst anyway")
     if cfg.drop_invalid:
         no("drop_invalid=True", "needs conntrack")
     if cfg.exclude_interfaces:
@@ -130,13 +129,13 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
     p = e.policy
     flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
                                      (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
-                                     (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6)) if on)
+                                     (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6), (p.tproxy, F_TPROXY)) if on)
     lo = ipaddress.ip_network(p.loopback4)
     groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
         p.proxy_port, p.inbound_port, p.tunnel_port, p.dns_port, flags,
         lo.network_address.packed, lo.netmask.packed, p.n_uids, p.n_gids, 0, 0,
-        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0,
+        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0, p.tproxy_mark,
     )
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
@@ -197,7 +196,7 @@ def _fmt_cidr(k: bytes) -> str:
 def _fmt_policy(raw: bytes) -> str:
     v = POLICY.unpack(raw)
     flags = v[P_FLAGS]
-    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6"]
+    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6", "tproxy"]
     on = [n for i, n in enumerate(names) if flags & (1 << i)]
     f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
 
