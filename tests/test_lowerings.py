@@ -151,6 +151,8 @@ def normalized(conn: Conn, landing: Landing) -> Landing:
     # TPROXY and sk_lookup both hand the connection to the proxy's inbound listener with the original
     # destination as its local address (which REDIRECT's SO_ORIGINAL_DST also names: the kernel
     # tests check both).
+    if landing == ("tproxy", conn.port):  # to the port it has: the same socket, the same local address
+        return DIRECT
     if landing[0] == "tproxy":
         landing = ("redirect", landing[1])
     # Inbound REDIRECT to the port a connection already has changes nothing its receiver sees.
