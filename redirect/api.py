@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from . import netns as _netns
-from .backends import KINDS, ebpf_root, get_backend, kind_of
+from .backends import KINDS, choose_auto, ebpf_root, get_backend, kind_of
 from .backends.base import CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
@@ -96,11 +96,15 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     in first, then the old one is removed). Serialized per netns with other threads and
     processes (``redirect.locks.netns_lock``). The host's network namespace (the initial one,
     pid 1's, or the caller's own) is refused with ``HostNetnsError`` unless
-    ``allow_host_netns``.
+    ``allow_host_netns``. ``backend="auto"``: eBPF when this host allows it and it supports every
+    option of the config, else nftables, else iptables (``backends.choose_auto``; logged, and
+    ``Installed.backend`` names it).
     """
     cfg = _config(config)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
+    if backend == "auto":
+        backend = choose_auto(cfg)
     res = fresh = _setup_fresh(backend, cfg, netns, name)
     if res is None:
         res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns, name, allow_host_netns)

@@ -74,7 +74,12 @@ def _env(raw: object) -> dict[str, str]:
 
 def warm_up(backend: str) -> None:
     """Pay the first pod's one-off costs before a pod waits for them: with the eBPF backend the host
-    programs are compiled, loaded and attached (once per node, about a second); else nothing."""
+    programs are compiled, loaded and attached (once per node, about a second); else nothing.
+    ``auto`` warms eBPF up when it would choose eBPF for the default config."""
+    if backend == "auto":
+        from ..backends import choose_auto
+
+        backend = choose_auto(None)
     if backend != "ebpf":
         return
     from ..backends import ebpf

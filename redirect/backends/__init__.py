@@ -16,7 +16,7 @@ from ..errors import BackendUnavailable
 
 log = logging.getLogger("redirect.backends")
 
-BACKENDS = ("iptables", "iptables-legacy", "iptables-nft", "nftables", "auto")
+BACKENDS = ("iptables", "iptables-legacy", "iptables-nft", "nftables", "ebpf", "auto")
 #: Every kind of capture a netns may hold (a netns holds one: ``redirect.setup`` replaces another).
 KINDS = ("iptables", "nftables", "ebpf")
 #: The eBPF backend's pin root unless ``REDIRECT_BPF_ROOT`` names another.
@@ -31,6 +31,30 @@ def ebpf_root() -> str:
 def kind_of(backend_name: str) -> str:
     """The kind of capture a backend installs: ``iptables`` (either variant), ``nftables``, ``ebpf``."""
     return "iptables" if backend_name.startswith("iptables") else backend_name
+
+
+def choose_auto(cfg: RedirectConfig | None) -> str:
+    """The backend ``auto`` stands for with ``cfg`` here (logged with the reason): ``ebpf`` when
+    the kernel, bcc, bpffs and cgroup v2 allow it and the backend supports every option of
+    ``cfg``; else ``nftables`` when libnftables imports and the kernel takes an inet nat table;
+    else ``iptables``. (Probed once per process; with no ``cfg`` only the host decides.)"""
+    try:
+        from . import ebpf
+    except ImportError as e:  # the native module or bcc's bindings missing
+        why: str | None = f"ebpf: {e}"
+    else:
+        why = ebpf.refusal(cfg if cfg is not None else RedirectConfig())
+    if why is None:
+        log.info("backend=auto: chose ebpf (the kernel allows it and it supports every option of the config)")
+        return "ebpf"
+    from .nftables import probe
+
+    ok, nft_why = probe()
+    if ok:
+        log.info("backend=auto: chose nftables, not ebpf (%s)", why)
+        return "nftables"
+    log.info("backend=auto: chose iptables, not ebpf (%s), not nftables (%s)", why, nft_why)
+    return "iptables"
 
 
 def get_backend(name: str, cfg: RedirectConfig | None) -> Any:
@@ -51,18 +75,7 @@ def get_backend(name: str, cfg: RedirectConfig | None) -> Any:
             raise BackendUnavailable(f"backend='nftables': {why}")
         return NftablesBackend()
     if name == "auto":
-        # nftables when libnftables imports and the kernel takes an inet nat table
-        # (probed once per process), else iptables.
-        from .nftables import NftablesBackend, probe
-
-        ok, why = probe()
-        if ok:
-            log.info("backend=auto: chose nftables")
-            return NftablesBackend()
-        from .iptables import IptablesBackend
-
-        log.info("backend=auto: chose iptables (%s)", why)
-        return IptablesBackend()
+        return get_backend(choose_auto(cfg), cfg)
     if name == "ebpf":
         from .ebpf import EbpfBackend
 

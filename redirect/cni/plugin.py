@@ -28,9 +28,10 @@ Commands
              recorded, a node proxy connected), else 104 (103 if the agent can't be reached).
 ``STATUS``   the backend's tools (and, for ambient with an agent, its socket) exist.
 ``GC``       netfilter backends: nothing to collect (all our state lives in pod namespaces and
-             dies with them). ``backend: "ebpf"``: removes the host map entries of pods whose
-             netns went without a DEL (``redirect.backends.ebpf.collect_garbage``); a DEL whose
-             namespace is already gone does the same.
+             dies with them). ``backend: "ebpf"`` (or ``"auto"``, eBPF pinned): removes the host
+             map entries of pods whose netns went without a DEL
+             (``redirect.backends.ebpf.collect_garbage``); a DEL whose namespace is already gone
+             does the same.
 ``VERSION``  ``{"cniVersion", "supportedVersions"}``.
 
 Config (one entry of the conflist's ``plugins``)::
@@ -597,8 +598,11 @@ def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
 def _collect_ebpf_garbage(pc: PluginConf, log: Any) -> None:
     """With the eBPF backend, a pod's entries live in host maps keyed by its netns cookie: drop
     those of namespaces that are gone (the kernel detaches a dead netns's link asynchronously,
-    so a pod whose netns has only just gone may be collected by a later DEL or GC)."""
-    if pc.backend != "ebpf":
+    so a pod whose netns has only just gone may be collected by a later DEL or GC). With
+    ``backend: "auto"`` pods may be on eBPF: collected whenever its host programs are pinned."""
+    from ..backends import ebpf_root
+
+    if pc.backend != "ebpf" and not (pc.backend == "auto" and os.path.isdir(ebpf_root())):
         return
     from ..backends import ebpf
     from ..errors import RedirectError
@@ -689,7 +693,7 @@ def run(env: Mapping[str, str], stdin: bytes,
             cmd_check(pc, env, log)
         elif command == "STATUS":
             cmd_status(pc, env, log)
-        elif pc.backend == "ebpf":
+        elif pc.backend in ("ebpf", "auto"):
             _collect_ebpf_garbage(pc, log)
         else:  # GC: our state lives only inside pod namespaces
             log.info("GC: nothing to collect")

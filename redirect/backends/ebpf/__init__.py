@@ -91,7 +91,8 @@ How the iptables semantics are met without packets:
 
 from __future__ import annotations
 
-from ...errors import RedirectError
+from ...config import RedirectConfig
+from ...errors import BackendUnavailable, RedirectError
 from .abi import (
     AF,
     CIDR_KEY,
@@ -117,11 +118,13 @@ from .host import (
     DEFAULT_CGROUP,
     DEFAULT_ROOT,
     HostPrograms,
+    _cgroup,
     _cgroup_progs,
     _pods_in,
     _root,
     _unpin_all,
     build_id,
+    host_refusal,
     missing_pins,
     probe_kernel,
 )
@@ -129,9 +132,24 @@ from .lifetime import collect_garbage, force_unload_host, host, registered_pods,
 from .pods import _pod_link, read_pod
 from .syscalls import _link_target, _native, current_netns_cookie, link_info, obj_get, prog_id
 
+
+def refusal(cfg: RedirectConfig) -> str | None:
+    """Why ``backend="auto"`` would not choose eBPF for ``cfg`` here (None: it would): what this
+    host lacks, else the first option of ``cfg`` the backend refuses."""
+    why = host_refusal(_root(None), _cgroup(None))
+    if why is not None:
+        return why
+    try:
+        _unsupported(cfg)
+    except BackendUnavailable as e:
+        return str(e)
+    return None
+
+
 __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_host", "registered_pods",
-           "probe_kernel", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id", "missing_pins",
-           "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF", "CIDR_KEY",
+           "probe_kernel", "refusal", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id",
+           "missing_pins", "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF",
+           "CIDR_KEY",
            "CIDR_LOCAL4", "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
            "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "_policy_core",
            "_unsupported", "_cgroup_progs", "_pods_in", "_root", "_unpin_all", "_pod_link", "_link_target",

@@ -390,6 +390,24 @@ def probe_kernel() -> None:
         raise BackendUnavailable(f"ebpf: bcc's Python module is missing ({e}): install python3-bpfcc") from None
 
 
+@functools.lru_cache(maxsize=4)
+def host_refusal(root: str, cgroup: str) -> str | None:
+    """Why this host can't run the backend with pins under ``root`` (None: it can): the kernel,
+    bcc, bpffs (mounted where the pins go, or ``/sys/fs/bpf`` there to mount) and cgroup v2.
+    Asked once per process."""
+    try:
+        probe_kernel()
+    except BackendUnavailable as e:
+        return str(e)
+    parent = os.path.dirname(root.rstrip("/"))
+    if not (_is_bpffs(parent if os.path.exists(parent) else root)
+            or (root.startswith("/sys/fs/bpf/") and os.path.isdir("/sys/fs/bpf"))):
+        return f"ebpf: no bpffs for the pins under {root}"
+    if not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
+        return f"ebpf: cgroup v2 not mounted at {cgroup} (set REDIRECT_BPF_CGROUP)"
+    return None
+
+
 def _load_and_pin(root: str, cgroup: str) -> None:
     probe_kernel()
     from bcc import BPF
