@@ -8,6 +8,7 @@ destination.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from collections.abc import Iterator
 
@@ -374,10 +375,33 @@ def test_switching_backend_moves_capture_without_doubling(
         assert hit.label == "proxy-in" and hit.local == (pod.pod_ip(fam), 8080)
 
 
-def test_auto_picks_nftables_here(pod: Pod) -> None:
-    res = redirect.setup(pod.name, RedirectConfig(), backend="auto")
-    assert res.backend == "nftables"
-    assert redirect.teardown(pod.name, backend="auto")
+@pytest.mark.parametrize("cfg, want, why", [
+    (RedirectConfig(), "ebpf", None),
+    (RedirectConfig(inbound_interception="TPROXY", proxy_uids=tuple(range(3000, 3020))), "ebpf", None),
+    (RedirectConfig(drop_invalid=True), "nftables", "drop_invalid=True is not available with eBPF"),
+    (RedirectConfig(mode="ambient"), "nftables", "mode='ambient' is not available with eBPF"),
+], ids=["default", "tproxy-many-uids", "drop-invalid", "ambient"])
+def test_auto_prefers_ebpf_else_nftables_and_says_why(pod: Pod, ebpf_root: str, caplog: pytest.LogCaptureFixture,
+                                                     cfg: RedirectConfig, want: str, why: str | None) -> None:
+    """``auto``: eBPF when this host allows it and it supports every option of the config; else
+    nftables (the kernel here takes an inet nat table), with eBPF's refusal in the log."""
+    caplog.set_level(logging.INFO, logger="redirect.backends")
+    res = redirect.setup(pod.name, cfg, backend="auto")
+    try:
+        assert res.backend == want
+        assert redirect.show(pod.name)["backend"] == want
+        msg = [r.getMessage() for r in caplog.records if "backend=auto" in r.getMessage()]
+        assert msg and msg[-1].startswith(f"backend=auto: chose {want}"), msg
+        if why is not None:
+            assert why in msg[-1], msg
+        if cfg.mode == "sidecar":  # captured: the app's outbound lands on the proxy
+            with TcpListener(pod.name, 15001, label="proxy-out") as proxy, \
+                    TcpListener(pod.peer_name, 8080, label="peer") as peer:
+                assert landing(pod.name, pod.peer_ip4, 8080, proxy, peer, uid=1000).label == "proxy-out"
+        assert redirect.check(pod.name, cfg, backend="auto").ok
+    finally:
+        assert redirect.teardown(pod.name, backend="auto")
+    assert not redirect.show(pod.name)["installed"]
 
 
 @pytest.mark.parametrize("cfg", [

@@ -327,6 +327,7 @@ def test_bypass_inbound_capture_is_an_ambient_option_a_sidecar_still_captures_in
 def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend: str, fam: int) -> None:
     cfg = RedirectConfig(inbound_interception="TPROXY", outbound_exclude_ports=(8001,))
     with installed(pod, cfg, backend), contextlib.ExitStack() as st:
+        assert redirect.check(pod.name, cfg, backend=backend).ok
         proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
         app = st.enter_context(TcpListener(pod.name, 8000, family=fam, label="pod-app"))
         hit = landing(pod.peer_name, pod.pod_ip(fam), 8000, proxy, app)
@@ -353,6 +354,20 @@ def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend
         assert landing(pod.name, pod.pod_ip(fam), 8001, proxy, app2, mark=1337, **proxy_gid).label == "pod-app-8001"
         assert landing(pod.name, pod.pod_ip(fam), 8001, proxy, app2, uid=APP_UID).label == "pod-app-8001"
     assert redirect.check(pod.name, cfg, backend=backend).ok is False  # torn down: nothing matches
+
+
+def test_tproxy_switch_to_ebpf_leaves_no_policy_route(pod: Pod, ebpf_root: str) -> None:
+    """eBPF sets no marks, so a switch from netfilter TPROXY capture removes its policy routes."""
+    before = routing_state(pod.name)
+    cfg = RedirectConfig(inbound_interception="TPROXY")
+    redirect.setup(pod.name, cfg, backend="nftables")
+    assert "lookup 133" in routing_state(pod.name)
+    res = redirect.setup(pod.name, cfg, backend="ebpf")
+    assert res.backend == "ebpf" and res.changed
+    assert "lookup 133" not in routing_state(pod.name)
+    assert redirect.check(pod.name, cfg).ok
+    redirect.teardown(pod.name)
+    assert routing_state(pod.name) == before
 
 
 def test_excluded_interface_is_not_captured(pod_with_extra_iface: Pod, backend: str) -> None:

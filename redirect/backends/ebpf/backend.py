@@ -70,6 +70,9 @@ class EbpfBackend:
     """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
 
     name = "ebpf"
+    #: Delivery is by socket (sk_lookup, connect rewrites): no marks, so no policy routes, even for
+    #: TPROXY (``redirect.api`` drops the plan's).
+    uses_policy_routes = False
 
     def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
         #: The config (``render`` refuses what this backend cannot do; it lowers the plan's intent).
