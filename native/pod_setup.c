@@ -35,6 +35,7 @@
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <stdlib.h>
@@ -52,15 +53,10 @@
 
 #define MAX_ITEMS 256 /* entries of one pod on this path; more go the general way */
 
-struct item {
-	int map;     /* RDR_INV_* */
-	int size;    /* key size */
-	uint8_t key[RDR_INV_KEY_MAX];
-};
-
+/* A key written by rdr_ebpf_pod_write, for its undo. */
 struct written {
 	int fd;
-	uint8_t key[RDR_INV_KEY_MAX];
+	const void *key;
 };
 
 /* --- netlink ------------------------------------------------------------- */
@@ -243,21 +239,20 @@ static void local_key(struct cidr_key *k, uint64_t cookie, int family, const uin
 	memcpy(k->addr, addr, 16);
 }
 
-static int has_item(const struct item *it, int n, const struct item *x)
+static int has_item(const struct rdr_pod_entry *it, int n, const struct rdr_pod_entry *x)
 {
 	for (int i = 0; i < n; i++)
-		if (it[i].map == x->map && memcmp(it[i].key, x->key, (size_t)x->size) == 0)
+		if (it[i].map == x->map && memcmp(it[i].key, x->key, sizeof(x->key)) == 0)
 			return 1;
 	return 0;
 }
 
-static int add_item(struct item *it, int *n, int map, int size, const void *key)
+static int add_item(struct rdr_pod_entry *it, int *n, int map, int size, const void *key)
 {
-	struct item x;
+	struct rdr_pod_entry x;
 
 	memset(&x, 0, sizeof(x));
-	x.map = map;
-	x.size = size;
+	x.map = (uint32_t)map;
 	memcpy(x.key, key, (size_t)size);
 	if (has_item(it, *n, &x))
 		return 0;
@@ -407,14 +402,30 @@ static int lock_byte(int fd, uint64_t off, short type)
 }
 
 /* REDIRECT_FAULT (fault injection for the tests, as redirect.backends.base.fault_point reads
- * it): 1 after the address, before the entries; 2 before the policy; 0 none. */
+ * it): 1 after the address, before the entries; 2 before the policy; 0 none; negative with
+ * ":kill" appended (SIGKILL there). */
 static int fault_at(void)
 {
+	static const char *const names[] = {"ebpf.before_entries", "ebpf.before_policy"};
 	const char *f = getenv("REDIRECT_FAULT");
 
 	if (f == NULL)
 		return 0;
-	return strcmp(f, "ebpf.before_entries") == 0 ? 1 : strcmp(f, "ebpf.before_policy") == 0 ? 2 : 0;
+	for (int i = 0; i < 2; i++) {
+		size_t n = strlen(names[i]);
+
+		if (strncmp(f, names[i], n) == 0 && (f[n] == 0 || strcmp(f + n, ":kill") == 0))
+			return f[n] ? -(i + 1) : i + 1;
+	}
+	return 0;
+}
+
+/* Is fault point `here` (1, 2) the one asked for (at: fault_at())? A ":kill" one kills. */
+static int fault_here(int at, int here)
+{
+	if (at == -here)
+		kill(getpid(), SIGKILL);
+	return at == here;
 }
 
 static uint64_t now_ns(void)
@@ -425,16 +436,144 @@ static uint64_t now_ns(void)
 	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* Inside the pod netns (netns_fd), with the lock held. fail_at: see fault_at(). */
-static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netns_fd, int fail_at)
+/* The eBPF backend's one writer of a pod's entries (redirect_native.h). */
+int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 {
-	struct item items[MAX_ITEMS];
-	struct written done[MAX_ITEMS + MAX_ITEMS / RDR_INV_CHUNK + 1];
+	uint32_t n = w->n_entries, nchunks = (n + RDR_INV_CHUNK - 1) / RDR_INV_CHUNK;
+	struct written *done = malloc(((size_t)n + nchunks + 1) * sizeof(*done));
+	struct inv_key *iks = malloc(((size_t)nchunks + 1) * sizeof(*iks));
+	struct listener_key lks[2];
+	struct pod_policy policy;
+	uint8_t cookie_v[8], one = 1;
+	int nd = 0, ret = 0, link = -1, pinned = 0, at = fault_at();
+
+	if (done == NULL || iks == NULL) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	memcpy(cookie_v, &w->cookie, 8);
+	memset(lks, 0, sizeof(lks));
+	for (int f = 0; f < 2; f++) {
+		lks[f].netns = w->cookie;
+		lks[f].family = f ? AF_INET6 : AF_INET;
+	}
+	if (fault_here(at, 1)) {
+		ret = RDR_POD_FAULT;
+		goto undo;
+	}
+	for (uint32_t c = 0; c < nchunks; c++) {
+		struct inv_val v;
+
+		memset(&v, 0, sizeof(v));
+		for (uint32_t j = 0; j < RDR_INV_CHUNK && c * RDR_INV_CHUNK + j < n; j++) {
+			v.map[j] = w->entries[c * RDR_INV_CHUNK + j].map;
+			memcpy(v.key[j], w->entries[c * RDR_INV_CHUNK + j].key, RDR_INV_KEY_MAX);
+		}
+		memset(&iks[c], 0, sizeof(iks[c]));
+		iks[c].netns = w->cookie;
+		iks[c].idx = w->inv_base + c;
+		ret = rdr_bpf_map_update(w->map_inventory, &iks[c], &v, w->update_flags);
+		if (ret < 0)
+			goto undo;
+		done[nd].fd = w->map_inventory;
+		done[nd++].key = &iks[c];
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		const struct rdr_pod_entry *e = &w->entries[i];
+		int mfd = e->map == RDR_INV_PORTS ? w->map_ports : w->map_cidrs;
+
+		if (e->have)
+			continue;
+		ret = rdr_bpf_map_update(mfd, e->key, &one, w->update_flags);
+		if (ret < 0)
+			goto undo;
+		done[nd].fd = mfd;
+		done[nd++].key = e->key;
+	}
+	/* Listeners already open; the sock_ops program adds those opened later. */
+	for (int f = 0; f < 2; f++) {
+		uint64_t sfd = (uint64_t)w->listener_fd[f];
+
+		if (w->listener_fd[f] < 0)
+			continue;
+		ret = rdr_bpf_map_update(w->map_listeners, &lks[f], &sfd, BPF_ANY);
+		if (ret < 0)
+			goto undo;
+	}
+	if (w->link_netns >= 0) {
+		int prog = rdr_ebpf_lookup_prog(w->map_lookup_netns, w->map_lookup_prog, w->cookie);
+
+		if (prog < 0) {
+			ret = prog;
+			goto undo;
+		}
+		link = rdr_bpf_link_create(prog, w->link_netns, BPF_SK_LOOKUP, 0);
+		close(prog); /* the link holds it */
+		if (link < 0) {
+			ret = link;
+			goto undo;
+		}
+		/* Relative to the open pin dir where the kernel can (6.5), else by the whole path. */
+		ret = w->pin_dir_fd >= 0 && w->pin_name ? rdr_bpf_obj_pin_at(link, w->pin_dir_fd, w->pin_name) : -EINVAL;
+		if (ret == -EINVAL)
+			ret = rdr_bpf_obj_pin(link, w->pin);
+		if (ret < 0)
+			goto undo;
+		pinned = 1;
+	}
+	if (fault_here(at, 2)) {
+		ret = RDR_POD_FAULT;
+		goto undo;
+	}
+	policy = *w->policy;
+	policy.inv_base = w->inv_base;
+	policy.n_inv = n;
+	ret = rdr_bpf_map_update(w->map_pods, cookie_v, &policy, w->update_flags);
+	if (ret < 0)
+		goto undo;
+	if (link >= 0)
+		close(link);
+	/* The previous config's leftovers, now that the new policy is live. */
+	for (uint32_t i = 0; i < w->n_stale; i++)
+		rdr_bpf_map_delete(w->stale[i].map == RDR_INV_PORTS ? w->map_ports : w->map_cidrs, w->stale[i].key);
+	for (uint32_t i = 0; i < w->n_old_inv; i++)
+		rdr_bpf_map_delete(w->map_inventory, &w->old_inv[i]);
+	if (w->drop_listeners)
+		for (int f = 0; f < 2; f++)
+			rdr_bpf_map_delete(w->map_listeners, &lks[f]);
+	ret = 0;
+	goto out;
+
+undo:
+	if (link >= 0) {
+		rdr_bpf_link_detach(link);
+		if (pinned)
+			unlink(w->pin);
+		close(link);
+	}
+	while (nd > 0) {
+		nd--;
+		rdr_bpf_map_delete(done[nd].fd, done[nd].key);
+	}
+	if (w->new_pod)
+		for (int f = 0; f < 2; f++)
+			rdr_bpf_map_delete(w->map_listeners, &lks[f]);
+out:
+	free(done);
+	free(iks);
+	return ret;
+}
+
+/* Inside the pod netns (netns_fd), with the lock held. */
+static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netns_fd)
+{
+	struct rdr_pod_entry items[MAX_ITEMS];
+	struct rdr_pod_write w;
 	struct scan sc;
 	char pin[4096];
 	struct pod_policy policy;
-	uint8_t cookie_v[8], one = 1;
-	int s, ret, n = 0, nd = 0, set, prog, link = -1, pinned = 0, addr_added = 0, pin_name, want_v6_lo;
+	uint8_t cookie_v[8];
+	int s, ret, n = 0, set, addr_added = 0, pin_name, want_v6_lo;
 	uint32_t seq = 1;
 
 	memset(&sc, 0, sizeof(sc));
@@ -515,80 +654,32 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto undo;
 		addr_added = ret == 0;
 	}
-	if (fail_at == 1) {
-		ret = RDR_POD_FAULT;
+	memset(&w, 0, sizeof(w));
+	w.map_pods = r->map_pods;
+	w.map_inventory = r->map_inventory;
+	w.map_ports = r->map_ports;
+	w.map_cidrs = r->map_cidrs;
+	w.map_listeners = -1; /* a fresh pod has no listener: none is written */
+	w.map_lookup_netns = r->map_lookup_netns;
+	w.map_lookup_prog = r->map_lookup_prog;
+	w.cookie = sc.cookie;
+	w.entries = items;
+	w.n_entries = (uint32_t)n;
+	w.inv_base = 0; /* a fresh pod's inventory starts there */
+	w.listener_fd[0] = w.listener_fd[1] = -1;
+	w.link_netns = netns_fd;
+	w.pin = pin;
+	w.pin_dir_fd = r->pin_dir_fd;
+	w.pin_name = pin + pin_name;
+	w.policy = r->policy[set];
+	w.update_flags = BPF_NOEXIST;
+	ret = rdr_ebpf_pod_write(&w);
+	if (ret != 0)
 		goto undo;
-	}
-	for (int c = 0; c < n; c += RDR_INV_CHUNK) {
-		struct inv_val v;
-		struct inv_key ik;
-
-		memset(&v, 0, sizeof(v));
-		for (int j = 0; j < RDR_INV_CHUNK && c + j < n; j++) {
-			v.map[j] = (uint32_t)items[c + j].map;
-			memcpy(v.key[j], items[c + j].key, (size_t)items[c + j].size);
-		}
-		memset(&ik, 0, sizeof(ik));
-		ik.netns = sc.cookie;
-		ik.idx = (uint32_t)(c / RDR_INV_CHUNK); /* base 0: a fresh pod's inventory starts there */
-		ret = rdr_bpf_map_update(r->map_inventory, &ik, &v, BPF_NOEXIST);
-		if (ret < 0)
-			goto undo;
-		done[nd].fd = r->map_inventory;
-		memcpy(done[nd++].key, &ik, sizeof(ik));
-	}
-	for (int i = 0; i < n; i++) {
-		int mfd = items[i].map == RDR_INV_PORTS ? r->map_ports : r->map_cidrs;
-
-		ret = rdr_bpf_map_update(mfd, items[i].key, &one, BPF_NOEXIST);
-		if (ret < 0)
-			goto undo;
-		done[nd].fd = mfd;
-		memcpy(done[nd++].key, items[i].key, (size_t)items[i].size);
-	}
-	prog = rdr_ebpf_lookup_prog(r->map_lookup_netns, r->map_lookup_prog, sc.cookie);
-	if (prog < 0) {
-		ret = prog;
-		goto undo;
-	}
-	link = rdr_bpf_link_create(prog, netns_fd, BPF_SK_LOOKUP, 0);
-	close(prog); /* the link holds it */
-	if (link < 0) {
-		ret = link;
-		goto undo;
-	}
-	/* Relative to the open pin dir where the kernel can (6.5), else by the whole path. */
-	ret = r->pin_dir_fd >= 0 ? rdr_bpf_obj_pin_at(link, r->pin_dir_fd, pin + pin_name) : -EINVAL;
-	if (ret == -EINVAL)
-		ret = rdr_bpf_obj_pin(link, pin);
-	if (ret < 0)
-		goto undo;
-	pinned = 1;
-	if (fail_at == 2) {
-		ret = RDR_POD_FAULT;
-		goto undo;
-	}
-	policy = *r->policy[set];
-	policy.inv_base = 0;
-	policy.n_inv = (uint32_t)n;
-	ret = rdr_bpf_map_update(r->map_pods, cookie_v, &policy, BPF_NOEXIST);
-	if (ret < 0)
-		goto undo;
-	close(link);
 	close(s);
 	return 0;
 
 undo:
-	if (link >= 0) {
-		rdr_bpf_link_detach(link);
-		if (pinned)
-			unlink(pin);
-		close(link);
-	}
-	while (nd > 0) {
-		nd--;
-		rdr_bpf_map_delete(done[nd].fd, done[nd].key);
-	}
 	if (addr_added)
 		v6_lo_addr(s, 0, 0, 0, seq++);
 	close(s);
@@ -647,7 +738,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		ret = RDR_POD_SLOW;
 		close(home);
 	} else {
-		ret = pod_add(r, c, nsfd, fault_at());
+		ret = pod_add(r, c, nsfd);
 		/* Coming back can only fail if the kernel is out of memory. */
 		if (setns(home, CLONE_NEWNET) < 0)
 			ret = RDR_POD_STRANDED;

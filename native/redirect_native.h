@@ -87,6 +87,52 @@ int rdr_bpf_map_name(int map_fd, char *name);
 /* pidfd_getfd(2): a duplicate of another process's fd (needs ptrace rights). */
 int rdr_pidfd_getfd(int pidfd, int fd);
 
+/* --- one pod's entries written as a difference (pod_setup.c) ----------------- */
+
+/* One key of a pod in ports or cidrs (bpf/abi.h), as its inventory holds it. */
+struct rdr_pod_entry {
+	uint32_t map;                 /* RDR_INV_PORTS or RDR_INV_CIDRS */
+	uint32_t have;                /* already in its map (the pod's previous config has it): not
+				       * written, and not removed by an undo */
+	uint8_t key[RDR_INV_KEY_MAX]; /* the key, zero-padded */
+};
+
+/* What one pod is to have, and what of its previous state goes, on one set of host maps: the
+ * difference the eBPF backend writes, whoever computed it (the fresh-pod call below, for a pod
+ * with nothing yet; EbpfBackend.apply for any other). */
+struct rdr_pod_write {
+	int map_pods, map_inventory, map_ports, map_cidrs, map_listeners;
+	int map_lookup_netns, map_lookup_prog;
+	uint64_t cookie;
+	const struct rdr_pod_entry *entries; /* every key the pod is to have, in inventory order */
+	uint32_t n_entries;
+	uint32_t inv_base;            /* its inventory goes to idx inv_base.. (never the old one's) */
+	int listener_fd[2];           /* the proxy's inbound listeners already open, IPv4, IPv6; -1: none */
+	int link_netns;               /* >= 0: make the pod's sk_lookup link on this netns, pinned at pin */
+	const char *pin;
+	int pin_dir_fd;               /* pin's directory, open (O_PATH), and pin's name in it (pin_name):
+				       * the pin is made relative to it where the kernel can; or -1 */
+	const char *pin_name;
+	const struct pod_policy *policy; /* its inventory fields are set here; written last: it
+					  * switches capture on (or over to the new config) */
+	uint64_t update_flags;        /* BPF_NOEXIST: nothing may be there yet (a leftover fails the call
+				       * with -EEXIST, everything undone); or BPF_ANY */
+	/* Once the policy is in, what the previous config had and this one has not: */
+	const struct rdr_pod_entry *stale;
+	uint32_t n_stale;
+	const struct inv_key *old_inv; /* the previous inventory's keys */
+	uint32_t n_old_inv;
+	int drop_listeners;           /* no inbound capture: the listener entries go too */
+	int new_pod;                  /* the pod had no policy: an undo removes its listener entries too */
+};
+
+/* Write w: the inventory, the new keys, the listeners, the link, then the policy; then delete the
+ * stale keys and the old inventory. A failure before the policy is in undoes everything written,
+ * in reverse (listener entries only for a new pod: an existing one's were there before). REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it
+ * there (with ":kill" appended: SIGKILL, as a crash would). 0, RDR_POD_FAULT (undone), or -errno
+ * (undone). */
+int rdr_ebpf_pod_write(const struct rdr_pod_write *w);
+
 /* --- the eBPF backend's setup of a fresh pod (pod_setup.c) ----------------- */
 
 #define RDR_POD_SLOW 1     /* not a fresh pod (or can't tell): nothing changed, take the general path */

@@ -15,23 +15,18 @@ from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
 from ...intent import Intent, intent_of
 from ...plan import LocalAddress, Plan
-from ..base import CheckResult, Installed, fault_point
+from ..base import CheckResult, Installed
 from .abi import (
     AF,
     CIDR_KEY,
     CIDR_LOCAL4,
     CIDR_LOCAL6,
-    INV_CHUNK,
     INV_CIDRS,
-    INV_KEY,
-    INV_KEY_MAX,
     INV_MAPS,
     INV_PORTS,
-    INV_VAL,
     LISTENER_KEY,
     P_INV_BASE,
     POLICY,
-    U8,
     U64,
 )
 from .entries import (
@@ -40,7 +35,6 @@ from .entries import (
     _fmt_port,
     _policy_core,
     _unsupported,
-    _with_inventory,
     intent_entries,
     pod_entries,
 )
@@ -60,8 +54,8 @@ from .podnet import (
     proxy_listeners,
     scan_netns,
 )
-from .pods import _link_prog_cookie, _lookup_prog_cookie, _pod_link, _pod_lookup_link, _remove_pod, read_pod
-from .syscalls import Map, _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, obj_pin, prog_id
+from .pods import _link_prog_cookie, _lookup_prog_cookie, _pod_link, _remove_pod, read_pod, write_pod
+from .syscalls import _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, prog_id
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -151,79 +145,35 @@ class EbpfBackend:
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
         )
-        inv = h.maps["inventory"]
-        with listeners_cm as lfds:
-            written: list[tuple[Map, bytes]] = []
-            created_link = False
-            added: list[LocalAddress] = []
-            try:
-                from ... import routes as rt
+        from ... import routes as rt
 
+        with listeners_cm as lfds:
+            added: list[LocalAddress] = []
+            own_fd = None
+            try:
                 for la in add_addrs:
                     _add_address(la)
                     added.append(la)
-                fault_point("ebpf.before_entries")
-                items = [(m, k) for m, keys in want.by_map().items() for k in sorted(keys)]
-                n = len(items)
-                for c in range(0, n, INV_CHUNK):
-                    chunk = items[c : c + INV_CHUNK]
-                    maps_ = [m for m, _ in chunk] + [0] * (INV_CHUNK - len(chunk))
-                    ik = INV_KEY.pack(cookie, base + c // INV_CHUNK, 0)
-                    inv.update(ik, INV_VAL.pack(*maps_, b"".join(k.ljust(INV_KEY_MAX, b"\0") for _, k in chunk)))
-                    written.append((inv, ik))
-                for m, k in items:
-                    if k not in old.entries[m]:
-                        target = h.maps[INV_MAPS[m]]
-                        target.update(k, U8.pack(1))
-                        written.append((target, k))
-                # Listeners already open; the sock_ops program adds those opened later.
-                for fam, lfd in lfds.items():
-                    h.maps["listeners"].update(LISTENER_KEY.pack(cookie, AF[fam], 0), U64.pack(lfd))
+                link_netns = -1
                 if not have_link:
                     if pinned_target is not None:
                         _detach_pinned(link_path)  # a detached, foreign or unreadable one
                     nsfd = _netns.current_fd()  # the fd redirect.setup entered the netns with
-                    own_fd = nsfd is None
                     if nsfd is None:
-                        nsfd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        lfd = _pod_lookup_link(h, cookie, nsfd)
-                    finally:
-                        if own_fd:
-                            os.close(nsfd)
-                    try:
-                        obj_pin(lfd, link_path)
-                        created_link = True
-                    finally:
-                        os.close(lfd)
-                fault_point("ebpf.before_policy")
-                # The policy entry goes last: it is what switches capture on (or to the new config).
-                h.pods.update(U64.pack(cookie), _with_inventory(want.policy, base, n))
+                        nsfd = own_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                    link_netns = nsfd
+                # The difference, in one native call that undoes itself on failure.
+                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path)
             except BaseException as e:
-                for mp, k in reversed(written):
-                    with contextlib.suppress(OSError):
-                        mp.delete(k)
-                if created_link:
-                    _detach_pinned(link_path)
                 for la in added:
                     with contextlib.suppress(OSError, RedirectError):
                         rt.remove_address(la)
-                if old.policy is None:
-                    for fam in (4, 6):
-                        with contextlib.suppress(OSError):
-                            h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
                 if isinstance(e, OSError):
                     raise SetupError(f"ebpf: setup failed and was undone: {e}") from e
                 raise
-        # Stale entries of the previous config, now that the new policy is live.
-        for m, had in old.entries.items():
-            for k in had - want.by_map()[m]:
-                h.maps[INV_MAPS[m]].delete(k)
-        for ik in old.inv_keys:
-            inv.delete(ik)
-        if not inbound:
-            for fam in (4, 6):
-                h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+            finally:
+                if own_fd is not None:
+                    os.close(own_fd)
         for ours in dropping:
             rt.remove_address(ours)
         d = _general_detail(h, cookie, t0, t_host, link_path)

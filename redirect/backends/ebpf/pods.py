@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ...errors import SetupError
 from .abi import (
     AF,
     INV_CHUNK,
@@ -29,6 +30,7 @@ from .abi import (
 from .syscalls import _check, _detach_pinned, _native, _pinned_link_info, link_create
 
 if TYPE_CHECKING:
+    from .entries import PodEntries
     from .host import HostPrograms
 
 
@@ -129,3 +131,49 @@ def _remove_pod(h: HostPrograms, cookie: int) -> bool:
         _detach_pinned(link)
         removed = True
     return bool(removed)
+
+
+def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, base: int, listeners: dict[int, int],
+              link_netns: int, link_path: str) -> None:
+    """Make the pod ``cookie`` have ``want`` where it has ``old``, in one native call
+    (``rdr_ebpf_pod_write``, native/pod_setup.c: the fresh-pod call writes through it too): the
+    inventory at ``base``, the keys ``old`` lacks, the proxy's ``listeners`` (family -> fd), the
+    pod's sk_lookup link on ``link_netns`` pinned at ``link_path`` (-1: it has one), the policy
+    last; then what only ``old`` has goes. A failure undoes it all: ``SetupError``."""
+    nat = _native()
+    ffi, lib = nat.ffi, nat.lib
+    by_map = want.by_map()
+    items = [(m, k) for m, keys in by_map.items() for k in sorted(keys)]
+    stale = [(m, k) for m, had in old.entries.items() for k in sorted(had - by_map[m])]
+
+    def entries(pairs: list[tuple[int, bytes]], have: dict[int, set[bytes]] | None) -> Any:
+        out = ffi.new("struct rdr_pod_entry[]", max(len(pairs), 1))
+        for i, (m, k) in enumerate(pairs):
+            out[i].map = m
+            out[i].have = have is not None and k in have[m]
+            ffi.memmove(out[i].key, k, len(k))
+        return out
+
+    ents, gone = entries(items, old.entries), entries(stale, None)
+    old_inv = ffi.new("struct inv_key[]", max(len(old.inv_keys), 1))
+    for i, ik in enumerate(old.inv_keys):
+        ffi.memmove(ffi.addressof(old_inv, i), ik, len(ik))
+    policy = ffi.new("struct pod_policy *")
+    ffi.memmove(policy, want.policy, len(want.policy))
+    pin = ffi.new("char[]", link_path.encode())
+    w = ffi.new("struct rdr_pod_write *")
+    m = h.maps
+    w.map_pods, w.map_inventory, w.map_ports, w.map_cidrs = (m[n].fd for n in ("pods", "inventory", "ports", "cidrs"))
+    w.map_listeners, w.map_lookup_netns, w.map_lookup_prog = (m[n].fd for n in ("listeners", "lookup_netns",
+                                                                                 "lookup_prog"))
+    w.cookie, w.entries, w.n_entries, w.inv_base = cookie, ents, len(items), base
+    w.listener_fd[0], w.listener_fd[1] = listeners.get(4, -1), listeners.get(6, -1)
+    w.link_netns, w.pin, w.pin_dir_fd, w.pin_name = link_netns, pin, -1, ffi.NULL
+    w.policy, w.update_flags = policy, 0  # BPF_ANY: a new config replaces the old one's entries
+    w.stale, w.n_stale, w.old_inv, w.n_old_inv = gone, len(stale), old_inv, len(old.inv_keys)
+    w.drop_listeners, w.new_pod = not want.inbound, old.policy is None
+    rc = lib.rdr_ebpf_pod_write(w)
+    if rc == lib.RDR_POD_FAULT:
+        raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
+    if rc < 0:
+        raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
