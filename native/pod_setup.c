@@ -61,19 +61,6 @@ struct written {
 
 /* --- netlink ------------------------------------------------------------- */
 
-struct scan {
-	uint64_t cookie;
-	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
-	int v6_lo_there;  /* ::6 is on lo already */
-	int own_v6;       /* an IPv6 address of the pod's own: not ::1, ::6 or link-local */
-	int n;            /* addresses below: loopback and IPv6 link-local aside */
-	struct {
-		int family;   /* 4 or 6 */
-		int ifindex;
-		uint8_t addr[16];
-	} a[64];
-};
-
 static const uint8_t V6_PASSTHROUGH[16] = {[15] = 6};
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
@@ -96,7 +83,7 @@ static int nl_recv(int s, char *buf, size_t len)
  * recv offered (up to 32 KB), and a batch over 8 KB comes from the page allocator (~2 us cold
  * here, for the NLMSG_DONE alone); a first batch is at most a page less its overhead on 4 KB
  * pages. A batch that does not fit (many addresses, larger pages) sends the pod the general way. */
-static int scan_addresses(int s, struct scan *sc, uint32_t seq)
+static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 {
 	struct {
 		struct nlmsghdr h;
@@ -163,7 +150,7 @@ static int scan_addresses(int s, struct scan *sc, uint32_t seq)
 			} else {
 				continue;
 			}
-			if (sc->n == (int)(sizeof(sc->a) / sizeof(sc->a[0])))
+			if (sc->n == RDR_SCAN_MAX)
 				return -E2BIG;
 			sc->a[sc->n].family = ifa->ifa_family == AF_INET ? 4 : 6;
 			sc->a[sc->n].ifindex = (int)ifa->ifa_index;
@@ -173,6 +160,21 @@ static int scan_addresses(int s, struct scan *sc, uint32_t seq)
 		}
 	}
 	return -EPROTO;
+}
+
+int rdr_scan_netns(struct rdr_netns_scan *sc)
+{
+	int s, ret;
+
+	memset(sc, 0, sizeof(*sc));
+	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	if (s < 0)
+		return -errno;
+	ret = rdr_sock_netns_cookie(s, &sc->cookie);
+	if (ret >= 0)
+		ret = scan_addresses(s, sc, 1);
+	close(s);
+	return ret < 0 ? ret : 0;
 }
 
 /* RTM_NEWADDR / RTM_DELADDR of ::6/128 on lo, with our routing protocol; waits for the ack. */
@@ -270,12 +272,12 @@ static int add_item(struct rdr_pod_entry *it, int *n, int map, int size, const v
  * pod's addresses in sc? One exact sock_diag look-up each (the kernel's own listener look-up,
  * wildcard binds included), all in one message: 1 none does, 0 one does or can't tell. About
  * half the cost of a bind probe (a TCP socket made, bound and closed). */
-static int no_listener(uint16_t port, int v6, const struct scan *sc)
+static int no_listener(uint16_t port, int v6, const struct rdr_netns_scan *sc)
 {
 	struct {
 		struct nlmsghdr h;
 		struct inet_diag_req_v2 r;
-	} q[2 + sizeof(sc->a) / sizeof(sc->a[0])];
+	} q[2 + RDR_SCAN_MAX];
 	char buf[8192] __attribute__((aligned(8)));
 	int s, n = 0, got = 0, found = 0;
 
@@ -569,7 +571,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 {
 	struct rdr_pod_entry items[MAX_ITEMS];
 	struct rdr_pod_write w;
-	struct scan sc;
+	struct rdr_netns_scan sc;
 	char pin[4096];
 	struct pod_policy policy;
 	uint8_t cookie_v[8];

@@ -87,6 +87,29 @@ int rdr_bpf_map_name(int map_fd, char *name);
 /* pidfd_getfd(2): a duplicate of another process's fd (needs ptrace rights). */
 int rdr_pidfd_getfd(int pidfd, int fd);
 
+/* --- what a pod's netns holds (pod_setup.c) ------------------------------------ */
+
+#define RDR_SCAN_MAX 256 /* addresses a scan holds; more: -E2BIG */
+
+struct rdr_scan_addr {
+	int family;   /* 4 or 6 */
+	int ifindex;
+	uint8_t addr[16]; /* IPv4 in the first 4 bytes */
+};
+
+/* The calling thread's netns as the eBPF backend's setup needs it, from one RTM_GETADDR dump. */
+struct rdr_netns_scan {
+	uint64_t cookie;  /* its netns cookie */
+	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
+	int v6_lo_there;  /* ::6 is on lo already */
+	int own_v6;       /* an IPv6 address of the pod's own: not ::1, ::6 or link-local */
+	int n;            /* addresses below: loopback and IPv6 link-local aside */
+	struct rdr_scan_addr a[RDR_SCAN_MAX];
+};
+
+/* Fill sc (zeroed here) for the calling thread's netns: 0 or -errno. */
+int rdr_scan_netns(struct rdr_netns_scan *sc);
+
 /* --- one pod's entries written as a difference (pod_setup.c) ----------------- */
 
 /* One key of a pod in ports or cidrs (bpf/abi.h), as its inventory holds it. */

@@ -23,7 +23,6 @@ from .syscalls import _check, _native
 if TYPE_CHECKING:
     from .host import HostPrograms
 
-_V6_LOOPBACK = bytes(15) + b"\1"
 LOOPBACK_IFINDEX = 1  # lo's index in every netns
 #: ``::6`` on lo as ``NetnsScan.local`` lists it.
 _V6_ON_LO = (6, INBOUND_PASSTHROUGH_V6.split("/")[0], LOOPBACK_IFINDEX)
@@ -46,31 +45,16 @@ class NetnsScan:
 
 
 def scan_netns() -> NetnsScan:
-    """``NetnsScan`` of the calling thread's netns: ~20 us, where the cookie socket, the IPv6
-    sysctl and the address listings it replaces cost ~70 us in a fresh netns (first /proc reads)."""
-    from ... import rtnl
-    from ...routes import own_ipv6
-
-    out: list[tuple[int, str, int]] = []
-    v6_on = own_v6 = False
-    with rtnl.open_socket() as s:
-        c = _native().ffi.new("uint64_t *")
-        _check(_native().lib.rdr_sock_netns_cookie(s.fileno(), c), "SO_NETNS_COOKIE")
-        msgs = rtnl.dump(rtnl.RTM_GETADDR, socket.AF_UNSPEC, sock=s)
-    for m in msgs:
-        raw = m.attrs.get(rtnl.IFA_LOCAL) or m.attrs.get(rtnl.IFA_ADDRESS)
-        if raw is None:
-            continue
-        index = m.fields[3]  # ifaddrmsg: prefixlen flags scope index
-        if m.family == socket.AF_INET and len(raw) == 4:
-            if raw[0] != 127:
-                out.append((4, socket.inet_ntoa(raw), index))
-        elif m.family == socket.AF_INET6 and len(raw) == 16:
-            v6_on = True
-            if raw != _V6_LOOPBACK and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
-                out.append((6, socket.inet_ntop(socket.AF_INET6, raw), index))
-                own_v6 = own_v6 or own_ipv6(raw)
-    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(c[0]), tuple(out), v6_on, own_v6)
+    """``NetnsScan`` of the calling thread's netns, from ``rdr_scan_netns`` (native/pod_setup.c: the
+    fresh-pod call scans with it too): its cookie and one address dump."""
+    nat = _native()
+    sc = nat.ffi.new("struct rdr_netns_scan *")
+    _check(nat.lib.rdr_scan_netns(sc), "scanning the netns (RTM_GETADDR)")
+    buf = nat.ffi.buffer
+    out = tuple((a.family, socket.inet_ntop(AF[a.family], buf(a.addr, 4 if a.family == 4 else 16)[:]), a.ifindex)
+                for a in sc.a[0 : sc.n])
+    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(sc.cookie), out, bool(sc.v6_on),
+                     bool(sc.own_v6))
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
