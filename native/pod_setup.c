@@ -272,7 +272,7 @@ static int add_item(struct rdr_pod_entry *it, int *n, int map, int size, const v
  * pod's addresses in sc? One exact sock_diag look-up each (the kernel's own listener look-up,
  * wildcard binds included), all in one message: 1 none does, 0 one does or can't tell. About
  * half the cost of a bind probe (a TCP socket made, bound and closed). */
-static int no_listener(uint16_t port, int v6, const struct rdr_netns_scan *sc)
+static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 {
 	struct {
 		struct nlmsghdr h;
@@ -284,7 +284,7 @@ static int no_listener(uint16_t port, int v6, const struct rdr_netns_scan *sc)
 	for (int i = -2; i < sc->n; i++) {
 		int fam = i == -2 ? 4 : i == -1 ? 6 : sc->a[i].family;
 
-		if (fam == 6 && !v6)
+		if (!(fams & (fam == 4 ? RDR_FAM4 : RDR_FAM6)))
 			continue;
 		memset(&q[n], 0, sizeof(q[0])); /* only what is sent: the stack lines are cold */
 		q[n].h.nlmsg_len = sizeof(q[0]);
@@ -361,18 +361,19 @@ int rdr_tcp_diag_ok(void)
 	return ok;
 }
 
-/* Is TCP `port` free in this netns for the families asked? 1 free, 0 held or can't tell. */
-static int port_free(uint16_t port, int v6)
+/* Is TCP `port` free in this netns for the families asked (RDR_FAM4, RDR_FAM6)? 1 free, 0 held
+ * or can't tell. */
+static int port_free(uint16_t port, int fams)
 {
 	union {
 		struct sockaddr sa;
 		struct sockaddr_in a4;
 		struct sockaddr_in6 a6;
 	} a;
-	int s, ok, off = 0;
+	int s, ok, v6only = fams == RDR_FAM6;
 
 	memset(&a, 0, sizeof(a));
-	if (v6) { /* one dual-stack bind: conflicts with IPv4 and IPv6 holders alike */
+	if (fams & RDR_FAM6) { /* both: one dual-stack bind, it conflicts with IPv4 and IPv6 holders alike */
 		a.a6.sin6_family = AF_INET6;
 		a.a6.sin6_port = htons(port);
 	} else {
@@ -382,10 +383,17 @@ static int port_free(uint16_t port, int v6)
 	s = socket(a.sa.sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (s < 0)
 		return 0;
-	ok = (!v6 || setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof(off)) == 0) &&
-	     bind(s, &a.sa, v6 ? sizeof(a.a6) : sizeof(a.a4)) == 0;
+	ok = (!(fams & RDR_FAM6) || setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof(v6only)) == 0) &&
+	     bind(s, &a.sa, (fams & RDR_FAM6) ? sizeof(a.a6) : sizeof(a.a4)) == 0;
 	close(s);
 	return ok;
+}
+
+int rdr_inbound_listener_maybe(uint16_t port, int fams, const struct rdr_netns_scan *sc, int tcp_diag)
+{
+	if (!fams)
+		return 0;
+	return tcp_diag ? !no_listener(port, fams, sc) : !port_free(port, fams);
 }
 
 /* An OFD lock (or unlock) of the byte at off: held by the open file description, so
@@ -645,7 +653,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	}
 	if (r->inbound_port) {
 		/* The proxy may already listen: the general path finds the listener and registers it. */
-		if (r->tcp_diag ? !no_listener(r->inbound_port, c->v6, &sc) : !port_free(r->inbound_port, c->v6))
+		if (rdr_inbound_listener_maybe(r->inbound_port, RDR_FAM4 | (c->v6 ? RDR_FAM6 : 0), &sc, r->tcp_diag))
 			goto slow;
 	}
 

@@ -110,6 +110,15 @@ struct rdr_netns_scan {
 /* Fill sc (zeroed here) for the calling thread's netns: 0 or -errno. */
 int rdr_scan_netns(struct rdr_netns_scan *sc);
 
+#define RDR_FAM4 1
+#define RDR_FAM6 2
+
+/* May a TCP listener take connections to `port` in the calling thread's netns, for the families
+ * fams (RDR_FAM4 | RDR_FAM6), at 127.0.0.1, ::1 or one of the addresses in sc? 1 it may (or can't
+ * tell), 0 none does (or no family asked). With tcp_diag (rdr_tcp_diag_ok()) exact sock_diag
+ * look-ups, else a bind probe of the port. */
+int rdr_inbound_listener_maybe(uint16_t port, int fams, const struct rdr_netns_scan *sc, int tcp_diag);
+
 /* --- one pod's entries written as a difference (pod_setup.c) ----------------- */
 
 /* One key of a pod in ports or cidrs (bpf/abi.h), as its inventory holds it. */

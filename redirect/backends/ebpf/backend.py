@@ -48,9 +48,9 @@ from .podnet import (
     _add_address,
     _our_addresses,
     _plan_addresses,
-    _port_bound,
     _remove_our_addresses,
     _unserved,
+    listener_maybe,
     proxy_listeners,
     scan_netns,
 )
@@ -134,7 +134,7 @@ class EbpfBackend:
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
-        scan = inbound and _port_bound(cfg.inbound_port, unserved)
+        scan = inbound and listener_maybe(sc, cfg.inbound_port, unserved)
         unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
                      and not dropping
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)

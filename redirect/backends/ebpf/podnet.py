@@ -12,13 +12,13 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ... import netns as _netns
 from ...plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from .abi import AF, LISTENER_KEY
-from .syscalls import _check, _native
+from .syscalls import _check, _native, _tcp_diag_ok
 
 if TYPE_CHECKING:
     from .host import HostPrograms
@@ -42,6 +42,8 @@ class NetnsScan:
     v6_on: bool
     #: It has an IPv6 address of its own (``routes.own_ipv6``): the plan's ``::6`` is wanted.
     own_v6: bool
+    #: The ``struct rdr_netns_scan`` it was read from (for ``listener_maybe``).
+    native: Any = field(default=None, compare=False, repr=False)
 
 
 def scan_netns() -> NetnsScan:
@@ -54,7 +56,7 @@ def scan_netns() -> NetnsScan:
     out = tuple((a.family, socket.inet_ntop(AF[a.family], buf(a.addr, 4 if a.family == 4 else 16)[:]), a.ifindex)
                 for a in sc.a[0 : sc.n])
     return NetnsScan(_netns.current_inode(), threading.get_ident(), int(sc.cookie), out, bool(sc.v6_on),
-                     bool(sc.own_v6))
+                     bool(sc.own_v6), sc)
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
@@ -63,31 +65,12 @@ def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[
     return tuple(f for f in families if f not in have and not (f == 4 and 6 in have))
 
 
-def _port_bound(port: int, families: tuple[int, ...]) -> bool:
-    """Whether any socket of this netns holds TCP ``port`` (a cheap superset of "someone listens
-    on it": a wildcard bind conflicts with every listener on the port). About 10 us a family,
-    against about 40 us for the sock_diag listener dump it saves on a pod's first setup.
-
-    Both families at once with one dual-stack bind (it conflicts with IPv4 and IPv6 holders
-    alike); only if that fails, family by family (an IPv6-off netns can't bind ``::``)."""
-    if set(families) == {4, 6}:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            try:
-                s.bind(("::", port))
-                return False
-            except OSError:
-                pass
-    for fam in families:
-        with socket.socket(AF[fam], socket.SOCK_STREAM) as s:
-            if fam == 6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(("0.0.0.0" if fam == 4 else "::", port))
-            except OSError as e:
-                if e.errno != errno.EADDRNOTAVAIL:  # IPv6 off: nothing listens there
-                    return True  # in use, or can't tell: let the listener dump decide
-    return False
+def listener_maybe(sc: NetnsScan, port: int, families: tuple[int, ...]) -> bool:
+    """Whether a TCP listener may take connections to ``port`` in the scanned netns, for
+    ``families`` (none: False): ``rdr_inbound_listener_maybe``, the fresh-pod call's own check."""
+    lib = _native().lib
+    fams = (lib.RDR_FAM4 if 4 in families else 0) | (lib.RDR_FAM6 if 6 in families else 0)
+    return bool(lib.rdr_inbound_listener_maybe(port, fams, sc.native, int(_tcp_diag_ok())))
 
 
 def _listener_inodes(port: int) -> dict[int, int]:
