@@ -1,21 +1,22 @@
-/* The eBPF backend's per-pod setup of a fresh pod, in one call.
+/* The eBPF backend's per-pod writing, and its setup of a fresh pod in one call.
  *
- * redirect/backends/ebpf/backend.py: EbpfBackend.apply is the general path (any pod,
- * any previous state). This is the same work for the common case, a pod that
- * has nothing of ours yet (a CNI ADD, a sidecar init): the Python path spends
- * about as long in the interpreter as in the kernel, and this spends ~nothing
- * there. When the pod is not fresh (a policy, something on the proxy's inbound
- * port) it returns RDR_POD_SLOW before changing anything; leftovers of an
- * earlier attempt (entries, a pinned link) are found by the writes themselves
- * (BPF_NOEXIST, EEXIST), which
- * are then undone before it returns RDR_POD_SLOW. Either way the pod is as it
- * was and the caller takes the general path.
+ * rdr_ebpf_pod_write is the one writer of a pod's entries: given what the pod is to have and
+ * what it has (its inventory), it writes the difference (the inventory, the new keys, listeners,
+ * the sk_lookup link with its own program holding the netns cookie, pinned at
+ * <pin_dir>/<cookie>-sk_lookup, and the policy last: it switches capture on), then deletes what
+ * only the old state had; a failure on the way undoes everything written, in reverse.
+ * redirect/backends/ebpf/backend.py: EbpfBackend.apply (any pod, any previous state) computes
+ * the difference in Python and calls it; rdr_ebpf_pod_add below does the common case, a pod that
+ * has nothing of ours yet (a CNI ADD, a sidecar init), all in C: the Python path spends about
+ * as long in the interpreter as in the kernel, and this spends ~nothing there. Both scan the
+ * netns with rdr_scan_netns and look for the proxy's listener with rdr_inbound_listener_maybe.
  *
- * What it writes, and in which order, is what apply writes: the plan's ::6 on
- * lo (when the pod has an IPv6 address of its own), the inventory, the
- * port and CIDR entries, the sk_lookup link (its own program, holding the netns cookie) pinned at
- * <pin_dir>/<cookie>-sk_lookup, and the policy last (it switches capture on).
- * A failure on the way undoes everything written, in reverse.
+ * When the pod is not fresh (a policy, something on the proxy's inbound port) rdr_ebpf_pod_add
+ * returns RDR_POD_SLOW before changing anything; leftovers of an earlier attempt (entries, a
+ * pinned link) are found by the writes themselves (BPF_NOEXIST, EEXIST), which are then undone
+ * before it returns RDR_POD_SLOW. Either way the pod is as it was and the caller takes the
+ * general path. Before the writer it adds the plan's ::6 on lo (when the pod has an IPv6
+ * address of its own), as apply does.
  *
  * Around that it does what redirect.setup's general path does in Python: opens
  * the netns, takes its lock (an OFD lock on the caller thread's own fd of the

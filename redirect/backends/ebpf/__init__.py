@@ -12,9 +12,11 @@ only on sockets whose netns cookie is a key of the ``pods`` map; for every
 other socket on the host they are a no-op.
 
 Per pod (``apply``, with the calling thread inside the pod netns, as
-``redirect.api`` does it; for a pod with nothing of ours yet, ``setup_fresh``
-does the same in one native call, ``native/pod_setup.c``, and backs off to
-``apply`` before changing anything when the pod is not fresh): map entries keyed by the netns cookie (policy,
+``redirect.api`` does it: it computes the difference between the entries the lowering wants and
+the pod's inventory, and one native call, ``rdr_ebpf_pod_write`` in ``native/pod_setup.c``, writes
+it with undo on failure; for a pod with nothing of ours yet, ``setup_fresh`` does it all in one
+native call that writes through the same routine, and backs off to ``apply`` before changing
+anything when the pod is not fresh): map entries keyed by the netns cookie (policy,
 ports, CIDRs, the pod's own addresses as ``local`` CIDRs, the proxy's inbound listeners), an
 ``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
 pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
