@@ -39,6 +39,9 @@ Groups = Union[Literal["*"], tuple[IdSpec, ...]]
 _MAX_ID = 2**32 - 2  # (uid_t)-1 is "no id"
 #: The longest JSON or YAML config document accepted (a file's bytes, a string's characters).
 MAX_CONFIG_BYTES = 256 * 1024
+#: The addresses kubelet probes to ambient pods are SNAT'd to on the node (Istio's
+#: ``HOST_PROBE_SNAT_ADDRESS`` / ``HOST_PROBE_V6_SNAT_ADDRESS`` defaults).
+PROBE_SNAT = {4: "169.254.7.127", 6: "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"}
 # ASCII digits only: ``int()`` and ``\d`` also accept other scripts' digits and "1_0".
 _DEC = re.compile(r"[0-9]{1,20}")
 _DEC_OR_HEX = re.compile(r"[0-9]{1,20}|0x[0-9a-f]{1,16}")
@@ -112,8 +115,8 @@ class RedirectConfig:
     #: Istio's ingress mode: inbound is not captured.
     bypass_inbound_capture: bool = False
     #: Source addresses kubelet probes are SNAT'd to, accepted in-pod.
-    probe_snat_ipv4: str = "169.254.7.127"
-    probe_snat_ipv6: str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"
+    probe_snat_ipv4: str = PROBE_SNAT[4]
+    probe_snat_ipv6: str = PROBE_SNAT[6]
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -270,11 +273,15 @@ def _items(name: str, value: object, star: bool, what: str) -> list[object]:
     return items
 
 
-def _ports(name: str, value: object, star: bool) -> Ports:
+def _list(name: str, value: object, star: bool, what: str, item: Callable[[object], Any]) -> Any:
+    """``"*"`` (where ``star`` allows it) or the tuple of ``item(x)`` for each x, in order, once each."""
     if star and _star(value):
         return "*"
-    items = _items(name, value, star, "ports")
-    return tuple(dict.fromkeys(_port(name, value, item) for item in items))  # in order, once each
+    return tuple(dict.fromkeys(item(x) for x in _items(name, value, star, what)))
+
+
+def _ports(name: str, value: object, star: bool) -> Ports:
+    return _list(name, value, star, "ports", lambda x: _port(name, value, x))
 
 
 def _cidr(name: str, raw: object, value: object) -> str:
@@ -288,10 +295,7 @@ def _cidr(name: str, raw: object, value: object) -> str:
 
 
 def _cidrs(name: str, value: object, star: bool) -> Cidrs:
-    if star and _star(value):
-        return "*"
-    items = _items(name, value, star, "CIDRs")
-    return tuple(dict.fromkeys(_cidr(name, value, item) for item in items))
+    return _list(name, value, star, "CIDRs", lambda x: _cidr(name, value, x))
 
 
 def _id(name: str, raw: object, value: object, kind: str) -> IdSpec:
@@ -324,10 +328,7 @@ def _id(name: str, raw: object, value: object, kind: str) -> IdSpec:
 
 
 def _ids(name: str, value: object, kind: str, star: bool = False) -> Any:
-    if star and _star(value):
-        return "*"
-    items = _items(name, value, star, f"{kind} ids")
-    return tuple(dict.fromkeys(_id(name, value, item, kind) for item in items))
+    return _list(name, value, star, f"{kind} ids", lambda x: _id(name, value, x, kind))
 
 
 def _ifname_problem(item: object) -> str | None:
@@ -394,16 +395,25 @@ def _bool(name: str, value: object, allow_none: bool = False) -> bool | None:
     raise ConfigError(name, value, "expected true or false" + (" or auto" if allow_none else ""))
 
 
-def _addr(name: str, value: object, version: int) -> str:
+def normalize_ip(value: object, version: int | None = None) -> str | None:
+    """``value`` (text, surrounding blanks ignored, or an ``ipaddress`` address) as the canonical
+    text of an IP address of ``version`` (4, 6, or None: either); None if it is not one."""
     if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
         value = str(value)
+    if not isinstance(value, str):
+        return None
     try:
-        a = ipaddress.ip_address(value.strip()) if isinstance(value, str) else None
+        a = ipaddress.ip_address(value.strip())
     except ValueError:
-        a = None
-    if a is None or a.version != version:
+        return None
+    return str(a) if version is None or a.version == version else None
+
+
+def _addr(name: str, value: object, version: int) -> str:
+    a = normalize_ip(value, version)
+    if a is None:
         raise ConfigError(name, value, f"not an IPv{version} address")
-    return str(a)
+    return a
 
 
 def _validate(cfg: RedirectConfig) -> None:
@@ -459,12 +469,7 @@ def _validate(cfg: RedirectConfig) -> None:
         raise ConfigError("dns_servers", cfg.dns_servers, "expected a list of IP addresses") from None
     out: dict[str, None] = {}
     for s in servers:
-        if isinstance(s, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
-            s = str(s)
-        try:
-            a = str(ipaddress.ip_address(s.strip())) if isinstance(s, str) else None
-        except ValueError:
-            a = None
+        a = normalize_ip(s)
         if a is None:
             raise ConfigError("dns_servers", cfg.dns_servers, f"{brief(s)} is not an IP address")
         out[a] = None

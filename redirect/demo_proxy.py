@@ -15,57 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import select
-import selectors
 import socket
-import struct
 import sys
 import threading
 import time
 
-SO_ORIGINAL_DST = 80
-IP6T_SO_ORIGINAL_DST = 80
-SOL_IPV6 = 41
-
-
-def original_dst(sock: socket.socket) -> tuple[str, int] | None:
-    """The pre-NAT destination of an accepted connection, or None without NAT."""
-    try:
-        if sock.family == socket.AF_INET:
-            raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
-            port, addr = struct.unpack("!2xH4s8x", raw)
-            return socket.inet_ntop(socket.AF_INET, addr), port
-        raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
-        port = struct.unpack("!H", raw[2:4])[0]
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
-    except OSError:
-        return None
-
-
-def _pipe(a: socket.socket, b: socket.socket, deadline: float) -> int:
-    sel = selectors.DefaultSelector()
-    sel.register(a, selectors.EVENT_READ, b)
-    sel.register(b, selectors.EVENT_READ, a)
-    total = 0
-    open_ = 2
-    try:
-        while open_ and time.monotonic() < deadline:
-            for key, _ in sel.select(timeout=0.5):
-                src: socket.socket = key.fileobj  # type: ignore[assignment]
-                dst: socket.socket = key.data
-                data = src.recv(65536)
-                if not data:
-                    sel.unregister(src)
-                    open_ -= 1
-                    try:
-                        dst.shutdown(socket.SHUT_WR)
-                    except OSError:
-                        pass
-                    continue
-                dst.sendall(data)
-                total += len(data)
-    finally:
-        sel.close()
-    return total
+from .relay import IP_TRANSPARENT, IPV6_TRANSPARENT, SOL_IPV6, original_dst, pump
 
 
 def _handle(conn: socket.socket, peer: tuple, direction: str, listen_port: int, lock: threading.Lock) -> None:
@@ -84,7 +39,7 @@ def _handle(conn: socket.socket, peer: tuple, direction: str, listen_port: int, 
         up.connect(orig)
         up.settimeout(None)
         record["upstream"] = "connected"
-        record["bytes"] = _pipe(conn, up, time.monotonic() + 10)
+        record["bytes"] = sum(pump(conn, up, idle_timeout=10, deadline=time.monotonic() + 10))
     except OSError as e:
         record["upstream"] = f"failed: {e.strerror or e}"
     finally:
@@ -116,9 +71,9 @@ def _listener(family: int, port: int) -> socket.socket:
     # best effort (REDIRECT capture works without it).
     try:
         if family == socket.AF_INET6:
-            s.setsockopt(SOL_IPV6, 75, 1)
+            s.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
         else:
-            s.setsockopt(socket.SOL_IP, 19, 1)
+            s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
     except PermissionError:
         pass
     s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))

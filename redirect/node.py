@@ -27,9 +27,7 @@ pod keeps its entry.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
-import subprocess
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,13 +35,14 @@ from dataclasses import dataclass
 from . import netns as _netns
 from .backends.base import CheckResult, is_owned_comment, owned_comment
 from .backends.iptables import _run, _tool, detect_variant
+from .config import PROBE_SNAT, normalize_ip
 from .errors import ConfigError, SetupError
+from .ipset import run as _ipset
 
 log = logging.getLogger("redirect.node")
 
 CHAIN = "RDR_NODE_POSTRT"
 SET_NAMES = {4: "rdr-inpod-probes-v4", 6: "rdr-inpod-probes-v6"}
-PROBE_SNAT = {4: "169.254.7.127", 6: "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"}
 _COMMENT = "redirect: kubelet probes to ambient pods come from the probe address"
 _MAX_OWNER = 200  # ipset comments hold up to 255 bytes
 
@@ -63,13 +62,10 @@ class NodeConfig:
     def __post_init__(self) -> None:
         for fam, name in ((4, "probe_snat_ipv4"), (6, "probe_snat_ipv6")):
             value = getattr(self, name)
-            try:
-                a = ipaddress.ip_address(str(value).strip())
-            except ValueError:
-                raise ConfigError(name, value, f"not an IPv{fam} address") from None
-            if a.version != fam:
+            a = normalize_ip(value, fam)
+            if a is None:
                 raise ConfigError(name, value, f"not an IPv{fam} address")
-            object.__setattr__(self, name, str(a))
+            object.__setattr__(self, name, a)
         if self.ipv6 not in (None, True, False):
             raise ConfigError("ipv6", self.ipv6, "expected true, false or None (auto)")
 
@@ -100,20 +96,8 @@ def _families(cfg: NodeConfig) -> tuple[int, ...]:
     return (4, 6) if v6 else (4,)
 
 
-def _ipset(
-    args: list[str], stdin: str | None = None, ok_codes: tuple[int, ...] = (0,)
-) -> subprocess.CompletedProcess[str]:
-    try:
-        p = subprocess.run(["ipset", *args], input=stdin, capture_output=True, text=True, timeout=30, check=False)
-    except FileNotFoundError:
-        raise SetupError("ipset not found; install Debian's 'ipset' package (apt-get install ipset)") from None
-    if p.returncode not in ok_codes:
-        raise SetupError(f"ipset {' '.join(args)} failed (exit {p.returncode}): {p.stderr.strip()}")
-    return p
-
-
 def _set_exists(name: str) -> bool:
-    return _ipset(["list", "-n", name], ok_codes=(0, 1)).returncode == 0
+    return _ipset(["list", "-n", name], ok=(0, 1)).returncode == 0
 
 
 def _desired_rule(fam: int, cfg: NodeConfig) -> str:
@@ -199,12 +183,11 @@ def _parse_ips(ips: Iterable[str], field: str = "ips") -> list[tuple[int, str]]:
         ips = [ips]
     out: list[tuple[int, str]] = []
     for raw in ips:
-        try:
-            a = ipaddress.ip_address(str(raw).strip())
-        except ValueError:
-            raise ConfigError(field, raw, "not an IPv4 or IPv6 address") from None
-        if (a.version, str(a)) not in out:
-            out.append((a.version, str(a)))
+        a = normalize_ip(raw)
+        if a is None:
+            raise ConfigError(field, raw, "not an IPv4 or IPv6 address")
+        if (ip := (6 if ":" in a else 4, a)) not in out:
+            out.append(ip)
     return out
 
 
@@ -260,7 +243,7 @@ def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
                 except Exception as e:  # pragma: no cover - reported, not hidden
                     log.error("node rollback of IPv%d failed: %s", fam, e)
             for name in created:
-                _ipset(["destroy", name], ok_codes=(0, 1))
+                _ipset(["destroy", name], ok=(0, 1))
             raise
     log.info("node setup netns=%s changed=%s", _netns.describe(netns) if netns is not None else "(current)", changed)
     return changed

@@ -46,7 +46,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -56,12 +55,10 @@ from typing import Any, TextIO
 from . import logjson
 from . import netns as _netns
 from .agent import protocol
+from .relay import SO_MARK, original_dst, pump
 
 MARK = 0x539
-SO_MARK = 36
-SO_ORIGINAL_DST = 80  # SOL_IP; IP6T_SO_ORIGINAL_DST is the same number on SOL_IPV6
 PORTS = {"outbound": 15001, "inbound": 15006, "tunnel": 15008}
-_BUF = 65536
 
 
 #: Events logged at level warning (the rest are info).
@@ -102,20 +99,6 @@ class PodState:
 
 def _addr(a: Any) -> list[Any]:
     return [a[0], a[1]]
-
-
-def original_dst(s: socket.socket) -> tuple[str, int] | None:
-    """The pre-NAT destination of a REDIRECT'd connection, or None."""
-    try:
-        if s.family == socket.AF_INET:
-            raw = s.getsockopt(socket.IPPROTO_IP, SO_ORIGINAL_DST, 16)
-            port = struct.unpack("!H", raw[2:4])[0]
-            return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
-        raw = s.getsockopt(socket.IPPROTO_IPV6, SO_ORIGINAL_DST, 28)
-        port = struct.unpack("!H", raw[2:4])[0]
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
-    except OSError:
-        return None
 
 
 def _read_connect(c: socket.socket, limit: int = 8192) -> tuple[str, int] | None:
@@ -334,7 +317,7 @@ class NodeProxy:
     def _relay(self, c: socket.socket, peer: Any, dst: tuple[str, int] | None, kind: str, uid: str,
                nsfd: int) -> None:
         up: socket.socket | None = None
-        sent = [0, 0]
+        sent = (0, 0)
         try:
             c.settimeout(self.connect_timeout)
             if kind == "tunnel":
@@ -362,7 +345,7 @@ class NodeProxy:
                      upstream_local=_addr(up.getsockname()))
             if kind == "tunnel":
                 c.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
-            sent = self._pump(c, up)
+            sent = pump(c, up, self.idle_timeout)
         except (OSError, _netns.NetnsError) as e:
             self.log("relay_error", pod=uid, kind=kind, src=_addr(peer), error=str(e))
         finally:
@@ -375,44 +358,6 @@ class NodeProxy:
             with self._active_lock:
                 self.active -= 1
             self.log("close", pod=uid, kind=kind, src=_addr(peer), bytes_out=sent[0], bytes_in=sent[1])
-
-    def _pump(self, a: socket.socket, b: socket.socket) -> list[int]:
-        """Copy both ways until both sides closed (half-close aware) or idle too long."""
-        counts = [0, 0]
-        a.setblocking(False)
-        b.setblocking(False)
-        open_dirs = {0: (a, b), 1: (b, a)}
-        sel = selectors.DefaultSelector()
-        try:
-            sel.register(a, selectors.EVENT_READ, 0)
-            sel.register(b, selectors.EVENT_READ, 1)
-            while open_dirs:
-                ready = sel.select(timeout=self.idle_timeout)
-                if not ready:
-                    break
-                for key, _ in ready:
-                    d = key.data
-                    src, dst = open_dirs[d]
-                    try:
-                        data = src.recv(_BUF)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    if data:
-                        dst.setblocking(True)
-                        dst.settimeout(self.idle_timeout)
-                        dst.sendall(data)
-                        dst.setblocking(False)
-                        counts[d] += len(data)
-                    else:
-                        sel.unregister(src)
-                        del open_dirs[d]
-                        with contextlib.suppress(OSError):
-                            dst.shutdown(socket.SHUT_WR)
-        finally:
-            sel.close()
-        return counts
 
     # -- main loop
 

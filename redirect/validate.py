@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import struct
 import threading
 
 from . import netns as _netns
 from .config import RedirectConfig
-
-SO_ORIGINAL_DST = 80
+from .relay import original_dst
 
 
 def _local_ipv4() -> str | None:
@@ -77,10 +75,10 @@ def validate_outbound(netns: _netns.NetnsRef, cfg: RedirectConfig, probe_port: i
             try:
                 _connect_as_proxy(cfg, ip, probe_port, timeout)
                 conn, _ = srv.accept()
-                raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
-                port, addr = struct.unpack("!2xH4s8x", raw)
+                dst = original_dst(conn)
                 conn.close()
-                dst = (socket.inet_ntoa(addr), port)
+                if dst is None:
+                    raise OSError("no original destination (not NAT'd)")
                 result["ok"] = dst == (ip, probe_port)
                 result["msg"] = f"validation: connection to {ip}:{probe_port} captured on {cfg.inbound_port}, " \
                                 f"original destination {dst[0]}:{dst[1]}"

@@ -40,6 +40,7 @@ from pyroute2 import IPRoute
 from pyroute2 import netns as pr_netns
 
 from redirect import netns as rnetns
+from redirect.relay import IP_TRANSPARENT, IPV6_TRANSPARENT, SO_MARK, SOL_IPV6, original_dst
 
 T = TypeVar("T")
 Addr = tuple[str, int]
@@ -48,11 +49,7 @@ NETNS_DIR = "/run/netns"
 PREFIX = "rdrt-"
 DEFAULT_TIMEOUT = 2.0
 
-# Socket options the stdlib does not name (Linux uapi values).
-SO_ORIGINAL_DST = 80  # SOL_IP; IP6T_SO_ORIGINAL_DST is the same number on SOL_IPV6
-IP_TRANSPARENT = 19
-IPV6_TRANSPARENT = 75
-SO_MARK = 36
+# More socket options the stdlib does not name (Linux uapi values); the proxies' ones are in redirect.relay.
 IP_PKTINFO = 8
 IP_RECVORIGDSTADDR = 20  # cmsg type IP_ORIGDSTADDR, same number
 IPV6_RECVPKTINFO = 49
@@ -60,7 +57,6 @@ IPV6_PKTINFO = 50
 IPV6_RECVORIGDSTADDR = 74  # cmsg type IPV6_ORIGDSTADDR, same number
 IFA_F_NODAD = 0x02
 SOL_IP = socket.IPPROTO_IP  # 0
-SOL_IPV6 = socket.IPPROTO_IPV6  # 41; the socket module has no SOL_IPV6
 
 # Names of namespaces this process created and has not removed yet (the leak check reads it).
 _live: set[str] = set()
@@ -368,20 +364,6 @@ def _sockaddr_in(raw: bytes) -> Addr:
 def _sockaddr_in6(raw: bytes) -> Addr:
     port, addr = struct.unpack_from("!2xH4x16s", raw)
     return socket.inet_ntop(socket.AF_INET6, addr), port
-
-
-def original_dst(sock: socket.socket) -> Addr | None:
-    """``SO_ORIGINAL_DST`` / ``IP6T_SO_ORIGINAL_DST`` of a TCP socket, or None if the kernel has none.
-
-    The kernel answers from the conntrack entry of the connection; with no
-    conntrack entry (conntrack not active in the netns) the call fails (ENOENT).
-    """
-    try:
-        if sock.family == socket.AF_INET6:
-            return _sockaddr_in6(sock.getsockopt(SOL_IPV6, SO_ORIGINAL_DST, 28))
-        return _sockaddr_in(sock.getsockopt(SOL_IP, SO_ORIGINAL_DST, 16))
-    except OSError:
-        return None
 
 
 def _addr2(a: Any) -> Addr:

@@ -23,27 +23,17 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 from typing import Any
 
 from .. import netns as _netns
 from ..errors import SetupError
+from ..ipset import run as _ipset
 
 SET = "rdr-pod-identity"
 _SCRATCH = "rdr-pod-identity-new"
 _CHUNK = 240
 _MAX_CHUNKS = 64
 RECORD_VERSION = 1
-
-
-def _ipset(args: list[str], stdin: str | None = None, ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
-    try:
-        p = subprocess.run(["ipset", *args], input=stdin, capture_output=True, text=True, timeout=30, check=False)
-    except FileNotFoundError:
-        raise SetupError("ipset not found; install Debian's 'ipset' package (apt-get install ipset)") from None
-    if p.returncode not in ok:
-        raise SetupError(f"ipset {' '.join(args)} failed (exit {p.returncode}): {p.stderr.strip()}")
-    return p
 
 
 def _chunks(record: dict[str, Any]) -> list[str]:
