@@ -18,7 +18,7 @@ from typing import Any
 
 from . import netns as _netns
 from .backends import KINDS, choose_auto, ebpf_root, get_backend, kind_of
-from .backends.base import CheckResult, Installed
+from .backends.base import Backend, CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
@@ -40,7 +40,7 @@ def _families(cfg: RedirectConfig) -> tuple[int, ...]:
     return (4, 6) if cfg.ipv6 else (4,)
 
 
-def _families_for(impl: Any, cfg: RedirectConfig) -> tuple[int, ...]:
+def _families_for(impl: Backend, cfg: RedirectConfig) -> tuple[int, ...]:
     """``_families``, or the backend's own answer when it has one (eBPF reads it in the netlink
     dump it makes anyway)."""
     detect = getattr(impl, "detect_families", None)
@@ -128,7 +128,7 @@ def _refuse_host_netns(name: str) -> None:
                              " if the host is really meant")
 
 
-def _setup_general(impl: Any, cfg: RedirectConfig, plan: Plan, netns: _netns.NetnsRef, name: str,
+def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns.NetnsRef, name: str,
                    allow_host_netns: bool) -> Installed:
     """``setup`` inside the netns, under ``netns_lock``: any backend, any previous state."""
     with _netns.enter(netns), one_nft_context():
@@ -182,7 +182,7 @@ def _candidates(skip: str | None) -> list[str]:
     return out
 
 
-def _backend_of(kind: str) -> Any:
+def _backend_of(kind: str) -> Backend | None:
     """The backend object for ``kind``, or None when it can't run here (then nothing of it can be
     installed: its own setup would have needed it)."""
     try:
@@ -192,7 +192,7 @@ def _backend_of(kind: str) -> Any:
         return None
 
 
-def _installed(skip: str | None = None, strict: bool = True) -> list[Any]:
+def _installed(skip: str | None = None, strict: bool = True) -> list[Backend]:
     """The backends (objects, in ``KINDS`` order) with capture of ours in the calling thread's
     netns, ``skip``'s kind aside. ``strict``: an error telling raises; else it is logged and that
     kind is taken as not installed."""
@@ -211,7 +211,7 @@ def _installed(skip: str | None = None, strict: bool = True) -> list[Any]:
     return out
 
 
-def _retire(backend_name: str, olds: list[Any], plan: Plan, families: tuple[int, ...]) -> bool:
+def _retire(backend_name: str, olds: list[Backend], plan: Plan, families: tuple[int, ...]) -> bool:
     """Once ``backend_name``'s capture is in, remove that of the backends ``olds`` (as
     ``_installed`` found them): new first, old after, so capture never lapses. Routes and
     addresses of ours are then what ``plan`` wants (the new backend's apply made sure of those

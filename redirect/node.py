@@ -33,8 +33,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from . import netns as _netns
+from .backends import iptables
 from .backends.base import CheckResult, is_owned_comment, owned_comment
-from .backends.iptables import _run, _tool, detect_variant
 from .config import PROBE_SNAT, normalize_ip
 from .errors import ConfigError, SetupError
 from .ipset import run as _ipset
@@ -122,7 +122,7 @@ class _NatState:
 def _read(variant: str, fam: int) -> _NatState:
     """Our chain and jumps in the nat table. The chain is ours when one of its rules carries our
     comment or one of our jumps leads to it (marked, or bare as earlier versions wrote it)."""
-    text = _run([_tool(variant, fam, "save"), "-t", "nat"])
+    text = iptables.save(variant, fam, "nat")
     chain: list[str] | None = None
     jumps: list[str] = []
     others: list[str] = []
@@ -172,12 +172,6 @@ def _payload(cur: _NatState, want_rule: str | None) -> str:
     return "\n".join(lines + ["COMMIT"]) + "\n"
 
 
-def _restore(variant: str, fam: int, payload: str) -> None:
-    if payload:
-        log.debug("node %s-restore (IPv%d):\n%s", variant, fam, payload)
-        _run([_tool(variant, fam, "restore"), "-w", "5", "--noflush"], payload)
-
-
 def _parse_ips(ips: Iterable[str], field: str = "ips") -> list[tuple[int, str]]:
     if isinstance(ips, str):
         ips = [ips]
@@ -209,7 +203,7 @@ def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
     cfg = config or NodeConfig()
     with _in(netns):
         families = _families(cfg)
-        variant = detect_variant()
+        variant = iptables.detect_variant()
         before = {fam: _read(variant, fam) for fam in (4, 6)}
         _refuse_foreign(before.values())
         created: list[str] = []
@@ -225,7 +219,7 @@ def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
                 want = _desired_rule(fam, cfg) if fam in families else None
                 payload = _payload(before[fam], want)
                 if payload:
-                    _restore(variant, fam, payload)
+                    iptables.restore(variant, fam, payload)
                     done.append(fam)
             changed = bool(created or done)
             # A family turned off: its set goes too (once nothing references it).
@@ -239,7 +233,7 @@ def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
                     now = _read(variant, fam)
                     prev = before[fam].chain
                     want = prev[0] if prev else None
-                    _restore(variant, fam, _payload(now, want))
+                    iptables.restore(variant, fam, _payload(now, want))
                 except Exception as e:  # pragma: no cover - reported, not hidden
                     log.error("node rollback of IPv%d failed: %s", fam, e)
             for name in created:
@@ -252,12 +246,12 @@ def setup_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
 def teardown_node(netns: _netns.NetnsRef | None = None) -> bool:
     """Remove our host rules and sets from ``netns``; True if anything was removed."""
     with _in(netns):
-        variant = detect_variant()
+        variant = iptables.detect_variant()
         removed = False
         for fam in (4, 6):
             payload = _payload(_read(variant, fam), None)
             if payload:
-                _restore(variant, fam, payload)
+                iptables.restore(variant, fam, payload)
                 removed = True
         for name in SET_NAMES.values():
             if _set_exists(name):
@@ -272,7 +266,7 @@ def check_node(netns: _netns.NetnsRef | None = None, config: NodeConfig | None =
     diffs: list[str] = []
     with _in(netns):
         families = _families(cfg)
-        variant = detect_variant()
+        variant = iptables.detect_variant()
         for fam in (4, 6):
             st = _read(variant, fam)
             if st.foreign:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from ..config import RedirectConfig
 from ..errors import BackendUnavailable
+from .base import Backend
 
 log = logging.getLogger("redirect.backends")
 
@@ -57,7 +57,7 @@ def choose_auto(cfg: RedirectConfig | None) -> str:
     return "iptables"
 
 
-def get_backend(name: str, cfg: RedirectConfig | None) -> Any:
+def get_backend(name: str, cfg: RedirectConfig | None) -> Backend:
     """The backend object for ``name``; ``BackendUnavailable`` names what is missing."""
     if name == "iptables":
         from .iptables import IptablesBackend

@@ -407,6 +407,20 @@ def _run(argv: list[str], stdin: str | None = None) -> str:
     return p.stdout
 
 
+def save(variant: str, family: int, table: str | None = None) -> str:
+    """``*tables-save`` of ``variant`` (``legacy``/``nft``) for ``family`` in the calling thread's
+    netns: every table, or only ``table``."""
+    return _run([_tool(variant, family, "save"), *(("-t", table) if table else ())])
+
+
+def restore(variant: str, family: int, payload: str) -> None:
+    """Apply ``payload`` with ``*tables-restore --noflush`` (each table commits as a whole); an
+    empty payload does nothing."""
+    if payload:
+        log.debug("%s-restore (IPv%d):\n%s", variant, family, payload)
+        _run([_tool(variant, family, "restore"), "-w", "5", "--noflush"], payload)
+
+
 def detect_variant(forced: str | None = None) -> str:
     """``legacy`` or ``nft`` for the calling thread's netns (an existing ruleset wins)."""
     if forced:
@@ -566,12 +580,10 @@ class IptablesBackend:
         return detect_variant(self.variant_forced)
 
     def save(self, variant: str, family: int) -> str:
-        return _run([_tool(variant, family, "save")])
+        return save(variant, family)
 
     def restore(self, variant: str, family: int, payload: str) -> None:
-        if payload:
-            log.debug("%s-restore (IPv%d):\n%s", variant, family, payload)
-            _run([_tool(variant, family, "restore"), "-w", "5", "--noflush"], payload)
+        restore(variant, family, payload)
 
     def render(self, plan: Plan, families: tuple[int, ...]) -> str:
         out = []
