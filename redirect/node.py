@@ -106,9 +106,10 @@ def _desired_rule(fam: int, cfg: NodeConfig) -> str:
             f' -m comment --comment "{_COMMENT}" -j SNAT --to-source {cfg.snat(fam)}')
 
 
-#: Our jump from POSTROUTING, as iptables-save prints it; earlier versions wrote it bare (_OLD_JUMP).
+#: Our jump from POSTROUTING, as iptables-save prints it. A bare jump to our chain (_BARE_JUMP,
+#: the form installed before jumps carried our comment) is ours too, and setup replaces it.
 _JUMP = f'-A POSTROUTING -m comment --comment "{owned_comment("kubelet probes")}" -j {CHAIN}'
-_OLD_JUMP = f"-A POSTROUTING -j {CHAIN}"
+_BARE_JUMP = f"-A POSTROUTING -j {CHAIN}"
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class _NatState:
 
 def _read(variant: str, fam: int) -> _NatState:
     """Our chain and jumps in the nat table. The chain is ours when one of its rules carries our
-    comment or one of our jumps leads to it (marked, or bare as earlier versions wrote it)."""
+    comment or one of our jumps (marked or bare) leads to it."""
     text = iptables.save(variant, fam, "nat")
     chain: list[str] | None = None
     jumps: list[str] = []
@@ -132,7 +133,7 @@ def _read(variant: str, fam: int) -> _NatState:
         elif line.startswith(f"-A {CHAIN} "):
             chain = (chain or []) + [line]
         elif line.endswith(f"-j {CHAIN}"):
-            (jumps if line in (_JUMP, _OLD_JUMP) else others).append(line)
+            (jumps if line in (_JUMP, _BARE_JUMP) else others).append(line)
     if chain is not None and not jumps and not any(is_owned_comment(c) for c in _comments(chain)):
         return _NatState(None, (), f"IPv{fam} nat chain {CHAIN} is not ours (no rule or jump of ours)")
     if chain is not None and others:

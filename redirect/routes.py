@@ -134,10 +134,9 @@ def ipv6_enabled() -> bool:
     """Whether the calling thread's netns has IPv6 (so an uncaptured v6 path would exist).
 
     lo's IPv6 ``disable_ipv6`` (writing ``net.ipv6.conf.all.disable_ipv6`` sets every
-    device's), read over rtnetlink: not from /proc/sys, where a lookup walks one dcache chain
-    shared by the same-named entries of every netns (~0.15 ms an open with 1000 pods on the
-    host, against ~15 us for this request whatever their number). False when the kernel has
-    no IPv6 at all.
+    device's), read over rtnetlink: not from /proc/sys, where an open walks one dcache chain
+    shared by the same-named entries of every netns on the host, so its cost grows with the
+    number of pods while this request's does not. False when the kernel has no IPv6 at all.
     """
     try:
         link = rtnl.get_link(1)  # lo: ifindex 1 in every netns

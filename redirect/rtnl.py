@@ -1,10 +1,13 @@
-"""A tiny rtnetlink client: dump rules, routes and addresses; add and delete a few of them.
+"""A small rtnetlink client over a raw ``NETLINK_ROUTE`` socket: dump links, rules, routes and
+addresses, and add or delete the few of them a plan needs (local addresses, a local default
+route, fwmark rules).
 
-Reading our policy routes happens on every setup, check and teardown; importing
-pyroute2 costs ~180 ms, which would dominate a per-pod exec (the CNI plugin,
-``redirect init``). So reads go through this ~100-line dumper over a raw
-``NETLINK_ROUTE`` socket, and pyroute2 is imported only when something has to
-change. Acts on the netns of the calling thread (the socket is opened there).
+It is the one netlink module of the per-setup path (``redirect.routes``, hence every setup,
+check and teardown, the CNI plugin and ``redirect init``): importing pyroute2 takes long enough
+to dominate a short-lived process that sets up one pod, and this needs only the standard
+library. Long-lived processes that need richer netlink (the agent's ipset reads, the tests'
+namespaces and veths) use pyroute2. Acts on the netns of the calling thread (the socket is
+opened there).
 """
 
 from __future__ import annotations

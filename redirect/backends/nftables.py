@@ -352,7 +352,7 @@ def commands_for(desired: Ruleset, fresh: bool = False) -> list[dict[str, Any]]:
     ``fresh``: the table was not there when read. Then the batch adds and flushes it instead of
     deleting it: the same result when it is still absent (and no duplicate rules if another
     writer made it since), without deleting objects, whose deferred destruction makes freeing
-    the context wait about 10 ms.
+    the context wait for an RCU grace period.
     """
     if fresh and desired:
         cmds: list[dict[str, Any]] = [{"add": {"table": dict(_TABLE_OBJ)}}, {"flush": {"table": dict(_TABLE_OBJ)}}]
@@ -537,7 +537,7 @@ class _Reaper:
     """Frees used contexts off the caller's path.
 
     Closing the netlink socket of a context whose batch deleted objects waits for
-    the kernel's deferred destruction (an RCU grace period, about 10 ms here), so
+    the kernel's deferred destruction (an RCU grace period), so
     a setup that freed its context itself would spend most of its time there. The
     context is handed to this thread instead; until it is freed its socket keeps
     the netns alive, which is harmless.
