@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 import redirect
-from redirect import netns
+from redirect import netns, podkit
 from redirect import node as node_rules
 
 PROXY_UID = 1337
@@ -41,8 +41,9 @@ OUT_EXCLUDED = 9090
 AMBIENT_MARK = 0x539
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+def _link(net: int, pod_if: str = "eth0", peer_if: str = "eth0") -> podkit.Link:
+    """10.<net>.0.2 / fd00:<net>::2 on the pod's side, .1 / ::1 on the peer's."""
+    return podkit.Link(pod_if, peer_if, f"10.{net}.0.2", f"10.{net}.0.1", f"fd00:{net}::2", f"fd00:{net}::1")
 
 
 @contextmanager
@@ -50,50 +51,19 @@ def demo_namespaces(net: int) -> Iterator[tuple[str, str]]:
     """A pod netns and a peer netns joined by a veth: 10.<net>.0.2 / fd00:<net>::2 in the pod."""
     tag = uuid.uuid4().hex[:6]
     pod, peer = f"rdr-demo-pod-{tag}", f"rdr-demo-peer-{tag}"
-    try:
-        _ip("netns", "add", pod)
-        _ip("netns", "add", peer)
-        _ip("link", "add", f"rdd{tag}", "type", "veth", "peer", "name", f"rdp{tag}")
-        _ip("link", "set", f"rdd{tag}", "netns", pod)
-        _ip("link", "set", f"rdp{tag}", "netns", peer)
-        for ns, dev, host in ((pod, f"rdd{tag}", 2), (peer, f"rdp{tag}", 1)):
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev, "name", "eth0")
-            _ip("-n", ns, "addr", "add", f"10.{net}.0.{host}/24", "dev", "eth0")
-            _ip("-n", ns, "addr", "add", f"fd00:{net}::{host}/64", "dev", "eth0", "nodad")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", pod, "route", "add", "default", "via", f"10.{net}.0.1")
-        _ip("-n", pod, "-6", "route", "add", "default", "via", f"fd00:{net}::1")
+    with podkit.make_pod(pod, peer, [_link(net)], peer_routes_back=False):
         yield pod, peer
-    finally:
-        for ns in (pod, peer):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @contextmanager
 def remote_behind(node: str, net: int) -> Iterator[str]:
     """A netns routed through ``node`` (10.<net>.0.2 / fd00:<net>::2): a workload elsewhere."""
-    tag = uuid.uuid4().hex[:6]
-    remote = f"rdr-demo-remote-{tag}"
-    try:
-        _ip("netns", "add", remote)
-        _ip("link", "add", f"rdr{tag}", "type", "veth", "peer", "name", f"rdn{tag}")
-        _ip("link", "set", f"rdr{tag}", "netns", remote)
-        _ip("link", "set", f"rdn{tag}", "netns", node)
-        for ns, dev, host, name in ((remote, f"rdr{tag}", 2, "eth0"), (node, f"rdn{tag}", 1, "eth1")):
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev, "name", name)
-            _ip("-n", ns, "addr", "add", f"10.{net}.0.{host}/24", "dev", name)
-            _ip("-n", ns, "addr", "add", f"fd00:{net}::{host}/64", "dev", name, "nodad")
-            _ip("-n", ns, "link", "set", name, "up")
-        _ip("-n", remote, "route", "add", "default", "via", f"10.{net}.0.1")
-        _ip("-n", remote, "-6", "route", "add", "default", "via", f"fd00:{net}::1")
+    remote = f"rdr-demo-remote-{uuid.uuid4().hex[:6]}"
+    with podkit.make_pod(remote, node, [_link(net, peer_if="eth1")], make_peer=False, peer_routes_back=False):
         for key in ("net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"):
             subprocess.run(["ip", "netns", "exec", node, "sysctl", "-qw", f"{key}=1"], check=True,
                            capture_output=True)
         yield remote
-    finally:
-        subprocess.run(["ip", "netns", "del", remote], capture_output=True)
 
 
 def _wait_json_line(path: str, pred: Callable[[dict], bool], proc: subprocess.Popen[bytes], what: str,

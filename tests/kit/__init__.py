@@ -1,0 +1,1 @@
+"""The test kit in parts; ``tests.netkit`` gathers them under one name."""

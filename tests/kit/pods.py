@@ -1,0 +1,203 @@
+"""Namespaces and pods of the test kit: made, entered, removed (the factory is ``redirect.podkit``)."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from redirect import netns as rnetns
+from redirect import podkit
+from redirect.podkit import NETNS_DIR, Link, live_namespaces, remove_netns
+from redirect.podkit import iproute_in as _iproute_in
+
+T = TypeVar("T")
+Addr = tuple[str, int]
+
+PREFIX = "rdrt-"
+DEFAULT_TIMEOUT = 2.0
+
+_live_lock = threading.Lock()
+_used_subnets: set[tuple[int, int]] = set()
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise PermissionError(
+            "the redirect test kit needs root (it creates network namespaces, veths and"
+            " netfilter state): run the tests as root, e.g. `sudo make test`"
+        )
+
+
+def existing_namespaces(prefix: str = PREFIX) -> set[str]:
+    """Names under /run/netns starting with ``prefix`` (from any process)."""
+    try:
+        return {n for n in os.listdir(NETNS_DIR) if n.startswith(prefix)}
+    except FileNotFoundError:
+        return set()
+
+
+def create_netns(name: str) -> str:
+    """Create /run/netns/<name> and remember it (``live_namespaces``); returns the name."""
+    require_root()
+    return podkit.create_netns(name)
+
+
+def wait_link_detached(root: str, cookie: int, timeout: float = 15.0) -> None:
+    """Until the kernel has cleaned a removed netns up (asynchronously) and detached the eBPF
+    backend's link of the pod ``cookie`` under ``root``; fails the test after ``timeout`` s."""
+    from redirect.backends import ebpf
+
+    deadline = time.monotonic() + timeout
+    while ebpf._link_target(ebpf._pod_link(root, cookie)) != 0:
+        assert time.monotonic() < deadline, f"link of netns cookie {cookie} still attached after {timeout} s"
+        time.sleep(0.05)
+
+
+def in_netns(ns: rnetns.NetnsRef, fn: Callable[..., T], *args: Any, timeout: float = 10.0, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` in a fresh thread inside ``ns``; return its result or re-raise."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with rnetns.enter(ns):
+                box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"in_netns:{rnetns.describe(ns)}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(
+            f"in_netns({rnetns.describe(ns)!r}, {getattr(fn, '__name__', fn)}) still running after {timeout} s"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["result"]  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- pods
+
+
+def _pick_subnet() -> tuple[int, int]:
+    with _live_lock:
+        while True:
+            r, x = random.randint(16, 250), random.randint(0, 255)
+            if (r, x) not in _used_subnets:
+                _used_subnets.add((r, x))
+                return r, x
+
+
+def _release_subnet(rx: tuple[int, int]) -> None:
+    with _live_lock:
+        _used_subnets.discard(rx)
+
+
+@dataclass
+class Pod:
+    """A pod netns and its peer netns, joined by veth(s). See ``make_pod``."""
+
+    name: str
+    peer_name: str
+    links: list[Link] = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(NETNS_DIR, self.name)
+
+    @property
+    def peer_path(self) -> str:
+        return os.path.join(NETNS_DIR, self.peer_name)
+
+    @property
+    def main(self) -> Link:
+        return self.links[0]
+
+    @property
+    def extra(self) -> Link | None:
+        """The second interface (``extra_iface=True``), or None."""
+        return self.links[1] if len(self.links) > 1 else None
+
+    @property
+    def pod_if(self) -> str:
+        return self.main.pod_if
+
+    @property
+    def peer_if(self) -> str:
+        return self.main.peer_if
+
+    @property
+    def pod_ip4(self) -> str:
+        return self.main.pod_ip4
+
+    @property
+    def peer_ip4(self) -> str:
+        return self.main.peer_ip4
+
+    @property
+    def pod_ip6(self) -> str:
+        return self.main.pod_ip6
+
+    @property
+    def peer_ip6(self) -> str:
+        return self.main.peer_ip6
+
+    def pod_ip(self, family: int) -> str:
+        return self.pod_ip4 if family == 4 else self.pod_ip6
+
+    def peer_ip(self, family: int) -> str:
+        return self.peer_ip4 if family == 4 else self.peer_ip6
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``in_netns(pod.name, fn, ...)``."""
+        return in_netns(self.name, fn, *args, **kwargs)
+
+    def run_peer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return in_netns(self.peer_name, fn, *args, **kwargs)
+
+
+def link_for(n: int, rx: tuple[int, int]) -> Link:
+    """The names and addresses of a pod's ``eth<n>`` on subnet 10.R.x.0/24, fd00:R:x::/64."""
+    r, x = rx
+    return Link(
+        pod_if=f"eth{n}",
+        peer_if=f"peer{n}",
+        pod_ip4=f"10.{r}.{x}.2",
+        peer_ip4=f"10.{r}.{x}.1",
+        # Canonical text (as the kernel and inet_ntop write it): fd00:16:0::1 is fd00:16::1.
+        pod_ip6=str(ipaddress.IPv6Address(f"fd00:{r:x}:{x:x}::2")),
+        peer_ip6=str(ipaddress.IPv6Address(f"fd00:{r:x}:{x:x}::1")),
+    )
+
+
+@contextlib.contextmanager
+def make_pod(extra_iface: bool = False, name: str | None = None) -> Iterator[Pod]:
+    """A pod netns ``rdrt-<random>`` and its peer ``rdrt-<random>-peer``; both removed on exit.
+
+    The pod has ``eth0`` (10.R.x.2/24, fd00:R:x::2/64) to the peer's ``peer0``
+    (10.R.x.1, fd00:R:x::1), ``lo`` up, and default routes (both families) via the
+    peer, which routes everything back. ``extra_iface=True`` adds ``eth1``/``peer1`` on a
+    subnet of its own.
+    """
+    require_root()
+    base = name or f"{PREFIX}{os.urandom(4).hex()}"
+    subnets = [_pick_subnet() for _ in range(2 if extra_iface else 1)]
+    links = [link_for(n, rx) for n, rx in enumerate(subnets)]
+    try:
+        with podkit.make_pod(base, f"{base}-peer", links):
+            yield Pod(name=base, peer_name=f"{base}-peer", links=links)
+    finally:
+        for rx in subnets:
+            _release_subnet(rx)
+
+
+__all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
+           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "_iproute_in",
+           "link_for", "make_pod"]
