@@ -74,6 +74,9 @@ def read_line(sock: socket.socket, limit: int = 4096) -> str | None:
 # --------------------------------------------------------------------------- listeners
 
 
+_libc: Any = None  # the C library, loaded on first use
+
+
 def _socket_owned_by(owner: tuple[int, int] | None, af: int, kind: int) -> socket.socket:
     """A socket whose file credentials are ``owner``'s (what ``-m owner``/``meta skuid`` match).
 
