@@ -233,6 +233,25 @@ def _answers(cases: list[Case]) -> list[str]:
     return [_client(ns, host, port, uid) for _label, ns, host, port, uid in cases]
 
 
+def _caught(cases: list[Case], seen: list[dict], orig_of: Callable[[dict], str],
+            where: Callable[[dict], str]) -> list[str]:
+    """Per case, where a proxy caught it (``where`` of the proxy's record whose original
+    destination, ``orig_of``, is the case's ``host:port``) or "not captured"; a record answers
+    one case."""
+    out = []
+    for _label, _ns, host, port, _uid in cases:
+        hit = next((x for x in seen if orig_of(x) == f"{host}:{port}"), None)
+        if hit is not None:
+            seen.remove(hit)
+        out.append(where(hit) if hit is not None else "not captured")
+    return out
+
+
+def _rows(rows: list[list[str]], pod: str, cases: list[Case], caught: list[str], answers: list[str]) -> None:
+    for (label, _ns, host, port, _uid), where, answer in zip(cases, caught, answers, strict=True):
+        rows.append([pod, label, _dst(host, port), where, answer])
+
+
 def _sidecar(backend: str, rows: list[list[str]]) -> None:
     cfg = redirect.RedirectConfig(outbound_exclude_ports=(OUT_EXCLUDED,))
     with demo_namespaces(253) as (pod, peer):
@@ -255,14 +274,10 @@ def _sidecar(backend: str, rows: list[list[str]]) -> None:
                     Servers(pod, {8000: "pod-app:8000"}):
                 answers = _answers(cases)
                 time.sleep(0.3)
-            for (label, _ns, host, port, _uid), answer in zip(cases, answers, strict=True):
-                rows.append(["sidecar", label, _dst(host, port), "", answer])
             seen = _stop_proxy(proxy)
-            for row, (_l, _n, host, port, _u) in zip(rows[-len(cases):], cases, strict=True):
-                hit = next((x for x in seen if x["original_dst"] == f"{host}:{port}"), None)
-                if hit is not None:
-                    seen.remove(hit)
-                row[3] = f"proxy :{hit['captured_on']} ({hit['direction']})" if hit else "not captured"
+            caught = _caught(cases, seen, lambda x: x["original_dst"],
+                             lambda x: f"proxy :{x['captured_on']} ({x['direction']})")
+            _rows(rows, "sidecar", cases, caught, answers)
         finally:
             _stop_proxy(proxy)
             redirect.teardown(pod, backend=backend)
@@ -305,12 +320,9 @@ def _ambient(backend: str, rows: list[list[str]]) -> None:
               f"node probe set {'still has ' + str(sorted(left)) if left else 'empty'}")
         with open(plog) as f:
             seen = [e for e in map(json.loads, f) if e.get("event") == "forward"]
-        for (label, _ns, host, port, _uid), answer in zip(cases, answers, strict=True):
-            hit = next((e for e in seen if e.get("orig_dst") == [host, port]), None)
-            if hit is not None:
-                seen.remove(hit)
-            caught = f"node proxy :{_PORT_OF[hit['kind']]} ({hit['kind']})" if hit else "not captured"
-            rows.append(["ambient", label, _dst(host, port), caught, answer])
+        caught = _caught(cases, seen, lambda e: "{}:{}".format(*e.get("orig_dst") or ("", "")),
+                         lambda e: f"node proxy :{_PORT_OF[e['kind']]} ({e['kind']})")
+        _rows(rows, "ambient", cases, caught, answers)
 
 
 _PORT_OF = {"outbound": 15001, "inbound": 15006, "tunnel": 15008}

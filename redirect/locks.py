@@ -58,6 +58,23 @@ def _refuse(path: str, what: str) -> SetupError:
                       f" (or name another directory with REDIRECT_RUN_DIR)")
 
 
+def _vetted(fd: int, path: str, regular: bool, mode_mask: int, mode_text: str) -> int:
+    """``fd`` if what it opened (``path``) is a regular file (where ``regular``), owned by root or
+    us, with none of ``mode_mask`` set; else ``fd`` is closed and ``SetupError`` raised."""
+    st = os.fstat(fd)
+    why = None
+    if regular and not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif st.st_uid not in _owners():
+        why = f"is owned by uid {st.st_uid}"
+    elif st.st_mode & mode_mask:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o} ({mode_text})"
+    if why is not None:
+        os.close(fd)
+        raise _refuse(path, why)
+    return fd
+
+
 def open_run_dir() -> int:
     """An fd (``O_PATH``-like, read-only) of the checked run directory, made ``0700`` if missing."""
     path = run_dir_path()
@@ -80,16 +97,7 @@ def open_run_dir() -> int:
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _refuse(path, "is a symlink or not a directory") from None
             raise _refuse(path, f"cannot be opened: {e.strerror}") from None
-    st = os.fstat(fd)
-    why = None
-    if st.st_uid not in _owners():
-        why = f"is owned by uid {st.st_uid}"
-    elif st.st_mode & 0o022:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o} (writable by group or others)"
-    if why is not None:
-        os.close(fd)
-        raise _refuse(path, why)
-    return fd
+    return _vetted(fd, path, regular=False, mode_mask=0o022, mode_text="writable by group or others")
 
 
 def open_private(name: str) -> int:
@@ -105,18 +113,7 @@ def open_private(name: str) -> int:
             raise _refuse(path, what) from None
     finally:
         os.close(dfd)
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode):
-        why = "is not a regular file"
-    elif st.st_uid not in _owners():
-        why = f"is owned by uid {st.st_uid}"
-    elif st.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o} (open to group or others)"
-    if why is not None:
-        os.close(fd)
-        raise _refuse(path, why)
-    return fd
+    return _vetted(fd, path, regular=True, mode_mask=0o077, mode_text="open to group or others")
 
 
 class _LockFile:
