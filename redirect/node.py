@@ -16,6 +16,9 @@ limits the rule to ambient pods' IPs with an ipset. We do the same:
   ``-p tcp -m owner --socket-exists -m set --match-set rdr-inpod-probes-vN dst
   -j SNAT --to-source <probe address>``.
 
+The rule and the jump are a small plan (``node_rules``: rules of ``redirect.plan``'s
+vocabulary) that the iptables backend renders, as it renders a pod's.
+
 Everything acts on the netns ``netns`` (default: the calling thread's). What is
 installed is read back from the kernel, so ``setup_node`` re-asserts the rules at
 any time: a missing or altered rule is restored, an intact one is not rewritten.
@@ -34,16 +37,16 @@ from dataclasses import dataclass
 
 from . import netns as _netns
 from .backends import iptables
-from .backends.base import CheckResult, is_owned_comment, owned_comment
+from .backends.base import CheckResult, is_owned_comment
 from .config import PROBE_SNAT, normalize_ip
 from .errors import ConfigError, SetupError
 from .ipset import run as _ipset
+from .plan import Family, InSet, Jump, Proto, Rule, Snat, SocketExists
 
 log = logging.getLogger("redirect.node")
 
 CHAIN = "RDR_NODE_POSTRT"
 SET_NAMES = {4: "rdr-inpod-probes-v4", 6: "rdr-inpod-probes-v6"}
-_COMMENT = "redirect: kubelet probes to ambient pods come from the probe address"
 _MAX_OWNER = 200  # ipset comments hold up to 255 bytes
 
 _locks_guard = threading.Lock()
@@ -100,15 +103,25 @@ def _set_exists(name: str) -> bool:
     return _ipset(["list", "-n", name], ok=(0, 1)).returncode == 0
 
 
+def node_rules(fam: int, cfg: NodeConfig) -> tuple[Rule, Rule]:
+    """The node's plan for one family: the rule of ``CHAIN`` (TCP made on this host, so not
+    forwarded, to an ambient pod's address is SNAT'd to the probe address) and the jump into
+    ``CHAIN`` from POSTROUTING."""
+    family: Family = 6 if fam == 6 else 4
+    snat = Rule((Proto("tcp"), SocketExists(), InSet(SET_NAMES[fam])), Snat(cfg.snat(fam)), family,
+                "kubelet probes to ambient pods come from the probe address")
+    return snat, Rule((), Jump(CHAIN), family, "kubelet probes")
+
+
 def _desired_rule(fam: int, cfg: NodeConfig) -> str:
     """Our rule as ``iptables-save`` prints it."""
-    return (f"-A {CHAIN} -p tcp -m owner --socket-exists -m set --match-set {SET_NAMES[fam]} dst"
-            f' -m comment --comment "{_COMMENT}" -j SNAT --to-source {cfg.snat(fam)}')
+    return iptables.render_rule(CHAIN, node_rules(fam, cfg)[0])
 
 
-#: Our jump from POSTROUTING, as iptables-save prints it. A bare jump to our chain (_BARE_JUMP,
-#: the form installed before jumps carried our comment) is ours too, and setup replaces it.
-_JUMP = f'-A POSTROUTING -m comment --comment "{owned_comment("kubelet probes")}" -j {CHAIN}'
+#: Our jump from POSTROUTING, as iptables-save prints it (the same for every family and config).
+#: A bare jump to our chain (_BARE_JUMP, the form installed before jumps carried our comment) is
+#: ours too, and setup replaces it.
+_JUMP = iptables.render_rule("POSTROUTING", node_rules(4, NodeConfig())[1], prefix="")
 _BARE_JUMP = f"-A POSTROUTING -j {CHAIN}"
 
 

@@ -117,7 +117,20 @@ class Socket:
     nowildcard: bool = False
 
 
-Match = Union[Proto, Addr, Port, Iface, Owner, Mark, ConnMark, CtState, Socket]
+@dataclass(frozen=True)
+class SocketExists:
+    """The packet belongs to a local socket: made on this host, not forwarded (node rules)."""
+
+
+@dataclass(frozen=True)
+class InSet:
+    """The packet's ``side`` address is in the ipset ``name`` (node rules)."""
+
+    name: str
+    side: Literal["src", "dst"] = "dst"
+
+
+Match = Union[Proto, Addr, Port, Iface, Owner, Mark, ConnMark, CtState, Socket, SocketExists, InSet]
 
 
 # --- actions -------------------------------------------------------------------------
@@ -190,7 +203,15 @@ class CtZone:
     zone: int
 
 
-Action = Union[Redirect, TProxy, Return, Accept, Drop, Jump, SetMark, SetConnMark, SaveMark, RestoreMark, CtZone]
+@dataclass(frozen=True)
+class Snat:
+    """Rewrite the source address to ``address`` (nat POSTROUTING; node rules)."""
+
+    address: str
+
+
+Action = Union[Redirect, TProxy, Return, Accept, Drop, Jump, SetMark, SetConnMark, SaveMark, RestoreMark, CtZone,
+               Snat]
 
 
 # --- structure -----------------------------------------------------------------------

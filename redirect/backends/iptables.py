@@ -50,6 +50,7 @@ from ..plan import (
     CtZone,
     Drop,
     Iface,
+    InSet,
     Jump,
     Mark,
     Owner,
@@ -63,7 +64,9 @@ from ..plan import (
     SaveMark,
     SetConnMark,
     SetMark,
+    Snat,
     Socket,
+    SocketExists,
     TProxy,
 )
 from .base import MARK, POD_CHAINS, CheckResult, Installed, fault_point, is_owned_comment, owned_comment
@@ -140,6 +143,10 @@ def render_rule(chain: str, rule: Rule, prefix: str = PREFIX) -> str:
             parts += ["-m", "connmark"] + (["!"] if x.neg else []) + ["--mark", _mark(x.value, x.mask)]
         elif isinstance(x, CtState):
             parts += ["-m", "conntrack", "--ctstate", ",".join(x.states)]
+        elif isinstance(x, SocketExists):
+            parts += ["-m", "owner", "--socket-exists"]
+        elif isinstance(x, InSet):
+            parts += ["-m", "set", "--match-set", x.name, x.side]
         elif isinstance(x, Socket):
             parts += ["-m", "socket"]
             if x.transparent:
@@ -175,6 +182,8 @@ def _render_action(a: Action, prefix: str = PREFIX) -> list[str]:
         return ["-j", "CONNMARK", "--restore-mark", "--nfmask", f"{a.mask:#x}", "--ctmask", f"{a.mask:#x}"]
     if isinstance(a, CtZone):
         return ["-j", "CT", "--zone", str(a.zone)]
+    if isinstance(a, Snat):
+        return ["-j", "SNAT", "--to-source", a.address]
     raise TypeError(f"unknown action {a!r}")
 
 
