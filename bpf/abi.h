@@ -24,6 +24,7 @@
 #define RDR_F_INBOUND_ALL 0x20   /* inbound_ports == "*" */
 #define RDR_F_V6 0x40            /* IPv6 is captured too */
 #define RDR_F_TPROXY 0x80        /* inbound_interception = TPROXY (see outbound_target) */
+#define RDR_F_EXCL_IF 0x100      /* exclude_interfaces: RDR_CIDR_IF_EXCL / VIA_EXCL* entries count */
 
 /* pod_policy.groups_mode: owner_groups / owner_groups_exclude */
 #define RDR_GROUPS_ALL 0     /* owner_groups = "*" */
@@ -50,6 +51,12 @@
 #define RDR_CIDR_UID 9   /* proxy_uids */
 #define RDR_CIDR_GID 10  /* proxy_gids */
 #define RDR_CIDR_GROUP 11 /* owner_groups / owner_groups_exclude */
+/* exclude_interfaces, resolved in the pod at setup: an excluded interface's ifindex (network
+ * order, /32, like the ids above), and the destinations the pod's main routing table sends
+ * through one (redirect/lower_ebpf.py, pod_interfaces). */
+#define RDR_CIDR_IF_EXCL 12
+#define RDR_CIDR_VIA_EXCL4 13
+#define RDR_CIDR_VIA_EXCL6 14
 
 /* cidr_key.prefixlen = RDR_CIDR_PREFIX_BASE + the CIDR's own prefix length */
 #define RDR_CIDR_PREFIX_BASE 96

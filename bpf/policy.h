@@ -26,6 +26,32 @@ static __always_inline int cidr_listed(__u64 netns, __u32 kind, const __u8 *addr
 	return cidrs.lookup(&k) != NULL;
 }
 
+/* Whether ifindex is one of the pod's excluded interfaces (exclude_interfaces). */
+static __always_inline int iface_excluded(const struct pod_policy *p, __u64 netns, __u32 ifindex)
+{
+	__u32 be = bpf_htonl(ifindex);
+	__u8 addr[16] = {};
+
+	if (!(p->flags & RDR_F_EXCL_IF) || ifindex == 0)
+		return 0;
+	__builtin_memcpy(addr, &be, 4);
+	return cidr_listed(netns, RDR_CIDR_IF_EXCL, addr, 0);
+}
+
+/* Whether the connection leaves through an excluded interface (Istio's "-o <if> -j RETURN",
+ * first in OUTPUT): the device its socket is bound to, else the interface the pod's main table
+ * routes the destination through (entries written at setup; check reports when they change).
+ * Traffic over lo never leaves through one. */
+static __always_inline int leaves_excluded(const struct pod_policy *p, __u64 netns, const __u8 *addr, int v6,
+					   int out_lo, __u32 bound_if)
+{
+	if (!(p->flags & RDR_F_EXCL_IF) || out_lo)
+		return 0;
+	if (bound_if)
+		return iface_excluded(p, netns, bound_if);
+	return cidr_listed(netns, v6 ? RDR_CIDR_VIA_EXCL6 : RDR_CIDR_VIA_EXCL4, addr, v6);
+}
+
 /* Whether id is in one kind's ranges: the first (inline in the policy, all a
  * pod with one range needs), else its other n - 1 in the cidrs trie. */
 static __always_inline int id_listed(__u64 netns, __u32 kind, const struct id_range *first, __u32 n, __u32 id)
@@ -204,10 +230,14 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns,
  * address). */
 static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
 					     const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr,
-					     int src_passthrough, __u32 mark)
+					     int src_passthrough, __u32 mark, __u32 bound_if)
 {
-	__u16 to = nat_target(p, netns, tcp, port, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough);
+	__u16 to;
 	__u64 ug;
+
+	if (leaves_excluded(p, netns, addr, v6, out_lo, bound_if))
+		return RDR_PASS;
+	to = nat_target(p, netns, tcp, port, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough);
 
 	if (to != RDR_PASS || !(p->flags & RDR_F_TPROXY) || !tcp || !out_lo || dst_is_lo_cidr || src_passthrough ||
 	    mark == p->tproxy_mark)

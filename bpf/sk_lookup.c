@@ -64,6 +64,9 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 		return SK_PASS;
 	if (from_this_pod(ctx, netns))
 		return SK_PASS;
+	/* Arriving on an excluded interface (Istio's "-i <if> -j RETURN"). */
+	if (iface_excluded(p, netns, ctx->ingress_ifindex))
+		return SK_PASS;
 	lk.netns = netns;
 	lk.family = ctx->family;
 	sk = (struct bpf_sock *)listeners.lookup(&lk);

@@ -27,14 +27,14 @@ static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, _
 /* outbound_target for an IPv4 destination (src: the socket's source, for the
  * passthrough address). */
 static __always_inline __u16 target4(const struct pod_policy *p, __u64 netns, int tcp, __u16 port, __u32 dst,
-				     __u32 src, __u32 mark)
+				     __u32 src, __u32 mark, __u32 bound_if)
 {
 	__u8 addr[16] = {};
 
 	__builtin_memcpy(addr, &dst, 4);
 	return outbound_target(p, netns, tcp, port, addr, 0,
 			       is_v4_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0),
-			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src), mark);
+			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src), mark, bound_if);
 }
 
 /* A socket of a registered pod, of a kind we redirect: TCP on connect, UDP
@@ -62,7 +62,8 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
 	to = target4(p, netns, tcp, bpf_ntohs((__u16)ctx->user_port), dst,
-		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4, ctx->sk->mark);
+		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4, ctx->sk->mark,
+		     ctx->sk->bound_dev_if);
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	/* TCP: keyed by this socket's cookie until sock_ops learns its port.
@@ -107,7 +108,8 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		/* An IPv4 destination through a dual-stack socket: IPv4 on the wire,
 		 * so IPv4's rules (whatever the pod's IPv6), recorded as IPv4, sent
 		 * to the IPv4 loopback. */
-		to = target4(p, netns, tcp, port, dst[3], is_v4_mapped(src) ? src[3] : 0, ctx->sk->mark);
+		to = target4(p, netns, tcp, port, dst[3], is_v4_mapped(src) ? src[3] : 0, ctx->sk->mark,
+			     ctx->sk->bound_dev_if);
 		if (to == RDR_PASS)
 			return SYS_PROCEED;
 		__builtin_memcpy(addr, &dst[3], 4);
@@ -127,7 +129,8 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1,
 			     is_v6_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
 			     is_v6_loopback(dst),
-			     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)), ctx->sk->mark);
+			     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)), ctx->sk->mark,
+			     ctx->sk->bound_dev_if);
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,

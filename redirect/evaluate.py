@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 from .config import IdSpec
-from .lower_ebpf import LOOPBACK_IFINDEX, CidrKind, EbpfEntries, IdRange, LocalAddr, pod_local
+from .lower_ebpf import LOOPBACK_IFINDEX, CidrKind, EbpfEntries, IdRange, LocalAddr, Route, pod_interfaces, pod_local
 from .plan import (
     Accept,
     Addr,
@@ -119,6 +119,20 @@ class PodNet:
 
     addrs: tuple[LocalAddr, ...] = ()
     dev: str = "eth0"
+    #: Its interfaces (name, ifindex), lo aside.
+    links: tuple[tuple[str, int], ...] = (("eth0", 2),)
+    #: Routes of its main table through other interfaces than ``dev`` (family, CIDR, (device,)).
+    routes: tuple[Route, ...] = ()
+
+    def out_dev(self, ip: str) -> str:
+        """The interface a non-local destination leaves through: the longest matching route's."""
+        a = _ip(ip)
+        best = max(((net.prefixlen, devs[0]) for f, c, devs in self.routes
+                    if f == a.version and a in (net := _net(c))), default=None)
+        return self.dev if best is None else best[1]
+
+    def ifindex_named(self, name: str) -> int:
+        return LOOPBACK_IFINDEX if name == "lo" else dict(self.links).get(name, 2)
 
     def is_local(self, ip: str) -> bool:
         """Delivered locally (routed over lo): loopback or one of the pod's addresses."""
@@ -264,7 +278,8 @@ def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn
         pkt = _Packet(conn, conn.src or "0.0.0.0", conn.iface, None, local=False)
         return _hooks(chains, "prerouting", ("raw", "mangle", "nat"), pkt) or DIRECT
     over_lo = pod.is_local(conn.dst)
-    pkt = _Packet(conn, pod.source_for(conn), None, "lo" if over_lo else pod.dev, local=True, mark=conn.mark)
+    pkt = _Packet(conn, pod.source_for(conn), None, "lo" if over_lo else pod.out_dev(conn.dst), local=True,
+                  mark=conn.mark)
     landed = _hooks(chains, "output", ("raw", "mangle", "nat"), pkt)
     if landed is not None:
         return landed
@@ -283,11 +298,13 @@ def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn
 class _Maps:
     """The maps of one pod as the programs see them (the netns cookie is implied)."""
 
-    def __init__(self, entries: EbpfEntries, local: tuple[LocalAddr, ...]) -> None:
+    def __init__(self, entries: EbpfEntries, pod: PodNet) -> None:
         p = entries.policy
+        fams = (4, 6) if p.v6 else (4,)
         self.policy = p
         self.ports = set(entries.ports)
-        self.cidrs = list(entries.cidrs) + list(pod_local((4, 6) if p.v6 else (4,), local))
+        self.cidrs = (list(entries.cidrs) + list(pod_local(fams, pod.addrs))
+                      + list(pod_interfaces(entries, fams, pod.links, pod.routes)))
 
     def port_listed(self, kind: str, port: int) -> bool:
         return (kind, port) in self.ports
@@ -343,6 +360,8 @@ def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, 
                      src_passthrough: bool) -> int:
     """``outbound_target`` of bpf/policy.h: 0 (pass) or the local port to rewrite to."""
     p = m.policy
+    if p.excl_if and not out_lo and m.cidr_listed("via_exclude6" if v6 else "via_exclude4", addr, v6):
+        return 0  # leaves_excluded (sockets bound to a device aside: none here)
     to = _nat_target(m, conn, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough)
     if to or not p.tproxy or conn.proto != "tcp" or not out_lo or dst_is_lo_cidr or src_passthrough \
             or conn.mark == p.tproxy_mark:
@@ -445,14 +464,17 @@ def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
         from_pod = s == V6_LOOPBACK or m.cidr_listed("local6", _raw(src), True)
     if from_pod:
         return DIRECT
+    if m.policy.excl_if and ingress_ifindex and m.cidr_listed("iface_exclude", ingress_ifindex.to_bytes(4, "big")
+                                                               .ljust(16, b"\0"), False):
+        return DIRECT
     return ("redirect", m.policy.inbound_port)
 
 
 def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
     """Where ``conn`` lands under the eBPF programs with ``entries`` written for ``pod``."""
-    m = _Maps(entries, pod.addrs)
+    m = _Maps(entries, pod)
     if conn.direction == "in":
-        return _sk_lookup(m, conn, conn.src or "0.0.0.0", LOOPBACK_IFINDEX if conn.iface == "lo" else 2)
+        return _sk_lookup(m, conn, conn.src or "0.0.0.0", pod.ifindex_named(conn.iface))
     to = _connect(m, conn)
     if to:
         return ("redirect", to)

@@ -301,7 +301,7 @@ def test_unload_host_refuses_while_pods_exist(pod: Pod, setup_pod, bpf_root: str
 
 
 @pytest.mark.parametrize("kw", [
-    {"drop_invalid": True}, {"exclude_interfaces": ("eth0",)},
+    {"drop_invalid": True},
     {"reroute_interfaces": ("eth1",)}, {"mode": "ambient"},
     {"gid_hairpin_skips_dns": False, "dns_capture": True, "capture_all_dns": True},
 ], ids=lambda kw: next(iter(kw)))

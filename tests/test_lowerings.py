@@ -13,6 +13,7 @@ the backends themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from typing import Any
 
@@ -58,6 +59,12 @@ S_CIDRS, S_PORTS, S_SERVERS = subsets(CIDRS), subsets(PORTS), subsets(SERVERS)
 S_LOOPBACK = st.sampled_from(["127.0.0.1/32", "127.0.0.0/8", "127.0.0.0/16"])
 S_GROUPS = st.sampled_from(["all", "only", "exclude"])
 S_POD4, S_POD6 = subsets(POD4, 2), subsets(POD6, 2)
+# A second interface, eth1, and routes through it (besides the defaults through eth0).
+ETH1_ROUTES = [(4, "10.1.2.0/24"), (4, "10.2.0.0/16"), (4, "172.16.0.0/12"), (4, "8.8.8.0/24"), (4, "0.0.0.0/1"),
+               (6, "fd00:1::/64"), (6, "fd00:2::/64"), (6, "2001:db8::/32"), (6, "fd00::/8")]
+S_ETH1_ROUTES = subsets(ETH1_ROUTES, 4)
+S_EXCL_IF = subsets(["eth0", "eth1", "eth9"], 2)
+S_IFACE = st.sampled_from(["eth0", "eth0", "eth1"])
 S_PROTO, S_PORT = st.sampled_from(["tcp", "tcp", "udp"]), st.sampled_from(PORTS)
 S_UID, S_GID = st.sampled_from(UIDS), st.sampled_from(GIDS)
 S_PICK = st.integers(0, 2**16)
@@ -85,6 +92,7 @@ def configs(draw: st.DrawFn) -> RedirectConfig:
         "bypass_inbound_capture": draw(st.booleans()),
         "gid_hairpin_skips_dns": draw(st.booleans()),
         "inbound_interception": draw(S_INTERCEPTION),
+        "exclude_interfaces": draw(S_EXCL_IF),
     }
     if not kw["proxy_uids"] and not kw["proxy_gids"]:
         kw["proxy_uids"] = (1337,)
@@ -106,7 +114,9 @@ def configs(draw: st.DrawFn) -> RedirectConfig:
 def pods(draw: st.DrawFn) -> PodNet:
     addrs = [(4, a, 2) for a in draw(S_POD4)]
     addrs += [(6, a, 2) for a in draw(S_POD6)]
-    return PodNet(tuple(addrs))
+    routes = [(4, "0.0.0.0/0", ("eth0",)), (6, "::/0", ("eth0",))]
+    routes += [(f, c, ("eth1",)) for f, c in draw(S_ETH1_ROUTES)]
+    return PodNet(tuple(addrs), links=(("eth0", 2), ("eth1", 3)), routes=tuple(routes))
 
 
 def with_plan_addresses(pod: PodNet, cfg: RedirectConfig, families: tuple[int, ...]) -> PodNet:
@@ -115,7 +125,7 @@ def with_plan_addresses(pod: PodNet, cfg: RedirectConfig, families: tuple[int, .
     own_v6 = any(f == 6 for f, _a, _i in pod.addrs)
     extra = tuple((a.family, a.cidr.split("/")[0], 1) for a in build_plan(cfg).addresses
                   if a.family in families and (a.family == 4 or own_v6))
-    return PodNet(pod.addrs + extra)
+    return dataclasses.replace(pod, addrs=pod.addrs + extra)
 
 
 def _fam(ip: str) -> int:
@@ -135,7 +145,8 @@ def conns(draw: st.DrawFn, pod: PodNet) -> Conn:
     arrive = [a for _f, a, i in pod.addrs if i != 1]
     if arrive and draw(S_QUARTER) == 0:
         dst = pick(draw, arrive)
-        return Conn("in", proto, dst, port, src=pick(draw, [p for p in PEERS if _fam(p) == _fam(dst)]))
+        return Conn("in", proto, dst, port, src=pick(draw, [p for p in PEERS if _fam(p) == _fam(dst)]),
+                    iface=draw(S_IFACE))
     dst = pick(draw, PEERS + LOOPBACKS + SERVERS + own)
     src = None
     if _fam(dst) == 4 and draw(S_TENTH) == 0:

@@ -125,7 +125,6 @@ def snapshot(ns: str, backend: str) -> str:
 
 #: What the eBPF backend can't do (README, "eBPF"): its setup raises BackendUnavailable naming the option.
 EBPF_UNSUPPORTED = {
-    "exclude_interfaces": RedirectConfig(exclude_interfaces=("eth0",)),
     "reroute_interfaces": RedirectConfig(reroute_interfaces=("eth0",)),
     "drop_invalid": RedirectConfig(drop_invalid=True),
 }
@@ -356,6 +355,30 @@ def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend
     assert redirect.check(pod.name, cfg, backend=backend).ok is False  # torn down: nothing matches
 
 
+def test_ebpf_excluded_interface_follows_the_routes_check_reports_changes(pod_with_extra_iface: Pod,
+                                                                           ebpf_root: str) -> None:
+    """eBPF reads which destinations leave through an excluded interface from the pod's main
+    table at setup: a route added later is reported by check and followed by the next setup."""
+    pod = pod_with_extra_iface
+    extra = pod.extra
+    assert extra is not None
+    cfg = RedirectConfig(exclude_interfaces=(extra.pod_if,))
+    far = "10.250.0.1"  # routed through the excluded interface once the route is there
+    with installed(pod, cfg, "ebpf"), listeners(
+        (pod.name, 15001, 4, "proxy-out"), (pod.peer_name, 8080, 4, "peer-app"),
+    ) as L:
+        shown = redirect.show(pod.name)
+        assert any("via-excluded-interface" in c for c in shown["cidrs"]), shown["cidrs"]
+        subprocess.run(["ip", "-n", pod.peer_name, "addr", "add", f"{far}/32", "dev", extra.peer_if], check=True)
+        subprocess.run(["ip", "-n", pod.name, "route", "add", "10.250.0.0/16", "via", extra.peer_ip4], check=True)
+        chk = redirect.check(pod.name, cfg, backend="ebpf")
+        assert not chk.ok and any("via-excluded-interface 10.250.0.0/16" in d for d in chk.differences), chk
+        assert landing(pod.name, far, 8080, *L.values(), uid=APP_UID).label == "proxy-out"  # until setup runs
+        assert redirect.setup(pod.name, cfg, backend="ebpf").changed
+        assert redirect.check(pod.name, cfg, backend="ebpf").ok
+        assert landing(pod.name, far, 8080, *L.values(), uid=APP_UID).label == "peer-app"
+
+
 def test_tproxy_switch_to_ebpf_leaves_no_policy_route(pod: Pod, ebpf_root: str) -> None:
     """eBPF sets no marks, so a switch from netfilter TPROXY capture removes its policy routes."""
     before = routing_state(pod.name)
@@ -370,18 +393,24 @@ def test_tproxy_switch_to_ebpf_leaves_no_policy_route(pod: Pod, ebpf_root: str) 
     assert routing_state(pod.name) == before
 
 
-def test_excluded_interface_is_not_captured(pod_with_extra_iface: Pod, backend: str) -> None:
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_excluded_interface_is_not_captured(pod_with_extra_iface: Pod, backend: str, fam: int) -> None:
+    """Inbound arriving on an excluded interface and outbound leaving through it are not
+    captured; the other interface's are."""
     pod = pod_with_extra_iface
     extra = pod.extra
     assert extra is not None
-    if unsupported_here(pod, backend, "exclude_interfaces"):
-        return
     cfg = RedirectConfig(exclude_interfaces=(extra.pod_if,))
+    extra_pod, extra_peer = (extra.pod_ip4, extra.peer_ip4) if fam == 4 else (extra.pod_ip6, extra.peer_ip6)
     with installed(pod, cfg, backend), listeners(
-        (pod.name, 15006, 4, "proxy-in"), (pod.name, 8000, 4, "pod-app"),
+        (pod.name, 15006, fam, "proxy-in"), (pod.name, 15001, fam, "proxy-out"), (pod.name, 8000, fam, "pod-app"),
+        (pod.peer_name, 8080, fam, "peer-app"),
     ) as L:
-        assert landing(pod.peer_name, pod.pod_ip4, 8000, *L.values()).label == "proxy-in"
-        assert landing(pod.peer_name, extra.pod_ip4, 8000, *L.values()).label == "pod-app"
+        assert redirect.check(pod.name, cfg, backend=backend).ok
+        assert landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values()).label == "proxy-in"
+        assert landing(pod.peer_name, extra_pod, 8000, *L.values()).label == "pod-app"
+        assert landing(pod.name, pod.peer_ip(fam), 8080, *L.values(), uid=APP_UID).label == "proxy-out"
+        assert landing(pod.name, extra_peer, 8080, *L.values(), uid=APP_UID).label == "peer-app"
 
 
 # --------------------------------------------------------------------------- DNS

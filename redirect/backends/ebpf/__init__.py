@@ -44,9 +44,9 @@ property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
-the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack); ``exclude_interfaces`` and
-``reroute_interfaces`` (the socket hooks run before routing picks an output
-interface).
+the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack);
+``reroute_interfaces`` (needs the proxy's outbound listener registered for
+sk_lookup).
 
 The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it
@@ -69,6 +69,10 @@ How the iptables semantics are met without packets:
   UDP), as through NAT; its socket's *local* address is loopback, though
   (iptables: the pod address), so the proxy sees outbound connections come
   from ``127.0.0.1`` / ``::1``;
+- ``exclude_interfaces``: sk_lookup leaves alone what arrives on one; the
+  connect hooks leave alone a socket bound to one, and destinations the pod's
+  main routing table sends through one (read at setup, ``check`` reports
+  route changes, the next setup follows them);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``bpf/policy.h: outbound_target``); no marks or policy

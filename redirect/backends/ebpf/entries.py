@@ -15,14 +15,15 @@ import socket
 from dataclasses import dataclass
 
 from ...config import RedirectConfig
-from ...errors import BackendUnavailable
+from ...errors import BackendUnavailable, SetupError
 from ...intent import Intent, intent_of
-from ...lower_ebpf import lower_ebpf, pod_local
+from ...lower_ebpf import lower_ebpf, pod_interfaces, pod_local
 from .abi import (
     CIDR_DNS4,
     CIDR_DNS6,
     CIDR_GID,
     CIDR_GROUP,
+    CIDR_IF_EXCL,
     CIDR_KEY,
     CIDR_LOCAL4,
     CIDR_LOCAL6,
@@ -32,8 +33,11 @@ from .abi import (
     CIDR_OUT_INCL6,
     CIDR_PREFIX_BASE,
     CIDR_UID,
+    CIDR_VIA_EXCL4,
+    CIDR_VIA_EXCL6,
     F_DNS,
     F_DNS_ALL,
+    F_EXCL_IF,
     F_INBOUND,
     F_INBOUND_ALL,
     F_INCL_LOOPBACK,
@@ -66,8 +70,6 @@ def _unsupported(cfg: RedirectConfig) -> None:
         no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
     if cfg.drop_invalid:
         no("drop_invalid=True", "needs conntrack")
-    if cfg.exclude_interfaces:
-        no(f"exclude_interfaces={cfg.exclude_interfaces!r}", "socket hooks run before routing picks an interface")
     if cfg.reroute_interfaces:
         no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
     if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
@@ -114,7 +116,8 @@ _PORT_KIND = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_in
               "in_exclude": PORT_IN_EXCL}
 _CIDR_KIND = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
               "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
-              "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6, "uid": CIDR_UID, "gid": CIDR_GID, "group": CIDR_GROUP}
+              "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6, "uid": CIDR_UID, "gid": CIDR_GID, "group": CIDR_GROUP,
+              "iface_exclude": CIDR_IF_EXCL, "via_exclude4": CIDR_VIA_EXCL4, "via_exclude6": CIDR_VIA_EXCL6}
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,7 +132,8 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
     p = e.policy
     flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
                                      (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
-                                     (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6), (p.tproxy, F_TPROXY)) if on)
+                                     (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6), (p.tproxy, F_TPROXY),
+                                     (p.excl_if, F_EXCL_IF)) if on)
     lo = ipaddress.ip_network(p.loopback4)
     groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
@@ -153,9 +157,22 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
                 local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
     """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
 
-    ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it.
+    ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it. Called in the pod's
+    netns: with ``exclude_interfaces``, its links and main routing table are read here
+    (``lower_ebpf.pod_interfaces``).
     """
-    return intent_entries(intent_of(cfg), families, cookie, local)
+    e = intent_entries(intent_of(cfg), families, cookie, local)
+    if not cfg.exclude_interfaces:
+        return e
+    from .podnet import links_and_routes
+
+    links, routes = links_and_routes()
+    try:
+        ifs = pod_interfaces(lower_ebpf(intent_of(cfg), families), families, links, routes)
+    except ValueError as err:
+        raise SetupError(f"backend=ebpf: {err}") from None
+    extra = {CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw) for plen, k, raw in ifs}
+    return PodEntries(e.policy, e.ports, e.cidrs | extra)
 
 
 def intent_entries(it: Intent, families: tuple[int, ...], cookie: int,
@@ -175,7 +192,8 @@ _PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-inclu
 _CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-include", CIDR_DNS4: "dns-server",
                CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
                CIDR_LOCAL4: "local", CIDR_LOCAL6: "local", CIDR_UID: "proxy-uid", CIDR_GID: "proxy-gid",
-               CIDR_GROUP: "owner-group"}
+               CIDR_GROUP: "owner-group", CIDR_IF_EXCL: "excluded-interface", CIDR_VIA_EXCL4: "via-excluded-interface",
+               CIDR_VIA_EXCL6: "via-excluded-interface"}
 
 
 def _fmt_port(k: bytes) -> str:
@@ -185,7 +203,9 @@ def _fmt_port(k: bytes) -> str:
 
 def _fmt_cidr(k: bytes) -> str:
     plen, kind, _c, raw = CIDR_KEY.unpack(k)
-    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6)
+    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6, CIDR_VIA_EXCL6)
+    if kind == CIDR_IF_EXCL:
+        return f"{_CIDR_KINDS[kind]} ifindex {int.from_bytes(raw[:4], 'big')}"
     if kind in (CIDR_UID, CIDR_GID, CIDR_GROUP):  # ids lo-hi of a prefix block
         lo = int.from_bytes(raw[:4], "big")
         return f"{_CIDR_KINDS[kind]} {lo}-{lo + (1 << (32 - (plen - 96))) - 1}"
@@ -196,7 +216,7 @@ def _fmt_cidr(k: bytes) -> str:
 def _fmt_policy(raw: bytes) -> str:
     v = POLICY.unpack(raw)
     flags = v[P_FLAGS]
-    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6", "tproxy"]
+    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6", "tproxy", "excl_if"]
     on = [n for i, n in enumerate(names) if flags & (1 << i)]
     f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
 

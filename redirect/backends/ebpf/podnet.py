@@ -194,3 +194,35 @@ def _remove_our_addresses() -> None:
 
     for a in _our_addresses():
         rt.remove_address(a)
+
+
+_RTA_MULTIPATH, _RTN_UNICAST, _RT_TABLE_MAIN = 9, 1, 254
+
+
+def links_and_routes() -> tuple[list[tuple[str, int]], list[tuple[int, str, tuple[str, ...]]]]:
+    """The calling thread's netns: its links (name, ifindex) and the unicast routes of its main
+    table (family, destination CIDR, the interfaces of the next hops), in the kernel's order."""
+    from ... import rtnl
+
+    names = rtnl.link_names()
+    routes: list[tuple[int, str, tuple[str, ...]]] = []
+    for fam in (socket.AF_INET, socket.AF_INET6):
+        for m in rtnl.dump(rtnl.RTM_GETROUTE, fam):
+            dst_len, _src_len, _tos, table, _proto, _scope, rtype, _flags = m.fields
+            table = m.u32(rtnl.RTA_TABLE) or table
+            if table != _RT_TABLE_MAIN or rtype != _RTN_UNICAST:
+                continue
+            raw = m.attrs.get(rtnl.RTA_DST, bytes(4 if fam == socket.AF_INET else 16))
+            dst = socket.inet_ntop(fam, raw)
+            oif = m.u32(rtnl.RTA_OIF)
+            devs: list[str] = [names.get(oif, str(oif))] if oif else []
+            mp = m.attrs.get(_RTA_MULTIPATH, b"")
+            off = 0
+            while off + 8 <= len(mp):  # struct rtnexthop: len, flags, hops, ifindex
+                nlen, _nflags, _hops, ifindex = struct.unpack_from("=HBBi", mp, off)
+                if nlen < 8:
+                    break
+                devs.append(names.get(ifindex, str(ifindex)))
+                off += (nlen + 3) & ~3
+            routes.append((4 if fam == socket.AF_INET else 6, f"{dst}/{dst_len}", tuple(dict.fromkeys(devs))))
+    return [(n, i) for i, n in names.items()], routes
