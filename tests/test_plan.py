@@ -150,9 +150,11 @@ def test_ebpf_lowering_is_typed_and_skips_ipv6_entries_without_ipv6() -> None:
     assert not e4.policy.v6 and e46.policy.v6
     assert e4.ports == (("out_exclude", 22), ("in_include", 8080))
     assert (12, "out_exclude4", bytes([10, 96]) + bytes(14)) in e4.cidrs
-    assert [k for _p, k, _a in e4.cidrs] == ["out_exclude4", "dns4"]
-    assert [k for _p, k, _a in e46.cidrs] == ["out_exclude4", "out_exclude6", "dns4"]
-    assert e4.policy.groups_mode == "only" and e4.policy.groups == ((3000, 3000), (4000, 4001))
+    # An owner kind's first range is in the policy, the others prefix blocks in the CIDR trie.
+    assert [k for _p, k, _a in e4.cidrs] == ["out_exclude4", "dns4", "group"]
+    assert [k for _p, k, _a in e46.cidrs] == ["out_exclude4", "out_exclude6", "dns4", "group"]
+    assert (31, "group", (4000).to_bytes(4, "big") + bytes(12)) in e4.cidrs
+    assert e4.policy.groups_mode == "only" and (e4.policy.group0, e4.policy.n_groups) == ((3000, 3000), 2)
     assert e4.policy.dns and not e4.policy.dns_all and e4.policy.inbound and not e4.policy.inbound_all
     assert [k for _p, k, _a in pod_local((4, 6), POD.addrs)] == ["local4", "local6", "local6"]
     assert [k for _p, k, _a in pod_local((4,), POD.addrs)] == ["local4"]
