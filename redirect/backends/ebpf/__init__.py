@@ -45,8 +45,8 @@ connection where the netfilter plan does.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack);
-``reroute_interfaces`` (needs the proxy's outbound listener registered for
-sk_lookup).
+``reroute_interfaces`` (what arrives there is mostly forwarded traffic, which
+sk_lookup never sees).
 
 The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it

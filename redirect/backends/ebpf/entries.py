@@ -69,9 +69,11 @@ def _unsupported(cfg: RedirectConfig) -> None:
     if cfg.mode != "sidecar":
         no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
     if cfg.drop_invalid:
-        no("drop_invalid=True", "needs conntrack")
+        no("drop_invalid=True", "needs conntrack's verdict per packet, from a tc program: not implemented")
     if cfg.reroute_interfaces:
-        no(f"reroute_interfaces={cfg.reroute_interfaces!r}", "needs a packet-level hook")
+        no(f"reroute_interfaces={cfg.reroute_interfaces!r}",
+           "what arrives there is mostly forwarded traffic, which sk_lookup never sees; needs a tc program:"
+           " not implemented")
     if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
         no("gid_hairpin_skips_dns=False", "the programs leave port 53 alone for proxy uids and gids alike")
 
