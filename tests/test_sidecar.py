@@ -123,26 +123,6 @@ def snapshot(ns: str, backend: str) -> str:
     return out
 
 
-#: What the eBPF backend can't do (README, "eBPF"): its setup raises BackendUnavailable naming the option.
-EBPF_UNSUPPORTED = {
-    "reroute_interfaces": RedirectConfig(reroute_interfaces=("eth0",)),
-    "drop_invalid": RedirectConfig(drop_invalid=True),
-}
-
-
-def unsupported_here(pod: Pod, backend: str, option: str) -> bool:
-    """True if ``backend`` documents ``option`` as unsupported, after asserting that its setup
-    says so (``BackendUnavailable`` naming the option) and installs nothing."""
-    if backend != "ebpf":
-        return False
-    before = snapshot(pod.name, backend), routing_state(pod.name)
-    with pytest.raises(redirect.BackendUnavailable, match=option):
-        redirect.setup(pod.name, EBPF_UNSUPPORTED[option], backend=backend)
-    assert (snapshot(pod.name, backend), routing_state(pod.name)) == before
-    assert not redirect.show(pod.name, backend=backend)["installed"]
-    return True
-
-
 def routing_state(ns: str) -> str:
     cmds = [["ip", "rule"], ["ip", "-6", "rule"], ["ip", "route", "show", "table", "all"],
             ["ip", "-6", "route", "show", "table", "all"], ["ip", "-o", "addr"]]
