@@ -23,10 +23,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _cfg_args(p: argparse.ArgumentParser) -> None:
+    from .config import PROBE_SNAT
+
     p.add_argument("--probe-snat-ipv4", default=None, metavar="ADDR",
-                   help="source kubelet probes are SNAT'd to (default 169.254.7.127)")
+                   help=f"source kubelet probes are SNAT'd to (default {PROBE_SNAT[4]})")
     p.add_argument("--probe-snat-ipv6", default=None, metavar="ADDR",
-                   help="IPv6 probe source (default fd16:9254:7127:1337:ffff:ffff:ffff:ffff)")
+                   help=f"IPv6 probe source (default {PROBE_SNAT[6]})")
     p.add_argument("--ipv6", choices=tuple(_IPV6), default="auto",
                    help="IPv6 rule and set: auto (whenever the netns has IPv6), on or off")
 

@@ -367,3 +367,15 @@ def test_resolv_conf_that_is_not_utf8_still_gives_its_servers(tmp_path: Any) -> 
     p = tmp_path / "resolv.conf"
     p.write_bytes(b"# \xff\xfe\nnameserver 10.0.0.10\n")
     assert resolv_conf_servers(str(p)) == ("10.0.0.10",)
+
+
+def test_normalize_ip_is_the_one_address_check_of_config_node_and_agent() -> None:
+    import ipaddress
+
+    from redirect.config import normalize_ip
+
+    assert normalize_ip(" 10.0.0.1 ") == "10.0.0.1"
+    assert normalize_ip("FD00:0::1") == "fd00::1"
+    assert normalize_ip(ipaddress.ip_address("fd00::2"), 6) == "fd00::2"
+    assert normalize_ip("10.0.0.1", 6) is None and normalize_ip("fd00::1", 4) is None
+    assert normalize_ip("10.0.0.1/32") is None and normalize_ip(10) is None and normalize_ip("") is None

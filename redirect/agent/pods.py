@@ -10,11 +10,10 @@ parses and is ambient), so a record can never give the agent a pod an event coul
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import RedirectConfig
+from ..config import RedirectConfig, normalize_ip
 from ..errors import ConfigError
 from . import protocol
 
@@ -68,12 +67,9 @@ def ips_of(value: Any, field: str) -> tuple[str, ...]:
         raise BadPod(field, value, f"expected a list of at most {MAX_IPS} IP addresses")
     out: list[str] = []
     for raw in value:
-        if not isinstance(raw, str) or len(raw) > 64:
+        ip = normalize_ip(raw) if isinstance(raw, str) and len(raw) <= 64 else None
+        if ip is None:
             raise BadPod(field, raw, "not an IPv4 or IPv6 address")
-        try:
-            ip = str(ipaddress.ip_address(raw.strip()))
-        except ValueError:
-            raise BadPod(field, raw, "not an IPv4 or IPv6 address") from None
         if ip not in out:
             out.append(ip)
     return tuple(out)
