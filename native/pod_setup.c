@@ -36,6 +36,7 @@
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <sched.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -167,7 +168,7 @@ int rdr_scan_netns(struct rdr_netns_scan *sc)
 {
 	int s, ret;
 
-	memset(sc, 0, sizeof(*sc));
+	memset(sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
 	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
 	if (s < 0)
 		return -errno;
@@ -587,7 +588,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	int s, ret, n = 0, set, addr_added = 0, pin_name, want_v6_lo;
 	uint32_t seq = 1;
 
-	memset(&sc, 0, sizeof(sc));
+	memset(&sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
 	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
 	if (s < 0)
 		return RDR_POD_SLOW;

@@ -107,7 +107,7 @@ struct rdr_netns_scan {
 	struct rdr_scan_addr a[RDR_SCAN_MAX];
 };
 
-/* Fill sc (zeroed here) for the calling thread's netns: 0 or -errno. */
+/* Fill sc for the calling thread's netns (a[n..] left as they were): 0 or -errno. */
 int rdr_scan_netns(struct rdr_netns_scan *sc);
 
 #define RDR_FAM4 1
