@@ -334,21 +334,33 @@ def _pods_in(root: str) -> int | None:
         os.close(fd)
 
 
-def _repair_links(root: str, cgroup: str, names: list[str]) -> None:
+def _attach_to_cgroup(root: str, cgroup: str, progs: dict[str, int]) -> None:
+    """Attach each program (name -> fd) to ``cgroup`` with a ``bpf_link`` pinned at ``links/<name>``."""
     cgfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for name in names:
-            pfd = obj_get(os.path.join(root, "progs", name))
+        for name, pfd in progs.items():
             try:
                 lfd = link_create(pfd, cgfd, PROGRAMS[name][1])
-            finally:
-                os.close(pfd)
+            except OSError as e:
+                raise BackendUnavailable(f"ebpf: attaching {name} to cgroup {cgroup} failed: {e}") from None
             try:
                 obj_pin(lfd, os.path.join(root, "links", name))
             finally:
                 os.close(lfd)
     finally:
         os.close(cgfd)
+
+
+def _repair_links(root: str, cgroup: str, names: list[str]) -> None:
+    """Re-create the missing cgroup links ``names`` from the pinned programs."""
+    progs: dict[str, int] = {}
+    try:
+        for name in names:
+            progs[name] = obj_get(os.path.join(root, "progs", name))
+        _attach_to_cgroup(root, cgroup, progs)
+    finally:
+        for fd in progs.values():
+            os.close(fd)
 
 
 def _map_fdinfo(fd: int) -> dict[str, int]:
@@ -448,21 +460,7 @@ def _load_and_pin(root: str, cgroup: str) -> None:
         # The pods' sk_lookup programs tail-call this one (bpf/redirect.h, lookup_netns).
         _check(_native().lib.rdr_bpf_map_update(libbcc.lib.bpf_table_fd(b.module, b"lookup_prog"), U32.pack(0),
                                                 U32.pack(fns["rdr_sk_lookup"].fd), 0), "update lookup_prog")
-        cgfd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for name, (_pt, atype, cg) in PROGRAMS.items():
-                if not cg:
-                    continue
-                try:
-                    lfd = link_create(fns[name].fd, cgfd, atype)
-                except OSError as e:
-                    raise BackendUnavailable(f"ebpf: attaching {name} to cgroup {cgroup} failed: {e}") from None
-                try:
-                    obj_pin(lfd, os.path.join(root, "links", name))
-                finally:
-                    os.close(lfd)
-        finally:
-            os.close(cgfd)
+        _attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in _cgroup_progs()})
     except BaseException:
         _unpin_all(root)
         raise
