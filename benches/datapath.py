@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redirect
+from redirect import podkit
 
 from . import nsutil, reference
 from .methods import config_for, listen_for
@@ -49,12 +50,7 @@ def make_pod(listen: tuple[int, ...] = ()) -> tuple[str, str]:
     ``listen``: ports held open in the pod (see ``nsutil.create``)."""
     (pod,) = nsutil.create(1, "d", listen)
     (peer,) = nsutil.create(1, "d")
-    subprocess.run(["ip", "link", "add", "eth0", "netns", pod, "type", "veth", "peer", "name", "eth0",
-                    "netns", peer], check=True, capture_output=True, timeout=30)
-    for ns, addr in ((pod, POD_ADDR), (peer, PEER_ADDR)):
-        cmds = f"addr add {addr}/24 dev eth0\nlink set eth0 up\nlink set lo up\n"
-        subprocess.run(["ip", "-n", ns, "-batch", "-"], input=cmds.encode(), check=True, capture_output=True,
-                       timeout=30)
+    podkit.connect_netns(pod, peer, podkit.Link("eth0", "eth0", POD_ADDR, PEER_ADDR))
     return pod, peer
 
 

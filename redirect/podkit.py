@@ -40,8 +40,8 @@ class Link:
     peer_if: str
     pod_ip4: str
     peer_ip4: str
-    pod_ip6: str
-    peer_ip6: str
+    pod_ip6: str = ""  # "": no IPv6 on this link
+    peer_ip6: str = ""
     prefix4: int = 24
     prefix6: int = 64
 
@@ -117,13 +117,27 @@ def connect(pod_ipr: Any, peer_ipr: Any, peer_ns: str, link: Link) -> None:
                                   (q, link.peer_if, link.peer_ip4, link.peer_ip6)):
         (idx,) = ipr.link_lookup(ifname=ifname)
         ipr.addr("add", index=idx, address=ip4, prefixlen=link.prefix4)
-        ipr.addr("add", index=idx, address=ip6, prefixlen=link.prefix6, flags=IFA_F_NODAD)
+        if ip6:
+            ipr.addr("add", index=idx, address=ip6, prefixlen=link.prefix6, flags=IFA_F_NODAD)
         ipr.link("set", index=idx, state="up")
     deadline = time.monotonic() + 3.0
     for ipr, ifname in ((p, link.pod_if), (q, link.peer_if)):
         (idx,) = ipr.link_lookup(ifname=ifname)
         while time.monotonic() < deadline and ipr.get_links(idx)[0].get_attr("IFLA_OPERSTATE") != "UP":
             time.sleep(0.005)
+
+
+def connect_netns(pod_ns: str, peer_ns: str, link: Link) -> None:
+    """``connect`` between two namespaces by name."""
+    pod_ipr = iproute_in(pod_ns)
+    try:
+        peer_ipr = iproute_in(peer_ns)
+        try:
+            connect(pod_ipr, peer_ipr, peer_ns, link)
+        finally:
+            peer_ipr.close()
+    finally:
+        pod_ipr.close()
 
 
 @contextlib.contextmanager
@@ -172,5 +186,5 @@ def _remove_all(names: list[str]) -> None:
         raise first
 
 
-__all__ = ["Link", "make_pod", "connect", "create_netns", "remove_netns", "iproute_in", "live_namespaces",
-           "NETNS_DIR"]
+__all__ = ["Link", "make_pod", "connect", "connect_netns", "create_netns", "remove_netns", "iproute_in",
+           "live_namespaces", "NETNS_DIR"]
