@@ -206,9 +206,9 @@ def kernel_objects(ns: str) -> dict[str, int | None]:
 
 
 def bpf_root() -> str:
-    from redirect.backends import ebpf
+    from redirect.backends import ebpf_root
 
-    return ebpf._root(None)
+    return ebpf_root()
 
 
 def _bpf_maps(root: str | None = None) -> dict[str, int] | None:

@@ -23,9 +23,9 @@ def _root_arg(p: argparse.ArgumentParser) -> None:
 
 def status(root: str | None) -> dict[str, Any]:
     """What is pinned under the root: loaded, missing pins, registered pods (netns cookies)."""
-    from .backends import ebpf
+    from .backends import ebpf, ebpf_root
 
-    r = ebpf._root(root)
+    r = root or ebpf_root()
     out: dict[str, Any] = {"root": r, "build_id": ebpf.build_id(), "exists": os.path.isdir(r)}
     if not out["exists"]:
         return {**out, "loaded": False, "missing": [], "pods": []}
@@ -65,9 +65,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    from .backends import ebpf
+    from .backends import ebpf, ebpf_root
 
-    r = ebpf._root(args.root)
+    r = args.root or ebpf_root()
     removed = ebpf.unload_host(r, force=args.force)
     print(f"{r}: {'host programs, maps and links removed' if removed else 'nothing was loaded'}")
     return 0
