@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -123,19 +124,27 @@ def _shims_of(sock: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def default_cni_dirs() -> Iterator[None]:
-    """/etc/cni/net.d and /opt/cni/bin exist as mount points; what we create is removed after."""
+def mount_points(*paths: str) -> Iterator[None]:
+    """``paths`` exist as directories to mount over; those created here are removed after."""
     made: list[str] = []
-    for d in ("/etc/cni", "/etc/cni/net.d", "/opt/cni", "/opt/cni/bin"):
-        if not os.path.isdir(d):
-            os.mkdir(d)
-            made.append(d)
+    for p in paths:
+        parts = Path(p).parts
+        for i in range(2, len(parts) + 1):
+            d = os.path.join(*parts[:i])
+            if not os.path.isdir(d):
+                os.mkdir(d)
+                made.append(d)
     try:
         yield
     finally:
         for d in reversed(made):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
+
+
+def default_cni_dirs() -> contextlib.AbstractContextManager[None]:
+    """/etc/cni/net.d and /opt/cni/bin exist as mount points; what we create is removed after."""
+    return mount_points("/etc/cni/net.d", "/opt/cni/bin")
 
 
 def busybox_rootfs(path: str) -> None:

@@ -15,7 +15,6 @@ its traffic, and the runtime's DEL removes it again.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -26,7 +25,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,7 @@ from tests.ctrkit import (  # the containerd kit
     Containerd,
     busybox_rootfs,
     containerd,  # noqa: F401 - the fixture
-    default_cni_dirs,
+    mount_points,
     needs_containerd,
     wait_task,
 )
@@ -151,25 +149,6 @@ def test_the_image_recipe_provides_what_the_manifests_run() -> None:
 # --- on a node: the command lines as written, under containerd ------------------------------------
 
 
-@contextlib.contextmanager
-def mount_points(*paths: str) -> Iterator[None]:
-    """``paths`` exist as directories to mount over; those created here are removed after."""
-    made: list[str] = []
-    for p in paths:
-        parts = Path(p).parts
-        for i in range(2, len(parts) + 1):
-            d = os.path.join(*parts[:i])
-            if not os.path.isdir(d):
-                os.mkdir(d)
-                made.append(d)
-    try:
-        yield
-    finally:
-        for d in reversed(made):
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
-
-
 class NodeUnderTest:
     """The node netns, the host-path stand-ins and the DaemonSet's processes."""
 
@@ -272,7 +251,7 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 def test_the_daemonsets_command_lines_run_a_node_that_captures_a_containerd_pod(
         containerd: Containerd) -> None:  # noqa: F811 - pytest's fixture by name
     mounts = ["/etc/redirect", *TEST_HOST_PATHS]
-    with default_cni_dirs(), mount_points(*mounts):
+    with mount_points("/etc/cni/net.d", "/opt/cni/bin", *mounts):
         n = NodeUnderTest(containerd.base)
         run: subprocess.Popen[bytes] | None = None
         try:
