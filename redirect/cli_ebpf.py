@@ -34,7 +34,7 @@ def status(root: str | None) -> dict[str, Any]:
     out["loaded"] = not missing
     out["pods"] = ebpf.registered_pods(r) if not missing else []
     if missing:
-        out["pods_count"] = ebpf._pods_in(r)  # None: can't be told without the pods map
+        out["pods_count"] = ebpf.count_pods(r)  # None: can't be told without the pods map
     return out
 
 

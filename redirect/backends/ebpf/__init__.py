@@ -126,10 +126,10 @@ from .host import (
     HostPrograms,
     _cgroup,
     _cgroup_progs,
-    _pods_in,
     _root,
     _unpin_all,
     build_id,
+    count_pods,
     host_refusal,
     missing_pins,
     probe_kernel,
@@ -158,5 +158,5 @@ __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_h
            "CIDR_KEY",
            "CIDR_LOCAL4", "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
            "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "_policy_core",
-           "_unsupported", "_cgroup_progs", "_pods_in", "_root", "_unpin_all", "_pod_link", "_link_target",
+           "_unsupported", "_cgroup_progs", "count_pods", "_root", "_unpin_all", "_pod_link", "_link_target",
            "_native", "link_info", "obj_get", "prog_id"]

@@ -249,7 +249,7 @@ class HostPrograms:
                 log.warning("ebpf: re-created missing cgroup links under %s: %s", root, ", ".join(missing))
                 return cls.open_pinned(root)
             if len(objs) < len(MAPS) + 1 + len(PROGRAMS):  # some pins are there: is anyone using them?
-                pods = _pods_in(root)
+                pods = count_pods(root)
                 if pods is None or pods:
                     who = (f"{pods} pod(s) are registered" if pods else
                            "pods may be registered (no pods map pin, but the programs are still attached)")
@@ -303,7 +303,7 @@ def missing_pins(root: str) -> list[str]:
     return out
 
 
-def _pods_in(root: str) -> int | None:
+def count_pods(root: str) -> int | None:
     """How many pods are registered under ``root``; ``None`` if that can't be told.
 
     Without the ``pods`` pin: the map the attached programs still use (``recover_host``), else the

@@ -20,9 +20,9 @@ from .host import (
     _host_lock,
     _lock_name,
     _map_fdinfo,
-    _pods_in,
     _root,
     _unpin_all,
+    count_pods,
     missing_pins,
     recover_host,
 )
@@ -142,7 +142,7 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
                 f"ebpf: {len(pods)} pod(s) still registered under {r} (netns cookies {pods[:5]}): tear them down first"
             )
         if not force and os.path.isdir(r) and host(r, load=False) is None:
-            n = _pods_in(r)  # some pins are missing: count what can be counted
+            n = count_pods(r)  # some pins are missing: count what can be counted
             if n is None or n:
                 raise SetupError(
                     f"ebpf: host pins under {r} are incomplete (missing: {', '.join(missing_pins(r))}) and pods may"
