@@ -21,7 +21,7 @@ from .config import RedirectConfig
 from .errors import ConfigError
 
 #: (short, long, RedirectConfig field or None, default, help). Env var = long upper-cased.
-_STRING_FLAGS: list[tuple[str | None, str, str | None, str, str]] = [
+STRING_FLAGS: list[tuple[str | None, str, str | None, str, str]] = [
     ("-p", "--envoy-port", "proxy_port", "15001", "port all outbound TCP is redirected to"),
     ("-z", "--inbound-capture-port", "inbound_port", "15006", "port all inbound TCP is redirected to"),
     ("-e", "--inbound-tunnel-port", "tunnel_port", "15008", "tunnel (HBONE) port, never captured inbound"),
@@ -45,7 +45,7 @@ _STRING_FLAGS: list[tuple[str | None, str, str | None, str, str]] = [
 ]
 
 #: (flag, RedirectConfig field or None, env var providing the default)
-_BOOL_FLAGS: list[tuple[str, str | None, str | None, str]] = [
+BOOL_FLAGS: list[tuple[str, str | None, str | None, str]] = [
     ("--redirect-dns", "dns_capture", "ISTIO_META_DNS_CAPTURE", "capture DNS to port 53 (to 15053)"),
     ("--capture-all-dns", "capture_all_dns", None, "capture DNS to every server, not only those in resolv.conf"),
     ("--drop-invalid", "drop_invalid", "INVALID_DROP", "drop conntrack-INVALID packets"),
@@ -77,10 +77,10 @@ class InitOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add istio-iptables' flags to ``p`` (defaults resolved later, so env vars apply)."""
-    for short, long, _field, _default, help_ in _STRING_FLAGS:
+    for short, long, _field, _default, help_ in STRING_FLAGS:
         names = [short, long] if short else [long]
         p.add_argument(*names, dest=_dest(long), default=None, metavar="VALUE", help=f"{help_} (${_env_name(long)})")
-    for long, _field, env_default, help_ in _BOOL_FLAGS:
+    for long, _field, env_default, help_ in BOOL_FLAGS:
         extra = f" (${env_default})" if env_default else ""
         p.add_argument(long, dest=_dest(long), action="store_const", const="true", default=None, help=help_ + extra)
     p.add_argument("-n", "--dry-run", dest="dry_run", action="store_const", const="true", default=None,
@@ -123,11 +123,11 @@ def options_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = No
     """Resolve flags, then env vars, then Istio's defaults, into ``InitOptions``."""
     env = os.environ if env is None else env
     raw: dict[str, str] = {}
-    for _short, long, _field, default, _help in _STRING_FLAGS:
+    for _short, long, _field, default, _help in STRING_FLAGS:
         given: str | None = getattr(ns, _dest(long), None)
         raw[long] = given if given is not None else env.get(_env_name(long), default)
     flags: dict[str, bool] = {}
-    for long, _field, env_default, _help in _BOOL_FLAGS:
+    for long, _field, env_default, _help in BOOL_FLAGS:
         v = getattr(ns, _dest(long), None)
         if v is None:
             v = env.get(_env_name(long)) or (env.get(env_default) if env_default else None) or "false"
@@ -135,7 +135,7 @@ def options_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = No
     dry = getattr(ns, "dry_run", None) or env.get("DRY_RUN") or "false"
 
     kwargs: dict[str, Any] = {}
-    for _short, long, field, _default, _help in _STRING_FLAGS:
+    for _short, long, field, _default, _help in STRING_FLAGS:
         if field is None:
             continue
         value = raw[long]
@@ -145,7 +145,7 @@ def options_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = No
     if not raw["--proxy-gid"]:
         kwargs["proxy_gids"] = kwargs["proxy_uids"]
     kwargs["inbound_interception"] = raw["--istio-inbound-interception-mode"] or "REDIRECT"
-    for long, field, _env, _help in _BOOL_FLAGS:
+    for long, field, _env, _help in BOOL_FLAGS:
         if field is not None:
             kwargs[field] = flags[long]
     if env.get("ISTIO_OUTBOUND_OWNER_GROUPS"):
@@ -195,10 +195,10 @@ def options_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = No
 
 
 def _flag_for(field: str) -> str:
-    for _short, long, f, _default, _help in _STRING_FLAGS:
+    for _short, long, f, _default, _help in STRING_FLAGS:
         if f == field:
             return long
-    for long, f, _env, _help in _BOOL_FLAGS:
+    for long, f, _env, _help in BOOL_FLAGS:
         if f == field:
             return long
     return field

@@ -46,7 +46,7 @@ from typing import Any
 from ..annotations import PROXY_GID, PROXY_UID, config_from_annotations, wants_capture
 from ..config import RedirectConfig
 from ..errors import ConfigError
-from ..istio import _BOOL_FLAGS, _STRING_FLAGS, config_from_istio_args
+from ..istio import BOOL_FLAGS, STRING_FLAGS, config_from_istio_args
 
 DEFAULT_IMAGE = "redirect:0.1.0"
 INIT_NAME = "redirect-init"
@@ -114,10 +114,10 @@ def init_args(cfg: RedirectConfig, backend: str = "iptables") -> list[str]:
     variables. Raises ``ConfigError`` when ``cfg`` sets something no flag expresses.
     """
     out: list[str] = []
-    for short, long, field, _default, _help in _STRING_FLAGS:
+    for short, long, field, _default, _help in STRING_FLAGS:
         if field is not None:
             out += [short or long, _flag_value(getattr(cfg, field))]
-    for long, field, _env, _help in _BOOL_FLAGS:
+    for long, field, _env, _help in BOOL_FLAGS:
         if field is not None and getattr(cfg, field):
             out.append(long)
     out += BACKENDS[backend]
