@@ -167,6 +167,16 @@ class Listener:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _transparent_and_mark(self, s: socket.socket) -> None:
+        """The listener's own socket options, also on a reply socket bound to a foreign address."""
+        if self.transparent:
+            if self.family == 4:
+                s.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
+            else:
+                s.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
+        if self.mark is not None:
+            s.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
+
     def _make_socket(self) -> socket.socket:
         af = socket.AF_INET if self.family == 4 else socket.AF_INET6
         s = _socket_owned_by(self.owner, af, self.sock_type)
@@ -174,13 +184,7 @@ class Listener:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if self.family == 6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if self.transparent:
-                if self.family == 4:
-                    s.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
-                else:
-                    s.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
-            if self.mark is not None:
-                s.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
+            self._transparent_and_mark(s)
             self._configure(s)
             s.bind((self.host, self.port))
             if self.sock_type == socket.SOCK_STREAM:
@@ -347,12 +351,7 @@ class UdpListener(Listener):
             af = socket.AF_INET if self.family == 4 else socket.AF_INET6
             with socket.socket(af, socket.SOCK_DGRAM) as r:
                 r.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if self.family == 4:
-                    r.setsockopt(SOL_IP, IP_TRANSPARENT, 1)
-                else:
-                    r.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
-                if self.mark is not None:
-                    r.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
+                self._transparent_and_mark(r)
                 r.bind(local)
                 r.sendto(msg, peer)
             return
