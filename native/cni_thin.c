@@ -220,6 +220,24 @@ static int scan_string(struct scan *sc) {
 }
 
 /* Any value at sc->i: checked (structure, strings) and skipped, nesting kept in a bounded stack. */
+/* A member's key (its quoted text into *key, if given) and its ':' (whitespace between): the
+ * scanner stops after the ':'. */
+static int scan_key(struct scan *sc, struct span *key) {
+    size_t k0 = sc->i;
+    if (scan_string(sc) < 0) return -1;
+    if (key) {
+        key->p = sc->s + k0;
+        key->n = sc->i - k0;
+    }
+    ws(sc);
+    if (sc->i >= sc->n || sc->s[sc->i] != ':') {
+        sc->err = "expected ':'";
+        return -1;
+    }
+    sc->i++;
+    return 0;
+}
+
 static int skip_value(struct scan *sc) {
     char stack[MAX_DEPTH];
     int depth = 0;
@@ -244,15 +262,7 @@ static int skip_value(struct scan *sc) {
                 depth--;
                 sc->i++;
             } else {
-                if (c == '{') {
-                    if (scan_string(sc) < 0) return -1;
-                    ws(sc);
-                    if (sc->i >= sc->n || sc->s[sc->i] != ':') {
-                        sc->err = "expected ':'";
-                        return -1;
-                    }
-                    sc->i++;
-                }
+                if (c == '{' && scan_key(sc, NULL) < 0) return -1;
                 continue; /* the first element's value */
             }
         } else {
@@ -289,13 +299,7 @@ static int skip_value(struct scan *sc) {
             sc->i++;
             if (top == '{') {
                 ws(sc);
-                if (scan_string(sc) < 0) return -1;
-                ws(sc);
-                if (sc->i >= sc->n || sc->s[sc->i] != ':') {
-                    sc->err = "expected ':'";
-                    return -1;
-                }
-                sc->i++;
+                if (scan_key(sc, NULL) < 0) return -1;
             }
             break;
         }
@@ -379,15 +383,8 @@ static int top_members(struct scan *sc, const char *const *keys, struct span *va
     } else {
         for (;;) {
             ws(sc);
-            size_t k0 = sc->i;
-            if (scan_string(sc) < 0) return -1;
-            struct span key = {sc->s + k0, sc->i - k0};
-            ws(sc);
-            if (sc->i >= sc->n || sc->s[sc->i] != ':') {
-                sc->err = "expected ':'";
-                return -1;
-            }
-            sc->i++;
+            struct span key;
+            if (scan_key(sc, &key) < 0) return -1;
             ws(sc);
             size_t v0 = sc->i;
             if (skip_value(sc) < 0) return -1;
