@@ -560,12 +560,6 @@ def test_ebpf_lands_every_probe_where_iptables_does(make_pod, bpf_root: str) -> 
 
     from tests import test_nftables_diff as diff
 
-    specs = diff.specs.map(lambda d: {**d, "inbound_interception": "REDIRECT", "drop_invalid": False})
-    ipt, bpf = make_pod(), make_pod()
-    ls = {ipt.name: diff.listeners(ipt), bpf.name: diff.listeners(bpf)}
-    for group in ls.values():
-        for lst in group:
-            lst.start()
 
     def matrix(pod: Pod) -> dict[str, Any]:
         """diff.matrix plus the pod talking to itself: own pod IP, loopback, inbound passthrough."""
@@ -591,16 +585,13 @@ def test_ebpf_lands_every_probe_where_iptables_does(make_pod, bpf_root: str) -> 
     def norm(m: dict[str, Any]) -> dict[str, Any]:
         return {k: (lab, orig, None if lab == "proxy-in" else local) for k, (lab, orig, local) in m.items()}
 
-    try:
-        for p in (ipt, bpf):  # a fresh pod's first IPv6 connections wait for neighbour discovery
-            landing(p.name, p.peer_ip6, 80, *ls[p.name], timeout=3.0)
-            landing(p.peer_name, p.pod_ip6, 8080, *ls[p.name], timeout=3.0)
+    with diff.iptables_and_ebpf_pods(make_pod) as (ipt, bpf, ls):
         seen: list[dict[str, Any]] = []
         labels: set[str] = set()
 
         @settings(max_examples=15, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-        @given(spec=specs)
+        @given(spec=diff.ebpf_specs)
         def example(spec: dict[str, Any]) -> None:
             api.setup(ipt.name, diff.config_for(spec, ipt), backend="iptables")
             api.setup(bpf.name, diff.config_for(spec, bpf), backend="ebpf")
@@ -617,12 +608,6 @@ def test_ebpf_lands_every_probe_where_iptables_does(make_pod, bpf_root: str) -> 
         print(f"iptables vs ebpf: {len(seen)} configs, {len(seen) * 40} probes each side, labels {sorted(labels)}")
         assert len(seen) >= 10, f"only {len(seen)} configs were compared"
         assert {"proxy-out", "proxy-in", "dns-tcp", "dns-udp", "remote-80", "pod-15008"} <= labels, labels
-    finally:
-        for group in ls.values():
-            for lst in group:
-                lst.close()
-        api.teardown(ipt.name, backend="iptables")
-        api.teardown(bpf.name, backend="ebpf")
 
 
 @pytest.mark.parametrize("order", ["proxy-first", "setup-first"])

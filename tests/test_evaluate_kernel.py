@@ -71,22 +71,13 @@ def landed(pod: Pod, ls: list[Listener], kw: dict[str, Any]) -> Landing | str:
 
 
 def test_evaluators_land_every_probe_where_the_kernel_does(make_pod, bpf_root: str) -> None:  # noqa: F811
-    specs = diff.specs.map(lambda d: {**d, "inbound_interception": "REDIRECT", "drop_invalid": False})
-    ipt, bpf = make_pod(), make_pod()
-    ls = {ipt.name: diff.listeners(ipt), bpf.name: diff.listeners(bpf)}
-    for group in ls.values():
-        for lst in group:
-            lst.start()
     kinds: set[Landing | str] = set()
-    try:
-        for p in (ipt, bpf):  # a fresh pod's first IPv6 connections wait for neighbour discovery
-            landing(p.name, p.peer_ip6, 80, *ls[p.name], timeout=3.0)
-            landing(p.peer_name, p.pod_ip6, 8080, *ls[p.name], timeout=3.0)
+    with diff.iptables_and_ebpf_pods(make_pod) as (ipt, bpf, ls):
         seen: list[dict[str, Any]] = []
 
         @settings(max_examples=12, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-        @given(spec=specs)
+        @given(spec=diff.ebpf_specs)
         def example(spec: dict[str, Any]) -> None:
             wrong: dict[str, Any] = {}
             for pod, backend in ((ipt, "iptables"), (bpf, "ebpf")):
@@ -111,9 +102,3 @@ def test_evaluators_land_every_probe_where_the_kernel_does(make_pod, bpf_root: s
         print(f"evaluators vs kernel: {len(seen)} configs, landings {sorted(map(str, kinds))}")
         assert len(seen) >= 8, f"only {len(seen)} configs were compared"
         assert {DIRECT, *CAPTURED.values()} <= kinds, kinds
-    finally:
-        for group in ls.values():
-            for lst in group:
-                lst.close()
-        redirect.teardown(ipt.name, backend="iptables")
-        redirect.teardown(bpf.name, backend="ebpf")

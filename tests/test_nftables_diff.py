@@ -10,8 +10,9 @@ and every probe must land on the same listener with the same original destinatio
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -65,6 +66,32 @@ def listeners(pod: Pod) -> list[Listener]:
         ls += [TcpListener(pod.name, p, fam, label=f"pod-{p}") for p in IN_PORTS]
         ls += [TcpListener(pod.peer_name, p, fam, label=f"remote-{p}") for p in OUT_PORTS]
     return ls
+
+
+#: The drawn configs that the eBPF backend supports too (REDIRECT inbound, no drop_invalid).
+ebpf_specs = specs.map(lambda d: {**d, "inbound_interception": "REDIRECT", "drop_invalid": False})
+
+
+@contextlib.contextmanager
+def iptables_and_ebpf_pods(make_pod: Callable[[], Pod]) -> Iterator[tuple[Pod, Pod, dict[str, list[Listener]]]]:
+    """Two pods (one for the iptables backend, one for eBPF) with the matrix's listeners started
+    and IPv6 warmed up; on the way out the listeners close and each pod's capture is torn down."""
+    ipt, bpf = make_pod(), make_pod()
+    ls = {ipt.name: listeners(ipt), bpf.name: listeners(bpf)}
+    try:
+        for group in ls.values():
+            for lst in group:
+                lst.start()
+        for p in (ipt, bpf):  # a fresh pod's first IPv6 connections wait for neighbour discovery
+            landing(p.name, p.peer_ip6, 80, *ls[p.name], timeout=3.0)
+            landing(p.peer_name, p.pod_ip6, 8080, *ls[p.name], timeout=3.0)
+        yield ipt, bpf, ls
+    finally:
+        for group in ls.values():
+            for lst in group:
+                lst.close()
+        redirect.teardown(ipt.name, backend="iptables")
+        redirect.teardown(bpf.name, backend="ebpf")
 
 
 def matrix(pod: Pod, ls: list[Listener]) -> dict[str, Any]:
