@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from . import netns as _netns
-from .backends import KINDS, choose_auto, ebpf_root, get_backend, kind_of
+from .backends import KINDS, choose_auto, ebpf_failed, ebpf_root, get_backend, kind_of
 from .backends.base import Backend, CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
@@ -99,17 +99,27 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     pid 1's, or the caller's own) is refused with ``HostNetnsError`` unless
     ``allow_host_netns``. ``backend="auto"``: eBPF when this host allows it and it supports every
     option of the config, else nftables, else iptables (``backends.choose_auto``; logged, and
-    ``Installed.backend`` names it).
+    ``Installed.backend`` names it); when eBPF's programs then cannot be loaded or attached here
+    (``BackendUnavailable``: no bpffs where the pins go, a verifier or compile error, a missing
+    hook), nftables, else iptables, with the reason logged, and the process's later ``auto``
+    choices skip eBPF.
     """
     cfg = _config(config)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
-    if backend == "auto":
+    if backend != "auto":
+        res, fresh = _setup_with(backend, cfg, netns, name, allow_host_netns)
+    else:
         backend = choose_auto(cfg)
-    res = fresh = _setup_fresh(backend, cfg, netns, name)
-    if res is None:
-        res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns, name, allow_host_netns)
-        res = Installed(res.backend, name, res.families, res.changed, res.detail)
+        try:
+            res, fresh = _setup_with(backend, cfg, netns, name, allow_host_netns)
+        except BackendUnavailable as e:
+            if backend != "ebpf":
+                raise
+            # The host probe allowed eBPF, but its programs could not be loaded or attached here
+            # (bpffs, the verifier, a missing hook): nothing was installed; the next choice.
+            backend = ebpf_failed(str(e))
+            res, fresh = _setup_with(backend, cfg, netns, name, allow_host_netns)
     if log.isEnabledFor(logging.INFO):
         log.info(
             "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",
@@ -117,6 +127,16 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
             (time.perf_counter() - t0) * 1e3, " (fresh pod: one native call)" if fresh is not None else "",
         )
     return res
+
+
+def _setup_with(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str,
+                allow_host_netns: bool) -> tuple[Installed, Installed | None]:
+    """``setup`` with one backend: (what was installed, the same if the fresh-pod call did it)."""
+    res = fresh = _setup_fresh(backend, cfg, netns, name)
+    if res is None:
+        res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns, name, allow_host_netns)
+        res = Installed(res.backend, name, res.families, res.changed, res.detail)
+    return res, fresh
 
 
 def _refuse_host_netns(name: str) -> None:

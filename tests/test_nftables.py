@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -401,6 +403,72 @@ def test_auto_prefers_ebpf_else_nftables_and_says_why(pod: Pod, ebpf_root: str, 
         assert redirect.check(pod.name, cfg, backend="auto").ok
     finally:
         assert redirect.teardown(pod.name, backend="auto")
+    assert not redirect.show(pod.name)["installed"]
+
+
+@pytest.fixture(params=["root-not-bpffs", "cgroup-not-cgroup"])
+def ebpf_cannot_load(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """eBPF that the host probe allows but that cannot load here, for real: its pin root under
+    /sys/fs/bpf on a tmpfs mounted there (not a bpffs: the load finds it out), or its cgroup a
+    plain directory with a ``cgroup.procs`` file (the programs compile and load, the attach
+    fails). What the probe saw is given; what the load would say is yielded."""
+    from redirect import backends
+    from redirect.backends import ebpf
+
+    base = f"/sys/fs/bpf/rdrt-auto-{os.getpid()}"
+    root = f"{base}/root" if request.param == "root-not-bpffs" else base
+    env = {"REDIRECT_BPF_ROOT": root, "REDIRECT_BPF_CGROUP": os.environ.get("REDIRECT_BPF_CGROUP")}
+    if request.param == "root-not-bpffs":
+        os.mkdir(base)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "rdrt-auto", base], check=True)
+        want = "is not on a bpffs mount"
+    else:
+        (tmp_path / "cgroup.procs").write_text("")
+        env["REDIRECT_BPF_CGROUP"] = str(tmp_path)
+        want = "attaching"
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    try:
+        assert ebpf.refusal(RedirectConfig()) is None  # the probe allows it: only loading tells
+        yield want
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        backends._ebpf_load_failures.pop(root, None)
+        if request.param == "root-not-bpffs":
+            subprocess.run(["umount", base], check=True)
+        else:
+            ebpf.force_unload_host(root)
+        if os.path.isdir(base):
+            os.rmdir(base)
+        assert not os.path.exists(base), f"left {base}"
+
+
+def test_auto_falls_back_when_ebpf_cannot_load_here(pod: Pod, ebpf_cannot_load: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """``auto`` with eBPF allowed by the probe and the config, but unable to load or attach here:
+    nftables instead, the reason in the log; the pod is captured, nothing of eBPF is left, and
+    the process's next ``auto`` choice skips eBPF with that reason."""
+    caplog.set_level(logging.INFO, logger="redirect.backends")
+    cfg = RedirectConfig()
+    res = redirect.setup(pod.name, cfg, backend="auto")
+    try:
+        assert res.backend == "nftables"
+        assert redirect.show(pod.name)["backends"] == ["nftables"]
+        msg = [r.getMessage() for r in caplog.records if "backend=auto" in r.getMessage()]
+        assert msg[0].startswith("backend=auto: chose ebpf"), msg
+        assert msg[-1].startswith("backend=auto: chose nftables, not ebpf (could not load or attach here: "), msg
+        assert ebpf_cannot_load in msg[-1], msg
+        with TcpListener(pod.name, 15001, label="proxy-out") as proxy, \
+                TcpListener(pod.peer_name, 8080, label="peer") as peer:
+            assert landing(pod.name, pod.peer_ip4, 8080, proxy, peer, uid=1000).label == "proxy-out"
+        caplog.clear()
+        assert redirect.setup(pod.name, cfg, backend="auto").backend == "nftables"
+        msg = [r.getMessage() for r in caplog.records if "backend=auto" in r.getMessage()]
+        assert msg == [m for m in msg if "not ebpf (could not load or attach here earlier in this process: " in m]
+        assert len(msg) == 1 and ebpf_cannot_load in msg[0], msg
+    finally:
+        assert redirect.teardown(pod.name)
     assert not redirect.show(pod.name)["installed"]
 
 

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..cni import plugin
+from ..errors import BackendUnavailable
 
 if TYPE_CHECKING:
     from .daemon import Agent
@@ -75,18 +76,26 @@ def _env(raw: object) -> dict[str, str]:
 def warm_up(backend: str) -> None:
     """Pay the first pod's one-off costs before a pod waits for them: with the eBPF backend the host
     programs are compiled, loaded and attached (once per node, about a second); else nothing.
-    ``auto`` warms eBPF up when it would choose eBPF for the default config."""
-    if backend == "auto":
+    ``auto`` warms eBPF up when it would choose eBPF for the default config; if eBPF then cannot
+    load or attach here, ``auto`` falls back for this process's pods (``backends.ebpf_failed``)."""
+    auto = backend == "auto"
+    if auto:
         from ..backends import choose_auto
 
         backend = choose_auto(None)
     if backend != "ebpf":
         return
-    from ..backends import ebpf
+    from ..backends import ebpf, ebpf_failed
 
     t0 = time.perf_counter()
     try:
         ebpf.host()
+    except BackendUnavailable as e:
+        if auto:
+            ebpf_failed(str(e))
+        else:
+            log.warning("eBPF host programs not loaded at start: %s", e, extra={"fields": {"error": str(e)}})
+        return
     except Exception as e:  # noqa: BLE001 - the first pod's setup will try again and report
         log.warning("eBPF host programs not loaded at start: %s", e, extra={"fields": {"error": str(e)}})
         return

@@ -33,28 +33,59 @@ def kind_of(backend_name: str) -> str:
     return "iptables" if backend_name.startswith("iptables") else backend_name
 
 
+#: Per eBPF pin root: why eBPF could not load or attach in this process although the host probe
+#: allowed it (``ebpf_failed``); ``choose_auto`` then skips eBPF for the rest of the process.
+_ebpf_load_failures: dict[str, str] = {}
+
+
+def ebpf_failed(why: str) -> str:
+    """Record that eBPF could not load or attach here (on the current pin root), for ``auto``'s
+    later choices in this process; the backend ``auto`` falls back to (logged with ``why``)."""
+    _ebpf_load_failures[ebpf_root()] = why
+    fallback, nft_why = _netfilter_choice()
+    if fallback == "nftables":
+        log.warning("backend=auto: chose nftables, not ebpf (could not load or attach here: %s)", why)
+    else:
+        log.warning("backend=auto: chose iptables, not ebpf (could not load or attach here: %s), not nftables (%s)",
+                    why, nft_why)
+    return fallback
+
+
+def _netfilter_choice() -> tuple[str, str | None]:
+    """``nftables`` when libnftables imports and the kernel takes an inet nat table, else
+    ``iptables`` with the reason."""
+    from .nftables import probe
+
+    ok, why = probe()
+    return ("nftables", None) if ok else ("iptables", why)
+
+
 def choose_auto(cfg: RedirectConfig | None) -> str:
     """The backend ``auto`` stands for with ``cfg`` here (logged with the reason): ``ebpf`` when
     the kernel, bcc, bpffs and cgroup v2 allow it and the backend supports every option of
     ``cfg``; else ``nftables`` when libnftables imports and the kernel takes an inet nat table;
-    else ``iptables``. (Probed once per process; with no ``cfg`` only the host decides.)"""
-    try:
-        from . import ebpf
-    except ImportError as e:  # the native module or bcc's bindings missing
-        why: str | None = f"ebpf: {e}"
+    else ``iptables``. (Probed once per process; with no ``cfg`` only the host decides.) A
+    setup that finds eBPF unable to load or attach after all falls back the same way
+    (``redirect.setup``, ``ebpf_failed``), and later choices of the process skip eBPF."""
+    why: str | None = _ebpf_load_failures.get(ebpf_root())
+    if why is not None:
+        why = f"could not load or attach here earlier in this process: {why}"
     else:
-        why = ebpf.refusal(cfg if cfg is not None else RedirectConfig())
+        try:
+            from . import ebpf
+        except ImportError as e:  # the native module or bcc's bindings missing
+            why = f"ebpf: {e}"
+        else:
+            why = ebpf.refusal(cfg if cfg is not None else RedirectConfig())
     if why is None:
         log.info("backend=auto: chose ebpf (the kernel allows it and it supports every option of the config)")
         return "ebpf"
-    from .nftables import probe
-
-    ok, nft_why = probe()
-    if ok:
+    choice, nft_why = _netfilter_choice()
+    if choice == "nftables":
         log.info("backend=auto: chose nftables, not ebpf (%s)", why)
-        return "nftables"
-    log.info("backend=auto: chose iptables, not ebpf (%s), not nftables (%s)", why, nft_why)
-    return "iptables"
+    else:
+        log.info("backend=auto: chose iptables, not ebpf (%s), not nftables (%s)", why, nft_why)
+    return choice
 
 
 def get_backend(name: str, cfg: RedirectConfig | None) -> Backend:
