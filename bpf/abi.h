@@ -77,7 +77,9 @@ struct pod_policy {
 	__u32 lo4_mask;
 	__u32 n_uids; /* ranges of proxy_uids: the first is uid0, the others RDR_CIDR_UID entries */
 	__u32 n_gids; /* likewise gid0 and RDR_CIDR_GID */
-	__u32 inv_base; /* this pod's inventory entries are inventory[netns, inv_base + i], i < n_inv */
+	__u32 inv_base; /* this pod's inventory entries are inventory[netns, inv_base + i], i < n_inv;
+			 * 0 or 1 << 31, the pod's generation: its ports/cidrs entries are keyed under
+			 * the netns cookie, with bit 63 set in the second (policy.h, pod_keys) */
 	__u32 n_inv;
 	struct id_range uid0;
 	struct id_range gid0;

@@ -11,23 +11,32 @@ static __always_inline struct pod_policy *pod_of(__u64 netns)
 	return pods.lookup(&netns);
 }
 
-static __always_inline int port_listed(__u64 netns, __u16 kind, __u16 port)
+/* The netns value the pod's ports/cidrs entries are keyed under ("keys" below): its netns
+ * cookie, with bit 63 set for the second generation (bpf/abi.h, pod_policy.inv_base). A changed
+ * config's entries are written in the other generation, where the live policy never looks, and
+ * the one policy write switches to all of them at once. */
+static __always_inline __u64 pod_keys(const struct pod_policy *p, __u64 netns)
 {
-	struct port_key k = {.netns = netns, .kind = kind, .port = port};
+	return netns ^ ((__u64)(p->inv_base >> 31) << 63);
+}
+
+static __always_inline int port_listed(__u64 keys, __u16 kind, __u16 port)
+{
+	struct port_key k = {.netns = keys, .kind = kind, .port = port};
 
 	return ports.lookup(&k) != NULL;
 }
 
-static __always_inline int cidr_listed(__u64 netns, __u32 kind, const __u8 *addr, int v6)
+static __always_inline int cidr_listed(__u64 keys, __u32 kind, const __u8 *addr, int v6)
 {
-	struct cidr_key k = {.prefixlen = RDR_CIDR_PREFIX_BASE + (v6 ? 128 : 32), .kind = kind, .netns = netns};
+	struct cidr_key k = {.prefixlen = RDR_CIDR_PREFIX_BASE + (v6 ? 128 : 32), .kind = kind, .netns = keys};
 
 	__builtin_memcpy(k.addr, addr, 16);
 	return cidrs.lookup(&k) != NULL;
 }
 
 /* Whether ifindex is one of the pod's excluded interfaces (exclude_interfaces). */
-static __always_inline int iface_excluded(const struct pod_policy *p, __u64 netns, __u32 ifindex)
+static __always_inline int iface_excluded(const struct pod_policy *p, __u64 keys, __u32 ifindex)
 {
 	__u32 be = bpf_htonl(ifindex);
 	__u8 addr[16] = {};
@@ -35,26 +44,26 @@ static __always_inline int iface_excluded(const struct pod_policy *p, __u64 netn
 	if (!(p->flags & RDR_F_EXCL_IF) || ifindex == 0)
 		return 0;
 	__builtin_memcpy(addr, &be, 4);
-	return cidr_listed(netns, RDR_CIDR_IF_EXCL, addr, 0);
+	return cidr_listed(keys, RDR_CIDR_IF_EXCL, addr, 0);
 }
 
 /* Whether the connection leaves through an excluded interface (Istio's "-o <if> -j RETURN",
  * first in OUTPUT): the device its socket is bound to, else the interface the pod's main table
  * routes the destination through (entries written at setup; check reports when they change).
  * Traffic over lo never leaves through one. */
-static __always_inline int leaves_excluded(const struct pod_policy *p, __u64 netns, const __u8 *addr, int v6,
+static __always_inline int leaves_excluded(const struct pod_policy *p, __u64 keys, const __u8 *addr, int v6,
 					   int out_lo, __u32 bound_if)
 {
 	if (!(p->flags & RDR_F_EXCL_IF) || out_lo)
 		return 0;
 	if (bound_if)
-		return iface_excluded(p, netns, bound_if);
-	return cidr_listed(netns, v6 ? RDR_CIDR_VIA_EXCL6 : RDR_CIDR_VIA_EXCL4, addr, v6);
+		return iface_excluded(p, keys, bound_if);
+	return cidr_listed(keys, v6 ? RDR_CIDR_VIA_EXCL6 : RDR_CIDR_VIA_EXCL4, addr, v6);
 }
 
 /* Whether id is in one kind's ranges: the first (inline in the policy, all a
  * pod with one range needs), else its other n - 1 in the cidrs trie. */
-static __always_inline int id_listed(__u64 netns, __u32 kind, const struct id_range *first, __u32 n, __u32 id)
+static __always_inline int id_listed(__u64 keys, __u32 kind, const struct id_range *first, __u32 n, __u32 id)
 {
 	__u32 be = bpf_htonl(id);
 	__u8 addr[16] = {};
@@ -66,7 +75,7 @@ static __always_inline int id_listed(__u64 netns, __u32 kind, const struct id_ra
 	if (n == 1)
 		return 0;
 	__builtin_memcpy(addr, &be, 4);
-	return cidr_listed(netns, kind, addr, 0);
+	return cidr_listed(keys, kind, addr, 0);
 }
 
 #define RDR_OWN_NEXT 0
@@ -79,7 +88,7 @@ static __always_inline int id_listed(__u64 netns, __u32 kind, const struct id_ra
  * inbound capture; anyone else's lo traffic returns; the proxy returns. With
  * lo_return the first range's rules decide every lo connection (whoever is
  * not in it returns there); otherwise only membership in some range counts. */
-static __always_inline int owner_rules(__u64 netns, __u32 kind, const struct id_range *first, __u32 n, __u32 id,
+static __always_inline int owner_rules(__u64 keys, __u32 kind, const struct id_range *first, __u32 n, __u32 id,
 				       int out_lo, int hairpin, int lo_return)
 {
 	if (n == 0)
@@ -89,7 +98,7 @@ static __always_inline int owner_rules(__u64 netns, __u32 kind, const struct id_
 			return RDR_OWN_INBOUND;
 		return RDR_OWN_PASS;
 	}
-	if (!id_listed(netns, kind, first, n, id))
+	if (!id_listed(keys, kind, first, n, id))
 		return RDR_OWN_NEXT;
 	return out_lo && hairpin ? RDR_OWN_INBOUND : RDR_OWN_PASS;
 }
@@ -147,15 +156,15 @@ static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const 
 }
 
 /* Whether an inbound TCP connection to port is captured (Istio's INBOUND chain). */
-static __always_inline int inbound_captured(const struct pod_policy *p, __u64 netns, __u16 port)
+static __always_inline int inbound_captured(const struct pod_policy *p, __u64 keys, __u16 port)
 {
 	if (!(p->flags & RDR_F_INBOUND))
 		return 0;
 	if (port == p->tunnel_port || port == p->inbound_port)
 		return 0;
 	if (p->flags & RDR_F_INBOUND_ALL)
-		return !port_listed(netns, RDR_PORT_IN_EXCL, port);
-	return port_listed(netns, RDR_PORT_IN_INCL, port);
+		return !port_listed(keys, RDR_PORT_IN_EXCL, port);
+	return port_listed(keys, RDR_PORT_IN_INCL, port);
 }
 
 #define RDR_PASS 0
@@ -166,7 +175,7 @@ static __always_inline int inbound_captured(const struct pod_policy *p, __u64 ne
  * below adds TPROXY's mangle ones. redirect/evaluate.py models this
  * (evaluate_ebpf), and the property test tests/test_lowerings.py checks that
  * it lands every drawn connection where the netfilter lowering does. */
-static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
+static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, int tcp, __u16 port,
 					const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr, int src_passthrough)
 {
 	int dns = (p->flags & RDR_F_DNS) != 0;
@@ -175,15 +184,15 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns,
 	__u64 ug = bpf_get_current_uid_gid();
 	int hairpin, lo_return, own;
 
-	if (port_listed(netns, RDR_PORT_OUT_EXCL, port))
+	if (port_listed(keys, RDR_PORT_OUT_EXCL, port))
 		return RDR_PASS;
 	if (out_lo && src_passthrough)
 		return RDR_PASS;
 	hairpin = tcp && !dst_is_lo_cidr && port != p->tunnel_port && !dns53;
 	lo_return = !(p->flags & RDR_F_INCL_LOOPBACK) && (!dns || (tcp && port != RDR_DNS_PORT));
-	own = owner_rules(netns, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug, out_lo, hairpin, lo_return);
+	own = owner_rules(keys, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug, out_lo, hairpin, lo_return);
 	if (own == RDR_OWN_NEXT)
-		own = owner_rules(netns, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32), out_lo, hairpin,
+		own = owner_rules(keys, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32), out_lo, hairpin,
 				  lo_return);
 	if (own == RDR_OWN_INBOUND)
 		return p->inbound_port;
@@ -191,14 +200,14 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns,
 		return RDR_PASS;
 	/* Owner groups: iptables' --gid-owner without --suppl-groups, i.e. the primary gid. */
 	if (p->groups_mode != RDR_GROUPS_ALL) {
-		int in = id_listed(netns, RDR_CIDR_GROUP, &p->group0, p->n_groups, (__u32)(ug >> 32));
+		int in = id_listed(keys, RDR_CIDR_GROUP, &p->group0, p->n_groups, (__u32)(ug >> 32));
 
 		if (in == (p->groups_mode == RDR_GROUPS_EXCLUDE))
 			return RDR_PASS;
 	}
 	if (dns53) {
 		dns_listed = (p->flags & RDR_F_DNS_ALL) ||
-			     cidr_listed(netns, v6 ? RDR_CIDR_DNS6 : RDR_CIDR_DNS4, addr, v6);
+			     cidr_listed(keys, v6 ? RDR_CIDR_DNS6 : RDR_CIDR_DNS4, addr, v6);
 		if (dns_listed)
 			return p->dns_port; /* the proxy's own UDP queries returned above */
 	}
@@ -206,13 +215,13 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns,
 		return RDR_PASS; /* only DNS is captured for UDP */
 	if (dst_is_lo_cidr)
 		return RDR_PASS;
-	if (cidr_listed(netns, v6 ? RDR_CIDR_OUT_EXCL6 : RDR_CIDR_OUT_EXCL4, addr, v6))
+	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_EXCL6 : RDR_CIDR_OUT_EXCL4, addr, v6))
 		return RDR_PASS;
-	if (port_listed(netns, RDR_PORT_OUT_INCL, port))
+	if (port_listed(keys, RDR_PORT_OUT_INCL, port))
 		return p->proxy_port;
 	if (p->flags & RDR_F_OUT_ALL)
 		return p->proxy_port;
-	if (cidr_listed(netns, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, addr, v6))
+	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, addr, v6))
 		return p->proxy_port;
 	return RDR_PASS;
 }
@@ -228,25 +237,25 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 netns,
  * then sees 127.0.0.1/::1 as the local address and reads the original
  * destination with SO_ORIGINAL_DST, where TPROXY leaves it as the local
  * address). */
-static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 netns, int tcp, __u16 port,
+static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 keys, int tcp, __u16 port,
 					     const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr,
 					     int src_passthrough, __u32 mark, __u32 bound_if)
 {
 	__u16 to;
 	__u64 ug;
 
-	if (leaves_excluded(p, netns, addr, v6, out_lo, bound_if))
+	if (leaves_excluded(p, keys, addr, v6, out_lo, bound_if))
 		return RDR_PASS;
-	to = nat_target(p, netns, tcp, port, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough);
+	to = nat_target(p, keys, tcp, port, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough);
 
 	if (to != RDR_PASS || !(p->flags & RDR_F_TPROXY) || !tcp || !out_lo || dst_is_lo_cidr || src_passthrough ||
 	    mark == p->tproxy_mark)
 		return to;
 	ug = bpf_get_current_uid_gid();
-	if (!id_listed(netns, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug) &&
-	    !id_listed(netns, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32)))
+	if (!id_listed(keys, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug) &&
+	    !id_listed(keys, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32)))
 		return RDR_PASS;
-	return inbound_captured(p, netns, port) ? p->inbound_port : RDR_PASS;
+	return inbound_captured(p, keys, port) ? p->inbound_port : RDR_PASS;
 }
 
 #endif

@@ -17,7 +17,7 @@
  * not say lo for these (the route to a local address keeps the address's
  * device as the input interface), so look at the source: loopback, or one of
  * this pod's own addresses (RDR_CIDR_LOCAL*, ::6 included). */
-static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 netns)
+static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
 {
 	__u8 addr[16] = {};
 
@@ -27,14 +27,14 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 netns)
 		if (is_v4_loopback(ip))
 			return 1;
 		__builtin_memcpy(addr, &ip, 4);
-		return cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0);
+		return cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0);
 	} else {
 		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
 
 		if (is_v6_loopback(ip))
 			return 1;
 		__builtin_memcpy(addr, ip, 16);
-		return cidr_listed(netns, RDR_CIDR_LOCAL6, addr, 1);
+		return cidr_listed(keys, RDR_CIDR_LOCAL6, addr, 1);
 	}
 }
 
@@ -44,7 +44,7 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	struct pod_policy *p;
 	struct bpf_sock *sk;
 	__u32 zero = 0;
-	__u64 *slot, netns;
+	__u64 *slot, netns, keys;
 	int err;
 
 	slot = lookup_netns.lookup(&zero);
@@ -59,13 +59,15 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	if (ctx->ingress_ifindex == LOOPBACK_IFINDEX)
 		return SK_PASS;
 	p = pod_of(netns);
-	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)) ||
-	    !inbound_captured(p, netns, (__u16)ctx->local_port))
+	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)))
 		return SK_PASS;
-	if (from_this_pod(ctx, netns))
+	keys = pod_keys(p, netns);
+	if (!inbound_captured(p, keys, (__u16)ctx->local_port))
+		return SK_PASS;
+	if (from_this_pod(ctx, keys))
 		return SK_PASS;
 	/* Arriving on an excluded interface (Istio's "-i <if> -j RETURN"). */
-	if (iface_excluded(p, netns, ctx->ingress_ifindex))
+	if (iface_excluded(p, keys, ctx->ingress_ifindex))
 		return SK_PASS;
 	lk.netns = netns;
 	lk.family = ctx->family;

@@ -26,14 +26,14 @@ static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, _
 
 /* outbound_target for an IPv4 destination (src: the socket's source, for the
  * passthrough address). */
-static __always_inline __u16 target4(const struct pod_policy *p, __u64 netns, int tcp, __u16 port, __u32 dst,
+static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int tcp, __u16 port, __u32 dst,
 				     __u32 src, __u32 mark, __u32 bound_if)
 {
 	__u8 addr[16] = {};
 
 	__builtin_memcpy(addr, &dst, 4);
-	return outbound_target(p, netns, tcp, port, addr, 0,
-			       is_v4_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL4, addr, 0),
+	return outbound_target(p, keys, tcp, port, addr, 0,
+			       is_v4_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0),
 			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src), mark, bound_if);
 }
 
@@ -61,7 +61,7 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
-	to = target4(p, netns, tcp, bpf_ntohs((__u16)ctx->user_port), dst,
+	to = target4(p, pod_keys(p, netns), tcp, bpf_ntohs((__u16)ctx->user_port), dst,
 		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4, ctx->sk->mark,
 		     ctx->sk->bound_dev_if);
 	if (to == RDR_PASS)
@@ -82,6 +82,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	__u32 dst[4], src[4];
 	__u8 addr[16] = {};
 	__u16 port, to;
+	__u64 keys;
 	int tcp;
 
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
@@ -108,7 +109,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		/* An IPv4 destination through a dual-stack socket: IPv4 on the wire,
 		 * so IPv4's rules (whatever the pod's IPv6), recorded as IPv4, sent
 		 * to the IPv4 loopback. */
-		to = target4(p, netns, tcp, port, dst[3], is_v4_mapped(src) ? src[3] : 0, ctx->sk->mark,
+		to = target4(p, pod_keys(p, netns), tcp, port, dst[3], is_v4_mapped(src) ? src[3] : 0, ctx->sk->mark,
 			     ctx->sk->bound_dev_if);
 		if (to == RDR_PASS)
 			return SYS_PROCEED;
@@ -126,8 +127,9 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		return SYS_PROCEED;
 	/* No source yet and ::6 as the destination: the kernel picks ::6 itself as the source (the
 	 * destination is a local address), so netfilter sees the inbound passthrough. */
-	to = outbound_target(p, netns, tcp, port, (const __u8 *)dst, 1,
-			     is_v6_loopback(dst) || cidr_listed(netns, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
+	keys = pod_keys(p, netns);
+	to = outbound_target(p, keys, tcp, port, (const __u8 *)dst, 1,
+			     is_v6_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
 			     is_v6_loopback(dst),
 			     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)), ctx->sk->mark,
 			     ctx->sk->bound_dev_if);

@@ -4,7 +4,9 @@
  * what it has (its inventory), it writes the difference (the inventory, the new keys, listeners,
  * the sk_lookup link with its own program holding the netns cookie, pinned at
  * <pin_dir>/<cookie>-sk_lookup, and the policy last: it switches capture on), then deletes what
- * only the old state had; a failure on the way undoes everything written, in reverse.
+ * only the old state had; a failure on the way undoes everything written, in reverse. A changed
+ * config's keys are in the pod's other generation (bpf/policy.h, pod_keys), which the old policy
+ * does not read: until the policy write the pod captures exactly what the old config does.
  * redirect/backends/ebpf/backend.py: EbpfBackend.apply (any pod, any previous state) computes
  * the difference in Python and calls it; rdr_ebpf_pod_add below does the common case, a pod that
  * has nothing of ours yet (a CNI ADD, a sidecar init), all in C: the Python path spends about

@@ -230,14 +230,16 @@ def _cookie(pod: Pod) -> int:
 
 
 def entries_mentioning(root: str, cookie: int) -> dict[str, set[bytes]]:
-    """Every key of every host map that belongs to the netns ``cookie`` (a full scan: tests only)."""
+    """Every key of every host map that belongs to the netns ``cookie`` (a full scan: tests only).
+    Ports and CIDR keys of either generation (``pod_keys``) are shown as the first's."""
     h = ebpf.host(root, load=False)
     assert h is not None
     c = ebpf.U64.pack(cookie)
     where = {"pods": 0, "inventory": 0, "ports": 0, "cidrs": 8, "listeners": 0}
     out: dict[str, set[bytes]] = {}
     for name, off in where.items():
-        out[name] = {k for k in h.maps[name].keys() if k[off : off + 8] == c}
+        gens = (c, ebpf.U64.pack(cookie | ebpf.GEN_BIT)) if name in ("ports", "cidrs") else (c,)
+        out[name] = {k[:off] + c + k[off + 8:] for k in h.maps[name].keys() if k[off : off + 8] in gens}
     for name in ("orig_by_cookie", "orig_by_tuple", "dns_by_cookie"):
         m = h.maps[name]
         out[name] = {k for k in m.keys() if (m.lookup(k) or b"")[:8] == c}

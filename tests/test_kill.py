@@ -318,13 +318,32 @@ EBPF_POOL = [
 
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known fail-open window in the eBPF writer (native/pod_setup.c, rdr_ebpf_pod_write): a changed "
-    "config's new exclusion keys (excluded ports, CIDRs, owner ids) are written before its policy, so a "
-    "kill between them can leave the old policy with the new exclusions, capturing less than either config "
-    "(seen: from ipv6=False to outbound_exclude_cidrs=10.0.0.0/8, IPv4 and IPv6 outbound uncaptured). "
-    "The fix orders the writes by kind: widening keys, stale exclusions removed, the policy, then new "
-    "exclusions, then stale widening keys"))
+def test_an_ebpf_change_killed_just_before_its_policy_still_captures_all_the_old_config_does(
+        pod: Pod, ebpf_root: str) -> None:
+    """Every change between two configs, killed at its widest window (everything but the policy
+    written): the pod captures exactly what the old config captures (the new entries are in the
+    generation the live policy does not read), and the next setup repairs it."""
+    with probes_for(pod) as probes, subreaper():
+        captures = {}
+        for i, cfg in enumerate(EBPF_POOL):
+            redirect.setup(pod.name, cfg, backend="ebpf")
+            captures[i] = probes.captured()
+        for i, old in enumerate(EBPF_POOL):
+            for j, new in enumerate(EBPF_POOL):
+                if i == j:
+                    continue
+                redirect.setup(pod.name, old, backend="ebpf")
+                killed_setup(pod.name, new, "ebpf", 0.0, point="ebpf.before_policy")
+                assert probes.captured() == captures[i], f"killed from config {i} to {j}"
+                redirect.setup(pod.name, new, backend="ebpf")
+                assert redirect.check(pod.name, new, backend="ebpf").ok
+                assert probes.captured() == captures[j]
+        redirect.teardown(pod.name, backend="ebpf")
+    from tests.test_ebpf import _cookie, entries_mentioning
+
+    assert not any(entries_mentioning(ebpf_root, _cookie(pod)).values())
+
+
 def test_an_ebpf_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod, ebpf_root: str) -> None:
     """The eBPF backend's general path (a pod set up before): its state is map entries, read back
     by probing only: after each kill the probes captured include all those of one of the two configs."""
@@ -349,3 +368,7 @@ def test_an_ebpf_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod
             assert redirect.check(pod.name, EBPF_POOL[target], backend="ebpf").ok
             cur = target
         redirect.teardown(pod.name, backend="ebpf")
+    # Nothing of the pod is left in any map, the entries of interrupted writes included.
+    from tests.test_ebpf import _cookie, entries_mentioning
+
+    assert not any(entries_mentioning(ebpf_root, _cookie(pod)).values())

@@ -107,6 +107,7 @@ from .abi import (
     CIDR_OUT_EXCL4,
     CIDR_PREFIX_BASE,
     F_V6,
+    GEN_BIT,
     MAPS,
     P_FLAGS,
     P_N_INV,
@@ -157,6 +158,6 @@ __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_h
            "missing_pins", "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF",
            "CIDR_KEY",
            "CIDR_LOCAL4", "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
-           "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "_policy_core",
+           "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "GEN_BIT", "_policy_core",
            "_unsupported", "_cgroup_progs", "count_pods", "_root", "_unpin_all", "_pod_link", "_link_target",
            "_native", "link_info", "obj_get", "prog_id"]

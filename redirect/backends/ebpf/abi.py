@@ -122,6 +122,7 @@ INV_PORTS, INV_CIDRS = const("RDR_INV_PORTS"), const("RDR_INV_CIDRS")
 INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs"}
 INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size}
 U64 = struct.Struct("=Q")
+GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys (bpf/policy.h, pod_keys)
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 

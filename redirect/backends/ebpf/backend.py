@@ -37,6 +37,7 @@ from .entries import (
     _unsupported,
     intent_entries,
     pod_entries,
+    pod_keys,
 )
 from .fresh import _detail
 from .host import HostPrograms, _cgroup, _root, host_problems, missing_pins
@@ -54,7 +55,15 @@ from .podnet import (
     proxy_listeners,
     scan_netns,
 )
-from .pods import _link_prog_cookie, _lookup_prog_cookie, _pod_link, _remove_pod, read_pod, write_pod
+from .pods import (
+    _link_prog_cookie,
+    _lookup_prog_cookie,
+    _pod_link,
+    _remove_pod,
+    drop_leftovers,
+    read_pod,
+    write_pod,
+)
 from .syscalls import _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, prog_id
 
 log = logging.getLogger("redirect.ebpf")
@@ -123,7 +132,9 @@ class EbpfBackend:
         add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
         # Once added they are the pod's own, as what the scan found.
         local = (*local, *((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in add_addrs))
-        want = pod_entries(cfg, families, cookie, local)
+        # Keyed as the live generation to compare; a change is written in the other one.
+        old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
+        want = pod_entries(cfg, families, pod_keys(cookie, old_base), local)
         inbound = want.inbound
         link_path = self._pod_link_path(cookie)
         # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
@@ -140,8 +151,12 @@ class EbpfBackend:
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
-        old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
-        base = 0 if old_base else 1 << 31  # the other half: old and new inventories never overlap
+        # The other generation: old and new inventories and keys never overlap, the old policy
+        # reads none of the new entries, and the policy write switches to all of them at once.
+        base = old_base ^ (1 << 31)
+        want = want.keyed(pod_keys(cookie, base))
+        if old.leftover_inv:
+            drop_leftovers(h, old)
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
         )
@@ -214,8 +229,9 @@ class EbpfBackend:
                families: tuple[int, ...]) -> CheckResult:
         sc = self._take_scan()
         cookie = sc.cookie
-        want = pod_entries(cfg, families, cookie, sc.local)
         st = read_pod(h, cookie)
+        live_base = POLICY.unpack(st.policy)[P_INV_BASE] if st.policy is not None else 0
+        want = pod_entries(cfg, families, pod_keys(cookie, live_base), sc.local)
         if st.policy is None:
             diffs.append(f"no policy entry for netns cookie {cookie}")
         elif _policy_core(st.policy) != want.policy:

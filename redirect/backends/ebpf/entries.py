@@ -44,6 +44,7 @@ from .abi import (
     F_OUT_ALL,
     F_TPROXY,
     F_V6,
+    GEN_BIT,
     GROUPS_ALL,
     GROUPS_EXCLUDE,
     GROUPS_ONLY,
@@ -59,6 +60,7 @@ from .abi import (
     PORT_KEY,
     PORT_OUT_EXCL,
     PORT_OUT_INCL,
+    U64,
 )
 
 
@@ -99,6 +101,21 @@ class PodEntries:
 
     def by_map(self) -> dict[int, frozenset[bytes]]:
         return {INV_PORTS: self.ports, INV_CIDRS: self.cidrs}
+
+    def keyed(self, keys: int) -> PodEntries:
+        """These entries keyed under ``keys`` (``pod_keys``: a generation of the pod) instead."""
+        kv = U64.pack(keys)
+        return PodEntries(self.policy, frozenset(kv + k[8:] for k in self.ports),
+                          frozenset(k[:8] + kv + k[16:] for k in self.cidrs))
+
+
+
+def pod_keys(cookie: int, inv_base: int) -> int:
+    """The netns value a pod's ports/cidrs entries are keyed under in the generation whose
+    inventory starts at ``inv_base`` (0 or 1 << 31): the cookie, with bit 63 set in the second
+    (bpf/policy.h, pod_keys). A changed config is written in the generation the live policy does
+    not read, and its policy write switches to all of it at once."""
+    return cookie | GEN_BIT if inv_base >> 31 else cookie
 
 
 def _policy_core(policy: bytes) -> bytes:

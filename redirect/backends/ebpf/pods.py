@@ -6,12 +6,13 @@ a program of its own that holds the cookie), and removing them all (``_remove_po
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import SetupError
 from .abi import (
     AF,
+    GEN_BIT,
     INV_CHUNK,
     INV_CIDRS,
     INV_KEY,
@@ -41,6 +42,10 @@ class PodState:
     policy: bytes | None
     entries: dict[int, set[bytes]]  # INV_* -> keys
     inv_keys: list[bytes]
+    # What an interrupted write left in the generation the policy does not read (inert there):
+    # its inventory entries and the keys they list.
+    leftover_inv: list[bytes] = field(default_factory=list)
+    leftover: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def ports(self) -> set[bytes]:
@@ -60,32 +65,63 @@ def read_pod(h: HostPrograms, cookie: int) -> PodState:
     policy = h.pods.lookup(U64.pack(cookie))
     st = PodState(policy, {m: set() for m in INV_MAPS}, [])
     if "inventory" not in h.maps:  # its pin is gone (``recover_host``): find them by a walk of the maps
-        cv = U64.pack(cookie)
-        for m, off in ((INV_PORTS, 0), (INV_CIDRS, 8)):
-            st.entries[m] = {k for k in h.maps[INV_MAPS[m]].keys() if k[off : off + 8] == cv}
+        for m, off in ((INV_PORTS, 0), (INV_CIDRS, 8)):  # either generation (``pod_keys``)
+            st.entries[m] = {k for k in h.maps[INV_MAPS[m]].keys()
+                             if U64.unpack(k[off : off + 8])[0] & ~GEN_BIT == cookie}
         return st
-    if policy is None:
+    inv = h.maps["inventory"]
+    if policy is None:  # an interrupted first write may have left either half
+        for half in (0, 1 << 31):
+            _read_half(h, cookie, half, None, st.leftover_inv, st.leftover)
         return st
     v = POLICY.unpack(policy)
     base, n = v[P_INV_BASE], v[P_N_INV]
+    found: list[tuple[int, bytes]] = []
+    _read_half(h, cookie, base, n, st.inv_keys, found)
+    for m, k in found:
+        if h.maps[INV_MAPS[m]].lookup(k) is not None:
+            st.entries[m].add(k)
+    # The other half is empty unless a write to it was interrupted: one lookup finds out.
+    if inv.lookup(INV_KEY.pack(cookie, base ^ (1 << 31), 0)) is not None:
+        _read_half(h, cookie, base ^ (1 << 31), None, st.leftover_inv, st.leftover)
+    return st
+
+
+_MAX_CHUNKS = 1 << 16  # bounds a walk of a half written without a count (a pod's entries are far fewer)
+
+
+def _read_half(h: HostPrograms, cookie: int, base: int, n: int | None, inv_keys: list[bytes],
+               out: list[tuple[int, bytes]]) -> None:
+    """The keys listed by the pod's inventory entries at ``base`` (``n`` keys, or, with None, as
+    many entries as are there in a row): (map, key) into ``out``, the entries' keys into
+    ``inv_keys`` (those of ``n`` whether present or not)."""
     inv = h.maps["inventory"]
-    for c in range((n + INV_CHUNK - 1) // INV_CHUNK):
+    chunks = (n + INV_CHUNK - 1) // INV_CHUNK if n is not None else _MAX_CHUNKS
+    for c in range(chunks):
         ik = INV_KEY.pack(cookie, base + c, 0)
         val = inv.lookup(ik)
-        st.inv_keys.append(ik)
+        if val is None and n is None:
+            return
+        inv_keys.append(ik)
         if val is None:
             continue
         fields = INV_VAL.unpack(val)
         raw = fields[INV_CHUNK]
-        for j in range(min(INV_CHUNK, n - c * INV_CHUNK)):
+        for j in range(INV_CHUNK if n is None else min(INV_CHUNK, n - c * INV_CHUNK)):
             m = fields[j]
-            if m not in INV_MAPS:
-                continue
-            k = raw[INV_KEY_MAX * j : INV_KEY_MAX * j + INV_KEY_SIZE[m]]
-            live = h.maps[INV_MAPS[m]].lookup(k)
-            if live is not None:
-                st.entries[m].add(k)
-    return st
+            if m in INV_MAPS:
+                out.append((m, raw[INV_KEY_MAX * j : INV_KEY_MAX * j + INV_KEY_SIZE[m]]))
+
+
+def drop_leftovers(h: HostPrograms, st: PodState) -> None:
+    """Delete what an interrupted write left in the generation the pod's policy does not read:
+    inert there, and in the way of the next write to it (a key it no longer wants would become
+    live with that write's policy)."""
+    for m, k in st.leftover:
+        h.maps[INV_MAPS[m]].delete(k)
+    for ik in st.leftover_inv:
+        h.maps["inventory"].delete(ik)
+    st.leftover, st.leftover_inv = [], []
 
 
 def _pod_link(root: str, cookie: int) -> str:
@@ -119,6 +155,8 @@ def _remove_pod(h: HostPrograms, cookie: int) -> bool:
     """Everything of the pod ``cookie`` in the maps, and its link: O(its entries), from any netns."""
     st = read_pod(h, cookie)
     removed = h.pods.delete(U64.pack(cookie))  # first: switches capture off at once
+    removed |= bool(st.leftover_inv)
+    drop_leftovers(h, st)
     for m, keys in st.entries.items():
         for k in keys:
             removed |= h.maps[INV_MAPS[m]].delete(k)
