@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .config import int_arg, seconds_arg
+
 EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_CONFIG = 2
@@ -139,9 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     wt.add_argument("--validate", action="store_true",
                     help="with --netns, also run init's validation probe (listens on the inbound port: "
                          "before the proxy does)")
-    wt.add_argument("--probe-port", type=int, default=15002, help="port of the validation probe (%(default)s)")
-    wt.add_argument("--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds (%(default)s)")
-    wt.add_argument("--period-ms", type=int, default=500, metavar="N", help="check every N ms (%(default)s)")
+    wt.add_argument("--probe-port", type=int_arg(1, 65535), default=15002,
+                    help="port of the validation probe (%(default)s)")
+    wt.add_argument("--timeout", type=seconds_arg(0, 86400), default=60.0, metavar="S",
+                    help="give up after S seconds (%(default)s)")
+    wt.add_argument("--period-ms", type=int_arg(1, 3_600_000), default=500, metavar="N",
+                    help="check every N ms (%(default)s)")
     wt.set_defaults(func=cmd_wait)
 
     j = sub.add_parser(
@@ -161,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "proxy is ready (its image must carry redirect)")
     j.add_argument("--ready-url", default=None, metavar="URL",
                    help="what the hook waits for (http://localhost:15020/healthz/ready)")
-    j.add_argument("--wait-timeout", type=float, default=60.0, metavar="S", help="the hook's --timeout (%(default)s)")
+    j.add_argument("--wait-timeout", type=seconds_arg(0, 86400), default=60.0, metavar="S",
+                   help="the hook's --timeout (%(default)s)")
     j.add_argument("--backend", default="iptables", help="backend of `redirect init`: iptables (default), "
                                                           "iptables-legacy, iptables-nft or nftables")
     j.add_argument("--inject-log-json", dest="inject_log_json", action="store_true",

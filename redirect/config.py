@@ -16,6 +16,7 @@ couple of hundred characters of a value.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import grp
 import ipaddress
@@ -377,6 +378,37 @@ def _int(name: str, value: object, lo: int, hi: int) -> int:
     if not isinstance(value, int) or not lo <= value <= hi:
         raise ConfigError(name, value, f"expected an integer {lo}-{hi}")
     return value
+
+
+_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
+
+
+def int_arg(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer option in ``lo``..``hi``, read as config fields are:
+    ASCII decimal or ``0x`` hex (``int`` would take other scripts' digits and ``1_0``)."""
+
+    def parse(text: str) -> int:
+        try:
+            return _int("value", text, lo, hi)
+        except ConfigError:
+            raise argparse.ArgumentTypeError(f"{brief(text)}: expected an integer {lo}-{hi}") from None
+
+    parse.__name__ = "integer"  # argparse names the type in its own messages
+    return parse
+
+
+def seconds_arg(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse ``type`` for a duration in seconds in ``lo``..``hi``: ASCII decimal
+    (``float`` would take ``nan``, ``inf``, ``1e9`` and other scripts' digits)."""
+
+    def parse(text: str) -> float:
+        s = text.strip()
+        if not _SECONDS.fullmatch(s) or not lo <= float(s) <= hi:
+            raise argparse.ArgumentTypeError(f"{brief(text)}: expected seconds {lo:g}-{hi:g} (e.g. 2.5)")
+        return float(s)
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def _bool(name: str, value: object, allow_none: bool = False) -> bool | None:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from .config import int_arg, seconds_arg
 from .relay import IP_TRANSPARENT, IPV6_TRANSPARENT, SOL_IPV6, original_dst, pump
 
 
@@ -83,9 +84,10 @@ def _listener(family: int, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m redirect.demo_proxy", description=__doc__.splitlines()[0])
-    p.add_argument("--outbound", type=int, default=15001)
-    p.add_argument("--inbound", type=int, default=15006)
-    p.add_argument("--max-seconds", type=float, default=120, help="exit after this long (bounded by design)")
+    p.add_argument("--outbound", type=int_arg(1, 65535), default=15001)
+    p.add_argument("--inbound", type=int_arg(1, 65535), default=15006)
+    p.add_argument("--max-seconds", type=seconds_arg(0, 86400), default=120,
+                   help="exit after this long (bounded by design)")
     args = p.parse_args(argv)
     stop = threading.Event()
     lock = threading.Lock()

@@ -55,6 +55,7 @@ from typing import Any, TextIO
 from . import logjson
 from . import netns as _netns
 from .agent import protocol
+from .config import int_arg, seconds_arg
 from .relay import SO_MARK, original_dst, pump
 
 MARK = 0x539
@@ -410,10 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=True,
                    help="one JSON object per line (time, level, logger, msg, event and its fields); "
                         "--no-log-json: text (default: JSON)")
-    p.add_argument("--max-conns", type=int, default=1024, help="connections relayed at once (%(default)s)")
-    p.add_argument("--connect-timeout", type=float, default=5.0, help="upstream connect timeout, s (%(default)s)")
-    p.add_argument("--idle-timeout", type=float, default=300.0, help="relay idle timeout, s (%(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=5.0,
+    p.add_argument("--max-conns", type=int_arg(1, 1_000_000), default=1024,
+                   help="connections relayed at once (%(default)s)")
+    p.add_argument("--connect-timeout", type=seconds_arg(0.001, 3600), default=5.0,
+                   help="upstream connect timeout, s (%(default)s)")
+    p.add_argument("--idle-timeout", type=seconds_arg(0.001, 86400), default=300.0,
+                   help="relay idle timeout, s (%(default)s)")
+    p.add_argument("--drain-timeout", type=seconds_arg(0, 3600), default=5.0,
                    help="on SIGTERM, wait this long for relayed connections to finish, s (%(default)s)")
     a = p.parse_args(argv)
     if a.max_conns < 1:

@@ -54,7 +54,7 @@ from typing import Any
 
 from .. import api, node
 from .. import netns as _netns
-from ..config import RedirectConfig
+from ..config import RedirectConfig, int_arg, seconds_arg
 from ..errors import ConfigError, RedirectError, SetupError
 from . import cni_requests, identity, protocol
 from .discovery import Found, discover, same_inode
@@ -680,21 +680,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="netns of the node's probe rules and pod sets (default: the agent's own)")
     p.add_argument("--no-host-rules", action="store_true", help="do not manage the node's probe SNAT rules and sets")
     p.add_argument("--http-host", default="127.0.0.1", help="address of /healthz, /readyz, /metrics (%(default)s)")
-    p.add_argument("--http-port", type=int, default=15995, help="port of the ops server; 0 = any (%(default)s)")
-    p.add_argument("--workers", type=int, default=16,
+    p.add_argument("--http-port", type=int_arg(0, 65535), default=15995,
+                   help="port of the ops server; 0 = any (%(default)s)")
+    p.add_argument("--workers", type=int_arg(1, 1024), default=16,
                    help="pod events and CNI requests handled at once (%(default)s)")
-    p.add_argument("--proxy-timeout", type=float, default=5.0,
+    p.add_argument("--proxy-timeout", type=seconds_arg(0.001, 3600), default=5.0,
                    help="seconds to wait for the node proxy's ack of a pod (%(default)s)")
     p.add_argument("--capture", default="{}",
                    help="JSON object of RedirectConfig fields: the pods' base config before annotations")
     p.add_argument("--no-proc-scan", action="store_true", help="at start, look for pods under /run/netns only")
-    p.add_argument("--resync-seconds", type=float, default=30.0,
+    p.add_argument("--resync-seconds", type=seconds_arg(0, 86400), default=30.0,
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")
-    p.add_argument("--idle-timeout", type=float, default=10.0,
+    p.add_argument("--idle-timeout", type=seconds_arg(0.001, 3600), default=10.0,
                    help="seconds an events-socket or ops-port client may stay idle, and may take to read an "
                         "answer, before it is disconnected (%(default)s)")
-    p.add_argument("--max-clients", type=int, default=256,
+    p.add_argument("--max-clients", type=int_arg(1, 65536), default=256,
                    help="open connections on the events socket, and on the ops port, at most; a new client "
                         "beyond that disconnects the one idle the longest (%(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

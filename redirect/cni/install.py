@@ -36,6 +36,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import seconds_arg
 from ..errors import brief_text
 from .plugin import PLUGIN_TYPE
 
@@ -479,8 +480,9 @@ def cli_main(argv: list[str]) -> int:
             s.add_argument("--python", help="interpreter for the launcher (default: this one)")
             s.add_argument("--watch", action="store_true",
                            help="keep our entry and executables installed (re-add them) until stopped")
-            s.add_argument("--interval", type=float, default=1.0, help="--watch poll interval, seconds")
-            s.add_argument("--max-seconds", type=float, help="--watch stops after this long")
+            s.add_argument("--interval", type=seconds_arg(0.01, 3600), default=1.0,
+                           help="--watch poll interval, seconds")
+            s.add_argument("--max-seconds", type=seconds_arg(0, 31_536_000), help="--watch stops after this long")
         s.add_argument("--log-json", action="store_true",
                        help="report as JSON lines on stderr (time, level, logger, msg), not text")
     a = p.parse_args(argv)
