@@ -25,6 +25,7 @@
 #define RDR_F_V6 0x40            /* IPv6 is captured too */
 #define RDR_F_TPROXY 0x80        /* inbound_interception = TPROXY (see outbound_target) */
 #define RDR_F_EXCL_IF 0x100      /* exclude_interfaces: RDR_CIDR_IF_EXCL / VIA_EXCL* entries count */
+#define RDR_F_REROUTE 0x400      /* reroute_interfaces: RDR_CIDR_IF_REROUTE entries count */
 
 /* pod_policy.groups_mode: owner_groups / owner_groups_exclude */
 #define RDR_GROUPS_ALL 0     /* owner_groups = "*" */
@@ -57,6 +58,9 @@
 #define RDR_CIDR_IF_EXCL 12
 #define RDR_CIDR_VIA_EXCL4 13
 #define RDR_CIDR_VIA_EXCL6 14
+/* reroute_interfaces, resolved in the pod at setup: a rerouted interface's ifindex (network order,
+ * /32, like RDR_CIDR_IF_EXCL): inbound arriving on it goes to the outbound port. */
+#define RDR_CIDR_IF_REROUTE 17
 
 /* cidr_key.prefixlen = RDR_CIDR_PREFIX_BASE + the CIDR's own prefix length */
 #define RDR_CIDR_PREFIX_BASE 96
@@ -124,10 +128,14 @@ struct tuple_key {
 	__u8 addr[16];
 };
 
+/* listener_key.kind: which of the proxy's listeners sk_lookup hands connections to */
+#define RDR_LISTENER_INBOUND 0  /* on inbound_port: inbound capture */
+#define RDR_LISTENER_OUTBOUND 1 /* on proxy_port: inbound arriving on a reroute interface */
+
 struct listener_key {
 	__u64 netns;
 	__u32 family;
-	__u32 _pad;
+	__u32 kind; /* RDR_LISTENER_* */
 };
 
 /* What one pod owns in ports/cidrs, so teardown and check touch only that

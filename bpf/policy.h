@@ -35,16 +35,28 @@ static __always_inline int cidr_listed(__u64 keys, __u32 kind, const __u8 *addr,
 	return cidrs.lookup(&k) != NULL;
 }
 
-/* Whether ifindex is one of the pod's excluded interfaces (exclude_interfaces). */
-static __always_inline int iface_excluded(const struct pod_policy *p, __u64 keys, __u32 ifindex)
+/* Whether ifindex has an entry of kind (RDR_CIDR_IF_EXCL, RDR_CIDR_IF_REROUTE) in the pod. */
+static __always_inline int iface_listed(__u64 keys, __u32 kind, __u32 ifindex)
 {
 	__u32 be = bpf_htonl(ifindex);
 	__u8 addr[16] = {};
 
-	if (!(p->flags & RDR_F_EXCL_IF) || ifindex == 0)
+	if (ifindex == 0)
 		return 0;
 	__builtin_memcpy(addr, &be, 4);
-	return cidr_listed(keys, RDR_CIDR_IF_EXCL, addr, 0);
+	return cidr_listed(keys, kind, addr, 0);
+}
+
+/* Whether ifindex is one of the pod's excluded interfaces (exclude_interfaces). */
+static __always_inline int iface_excluded(const struct pod_policy *p, __u64 keys, __u32 ifindex)
+{
+	return (p->flags & RDR_F_EXCL_IF) && iface_listed(keys, RDR_CIDR_IF_EXCL, ifindex);
+}
+
+/* Whether ifindex is one of the pod's reroute (kube-virt) interfaces (reroute_interfaces). */
+static __always_inline int iface_rerouted(const struct pod_policy *p, __u64 keys, __u32 ifindex)
+{
+	return (p->flags & RDR_F_REROUTE) && iface_listed(keys, RDR_CIDR_IF_REROUTE, ifindex);
 }
 
 /* Whether the connection leaves through an excluded interface (Istio's "-o <if> -j RETURN",

@@ -38,6 +38,45 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
 	}
 }
 
+/* Whether the connection's destination (a local one: sk_lookup runs for
+ * those) is among outbound_cidrs (RDR_CIDR_OUT_INCL*). */
+static __always_inline int to_included(struct bpf_sk_lookup *ctx, __u64 keys)
+{
+	__u8 addr[16] = {};
+
+	if (ctx->family == AF_INET) {
+		__u32 ip = ctx->local_ip4;
+
+		__builtin_memcpy(addr, &ip, 4);
+		return cidr_listed(keys, RDR_CIDR_OUT_INCL4, addr, 0);
+	} else {
+		__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+
+		__builtin_memcpy(addr, ip, 16);
+		return cidr_listed(keys, RDR_CIDR_OUT_INCL6, addr, 1);
+	}
+}
+
+/* Which of the proxy's listeners a new inbound connection goes to
+ * (RDR_LISTENER_*), or -1: not captured. Istio's PREROUTING in its order:
+ * arriving on an excluded interface returns; on a reroute (kube-virt)
+ * interface it goes to the outbound port (only to outbound_cidrs when not
+ * every destination is captured; the rest of that interface returns), except
+ * what TPROXY's mangle rules, which run before nat's, take to the inbound
+ * port; else the inbound ports decide. */
+static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
+{
+	int captured = inbound_captured(p, keys, (__u16)ctx->local_port);
+
+	if (!(p->flags & (RDR_F_EXCL_IF | RDR_F_REROUTE)))
+		return captured ? RDR_LISTENER_INBOUND : -1;
+	if (iface_excluded(p, keys, ctx->ingress_ifindex))
+		return -1;
+	if (!iface_rerouted(p, keys, ctx->ingress_ifindex) || (captured && (p->flags & RDR_F_TPROXY)))
+		return captured ? RDR_LISTENER_INBOUND : -1;
+	return (p->flags & RDR_F_OUT_ALL) || to_included(ctx, keys) ? RDR_LISTENER_OUTBOUND : -1;
+}
+
 int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 {
 	struct listener_key lk = {};
@@ -45,7 +84,7 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	struct bpf_sock *sk;
 	__u32 zero = 0;
 	__u64 *slot, netns, keys;
-	int err;
+	int err, kind;
 
 	slot = lookup_netns.lookup(&zero);
 	if (!slot)
@@ -62,15 +101,12 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)))
 		return SK_PASS;
 	keys = pod_keys(p, netns);
-	if (!inbound_captured(p, keys, (__u16)ctx->local_port))
-		return SK_PASS;
-	if (from_this_pod(ctx, keys))
-		return SK_PASS;
-	/* Arriving on an excluded interface (Istio's "-i <if> -j RETURN"). */
-	if (iface_excluded(p, keys, ctx->ingress_ifindex))
+	kind = listener_for(ctx, p, keys);
+	if (kind < 0 || from_this_pod(ctx, keys))
 		return SK_PASS;
 	lk.netns = netns;
 	lk.family = ctx->family;
+	lk.kind = kind;
 	sk = (struct bpf_sock *)listeners.lookup(&lk);
 	if (!sk && ctx->family == AF_INET) {
 		/* A dual-stack [::] listener serves IPv4 too. */
@@ -78,9 +114,9 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 		sk = (struct bpf_sock *)listeners.lookup(&lk);
 	}
 	/* Fail closed: a captured port is never served around the proxy (that
-	 * would skip its policy, e.g. mTLS). With no inbound listener yet (the
-	 * proxy not started) the SYN is dropped and the client retries; iptables
-	 * would answer with a reset from the unused 15006. */
+	 * would skip its policy, e.g. mTLS). With no listener yet (the proxy not
+	 * started) the SYN is dropped and the client retries; iptables would
+	 * answer with a reset from the unused port. */
 	if (!sk)
 		return SK_DROP;
 	err = bpf_sk_assign(ctx, sk, 0);

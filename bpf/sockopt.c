@@ -28,17 +28,24 @@ static __always_inline void tuple_of_local(struct bpf_sock_ops *ctx, struct tupl
 	tuple_addr(k, ctx->family, ip, ctx->local_ip4);
 }
 
-/* The proxy's inbound listener, as it starts listening: sk_lookup hands it
- * new inbound connections from the `listeners` sockhash. Setup also adds the
- * listeners that were already open; the kernel drops an entry when its
- * socket closes, and a restarted proxy lands here again. */
+/* The proxy's inbound listener (and with reroute_interfaces its outbound one),
+ * as it starts listening: sk_lookup hands it new inbound connections from
+ * the `listeners` sockhash. Setup also adds the listeners that were already
+ * open; the kernel drops an entry when its socket closes, and a restarted
+ * proxy lands here again. */
 static __always_inline void register_listener(struct bpf_sock_ops *ctx)
 {
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_policy *p = pod_of(netns);
 	struct listener_key lk = {};
 
-	if (!p || !(p->flags & RDR_F_INBOUND) || ctx->local_port != p->inbound_port)
+	if (!p)
+		return;
+	if ((p->flags & RDR_F_INBOUND) && ctx->local_port == p->inbound_port)
+		lk.kind = RDR_LISTENER_INBOUND;
+	else if ((p->flags & RDR_F_REROUTE) && ctx->local_port == p->proxy_port)
+		lk.kind = RDR_LISTENER_OUTBOUND;
+	else
 		return;
 	lk.netns = netns;
 	lk.family = ctx->family;

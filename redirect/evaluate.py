@@ -447,15 +447,39 @@ def _inbound_captured(m: _Maps, port: int) -> bool:
     return (not m.port_listed("in_exclude", port)) if p.inbound_all else m.port_listed("in_include", port)
 
 
+def _iface_listed(m: _Maps, kind: CidrKind, ifindex: int) -> bool:
+    """``iface_listed`` of bpf/policy.h."""
+    return ifindex != 0 and m.cidr_listed(kind, ifindex.to_bytes(4, "big").ljust(16, b"\0"), False)
+
+
+def _listener_for(m: _Maps, conn: Conn, ingress_ifindex: int) -> int | None:
+    """``listener_for`` of bpf/sk_lookup.c: the port of the proxy's listener the connection goes
+    to (inbound or outbound), or None."""
+    p = m.policy
+    captured = _inbound_captured(m, conn.port)
+    if not p.excl_if and not p.reroute_if:
+        return p.inbound_port if captured else None
+    if p.excl_if and _iface_listed(m, "iface_exclude", ingress_ifindex):
+        return None
+    if not (p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex)) or (captured and p.tproxy):
+        return p.inbound_port if captured else None
+    v6 = conn.family == 6
+    to_included = m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
+    return p.proxy_port if p.out_all or to_included else None
+
+
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
-    """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's inbound listener
-    registered (without one, a captured connection is dropped)."""
+    """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
+    (without one, a captured connection is dropped)."""
     if conn.proto != "tcp":
         return DIRECT
     if ingress_ifindex == LOOPBACK_IFINDEX:
         return DIRECT
     fam = conn.family
-    if (fam == 6 and not m.policy.v6) or not _inbound_captured(m, conn.port):
+    if fam == 6 and not m.policy.v6:
+        return DIRECT
+    port = _listener_for(m, conn, ingress_ifindex)
+    if port is None:
         return DIRECT
     s = _ip(src)
     if fam == 4:
@@ -464,10 +488,7 @@ def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
         from_pod = s == V6_LOOPBACK or m.cidr_listed("local6", _raw(src), True)
     if from_pod:
         return DIRECT
-    if m.policy.excl_if and ingress_ifindex and m.cidr_listed("iface_exclude", ingress_ifindex.to_bytes(4, "big")
-                                                               .ljust(16, b"\0"), False):
-        return DIRECT
-    return ("redirect", m.policy.inbound_port)
+    return ("redirect", port)
 
 
 def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:

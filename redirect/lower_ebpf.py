@@ -11,9 +11,9 @@ read them, and ``redirect.evaluate`` models what they do with them.
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
 of kind and netns cookie.
-Options the eBPF backend refuses (ambient mode, ``drop_invalid``, ``reroute_interfaces``, a gid
-hairpin unlike the uids') have no place here. ``pod_interfaces`` adds what ``exclude_interfaces``
-means in one pod (its links and routes).
+Options the eBPF backend refuses (ambient mode, ``drop_invalid``, a gid hairpin unlike the uids')
+have no place here. ``pod_interfaces`` adds what ``exclude_interfaces`` and ``reroute_interfaces``
+mean in one pod (its links and routes).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from .intent import GroupsMode, Intent
 
 PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
 CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
-                   "local4", "local6", "uid", "gid", "group", "iface_exclude", "via_exclude4", "via_exclude6"]
+                   "local4", "local6", "uid", "gid", "group", "iface_exclude", "via_exclude4", "via_exclude6",
+                   "iface_reroute"]
 IdRange = tuple[int, int]
 #: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
 LocalAddr = tuple[int, str, int]
@@ -71,6 +72,9 @@ class EbpfPolicy:
     tproxy_mark: int
     #: ``exclude_interfaces`` is not empty: the pod's ``iface_exclude``/``via_exclude*`` entries count.
     excl_if: bool
+    #: ``reroute_interfaces`` is not empty: inbound arriving on an ``iface_reroute`` interface goes to
+    #: the outbound port (to an ``out_include*`` CIDR unless ``out_all``).
+    reroute_if: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,9 @@ class EbpfEntries:
     #: (prefix length of the CIDR, kind, its network address as 16 bytes, IPv4 in the first 4);
     #: an owner id range past its kind's first as prefix blocks of the 32-bit id (network order).
     cidrs: tuple[tuple[int, CidrKind, bytes], ...]
-    #: ``exclude_interfaces``: what ``pod_interfaces`` resolves in each pod.
+    #: ``exclude_interfaces``, ``reroute_interfaces``: what ``pod_interfaces`` resolves in each pod.
     exclude_interfaces: tuple[str, ...] = ()
+    reroute_interfaces: tuple[str, ...] = ()
 
 
 def _range(i: IdSpec) -> IdRange:
@@ -124,7 +129,7 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
         uid0=uids[0] if uids else (0, 0), n_uids=len(uids), gid0=gids[0] if gids else (0, 0), n_gids=len(gids),
         groups_mode=it.groups_mode, group0=groups[0] if groups else (0, 0), n_groups=len(groups),
         tproxy=it.interception == "TPROXY", tproxy_mark=it.tproxy_mark if it.interception == "TPROXY" else 0,
-        excl_if=bool(it.exclude_interfaces),
+        excl_if=bool(it.exclude_interfaces), reroute_if=bool(it.reroute_interfaces),
     )
     ports: dict[tuple[PortKind, int], None] = {}
     for p in it.outbound_exclude_ports:
@@ -154,7 +159,7 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
     for ranges, kind in owner_kinds:
         for spec in _id_blocks(ranges[1:], kind):
             cidrs[spec] = None
-    return EbpfEntries(policy, tuple(ports), tuple(cidrs), it.exclude_interfaces)
+    return EbpfEntries(policy, tuple(ports), tuple(cidrs), it.exclude_interfaces, it.reroute_interfaces)
 
 
 def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tuple[int, CidrKind, bytes], ...]:
@@ -167,19 +172,23 @@ def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tu
 
 def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Iterable[tuple[str, int]],
                    routes: Iterable[Route]) -> tuple[tuple[int, CidrKind, bytes], ...]:
-    """The entries of ``exclude_interfaces`` in a pod with ``links`` (name, ifindex) and the main
-    table's ``routes``: each excluded interface's ifindex (inbound arriving on it, or a socket
-    bound to it, is not captured), and the destinations the routes send through an excluded
-    interface (outbound to them is not captured): a route through one, less the more specific
-    routes inside it (those through an excluded interface count on their own). Link-local
-    destinations (their interface is the socket's scope id) are left out. ``ValueError`` for a
-    route whose next hops are on excluded and other interfaces alike (where such a connection
-    leaves is the kernel's pick per flow).
+    """The entries of ``exclude_interfaces`` and ``reroute_interfaces`` in a pod with ``links``
+    (name, ifindex) and the main table's ``routes``: each rerouted interface's ifindex (inbound
+    arriving on it goes to the outbound port); each excluded interface's ifindex (inbound
+    arriving on it, or a socket bound to it, is not captured), and the destinations the routes
+    send through an excluded interface (outbound to them is not captured): a route through one,
+    less the more specific routes inside it (those through an excluded interface count on their
+    own). Link-local destinations (their interface is the socket's scope id) are left out.
+    ``ValueError`` for a route whose next hops are on excluded and other interfaces alike (where
+    such a connection leaves is the kernel's pick per flow).
     """
-    excl = set(entries.exclude_interfaces)
-    if not excl:
-        return ()
+    excl, reroute = set(entries.exclude_interfaces), set(entries.reroute_interfaces)
     out: list[tuple[int, CidrKind, bytes]] = []
+    for name, index in links:
+        if name in reroute:
+            out.append((32, "iface_reroute", index.to_bytes(4, "big").ljust(16, b"\0")))
+    if not excl:
+        return tuple(out)
     for name, index in links:
         if name in excl:
             out.append((32, "iface_exclude", index.to_bytes(4, "big").ljust(16, b"\0")))

@@ -55,7 +55,7 @@ def probes(pod: Pod, v6_passthrough: bool) -> list[tuple[str, Conn, dict[str, An
             out.append(("proxy to ::6", Conn("out", "tcp", "::6", 9090, uid=1337), {"ip": "::6", "port": 9090,
                                                                                    "uid": 1337}))
         for port in diff.IN_PORTS:
-            out.append((f"in v{fam} :{port}", Conn("in", "tcp", own, port, src=peer),
+            out.append((f"in v{fam} :{port}", Conn("in", "tcp", own, port, src=peer, iface=pod.pod_if),
                         {"ns": pod.peer_name, "ip": own, "port": port}))
     mapped = f"::ffff:{pod.peer_ip4}"
     out.append(("dual-stack socket to IPv4 :80", Conn("out", "tcp", mapped, 80), {"ip": mapped, "port": 80}))
@@ -84,7 +84,8 @@ def test_evaluators_land_every_probe_where_the_kernel_does(make_pod, bpf_root: s
                 cfg = diff.config_for(spec, pod)
                 fams = (4, 6) if cfg.ipv6 is not False else (4,)
                 redirect.setup(pod.name, cfg, backend=backend)
-                net = PodNet(((4, pod.pod_ip4, 2), (6, pod.pod_ip6, 2)) + (((6, "::6", 1),) if 6 in fams else ()))
+                net = PodNet(((4, pod.pod_ip4, 2), (6, pod.pod_ip6, 2)) + (((6, "::6", 1),) if 6 in fams else ()),
+                             dev=pod.pod_if, links=((pod.pod_if, 2),))
                 plan, entries = build_plan(cfg), lower_ebpf(intent_of(cfg), fams)
                 for lst in ls[pod.name]:
                     lst.clear()

@@ -64,6 +64,7 @@ ETH1_ROUTES = [(4, "10.1.2.0/24"), (4, "10.2.0.0/16"), (4, "172.16.0.0/12"), (4,
                (6, "fd00:1::/64"), (6, "fd00:2::/64"), (6, "2001:db8::/32"), (6, "fd00::/8")]
 S_ETH1_ROUTES = subsets(ETH1_ROUTES, 4)
 S_EXCL_IF = subsets(["eth0", "eth1", "eth9"], 2)
+S_REROUTE_IF = subsets(["eth0", "eth1", "eth8"], 2)
 S_IFACE = st.sampled_from(["eth0", "eth0", "eth1"])
 S_PROTO, S_PORT = st.sampled_from(["tcp", "tcp", "udp"]), st.sampled_from(PORTS)
 S_UID, S_GID = st.sampled_from(UIDS), st.sampled_from(GIDS)
@@ -94,6 +95,7 @@ def configs(draw: st.DrawFn) -> RedirectConfig:
         "inbound_interception": draw(S_INTERCEPTION),
         "exclude_interfaces": draw(S_EXCL_IF),
     }
+    kw["reroute_interfaces"] = tuple(i for i in draw(S_REROUTE_IF) if i not in kw["exclude_interfaces"])
     if not kw["proxy_uids"] and not kw["proxy_gids"]:
         kw["proxy_uids"] = (1337,)
     groups = draw(S_GROUPS)

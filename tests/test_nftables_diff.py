@@ -38,11 +38,13 @@ specs = st.fixed_dictionaries({
     "drop_invalid": st.booleans(),
     "ipv6": st.booleans(),
     "owner_groups_exclude": st.sampled_from([(), (APP_GID,)]),
+    # The pod's one interface as a reroute (kube-virt) one: its inbound goes to the outbound port.
+    "reroute": st.sampled_from([False, False, True]),
 })
 
 
 def config_for(spec: dict[str, Any], pod: Pod) -> RedirectConfig:
-    kw = {k: v for k, v in spec.items() if k not in ("exclude_peer", "include", "dns")}
+    kw = {k: v for k, v in spec.items() if k not in ("exclude_peer", "include", "dns", "reroute")}
     if spec["exclude_peer"] == 4:
         kw["outbound_exclude_cidrs"] = (f"{pod.peer_ip4}/32",)
     elif spec["exclude_peer"] == 6:
@@ -51,6 +53,8 @@ def config_for(spec: dict[str, Any], pod: Pod) -> RedirectConfig:
         kw["outbound_cidrs"] = (pod.main.subnet4,)
     if spec["dns"]:
         kw.update(dns_capture=True, capture_all_dns=True)
+    if spec.get("reroute"):
+        kw["reroute_interfaces"] = (pod.pod_if,)
     return RedirectConfig(**kw)
 
 

@@ -393,6 +393,64 @@ def test_excluded_interface_is_not_captured(pod_with_extra_iface: Pod, backend: 
         assert landing(pod.name, extra_peer, 8080, *L.values(), uid=APP_UID).label == "peer-app"
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_rerouted_interface_inbound_goes_to_the_outbound_port(pod_with_extra_iface: Pod, backend: str,
+                                                              fam: int) -> None:
+    """Inbound TCP arriving on a reroute (kube-virt) interface goes to the proxy's outbound port
+    with its original destination; with ``outbound_cidrs`` only to those, the rest of that
+    interface is not captured at all; the other interface's inbound is captured as usual."""
+    pod = pod_with_extra_iface
+    extra = pod.extra
+    assert extra is not None
+    extra_pod = extra.pod_ip4 if fam == 4 else extra.pod_ip6
+    host = f"{extra_pod}/{32 if fam == 4 else 128}"
+    cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,))
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15006, fam, "proxy-in"), (pod.name, 15001, fam, "proxy-out"), (pod.name, 8000, fam, "pod-app"),
+    ) as L:
+        assert redirect.check(pod.name, cfg, backend=backend).ok
+        hit = landing(pod.peer_name, extra_pod, 8000, *L.values())
+        assert hit.label == "proxy-out" and hit.orig_dst == (extra_pod, 8000), hit.result
+        assert landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values()).label == "proxy-in"
+        # Only the included destinations, once outbound capture is limited to some CIDRs.
+        cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,), outbound_cidrs=(host,))
+        assert redirect.setup(pod.name, cfg, backend=backend).changed
+        hit = landing(pod.peer_name, extra_pod, 8000, *L.values())
+        assert hit.label == "proxy-out" and hit.orig_dst == (extra_pod, 8000), hit.result
+        cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,), outbound_cidrs=("10.99.0.0/16", "fd99::/64"))
+        assert redirect.setup(pod.name, cfg, backend=backend).changed
+        assert landing(pod.peer_name, extra_pod, 8000, *L.values()).label == "pod-app"
+        assert landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values()).label == "proxy-in"
+        assert redirect.check(pod.name, cfg, backend=backend).ok
+
+
+def test_ebpf_reroute_registers_an_outbound_listener_already_open(pod_with_extra_iface: Pod, ebpf_root: str) -> None:
+    """A proxy already listening when reroute_interfaces is set up gets the rerouted connections
+    (setup registers its listener; one started later registers itself as it listens); a config
+    without reroute_interfaces drops the registration, and teardown leaves none."""
+    from redirect.backends import ebpf
+    from redirect.backends.ebpf.abi import AF, LISTENER_KEY
+
+    pod = pod_with_extra_iface
+    extra = pod.extra
+    assert extra is not None
+    cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,))
+    with listeners(*((pod.name, port, fam, f"{label}{fam}") for fam in FAMILIES
+                     for port, label in ((15001, "proxy-out"), (8000, "pod-app")))) as L, \
+            installed(pod, cfg, "ebpf"):
+        assert redirect.show(pod.name)["outbound_listeners"] == ["IPv4", "IPv6"]
+        for fam, dst in ((4, extra.pod_ip4), (6, extra.pod_ip6)):
+            hit = landing(pod.peer_name, dst, 8000, *L.values())
+            assert hit.label == f"proxy-out{fam}" and hit.orig_dst == (dst, 8000), hit.result
+        redirect.setup(pod.name, RedirectConfig(), backend="ebpf")
+        assert redirect.show(pod.name)["outbound_listeners"] == []
+        cookie = redirect.show(pod.name)["netns_cookie"]
+    h = ebpf.host()
+    assert h is not None
+    assert all(h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], k)) is None
+               for f in (4, 6) for k in (0, 1))
+
+
 # --------------------------------------------------------------------------- DNS
 
 

@@ -44,9 +44,7 @@ property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
-the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack);
-``reroute_interfaces`` (what arrives there is mostly forwarded traffic, which
-sk_lookup never sees).
+the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack).
 
 The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it
@@ -73,6 +71,9 @@ How the iptables semantics are met without packets:
   connect hooks leave alone a socket bound to one, and destinations the pod's
   main routing table sends through one (read at setup, ``check`` reports
   route changes, the next setup follows them);
+- ``reroute_interfaces``: sk_lookup hands what arrives on one to the proxy's outbound listener
+  (registered like the inbound one, ``listener_key.kind``); traffic the pod forwards never meets
+  sk_lookup, so it is not captured (README);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``bpf/policy.h: outbound_target``); no marks or policy

@@ -126,7 +126,7 @@ GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 
-F_EXCL_IF = const("RDR_F_EXCL_IF")
+F_EXCL_IF, F_REROUTE = const("RDR_F_EXCL_IF"), const("RDR_F_REROUTE")
 F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6, F_TPROXY = (
     const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6",
                                   "TPROXY"))
@@ -136,7 +136,9 @@ CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_
     const(f"RDR_CIDR_{n}") for n in ("OUT_EXCL4", "OUT_INCL4", "DNS4", "OUT_EXCL6", "OUT_INCL6", "DNS6"))
 CIDR_LOCAL4, CIDR_LOCAL6 = const("RDR_CIDR_LOCAL4"), const("RDR_CIDR_LOCAL6")
 CIDR_UID, CIDR_GID, CIDR_GROUP = const("RDR_CIDR_UID"), const("RDR_CIDR_GID"), const("RDR_CIDR_GROUP")
-CIDR_IF_EXCL, CIDR_VIA_EXCL4, CIDR_VIA_EXCL6 = (const(f"RDR_CIDR_{n}") for n in ("IF_EXCL", "VIA_EXCL4", "VIA_EXCL6"))
+CIDR_IF_EXCL, CIDR_VIA_EXCL4, CIDR_VIA_EXCL6, CIDR_IF_REROUTE = (
+    const(f"RDR_CIDR_{n}") for n in ("IF_EXCL", "VIA_EXCL4", "VIA_EXCL6", "IF_REROUTE"))
+LISTENER_INBOUND, LISTENER_OUTBOUND = const("RDR_LISTENER_INBOUND"), const("RDR_LISTENER_OUTBOUND")
 CIDR_PREFIX_BASE = const("RDR_CIDR_PREFIX_BASE")  # cidr_key.prefixlen = this + the CIDR's own
 GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = (const(f"RDR_GROUPS_{n}") for n in ("ALL", "ONLY", "EXCLUDE"))
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}

@@ -24,7 +24,9 @@ from .abi import (
     INV_CIDRS,
     INV_MAPS,
     INV_PORTS,
+    LISTENER_INBOUND,
     LISTENER_KEY,
+    LISTENER_OUTBOUND,
     P_INV_BASE,
     POLICY,
     U64,
@@ -146,8 +148,14 @@ class EbpfBackend:
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
         scan = inbound and listener_maybe(sc, cfg.inbound_port, unserved)
-        unchanged = (not scan and old.policy is not None and _policy_core(old.policy) == want.policy and not add_addrs
-                     and not dropping
+        # With reroute_interfaces, the proxy's outbound listener too (registered here, in the
+        # sockhash, before the policy that makes sk_lookup look for it).
+        reroute = bool(cfg.reroute_interfaces)
+        out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
+                        ) if reroute else ()
+        oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
+        unchanged = (not scan and not oscan and old.policy is not None and _policy_core(old.policy) == want.policy
+                     and not add_addrs and not dropping
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
@@ -162,10 +170,19 @@ class EbpfBackend:
         )
         from ... import routes as rt
 
-        with listeners_cm as lfds:
+        out_cm: contextlib.AbstractContextManager[dict[int, int]] = (
+            proxy_listeners(cfg.proxy_port) if oscan else contextlib.nullcontext({})
+        )
+        with listeners_cm as lfds, out_cm as ofds:
             added: list[LocalAddress] = []
+            registered: list[bytes] = []
             own_fd = None
             try:
+                for fam, fd in ofds.items():
+                    key = LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND)
+                    if h.maps["listeners"].lookup(key) is None:
+                        h.maps["listeners"].update(key, U64.pack(fd))
+                        registered.append(key)
                 for la in add_addrs:
                     _add_address(la)
                     added.append(la)
@@ -180,6 +197,8 @@ class EbpfBackend:
                 # The difference, in one native call that undoes itself on failure.
                 write_pod(h, cookie, want, old, base, lfds, link_netns, link_path)
             except BaseException as e:
+                for key in registered:
+                    h.maps["listeners"].delete(key)
                 for la in added:
                     with contextlib.suppress(OSError, RedirectError):
                         rt.remove_address(la)
@@ -189,6 +208,9 @@ class EbpfBackend:
             finally:
                 if own_fd is not None:
                     os.close(own_fd)
+        if not reroute:  # (the outbound listener's entries of an earlier config with reroute_interfaces)
+            for fam in (4, 6):
+                h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND))
         for ours in dropping:
             rt.remove_address(ours)
         d = _general_detail(h, cookie, t0, t_host, link_path)
@@ -272,7 +294,9 @@ class EbpfBackend:
         cookie = current_netns_cookie()
         st = read_pod(h, cookie)
         link = self._pod_link_path(cookie)
-        listening = [f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0))]
+        lk = h.maps["listeners"]
+        listening, out_listening = ([f for f in (4, 6) if lk.lookup(LISTENER_KEY.pack(cookie, AF[f], kind))]
+                                    for kind in (LISTENER_INBOUND, LISTENER_OUTBOUND))
         return {
             "backend": self.name, "root": self.root, "netns_cookie": cookie, "installed": st.policy is not None,
             "host_programs": {n: prog_id(fd) for n, fd in h.progs.items()},
@@ -281,6 +305,7 @@ class EbpfBackend:
             "addresses": sorted(_fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
                                 if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
             "inbound_listeners": [f"IPv{f}" for f in listening],
+            "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
             "sk_lookup_link": link if os.path.exists(link) else None,
             "missing_host_pins": missing_pins(self.root),
         }
@@ -308,6 +333,9 @@ def _render(it: Intent, families: tuple[int, ...]) -> str:
     lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
     if e.inbound:
         lines.append(f"listeners[<netns>, family] = proxy socket listening on {it.inbound_port}")
+    if it.reroute_interfaces:
+        lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
+        lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
     return "\n".join(lines) + "\n"
 
 

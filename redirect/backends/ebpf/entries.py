@@ -24,6 +24,7 @@ from .abi import (
     CIDR_GID,
     CIDR_GROUP,
     CIDR_IF_EXCL,
+    CIDR_IF_REROUTE,
     CIDR_KEY,
     CIDR_LOCAL4,
     CIDR_LOCAL6,
@@ -42,6 +43,7 @@ from .abi import (
     F_INBOUND_ALL,
     F_INCL_LOOPBACK,
     F_OUT_ALL,
+    F_REROUTE,
     F_TPROXY,
     F_V6,
     GEN_BIT,
@@ -72,10 +74,6 @@ def _unsupported(cfg: RedirectConfig) -> None:
         no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
     if cfg.drop_invalid:
         no("drop_invalid=True", "needs conntrack's verdict per packet, from a tc program: not implemented")
-    if cfg.reroute_interfaces:
-        no(f"reroute_interfaces={cfg.reroute_interfaces!r}",
-           "what arrives there is mostly forwarded traffic, which sk_lookup never sees; needs a tc program:"
-           " not implemented")
     if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
         no("gid_hairpin_skips_dns=False", "the programs leave port 53 alone for proxy uids and gids alike")
 
@@ -136,7 +134,8 @@ _PORT_KIND = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_in
 _CIDR_KIND = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
               "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
               "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6, "uid": CIDR_UID, "gid": CIDR_GID, "group": CIDR_GROUP,
-              "iface_exclude": CIDR_IF_EXCL, "via_exclude4": CIDR_VIA_EXCL4, "via_exclude6": CIDR_VIA_EXCL6}
+              "iface_exclude": CIDR_IF_EXCL, "via_exclude4": CIDR_VIA_EXCL4, "via_exclude6": CIDR_VIA_EXCL6,
+              "iface_reroute": CIDR_IF_REROUTE}
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,7 +151,7 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
     flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
                                      (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
                                      (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6), (p.tproxy, F_TPROXY),
-                                     (p.excl_if, F_EXCL_IF)) if on)
+                                     (p.excl_if, F_EXCL_IF), (p.reroute_if, F_REROUTE)) if on)
     lo = ipaddress.ip_network(p.loopback4)
     groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
@@ -177,11 +176,11 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
     """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
 
     ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it. Called in the pod's
-    netns: with ``exclude_interfaces``, its links and main routing table are read here
-    (``lower_ebpf.pod_interfaces``).
+    netns: with ``exclude_interfaces`` or ``reroute_interfaces``, its links and main routing table
+    are read here (``lower_ebpf.pod_interfaces``).
     """
     e = intent_entries(intent_of(cfg), families, cookie, local)
-    if not cfg.exclude_interfaces:
+    if not cfg.exclude_interfaces and not cfg.reroute_interfaces:
         return e
     from .podnet import links_and_routes
 
@@ -212,7 +211,7 @@ _CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-inc
                CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
                CIDR_LOCAL4: "local", CIDR_LOCAL6: "local", CIDR_UID: "proxy-uid", CIDR_GID: "proxy-gid",
                CIDR_GROUP: "owner-group", CIDR_IF_EXCL: "excluded-interface", CIDR_VIA_EXCL4: "via-excluded-interface",
-               CIDR_VIA_EXCL6: "via-excluded-interface"}
+               CIDR_VIA_EXCL6: "via-excluded-interface", CIDR_IF_REROUTE: "reroute-interface"}
 
 
 def _fmt_port(k: bytes) -> str:
@@ -223,7 +222,7 @@ def _fmt_port(k: bytes) -> str:
 def _fmt_cidr(k: bytes) -> str:
     plen, kind, _c, raw = CIDR_KEY.unpack(k)
     v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6, CIDR_VIA_EXCL6)
-    if kind == CIDR_IF_EXCL:
+    if kind in (CIDR_IF_EXCL, CIDR_IF_REROUTE):
         return f"{_CIDR_KINDS[kind]} ifindex {int.from_bytes(raw[:4], 'big')}"
     if kind in (CIDR_UID, CIDR_GID, CIDR_GROUP):  # ids lo-hi of a prefix block
         lo = int.from_bytes(raw[:4], "big")
@@ -235,8 +234,10 @@ def _fmt_cidr(k: bytes) -> str:
 def _fmt_policy(raw: bytes) -> str:
     v = POLICY.unpack(raw)
     flags = v[P_FLAGS]
-    names = ["out_all", "dns", "dns_all", "incl_loopback", "inbound", "inbound_all", "v6", "tproxy", "excl_if"]
-    on = [n for i, n in enumerate(names) if flags & (1 << i)]
+    names = {F_OUT_ALL: "out_all", F_DNS: "dns", F_DNS_ALL: "dns_all", F_INCL_LOOPBACK: "incl_loopback",
+             F_INBOUND: "inbound", F_INBOUND_ALL: "inbound_all", F_V6: "v6", F_TPROXY: "tproxy", F_EXCL_IF: "excl_if",
+             F_REROUTE: "reroute_if"}
+    on = [n for bit, n in names.items() if flags & bit]
     f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
 
     def ids(name: str, n: str) -> str:  # the first range, and how many more are in the trie

@@ -63,12 +63,12 @@ class FreshPodTemplate:
 @functools.lru_cache(maxsize=64)
 def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
     """The template for ``cfg`` (cached), or None when its pods need the general path (the plan
-    adds an address other than ``::6`` on lo, or ``exclude_interfaces``). Raises
+    adds an address other than ``::6`` on lo, ``exclude_interfaces`` or ``reroute_interfaces``). Raises
     ``BackendUnavailable`` as ``apply`` would."""
     from ...plan import build_plan
 
     _unsupported(cfg)
-    if cfg.exclude_interfaces:
+    if cfg.exclude_interfaces or cfg.reroute_interfaces:
         return None  # its entries depend on the pod's links and routes: the general path reads them
     plan = build_plan(cfg)
     if any(not (a.family == 6 and a.dev == "lo" and a.cidr == INBOUND_PASSTHROUGH_V6) for a in plan.addresses):

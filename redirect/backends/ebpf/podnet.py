@@ -59,9 +59,10 @@ def scan_netns() -> NetnsScan:
                      bool(sc.own_v6), sc)
 
 
-def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...]) -> tuple[int, ...]:
-    """The families without a registered inbound listener (a dual-stack IPv6 one serves IPv4 too)."""
-    have = {f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], 0)) is not None}
+def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...], kind: int = 0) -> tuple[int, ...]:
+    """The families without a registered listener of ``kind`` (``RDR_LISTENER_*``, inbound by
+    default; a dual-stack IPv6 one serves IPv4 too)."""
+    have = {f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], kind)) is not None}
     return tuple(f for f in families if f not in have and not (f == 4 and 6 in have))
 
 

@@ -21,7 +21,9 @@ from .abi import (
     INV_MAPS,
     INV_PORTS,
     INV_VAL,
+    LISTENER_INBOUND,
     LISTENER_KEY,
+    LISTENER_OUTBOUND,
     P_INV_BASE,
     P_N_INV,
     POLICY,
@@ -163,7 +165,8 @@ def _remove_pod(h: HostPrograms, cookie: int) -> bool:
     for ik in st.inv_keys:
         h.maps["inventory"].delete(ik)
     for fam in (4, 6):
-        removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], 0))
+        for kind in (LISTENER_INBOUND, LISTENER_OUTBOUND):
+            removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], kind))
     link = _pod_link(h.root, cookie)
     if os.path.exists(link):
         _detach_pinned(link)
