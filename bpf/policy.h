@@ -167,16 +167,21 @@ static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const 
 	}
 }
 
-/* Whether an inbound TCP connection to port is captured (Istio's INBOUND chain). */
-static __always_inline int inbound_captured(const struct pod_policy *p, __u64 keys, __u16 port)
+/* Whether Istio's INBOUND chain's port rules take an inbound TCP connection to port ... */
+static __always_inline int inbound_listed(const struct pod_policy *p, __u64 keys, __u16 port)
 {
-	if (!(p->flags & RDR_F_INBOUND))
-		return 0;
-	if (port == p->tunnel_port || port == p->inbound_port)
+	if (!(p->flags & RDR_F_INBOUND) || port == p->tunnel_port)
 		return 0;
 	if (p->flags & RDR_F_INBOUND_ALL)
 		return !port_listed(keys, RDR_PORT_IN_EXCL, port);
 	return port_listed(keys, RDR_PORT_IN_INCL, port);
+}
+
+/* ... to a port other than the inbound port itself (where the chain's REDIRECT or TPROXY changes
+ * nothing: the connection reaches that port as it is). */
+static __always_inline int inbound_captured(const struct pod_policy *p, __u64 keys, __u16 port)
+{
+	return port != p->inbound_port && inbound_listed(p, keys, port);
 }
 
 #define RDR_PASS 0

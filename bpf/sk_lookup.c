@@ -62,17 +62,19 @@ static __always_inline int to_included(struct bpf_sk_lookup *ctx, __u64 keys)
  * arriving on an excluded interface returns; on a reroute (kube-virt)
  * interface it goes to the outbound port (only to outbound_cidrs when not
  * every destination is captured; the rest of that interface returns), except
- * what TPROXY's mangle rules, which run before nat's, take to the inbound
- * port; else the inbound ports decide. */
+ * what TPROXY's mangle rules, which run before nat's, take (the inbound port
+ * itself among them: delivered there as it is); else the inbound ports decide. */
 static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
 {
-	int captured = inbound_captured(p, keys, (__u16)ctx->local_port);
+	__u16 port = (__u16)ctx->local_port;
+	int captured = inbound_captured(p, keys, port);
 
 	if (!(p->flags & (RDR_F_EXCL_IF | RDR_F_REROUTE)))
 		return captured ? RDR_LISTENER_INBOUND : -1;
 	if (iface_excluded(p, keys, ctx->ingress_ifindex))
 		return -1;
-	if (!iface_rerouted(p, keys, ctx->ingress_ifindex) || (captured && (p->flags & RDR_F_TPROXY)))
+	if (!iface_rerouted(p, keys, ctx->ingress_ifindex) ||
+	    ((p->flags & RDR_F_TPROXY) && inbound_listed(p, keys, port)))
 		return captured ? RDR_LISTENER_INBOUND : -1;
 	return (p->flags & RDR_F_OUT_ALL) || to_included(ctx, keys) ? RDR_LISTENER_OUTBOUND : -1;
 }

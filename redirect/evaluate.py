@@ -440,11 +440,16 @@ def _connect(m: _Maps, conn: Conn) -> int:
     return _outbound_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK, src_passthrough)
 
 
-def _inbound_captured(m: _Maps, port: int) -> bool:
+def _inbound_listed(m: _Maps, port: int) -> bool:
+    """``inbound_listed`` of bpf/policy.h."""
     p = m.policy
-    if not p.inbound or port in (p.tunnel_port, p.inbound_port):
+    if not p.inbound or port == p.tunnel_port:
         return False
     return (not m.port_listed("in_exclude", port)) if p.inbound_all else m.port_listed("in_include", port)
+
+
+def _inbound_captured(m: _Maps, port: int) -> bool:
+    return port != m.policy.inbound_port and _inbound_listed(m, port)
 
 
 def _iface_listed(m: _Maps, kind: CidrKind, ifindex: int) -> bool:
@@ -461,7 +466,8 @@ def _listener_for(m: _Maps, conn: Conn, ingress_ifindex: int) -> int | None:
         return p.inbound_port if captured else None
     if p.excl_if and _iface_listed(m, "iface_exclude", ingress_ifindex):
         return None
-    if not (p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex)) or (captured and p.tproxy):
+    if not (p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex)) or \
+            (p.tproxy and _inbound_listed(m, conn.port)):
         return p.inbound_port if captured else None
     v6 = conn.family == 6
     to_included = m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
