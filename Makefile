@@ -9,11 +9,11 @@ bootstrap:
 	bash scripts/bootstrap.sh
 
 demo: bootstrap
-	$(PY) -m redirect.demo $(DEMO_ARGS)
+	$(PY) -m demo $(DEMO_ARGS)
 
 lint: bootstrap
 	.venv/bin/ruff check .
-	.venv/bin/mypy redirect/
+	.venv/bin/mypy redirect/ demo/
 
 # First the tests that need no root and no kernel (golden renderings, plan, lowerings: seconds),
 # then the kernel tests; each test runs once. Exit 5 is pytest's "nothing selected" (PYTEST_ARGS

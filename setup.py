@@ -14,10 +14,10 @@ setup(
     cffi_modules=["native/build_native.py:ffibuilder"],
     entry_points={
         "console_scripts": [
-            "redirect=redirect.cli:main",
+            "redirect=redirect.cli.main:main",
             "redirect-cni=redirect.cni.plugin:main",
-            "redirect-agent=redirect.agent.daemon:main",
-            "redirect-nodeproxy=redirect.nodeproxy:main",
+            "redirect-agent=redirect.ambient.agent.daemon:main",
+            "redirect-nodeproxy=redirect.ambient.nodeproxy:main",
         ],
     },
     zip_safe=False,

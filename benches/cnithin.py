@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-from redirect import netns as rnetns
+from redirect.kernel import netns as rnetns
 
 from . import nsutil, podcost
 from .methods import Method, Unavailable, _verify_api, cni_conf
@@ -49,7 +49,7 @@ class ThinAgent:
         self.log = os.path.join(self.dir, "agent.log")
         with open(self.log, "wb") as f:
             self.proc = nsutil.track(subprocess.Popen(
-                [sys.executable, "-m", "redirect.agent.daemon", "--events-socket", self.sock,
+                [sys.executable, "-m", "redirect.ambient.agent.daemon", "--events-socket", self.sock,
                  "--proxy-socket", os.path.join(self.dir, "proxy.sock"), "--http-port", "0", "--no-host-rules",
                  "--no-proc-scan", "--resync-seconds", "0", "--log-level", "warning"],
                 stdout=subprocess.DEVNULL, stderr=f))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redirect
-from redirect import podkit
+from redirect.kernel import podkit
 
 from . import nsutil, reference
 from .methods import config_for, listen_for
@@ -90,7 +90,7 @@ class Case:
 
 
 def _install_reference(pod: str) -> None:
-    from redirect import netns as rnetns
+    from redirect.kernel import netns as rnetns
 
     with rnetns.enter(pod):
         reference.setup()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redirect
-from redirect import netns as rnetns
+from redirect.kernel import netns as rnetns
 
 from . import reference
 

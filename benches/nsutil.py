@@ -77,7 +77,7 @@ def create(n: int, tag: str = "p", listen: tuple[int, ...] = ()) -> list[str]:
     deleted (the eBPF backend hands the proxy's inbound socket to sk_lookup at setup)."""
     from pyroute2 import IPRoute
 
-    from redirect import netns as rnetns
+    from redirect.kernel import netns as rnetns
 
     names = new_names(n, tag)
     with _lock:
@@ -112,7 +112,7 @@ def hold(name: str, ports: tuple[int, ...], entered: bool = False) -> None:
     """Hold a listener per family on each of ``ports`` in namespace ``name`` until ``release``."""
     if not ports:
         return
-    from redirect import netns as rnetns
+    from redirect.kernel import netns as rnetns
 
     if not entered:
         with rnetns.enter(name):

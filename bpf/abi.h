@@ -54,7 +54,7 @@
 #define RDR_CIDR_GROUP 11 /* owner_groups / owner_groups_exclude */
 /* exclude_interfaces, resolved in the pod at setup: an excluded interface's ifindex (network
  * order, /32, like the ids above), and the destinations the pod's main routing table sends
- * through one (redirect/lower_ebpf.py, pod_interfaces). */
+ * through one (redirect/plan/lower_ebpf.py, pod_interfaces). */
 #define RDR_CIDR_IF_EXCL 12
 #define RDR_CIDR_VIA_EXCL4 13
 #define RDR_CIDR_VIA_EXCL6 14

@@ -95,7 +95,7 @@ static __always_inline int id_listed(__u64 keys, __u32 kind, const struct id_ran
 #define RDR_OWN_INBOUND 2
 
 /* One owner kind's three rules of Istio's OUTPUT chain, per uid/gid range in
- * order (plan.py, "proxy uid hairpin over lo" / "app traffic over lo" /
+ * order (redirect/plan/sidecar.py, "proxy uid hairpin over lo" / "app traffic over lo" /
  * "proxy uid"): the proxy's lo traffic to a non-loopback address goes to
  * inbound capture; anyone else's lo traffic returns; the proxy returns. With
  * lo_return the first range's rules decide every lo connection (whoever is
@@ -188,8 +188,8 @@ static __always_inline int inbound_captured(const struct pod_policy *p, __u64 ke
 
 /* Where a new outbound connection/datagram goes: RDR_PASS or the local port
  * to rewrite it to, by Istio's nat OUTPUT rules in their order over the
- * entries of the eBPF lowering (redirect/lower_ebpf.py); outbound_target
- * below adds TPROXY's mangle ones. redirect/evaluate.py models this
+ * entries of the eBPF lowering (redirect/plan/lower_ebpf.py); outbound_target
+ * below adds TPROXY's mangle ones. redirect/plan/evaluate.py models this
  * (evaluate_ebpf), and the property test tests/test_lowerings.py checks that
  * it lands every drawn connection where the netfilter lowering does. */
 static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, int tcp, __u16 port,
@@ -244,7 +244,7 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, 
 }
 
 /* Where a new outbound connection/datagram goes (the nat rules above), and in
- * TPROXY mode the mangle ones after them (plan.py, "proxy uid to app over lo"
+ * TPROXY mode the mangle ones after them (redirect/plan/sidecar.py, "proxy uid to app over lo"
  * and the INBOUND chain): the proxy's TCP over lo to a non-loopback address
  * that nat left alone (its hairpin skips DNS and the tunnel port, an excluded
  * port returns, a uid past the first returns with the app's lo traffic) is

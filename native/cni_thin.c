@@ -47,8 +47,8 @@
 #include <unistd.h>
 
 #define MAX_STDIN (1 << 20)        /* redirect.cni.plugin.MAX_STDIN */
-#define MAX_MESSAGE (64 * 1024)    /* redirect.agent.protocol.MAX_MESSAGE */
-#define MAX_ENV_VALUE (32 * 1024)  /* redirect.agent.cni_requests.MAX_ENV_VALUE */
+#define MAX_MESSAGE (64 * 1024)    /* redirect.ambient.agent.protocol.MAX_MESSAGE */
+#define MAX_ENV_VALUE (32 * 1024)  /* redirect.ambient.agent.cni_requests.MAX_ENV_VALUE */
 #define MAX_DEPTH 512
 #define LATEST "1.1.0"
 #define DEFAULT_SOCKET "/run/redirect/agent.sock"

@@ -199,7 +199,7 @@ struct rdr_pod_req {
 	int add_v6_lo[2];           /* the plan adds ::6/128 on lo (to a pod with IPv6 of its own) */
 	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a
 				     * bind probe of the inbound port */
-	uint64_t host_netns_ino[2]; /* the host's netns inodes (redirect.netns.host_netns_inodes(), 0:
+	uint64_t host_netns_ino[2]; /* the host's netns inodes (redirect.kernel.netns.host_netns_inodes(), 0:
 				     * none): the call backs off for them and for the caller's own, which
 				     * redirect.setup refuses (or allows) on its general path */
 };

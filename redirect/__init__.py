@@ -17,7 +17,7 @@ from .api import check, render, setup, show, teardown
 from .backends.base import CheckResult, Installed
 from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, HostNetnsError, NetnsError, RedirectError, SetupError
-from .netns import Fd, Pid
+from .kernel.netns import Fd, Pid
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@ A netns holds the capture of one backend at a time: ``setup`` with another backe
 one installed puts the new capture in first and then removes the old (capture never lapses);
 ``teardown``, ``check`` and ``show`` without a backend act on whatever of ours is installed,
 whichever backend put it there. ``setup`` refuses the host's own network namespace unless
-``allow_host_netns=True``. Every change of a netns holds its lock (``redirect.locks``).
+``allow_host_netns=True``. Every change of a netns holds its lock (``redirect.kernel.locks``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import os
 import time
 from typing import Any
 
-from . import netns as _netns
 from .backends import KINDS, choose_auto, ebpf_failed, ebpf_root, get_backend, kind_of
 from .backends.base import Backend, CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
-from .locks import netns_lock, thread_lock_fd
-from .plan import Plan, build_plan
+from .kernel import netns as _netns
+from .kernel.locks import netns_lock, thread_lock_fd
+from .plan import build_plan
+from .plan.vocabulary import Plan
 
 #: Plans depend only on the (frozen, hashable) config, and pods of one platform share a few
 #: configs: build each once per process.
@@ -33,7 +34,7 @@ log = logging.getLogger("redirect")
 
 
 def _families(cfg: RedirectConfig) -> tuple[int, ...]:
-    from .routes import ipv6_enabled
+    from .kernel.routes import ipv6_enabled
 
     if cfg.ipv6 is None:
         return (4, 6) if ipv6_enabled() else (4,)
@@ -95,7 +96,7 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     Idempotent: the same config again changes nothing (``Installed.changed`` is False);
     a different config replaces ours, and so does capture of another backend (the new one goes
     in first, then the old one is removed). Serialized per netns with other threads and
-    processes (``redirect.locks.netns_lock``). The host's network namespace (the initial one,
+    processes (``redirect.kernel.locks.netns_lock``). The host's network namespace (the initial one,
     pid 1's, or the caller's own) is refused with ``HostNetnsError`` unless
     ``allow_host_netns``. ``backend="auto"``: eBPF when this host allows it and it supports every
     option of the config, else nftables, else iptables (``backends.choose_auto``; logged, and
@@ -236,7 +237,7 @@ def _retire(backend_name: str, olds: list[Backend], plan: Plan, families: tuple[
     ``_installed`` found them): new first, old after, so capture never lapses. Routes and
     addresses of ours are then what ``plan`` wants (the new backend's apply made sure of those
     it wants; another backend's policy routes go). True if anything was removed."""
-    from . import routes as rt
+    from .kernel import routes as rt
 
     removed = False
     for old in olds:
@@ -276,7 +277,7 @@ def teardown(netns: _netns.NetnsRef, backend: str | None = None) -> bool:
             for impl in impls:
                 removed = bool(impl.remove()) or removed
             if _any(backend):
-                from . import routes as rt
+                from .kernel import routes as rt
 
                 removed = rt.remove_all_ours() or removed  # routes of an interrupted setup, if any
     log.info("teardown netns=%s backend=%s removed=%s", name, backend or "any", removed)

@@ -1,4 +1,4 @@
-"""The forwarding core of our TCP proxies (``redirect.nodeproxy``, ``redirect.demo_proxy``).
+"""The forwarding core of our TCP proxies (``redirect.ambient.nodeproxy``, ``demo.proxy``).
 
 A captured connection arrives at a proxy's listener; ``original_dst`` says where it was
 going, the proxy connects there and ``pump`` copies bytes both ways until both sides

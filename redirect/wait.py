@@ -24,9 +24,9 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
-from . import netns as _netns
 from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, RedirectError
+from .kernel import netns as _netns
 
 #: Istio's proxy readiness URL (pilot-agent's status port).
 DEFAULT_URL = "http://localhost:15020/healthz/ready"
@@ -91,7 +91,7 @@ def probe_capture(netns: _netns.NetnsRef, cfg: RedirectConfig, backend: str) -> 
 
 
 def probe_validation(netns: _netns.NetnsRef, cfg: RedirectConfig, probe_port: int, timeout: float) -> str | None:
-    from .validate import validate_outbound
+    from .istio.validation import validate_outbound
 
     ok, msg = validate_outbound(netns, cfg, probe_port, timeout)
     return None if ok else msg

@@ -12,7 +12,7 @@ answers with its label, so a probe learns which listener it reached::
         assert hit.conn.local == (pod.peer_ip4, 8080)
 
 In parts: ``tests.kit.pods`` (namespaces, pods; the factory itself is
-``redirect.podkit``, shared with the demo), ``tests.kit.listeners`` and
+``redirect.kernel.podkit``, shared with the demo), ``tests.kit.listeners`` and
 ``tests.kit.probes`` (probes and ``landing``); this module gathers them under one name.
 
 Every socket operation has a timeout (2 s by default) and every namespace the kit

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 import redirect
-from redirect import node
-from redirect.agent import client, discovery, identity, protocol
+from redirect.ambient import node
+from redirect.ambient.agent import client, discovery, identity, protocol
 from redirect.cni.plugin import convert_result
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
@@ -118,7 +118,7 @@ class Node:
         self._n += 1
         log = self.tmp / f"agent-{self._n}.log"
         with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, "-m", "redirect.agent.daemon", "--events-socket", self.events,
+            p = subprocess.Popen([sys.executable, "-m", "redirect.ambient.agent.daemon", "--events-socket", self.events,
                                   "--proxy-socket", self.proxy_sock, "--http-port", "0", "--host-netns", self.ns,
                                   "--node-name", self.name, "--backend", self.backend, "--proxy-timeout", "5",
                                   *extra], stderr=f, stdout=subprocess.DEVNULL,
@@ -132,7 +132,7 @@ class Node:
 
     def start_proxy(self) -> subprocess.Popen[bytes]:
         before = len([e for e in read_log(self.proxy_log) if e["event"] == "snapshot_done"])
-        p = subprocess.Popen([sys.executable, "-m", "redirect.nodeproxy", "--socket", self.proxy_sock,
+        p = subprocess.Popen([sys.executable, "-m", "redirect.ambient.nodeproxy", "--socket", self.proxy_sock,
                               "--log-file", str(self.proxy_log), "--connect-timeout", "2"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(p)
@@ -560,7 +560,7 @@ def _netns_fds(pid: int) -> int:
 
 
 def _connect_once(ns: str, dst: str, port: int) -> tuple[str, int]:
-    from redirect import netns as rnetns
+    from redirect.kernel import netns as rnetns
 
     with rnetns.enter(ns), socket.socket() as s:
         s.settimeout(3)
@@ -677,9 +677,10 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
 
 def test_agent_refuses_bad_flags_and_a_second_agent_on_its_sockets(test_node: Node) -> None:
     def agent(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "redirect.agent.daemon", "--events-socket", test_node.events,
-                               "--proxy-socket", test_node.proxy_sock, "--http-port", "0", "--no-host-rules",
-                               "--no-proc-scan", *argv], capture_output=True, text=True, timeout=30)
+        return subprocess.run([sys.executable, "-m", "redirect.ambient.agent.daemon",
+                               "--events-socket", test_node.events, "--proxy-socket", test_node.proxy_sock,
+                               "--http-port", "0", "--no-host-rules", "--no-proc-scan", *argv],
+                              capture_output=True, text=True, timeout=30)
 
     p = agent("--capture", '{"proxy_port": 0}')
     assert p.returncode == 2 and "capture.proxy_port" in p.stderr and "0" in p.stderr, p.stderr

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from redirect.agent import identity, protocol
-from redirect.agent.pods import BadPod, PodRecord, from_record
-from redirect.agent.proxies import parse_ack, proxy_name
+from redirect.ambient.agent import identity, protocol
+from redirect.ambient.agent.pods import BadPod, PodRecord, from_record
+from redirect.ambient.agent.proxies import parse_ack, proxy_name
 from redirect.config import RedirectConfig
 
 NODE = "node-a"

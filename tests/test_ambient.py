@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 import redirect
-from redirect import node
+from redirect.ambient import node
 from redirect.config import RedirectConfig
 from tests.netkit import (
     IP_TRANSPARENT,
@@ -167,7 +167,8 @@ def test_render_ambient_is_a_readable_ruleset() -> None:
 
 
 def test_plan_has_the_policy_route_for_connmarked_replies() -> None:
-    from redirect.plan import PolicyRoute, build_plan
+    from redirect.plan import build_plan
+    from redirect.plan.vocabulary import PolicyRoute
 
     plan = build_plan(ambient())
     assert set(plan.routes) == {PolicyRoute(4, 0x111, 0xFFF, 100), PolicyRoute(6, 0x111, 0xFFF, 100)}

@@ -17,8 +17,8 @@ import pytest
 
 import redirect
 from redirect import api
-from redirect import netns as rnetns
 from redirect.config import RedirectConfig
+from redirect.kernel import netns as rnetns
 from tests.netkit import Pod, TcpListener, landing
 
 CFG = RedirectConfig()

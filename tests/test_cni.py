@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from redirect.annotations import config_from_annotations, wants_capture
 from redirect.cni import install as inst
 from redirect.cni.plugin import convert_result, encode_annotations, parse_cni_args, pod_annotations
 from redirect.config import RedirectConfig
 from redirect.errors import ConfigError
+from redirect.istio.annotations import config_from_annotations, wants_capture
 from tests.netkit import Pod, TcpListener, landing
 
 PLUGIN = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
@@ -501,8 +501,8 @@ def test_ebpf_backend_del_of_a_gone_netns_and_gc_collect_its_host_entries(make_p
     """With ``backend: "ebpf"`` a pod's state is in host maps, keyed by netns cookie: a pod whose netns
     went without a DEL is collected by GC (or by a later DEL whose netns is gone); the live pod stays
     captured. The host programs go to a scratch bpffs root, removed at the end."""
-    from redirect import netns as rn
     from redirect.backends import ebpf
+    from redirect.kernel import netns as rn
     from tests import netkit
 
     root = f"/sys/fs/bpf/rdrt-cni-{os.getpid()}"

@@ -279,7 +279,7 @@ def test_a_malformed_cni_message_is_refused_and_the_agent_serves_on(bin_dir: str
     non-file fd, a length that does not match, a variable that is not a CNI one: ``bad_request``."""
     import socket
 
-    from redirect.agent import protocol
+    from redirect.ambient.agent import protocol
 
     with agent_node(tmp_path, "iptables", monkeypatch) as n:
         n.start_agent()
@@ -366,7 +366,7 @@ def test_a_slow_pod_does_not_delay_the_others(bin_dir: str, tmp_path: Path, monk
     """One pod's ADD waits (its netns lock is held, as by a concurrent setup of that netns); the ADDs
     of other pods are served meanwhile, and the slow one completes once the lock is free."""
     from redirect import api
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     names = [f"rdrt-ths{i}-{os.urandom(2).hex()}" for i in range(13)]
     with agent_node(tmp_path, "nftables", monkeypatch) as n:
@@ -403,7 +403,7 @@ def test_agent_restart_during_adds_fails_them_with_try_again(bin_dir: str, tmp_p
     or failed with code 11; none succeeded without capture. Four of them are surely in the agent at
     the kill (their netns locks are held here). After the restart the retries succeed."""
     from redirect import api
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     count = 40
     names = [f"rdrt-thr{i}-{os.urandom(2).hex()}" for i in range(count)]
@@ -455,8 +455,8 @@ def test_agent_restart_during_adds_fails_them_with_try_again(bin_dir: str, tmp_p
 def test_ambient_pod_through_the_thin_plugin(bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Ambient mode: the agent enrols the pod itself (rules, node sets, the node proxy's ack)."""
-    from redirect import node as rnode
-    from redirect.agent import client, identity
+    from redirect.ambient import node as rnode
+    from redirect.ambient.agent import client, identity
 
     with agent_node(tmp_path, "iptables", monkeypatch) as n:
         n.start_agent()
@@ -491,8 +491,8 @@ def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path
     """``ctr run --cni`` with bridge + host-local + the thin redirect-cni: the container's traffic is
     captured (sidecar: on its proxy port; ambient: by the node proxy), and the runtime's DEL (empty
     CNI_NETNS) leaves nothing of it behind."""
-    from redirect import node as rnode
-    from redirect.agent import client
+    from redirect.ambient import node as rnode
+    from redirect.ambient.agent import client
 
     with agent_node(tmp_path, backend, monkeypatch) as n:
         agent = n.start_agent()

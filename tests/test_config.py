@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from redirect import ConfigError, RedirectConfig
 from redirect.config import field_names
-from redirect.istio import add_arguments, config_from_istio_args, options_from_args, resolv_conf_servers
+from redirect.istio.flags import add_arguments, config_from_istio_args, options_from_args, resolv_conf_servers
 
 INJECTOR = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*",
             "-d", "15090,15021,15020"]

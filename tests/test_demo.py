@@ -10,6 +10,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the demo creates network namespaces: needs root")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `python -m demo` runs from the repo root
 
 EXPECTED = [
     ("sidecar", "app (uid 1000) -> peer", "proxy :15001 (outbound)", "peer-web:8080"),
@@ -29,8 +30,8 @@ EXPECTED = [
 @pytest.mark.parametrize("backend", ["iptables", "nftables"])
 def test_demo_shows_sidecar_and_ambient_capture_through_the_agent(backend: str) -> None:
     before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
-    p = subprocess.run([sys.executable, "-m", "redirect.demo", "--backend", backend], capture_output=True,
-                       text=True, timeout=120, check=False)
+    p = subprocess.run([sys.executable, "-m", "demo", "--backend", backend], capture_output=True,
+                       text=True, timeout=120, check=False, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [re.split(r"\s{2,}", ln.strip()) for ln in p.stdout.splitlines() if re.match(r"(sidecar|ambient)  ", ln)]
     assert len(rows) == 13, p.stdout
@@ -48,8 +49,8 @@ def test_demo_on_ebpf_captures_the_sidecar_pod_and_leaves_no_bpf_programs() -> N
     demo's own bpffs root, which is gone afterwards (nothing stays attached to the root cgroup)."""
     before = set(os.listdir("/sys/fs/bpf"))
     env = {k: v for k, v in os.environ.items() if k != "REDIRECT_BPF_ROOT"}
-    p = subprocess.run([sys.executable, "-m", "redirect.demo", "--backend", "ebpf"], capture_output=True,
-                       text=True, timeout=120, check=False, env=env)
+    p = subprocess.run([sys.executable, "-m", "demo", "--backend", "ebpf"], capture_output=True,
+                       text=True, timeout=120, check=False, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [re.split(r"\s{2,}", ln.strip()) for ln in p.stdout.splitlines() if re.match(r"(sidecar|ambient)  ", ln)]
     for pod, label, caught, answer in EXPECTED:

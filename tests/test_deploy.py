@@ -32,8 +32,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from redirect import node
-from redirect.agent import client
+from redirect.ambient import node
+from redirect.ambient.agent import client
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
     CNI_DIR,

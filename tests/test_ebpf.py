@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from redirect import api
-from redirect import netns as rnetns
 from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
+from redirect.kernel import netns as rnetns
 from tests import netkit
 from tests.netkit import Pod, TcpListener, UdpListener, landing, wait_link_detached
 
@@ -223,7 +223,7 @@ def test_dns_udp_to_53_reaches_dns_proxy_and_reply_comes_from_server(pod: Pod, s
 
 
 def _cookie(pod: Pod) -> int:
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     with rn.enter(pod.name):
         return ebpf.current_netns_cookie()
@@ -862,8 +862,8 @@ def test_ipv6_follows_the_namespace_when_auto(pod: Pod, setup_pod) -> None:
 
 def _snapshot(pod: Pod, root: str) -> dict[str, Any]:
     """What the pod has of ours: its map keys (inventory values as sets), policy, link, ::6."""
-    from redirect import netns as rn
-    from redirect import routes
+    from redirect.kernel import netns as rn
+    from redirect.kernel import routes
 
     h = ebpf.host(root, load=False)
     assert h is not None
@@ -891,7 +891,7 @@ def test_a_fresh_pod_gets_from_the_native_path_what_the_general_path_writes(pod:
                                                                              name: str) -> None:
     """A pod with nothing of ours is set up in one native call (native/pod_setup.c); the result
     must be the general path's, key for key, and pass ``check``."""
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     cfg = FRESH_CONFIGS[name]
     before = _snapshot(pod, bpf_root)
@@ -1016,7 +1016,7 @@ def test_a_fresh_pod_whose_netns_lock_is_held_waits_for_it(pod: Pod, setup_pod, 
     """The native call does not wait on the netns lock: held by another process or by another
     thread of this one, it backs off (nothing changed) and the general path waits for the
     holder, then sets the pod up."""
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
     from tests.test_netns import _hold_lock, _hold_lock_in_thread
 
     inode = rn.netns_inode(pod.name)
@@ -1044,7 +1044,7 @@ def test_leftovers_of_an_earlier_attempt_send_a_fresh_pod_the_general_way_untouc
     them, or a policy deleted behind our back): the native call finds them by its own writes
     (EEXIST), undoes what it wrote, and backs off; nothing of the leftovers changes. The
     general path then sets the pod up as usual."""
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     api.setup(pod.name, RedirectConfig(), backend="ebpf")
     h = ebpf.host(bpf_root)
@@ -1107,7 +1107,7 @@ def test_thread_netns_fd_names_the_calling_threads_netns(pod: Pod, bpf_root: str
     into another netns and back, in the main thread and in others."""
     import threading
 
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     lib = ebpf._native().lib
     target = rn.netns_inode(pod.name)

@@ -1,4 +1,4 @@
-"""The evaluators against the kernel: ``redirect.evaluate`` says where real rules and programs land.
+"""The evaluators against the kernel: ``redirect.plan.evaluate`` says where real rules and programs land.
 
 The no-root property (``test_lowerings.py``) compares the two lowerings through their
 evaluators; this keeps the evaluators honest. Hypothesis draws configs the eBPF backend
@@ -16,10 +16,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 
 import redirect
-from redirect.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.intent import intent_of
-from redirect.lower_ebpf import lower_ebpf
 from redirect.plan import build_plan
+from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
+from redirect.plan.intent import intent_of
+from redirect.plan.lower_ebpf import lower_ebpf
 from tests import test_nftables_diff as diff
 from tests.netkit import Listener, Pod, landing
 from tests.test_ebpf import bpf_root  # noqa: F401 - the fixture: host programs under a scratch root

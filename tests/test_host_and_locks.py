@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 import redirect
-from redirect import locks
-from redirect import netns as rnetns
 from redirect.config import RedirectConfig
 from redirect.errors import HostNetnsError, NetnsError, SetupError
+from redirect.kernel import locks
+from redirect.kernel import netns as rnetns
 from tests.netkit import Pod
 
 NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
@@ -101,7 +101,7 @@ def test_cni_add_naming_the_host_netns_fails_with_bad_environment() -> None:
 
 
 def test_agent_refuses_an_event_naming_the_host_netns(tmp_path: Path) -> None:
-    from redirect.agent import client, identity
+    from redirect.ambient.agent import client, identity
     from tests.test_agent import Node
 
     n = Node(tmp_path)

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 import redirect
-from redirect.annotations import config_from_annotations
 from redirect.errors import ConfigError
-from redirect.istio import config_from_istio_args
+from redirect.istio.annotations import config_from_annotations
+from redirect.istio.flags import config_from_istio_args
 from redirect.k8s import inject
 from tests.netkit import Pod
 from tests.test_wait import health

@@ -36,7 +36,7 @@ import pytest
 
 import redirect
 from redirect import RedirectConfig
-from redirect import routes as rt
+from redirect.kernel import routes as rt
 from tests.netkit import Pod, TcpListener, landing
 
 POOL = [

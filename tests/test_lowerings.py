@@ -3,7 +3,7 @@
 Hypothesis draws a config of the options the eBPF backend supports, a pod (its own IPv4 and
 IPv6 addresses, ``::6`` on lo when the plan adds it) and thousands of connections (owner,
 bound source, destination, port, protocol, direction), and asks both evaluators of
-``redirect.evaluate`` where each lands: the netfilter plan interpreted rule by rule, and the
+``redirect.plan.evaluate`` where each lands: the netfilter plan interpreted rule by rule, and the
 model of the eBPF programs over the lowered map entries. They must agree (``known_difference``
 is where a difference would be documented: none is). ``test_evaluate_kernel.py`` keeps the
 evaluators honest: real iptables rules and real eBPF programs land a probe matrix where they
@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from redirect import BackendUnavailable, RedirectConfig
 from redirect.backends.ebpf import _unsupported
-from redirect.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.intent import intent_of
-from redirect.lower_ebpf import lower_ebpf
 from redirect.plan import build_plan
+from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
+from redirect.plan.intent import intent_of
+from redirect.plan.lower_ebpf import lower_ebpf
 
 pytestmark = pytest.mark.noroot
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pyroute2 import IPRoute
 
-from redirect import netns as rnetns
+from redirect.kernel import netns as rnetns
 from tests import netkit
 from tests.netkit import (
     Pod,

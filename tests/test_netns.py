@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from redirect import netns as rnetns
-from redirect import rtnl
+from redirect.kernel import netns as rnetns
+from redirect.kernel import rtnl
 from tests.netkit import Pod
 
 
@@ -69,7 +69,7 @@ def test_one_rtnetlink_socket_serves_dumps_and_changes_in_turn(pod: Pod) -> None
 def test_ipv6_enabled_reads_the_disable_ipv6_switch_without_proc_sys(pod: Pod) -> None:
     """``routes.ipv6_enabled`` follows ``net.ipv6.conf.all.disable_ipv6`` (as lo's devconf over
     rtnetlink), also while lo is down and has no ``::1``."""
-    from redirect import routes
+    from redirect.kernel import routes
 
     def sysctl(value: int) -> None:
         subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", f"net.ipv6.conf.all.disable_ipv6={value}"],

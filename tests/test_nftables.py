@@ -20,7 +20,8 @@ import redirect
 from redirect.backends import nftables as nb
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
-from redirect.plan import Chain, Plan, Rule, SaveMark, build_plan
+from redirect.plan import build_plan
+from redirect.plan.vocabulary import Chain, Plan, Rule, SaveMark
 from tests.netkit import Pod, TcpListener, UdpListener, landing
 
 T = 1.0  # probe timeout: every port probed has a listener or refuses at once
@@ -243,7 +244,7 @@ def test_the_fresh_pod_batch_deletes_nothing_and_replaces_a_table_made_meanwhile
     """A pod without our table gets a batch that adds and flushes it (no delete: freeing the context
     of a batch that deleted objects waits for the kernel). Should another writer have made the table
     since it was read, the flush still leaves exactly the rendered rules, not two copies."""
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     cfg = RedirectConfig()
     redirect.setup(pod.name, cfg, backend="nftables")
@@ -266,7 +267,7 @@ def test_the_fresh_pod_batch_deletes_nothing_and_replaces_a_table_made_meanwhile
 def test_one_context_is_shared_within_a_block_and_applies_for_real(pod: Pod) -> None:
     """Inside ``one_context()`` every ``_context()`` is the same (``release`` keeps it for the block),
     it is a normal (not dry-run) context of the pod's netns, and outside each call gets its own."""
-    from redirect import netns as rn
+    from redirect.kernel import netns as rn
 
     with rn.enter(pod.name):
         with nb.one_context():
@@ -286,8 +287,8 @@ def test_one_context_is_shared_within_a_block_and_applies_for_real(pod: Pod) -> 
 def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> None:
     """Inside ``one_context()`` the table list is kept until a batch of ours or an iptables exec
     (``forget_tables``); outside a block every call lists the kernel's tables again."""
-    from redirect import netns as rn
     from redirect.backends import iptables as ipt
+    from redirect.kernel import netns as rn
 
     with rn.enter(pod.name):
         with nb.one_context():

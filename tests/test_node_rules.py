@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from redirect import node
+from redirect.ambient import node
 from redirect.backends.iptables import render_rule
 
 pytestmark = pytest.mark.noroot

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import redirect
-from redirect import RedirectConfig, node
+from redirect import RedirectConfig
+from redirect.ambient import node
 from tests.netkit import Pod
 
 DATA = Path(__file__).parent / "data"

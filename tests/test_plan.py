@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from redirect import RedirectConfig
-from redirect.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.intent import AmbientIntent, LocalAddress, intent_of
-from redirect.lower_ebpf import lower_ebpf, pod_local
-from redirect.plan import ChainBuilder, Redirect, build_plan
+from redirect.plan import build_plan
+from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
+from redirect.plan.intent import AmbientIntent, LocalAddress, intent_of
+from redirect.plan.lower_ebpf import lower_ebpf, pod_local
+from redirect.plan.vocabulary import ChainBuilder, Redirect
 
 pytestmark = pytest.mark.noroot
 

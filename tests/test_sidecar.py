@@ -20,9 +20,10 @@ from collections.abc import Iterator
 import pytest
 
 import redirect
-from redirect import RedirectConfig, rtnl
-from redirect import netns as rnetns
-from redirect import routes as rt
+from redirect import RedirectConfig
+from redirect.kernel import netns as rnetns
+from redirect.kernel import routes as rt
+from redirect.kernel import rtnl
 from tests.netkit import Pod, TcpListener, UdpListener, landing, tcp_probe_detail, udp_probe_detail
 
 BACKENDS = ["iptables-nft", "iptables-legacy", "nftables", "ebpf"]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import redirect
-from redirect import netns as rnetns
+from redirect.kernel import netns as rnetns
 from tests.netkit import Pod
 
 

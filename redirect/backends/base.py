@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..config import RedirectConfig
-from ..plan import Plan
+from ..plan.vocabulary import Plan
 
 #: Every rule of ours carries a comment starting with this (``redirect`` or ``redirect: <purpose>``):
 #: with our exact object names (``POD_CHAINS`` under each backend's prefix), what tells ours

@@ -38,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .. import routes as rt
 from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, SetupError
-from ..plan import (
+from ..kernel import routes as rt
+from ..plan.vocabulary import (
     Accept,
     Action,
     Addr,
@@ -567,7 +567,7 @@ class IptablesBackend:
     Steps of a changed config (each ``iptables-restore`` commits table by table), every one
     of which leaves the namespace capturing at least what one of the two configs captures:
 
-    1. routes and addresses the new config needs are added (``redirect.routes``);
+    1. routes and addresses the new config needs are added (``redirect.kernel.routes``);
     2. the new rules go in under the free generation's chain names, beside the old ones, their
        jumps appended after the old ones: IPv6 first, then IPv4 with the nat table last, whose
        jump into ``<gen>OUTPUT`` is the generation's anchor (present = complete);

@@ -58,7 +58,7 @@ Transactions. ``apply`` reads our table back (JSON) and compares it with the
 rendered plan: equal means nothing changes (``Installed.changed=False``). Otherwise
 one batch ``add table; delete table; add table; add chains; add rules`` replaces
 it: the kernel commits the batch at once, so no packet sees a half-filled table
-or no table. Routes and addresses come from ``redirect.routes`` as for iptables,
+or no table. Routes and addresses come from ``redirect.kernel.routes`` as for iptables,
 added before the batch and rolled back if it fails; those only the old config needed are
 removed after it. A setup killed in between leaves one config's table whole with the routes
 of both: ``check`` reports them, the next setup removes them.
@@ -87,10 +87,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import routes as rt
 from ..config import IdSpec, RedirectConfig
 from ..errors import BackendUnavailable, SetupError
-from ..plan import (
+from ..kernel import routes as rt
+from ..plan.vocabulary import (
     Accept,
     Action,
     Addr,

@@ -8,7 +8,7 @@ config on stdin. Run without ``CNI_COMMAND`` it is the installer
 This module's ``run`` is the plugin, whoever runs it: this process (the ``redirect-cni``
 console script, or ``redirect-cni-python`` in a CNI bin dir), or ``redirect-agent`` for the
 thin plugin (``native/cni_thin.c``, what ``install`` puts in the bin dir as ``redirect-cni``),
-which forwards each request to the agent (``redirect.agent.cni_requests``). Served by the
+which forwards each request to the agent (``redirect.ambient.agent.cni_requests``). Served by the
 agent, ambient pods are enrolled by that agent directly, and log lines go to its log as well
 as to ``logFile``.
 
@@ -49,7 +49,7 @@ Config (one entry of the conflist's ``plugins``)::
      "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
 
-Per-pod overrides (Istio annotation names, see ``redirect.annotations``) are read,
+Per-pod overrides (Istio annotation names, see ``redirect.istio.annotations``) are read,
 in this order, later sources overriding earlier ones key by key:
 
 1. ``args.cni.annotations`` in the config: ``{"args": {"cni": {"annotations": {...}}}}``
@@ -86,7 +86,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..agent.client import AgentTarget
+    from ..ambient.agent.client import AgentTarget
 
 from ..errors import brief, brief_text
 
@@ -428,8 +428,8 @@ def _env(name: str, env: Mapping[str, str], required: bool = True) -> str:
 
 def _pod_config(pc: PluginConf, env: Mapping[str, str], log: Any) -> Any | None:
     """The pod's RedirectConfig, or None when the pod is not to be captured."""
-    from ..annotations import config_from_annotations, wants_capture
     from ..errors import ConfigError
+    from ..istio.annotations import config_from_annotations, wants_capture
 
     cni_args = parse_cni_args(env.get("CNI_ARGS", ""))
     pod_ns = cni_args.get("K8S_POD_NAMESPACE", "")
@@ -463,11 +463,11 @@ def _pod_uid(container_id: str, cni_args: Mapping[str, str]) -> str:
 
 def _netns_gone(netns: str) -> bool:
     """True when ``CNI_NETNS`` is empty or names no namespace any more. Resolved as ADD resolves it
-    (``redirect.netns.path_of``: a bare name is one under /run/netns), never against the cwd."""
+    (``redirect.kernel.netns.path_of``: a bare name is one under /run/netns), never against the cwd."""
     if not netns:
         return True
     from ..errors import NetnsError
-    from ..netns import path_of
+    from ..kernel.netns import path_of
 
     try:
         path = path_of(netns)
@@ -485,7 +485,7 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
     within ``agentTimeout`` seconds, or a refusal, fails the ADD with code 103 (fail
     closed: the pod does not start); the agent undoes what it did.
     """
-    from ..agent.client import AgentError, add_pod
+    from ..ambient.agent.client import AgentError, add_pod
 
     try:
         res = add_pod(pc.agent or "", uid=_pod_uid(container_id, cni_args), netns=netns,
@@ -507,7 +507,7 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     (the normal teardown) and the pod's record, unless the record names another pod. The
     rest (node-set entries, the node proxy's listeners) is the agent's: when it starts, it
     drops what belongs to no pod it has a commit record of."""
-    from ..agent.client import AgentError, del_pod
+    from ..ambient.agent.client import AgentError, del_pod
 
     container = env.get("CNI_CONTAINERID", "")
     netns = env.get("CNI_NETNS", "")
@@ -521,7 +521,7 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     if _netns_gone(netns):
         return
     from .. import api
-    from ..agent import identity
+    from ..ambient.agent import identity
 
     try:
         rec = _redirect_errors(identity.read, netns, code=E_TEARDOWN)
@@ -623,7 +623,7 @@ def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     if cfg is None:
         return
     if pc.mode == "ambient" and pc.agent:
-        from ..agent.client import AgentError, check_pod
+        from ..ambient.agent.client import AgentError, check_pod
 
         try:
             check_pod(pc.agent, uid=_pod_uid(container, parse_cni_args(env.get("CNI_ARGS", ""))), netns=netns,
@@ -663,7 +663,7 @@ def run(env: Mapping[str, str], stdin: bytes,
         node_agent: AgentTarget | None = None) -> tuple[int, dict[str, Any] | None]:
     """One plugin invocation: (exit code, JSON to print or None).
 
-    The Python plugin (``main``) and the node agent (``redirect.agent.cni_requests``, for the
+    The Python plugin (``main``) and the node agent (``redirect.ambient.agent.cni_requests``, for the
     thin plugin) both call this. ``node_agent``: the agent serving the request in its own
     process; ambient pods are then enrolled by it directly, whatever ``agentSocket`` says.
     """

@@ -10,7 +10,7 @@ items of a ``List``. Each pod gets:
 - an init container ``redirect-init`` (first of the init containers) running
   ``redirect init`` with the ``istio-iptables`` flags that the pod's Istio annotations
   mean (``traffic.sidecar.istio.io/*``, ``sidecar.istio.io/interceptionMode``,
-  ``sidecar.istio.io/proxyUID``/``proxyGID``; parsed by ``redirect.annotations``), as
+  ``sidecar.istio.io/proxyUID``/``proxyGID``; parsed by ``redirect.istio.annotations``), as
   root with ``NET_ADMIN`` and ``NET_RAW`` and every other capability dropped: the only
   container with them. An init container that fails keeps the pod from starting, so the
   app never runs uncaptured;
@@ -43,10 +43,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..annotations import PROXY_GID, PROXY_UID, config_from_annotations, wants_capture
 from ..config import RedirectConfig
 from ..errors import ConfigError
-from ..istio import BOOL_FLAGS, STRING_FLAGS, config_from_istio_args
+from ..istio.annotations import PROXY_GID, PROXY_UID, config_from_annotations, wants_capture
+from ..istio.flags import BOOL_FLAGS, STRING_FLAGS, config_from_istio_args
 
 DEFAULT_IMAGE = "redirect:0.1.0"
 INIT_NAME = "redirect-init"

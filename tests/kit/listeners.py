@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
-from redirect import netns as rnetns
+from redirect.kernel import netns as rnetns
 from redirect.relay import IP_TRANSPARENT, IPV6_TRANSPARENT, SO_MARK, SOL_IPV6, original_dst
 from tests.kit.pods import DEFAULT_TIMEOUT, Addr
 

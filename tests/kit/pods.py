@@ -1,4 +1,4 @@
-"""Namespaces and pods of the test kit: made, entered, removed (the factory is ``redirect.podkit``)."""
+"""Namespaces and pods of the test kit: made, entered, removed (the factory is ``redirect.kernel.podkit``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from redirect import netns as rnetns
-from redirect import podkit
-from redirect.podkit import NETNS_DIR, Link, live_namespaces, remove_netns
-from redirect.podkit import iproute_in as _iproute_in
+from redirect.kernel import netns as rnetns
+from redirect.kernel import podkit
+from redirect.kernel.podkit import NETNS_DIR, Link, live_namespaces, remove_netns
+from redirect.kernel.podkit import iproute_in as _iproute_in
 
 T = TypeVar("T")
 Addr = tuple[str, int]

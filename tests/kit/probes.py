@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from redirect import netns as rnetns
+from redirect.kernel import netns as rnetns
 from redirect.relay import SO_MARK
 from tests.kit.listeners import Conn, Listener, addr_of, read_line
 from tests.kit.pods import DEFAULT_TIMEOUT, Addr

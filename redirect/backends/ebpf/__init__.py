@@ -36,10 +36,10 @@ cgroup links) or reloaded (no pod registered) by the next setup, else setup rais
 ``SetupError`` saying what is missing. Fault points for the atomicity
 tests: ``ebpf.before_entries``, ``ebpf.before_policy``.
 
-The policy comes from the same intent as the netfilter plan (``redirect.intent``):
-``redirect.lower_ebpf`` lowers it to typed map entries, which ``_config_entries``
+The policy comes from the same intent as the netfilter plan (``redirect.plan.intent``):
+``redirect.plan.lower_ebpf`` lowers it to typed map entries, which ``_config_entries``
 packs; the programs implement Istio's rule order over map lookups
-(``bpf/policy.h: outbound_target``). ``redirect.evaluate`` models them, and a
+(``bpf/policy.h: outbound_target``). ``redirect.plan.evaluate`` models them, and a
 property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 

@@ -10,11 +10,11 @@ import threading
 import time
 from typing import Any
 
-from ... import netns as _netns
 from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
-from ...intent import Intent, intent_of
-from ...plan import LocalAddress, Plan
+from ...kernel import netns as _netns
+from ...plan.intent import Intent, intent_of
+from ...plan.vocabulary import LocalAddress, Plan
 from ..base import CheckResult, Installed
 from .abi import (
     AF,
@@ -168,7 +168,7 @@ class EbpfBackend:
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
         )
-        from ... import routes as rt
+        from ...kernel import routes as rt
 
         out_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(cfg.proxy_port) if oscan else contextlib.nullcontext({})
@@ -279,7 +279,7 @@ class EbpfBackend:
                 diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
             if _lookup_prog_cookie(info["prog_id"]) != cookie:
                 diffs.append("sk_lookup link runs another program than this pod's")
-        from ... import routes as rt
+        from ...kernel import routes as rt
 
         diffs += rt.differences(plan, families)
         return CheckResult(not diffs, self.name, tuple(diffs))

@@ -1,6 +1,6 @@
 """What a config writes into the maps, packed in the ``bpf/abi.h`` layout, and how entries read.
 
-The eBPF lowering of the config's intent (``redirect.lower_ebpf``) gives typed entries;
+The eBPF lowering of the config's intent (``redirect.plan.lower_ebpf``) gives typed entries;
 ``_intent_entries`` packs them once per intent, ``intent_entries`` (``pod_entries`` for a config) keys
 them by a pod's netns cookie and adds the pod's own addresses (``lower_ebpf.pod_local``).
 ``_unsupported`` refuses the options this backend does not implement. The ``_fmt_*`` functions
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ...config import RedirectConfig
 from ...errors import BackendUnavailable, SetupError
-from ...intent import Intent, intent_of
-from ...lower_ebpf import lower_ebpf, pod_interfaces, pod_local
+from ...plan.intent import Intent, intent_of
+from ...plan.lower_ebpf import lower_ebpf, pod_interfaces, pod_local
 from .abi import (
     CIDR_DNS4,
     CIDR_DNS6,
@@ -143,7 +143,7 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
                                                                    tuple[tuple[int, int, bytes], ...]]:
     """What ``it`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
 
-    The eBPF lowering of the intent (``redirect.lower_ebpf``), packed. Cached (intents are
+    The eBPF lowering of the intent (``redirect.plan.lower_ebpf``), packed. Cached (intents are
     frozen): many pods share a config, and lowering is ~20 us of ``ipaddress``.
     """
     e = lower_ebpf(it, families)

@@ -13,11 +13,11 @@ import threading
 import time
 from typing import Any
 
-from ... import netns as _netns
 from ...config import RedirectConfig
 from ...errors import SetupError
-from ...netns import NetnsRef
-from ...plan import INBOUND_PASSTHROUGH_V6, Plan
+from ...kernel import netns as _netns
+from ...kernel.netns import NetnsRef
+from ...plan.vocabulary import INBOUND_PASSTHROUGH_V6, Plan
 from ..base import Installed
 from .abi import CIDR_KEY, F_INBOUND, P_FLAGS, POLICY, PORT_KEY
 from .entries import _config_entries, _unsupported
@@ -91,7 +91,7 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
     ``REDIRECT_BPF_ROOT``), in one native call (native/pod_setup.c): what
     ``redirect.setup(..., backend="ebpf")`` tries first. From outside the netns, it opens
     ``netns``, takes its lock on ``lock_fd`` (the calling thread's own fd of
-    the netns lock file, ``redirect.locks``), enters, sets the pod up and comes back.
+    the netns lock file, ``redirect.kernel.locks``), enters, sets the pod up and comes back.
 
     None when the pod is not fresh, the lock is held, or anything looks unusual (the namespace
     too: the general path reports it): nothing was changed and the caller takes the general

@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ... import netns as _netns
 from ...errors import BackendUnavailable, SetupError
+from ...kernel import netns as _netns
 from .. import EBPF_DEFAULT_ROOT
 from .abi import (
     CIDR_KEY,
@@ -99,14 +99,14 @@ def _ensure_bpffs(root: str) -> None:
 
 
 def _lock_name(root: str) -> str:
-    """The host lock's file in the run directory (``redirect.locks``)."""
+    """The host lock's file in the run directory (``redirect.kernel.locks``)."""
     return "ebpf-" + re.sub(r"[^A-Za-z0-9]", "_", root) + ".lock"
 
 
 @contextlib.contextmanager
 def _host_lock(root: str) -> Iterator[None]:
     """One loader per host at a time (other processes too)."""
-    from ... import locks
+    from ...kernel import locks
 
     fd = locks.open_private(_lock_name(root))
     try:
@@ -149,7 +149,7 @@ class HostPrograms:
         hit = self._fresh.get(tmpl)
         if hit is not None:
             return hit[0]
-        from ... import routes as rt
+        from ...kernel import routes as rt
 
         ffi = _native().ffi
         r = ffi.new("struct rdr_pod_req *")

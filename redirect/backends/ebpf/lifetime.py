@@ -158,7 +158,7 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
         existed = os.path.exists(r)
         _unpin_all(r)
         if r != DEFAULT_ROOT:  # a scratch root (tests): leave no lock file behind either
-            from ... import locks
+            from ...kernel import locks
 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(locks.run_dir_path(), _lock_name(r)))

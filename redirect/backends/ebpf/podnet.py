@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ... import netns as _netns
-from ...plan import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
+from ...kernel import netns as _netns
+from ...plan.vocabulary import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from .abi import AF, LISTENER_KEY
 from .syscalls import _check, _native, _tcp_diag_ok
 
@@ -168,8 +168,8 @@ def _plan_addresses(plan: Plan, families: tuple[int, ...], own_v6: bool) -> tupl
 
 def _add_address(a: LocalAddress) -> None:
     """``routes.add_address`` without its link dump when the device is lo (ifindex 1 in every netns)."""
-    from ... import routes as rt
-    from ... import rtnl
+    from ...kernel import routes as rt
+    from ...kernel import rtnl
 
     if a.dev != "lo":
         rt.add_address(a)
@@ -184,14 +184,14 @@ def _add_address(a: LocalAddress) -> None:
 
 def _our_addresses() -> tuple[LocalAddress, ...]:
     """The addresses we added here (routing protocol ours; the plan only ever adds IPv6 ones, ::6)."""
-    from ... import routes as rt
+    from ...kernel import routes as rt
 
     return tuple(rt.read_ours((6,)).addresses)
 
 
 def _remove_our_addresses() -> None:
     """The addresses we added, removed as the netfilter backends remove them."""
-    from ... import routes as rt
+    from ...kernel import routes as rt
 
     for a in _our_addresses():
         rt.remove_address(a)
@@ -203,7 +203,7 @@ _RTA_MULTIPATH, _RTN_UNICAST, _RT_TABLE_MAIN = 9, 1, 254
 def links_and_routes() -> tuple[list[tuple[str, int]], list[tuple[int, str, tuple[str, ...]]]]:
     """The calling thread's netns: its links (name, ifindex) and the unicast routes of its main
     table (family, destination CIDR, the interfaces of the next hops), in the kernel's order."""
-    from ... import rtnl
+    from ...kernel import rtnl
 
     names = rtnl.link_names()
     routes: list[tuple[int, str, tuple[str, ...]]] = []

@@ -1,0 +1,153 @@
+"""The agent's side of the thin CNI plugin: serve a raw CNI request in the agent's process.
+
+The thin plugin (``native/cni_thin.c``, installed as ``redirect-cni``) parses nothing of the
+network config beyond the few top-level keys it needs to reach the agent: it sends the
+request as it got it (the ``CNI_*`` environment in the message, stdin as a sealed memfd) in
+a ``cni`` message on the events socket (docs/agent-protocol.md). Here the request goes
+through ``redirect.cni.plugin.run``, the very code the Python plugin runs, so the config
+merge, the annotations, the error codes and the netns lock are the same; ambient pods are
+enrolled by this agent directly (``Agent.handle``), sidecar pods are set up with the
+configured backend in-process. The reply carries the plugin's exit code, and its stdout as
+a memfd the thin plugin copies to its own stdout.
+
+Each request runs on one of the agent's event workers (``--workers``), so many ADDs are
+served at once and a slow pod holds only its own worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...cni import plugin
+from ...errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    from .daemon import Agent
+
+log = logging.getLogger("redirect.agent")
+
+#: the environment the thin plugin forwards (CNI spec 1.1 "Parameters"); nothing else is read
+CNI_ENV = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
+MAX_ENV_VALUE = 32 * 1024
+
+
+class BadRequest(Exception):
+    """The ``cni`` message itself is malformed (not the CNI request it carries)."""
+
+
+def _stdin(fds: list[int], length: object) -> bytes:
+    if len(fds) != 1:
+        raise BadRequest(f"a cni message carries exactly one fd (stdin), got {len(fds)}")
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= plugin.MAX_STDIN:
+        raise BadRequest(f"cni.stdin_len={length!r}: expected 0..{plugin.MAX_STDIN}")
+    st = os.fstat(fds[0])
+    if not stat.S_ISREG(st.st_mode):
+        raise BadRequest("cni: the stdin fd is not a regular file (memfd)")
+    if st.st_size != length:
+        raise BadRequest(f"cni: the stdin fd holds {st.st_size} bytes, stdin_len says {length}")
+    data = b""
+    while len(data) < length:
+        chunk = os.pread(fds[0], length - len(data), len(data))
+        if not chunk:
+            raise BadRequest("cni: the stdin fd ended early")
+        data += chunk
+    return data
+
+
+def _env(raw: object) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        raise BadRequest("cni.env: expected an object of strings")
+    env: dict[str, str] = {}
+    for k, v in raw.items():
+        if k not in CNI_ENV:
+            raise BadRequest(f"cni.env: {k!r} is not a CNI variable ({', '.join(CNI_ENV)})")
+        if not isinstance(v, str) or len(v) > MAX_ENV_VALUE:
+            raise BadRequest(f"cni.env.{k}: expected a string of at most {MAX_ENV_VALUE} chars")
+        env[k] = v
+    return env
+
+
+def warm_up(backend: str) -> None:
+    """Pay the first pod's one-off costs before a pod waits for them: with the eBPF backend the host
+    programs are compiled, loaded and attached (once per node, about a second); else nothing.
+    ``auto`` warms eBPF up when it would choose eBPF for the default config; if eBPF then cannot
+    load or attach here, ``auto`` falls back for this process's pods (``backends.ebpf_failed``)."""
+    auto = backend == "auto"
+    if auto:
+        from ...backends import choose_auto
+
+        backend = choose_auto(None)
+    if backend != "ebpf":
+        return
+    from ...backends import ebpf, ebpf_failed
+
+    t0 = time.perf_counter()
+    try:
+        ebpf.host()
+    except BackendUnavailable as e:
+        if auto:
+            ebpf_failed(str(e))
+        else:
+            log.warning("eBPF host programs not loaded at start: %s", e, extra={"fields": {"error": str(e)}})
+        return
+    except Exception as e:  # noqa: BLE001 - the first pod's setup will try again and report
+        log.warning("eBPF host programs not loaded at start: %s", e, extra={"fields": {"error": str(e)}})
+        return
+    log.info("eBPF host programs ready", extra={"fields": {"ms": round((time.perf_counter() - t0) * 1e3, 1)}})
+
+
+def handle(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], bytes]:
+    """One ``cni`` message: (the ``result`` message, the plugin's stdout). Never raises."""
+    t0 = time.perf_counter()
+    command = ""
+    try:
+        req = msg.get("cni")
+        if not isinstance(req, dict):
+            raise BadRequest("cni: expected an object with env and stdin_len")
+        env = _env(req.get("env"))
+        command = env.get("CNI_COMMAND", "")
+        stdin = _stdin(fds, req.get("stdin_len"))
+    except (BadRequest, OSError) as e:
+        agent.metrics.inc("failures", "bad_request")
+        log.error("cni request refused: %s", e, extra={"fields": {"reason": "bad_request"}})
+        return {"type": "result", "ok": False, "reason": "bad_request", "error": str(e)}, b""
+    rc, out = plugin.run(env, stdin, node_agent=agent.handle)
+    agent.metrics.inc("events", f"cni_{command.lower()}" if command in plugin.COMMANDS else "cni")
+    if rc != 0:
+        agent.metrics.inc("failures", "cni")
+    ms = round((time.perf_counter() - t0) * 1e3, 2)
+    log.debug("cni %s", command, extra={"fields": {"rc": rc, "ms": ms, "container": env.get("CNI_CONTAINERID", "")}})
+    return {"type": "result", "ok": True, "rc": rc, "ms": ms}, (json.dumps(out) + "\n").encode() if out else b""
+
+
+def serve(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """One ``cni`` message (the events server's handler for it): the reply, and a memfd with the
+    plugin's stdout to send with it (the caller closes it once sent). Closes ``fds``."""
+    try:
+        reply, out = handle(agent, msg, fds)
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    memfd = os.memfd_create("redirect-cni-out", os.MFD_CLOEXEC)
+    try:
+        _write_all(memfd, out)
+    except BaseException:
+        os.close(memfd)
+        raise
+    return reply, [memfd]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+__all__ = ["CNI_ENV", "BadRequest", "handle", "serve", "warm_up"]

@@ -1,0 +1,2 @@
+"""Istio compatibility: ``istio-iptables`` flags (``flags``), pod annotations
+(``annotations``) and the ``--run-validation`` probe (``validation``)."""

@@ -1,0 +1,265 @@
+"""Entering network namespaces on the calling thread, and always coming back.
+
+A namespace is named by:
+
+- a ``str``: ``"pid:N"``, the namespace of process ``N``; a path (it contains a ``/``:
+  ``"/proc/42/ns/net"``, ``"./ns"``); otherwise a name under ``/run/netns`` (``"pod1"``, and
+  ``"1"`` too: a bare number is a name, never a pid);
+- an ``os.PathLike``: a path;
+- ``Pid(n)``: the namespace of process ``n``; ``Fd(n)``: an open namespace fd;
+- a plain ``int``: an fd if it is an open network-namespace fd, otherwise a pid.
+
+``setns(2)`` acts on one OS thread, so many threads may each work in their own
+namespace at the same time; ``enter()`` restores the thread's namespace on the way
+out, even when the body raises.
+
+``host_netns_reason()`` tells whether the namespace a thread entered is the host's own
+(the initial one, pid 1's, or the one the caller came from): ``redirect.setup`` refuses to
+install capture there unless asked to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from typing import Union
+
+from ..errors import NetnsError
+
+NETNS_RUN_DIR = "/run/netns"
+CLONE_NEWNET = 0x40000000
+PID_PREFIX = "pid:"
+#: The inode of the kernel's initial network namespace where the kernel gives it a fixed one
+#: (``PROC_NET_INIT_INO``; dynamically numbered namespaces start at 0xF0000000, so no other
+#: namespace has it on older kernels).
+INIT_NET_INO = 0xEFFFFFF9
+#: The inode of the initial pid namespace (``PROC_PID_INIT_INO``): in it, pid 1 is the host's init.
+INIT_PID_NS_INO = 0xEFFFFFFC
+
+
+class Pid(int):
+    """A process id whose network namespace is meant."""
+
+
+class Fd(int):
+    """An open file descriptor of a network namespace."""
+
+
+NetnsRef = Union[str, "os.PathLike[str]", int]
+
+
+NS_GET_NSTYPE = 0xB703  # ioctl on an nsfs fd: which kind of namespace it is
+
+
+def _is_netns_fd(fd: int) -> bool:
+    try:
+        return fcntl.ioctl(fd, NS_GET_NSTYPE) == CLONE_NEWNET
+    except OSError:
+        return False
+
+
+def _pid_path(ref: str) -> str:
+    n = ref[len(PID_PREFIX):]
+    if not (n.isascii() and n.isdigit() and 0 < len(n) <= 10 and int(n) > 0):
+        raise NetnsError(f"netns={ref!r}: expected pid:<process id> (ASCII digits, > 0)")
+    return f"/proc/{int(n)}/ns/net"
+
+
+def path_of(ref: NetnsRef) -> str | None:
+    """The filesystem path of a namespace reference, or None for an fd."""
+    if type(ref) is str and ref and "/" not in ref:
+        if ref.startswith(PID_PREFIX):
+            return _pid_path(ref)
+        return NETNS_RUN_DIR + "/" + ref  # a name under NETNS_RUN_DIR: the common case, first
+    if isinstance(ref, Fd):
+        return None
+    if isinstance(ref, Pid):
+        return f"/proc/{int(ref)}/ns/net"
+    if isinstance(ref, int):
+        return None if _is_netns_fd(ref) else f"/proc/{ref}/ns/net"
+    path = os.fspath(ref)
+    if not path:
+        raise NetnsError("netns='': empty namespace name")
+    if path.startswith(PID_PREFIX) and "/" not in path:
+        return _pid_path(path)
+    if "/" not in path:
+        return os.path.join(NETNS_RUN_DIR, path)
+    return path
+
+
+def describe(ref: NetnsRef) -> str:
+    """A short human name for logs and errors."""
+    if type(ref) is str and ref and "/" not in ref and not ref.startswith(PID_PREFIX):
+        return ref  # a name under NETNS_RUN_DIR (the common case, without a path join)
+    path = path_of(ref)
+    if path is None:
+        return f"fd {int(ref)}"  # type: ignore[arg-type]
+    if path.startswith(NETNS_RUN_DIR + "/"):
+        return path[len(NETNS_RUN_DIR) + 1 :]
+    return path
+
+
+def open_netns(ref: NetnsRef) -> int:
+    """Open a namespace reference; the caller owns (and closes) the returned fd."""
+    path = path_of(ref)
+    if path is None:
+        fd = int(ref)  # type: ignore[arg-type]
+        if not _is_netns_fd(fd):
+            raise NetnsError(f"netns=fd {fd}: not an open network namespace fd")
+        return os.dup(fd)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NetnsError(f"netns={describe(ref)!r}: no such namespace ({path} does not exist)") from None
+    except OSError as e:
+        raise NetnsError(f"netns={describe(ref)!r}: cannot open {path}: {e.strerror}") from None
+    if not _is_netns_fd(fd):
+        os.close(fd)
+        raise NetnsError(f"netns={describe(ref)!r}: {path} is not a network namespace")
+    return fd
+
+
+def _setns(fd: int) -> None:
+    from .._native import lib
+
+    rc = lib.rdr_setns(fd, CLONE_NEWNET)
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+
+
+def netns_inode(ref: NetnsRef) -> int:
+    """The inode number that identifies a namespace (as in ``net:[INODE]``)."""
+    fd = open_netns(ref)
+    try:
+        return os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+
+
+_entered = threading.local()
+
+
+def current_fd() -> int | None:
+    """The fd of the namespace the innermost ``enter`` of this thread put it in (None outside one).
+
+    Valid until that ``enter`` exits; saves opening ``/proc/thread-self/ns/net`` again."""
+    stack: list[int] | None = getattr(_entered, "fds", None)
+    return stack[-1] if stack else None
+
+
+def current_inode() -> int:
+    """The inode of the calling thread's netns (an fstat when inside ``enter``)."""
+    fd = current_fd()
+    return os.fstat(fd).st_ino if fd is not None else os.stat("/proc/thread-self/ns/net").st_ino
+
+
+@contextlib.contextmanager
+def enter(ref: NetnsRef) -> Iterator[int]:
+    """Run the body with the calling thread in namespace ``ref``; yields its fd.
+
+    The thread's own namespace is restored on exit. If restoring fails the thread
+    is unusable and the error is raised as ``SystemError`` rather than carrying on
+    in the wrong namespace.
+    """
+    target = open_netns(ref)
+    try:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        os.close(target)
+        raise
+    try:
+        try:
+            _setns(target)
+        except OSError as e:
+            raise NetnsError(f"netns={describe(ref)!r}: setns failed: {e.strerror}") from None
+        stack = _entered.__dict__.setdefault("fds", [])
+        homes = _entered.__dict__.setdefault("homes", [])
+        stack.append(target)
+        homes.append(home)
+        try:
+            yield target
+        finally:
+            stack.pop()
+            homes.pop()
+            try:
+                _setns(home)
+            except OSError as e:  # pragma: no cover - kernel out of memory
+                raise SystemError(f"could not return to the thread's own netns: {e}") from e
+    finally:
+        os.close(home)
+        os.close(target)
+
+
+@functools.lru_cache(maxsize=1)
+def _pid1_netns() -> tuple[int, int] | None:
+    """(dev, inode) of pid 1's netns when this process is in the initial pid namespace (there pid
+    1 is the host's init); None elsewhere (a container's pid 1 is its own) or if unreadable."""
+    try:
+        if os.stat("/proc/self/ns/pid").st_ino != INIT_PID_NS_INO:
+            return None
+        st = os.stat("/proc/1/ns/net")
+    except OSError:
+        return None  # (some sandboxes hide pid 1's namespaces even from root)
+    return st.st_dev, st.st_ino
+
+
+def host_netns_inodes() -> tuple[int, int]:
+    """The inodes of the host's network namespace as far as they are known without entering
+    anything: the kernel's fixed one of the initial netns, and pid 1's (0 when not known)."""
+    pid1 = _pid1_netns()
+    return INIT_NET_INO, (pid1[1] if pid1 is not None else 0)
+
+
+def host_netns_reason(own_ok: bool = False) -> str | None:
+    """Why the netns the calling thread entered (innermost ``enter``) is the host's, or None.
+
+    The host's is the kernel's initial network namespace, pid 1's (seen from the initial pid
+    namespace), or, unless ``own_ok``, the caller's own: the one the thread was in before its
+    outermost ``enter`` (for a node agent or a CNI plugin, the node's). Two ``fstat`` calls on
+    fds ``enter`` holds anyway."""
+    stack: list[int] | None = getattr(_entered, "fds", None)
+    if not stack:
+        raise RuntimeError("host_netns_reason() outside netns.enter()")
+    return _host_reason(os.fstat(stack[-1]), None if own_ok else os.fstat(_entered.homes[0]))
+
+
+def host_netns_reason_of(ref: NetnsRef) -> str | None:
+    """``host_netns_reason`` of the namespace ``ref`` names, without entering it (the caller's
+    own being the one its thread is in, or was in before its outermost ``enter``)."""
+    fd = open_netns(ref)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    homes: list[int] | None = getattr(_entered, "homes", None)
+    home = os.fstat(homes[0]) if homes else os.stat("/proc/thread-self/ns/net")
+    return _host_reason(st, home)
+
+
+def _host_reason(st: os.stat_result, home: os.stat_result | None) -> str | None:
+    if home is not None and (st.st_dev, st.st_ino) == (home.st_dev, home.st_ino):
+        return "it is the caller's own network namespace (the host's, when run on a node)"
+    if st.st_ino == INIT_NET_INO:
+        return "it is the host's initial network namespace"
+    if (st.st_dev, st.st_ino) == _pid1_netns():
+        return "it is the network namespace of pid 1 (the host's)"
+    return None
+
+
+def netns_cookie(ref: NetnsRef) -> int:
+    """The kernel's 64-bit cookie for a namespace (what BPF programs see)."""
+    from .._native import ffi, lib
+
+    fd = open_netns(ref)
+    try:
+        out = ffi.new("uint64_t *")
+        rc = lib.rdr_netns_cookie(fd, out)
+        if rc < 0:
+            raise NetnsError(f"netns={describe(ref)!r}: reading the cookie failed: {os.strerror(-rc)}")
+        return int(out[0])
+    finally:
+        os.close(fd)

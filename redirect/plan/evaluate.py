@@ -1,0 +1,515 @@
+"""Where one connection lands, by each lowering: pure evaluators, no kernel.
+
+``evaluate_plan`` interprets a netfilter plan (``redirect.plan``): the first packet of a
+connection walks the hook chains table by table (raw, mangle, nat), following jumps and
+returns, matching on the typed vocabulary, until a verdict. ``evaluate_ebpf`` is a model of
+what the eBPF programs do with the map entries of ``redirect.plan.lower_ebpf``: ``connect4/6``
+and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``bpf/sock_addr.c``, ``outbound_target``
+in ``bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``bpf/sk_lookup.c``) for inbound,
+statement for statement, with the LPM trie's prefix rules. A change to those programs'
+decisions changes this model with it; ``tests/test_lowerings.py`` then says whether they
+still agree with the netfilter plan. Both answer a ``Landing``:
+
+- ``("redirect", port)``: the connection goes to the local port (NAT ``REDIRECT``, a connect
+  rewritten to loopback, or sk_lookup handing it to the proxy's inbound listener);
+- ``("tproxy", port)``: delivered to a transparent listener (netfilter ``TPROXY``);
+- ``("direct",)``: untouched; ``("drop",)``: dropped.
+
+The pod is described by ``PodNet`` (its own addresses; a destination among them, or a
+loopback one, leaves over lo) and the connection by ``Conn``. Modelled: the first packet of
+a new connection (conntrack state NEW) and its socket's owner and mark; an IPv6
+socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
+netfilter, ``connect6`` for the programs). Not modelled: routing beyond "local or out
+through ``PodNet.dev``", ``sendmsg`` with an explicit source (``IP_PKTINFO``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import ipaddress
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from ..config import IdSpec
+from .lower_ebpf import LOOPBACK_IFINDEX, CidrKind, EbpfEntries, IdRange, LocalAddr, Route, pod_interfaces, pod_local
+from .vocabulary import (
+    Accept,
+    Addr,
+    Chain,
+    ConnMark,
+    CtState,
+    CtZone,
+    Drop,
+    Iface,
+    Jump,
+    Mark,
+    Owner,
+    Plan,
+    Port,
+    Proto,
+    Redirect,
+    RestoreMark,
+    Return,
+    Rule,
+    SaveMark,
+    SetConnMark,
+    SetMark,
+    TProxy,
+)
+
+Landing = Union[tuple[Literal["redirect", "tproxy"], int], tuple[Literal["direct", "drop"]]]
+DIRECT: Landing = ("direct",)
+DROP: Landing = ("drop",)
+DNS_PORT = 53
+V4_PASSTHROUGH = ipaddress.ip_address("127.0.0.6")
+V6_PASSTHROUGH = ipaddress.ip_address("::6")
+V6_LOOPBACK = ipaddress.ip_address("::1")
+
+
+#: Parsed once: the evaluators run for thousands of connections of a few addresses.
+_ip = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
+_net = functools.lru_cache(maxsize=4096)(ipaddress.ip_network)
+
+
+def _mapped(ip: str) -> str | None:
+    """The IPv4 address of an IPv4-mapped IPv6 address, else None."""
+    a = _ip(ip)
+    return str(a.ipv4_mapped) if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None else None
+
+
+@dataclass(frozen=True)
+class Conn:
+    """A new connection (TCP) or datagram flow (UDP) seen from the pod."""
+
+    direction: Literal["out", "in"]
+    proto: Literal["tcp", "udp"]
+    #: Destination address and port.
+    dst: str
+    port: int
+    #: Outbound: the owner of the socket (the connecting task's uid and primary gid), its SO_MARK.
+    uid: int = 0
+    gid: int = 0
+    mark: int = 0
+    #: Outbound: the address the socket is bound to (None: the kernel picks one).
+    #: Inbound: the peer's address.
+    src: str | None = None
+    sport: int = 40000
+    #: Inbound: the interface it arrives on.
+    iface: str = "eth0"
+
+    @property
+    def family(self) -> int:
+        """The socket's family (6 for an IPv4-mapped destination)."""
+        return _ip(self.dst).version
+
+    def on_the_wire(self) -> Conn:
+        """The connection as its packets carry it: an IPv4-mapped destination (and bound source)
+        as the IPv4 address."""
+        dst, src = _mapped(self.dst), _mapped(self.src) if self.src is not None else None
+        if dst is None:
+            return self
+        return dataclasses.replace(self, dst=dst, src=src or self.src)
+
+
+@dataclass(frozen=True)
+class PodNet:
+    """The pod's netns: its own addresses, loopback ones aside (``::6`` on lo among them when
+    present), and the device (ifindex 2) everything non-local leaves through."""
+
+    addrs: tuple[LocalAddr, ...] = ()
+    dev: str = "eth0"
+    #: Its interfaces (name, ifindex), lo aside.
+    links: tuple[tuple[str, int], ...] = (("eth0", 2),)
+    #: Routes of its main table through other interfaces than ``dev`` (family, CIDR, (device,)).
+    routes: tuple[Route, ...] = ()
+
+    def out_dev(self, ip: str) -> str:
+        """The interface a non-local destination leaves through: the longest matching route's."""
+        a = _ip(ip)
+        best = max(((net.prefixlen, devs[0]) for f, c, devs in self.routes
+                    if f == a.version and a in (net := _net(c))), default=None)
+        return self.dev if best is None else best[1]
+
+    def ifindex_named(self, name: str) -> int:
+        return LOOPBACK_IFINDEX if name == "lo" else dict(self.links).get(name, 2)
+
+    def is_local(self, ip: str) -> bool:
+        """Delivered locally (routed over lo): loopback or one of the pod's addresses."""
+        a = _ip(ip)
+        return a.is_loopback or any(_ip(x) == a for _f, x, _i in self.addrs)
+
+    def ifindex_of(self, ip: str) -> int:
+        """The device of a local address (sk_lookup's ingress for a connect to it)."""
+        a = _ip(ip)
+        return next((i for _f, x, i in self.addrs if _ip(x) == a), LOOPBACK_IFINDEX)
+
+    def source_for(self, conn: Conn) -> str:
+        """The source address of an outbound connection: bound, or the kernel's pick (a local
+        destination is its own source, except 127/8 which answers from 127.0.0.1)."""
+        if conn.src is not None:
+            return conn.src
+        a = _ip(conn.dst)
+        if a.is_loopback:
+            return "127.0.0.1" if a.version == 4 else "::1"
+        if self.is_local(conn.dst):
+            return conn.dst
+        own = [x for f, x, i in self.addrs if f == a.version and i != LOOPBACK_IFINDEX]
+        return own[0] if own else ("0.0.0.0" if a.version == 4 else "::")
+
+
+# --- netfilter -------------------------------------------------------------------------
+
+
+@dataclass
+class _Packet:
+    conn: Conn
+    src: str
+    in_iface: str | None
+    out_iface: str | None
+    local: bool  # locally generated: has a socket (owner matches)
+    mark: int = 0
+    ctmark: int = 0
+
+
+class _Accept:
+    """Verdict: accepted in this table's hook."""
+
+
+_ACCEPT = _Accept()
+_Verdict = Union[Landing, _Accept, None]  # None: fell through (Return or end of chain)
+
+
+def _in_ids(spec: IdSpec, i: int) -> bool:
+    lo, hi = (spec, spec) if isinstance(spec, int) else spec
+    return lo <= i <= hi
+
+
+def _matches(m: object, pkt: _Packet) -> bool:
+    c = pkt.conn
+    if isinstance(m, Proto):
+        return c.proto == m.name
+    if isinstance(m, Addr):
+        ip = _ip(pkt.src if m.side == "src" else c.dst)
+        net = _net(m.cidr)
+        return (ip.version == net.version and ip in net) != m.neg
+    if isinstance(m, Port):
+        return ((c.sport if m.side == "src" else c.port) in m.ports) != m.neg
+    if isinstance(m, Iface):
+        name = pkt.in_iface if m.side == "in" else pkt.out_iface
+        return (name == m.name) != m.neg
+    if isinstance(m, Owner):
+        if not pkt.local:
+            return m.neg  # xt_owner without a socket: (match ^ invert) == 0
+        return _in_ids(m.id, c.uid if m.kind == "uid" else c.gid) != m.neg
+    if isinstance(m, Mark):
+        return ((pkt.mark & m.mask) == m.value) != m.neg
+    if isinstance(m, ConnMark):
+        return ((pkt.ctmark & m.mask) == m.value) != m.neg
+    if isinstance(m, CtState):
+        return "NEW" in m.states  # the first packet of a connection
+    raise NotImplementedError(f"evaluate: no model of match {m!r}")
+
+
+def _run(chains: dict[str, Chain], chain: Chain, pkt: _Packet, depth: int = 0) -> _Verdict:
+    if depth > 16:
+        raise RecursionError(f"evaluate: jumps nest deeper than 16 at {chain.name}")
+    for rule in chain.rules:
+        if not all(_matches(m, pkt) for m in rule.matches):
+            continue
+        v = _act(chains, rule, pkt, depth)
+        if v is not _CONTINUE:
+            return v  # type: ignore[return-value]
+    return None
+
+
+_CONTINUE = object()
+
+
+def _act(chains: dict[str, Chain], rule: Rule, pkt: _Packet, depth: int) -> object:
+    a = rule.action
+    if isinstance(a, Jump):
+        v = _run(chains, chains[a.chain], pkt, depth + 1)
+        return _CONTINUE if v is None else v
+    if isinstance(a, Return):
+        return None
+    if isinstance(a, Accept):
+        return _ACCEPT
+    if isinstance(a, Drop):
+        return DROP
+    if isinstance(a, Redirect):
+        return ("redirect", a.port)
+    if isinstance(a, TProxy):
+        return ("tproxy", a.port)
+    if isinstance(a, SetMark):
+        pkt.mark = (pkt.mark & ~a.mask) | a.value
+    elif isinstance(a, SetConnMark):
+        pkt.ctmark = (pkt.ctmark & ~a.mask) | a.value
+    elif isinstance(a, SaveMark):
+        pkt.ctmark = (pkt.ctmark & ~a.mask) | (pkt.mark & a.mask)
+    elif isinstance(a, RestoreMark):
+        pkt.mark = (pkt.mark & ~a.mask) | (pkt.ctmark & a.mask)
+    elif not isinstance(a, CtZone):
+        raise NotImplementedError(f"evaluate: no model of action {a!r}")
+    return _CONTINUE  # MARK, CONNMARK and CT targets do not end the chain
+
+
+def _hooks(plan_chains: tuple[Chain, ...], hook: str, tables: tuple[str, ...], pkt: _Packet) -> Landing | None:
+    """Run ``hook`` through ``tables`` in priority order; a landing, or None (accepted by all)."""
+    for table in tables:
+        chains = {c.name: c for c in plan_chains if c.table == table}
+        entry = next((c for c in chains.values() if c.hook == hook), None)
+        if entry is None:
+            continue
+        v = _run(chains, entry, pkt)
+        if isinstance(v, tuple):
+            return v
+    return None
+
+
+def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn) -> Landing:
+    """Where ``conn`` lands under ``plan`` installed for ``families``."""
+    conn = conn.on_the_wire()
+    fam = conn.family
+    if fam not in families:
+        return DIRECT
+    chains = plan.chains_for(fam)  # type: ignore[arg-type]
+    if conn.direction == "in":
+        pkt = _Packet(conn, conn.src or "0.0.0.0", conn.iface, None, local=False)
+        return _hooks(chains, "prerouting", ("raw", "mangle", "nat"), pkt) or DIRECT
+    over_lo = pod.is_local(conn.dst)
+    pkt = _Packet(conn, pod.source_for(conn), None, "lo" if over_lo else pod.out_dev(conn.dst), local=True,
+                  mark=conn.mark)
+    landed = _hooks(chains, "output", ("raw", "mangle", "nat"), pkt)
+    if landed is not None:
+        return landed
+    if over_lo:
+        # Looped back in over lo: PREROUTING again, but not nat (the connection has its NAT binding).
+        pkt = _Packet(conn, pkt.src, "lo", None, local=False, mark=pkt.mark, ctmark=pkt.ctmark)
+        landed = _hooks(chains, "prerouting", ("raw", "mangle"), pkt)
+        if landed is not None:
+            return landed
+    return DIRECT
+
+
+# --- eBPF ------------------------------------------------------------------------------
+
+
+class _Maps:
+    """The maps of one pod as the programs see them (the netns cookie is implied)."""
+
+    def __init__(self, entries: EbpfEntries, pod: PodNet) -> None:
+        p = entries.policy
+        fams = (4, 6) if p.v6 else (4,)
+        self.policy = p
+        self.ports = set(entries.ports)
+        self.cidrs = (list(entries.cidrs) + list(pod_local(fams, pod.addrs))
+                      + list(pod_interfaces(entries, fams, pod.links, pod.routes)))
+
+    def port_listed(self, kind: str, port: int) -> bool:
+        return (kind, port) in self.ports
+
+    def cidr_listed(self, kind: CidrKind, addr: bytes, v6: bool) -> bool:
+        """``cidrs.lookup`` of key (96 + 128 or 32, kind, netns, addr): the longest entry whose
+        prefix (96 bits of kind and netns, then its own) matches; listed iff there is one."""
+        key_bits = 128 if v6 else 32
+        best = -1
+        for plen, k, raw in self.cidrs:
+            if k == kind and plen <= key_bits and _prefix_eq(raw, addr, plen):
+                best = max(best, plen)
+        return best >= 0
+
+
+def _prefix_eq(a: bytes, b: bytes, bits: int) -> bool:
+    n, rest = divmod(bits, 8)
+    if a[:n] != b[:n]:
+        return False
+    return rest == 0 or (a[n] >> (8 - rest)) == (b[n] >> (8 - rest))
+
+
+@functools.lru_cache(maxsize=4096)
+def _raw(ip: str) -> bytes:
+    return _ip(ip).packed.ljust(16, b"\0")
+
+
+_OWN_NEXT, _OWN_PASS, _OWN_INBOUND = 0, 1, 2
+
+
+def _id_listed(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int) -> bool:
+    """``id_listed`` of bpf/policy.h: in the first range, else in the kind's ``cidrs`` entries."""
+    if n == 0:
+        return False
+    if first[0] <= ident <= first[1]:
+        return True
+    return n > 1 and m.cidr_listed(kind, ident.to_bytes(4, "big").ljust(16, b"\0"), False)
+
+
+def _owner_rules(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int, out_lo: bool, hairpin: bool,
+                 lo_return: bool) -> int:
+    """``owner_rules`` of bpf/policy.h."""
+    if n == 0:
+        return _OWN_NEXT
+    if out_lo and lo_return:
+        return _OWN_INBOUND if first[0] <= ident <= first[1] and hairpin else _OWN_PASS
+    if not _id_listed(m, kind, first, n, ident):
+        return _OWN_NEXT
+    return _OWN_INBOUND if out_lo and hairpin else _OWN_PASS
+
+
+def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
+                     src_passthrough: bool) -> int:
+    """``outbound_target`` of bpf/policy.h: 0 (pass) or the local port to rewrite to."""
+    p = m.policy
+    if p.excl_if and not out_lo and m.cidr_listed("via_exclude6" if v6 else "via_exclude4", addr, v6):
+        return 0  # leaves_excluded (sockets bound to a device aside: none here)
+    to = _nat_target(m, conn, addr, v6, out_lo, dst_is_lo_cidr, src_passthrough)
+    if to or not p.tproxy or conn.proto != "tcp" or not out_lo or dst_is_lo_cidr or src_passthrough \
+            or conn.mark == p.tproxy_mark:
+        return to
+    if not (_id_listed(m, "uid", p.uid0, p.n_uids, conn.uid) or _id_listed(m, "gid", p.gid0, p.n_gids, conn.gid)):
+        return 0
+    return p.inbound_port if _inbound_captured(m, conn.port) else 0
+
+
+def _nat_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
+                src_passthrough: bool) -> int:
+    """``nat_target`` of bpf/policy.h."""
+    p = m.policy
+    tcp = conn.proto == "tcp"
+    port = conn.port
+    dns53 = p.dns and port == DNS_PORT
+    if m.port_listed("out_exclude", port):
+        return 0
+    if out_lo and src_passthrough:
+        return 0
+    hairpin = tcp and not dst_is_lo_cidr and port != p.tunnel_port and not dns53
+    lo_return = not p.incl_loopback and (not p.dns or (tcp and port != DNS_PORT))
+    own = _owner_rules(m, "uid", p.uid0, p.n_uids, conn.uid, out_lo, hairpin, lo_return)
+    if own == _OWN_NEXT:
+        own = _owner_rules(m, "gid", p.gid0, p.n_gids, conn.gid, out_lo, hairpin, lo_return)
+    if own == _OWN_INBOUND:
+        return p.inbound_port
+    if own == _OWN_PASS:
+        return 0
+    if p.groups_mode != "all":
+        inside = _id_listed(m, "group", p.group0, p.n_groups, conn.gid)
+        if inside == (p.groups_mode == "exclude"):
+            return 0
+    if dns53 and (p.dns_all or m.cidr_listed("dns6" if v6 else "dns4", addr, v6)):
+        return p.dns_port
+    if not tcp:
+        return 0
+    if dst_is_lo_cidr:
+        return 0
+    if m.cidr_listed("out_exclude6" if v6 else "out_exclude4", addr, v6):
+        return 0
+    if m.port_listed("out_include", port):
+        return p.proxy_port
+    if p.out_all:
+        return p.proxy_port
+    if m.cidr_listed("out_include6" if v6 else "out_include4", addr, v6):
+        return p.proxy_port
+    return 0
+
+
+def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
+    """``target4`` of bpf/sock_addr.c."""
+    addr = _raw(dst)
+    out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False)
+    dst_is_lo_cidr = _ip(dst) in _net(m.policy.loopback4)
+    return _outbound_target(m, conn, addr, False, out_lo, dst_is_lo_cidr,
+                            src is not None and _ip(src) == V4_PASSTHROUGH)
+
+
+def _connect(m: _Maps, conn: Conn) -> int:
+    """``redirect4``/``redirect6`` of bpf/sock_addr.c (connect, or sendmsg of UDP): the port the
+    destination is rewritten to (on the socket family's loopback), or 0."""
+    dst = _ip(conn.dst)
+    # The socket's source when the hook runs: the bound address, else none yet.
+    if dst.version == 4:
+        return _target4(m, conn, conn.dst, conn.src)
+    mapped = _mapped(conn.dst)
+    if mapped is not None:  # a dual-stack socket's IPv4 peer: IPv4's rules, whatever the pod's IPv6
+        return _target4(m, conn, mapped, _mapped(conn.src) if conn.src is not None else None)
+    if not m.policy.v6:
+        return 0
+    addr = _raw(conn.dst)
+    out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True)
+    # No source yet and ::6 as the destination: the kernel will pick ::6 itself as the source.
+    src_passthrough = (_ip(conn.src) if conn.src is not None else dst) == V6_PASSTHROUGH
+    return _outbound_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK, src_passthrough)
+
+
+def _inbound_listed(m: _Maps, port: int) -> bool:
+    """``inbound_listed`` of bpf/policy.h."""
+    p = m.policy
+    if not p.inbound or port == p.tunnel_port:
+        return False
+    return (not m.port_listed("in_exclude", port)) if p.inbound_all else m.port_listed("in_include", port)
+
+
+def _inbound_captured(m: _Maps, port: int) -> bool:
+    return port != m.policy.inbound_port and _inbound_listed(m, port)
+
+
+def _iface_listed(m: _Maps, kind: CidrKind, ifindex: int) -> bool:
+    """``iface_listed`` of bpf/policy.h."""
+    return ifindex != 0 and m.cidr_listed(kind, ifindex.to_bytes(4, "big").ljust(16, b"\0"), False)
+
+
+def _listener_for(m: _Maps, conn: Conn, ingress_ifindex: int) -> int | None:
+    """``listener_for`` of bpf/sk_lookup.c: the port of the proxy's listener the connection goes
+    to (inbound or outbound), or None."""
+    p = m.policy
+    captured = _inbound_captured(m, conn.port)
+    if not p.excl_if and not p.reroute_if:
+        return p.inbound_port if captured else None
+    if p.excl_if and _iface_listed(m, "iface_exclude", ingress_ifindex):
+        return None
+    if not (p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex)) or \
+            (p.tproxy and _inbound_listed(m, conn.port)):
+        return p.inbound_port if captured else None
+    v6 = conn.family == 6
+    to_included = m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
+    return p.proxy_port if p.out_all or to_included else None
+
+
+def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
+    """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
+    (without one, a captured connection is dropped)."""
+    if conn.proto != "tcp":
+        return DIRECT
+    if ingress_ifindex == LOOPBACK_IFINDEX:
+        return DIRECT
+    fam = conn.family
+    if fam == 6 and not m.policy.v6:
+        return DIRECT
+    port = _listener_for(m, conn, ingress_ifindex)
+    if port is None:
+        return DIRECT
+    s = _ip(src)
+    if fam == 4:
+        from_pod = (int(s) >> 24) == 127 or m.cidr_listed("local4", _raw(src), False)
+    else:
+        from_pod = s == V6_LOOPBACK or m.cidr_listed("local6", _raw(src), True)
+    if from_pod:
+        return DIRECT
+    return ("redirect", port)
+
+
+def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
+    """Where ``conn`` lands under the eBPF programs with ``entries`` written for ``pod``."""
+    m = _Maps(entries, pod)
+    if conn.direction == "in":
+        return _sk_lookup(m, conn, conn.src or "0.0.0.0", pod.ifindex_named(conn.iface))
+    to = _connect(m, conn)
+    if to:
+        return ("redirect", to)
+    conn = conn.on_the_wire()  # sk_lookup sees the packets
+    if pod.is_local(conn.dst):
+        # Delivered locally as it is: sk_lookup runs at the address's device.
+        return _sk_lookup(m, conn, pod.source_for(conn), pod.ifindex_of(conn.dst))
+    return DIRECT
+
+
+__all__ = ["Conn", "PodNet", "Landing", "DIRECT", "DROP", "evaluate_plan", "evaluate_ebpf"]

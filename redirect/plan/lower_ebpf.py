@@ -1,0 +1,221 @@
+"""The eBPF lowering: an ``Intent`` as the eBPF backend's map entries, typed.
+
+``lower_ebpf(intent, families)`` says what a config writes for any pod: the ``pods`` map's
+policy (``EbpfPolicy``: ports, flags, loopback range, owner ranges, owner groups), the
+``ports`` map's (kind, port) entries and the ``cidrs`` LPM trie's (prefix length, kind,
+address) entries. ``pod_local`` adds what depends on the pod: its own addresses (``local``
+CIDRs: a connect to them leaves over lo; inbound from them is the pod to itself).
+``redirect.backends.ebpf`` only packs these into the structs of ``bpf/abi.h``; the programs
+read them, and ``redirect.plan.evaluate`` models what they do with them.
+
+Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
+its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
+of kind and netns cookie.
+Options the eBPF backend refuses (ambient mode, ``drop_invalid``, a gid hairpin unlike the uids')
+have no place here. ``pod_interfaces`` adds what ``exclude_interfaces`` and ``reroute_interfaces``
+mean in one pod (its links and routes).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from ..config import IdSpec
+from .intent import GroupsMode, Intent
+
+PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
+CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
+                   "local4", "local6", "uid", "gid", "group", "iface_exclude", "via_exclude4", "via_exclude6",
+                   "iface_reroute"]
+IdRange = tuple[int, int]
+#: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
+LocalAddr = tuple[int, str, int]
+#: (family, destination CIDR, the interfaces of its next hops) of a route of the pod's main table.
+Route = tuple[int, str, tuple[str, ...]]
+LOOPBACK_IFINDEX = 1
+
+
+@dataclass(frozen=True)
+class EbpfPolicy:
+    """The ``pods`` map's value for a pod (``struct pod_policy``, inventory fields aside)."""
+
+    proxy_port: int
+    inbound_port: int
+    tunnel_port: int
+    dns_port: int
+    #: ``RDR_F_*``: every destination captured; DNS capture; to every server; an included CIDR is
+    #: loopback; inbound capture; of every port; IPv6 captured too.
+    out_all: bool
+    dns: bool
+    dns_all: bool
+    incl_loopback: bool
+    inbound: bool
+    inbound_all: bool
+    v6: bool
+    #: The IPv4 loopback range never captured (``ipv4_loopback_cidr``).
+    loopback4: str
+    #: Per owner kind (proxy uids, proxy gids, owner groups): the first range and how many there
+    #: are; the others are ``cidrs`` entries of kind ``uid``/``gid``/``group`` (any number).
+    uid0: IdRange
+    n_uids: int
+    gid0: IdRange
+    n_gids: int
+    groups_mode: GroupsMode
+    group0: IdRange
+    n_groups: int
+    #: ``inbound_interception="TPROXY"``: the proxy's lo traffic that nat leaves alone meets inbound
+    #: capture (but from a socket with ``tproxy_mark``).
+    tproxy: bool
+    tproxy_mark: int
+    #: ``exclude_interfaces`` is not empty: the pod's ``iface_exclude``/``via_exclude*`` entries count.
+    excl_if: bool
+    #: ``reroute_interfaces`` is not empty: inbound arriving on an ``iface_reroute`` interface goes to
+    #: the outbound port (to an ``out_include*`` CIDR unless ``out_all``).
+    reroute_if: bool = False
+
+
+@dataclass(frozen=True)
+class EbpfEntries:
+    """What one config writes for any pod: the policy, ``ports`` and ``cidrs`` entries."""
+
+    policy: EbpfPolicy
+    ports: tuple[tuple[PortKind, int], ...]
+    #: (prefix length of the CIDR, kind, its network address as 16 bytes, IPv4 in the first 4);
+    #: an owner id range past its kind's first as prefix blocks of the 32-bit id (network order).
+    cidrs: tuple[tuple[int, CidrKind, bytes], ...]
+    #: ``exclude_interfaces``, ``reroute_interfaces``: what ``pod_interfaces`` resolves in each pod.
+    exclude_interfaces: tuple[str, ...] = ()
+    reroute_interfaces: tuple[str, ...] = ()
+
+
+def _range(i: IdSpec) -> IdRange:
+    return (i, i) if isinstance(i, int) else i
+
+
+def _id_blocks(ranges: Iterable[IdRange], kind: CidrKind) -> list[tuple[int, CidrKind, bytes]]:
+    """Owner id ranges as LPM prefix blocks of the id, big-endian in the first 4 bytes."""
+    out: list[tuple[int, CidrKind, bytes]] = []
+    for lo, hi in ranges:
+        for net in ipaddress.summarize_address_range(ipaddress.IPv4Address(lo), ipaddress.IPv4Address(hi)):
+            out.append((net.prefixlen, kind, net.network_address.packed.ljust(16, b"\0")))
+    return out
+
+
+def _cidr_spec(cidr: str, kind4: CidrKind, kind6: CidrKind) -> tuple[int, CidrKind, bytes]:
+    net = ipaddress.ip_network(cidr, strict=False)
+    return net.prefixlen, kind4 if net.version == 4 else kind6, net.network_address.packed.ljust(16, b"\0")
+
+
+def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
+    """The map entries of ``it`` for a pod captured in ``families`` (``(4,)`` or ``(4, 6)``).
+
+    ``ValueError`` if the entries cannot say it: the programs leave the same ports alone in the
+    hairpin of proxy uids and gids (the backend refuses such configs by name first).
+    """
+    if it.owners_of("gid") and it.hairpin_exclude_of("gid") != it.hairpin_exclude_of("uid"):
+        raise ValueError(f"eBPF lowering: the proxy gids' hairpin leaves {it.hairpin_exclude_of('gid')} alone, "
+                         f"the uids' {it.hairpin_exclude_of('uid')}: the programs treat both alike")
+    uids = [_range(i) for i in it.owners_of("uid")]
+    gids = [_range(i) for i in it.owners_of("gid")]
+    groups = [_range(g) for g in it.groups]
+    policy = EbpfPolicy(
+        proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
+        out_all=it.outbound_all, dns=it.dns, dns_all=it.dns_all, incl_loopback=it.include_has_loopback,
+        inbound=it.inbound, inbound_all=it.inbound and it.inbound_all, v6=6 in families,
+        loopback4=it.loopback_of(4),
+        uid0=uids[0] if uids else (0, 0), n_uids=len(uids), gid0=gids[0] if gids else (0, 0), n_gids=len(gids),
+        groups_mode=it.groups_mode, group0=groups[0] if groups else (0, 0), n_groups=len(groups),
+        tproxy=it.interception == "TPROXY", tproxy_mark=it.tproxy_mark if it.interception == "TPROXY" else 0,
+        excl_if=bool(it.exclude_interfaces), reroute_if=bool(it.reroute_interfaces),
+    )
+    ports: dict[tuple[PortKind, int], None] = {}
+    for p in it.outbound_exclude_ports:
+        ports[("out_exclude", p)] = None
+    for p in it.outbound_include_ports:
+        ports[("out_include", p)] = None
+    if it.inbound:
+        if it.inbound_all:
+            for p in it.inbound_exclude_ports:
+                ports[("in_exclude", p)] = None
+        else:
+            for p in it.inbound_include_ports:
+                ports[("in_include", p)] = None
+    cidrs: dict[tuple[int, CidrKind, bytes], None] = {}
+
+    def add(items: Iterable[str], kind4: CidrKind, kind6: CidrKind) -> None:
+        for c in items:
+            spec = _cidr_spec(c, kind4, kind6)
+            if spec[1] == kind6 and 6 not in families:
+                continue
+            cidrs[spec] = None
+
+    add(it.outbound_exclude_cidrs, "out_exclude4", "out_exclude6")
+    add(it.outbound_include_cidrs, "out_include4", "out_include6")
+    add((c for _f, c in it.dns_servers), "dns4", "dns6")
+    owner_kinds: tuple[tuple[list[IdRange], CidrKind], ...] = ((uids, "uid"), (gids, "gid"), (groups, "group"))
+    for ranges, kind in owner_kinds:
+        for spec in _id_blocks(ranges[1:], kind):
+            cidrs[spec] = None
+    return EbpfEntries(policy, tuple(ports), tuple(cidrs), it.exclude_interfaces, it.reroute_interfaces)
+
+
+def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tuple[int, CidrKind, bytes], ...]:
+    """The ``local`` CIDR entries of a pod's own addresses ``local``: a connect to them leaves over
+    lo (Istio's ``-o lo`` rules), and inbound from them is the pod talking to itself."""
+    return tuple((32 if f == 4 else 128, "local4" if f == 4 else "local6",
+                  ipaddress.ip_address(ip).packed.ljust(16, b"\0"))
+                 for f, ip, _index in local if f in families)
+
+
+def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Iterable[tuple[str, int]],
+                   routes: Iterable[Route]) -> tuple[tuple[int, CidrKind, bytes], ...]:
+    """The entries of ``exclude_interfaces`` and ``reroute_interfaces`` in a pod with ``links``
+    (name, ifindex) and the main table's ``routes``: each rerouted interface's ifindex (inbound
+    arriving on it goes to the outbound port); each excluded interface's ifindex (inbound
+    arriving on it, or a socket bound to it, is not captured), and the destinations the routes
+    send through an excluded interface (outbound to them is not captured): a route through one,
+    less the more specific routes inside it (those through an excluded interface count on their
+    own). Link-local destinations (their interface is the socket's scope id) are left out.
+    ``ValueError`` for a route whose next hops are on excluded and other interfaces alike (where
+    such a connection leaves is the kernel's pick per flow).
+    """
+    excl, reroute = set(entries.exclude_interfaces), set(entries.reroute_interfaces)
+    out: list[tuple[int, CidrKind, bytes]] = []
+    for name, index in links:
+        if name in reroute:
+            out.append((32, "iface_reroute", index.to_bytes(4, "big").ljust(16, b"\0")))
+    if not excl:
+        return tuple(out)
+    for name, index in links:
+        if name in excl:
+            out.append((32, "iface_exclude", index.to_bytes(4, "big").ljust(16, b"\0")))
+    for fam in families:
+        best: dict[ipaddress.IPv4Network | ipaddress.IPv6Network, bool] = {}
+        for f, cidr, devs in routes:
+            net = ipaddress.ip_network(cidr, strict=False)
+            if f != fam or net.is_link_local or net in best or not devs:
+                continue  # (the first of equal prefixes: the dump's order is the kernel's preference)
+            via = {d in excl for d in devs}
+            if len(via) > 1:
+                raise ValueError(f"exclude_interfaces: the route to {cidr} has next hops through "
+                                 f"{', '.join(sorted(devs))}, excluded and not alike")
+            best[net] = via.pop()
+        kind: CidrKind = "via_exclude4" if fam == 4 else "via_exclude6"
+        for net, excluded in best.items():
+            if not excluded:
+                continue
+            pieces = [net]
+            for other in best:
+                if other != net and other.prefixlen > net.prefixlen and other.subnet_of(net):  # type: ignore[arg-type]
+                    pieces = [q for p in pieces for q in ((p,) if not other.overlaps(p) else
+                              (() if p.subnet_of(other) else p.address_exclude(other)))]  # type: ignore[arg-type]
+            out += [(p.prefixlen, kind, p.network_address.packed.ljust(16, b"\0")) for p in pieces]
+    return tuple(dict.fromkeys(out))
+
+
+__all__ = ["pod_interfaces", "Route",
+           "EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "pod_local",
+           "LOOPBACK_IFINDEX"]
