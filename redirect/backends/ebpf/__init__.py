@@ -44,7 +44,8 @@ property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
-the option): ``mode="ambient"``; ``drop_invalid`` (needs conntrack).
+the option): ``mode="ambient"``; ``drop_invalid`` (conntrack tracks nothing in a netns without
+netfilter rules, so there is no INVALID verdict for a program to read; README).
 
 The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it

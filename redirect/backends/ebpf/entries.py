@@ -73,7 +73,9 @@ def _unsupported(cfg: RedirectConfig) -> None:
     if cfg.mode != "sidecar":
         no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
     if cfg.drop_invalid:
-        no("drop_invalid=True", "needs conntrack's verdict per packet, from a tc program: not implemented")
+        no("drop_invalid=True", "conntrack's INVALID verdict exists only for packets conntrack tracks, and it"
+           " tracks none in a netns without netfilter rules that use it: bpf_skb_ct_lookup finds no entry there"
+           " and BPF cannot run conntrack on a packet")
     if cfg.dns_effective and cfg.proxy_gids and not cfg.gid_hairpin_skips_dns:
         no("gid_hairpin_skips_dns=False", "the programs leave port 53 alone for proxy uids and gids alike")
 
