@@ -20,7 +20,6 @@ Nothing here touches a kernel, so all of it is unit-testable without root.
 from __future__ import annotations
 
 from ..config import RedirectConfig
-from .ambient import build_ambient_plan
 from .intent import intent_of
 from .sidecar import sidecar_plan
 from .vocabulary import Plan
@@ -29,5 +28,7 @@ from .vocabulary import Plan
 def build_plan(cfg: RedirectConfig) -> Plan:
     """The plan for ``cfg`` (dispatches on ``cfg.mode``)."""
     if cfg.mode == "ambient":
+        from .ambient import build_ambient_plan  # (a sidecar's per-pod exec never loads it)
+
         return build_ambient_plan(cfg)
     return sidecar_plan(intent_of(cfg))
