@@ -1,16 +1,21 @@
-"""The ambient node agent (``redirect-agent``) and its client side.
+"""The ambient node agent (``redirect-agent``) and its client side (all below ``redirect.ambient.agent``).
 
-- ``redirect.ambient.agent.daemon``: the agent: the enrolment transaction, restart-safe reconcile and
-  resync, the node-proxy hand-off, the command line;
-- ``redirect.ambient.agent.events``: the events socket's server (idle clients never hold a worker);
-- ``redirect.ambient.agent.proxies``: one connected node proxy (ordered sends, validated acks);
-- ``redirect.ambient.agent.discovery``: finding the pods' records after a restart, in the namespaces
-  root made or pinned;
-- ``redirect.ambient.agent.pods``: a pod's fields, validated once for events and for records;
-- ``redirect.ambient.agent.identity``: the record the agent keeps in each pod's netns;
-- ``redirect.ambient.agent.metrics``: /healthz /readyz /metrics and their bounded HTTP server;
-- ``redirect.ambient.agent.protocol``: the wire format of both sockets (docs/agent-protocol.md);
-- ``redirect.ambient.agent.client``: what the CNI plugin calls (``add_pod``, ``del_pod``).
+- ``daemon``: the parts wired to the sockets, and the command line;
+- ``enroller``: the enrolment transaction (``add``), ``del`` and ``check``;
+- ``reconcile``: the start's read-back from the kernel and the resync while running;
+- ``hub``: the node proxies: snapshots, pods handed out and taken back, acks;
+- ``registry``: the pods held, and the lock that orders them against the proxies;
+- ``ops``: what the agent changes in the kernel (rules, records, node sets), in one place;
+- ``dispatch``: what answers each message of the events socket;
+- ``events``: the events socket's server (idle clients never hold a worker);
+- ``proxies``: one connected node proxy (ordered sends, validated acks);
+- ``discovery``: finding the pods' records after a restart, in the namespaces root made or pinned;
+- ``pods``: a pod's fields, validated once for events and for records;
+- ``identity``: the record the agent keeps in each pod's netns;
+- ``metrics``: /healthz /readyz /metrics and their bounded HTTP server;
+- ``cni_requests``: the thin CNI plugin's requests, served with the plugin's own code;
+- ``protocol``: the wire format of both sockets (docs/agent-protocol.md);
+- ``client``: what the CNI plugin calls (``add_pod``, ``del_pod``).
 
 Importing this package imports nothing else: the CNI plugin loads only ``client``.
 """

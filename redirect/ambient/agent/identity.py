@@ -13,7 +13,7 @@ never affects traffic. It is replaced as a whole (build a scratch set, ``swap``,
 destroy the scratch), so a reader sees the old record or the new one. The agent
 writes it twice per enrolment: an *intent* record (``"phase": "intent"``) before it
 installs anything, and the *commit* record (``"phase": "enrolled"``) after everything
-is in place (``redirect.ambient.agent.daemon.Agent.add``). The agent finds pods by listing
+is in place (``redirect.ambient.agent.enroller.Enroller.add``). The agent finds pods by listing
 namespaces (``/run/netns``, ``/proc/*/ns/net``) that the node's user namespace owns
 and reading this set in each; namespaces without it are not ours. What it reads is
 validated like an event (``redirect.ambient.agent.pods``): a record is data, never trusted.

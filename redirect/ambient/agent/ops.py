@@ -1,0 +1,99 @@
+"""What the agent changes in the kernel, in one place: a pod's rules, its record, the node's
+probe sets, and the scan for records at start.
+
+``KernelOps`` does it for real (``redirect.api``, ``identity``, ``redirect.ambient.node``,
+``discovery``). The enrolment transaction and the reconcile take an ``Ops``, so that their
+order, their rollback and their bookkeeping can also be unit-tested with an in-memory
+stand-in (tests/test_agent_parts.py); the kernel tests (tests/test_agent.py) run them on
+real namespaces, rules and sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from ... import api
+from ...backends.base import CheckResult
+from ...config import RedirectConfig
+from ...kernel import netns as _netns
+from .. import node
+from . import identity
+from .discovery import Found, discover, same_inode
+
+
+class Ops(Protocol):
+    # a pod's netns
+    def netns_inode(self, path: str) -> int: ...
+    def host_netns_reason(self, path: str) -> str | None: ...
+    def same_inode(self, path: str, inode: int) -> bool: ...
+    # the pod's record (``identity``)
+    def read_record(self, netns: str) -> dict[str, Any] | None: ...
+    def scan_record(self, netns: str) -> dict[str, Any] | None: ...
+    def write_record(self, netns: str, record: dict[str, Any]) -> None: ...
+    def clear_record(self, netns: str) -> None: ...
+    # the pod's rules (``redirect.api``)
+    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None: ...
+    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult: ...
+    def teardown_rules(self, netns: str, backend: str | None = None) -> None: ...
+    # the node's probe rules and sets (``redirect.ambient.node``), in the host netns
+    def setup_node(self) -> bool: ...
+    def add_node_ips(self, ips: Iterable[str], owner: str) -> None: ...
+    def remove_node_ips(self, ips: Iterable[str], owner: str) -> None: ...
+    def node_ips(self) -> dict[str, str | None]: ...
+    # the records found at start (``discovery``)
+    def discover(self) -> Found: ...
+
+
+class KernelOps:
+    """``Ops`` on the kernel; the node's sets live in ``host_netns`` (None: the agent's own)."""
+
+    def __init__(self, host_netns: str | None, node_name: str, scan_proc: bool) -> None:
+        self.host_netns = host_netns
+        self.node_name = node_name
+        self.scan_proc = scan_proc
+
+    def netns_inode(self, path: str) -> int:
+        return _netns.netns_inode(path)
+
+    def host_netns_reason(self, path: str) -> str | None:
+        return _netns.host_netns_reason_of(path)
+
+    def same_inode(self, path: str, inode: int) -> bool:
+        return same_inode(path, inode)
+
+    def read_record(self, netns: str) -> dict[str, Any] | None:
+        return identity.read(netns)
+
+    def scan_record(self, netns: str) -> dict[str, Any] | None:
+        return identity.scan(netns)
+
+    def write_record(self, netns: str, record: dict[str, Any]) -> None:
+        identity.write(netns, record)
+
+    def clear_record(self, netns: str) -> None:
+        identity.clear(netns)
+
+    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
+        api.setup(netns, cfg, backend)
+
+    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult:
+        return api.check(netns, cfg, backend)
+
+    def teardown_rules(self, netns: str, backend: str | None = None) -> None:
+        api.teardown(netns, backend)
+
+    def setup_node(self) -> bool:
+        return node.setup_node(self.host_netns)
+
+    def add_node_ips(self, ips: Iterable[str], owner: str) -> None:
+        node.add_pods(ips, self.host_netns, owner=owner)
+
+    def remove_node_ips(self, ips: Iterable[str], owner: str) -> None:
+        node.remove_pods(ips, self.host_netns, owner=owner)
+
+    def node_ips(self) -> dict[str, str | None]:
+        return node.list_pods(self.host_netns)
+
+    def discover(self) -> Found:
+        return discover(self.node_name, self.scan_proc)

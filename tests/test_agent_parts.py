@@ -1,0 +1,357 @@
+"""The agent's parts without sockets or root: the enrolment transaction and its rollback, the
+netns claim, ``del``, the proxy hub's snapshots and acks, the reconcile at start and the
+resync, the events' answers. The kernel side is an in-memory ``Ops`` that records what is
+done in which order; tests/test_agent.py runs the same parts on real namespaces, rules,
+sets and sockets."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from redirect.ambient.agent.discovery import Found
+from redirect.ambient.agent.dispatch import Dispatcher
+from redirect.ambient.agent.enroller import Enroller, EventError
+from redirect.ambient.agent.hub import ProxyHub
+from redirect.ambient.agent.metrics import Metrics
+from redirect.ambient.agent.pods import ENROLLED, INTENT, PodRecord
+from redirect.ambient.agent.proxies import Waiter
+from redirect.ambient.agent.reconcile import Reconciler
+from redirect.ambient.agent.registry import Registry
+from redirect.backends.base import CheckResult
+from redirect.config import RedirectConfig
+from redirect.errors import SetupError
+
+pytestmark = pytest.mark.noroot
+
+NODE = "node-a"
+
+
+class FakeOps:
+    """The kernel as the agent sees it, in memory: netns paths -> inodes, records, installed rules,
+    node-set entries (ip -> owner uid). ``calls`` lists every change in order."""
+
+    def __init__(self) -> None:
+        self.inodes: dict[str, int] = {}
+        self.records: dict[str, dict[str, Any]] = {}
+        self.rules: dict[str, RedirectConfig] = {}
+        self.node: dict[str, str | None] = {}
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail: dict[str, Exception] = {}  # op name -> raised once
+        self.found = Found()
+
+    def netns(self, path: str, inode: int) -> str:
+        self.inodes[path] = inode
+        return path
+
+    def _maybe_fail(self, op: str) -> None:
+        e = self.fail.pop(op, None)
+        if e is not None:
+            raise e
+
+    def netns_inode(self, path: str) -> int:
+        return self.inodes[path]
+
+    def host_netns_reason(self, path: str) -> str | None:
+        return "the host's network namespace" if path == "/proc/1/ns/net" else None
+
+    def same_inode(self, path: str, inode: int) -> bool:
+        return self.inodes.get(path) == inode
+
+    def read_record(self, netns: str) -> dict[str, Any] | None:
+        return self.records.get(netns)
+
+    def scan_record(self, netns: str) -> dict[str, Any] | None:
+        return self.records.get(netns)
+
+    def write_record(self, netns: str, record: dict[str, Any]) -> None:
+        self.calls.append(("record", netns, record["phase"]))
+        self.records[netns] = record
+
+    def clear_record(self, netns: str) -> None:
+        self.calls.append(("clear", netns))
+        self.records.pop(netns, None)
+
+    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
+        self._maybe_fail("setup_rules")
+        self.calls.append(("setup", netns, backend))
+        self.rules[netns] = cfg
+
+    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult:
+        ok = self.rules.get(netns) == cfg
+        return CheckResult(ok, "iptables", () if ok else ("rules differ",))
+
+    def teardown_rules(self, netns: str, backend: str | None = None) -> None:
+        self.calls.append(("teardown", netns))
+        self.rules.pop(netns, None)
+
+    def setup_node(self) -> bool:
+        self.calls.append(("setup_node",))
+        return False
+
+    def add_node_ips(self, ips: Iterable[str], owner: str) -> None:
+        self._maybe_fail("add_node_ips")
+        ips = list(ips)
+        self.calls.append(("node+", tuple(ips), owner))
+        self.node.update(dict.fromkeys(ips, owner))
+
+    def remove_node_ips(self, ips: Iterable[str], owner: str) -> None:
+        ips = list(ips)
+        self.calls.append(("node-", tuple(ips), owner))
+        for ip in ips:
+            if self.node.get(ip) == owner:
+                del self.node[ip]
+
+    def node_ips(self) -> dict[str, str | None]:
+        return dict(self.node)
+
+    def discover(self) -> Found:
+        return self.found
+
+
+class FakePeer:
+    """A node proxy: records what it is sent; acks each message as ``answer`` says (True: ok,
+    a string: an error, None: never)."""
+
+    def __init__(self, name: str = "ztunnel#1", answer: bool | str | None = True) -> None:
+        self.name = name
+        self.synced = threading.Event()
+        self.answer = answer
+        self.got: list[dict[str, Any]] = []
+        self.closed = False
+
+    @property
+    def serving(self) -> bool:
+        return not self.closed
+
+    def enqueue(self, msg: dict[str, Any], fd: int | None = None) -> Waiter:
+        self.got.append(msg)
+        w = Waiter()
+        if self.answer is True:
+            w.done(True)
+        elif isinstance(self.answer, str):
+            w.done(False, self.answer)
+        return w
+
+    def send_add(self, pod: PodRecord) -> Waiter:
+        return self.enqueue({"type": "add", "pod": pod.for_proxy()})
+
+    def close(self) -> None:
+        self.closed = True
+
+    def kinds(self) -> list[tuple[str, str]]:
+        return [(m["type"], m.get("uid") or m.get("pod", {}).get("uid", "")) for m in self.got]
+
+
+class Parts:
+    def __init__(self, timeout: float = 1.0, host_rules: bool = True) -> None:
+        self.ops = FakeOps()
+        self.metrics = Metrics()
+        self.registry = Registry(self.metrics)
+        self.hub = ProxyHub(self.registry, self.metrics, timeout)
+        self.enroller = Enroller(self.registry, self.hub, self.ops, base=RedirectConfig(mode="ambient"),
+                                 backend="iptables", node_name=NODE, host_rules=host_rules)
+        self.reconciler = Reconciler(self.enroller, self.metrics, workers=2)
+        self.dispatcher = Dispatcher(self.enroller, self.metrics, lambda: (True, {}))
+
+    def peer(self, **kw: Any) -> FakePeer:
+        p = FakePeer(**kw)
+        self.hub.await_snapshot(p, *self.hub.attach(p))
+        return p
+
+    def event(self, uid: str, inode: int, **kw: Any) -> dict[str, Any]:
+        path = self.ops.netns(f"/run/netns/{uid}", inode)
+        return {"uid": uid, "name": f"web-{uid}", "namespace": "default", "netns": path, "ips": [f"10.1.0.{inode}"],
+                "container_id": f"c-{uid}", **kw}
+
+
+def test_an_add_writes_intent_rules_node_set_proxies_then_the_commit_record_last() -> None:
+    t = Parts()
+    peer = t.peer()
+    out = t.enroller.add(t.event("a", 7))
+    assert out == {"enrolled": True, "pod": "a", "proxies": 1}
+    assert t.ops.calls == [("record", "/run/netns/a", INTENT), ("setup", "/run/netns/a", "iptables"),
+                           ("node+", ("10.1.0.7",), "a"), ("record", "/run/netns/a", ENROLLED)]
+    assert peer.kinds() == [("snapshot_done", ""), ("add", "a")]
+    assert set(t.registry.pods) == {"a"} and not t.registry.enrolling and not t.registry.claims
+    assert t.metrics.pods_enrolled == 1
+
+
+def test_a_pod_no_proxy_takes_is_rolled_back_and_leaves_nothing() -> None:
+    t = Parts()
+    peer = t.peer(answer="no listener")
+    with pytest.raises(EventError) as ei:
+        t.enroller.add(t.event("a", 7))
+    assert ei.value.reason == "proxy" and "ztunnel#1: no listener" in str(ei.value)
+    assert t.ops.records == {} and t.ops.rules == {} and t.ops.node == {}
+    assert t.ops.calls[-3:] == [("teardown", "/run/netns/a"), ("node-", ("10.1.0.7",), "a"), ("clear", "/run/netns/a")]
+    assert peer.kinds()[-1] == ("del", "a")  # the proxy drops what it may have opened
+    assert not t.registry.pods and not t.registry.enrolling and not t.registry.claims
+
+
+def test_a_proxy_that_never_acks_fails_the_add_after_the_timeout() -> None:
+    t = Parts(timeout=0.05)
+    t.peer(answer=None)
+    with pytest.raises(EventError) as ei:
+        t.enroller.add(t.event("a", 7))
+    assert ei.value.reason == "proxy" and "no ack within 0.05 s" in str(ei.value)
+    assert t.ops.records == {} and t.ops.rules == {}
+
+
+def test_a_failed_setup_undoes_the_intent_and_names_the_error() -> None:
+    t = Parts()
+    t.peer()
+    t.ops.fail["setup_rules"] = SetupError("iptables-restore: exit 1")
+    with pytest.raises(EventError) as ei:
+        t.enroller.add(t.event("a", 7))
+    assert ei.value.reason == "setup" and "iptables-restore" in str(ei.value)
+    assert t.ops.records == {} and t.ops.node == {} and not t.registry.pods
+
+
+def test_without_a_proxy_nothing_is_touched() -> None:
+    t = Parts()
+    with pytest.raises(EventError) as ei:
+        t.enroller.add(t.event("a", 7))
+    assert ei.value.reason == "no_proxy" and t.ops.calls == []
+
+
+def test_node_sets_that_went_away_are_put_back_once() -> None:
+    t = Parts()
+    t.peer()
+    t.ops.fail["add_node_ips"] = SetupError("ipset: set does not exist")
+    t.enroller.add(t.event("a", 7))
+    assert [c[0] for c in t.ops.calls] == ["record", "setup", "setup_node", "node+", "record"]
+
+
+def test_a_netns_held_by_another_pod_is_refused_with_nothing_changed() -> None:
+    t = Parts()
+    t.peer()
+    t.enroller.add(t.event("a", 7))
+    before = list(t.ops.calls)
+    ev = t.event("b", 7)
+    ev["netns"] = "/run/netns/a"  # the same netns, another pod
+    with pytest.raises(EventError) as ei:
+        t.enroller.add(ev)
+    assert ei.value.reason == "netns" and "pod a's" in str(ei.value)
+    # a record of another pod in the netns refuses too (an agent that restarted and lost it)
+    t.ops.records[t.ops.netns("/run/netns/c", 9)] = {"uid": "x", "phase": "enrolled"}
+    with pytest.raises(EventError) as ei:
+        t.enroller.add(t.event("c", 9))
+    assert "pod x's" in str(ei.value)
+    assert t.ops.calls == before and set(t.registry.pods) == {"a"} and not t.registry.claims
+
+
+def test_a_repeated_add_keeps_the_commit_record() -> None:
+    t = Parts()
+    t.peer()
+    t.enroller.add(t.event("a", 7))
+    t.ops.calls.clear()
+    t.enroller.add(t.event("a", 7))
+    assert [c[0] for c in t.ops.calls] == ["setup", "node+", "record"]  # no intent over the commit
+
+
+def test_bad_events_name_the_field_and_change_nothing() -> None:
+    t = Parts()
+    t.peer()
+    for ev, reason, text in [
+        (None, "bad_request", "pod: expected an object"),
+        ({"uid": "a"}, "bad_request", "netns"),
+        ({**t.event("a", 7), "ips": ["10.1.0.300"]}, "bad_request", "10.1.0.300"),
+        ({**t.event("a", 7), "annotations": {"traffic.sidecar.istio.io/excludeOutboundPorts": "x"}},
+         "bad_annotation", "excludeOutboundPorts"),
+        ({**t.event("a", 7), "netns": "/proc/1/ns/net"}, "netns", "refused"),
+    ]:
+        if isinstance(ev, dict) and ev.get("netns") == "/proc/1/ns/net":
+            t.ops.inodes["/proc/1/ns/net"] = 1
+        reply = t.dispatcher.handle({"type": "add", "pod": ev})
+        assert reply["ok"] is False and reply["reason"] == reason and text in reply["error"], reply
+    assert t.ops.calls == [] and not t.registry.pods
+
+
+def test_a_del_tells_the_proxies_and_removes_rules_record_and_node_entries() -> None:
+    t = Parts()
+    peer = t.peer()
+    t.enroller.add(t.event("a", 7))
+    t.ops.calls.clear()
+    assert t.enroller.delete({"uid": "a", "netns": "/run/netns/a"}) == {"removed": True, "pod": "a"}
+    assert peer.kinds()[-1] == ("del", "a")
+    assert t.ops.calls == [("teardown", "/run/netns/a"), ("clear", "/run/netns/a"), ("node-", ("10.1.0.7",), "a")]
+    assert not t.registry.pods and t.ops.node == {}
+    assert t.enroller.delete({"container_id": "c-unknown"}) == {"removed": False}
+
+
+def test_check_needs_the_rules_as_recorded_and_a_synced_proxy() -> None:
+    t = Parts()
+    peer = t.peer()
+    t.enroller.add(t.event("a", 7))
+    assert t.enroller.check({"uid": "a", "netns": "/run/netns/a"}) == {"pod": "a", "proxies": 1}
+    t.ops.rules["/run/netns/a"] = RedirectConfig(mode="ambient", dns_capture=True)
+    with pytest.raises(EventError, match="rules differ"):
+        t.enroller.check({"uid": "a"})
+    t.ops.rules["/run/netns/a"] = t.registry.pods["a"].config
+    peer.close()
+    with pytest.raises(EventError, match="no node proxy"):
+        t.enroller.check({"uid": "a"})
+
+
+def test_a_proxy_connecting_mid_add_gets_the_pod_in_its_snapshot() -> None:
+    t = Parts()
+    t.peer()
+    pod = t.enroller.parse_pod(t.event("a", 7))
+    with t.registry.lock:
+        t.hub.offer_locked(pod)  # handed out, not committed yet
+    late = FakePeer("late#2")
+    pods, waiters, done = t.hub.attach(late)
+    assert [p.uid for p in pods] == ["a"] and t.hub.await_snapshot(late, pods, waiters, done)
+    assert late.kinds() == [("add", "a"), ("snapshot_done", "")] and late.synced.is_set()
+    t.hub.gone(late)
+    assert late not in t.hub.conns and t.metrics.proxy_connections == 1
+
+
+def test_reconcile_removes_unfinished_enrolments_repairs_rules_and_drops_stale_node_entries() -> None:
+    t = Parts()
+    ops = t.ops
+    good = t.enroller.parse_pod(t.event("a", 7))
+    drifted = t.enroller.parse_pod(t.event("b", 8))
+    cut = t.enroller.parse_pod(t.event("c", 9))
+    ops.rules[good.netns] = good.config
+    ops.records[cut.netns] = cut.record(INTENT)
+    ops.node = {"10.1.0.9": "c", "10.9.9.9": "gone-pod"}
+    ops.found = Found(enrolled={"a": good, "b": drifted}, unfinished=[cut])
+    t.reconciler.reconcile()
+    assert set(t.registry.pods) == {"a", "b"}
+    assert ops.rules[drifted.netns] == drifted.config  # re-installed
+    assert cut.netns not in ops.records and cut.netns not in ops.rules
+    assert ops.node == {"10.1.0.7": "a", "10.1.0.8": "b"}
+    assert t.metrics.pods_enrolled == 2 and t.metrics.reconciled == {"intact": 1, "repaired": 1, "removed": 1}
+
+
+def test_resync_drops_a_pod_whose_netns_is_gone_and_repairs_the_others() -> None:
+    t = Parts()
+    peer = t.peer()
+    t.enroller.add(t.event("a", 7))
+    t.enroller.add(t.event("b", 8))
+    del t.ops.inodes["/run/netns/a"]  # the netns went away without a del
+    t.ops.rules.pop("/run/netns/b")  # someone flushed b's rules
+    assert t.reconciler.resync() == {"gone": 1, "repaired": 1}
+    assert set(t.registry.pods) == {"b"} and ("del", "a") in peer.kinds()
+    assert "10.1.0.7" not in t.ops.node and t.ops.rules["/run/netns/b"] == t.registry.pods["b"].config
+
+
+def test_the_events_answers() -> None:
+    t = Parts()
+    t.peer()
+    assert t.dispatcher.handle({"type": "add", "pod": t.event("a", 7)})["ok"] is True
+    listed = t.dispatcher.handle({"type": "list"})
+    assert [p["uid"] for p in listed["pods"]] == ["a"] and listed["ok"] is True
+    assert t.dispatcher.handle({"type": "status"})["ready"] is True
+    bad = t.dispatcher.handle({"type": "frobnicate"})
+    assert bad["ok"] is False and bad["reason"] == "bad_request" and "frobnicate" in bad["error"]
+    t.ops.fail["setup_rules"] = RuntimeError("boom")
+    internal = t.dispatcher.handle({"type": "add", "pod": t.event("b", 8)})
+    assert internal == {"type": "result", "ok": False, "reason": "internal", "error": "RuntimeError: boom"}
+    assert "b" not in t.registry.pods and "/run/netns/b" not in t.ops.records
+    assert t.metrics.failures == {"bad_request": 1, "internal": 1} and t.metrics.events == {"add": 1}
