@@ -91,6 +91,11 @@ struct pod_policy {
 	__u32 n_groups; /* the first is group0, the others RDR_CIDR_GROUP entries */
 	struct id_range group0;
 	__u32 tproxy_mark; /* with RDR_F_TPROXY: a socket with this mark is the proxy's to the app */
+	/* The source an unbound socket's connect gets for a destination off the pod: the pod's first
+	 * address of the family (not on lo), network order; zero: none. The connect and sendmsg hooks
+	 * give it to a socket they send to the proxy, so both ends see the address iptables shows. */
+	__u8 src4[4];
+	__u8 src6[16];
 };
 
 struct port_key {

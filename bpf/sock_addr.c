@@ -37,6 +37,78 @@ static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int
 			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src), mark, bound_if);
 }
 
+/* The source the connection would have had under iptables, whose nat OUTPUT runs after the
+ * kernel picked it: a local destination is its own source (127/8 and ::1 answer from loopback,
+ * as the rewritten destination does too: 0), anything else the pod's (src4, src6 of the policy,
+ * 0 when it has none). */
+static __always_inline __u32 source4(const struct pod_policy *p, __u64 keys, __u32 dst)
+{
+	__u8 addr[16] = {};
+	__u32 src;
+
+	if (is_v4_loopback(dst))
+		return 0;
+	__builtin_memcpy(addr, &dst, 4);
+	if (cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0))
+		return dst;
+	__builtin_memcpy(&src, p->src4, 4);
+	return src;
+}
+
+static __always_inline const __u8 *source6(const struct pod_policy *p, __u64 keys, const __u32 *dst)
+{
+	if (is_v6_loopback(dst))
+		return NULL;
+	if (cidr_listed(keys, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1))
+		return (const __u8 *)dst;
+	if (!(p->src6[0] | p->src6[1] | p->src6[2] | p->src6[3] | p->src6[4] | p->src6[5] | p->src6[6] |
+	      p->src6[7] | p->src6[8] | p->src6[9] | p->src6[10] | p->src6[11] | p->src6[12] | p->src6[13] |
+	      p->src6[14] | p->src6[15]))
+		return NULL;
+	return p->src6;
+}
+
+/* A socket without a source of its own that we send to the proxy gets that source (connect: bound
+ * to it, port 0, which connect then picks; sendmsg: the datagram's), so the proxy sees the pod's
+ * address as the peer and the app its own as the local end, as under iptables. A bind that fails
+ * (the socket has a port already) leaves the kernel's choice. */
+static __always_inline void give_source4(struct bpf_sock_addr *ctx, __u32 src, int from_sendmsg)
+{
+	struct sockaddr_in sa = {.sin_family = AF_INET};
+
+	if (!src || ctx->sk->src_ip4)
+		return;
+	if (from_sendmsg) {
+		if (!ctx->msg_src_ip4)
+			ctx->msg_src_ip4 = src;
+		return;
+	}
+	sa.sin_addr.s_addr = src;
+	bpf_bind(ctx, (void *)&sa, sizeof(sa));
+}
+
+/* give_source4 for an IPv6 socket (src: 16 bytes, an IPv4-mapped one for an IPv4 destination). */
+static __always_inline void give_source6(struct bpf_sock_addr *ctx, const __u8 *src, int from_sendmsg)
+{
+	struct sockaddr_in6 sa = {.sin6_family = AF_INET6};
+	__u32 ip[4];
+
+	if (!src || ctx->sk->src_ip6[0] || ctx->sk->src_ip6[1] || ctx->sk->src_ip6[2] || ctx->sk->src_ip6[3])
+		return;
+	__builtin_memcpy(ip, src, 16);
+	if (from_sendmsg) {
+		if (!(ctx->msg_src_ip6[0] | ctx->msg_src_ip6[1] | ctx->msg_src_ip6[2] | ctx->msg_src_ip6[3])) {
+			ctx->msg_src_ip6[0] = ip[0];
+			ctx->msg_src_ip6[1] = ip[1];
+			ctx->msg_src_ip6[2] = ip[2];
+			ctx->msg_src_ip6[3] = ip[3];
+		}
+		return;
+	}
+	__builtin_memcpy(&sa.sin6_addr, ip, 16);
+	bpf_bind(ctx, (void *)&sa, sizeof(sa));
+}
+
 /* A socket of a registered pod, of a kind we redirect: TCP on connect, UDP
  * (DNS) on connect and sendmsg. *tcp says which. */
 static __always_inline int redirectable(struct bpf_sock_addr *ctx, const struct pod_policy *p, int from_sendmsg,
@@ -70,6 +142,7 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 	 * UDP: keyed by cookie for as long as the socket lives (recvmsg). */
 	__builtin_memcpy(addr, &dst, 4);
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port, addr, to);
+	give_source4(ctx, source4(p, pod_keys(p, netns), dst), from_sendmsg);
 	ctx->user_ip4 = bpf_htonl(0x7f000001);
 	ctx->user_port = bpf_htons(to);
 	return SYS_PROCEED;
@@ -116,6 +189,13 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		__builtin_memcpy(addr, &dst[3], 4);
 		remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port,
 			 addr, to);
+		if (!from_sendmsg) { /* (a datagram's source is given in the IPv4 hook's terms: left alone) */
+			src[0] = 0;
+			src[1] = 0;
+			src[2] = bpf_htonl(0xffff);
+			src[3] = source4(p, pod_keys(p, netns), dst[3]);
+			give_source6(ctx, src[3] ? (const __u8 *)src : NULL, 0);
+		}
 		ctx->user_ip6[0] = 0;
 		ctx->user_ip6[1] = 0;
 		ctx->user_ip6[2] = bpf_htonl(0xffff);
@@ -137,6 +217,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,
 		 (const __u8 *)dst, to);
+	give_source6(ctx, source6(p, keys, dst), from_sendmsg);
 	ctx->user_ip6[0] = 0;
 	ctx->user_ip6[1] = 0;
 	ctx->user_ip6[2] = 0;

@@ -1,7 +1,8 @@
 /* Answering SO_ORIGINAL_DST without conntrack.
  *
  * The proxy's accepted socket is not the app's socket: its peer is the
- * app's socket's local address (127.0.0.1:<ephemeral>). That port is only
+ * app's socket's local address (<pod address>:<ephemeral>, as connect4 bound
+ * it; or loopback). That port is only
  * chosen inside connect(), after connect4 ran, so connect4 keys the original
  * destination by the app socket's cookie, and sock_ops, called at
  * TCP_CONNECT_CB (port and source known, SYN not yet sent), moves it to a

@@ -685,7 +685,17 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.pin = pin;
 	w.pin_dir_fd = r->pin_dir_fd;
 	w.pin_name = pin + pin_name;
-	w.policy = r->policy[set];
+	/* The pod's sources (lower_ebpf.pod_sources): its first address of each family not on lo. */
+	policy = *r->policy[set];
+	for (int i = sc.n - 1; i >= 0; i--) {
+		if (sc.a[i].ifindex == 1 || (sc.a[i].family == 6 && !c->v6))
+			continue;
+		if (sc.a[i].family == 4)
+			memcpy(policy.src4, sc.a[i].addr, 4);
+		else
+			memcpy(policy.src6, sc.a[i].addr, 16);
+	}
+	w.policy = &policy;
 	w.update_flags = BPF_NOEXIST;
 	ret = rdr_ebpf_pod_write(&w);
 	if (ret != 0)

@@ -452,6 +452,58 @@ def test_ebpf_reroute_registers_an_outbound_listener_already_open(pod_with_extra
                for f in (4, 6) for k in (0, 1))
 
 
+def _sendto_and_answer(ns: str, ip: str, port: int, fam: int) -> tuple[str, int] | None:
+    """One datagram from an unbound, unconnected UDP socket of family ``fam`` in ``ns`` (``sendto``),
+    as resolvers send; the answer's source, or None if none came within a second."""
+    out: list[tuple[str, int]] = []
+
+    def run() -> None:
+        with rnetns.enter(ns), socket.socket(socket.AF_INET if fam == 4 else socket.AF_INET6,
+                                             socket.SOCK_DGRAM) as s:
+            if fam == 6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.settimeout(1.0)
+            s.sendto(b"query\n", (ip, port))
+            with contextlib.suppress(OSError):
+                out.append(s.recvfrom(512)[1][:2])
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(5)
+    return out[0] if out else None
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_captured_connections_come_from_the_pod_address(pod: Pod, backend: str, fam: int) -> None:
+    """A captured connection of an unbound socket has the source routing picked for its original
+    destination (iptables' nat runs after that choice): the proxy sees the pod's address as the
+    peer and the app sees it as its socket's local address; the proxy's hairpin to its own pod's
+    address comes from that address; DNS over UDP, connected or sent with sendto, too."""
+    server = pod.peer_ip(fam)
+    cfg = RedirectConfig(dns_capture=True, dns_servers=(server,))
+    own = pod.pod_ip(fam)
+    with installed(pod, cfg, backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.name, 15006, fam, "proxy-in"), (pod.name, 8000, fam, "pod-app"),
+        (pod.peer_name, 8080, fam, "peer-app"),
+    ) as L, UdpListener(pod.name, 15053, family=fam, label="dns-proxy", owner=PROXY) as dns:
+        assert redirect.check(pod.name, cfg, backend=backend).ok  # (eBPF: a fresh pod's sources as apply's)
+        hit = landing(pod.name, server, 8080, *L.values(), uid=APP_UID)
+        assert hit.label == "proxy-out" and hit.orig_dst == (server, 8080), hit.result
+        assert hit.conn is not None and hit.conn.peer[0] == own and hit.result.local == hit.conn.peer, hit
+        hit = landing(pod.name, own, 8000, *L.values(), uid=PROXY_UID)
+        assert hit.label == "proxy-in" and hit.conn is not None and hit.conn.peer[0] == own, hit
+        r = udp_probe_detail(pod.name, server, 53, uid=APP_UID)
+        assert r.label == "dns-proxy" and r.local is not None and r.local[0] == own, r
+        assert _sendto_and_answer(pod.name, server, 53, fam) == (server, 53)
+        assert [c.peer[0] for c in dns.conns] == [own, own], dns.conns
+        if fam == 4:  # a dual-stack socket to an IPv4 peer: IPv4 on the wire
+            assert _sendto_and_answer(pod.name, f"::ffff:{server}", 53, 6) == (f"::ffff:{server}", 53)
+            assert dns.conns[-1].peer[0] == own, dns.conns
+            hit = landing(pod.name, f"::ffff:{server}", 8080, *L.values(), uid=APP_UID)
+            assert hit.label == "proxy-out" and hit.conn is not None and hit.conn.peer[0] == own, hit
+            assert hit.result.local is not None and hit.result.local[0] == f"::ffff:{own}", hit.result
+
+
 # --------------------------------------------------------------------------- DNS
 
 

@@ -170,6 +170,18 @@ def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tu
                  for f, ip, _index in local if f in families)
 
 
+def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[int, str]:
+    """Per family, the source an unbound socket's connect gets for a destination off the pod: its
+    first address of the family not on lo (the address of its one interface, in a pod with one;
+    with several, the kernel's choice per route may be another). The connect and sendmsg hooks
+    give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``)."""
+    out: dict[int, str] = {}
+    for f, ip, index in local:
+        if f in families and index != LOOPBACK_IFINDEX:
+            out.setdefault(f, ip)
+    return out
+
+
 def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Iterable[tuple[str, int]],
                    routes: Iterable[Route]) -> tuple[tuple[int, CidrKind, bytes], ...]:
     """The entries of ``exclude_interfaces`` and ``reroute_interfaces`` in a pod with ``links``
@@ -216,6 +228,6 @@ def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Itera
     return tuple(dict.fromkeys(out))
 
 
-__all__ = ["pod_interfaces", "Route",
+__all__ = ["pod_interfaces", "pod_sources", "Route",
            "EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "pod_local",
            "LOOPBACK_IFINDEX"]

@@ -65,9 +65,10 @@ How the iptables semantics are met without packets:
   connection to its own pod IP is not captured, and the proxy's (uid/gid 1337)
   goes to inbound capture (the service-VIP hairpin), except to the tunnel port;
 - the app's ``getpeername`` names the original destination (TCP and connected
-  UDP), as through NAT; its socket's *local* address is loopback, though
-  (iptables: the pod address), so the proxy sees outbound connections come
-  from ``127.0.0.1`` / ``::1``;
+  UDP), as through NAT; a captured socket without an address gets the source
+  iptables would show (``bpf_bind`` at connect, the datagram's source at sendmsg:
+  the pod's first address of the family, ``pod_policy.src4/src6``; a local
+  destination itself), so the proxy sees the pod's address as the peer (README);
 - ``exclude_interfaces``: sk_lookup leaves alone what arrives on one; the
   connect hooks leave alone a socket bound to one, and destinations the pod's
   main routing table sends through one (read at setup, ``check`` reports

@@ -108,7 +108,8 @@ MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple"
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
 POLICY = POLICY_LAYOUT.struct
-P_FLAGS, P_INV_BASE, P_N_INV = (POLICY_LAYOUT.index[f] for f in ("flags", "inv_base", "n_inv"))
+P_FLAGS, P_INV_BASE, P_N_INV, P_SRC4, P_SRC6 = (POLICY_LAYOUT.index[f] for f in ("flags", "inv_base", "n_inv",
+                                                                                   "src4", "src6"))
 PORT_KEY = layout("port_key").struct
 CIDR_KEY = layout("cidr_key").struct
 ORIG = layout("orig_dst", raw=("port_be",)).struct

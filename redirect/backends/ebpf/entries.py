@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ...config import RedirectConfig
 from ...errors import BackendUnavailable, SetupError
 from ...plan.intent import Intent, intent_of
-from ...plan.lower_ebpf import lower_ebpf, pod_interfaces, pod_local
+from ...plan.lower_ebpf import lower_ebpf, pod_interfaces, pod_local, pod_sources
 from .abi import (
     CIDR_DNS4,
     CIDR_DNS6,
@@ -55,6 +55,8 @@ from .abi import (
     P_FLAGS,
     P_INV_BASE,
     P_N_INV,
+    P_SRC4,
+    P_SRC6,
     POLICY,
     POLICY_LAYOUT,
     PORT_IN_EXCL,
@@ -159,7 +161,7 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
     policy = POLICY.pack(
         p.proxy_port, p.inbound_port, p.tunnel_port, p.dns_port, flags,
         lo.network_address.packed, lo.netmask.packed, p.n_uids, p.n_gids, 0, 0,
-        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0, p.tproxy_mark,
+        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0, p.tproxy_mark, bytes(4), bytes(16),
     )
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
@@ -197,9 +199,16 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
 
 def intent_entries(it: Intent, families: tuple[int, ...], cookie: int,
                    local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
-    """``pod_entries`` of an intent: its lowering, and the pod's own addresses as ``local`` CIDRs
-    (``lower_ebpf.pod_local``: a connect to them leaves over lo, Istio's "-o lo" rules)."""
+    """``pod_entries`` of an intent: its lowering, the pod's own addresses as ``local`` CIDRs
+    (``lower_ebpf.pod_local``: a connect to them leaves over lo, Istio's "-o lo" rules) and its
+    sources in the policy (``lower_ebpf.pod_sources``)."""
     policy, port_specs, cidr_specs = _intent_entries(it, families)
+    src = pod_sources(families, local or ())
+    if src:
+        v = list(POLICY.unpack(policy))
+        v[P_SRC4] = _addr16(src[4])[:4] if 4 in src else bytes(4)
+        v[P_SRC6] = _addr16(src[6]) if 6 in src else bytes(16)
+        policy = POLICY.pack(*v)
     ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
     cidrs = {CIDR_KEY.pack(plen, kind, cookie, raw) for plen, kind, raw in cidr_specs}
     cidrs.update(CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw)
@@ -253,7 +262,15 @@ def _fmt_policy(raw: bytes) -> str:
             f" loopback={socket.inet_ntoa(f['lo4_addr'])}/{socket.inet_ntoa(f['lo4_mask'])}"
             f" uids={ids('uid0', 'n_uids')} gids={ids('gid0', 'n_gids')}"
             + ("" if groups == GROUPS_ALL else
-               f" {'owner_groups' if groups == GROUPS_ONLY else 'owner_groups_exclude'}={ids('group0', 'n_groups')}"))
+               f" {'owner_groups' if groups == GROUPS_ONLY else 'owner_groups_exclude'}={ids('group0', 'n_groups')}")
+            + _fmt_sources(v[P_SRC4], v[P_SRC6]))
+
+
+def _fmt_sources(src4: bytes, src6: bytes) -> str:
+    """The policy's sources (a pod's; none in a rendering), as `` sources=a,b``."""
+    out = ([socket.inet_ntop(socket.AF_INET, src4)] if any(src4) else []) + \
+        ([socket.inet_ntop(socket.AF_INET6, src6)] if any(src6) else [])
+    return f" sources={','.join(out)}" if out else ""
 
 
 def _fmt_ids(flat: tuple[int, ...], n: int) -> str:
