@@ -1,4 +1,4 @@
-"""Bench namespaces: created in bulk with one ``ip -batch``, always deleted (finally + atexit + signals).
+"""Bench namespaces: created in bulk (the pod kit's one ``ip -batch``), always deleted (finally + atexit + signals).
 
 Every process the harness starts carries ``RDRT_BENCH_OWNER=<our pid>`` in its environment
 (``OWNER_ENV``), so a test can tell that none outlived the run.
@@ -17,6 +17,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from redirect.kernel import netns as rnetns
+from redirect.kernel import podkit
+
 PREFIX = f"rdrt-b{os.getpid()}-"
 _live: set[str] = set()
 _lock = threading.Lock()
@@ -31,15 +34,6 @@ POD_ADDRESSES = ("none", "v4", "dual")
 pod_addresses = "none"
 _addr_counter = itertools.count()
 os.environ[OWNER_ENV] = str(os.getpid())  # inherited by every child: ip, iptables, redirect, rdrt_*
-
-
-def _batch(lines: Iterable[str], check: bool = True) -> None:
-    text = "".join(line + "\n" for line in lines)
-    if not text:
-        return
-    r = subprocess.run(["ip", "-force", "-batch", "-"], input=text.encode(), capture_output=True, timeout=300)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"ip -batch failed: {r.stderr.decode(errors='replace').strip()[:400]}")
 
 
 def new_names(n: int, tag: str = "p") -> list[str]:
@@ -71,26 +65,23 @@ def _listen(port: int) -> list[socket.socket]:
 
 
 def create(n: int, tag: str = "p", listen: tuple[int, ...] = ()) -> list[str]:
-    """``n`` fresh network namespaces with ``lo`` up, as a runtime hands them to CNI (not timed).
+    """``n`` fresh network namespaces with ``lo`` up, as a runtime hands them to CNI (not timed;
+    the pod kit's bulk creation, ``redirect.kernel.podkit.create_netns_many``).
 
     ``listen``: ports on which a listener per family is held open in each namespace until it is
     deleted (the eBPF backend hands the proxy's inbound socket to sk_lookup at setup)."""
-    from pyroute2 import IPRoute
-
-    from redirect.kernel import netns as rnetns
+    from pyroute2 import IPRoute  # (its import is slow: only the processes that make pods pay it)
 
     names = new_names(n, tag)
     with _lock:
         _live.update(names)
-    _batch(f"netns add {name}" for name in names)
+    podkit.create_netns_many(names)
     for name in names:
-        with rnetns.enter(name):
-            with IPRoute() as ipr:
-                ipr.link("set", index=1, state="up")
-                if pod_addresses != "none":
-                    _give_addresses(ipr)
-            if listen:
-                hold(name, listen, entered=True)
+        if pod_addresses != "none":
+            with rnetns.enter(name), IPRoute() as ipr:
+                _give_addresses(ipr)
+        if listen:
+            hold(name, listen)
     return names
 
 
@@ -112,8 +103,6 @@ def hold(name: str, ports: tuple[int, ...], entered: bool = False) -> None:
     """Hold a listener per family on each of ``ports`` in namespace ``name`` until ``release``."""
     if not ports:
         return
-    from redirect.kernel import netns as rnetns
-
     if not entered:
         with rnetns.enter(name):
             return hold(name, ports, entered=True)
@@ -139,7 +128,7 @@ def delete(names: Iterable[str]) -> None:
             _live.discard(n)
             for sock in _socks.pop(n, []):
                 sock.close()
-    _batch((f"netns delete {n}" for n in names), check=False)
+    podkit.remove_netns_many(names)
 
 
 def run_in(name: str, argv: list[str], timeout: float = 30, **kw: object) -> subprocess.CompletedProcess[bytes]:

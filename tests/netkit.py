@@ -44,10 +44,10 @@ from tests.kit.pods import (
     Addr,
     Link,
     Pod,
-    _iproute_in,
     create_netns,
     existing_namespaces,
     in_netns,
+    iproute_in,
     link_for,
     live_namespaces,
     make_pod,
@@ -58,7 +58,7 @@ from tests.kit.pods import (
 from tests.kit.probes import (
     Landing,
     ProbeResult,
-    _in_child,
+    in_child,
     landing,
     tcp_probe,
     tcp_probe_detail,
@@ -69,8 +69,8 @@ from tests.kit.probes import (
 __all__ = [
     "IP_PKTINFO", "IP_RECVORIGDSTADDR", "IP_TRANSPARENT", "IPV6_PKTINFO", "IPV6_RECVORIGDSTADDR", "IPV6_RECVPKTINFO",
     "IPV6_TRANSPARENT", "SO_MARK", "SOL_IP", "SOL_IPV6", "Conn", "Listener", "TcpListener", "UdpListener",
-    "original_dst", "DEFAULT_TIMEOUT", "NETNS_DIR", "PREFIX", "Addr", "Link", "Pod", "_iproute_in", "create_netns",
+    "original_dst", "DEFAULT_TIMEOUT", "NETNS_DIR", "PREFIX", "Addr", "Link", "Pod", "iproute_in", "create_netns",
     "existing_namespaces", "in_netns", "link_for", "live_namespaces", "make_pod", "remove_netns", "require_root",
-    "wait_link_detached", "Landing", "ProbeResult", "_in_child", "landing", "tcp_probe", "tcp_probe_detail",
+    "wait_link_detached", "Landing", "ProbeResult", "in_child", "landing", "tcp_probe", "tcp_probe_detail",
     "udp_probe", "udp_probe_detail",
 ]

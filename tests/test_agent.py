@@ -533,7 +533,7 @@ def light_pods(count: int) -> Iterator[list[tuple[str, str, str]]]:
         for i in range(count):
             name = netkit.create_netns(f"rdrt-light-{os.urandom(3).hex()}-{i}")
             names.append(name)
-            ipr = netkit._iproute_in(name)
+            ipr = netkit.iproute_in(name)
             try:
                 ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
                 ipr.link("add", ifname="eth0", kind="veth", peer={"ifname": "eth0p"})

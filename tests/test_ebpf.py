@@ -215,7 +215,7 @@ def test_dns_udp_to_53_reaches_dns_proxy_and_reply_comes_from_server(pod: Pod, s
                 data, src = s.recvfrom(100)
             return {"data": data.decode(), "src": [src[0], src[1]]}
 
-        out = netkit._in_child(pod.name, APP_UID, APP_UID, 3.0, query)
+        out = netkit.in_child(pod.name, APP_UID, APP_UID, 3.0, query)
         assert out.get("data", "").startswith("dnsproxy"), out
         assert tuple(out["src"]) == (server, 53), "the answer appears to come from the server asked"
     finally:
@@ -676,7 +676,7 @@ def test_the_app_sees_the_peer_it_connected_to(pod: Pod, bpf_root: str, backend:
                 out["udp"] = list(u.getpeername()[:2])
             return out
 
-        got = netkit._in_child(pod.name, APP_UID, APP_UID, 3.0, peers)
+        got = netkit.in_child(pod.name, APP_UID, APP_UID, 3.0, peers)
         assert got.get("tcp") == [server, 8080], got
         assert got.get("udp") == [server, 53], got
         assert ls[0].wait_for(1, timeout=2.0), "the TCP connection was captured"  # recorded by its thread

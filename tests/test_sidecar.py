@@ -886,7 +886,7 @@ def test_an_ipv4_destination_through_a_dual_stack_app_socket_is_captured_as_ipv4
                 s.sendall(b"hi\n")
                 return {"peer": list(s.getpeername()[:2]), "answer": s.recv(100).decode().strip()}
 
-        got = netkit._in_child(pod.name, APP_UID, APP_UID, 5.0, connect)
+        got = netkit.in_child(pod.name, APP_UID, APP_UID, 5.0, connect)
         assert got.get("answer") == "proxy-out", got
         assert got["peer"] == [mapped, 8080]
         assert not app.conns

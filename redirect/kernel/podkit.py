@@ -9,7 +9,9 @@ node) by veth pairs with IPv4 and IPv6 addresses, ``lo`` up, duplicate address d
         ...
 
 Every namespace made here is removed on the way out, even when the body raises;
-``live_namespaces`` lists those this process made and has not removed yet.
+``live_namespaces`` lists those this process made and has not removed yet. Bare
+namespaces in bulk, as a runtime hands them to CNI (the benchmarks' pods), come from
+``create_netns_many`` and go with ``remove_netns_many``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +143,39 @@ def connect_netns(pod_ns: str, peer_ns: str, link: Link) -> None:
         pod_ipr.close()
 
 
+def _ip_batch(lines: Iterable[str], check: bool = True) -> None:
+    text = "".join(line + "\n" for line in lines)
+    if not text:
+        return
+    r = subprocess.run(["ip", "-force", "-batch", "-"], input=text.encode(), capture_output=True, timeout=300)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip -batch failed: {r.stderr.decode(errors='replace').strip()[:400]}")
+
+
+def create_netns_many(names: Sequence[str]) -> list[str]:
+    """Create ``/run/netns/<name>`` for each of ``names`` with one ``ip -batch`` (hundreds at a
+    runtime's pace, one process for all), remember them, and bring ``lo`` up in each; returns
+    the names. Bare namespaces, as a runtime hands them to CNI: no links, DAD as the kernel's."""
+    from pyroute2 import IPRoute
+
+    with _live_lock:
+        _live.update(names)
+    _ip_batch(f"netns add {name}" for name in names)
+    for name in names:
+        with _netns.enter(name), IPRoute() as ipr:
+            ipr.link("set", index=1, state="up")
+    return list(names)
+
+
+def remove_netns_many(names: Iterable[str]) -> None:
+    """Remove ``/run/netns/<name>`` for each of ``names`` with one ``ip -batch``; quiet for
+    those already gone."""
+    names = list(names)
+    with _live_lock:
+        _live.difference_update(names)
+    _ip_batch((f"netns delete {n}" for n in names), check=False)
+
+
 @contextlib.contextmanager
 def make_pod(name: str, peer_name: str, links: Sequence[Link], *, make_peer: bool = True,
              peer_routes_back: bool = True) -> Iterator[None]:
@@ -186,5 +222,6 @@ def _remove_all(names: list[str]) -> None:
         raise first
 
 
-__all__ = ["Link", "make_pod", "connect", "connect_netns", "create_netns", "remove_netns", "iproute_in",
+__all__ = ["Link", "make_pod", "connect", "connect_netns", "create_netns", "remove_netns", "create_netns_many",
+           "remove_netns_many", "iproute_in",
            "live_namespaces", "NETNS_DIR"]

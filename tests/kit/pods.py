@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 
 from redirect.kernel import netns as rnetns
 from redirect.kernel import podkit
-from redirect.kernel.podkit import NETNS_DIR, Link, live_namespaces, remove_netns
-from redirect.kernel.podkit import iproute_in as _iproute_in
+from redirect.kernel.podkit import NETNS_DIR, Link, iproute_in, live_namespaces, remove_netns
 
 T = TypeVar("T")
 Addr = tuple[str, int]
@@ -199,5 +198,5 @@ def make_pod(extra_iface: bool = False, name: str | None = None) -> Iterator[Pod
 
 
 __all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
-           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "_iproute_in",
+           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "iproute_in",
            "link_for", "make_pod"]

@@ -172,7 +172,7 @@ def _in_thread_as(
     return box["result"]  # type: ignore[no-any-return]
 
 
-def _in_child(
+def in_child(
     ns: rnetns.NetnsRef, uid: int | None, gid: int | None, timeout: float, fn: Callable[..., dict[str, Any]], *args: Any
 ) -> dict[str, Any]:
     """Run ``fn`` in a forked child that entered ``ns`` and dropped to ``uid``/``gid``.
@@ -254,7 +254,7 @@ def _probe(
         with rnetns.enter(netns):
             res = _attempt(*args)
     elif fork:
-        res = _in_child(netns, uid, gid, timeout, _attempt, *args)
+        res = in_child(netns, uid, gid, timeout, _attempt, *args)
     else:
         res = _in_thread_as(netns, uid, gid, timeout, _attempt, *args)
     return ProbeResult(
