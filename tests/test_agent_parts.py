@@ -355,3 +355,60 @@ def test_the_events_answers() -> None:
     assert internal == {"type": "result", "ok": False, "reason": "internal", "error": "RuntimeError: boom"}
     assert "b" not in t.registry.pods and "/run/netns/b" not in t.ops.records
     assert t.metrics.failures == {"bad_request": 1, "internal": 1} and t.metrics.events == {"add": 1}
+
+
+def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_path: Any) -> None:
+    """Idle connections to the proxy socket (each awaits its hello for 5 s on a thread) are
+    bounded: one beyond ``MAX_HELLOS`` gets an error at once, and once they go, a proxy is served."""
+    import contextlib
+    import socket
+
+    from redirect.ambient.agent import hub as hub_mod
+    from redirect.ambient.agent import protocol
+
+    metrics = Metrics()
+    hub = ProxyHub(Registry(metrics), metrics, timeout=2.0)
+    path = str(tmp_path / "proxy.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    lsock.bind(path)
+    lsock.listen(128)
+    stopping = threading.Event()
+    t = threading.Thread(target=hub.accept, args=(lsock, stopping), daemon=True)
+    t.start()
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.settimeout(5)
+        s.connect(path)
+        return s
+
+    idle = []
+    try:
+        idle = [connect() for _ in range(hub_mod.MAX_HELLOS)]
+        extra = connect()
+        got = protocol.recv(extra, max_fds=0)
+        assert got is not None and got[0]["type"] == "error" and "too many" in got[0]["error"], got
+        extra.close()
+        for s in idle:
+            s.close()
+        idle = []
+        pause = threading.Event()
+        for _ in range(100):  # the hello threads see their peers gone and give their places back
+            p = connect()
+            idle.append(p)
+            with contextlib.suppress(OSError):  # refused: closed after its error
+                protocol.send(p, {"type": "hello", "proxy": "p1"})
+            got = protocol.recv(p, max_fds=0)  # the (empty) snapshot, or "too many" still
+            assert got is not None
+            if got[0]["type"] == "snapshot_done":
+                break
+            pause.wait(0.05)
+        assert got[0]["type"] == "snapshot_done", got
+    finally:
+        stopping.set()
+        for s in idle:
+            s.close()
+        lsock.shutdown(socket.SHUT_RDWR)
+        lsock.close()
+        hub.close_all()
+        t.join(5)

@@ -121,6 +121,38 @@ def _read_connect(c: socket.socket, limit: int = 8192) -> tuple[str, int] | None
         return None
 
 
+_MAX_POD_FIELD = 253  # a Kubernetes name or namespace at most
+
+
+def _malformed(msg: dict[str, Any]) -> str | None:
+    """What is wrong with an agent message's fields (None: nothing): a pod's uid as the agent's
+    protocol defines it, its name and namespace short strings, a snapshot's pods a list of uids.
+    The agent is trusted, but a bad message must cost an error ack, never the proxy."""
+    kind = msg["type"]
+
+    def uid_problem(v: object, where: str) -> str | None:
+        ok = isinstance(v, str) and protocol.UID_RE.fullmatch(v) is not None
+        return None if ok else f"{where}: not a pod uid: {str(v)[:64]!r}"
+
+    if kind == "add":
+        pod = msg.get("pod")
+        if not isinstance(pod, dict):
+            return "pod: expected an object"
+        for f in ("name", "namespace"):
+            v = pod.get(f, "")
+            if not isinstance(v, str) or len(v) > _MAX_POD_FIELD:
+                return f"pod.{f}: expected a string of at most {_MAX_POD_FIELD} characters"
+        return uid_problem(pod.get("uid"), "pod.uid")
+    if kind == "del":
+        return uid_problem(msg.get("uid"), "uid")
+    if kind == "snapshot_done":
+        pods = msg.get("pods", [])
+        if not isinstance(pods, list):
+            return "pods: expected a list of pod uids"
+        return next((p for p in (uid_problem(u, "pods") for u in pods) if p), None)
+    return None
+
+
 def _migrate_on_close() -> None:
     """... when the old one closes its listeners, the connections waiting in their accept queues
     move to the new proxy's (``net.ipv4.tcp_migrate_req``, per netns, TCP over IPv4 and IPv6)
@@ -201,17 +233,21 @@ class NodeProxy:
         mid = msg.get("id")
         kind = msg["type"]
         try:
-            if kind == "add":
+            bad = _malformed(msg)
+            if bad is not None:
+                self.log("bad_message", type=kind, error=bad)
+                self._ack(mid, False, bad)
+            elif kind == "add":
                 if len(fds) != 1:
                     self._ack(mid, False, f"add needs exactly one netns fd, got {len(fds)}")
                     return
-                err = self.add_pod(msg.get("pod") or {}, fds.pop())
+                err = self.add_pod(msg["pod"], fds.pop())
                 self._ack(mid, err is None, err or "")
             elif kind == "del":
-                self.remove_pod(str(msg.get("uid", "")), "deleted")
+                self.remove_pod(msg["uid"], "deleted")
                 self._ack(mid)
             elif kind == "snapshot_done":
-                keep = set(msg.get("pods") or ())
+                keep = set(msg["pods"])
                 for uid in [u for u in self.pods if u not in keep]:
                     self.remove_pod(uid, "not in the agent's snapshot")
                 self.log("snapshot_done", pods=sorted(self.pods))
@@ -226,7 +262,7 @@ class NodeProxy:
 
     def add_pod(self, pod: dict[str, Any], nsfd: int) -> str | None:
         """Open the pod's listeners (takes ``nsfd``); None, or an error text."""
-        uid = str(pod.get("uid", ""))
+        uid = pod["uid"]
         inode = os.fstat(nsfd).st_ino
         cur = self.pods.get(uid)
         if cur is not None and cur.inode == inode:

@@ -25,6 +25,9 @@ from .pods import PodRecord
 from .proxies import ProxyConn, Waiter, proxy_name
 from .registry import Registry
 
+#: Connections to the proxy socket that may be awaiting their hello (5 s each) at once.
+MAX_HELLOS = 32
+
 
 class Peer(Protocol):
     """One connected node proxy (``proxies.ProxyConn``)."""
@@ -45,6 +48,7 @@ class ProxyHub:
         self.metrics = metrics
         self.timeout = timeout  # seconds a proxy has to ack (a snapshot: a little more per pod)
         self.conns: list[Peer] = []  # under registry.lock
+        self._hellos = threading.BoundedSemaphore(MAX_HELLOS)
 
     # -- a proxy comes and goes
 
@@ -116,7 +120,8 @@ class ProxyHub:
     # -- the proxy socket
 
     def accept(self, lsock: socket.socket, stopping: threading.Event) -> None:
-        """Accept proxies on ``lsock`` until it is closed (each hello on a thread of its own)."""
+        """Accept proxies on ``lsock`` until it is closed (each hello on a thread of its own, at
+        most ``MAX_HELLOS`` at once: a connection beyond them is refused at once)."""
         n = 0
         while not stopping.is_set():
             try:
@@ -124,9 +129,22 @@ class ProxyHub:
             except OSError:
                 return
             n += 1
+            if not self._hellos.acquire(blocking=False):
+                jlog(logging.WARNING, "node proxy rejected", error=f"{MAX_HELLOS} connections are saying hello")
+                with contextlib.suppress(OSError, protocol.ProtocolError):
+                    s.settimeout(0.5)
+                    protocol.send(s, {"type": "error", "error": "too many connections saying hello: try again"})
+                s.close()
+                continue
             threading.Thread(target=self._hello, args=(s, n), name="proxy-hello", daemon=True).start()
 
     def _hello(self, s: socket.socket, n: int) -> None:
+        try:
+            self._await_hello(s, n)
+        finally:
+            self._hellos.release()
+
+    def _await_hello(self, s: socket.socket, n: int) -> None:
         try:
             s.settimeout(5.0)
             got = protocol.recv(s, max_fds=0)
