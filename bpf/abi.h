@@ -25,7 +25,11 @@
 #define RDR_F_V6 0x40            /* IPv6 is captured too */
 #define RDR_F_TPROXY 0x80        /* inbound_interception = TPROXY (see outbound_target) */
 #define RDR_F_EXCL_IF 0x100      /* exclude_interfaces: RDR_CIDR_IF_EXCL / VIA_EXCL* entries count */
+#define RDR_F_AMBIENT 0x200      /* mode = ambient: the node proxy's marks (proxy_mark...), not owners */
 #define RDR_F_REROUTE 0x400      /* reroute_interfaces: RDR_CIDR_IF_REROUTE entries count */
+/* Bookkeeping of user space only (no program reads it): this pod's setup turned the netns's
+ * net.ipv4.tcp_fwmark_accept on (ambient), so its teardown turns it off again. */
+#define RDR_F_FWMARK_ACCEPT_OURS 0x80000000
 
 /* pod_policy.groups_mode: owner_groups / owner_groups_exclude */
 #define RDR_GROUPS_ALL 0     /* owner_groups = "*" */
@@ -58,6 +62,9 @@
 #define RDR_CIDR_IF_EXCL 12
 #define RDR_CIDR_VIA_EXCL4 13
 #define RDR_CIDR_VIA_EXCL6 14
+/* Ambient: the host addresses kubelet probes come from (probe_snat_ipv4/6), /32 and /128. */
+#define RDR_CIDR_PROBE4 15
+#define RDR_CIDR_PROBE6 16
 /* reroute_interfaces, resolved in the pod at setup: a rerouted interface's ifindex (network order,
  * /32, like RDR_CIDR_IF_EXCL): inbound arriving on it goes to the outbound port. */
 #define RDR_CIDR_IF_REROUTE 17
@@ -96,6 +103,12 @@ struct pod_policy {
 	 * give it to a socket they send to the proxy, so both ends see the address iptables shows. */
 	__u8 src4[4];
 	__u8 src6[16];
+	/* With RDR_F_AMBIENT: a socket whose mark & mark_mask is proxy_mark is the node proxy's;
+	 * conn_mark (under mark_mask) is what its transparent connections to the app carry
+	 * (bpf/sockopt.c, ambient_connect), routed back to it by the policy route. */
+	__u32 proxy_mark;
+	__u32 mark_mask;
+	__u32 conn_mark;
 };
 
 struct port_key {

@@ -275,4 +275,64 @@ static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 k
 	return inbound_captured(p, keys, port) ? p->inbound_port : RDR_PASS;
 }
 
+/* --- Ambient mode (RDR_F_AMBIENT): Istio's in-pod rules for a node proxy (redirect/ambient.py),
+ * over the entries of the eBPF lowering (lower_ebpf.py, lower_ambient). The node proxy is known
+ * by its sockets' mark, not by owner; redirect/evaluate.py models these as it does the above. */
+
+/* Whether a socket's mark is the node proxy's (proxy_mark under mark_mask). */
+static __always_inline int proxy_marked(const struct pod_policy *p, __u32 mark)
+{
+	return (mark & p->mark_mask) == p->proxy_mark;
+}
+
+/* Where a new outbound connection/datagram of an ambient pod goes: RDR_PASS or the local port
+ * to rewrite it to, by the ambient plan's nat OUTPUT rules in their order. dst_is_lo_host: the
+ * destination is the family's loopback host (127.0.0.1, ::1), which those rules leave alone. */
+static __always_inline __u16 ambient_target(const struct pod_policy *p, __u64 keys, int tcp, __u16 port,
+					    const __u8 *addr, int v6, int out_lo, int dst_is_lo_host, __u32 mark)
+{
+	int marked = proxy_marked(p, mark);
+
+	/* Replies to kubelet probes (and so anything else to the probe address). */
+	if (tcp && cidr_listed(keys, v6 ? RDR_CIDR_PROBE6 : RDR_CIDR_PROBE4, addr, v6))
+		return RDR_PASS;
+	/* DNS to the DNS proxy: UDP not over lo, TCP not to the loopback host; never the proxy's own. */
+	if ((p->flags & RDR_F_DNS) && port == RDR_DNS_PORT && !marked && (tcp ? !dst_is_lo_host : !out_lo))
+		return p->dns_port;
+	/* A socket carrying the connection mark (the proxy's connections to the app, bpf/sockopt.c). */
+	if (tcp && (mark & p->mark_mask) == p->conn_mark)
+		return RDR_PASS;
+	/* To the pod itself over lo. */
+	if (!dst_is_lo_host && out_lo)
+		return RDR_PASS;
+	if (!dst_is_lo_host && tcp && !marked)
+		return p->proxy_port;
+	return RDR_PASS;
+}
+
+/* Which of the node proxy's listeners (RDR_LISTENER_*) a new inbound TCP connection to an
+ * ambient pod from remote (addr, port_be) goes to, or -1: not captured. The ambient plan's nat
+ * PREROUTING in its order: arriving on a reroute interface (rerouted), to the outbound port;
+ * else to the inbound port, but not with bypass_inbound_capture, not to the tunnel port, not
+ * from the probe address. Never a connection made inside the pod (local_conns: the node proxy's
+ * transparent connections to the app from the client's address), which nat PREROUTING never
+ * sees. The caller leaves out lo and the pod's own sources. */
+static __always_inline int ambient_listener(const struct pod_policy *p, __u64 netns, __u64 keys, __u16 port,
+					    __u32 family, const __u8 *addr, __u16 port_be, int rerouted)
+{
+	struct tuple_key k = {.netns = netns, .family = family, .port_be = port_be};
+	int v6 = family == AF_INET6;
+
+	__builtin_memcpy(k.addr, addr, 16);
+	if (local_conns.lookup(&k))
+		return -1;
+	if (rerouted)
+		return RDR_LISTENER_OUTBOUND;
+	if (!(p->flags & RDR_F_INBOUND) || port == p->tunnel_port)
+		return -1;
+	if (cidr_listed(keys, v6 ? RDR_CIDR_PROBE6 : RDR_CIDR_PROBE4, addr, v6))
+		return -1;
+	return RDR_LISTENER_INBOUND;
+}
+
 #endif

@@ -79,6 +79,29 @@ static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct 
 	return (p->flags & RDR_F_OUT_ALL) || to_included(ctx, keys) ? RDR_LISTENER_OUTBOUND : -1;
 }
 
+/* Ambient: ambient_listener of the connection's remote end (bpf/policy.h). */
+static __always_inline int ambient_listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 netns,
+						__u64 keys)
+{
+	__u16 port = (__u16)ctx->local_port, port_be = (__u16)ctx->remote_port;
+	int rerouted = iface_rerouted(p, keys, ctx->ingress_ifindex);
+	__u8 addr[16] = {};
+
+	/* One call per branch: merged, clang would load both families' fields through one
+	 * modified ctx pointer, which the verifier refuses. */
+	if (ctx->family == AF_INET) {
+		__u32 ip = ctx->remote_ip4;
+
+		__builtin_memcpy(addr, &ip, 4);
+		return ambient_listener(p, netns, keys, port, AF_INET, addr, port_be, rerouted);
+	} else {
+		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+
+		__builtin_memcpy(addr, ip, 16);
+		return ambient_listener(p, netns, keys, port, AF_INET6, addr, port_be, rerouted);
+	}
+}
+
 int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 {
 	struct listener_key lk = {};
@@ -103,7 +126,7 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)))
 		return SK_PASS;
 	keys = pod_keys(p, netns);
-	kind = listener_for(ctx, p, keys);
+	kind = p->flags & RDR_F_AMBIENT ? ambient_listener_for(ctx, p, netns, keys) : listener_for(ctx, p, keys);
 	if (kind < 0 || from_this_pod(ctx, keys))
 		return SK_PASS;
 	lk.netns = netns;

@@ -30,11 +30,14 @@ static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int
 				     __u32 src, __u32 mark, __u32 bound_if)
 {
 	__u8 addr[16] = {};
+	int out_lo;
 
 	__builtin_memcpy(addr, &dst, 4);
-	return outbound_target(p, keys, tcp, port, addr, 0,
-			       is_v4_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0),
-			       (dst & p->lo4_mask) == p->lo4_addr, is_v4_passthrough(src), mark, bound_if);
+	out_lo = is_v4_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0);
+	if (p->flags & RDR_F_AMBIENT)
+		return ambient_target(p, keys, tcp, port, addr, 0, out_lo, dst == bpf_htonl(0x7f000001), mark);
+	return outbound_target(p, keys, tcp, port, addr, 0, out_lo, (dst & p->lo4_mask) == p->lo4_addr,
+			       is_v4_passthrough(src), mark, bound_if);
 }
 
 /* The source the connection would have had under iptables, whose nat OUTPUT runs after the
@@ -156,7 +159,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	__u8 addr[16] = {};
 	__u16 port, to;
 	__u64 keys;
-	int tcp;
+	int tcp, out_lo;
 
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
@@ -205,14 +208,17 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	}
 	if (!(p->flags & RDR_F_V6))
 		return SYS_PROCEED;
+	keys = pod_keys(p, netns);
+	out_lo = is_v6_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1);
 	/* No source yet and ::6 as the destination: the kernel picks ::6 itself as the source (the
 	 * destination is a local address), so netfilter sees the inbound passthrough. */
-	keys = pod_keys(p, netns);
-	to = outbound_target(p, keys, tcp, port, (const __u8 *)dst, 1,
-			     is_v6_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1),
-			     is_v6_loopback(dst),
-			     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)), ctx->sk->mark,
-			     ctx->sk->bound_dev_if);
+	if (p->flags & RDR_F_AMBIENT)
+		to = ambient_target(p, keys, tcp, port, (const __u8 *)dst, 1, out_lo, is_v6_loopback(dst),
+				    ctx->sk->mark);
+	else
+		to = outbound_target(p, keys, tcp, port, (const __u8 *)dst, 1, out_lo, is_v6_loopback(dst),
+				     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)),
+				     ctx->sk->mark, ctx->sk->bound_dev_if);
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,

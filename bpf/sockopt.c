@@ -19,6 +19,12 @@
 #ifndef SOL_IPV6
 #define SOL_IPV6 41
 #endif
+#ifndef SOL_SOCKET
+#define SOL_SOCKET 1
+#endif
+#ifndef SO_MARK
+#define SO_MARK 36
+#endif
 
 static __always_inline void tuple_of_local(struct bpf_sock_ops *ctx, struct tuple_key *k, __u64 netns)
 {
@@ -53,6 +59,77 @@ static __always_inline void register_listener(struct bpf_sock_ops *ctx)
 	listeners.sock_hash_update(ctx, &lk, BPF_ANY);
 }
 
+/* Whether a connection end (a tuple_key of it) is the pod's own: loopback or one of its
+ * addresses (entries under keys, pod_keys). */
+static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
+{
+	if (k->family == AF_INET) {
+		__u32 ip;
+
+		__builtin_memcpy(&ip, k->addr, 4);
+		if (is_v4_loopback(ip))
+			return 1;
+		return cidr_listed(keys, RDR_CIDR_LOCAL4, k->addr, 0);
+	}
+	if (is_v6_loopback((const __u32 *)k->addr))
+		return 1;
+	return cidr_listed(keys, RDR_CIDR_LOCAL6, k->addr, 1);
+}
+
+/* Ambient: a TCP connection made in the pod to the pod itself from a source that is not the
+ * pod's: the node proxy's transparent connection to the app from the original client's address.
+ *
+ * sk_lookup would take it for inbound from that client: its local end goes into local_conns (until
+ * the socket closes), which sk_lookup passes, as nat PREROUTING never sees locally generated
+ * connections.
+ *
+ * The app's replies are addressed to the client and would be routed out of the pod. Netfilter
+ * saves the proxy's mark as connmark conn_mark and restores it on the replies, which the policy
+ * route (fwmark conn_mark/mask lookup route_table: local default dev lo) delivers back to the
+ * proxy. Here the connection itself carries it: the proxy's socket gets conn_mark in place of
+ * proxy_mark under mark_mask (bpf_setsockopt resets its cached route, and the SYN, sent after this
+ * callback, is routed again), and the pod runs with net.ipv4.tcp_fwmark_accept=1 (set up by the
+ * backend), so the app's request socket takes the SYN's mark: the SYN-ACK, which leaves before any
+ * callback of the app's side could mark a socket, already carries conn_mark, as does the accepted
+ * socket, and every packet of the app's side takes the same policy route back to the proxy. No
+ * per-packet program and no conntrack. As in netfilter, only with inbound capture (with
+ * bypass_inbound_capture the ambient plan sets no connmark either). The proxy's socket keeps
+ * conn_mark for its life (restoring proxy_mark after the handshake would break a connection whose
+ * app socket is made from a SYN cookie, which takes the mark of the handshake's last ACK). */
+static __always_inline void ambient_connect(struct bpf_sock_ops *ctx)
+{
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_policy *p = pod_of(netns);
+	struct tuple_key here = {}, there = {};
+	struct bpf_sock *sk;
+	__u32 ip[4], mark;
+	__u64 keys;
+	__u8 one = 1;
+
+	if (!p || !(p->flags & RDR_F_AMBIENT))
+		return;
+	tuple_of_local(ctx, &here, netns);
+	ip[0] = ctx->remote_ip6[0];
+	ip[1] = ctx->remote_ip6[1];
+	ip[2] = ctx->remote_ip6[2];
+	ip[3] = ctx->remote_ip6[3];
+	there.netns = netns;
+	tuple_addr(&there, ctx->family, ip, ctx->remote_ip4);
+	keys = pod_keys(p, netns);
+	if (!local_end(&there, keys) || local_end(&here, keys))
+		return;
+	local_conns.update(&here, &one);
+	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	sk = ctx->sk;
+	if (!sk || !(p->flags & RDR_F_INBOUND))
+		return;
+	mark = sk->mark;
+	if (!proxy_marked(p, mark))
+		return;
+	mark = (mark & ~p->mark_mask) | p->conn_mark;
+	bpf_setsockopt(ctx, SOL_SOCKET, SO_MARK, &mark, sizeof(mark));
+}
+
 int rdr_sockops(struct bpf_sock_ops *ctx)
 {
 	struct tuple_key k = {};
@@ -64,8 +141,10 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 	if (ctx->op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
 		cookie = bpf_get_socket_cookie(ctx);
 		o = orig_by_cookie.lookup(&cookie);
-		if (!o)
-			return 1; /* not a socket we redirected */
+		if (!o) {
+			ambient_connect(ctx); /* not a socket we redirected */
+			return 1;
+		}
 		tuple_of_local(ctx, &k, o->netns);
 		orig_by_tuple.update(&k, o);
 		orig_by_cookie.delete(&cookie);
@@ -78,6 +157,7 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		/* Only sockets we flagged above get here; the netns is ours. */
 		tuple_of_local(ctx, &k, bpf_get_netns_cookie(ctx));
 		orig_by_tuple.delete(&k);
+		local_conns.delete(&k);
 	}
 	return 1;
 }

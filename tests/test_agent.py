@@ -47,6 +47,17 @@ pytestmark = pytest.mark.timeout(120)
 
 PLUGIN = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
 APP = 8080
+#: The agent's backends for ambient pods; eBPF's host programs go to a scratch root of this module.
+BACKENDS = ["iptables", "nftables", "ebpf"]
+
+
+@pytest.fixture(autouse=True)
+def _ebpf_root(request: pytest.FixtureRequest) -> None:
+    """eBPF cases run with the host programs under a scratch root of this module (``ebpf_root``),
+    which the agents started here inherit (``$REDIRECT_BPF_ROOT``)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "ebpf" in (callspec.params.get("backend"), callspec.params.get("backend_node")):
+        request.getfixturevalue("ebpf_root")
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -190,6 +201,8 @@ def cni(command: str, pod: Pod, uid: str, sock: str, backend: str = "iptables",
     env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
            "CNI_CONTAINERID": f"ctr-{uid}", "CNI_NETNS": pod.path, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-{uid};K8S_POD_UID={uid}"}
+    if "REDIRECT_BPF_ROOT" in os.environ:  # (the Python plugin's DEL, when no agent runs, looks there)
+        env["REDIRECT_BPF_ROOT"] = os.environ["REDIRECT_BPF_ROOT"]
     p = subprocess.run([PLUGIN], input=json.dumps(conf).encode(), env=env, capture_output=True, timeout=60)
     return p.returncode, (json.loads(p.stdout) if p.stdout.strip() else None)
 
@@ -251,7 +264,7 @@ def servers_for(pods: list[Pod]) -> Iterator[list[TcpListener]]:
 # --- tests -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["iptables", "nftables"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_cni_add_enrols_the_pod_for_the_node_proxy_and_del_leaves_nothing(
         tmp_path: Path, make_pod: Callable[..., Pod], backend: str) -> None:
     n = Node(tmp_path, backend)
@@ -424,7 +437,9 @@ class Traffic:
 
 
 TAMPER = {"iptables": ["iptables", "-t", "nat", "-F", "RDR_OUTPUT"],
-          "nftables": ["nft", "flush", "chain", "inet", "rdr_redirect", "nat_OUTPUT"]}
+          "nftables": ["nft", "flush", "chain", "inet", "rdr_redirect", "nat_OUTPUT"],
+          # (its map entries are the host's: what drifts in the pod is its policy route)
+          "ebpf": ["ip", "-4", "rule", "del", "fwmark", "0x111/0xfff", "lookup", "100"]}
 
 
 @pytest.fixture
@@ -436,7 +451,7 @@ def backend_node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Nod
         n.close()
 
 
-@pytest.mark.parametrize("backend_node", ["iptables", "nftables"], indirect=True)
+@pytest.mark.parametrize("backend_node", BACKENDS, indirect=True)
 def test_pods_stay_captured_across_agent_sigkills_and_proxy_restarts(
         backend_node: Node, make_pod: Callable[..., Pod]) -> None:
     n = backend_node
@@ -559,16 +574,20 @@ def _netns_fds(pid: int) -> int:
     return count
 
 
-def _connect_once(ns: str, dst: str, port: int) -> tuple[str, int]:
+def _connect_once(ns: str, dst: str, port: int, keep: list[socket.socket]) -> tuple[str, int]:
+    """Connect from ``ns``; the socket stays open in ``keep`` until the caller closes it (on eBPF
+    the original destination goes with the client's socket: the proxy may accept after a close)."""
     from redirect.kernel import netns as rnetns
 
-    with rnetns.enter(ns), socket.socket() as s:
+    with rnetns.enter(ns):
+        s = socket.socket()
+        keep.append(s)
         s.settimeout(3)
         s.connect((dst, port))
         return s.getsockname()  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("backend_node", ["iptables", "nftables"], indirect=True)
+@pytest.mark.parametrize("backend_node", BACKENDS, indirect=True)
 def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node) -> None:
     """100 concurrent adds (straight to the events socket; the CNI path is covered above): all
     enrolled, each in its own netns with its own identity, no cross-talk; /healthz, /readyz,
@@ -611,10 +630,15 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         assert {e["pod"]: e["netns_inode"] for e in n.proxy_events("pod_added")} == inodes
         assert node.list_pods(n.ns) == {pods[i][1]: uids[i] for i in range(count)}
         # No cross-talk: each netns's outbound lands on the proxy's listener of that pod.
-        locals_ = [_connect_once(ns, gw, 80) for ns, _, gw in pods]
-        for i, (ip, port) in enumerate(locals_):
-            e = wait_log(n.proxy_log, lambda e, ip=ip, port=port: e["event"] == "accept" and e["src"] == [ip, port])
-            assert e["pod"] == uids[i] and e["orig_dst"] == [pods[i][2], 80] and e["kind"] == "outbound", e
+        clients: list[socket.socket] = []
+        try:
+            locals_ = [_connect_once(ns, gw, 80, clients) for ns, _, gw in pods]
+            for i, (ip, port) in enumerate(locals_):
+                e = wait_log(n.proxy_log, lambda e, ip=ip, port=port: e["event"] == "accept" and e["src"] == [ip, port])
+                assert e["pod"] == uids[i] and e["orig_dst"] == [pods[i][2], 80] and e["kind"] == "outbound", e
+        finally:
+            for c in clients:
+                c.close()
 
         # Ops.
         code, body = agent.get("/readyz")
@@ -636,8 +660,10 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         amb = redirect.RedirectConfig(mode="ambient")
         for ns, _, _ in pods[:5]:
             assert redirect.check(ns, amb, backend=n.backend).ok
-        ip, port = _connect_once(pods[7][0], pods[7][2], 80)
+        clients = []
+        ip, port = _connect_once(pods[7][0], pods[7][2], 80, clients)
         assert wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["src"] == [ip, port])["pod"] == uids[7]
+        clients[0].close()
 
         # A restart finds all of them in the kernel.
         agent = n.start_agent()
@@ -1139,6 +1165,10 @@ KILL_POINTS = {
                  ({"REDIRECT_FAULT": "nftables.before_transaction:kill"}, "intent, routes, no table"),
                  ({"REDIRECT_FAULT": "nftables.after_transaction:kill"}, "intent, routes, table"),
                  *_AGENT_POINTS_AFTER],
+    "ebpf": [*_AGENT_POINTS_BEFORE,
+             ({"REDIRECT_FAULT": "ebpf.before_entries:kill"}, "intent, routes, no map entries"),
+             ({"REDIRECT_FAULT": "ebpf.before_policy:kill"}, "intent, routes, entries, no policy"),
+             *_AGENT_POINTS_AFTER],
 }
 
 
@@ -1146,10 +1176,13 @@ def pod_leftovers(pod: Pod, uid: str, node_: Node, ask_agent: bool = True) -> li
     """Whatever of an ambient pod remains anywhere: its netns (rules, policy routes, routes, sets,
     proxy listeners), the node's sets, the agent's list."""
     out = []
-    for backend in ("iptables", "nftables"):
+    for backend in ("iptables", "nftables", node_.backend):
         shown = redirect.show(pod.name, backend=backend)
         if shown["installed"] or shown["routes"] or shown["addresses"]:
             out.append(f"show {backend}: {shown}")
+    fwmark = in_netns(pod.name, lambda: open("/proc/sys/net/ipv4/tcp_fwmark_accept").read().strip())
+    if fwmark != "0":
+        out.append(f"net.ipv4.tcp_fwmark_accept = {fwmark}")
 
     def cmd(*argv: str) -> str:  # ``ip route show table 100`` fails (2) while the table does not exist
         p = subprocess.run(list(argv), capture_output=True, text=True, check=False)
@@ -1172,7 +1205,7 @@ def pod_leftovers(pod: Pod, uid: str, node_: Node, ask_agent: bool = True) -> li
     return out
 
 
-@pytest.mark.parametrize("backend_node", ["iptables", "nftables"], indirect=True)
+@pytest.mark.parametrize("backend_node", BACKENDS, indirect=True)
 def test_an_add_killed_at_any_step_leaves_nothing_after_the_runtimes_del_and_a_restart(
         backend_node: Node, make_pod: Callable[..., Pod]) -> None:
     """SIGKILL the agent at every step of an ADD: the ADD fails (103); after the runtime's DEL

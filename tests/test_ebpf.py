@@ -304,9 +304,8 @@ def test_unload_host_refuses_while_pods_exist(pod: Pod, setup_pod, bpf_root: str
 
 @pytest.mark.parametrize("kw", [
     {"drop_invalid": True},
-    {"mode": "ambient"},
     {"gid_hairpin_skips_dns": False, "dns_capture": True, "capture_all_dns": True},
-], ids=lambda kw: next(iter(kw)))
+], ids=lambda kw: "-".join(kw))
 def test_unsupported_options_raise_backend_unavailable(pod: Pod, bpf_root: str, kw: dict) -> None:
     with pytest.raises(BackendUnavailable, match=next(iter(kw))):
         api.setup(pod.name, RedirectConfig(**kw), backend="ebpf")

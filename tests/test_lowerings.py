@@ -25,7 +25,7 @@ from redirect import BackendUnavailable, RedirectConfig
 from redirect.backends.ebpf import _unsupported
 from redirect.plan import build_plan
 from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.plan.intent import intent_of
+from redirect.plan.intent import ambient_intent_of, intent_of
 from redirect.plan.lower_ebpf import lower_ebpf
 
 pytestmark = pytest.mark.noroot
@@ -193,4 +193,67 @@ def test_netfilter_and_ebpf_lowerings_land_every_connection_alike(
         bpf = normalized(conn, evaluate_ebpf(entries, pod, conn))
         if nf != bpf and known_difference(cfg, pod, conn, nf, bpf) is None:
             raise AssertionError(f"netfilter {nf} vs eBPF {bpf} for {conn} in {pod} under {cfg.to_dict()} "
+                                 f"(families {families})")
+
+
+# --- ambient mode: the node proxy known by its sockets' mark ---------------------------------
+
+PROBES = {4: ["169.254.7.127", "10.1.3.1"], 6: ["fd16:9254:7127:1337:ffff:ffff:ffff:ffff", "fd00:2::9"]}
+S_MARKS = st.sampled_from([(0x539, 0xFFF, 0x111), (0x100, 0xF00, 0x200), (0x10, 0x30, 0x20)])
+
+
+@st.composite
+def ambient_configs(draw: st.DrawFn) -> RedirectConfig:
+    """Ambient configs (every option the eBPF backend supports)."""
+    mark, mask, conn = draw(S_MARKS)
+    kw: dict[str, Any] = {
+        "mode": "ambient", "dns_capture": draw(st.booleans()), "bypass_inbound_capture": draw(st.booleans()),
+        "proxy_mark": mark, "proxy_mark_mask": mask, "conn_mark": conn,
+        "probe_snat_ipv4": pick(draw, PROBES[4]), "probe_snat_ipv6": pick(draw, PROBES[6]),
+        "reroute_interfaces": draw(S_EXCL_IF),
+    }
+    if draw(S_TENTH) == 0:
+        kw.update(proxy_port=16001, inbound_port=16006, tunnel_port=16008, dns_port=16053)
+    cfg = RedirectConfig(**kw)
+    _unsupported(cfg)
+    return cfg
+
+
+@st.composite
+def ambient_conns(draw: st.DrawFn, pod: PodNet, cfg: RedirectConfig) -> Conn:
+    """An inbound connection from a peer or the probe address, or an outbound one from a socket with
+    some mark (none, the proxy's, its connection mark, others), sometimes bound: to one of the pod's
+    addresses, also from a peer's address (the node proxy's transparent connection to the app)."""
+    own = [a for _f, a, _i in pod.addrs]
+    probes = [cfg.probe_snat_ipv4, cfg.probe_snat_ipv6]
+    proto, port = draw(S_PROTO), draw(S_PORT)
+    arrive = [a for _f, a, i in pod.addrs if i != 1]
+    if arrive and draw(S_QUARTER) == 0:
+        dst = pick(draw, arrive)
+        return Conn("in", proto, dst, port, src=pick(draw, [p for p in PEERS + probes if _fam(p) == _fam(dst)]),
+                    iface=draw(S_IFACE))
+    marks = [0, cfg.proxy_mark, cfg.conn_mark, cfg.proxy_mark | 0x10000, 0x12, cfg.proxy_mark_mask]
+    mark = marks[draw(S_PICK) % len(marks)]
+    dst = pick(draw, PEERS + LOOPBACKS + SERVERS + own + probes)
+    src = None
+    if _fam(dst) == 4 and draw(S_TENTH) == 0:
+        dst = f"::ffff:{dst}"
+    elif proto == "tcp" and draw(S_QUARTER) < 2:
+        same = [a for a in own + PEERS + ["127.0.0.6", "127.0.0.1", "::1"] if _fam(a) == _fam(dst)]
+        src = pick(draw, same) if same else None
+    return Conn("out", proto, dst, port, mark=mark, src=src)
+
+
+@settings(max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=ambient_configs(), pod0=pods(), families=st.sampled_from([(4,), (4, 6)]), data=st.data())
+def test_ambient_lowerings_land_every_connection_alike(
+        cfg: RedirectConfig, pod0: PodNet, families: tuple[int, ...], data: st.DataObject) -> None:
+    plan = build_plan(cfg)
+    entries = lower_ebpf(ambient_intent_of(cfg), families)
+    for _ in range(5):
+        conn = data.draw(ambient_conns(pod0, cfg))
+        nf = normalized(conn, evaluate_plan(plan, families, pod0, conn))
+        bpf = normalized(conn, evaluate_ebpf(entries, pod0, conn))
+        if nf != bpf:
+            raise AssertionError(f"netfilter {nf} vs eBPF {bpf} for {conn} in {pod0} under {cfg.to_dict()} "
                                  f"(families {families})")

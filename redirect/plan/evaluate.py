@@ -65,6 +65,7 @@ DNS_PORT = 53
 V4_PASSTHROUGH = ipaddress.ip_address("127.0.0.6")
 V6_PASSTHROUGH = ipaddress.ip_address("::6")
 V6_LOOPBACK = ipaddress.ip_address("::1")
+V4_LOOPBACK = ipaddress.ip_address("127.0.0.1")
 
 
 #: Parsed once: the evaluators run for thousands of connections of a few addresses.
@@ -416,9 +417,29 @@ def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
     """``target4`` of bpf/sock_addr.c."""
     addr = _raw(dst)
     out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False)
+    if m.policy.ambient:
+        return _ambient_target(m, conn, addr, False, out_lo, _ip(dst) == V4_LOOPBACK)
     dst_is_lo_cidr = _ip(dst) in _net(m.policy.loopback4)
     return _outbound_target(m, conn, addr, False, out_lo, dst_is_lo_cidr,
                             src is not None and _ip(src) == V4_PASSTHROUGH)
+
+
+def _ambient_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_host: bool) -> int:
+    """``ambient_target`` of bpf/policy.h: 0 (pass) or the local port to rewrite to."""
+    p = m.policy
+    tcp = conn.proto == "tcp"
+    marked = (conn.mark & p.mark_mask) == p.proxy_mark
+    if tcp and m.cidr_listed("probe6" if v6 else "probe4", addr, v6):
+        return 0
+    if p.dns and conn.port == DNS_PORT and not marked and (not dst_is_lo_host if tcp else not out_lo):
+        return p.dns_port
+    if tcp and (conn.mark & p.mark_mask) == p.conn_mark:
+        return 0
+    if not dst_is_lo_host and out_lo:
+        return 0
+    if not dst_is_lo_host and tcp and not marked:
+        return p.proxy_port
+    return 0
 
 
 def _connect(m: _Maps, conn: Conn) -> int:
@@ -435,6 +456,8 @@ def _connect(m: _Maps, conn: Conn) -> int:
         return 0
     addr = _raw(conn.dst)
     out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True)
+    if m.policy.ambient:
+        return _ambient_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK)
     # No source yet and ::6 as the destination: the kernel will pick ::6 itself as the source.
     src_passthrough = (_ip(conn.src) if conn.src is not None else dst) == V6_PASSTHROUGH
     return _outbound_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK, src_passthrough)
@@ -474,7 +497,33 @@ def _listener_for(m: _Maps, conn: Conn, ingress_ifindex: int) -> int | None:
     return p.proxy_port if p.out_all or to_included else None
 
 
-def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
+def _local_end(m: _Maps, ip: str) -> bool:
+    """``from_this_pod`` of bpf/sk_lookup.c, ``local_end`` of bpf/sockopt.c: loopback or one of
+    the pod's addresses (its ``local`` entries)."""
+    a = _ip(ip)
+    if a.version == 4:
+        return (int(a) >> 24) == 127 or m.cidr_listed("local4", _raw(ip), False)
+    return a == V6_LOOPBACK or m.cidr_listed("local6", _raw(ip), True)
+
+
+def _ambient_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool) -> int | None:
+    """``ambient_listener`` of bpf/policy.h: the port of the node proxy's listener, or None;
+    ``made_here``: the connection is in ``local_conns`` (made in the pod from a source not the
+    pod's, bpf/sockopt.c)."""
+    p = m.policy
+    if made_here:
+        return None
+    if p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex):
+        return p.proxy_port
+    if not p.inbound or conn.port == p.tunnel_port:
+        return None
+    v6 = _ip(src).version == 6
+    if m.cidr_listed("probe6" if v6 else "probe4", _raw(src), v6):
+        return None
+    return p.inbound_port
+
+
+def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool = False) -> Landing:
     """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
     (without one, a captured connection is dropped)."""
     if conn.proto != "tcp":
@@ -484,15 +533,11 @@ def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> Landing:
     fam = conn.family
     if fam == 6 and not m.policy.v6:
         return DIRECT
-    port = _listener_for(m, conn, ingress_ifindex)
-    if port is None:
-        return DIRECT
-    s = _ip(src)
-    if fam == 4:
-        from_pod = (int(s) >> 24) == 127 or m.cidr_listed("local4", _raw(src), False)
+    if m.policy.ambient:
+        port = _ambient_listener(m, conn, src, ingress_ifindex, made_here)
     else:
-        from_pod = s == V6_LOOPBACK or m.cidr_listed("local6", _raw(src), True)
-    if from_pod:
+        port = _listener_for(m, conn, ingress_ifindex)
+    if port is None or _local_end(m, src):
         return DIRECT
     return ("redirect", port)
 
@@ -507,8 +552,11 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
         return ("redirect", to)
     conn = conn.on_the_wire()  # sk_lookup sees the packets
     if pod.is_local(conn.dst):
-        # Delivered locally as it is: sk_lookup runs at the address's device.
-        return _sk_lookup(m, conn, pod.source_for(conn), pod.ifindex_of(conn.dst))
+        # Delivered locally as it is: sk_lookup runs at the address's device. In an ambient pod a
+        # TCP connection from a source that is not the pod's is in local_conns (bpf/sockopt.c).
+        src = pod.source_for(conn)
+        made_here = m.policy.ambient and conn.proto == "tcp" and not _local_end(m, src)
+        return _sk_lookup(m, conn, src, pod.ifindex_of(conn.dst), made_here)
     return DIRECT
 
 

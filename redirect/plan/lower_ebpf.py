@@ -11,9 +11,12 @@ read them, and ``redirect.plan.evaluate`` models what they do with them.
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
 of kind and netns cookie.
-Options the eBPF backend refuses (ambient mode, ``drop_invalid``, a gid hairpin unlike the uids')
-have no place here. ``pod_interfaces`` adds what ``exclude_interfaces`` and ``reroute_interfaces``
-mean in one pod (its links and routes).
+An ambient intent (``AmbientIntent``) lowers to a policy with ``ambient`` set (the node proxy's
+marks, the ports, DNS, inbound capture) and the probe addresses as ``probe4``/``probe6`` entries;
+its policy route (``fwmark conn_mark/mask lookup route_table``) is the plan's, which the backend
+adds as the netfilter backends do. Options the eBPF backend refuses (``drop_invalid``, a gid
+hairpin unlike the uids') have no place here. ``pod_interfaces`` adds what ``exclude_interfaces``
+and ``reroute_interfaces`` mean in one pod (its links and routes).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..config import IdSpec
-from .intent import GroupsMode, Intent
+from .intent import AmbientIntent, GroupsMode, Intent
 
 PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
 CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
                    "local4", "local6", "uid", "gid", "group", "iface_exclude", "via_exclude4", "via_exclude6",
-                   "iface_reroute"]
+                   "iface_reroute", "probe4", "probe6"]
 IdRange = tuple[int, int]
 #: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
 LocalAddr = tuple[int, str, int]
@@ -75,6 +78,12 @@ class EbpfPolicy:
     #: ``reroute_interfaces`` is not empty: inbound arriving on an ``iface_reroute`` interface goes to
     #: the outbound port (to an ``out_include*`` CIDR unless ``out_all``).
     reroute_if: bool = False
+    #: Ambient mode: the node proxy's sockets carry ``proxy_mark`` under ``mark_mask``; its
+    #: transparent connections to the app carry ``conn_mark`` (the owner fields are unused).
+    ambient: bool = False
+    proxy_mark: int = 0
+    mark_mask: int = 0
+    conn_mark: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,12 +118,14 @@ def _cidr_spec(cidr: str, kind4: CidrKind, kind6: CidrKind) -> tuple[int, CidrKi
     return net.prefixlen, kind4 if net.version == 4 else kind6, net.network_address.packed.ljust(16, b"\0")
 
 
-def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
+def lower_ebpf(it: Intent | AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
     """The map entries of ``it`` for a pod captured in ``families`` (``(4,)`` or ``(4, 6)``).
 
     ``ValueError`` if the entries cannot say it: the programs leave the same ports alone in the
     hairpin of proxy uids and gids (the backend refuses such configs by name first).
     """
+    if isinstance(it, AmbientIntent):
+        return lower_ambient(it, families)
     if it.owners_of("gid") and it.hairpin_exclude_of("gid") != it.hairpin_exclude_of("uid"):
         raise ValueError(f"eBPF lowering: the proxy gids' hairpin leaves {it.hairpin_exclude_of('gid')} alone, "
                          f"the uids' {it.hairpin_exclude_of('uid')}: the programs treat both alike")
@@ -160,6 +171,22 @@ def lower_ebpf(it: Intent, families: tuple[int, ...]) -> EbpfEntries:
         for spec in _id_blocks(ranges[1:], kind):
             cidrs[spec] = None
     return EbpfEntries(policy, tuple(ports), tuple(cidrs), it.exclude_interfaces, it.reroute_interfaces)
+
+
+def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
+    """The map entries of an ambient intent: the ports, DNS and inbound capture, the marks, and
+    the probe addresses (``probe4``/``probe6``); ``reroute_interfaces`` as for a sidecar (each pod's
+    ``iface_reroute`` entries, ``pod_interfaces``: all their inbound TCP to the outbound port)."""
+    policy = EbpfPolicy(
+        proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
+        out_all=False, dns=it.dns, dns_all=False, incl_loopback=False, inbound=it.inbound, inbound_all=False,
+        v6=6 in families, loopback4=it.loopback_of(4), uid0=(0, 0), n_uids=0, gid0=(0, 0), n_gids=0,
+        groups_mode="all", group0=(0, 0), n_groups=0, tproxy=False, tproxy_mark=0, excl_if=False,
+        reroute_if=bool(it.reroute_interfaces), ambient=True, proxy_mark=it.proxy_mark, mark_mask=it.mark_mask,
+        conn_mark=it.conn_mark,
+    )
+    cidrs = tuple(_cidr_spec(c, "probe4", "probe6") for f, c in it.probe_sources if f in families)
+    return EbpfEntries(policy, (), cidrs, (), it.reroute_interfaces)
 
 
 def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tuple[int, CidrKind, bytes], ...]:
@@ -229,5 +256,6 @@ def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Itera
 
 
 __all__ = ["pod_interfaces", "pod_sources", "Route",
-           "EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "pod_local",
+           "EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "lower_ambient",
+           "pod_local",
            "LOOPBACK_IFINDEX"]

@@ -58,6 +58,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
                       "dns_capture": True, "capture_all_dns": True},
     "ambient-default": {"mode": "ambient"},
     "ambient-dns": {"mode": "ambient", "dns_capture": True, "capture_all_dns": True},
+    "ambient-ingress-marks": {"mode": "ambient", "bypass_inbound_capture": True, "dns_capture": True, "ipv6": False,
+                              "proxy_mark": 0x100, "proxy_mark_mask": 0xF00, "conn_mark": 0x200, "route_table": 150},
     "ambient-ingress-reroute": {"mode": "ambient", "bypass_inbound_capture": True, "reroute_interfaces": ("vm0",),
                                 "proxy_mark": 0x100, "proxy_mark_mask": 0xF00, "conn_mark": 0x200,
                                 "route_table": 150},

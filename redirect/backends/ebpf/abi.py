@@ -103,7 +103,7 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
 }
 SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
 MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners", "lookup_netns", "lookup_prog")
+        "listeners", "lookup_netns", "lookup_prog", "local_conns")
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
@@ -127,7 +127,8 @@ GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 
-F_EXCL_IF, F_REROUTE = const("RDR_F_EXCL_IF"), const("RDR_F_REROUTE")
+F_EXCL_IF, F_REROUTE, F_AMBIENT, F_FWMARK_ACCEPT_OURS = (
+    const(f"RDR_F_{n}") for n in ("EXCL_IF", "REROUTE", "AMBIENT", "FWMARK_ACCEPT_OURS"))
 F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6, F_TPROXY = (
     const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6",
                                   "TPROXY"))
@@ -140,6 +141,7 @@ CIDR_UID, CIDR_GID, CIDR_GROUP = const("RDR_CIDR_UID"), const("RDR_CIDR_GID"), c
 CIDR_IF_EXCL, CIDR_VIA_EXCL4, CIDR_VIA_EXCL6, CIDR_IF_REROUTE = (
     const(f"RDR_CIDR_{n}") for n in ("IF_EXCL", "VIA_EXCL4", "VIA_EXCL6", "IF_REROUTE"))
 LISTENER_INBOUND, LISTENER_OUTBOUND = const("RDR_LISTENER_INBOUND"), const("RDR_LISTENER_OUTBOUND")
+CIDR_PROBE4, CIDR_PROBE6 = const("RDR_CIDR_PROBE4"), const("RDR_CIDR_PROBE6")
 CIDR_PREFIX_BASE = const("RDR_CIDR_PREFIX_BASE")  # cidr_key.prefixlen = this + the CIDR's own
 GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = (const(f"RDR_GROUPS_{n}") for n in ("ALL", "ONLY", "EXCLUDE"))
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}

@@ -4,6 +4,7 @@ state; a fresh pod is first tried in one native call, ``.fresh``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -13,7 +14,7 @@ from typing import Any
 from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
 from ...kernel import netns as _netns
-from ...plan.intent import Intent, intent_of
+from ...plan.intent import AmbientIntent, Intent
 from ...plan.vocabulary import LocalAddress, Plan
 from ..base import CheckResult, Installed
 from .abi import (
@@ -21,12 +22,16 @@ from .abi import (
     CIDR_KEY,
     CIDR_LOCAL4,
     CIDR_LOCAL6,
+    F_AMBIENT,
+    F_FWMARK_ACCEPT_OURS,
+    F_INBOUND,
     INV_CIDRS,
     INV_MAPS,
     INV_PORTS,
     LISTENER_INBOUND,
     LISTENER_KEY,
     LISTENER_OUTBOUND,
+    P_FLAGS,
     P_INV_BASE,
     POLICY,
     U64,
@@ -37,6 +42,8 @@ from .entries import (
     _fmt_port,
     _policy_core,
     _unsupported,
+    _with_flag,
+    config_intent,
     intent_entries,
     pod_entries,
     pod_keys,
@@ -75,9 +82,15 @@ class EbpfBackend:
     """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
 
     name = "ebpf"
-    #: Delivery is by socket (sk_lookup, connect rewrites): no marks, so no policy routes, even for
-    #: TPROXY (``redirect.api`` drops the plan's).
-    uses_policy_routes = False
+
+    @property
+    def uses_policy_routes(self) -> bool:
+        """Whether the plan's policy routes are installed with this config (``redirect.api`` drops
+        them otherwise). Sidecar: no, delivery is by socket (sk_lookup, connect rewrites), even for
+        TPROXY. Ambient: yes, its one route by mark (``fwmark conn_mark/mask lookup route_table``,
+        ``local default dev lo``) takes the app's replies to the node proxy's transparent
+        connections back to it (``bpf/sockopt.c``, ``ambient_connect``)."""
+        return self.cfg is not None and self.cfg.mode == "ambient"
 
     def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
         #: The config (``render`` refuses what this backend cannot do; it lowers the plan's intent).
@@ -154,15 +167,22 @@ class EbpfBackend:
         out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
+        # Ambient: the plan's policy route, and tcp_fwmark_accept (see _fwmark_state).
+        old_flags = POLICY.unpack(old.policy)[P_FLAGS] if old.policy is not None else 0
+        rtx = _route_txn(plan, families) if plan.routes or old_flags & F_AMBIENT else None
+        fw_ours, fw_set = _fwmark_state(want.policy, old_flags)
+        policy = _with_flag(want.policy, F_FWMARK_ACCEPT_OURS, fw_ours)
         unchanged = (not scan and not oscan and old.policy is not None and _policy_core(old.policy) == want.policy
                      and not add_addrs and not dropping
+                     and not (old_flags ^ policy_flags(policy)) & F_FWMARK_ACCEPT_OURS
+                     and fw_set is None and (rtx is None or not rtx.changed)
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
         # The other generation: old and new inventories and keys never overlap, the old policy
         # reads none of the new entries, and the policy write switches to all of them at once.
         base = old_base ^ (1 << 31)
-        want = want.keyed(pod_keys(cookie, base))
+        want = dataclasses.replace(want.keyed(pod_keys(cookie, base)), policy=policy)
         if old.leftover_inv:
             drop_leftovers(h, old)
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
@@ -178,6 +198,8 @@ class EbpfBackend:
             registered: list[bytes] = []
             own_fd = None
             try:
+                if rtx is not None:  # before the policy: replies route back once capture is on
+                    rtx.apply()
                 for fam, fd in ofds.items():
                     key = LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND)
                     if h.maps["listeners"].lookup(key) is None:
@@ -202,6 +224,9 @@ class EbpfBackend:
                 for la in added:
                     with contextlib.suppress(OSError, RedirectError):
                         rt.remove_address(la)
+                if rtx is not None:
+                    with contextlib.suppress(OSError, RedirectError):
+                        rtx.rollback()
                 if isinstance(e, OSError):
                     raise SetupError(f"ebpf: setup failed and was undone: {e}") from e
                 raise
@@ -211,6 +236,12 @@ class EbpfBackend:
         if not reroute:  # (the outbound listener's entries of an earlier config with reroute_interfaces)
             for fam in (4, 6):
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND))
+        # After the policy, which records whether the setting is ours to undo (a kill in between
+        # leaves it recorded and not set: check reports it, the next setup sets it).
+        if fw_set is not None:
+            set_fwmark_accept(fw_set)
+        if rtx is not None:
+            rtx.finish()
         for ours in dropping:
             rt.remove_address(ours)
         d = _general_detail(h, cookie, t0, t_host, link_path)
@@ -231,9 +262,18 @@ class EbpfBackend:
                     _detach_pinned(link)
                     return True
                 return False
-            had_policy = h.pods.lookup(U64.pack(cookie)) is not None
+            policy = h.pods.lookup(U64.pack(cookie))
             removed = _remove_pod(h, cookie)
-        if had_policy and not keep_routes:  # (kept: another backend's capture uses them now)
+        flags = policy_flags(policy) if policy is not None else 0
+        if flags & F_FWMARK_ACCEPT_OURS:
+            set_fwmark_accept(0)
+        if keep_routes:  # (another backend's capture uses them now)
+            return removed
+        if flags & F_AMBIENT:  # its policy route (a setup killed before the policy: teardown(backend=None))
+            from ...kernel import routes as rt
+
+            return rt.remove_all_ours() or removed
+        if policy is not None:
             _remove_our_addresses()
         return removed
 
@@ -282,6 +322,9 @@ class EbpfBackend:
         from ...kernel import routes as rt
 
         diffs += rt.differences(plan, families)
+        if policy_flags(want.policy) & F_AMBIENT and policy_flags(want.policy) & F_INBOUND and fwmark_accept() != 1:
+            diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the node proxy's transparent"
+                         " connections need it (setup sets it)")
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
@@ -306,6 +349,7 @@ class EbpfBackend:
                                 if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
+            "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & F_AMBIENT else [],
             "sk_lookup_link": link if os.path.exists(link) else None,
             "missing_host_pins": missing_pins(self.root),
         }
@@ -314,17 +358,19 @@ class EbpfBackend:
         """What ``apply`` would write for ``plan``: the eBPF lowering of its intent."""
         if self.cfg is not None:
             _unsupported(self.cfg)
-        if not isinstance(plan.intent, Intent):  # a plan made without one (or an ambient one)
+        if not isinstance(plan.intent, (Intent, AmbientIntent)):  # a plan made without one
             return self.render_config(self.cfg or RedirectConfig(), families)
-        return _render(plan.intent, families)
+        return _render(plan.intent, families, plan)
 
     def render_config(self, cfg: RedirectConfig, families: tuple[int, ...]) -> str:
         """The map entries ``apply`` would write for ``cfg``, as text (netns cookie shown as <netns>)."""
         _unsupported(cfg)
-        return _render(intent_of(cfg), families)
+        from ...plan import build_plan
+
+        return _render(config_intent(cfg), families, build_plan(cfg))
 
 
-def _render(it: Intent, families: tuple[int, ...]) -> str:
+def _render(it: Intent | AmbientIntent, families: tuple[int, ...], plan: Plan) -> str:
     e = intent_entries(it, families, 0)
     lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
     lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
@@ -336,7 +382,60 @@ def _render(it: Intent, families: tuple[int, ...]) -> str:
     if it.reroute_interfaces:
         lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
         lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
+    if isinstance(it, AmbientIntent):
+        lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
+                  f" table {r.table}" for r in plan.routes if r.family in families]
+        if it.inbound:
+            lines.append("sysctl net.ipv4.tcp_fwmark_accept = 1")
     return "\n".join(lines) + "\n"
+
+
+def _routes_text() -> list[str]:
+    from ...kernel import routes as rt
+
+    return rt.describe_ours()["routes"]
+
+
+def policy_flags(policy: bytes) -> int:
+    return int(POLICY.unpack(policy)[P_FLAGS])
+
+
+_FWMARK_ACCEPT = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+
+
+def fwmark_accept() -> int:
+    """``net.ipv4.tcp_fwmark_accept`` of the calling thread's netns."""
+    with open(_FWMARK_ACCEPT, encoding="ascii") as f:
+        return int(f.read().strip() or 0)
+
+
+def set_fwmark_accept(value: int) -> None:
+    with open(_FWMARK_ACCEPT, "w", encoding="ascii") as f:
+        f.write(f"{value}\n")
+
+
+def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, int | None]:
+    """Whether ``net.ipv4.tcp_fwmark_accept`` will be ours (set by us, to undo at teardown), and the
+    value to write after the policy (None: none). An ambient pod with inbound capture needs it on
+    (the app's request socket takes the mark of the node proxy's SYN, bpf/sockopt.c); it is ours if
+    it was off before (or ours already), and turned off again when no longer needed."""
+    need = bool(policy_flags(want) & F_AMBIENT and policy_flags(want) & F_INBOUND)
+    ours_before = bool(old_flags & F_FWMARK_ACCEPT_OURS)
+    if not need and not ours_before:
+        return False, None
+    now = fwmark_accept()
+    if need:
+        return ours_before or now == 0, (1 if now != 1 else None)
+    return False, (0 if now != 0 else None)
+
+
+def _route_txn(plan: Plan, families: tuple[int, ...]) -> Any:
+    """The plan's policy routes as a transaction; our addresses are left as they are (the backend
+    manages ``::6`` itself)."""
+    from ...kernel import routes as rt
+
+    state = rt.read_ours()
+    return rt.RouteTxn(tuple(r for r in plan.routes if r.family in families), tuple(state.addresses), families, state)
 
 
 def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...config import RedirectConfig
 from ...errors import BackendUnavailable, SetupError
-from ...plan.intent import Intent, intent_of
+from ...plan.intent import AmbientIntent, Intent, ambient_intent_of, intent_of
 from ...plan.lower_ebpf import lower_ebpf, pod_interfaces, pod_local, pod_sources
 from .abi import (
     CIDR_DNS4,
@@ -33,12 +33,16 @@ from .abi import (
     CIDR_OUT_INCL4,
     CIDR_OUT_INCL6,
     CIDR_PREFIX_BASE,
+    CIDR_PROBE4,
+    CIDR_PROBE6,
     CIDR_UID,
     CIDR_VIA_EXCL4,
     CIDR_VIA_EXCL6,
+    F_AMBIENT,
     F_DNS,
     F_DNS_ALL,
     F_EXCL_IF,
+    F_FWMARK_ACCEPT_OURS,
     F_INBOUND,
     F_INBOUND_ALL,
     F_INCL_LOOPBACK,
@@ -72,9 +76,7 @@ def _unsupported(cfg: RedirectConfig) -> None:
     def no(option: str, why: str) -> None:
         raise BackendUnavailable(f"backend=ebpf: {option} is not available with eBPF ({why}); use backend=iptables")
 
-    if cfg.mode != "sidecar":
-        no(f"mode={cfg.mode!r}", "only sidecar mode is implemented for now")
-    if cfg.drop_invalid:
+    if cfg.drop_invalid and cfg.mode == "sidecar":  # (ambient capture has no such rule on any backend)
         no("drop_invalid=True", "conntrack's INVALID verdict exists only for packets conntrack tracks, and it"
            " tracks none in a netns without netfilter rules that use it: bpf_skb_ct_lookup finds no entry there"
            " and BPF cannot run conntrack on a packet")
@@ -121,10 +123,22 @@ def pod_keys(cookie: int, inv_base: int) -> int:
 
 
 def _policy_core(policy: bytes) -> bytes:
-    """The policy without its inventory bookkeeping: what a config decides."""
+    """The policy without its bookkeeping (inventory, ``tcp_fwmark_accept``): what a config decides."""
     v = list(POLICY.unpack(policy))
     v[P_INV_BASE] = v[P_N_INV] = 0
+    v[P_FLAGS] &= ~F_FWMARK_ACCEPT_OURS
     return POLICY.pack(*v)
+
+
+def _with_flag(policy: bytes, flag: int, on: bool) -> bytes:
+    v = list(POLICY.unpack(policy))
+    v[P_FLAGS] = v[P_FLAGS] | flag if on else v[P_FLAGS] & ~flag
+    return POLICY.pack(*v)
+
+
+def config_intent(cfg: RedirectConfig) -> Intent | AmbientIntent:
+    """The intent of ``cfg``, sidecar or ambient."""
+    return ambient_intent_of(cfg) if cfg.mode == "ambient" else intent_of(cfg)
 
 
 def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
@@ -139,11 +153,11 @@ _CIDR_KIND = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "d
               "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
               "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6, "uid": CIDR_UID, "gid": CIDR_GID, "group": CIDR_GROUP,
               "iface_exclude": CIDR_IF_EXCL, "via_exclude4": CIDR_VIA_EXCL4, "via_exclude6": CIDR_VIA_EXCL6,
-              "iface_reroute": CIDR_IF_REROUTE}
+              "iface_reroute": CIDR_IF_REROUTE, "probe4": CIDR_PROBE4, "probe6": CIDR_PROBE6}
 
 
 @functools.lru_cache(maxsize=256)
-def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
+def _intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
                                                                    tuple[tuple[int, int, bytes], ...]]:
     """What ``it`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
 
@@ -155,13 +169,14 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
     flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
                                      (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
                                      (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6), (p.tproxy, F_TPROXY),
-                                     (p.excl_if, F_EXCL_IF), (p.reroute_if, F_REROUTE)) if on)
+                                     (p.excl_if, F_EXCL_IF), (p.reroute_if, F_REROUTE), (p.ambient, F_AMBIENT)) if on)
     lo = ipaddress.ip_network(p.loopback4)
     groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
         p.proxy_port, p.inbound_port, p.tunnel_port, p.dns_port, flags,
         lo.network_address.packed, lo.netmask.packed, p.n_uids, p.n_gids, 0, 0,
-        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0, p.tproxy_mark, bytes(4), bytes(16),
+        *p.uid0, *p.gid0, groups_mode, p.n_groups, *p.group0, p.tproxy_mark, bytes(4), bytes(16), p.proxy_mark,
+        p.mark_mask, p.conn_mark,
     )
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
@@ -172,7 +187,7 @@ def _intent_entries(it: Intent, families: tuple[int, ...]) -> tuple[bytes, tuple
 def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
                                                                              tuple[tuple[int, int, bytes], ...]]:
     """``_intent_entries`` of ``cfg``'s intent."""
-    return _intent_entries(intent_of(cfg), families)
+    return _intent_entries(config_intent(cfg), families)
 
 
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
@@ -183,21 +198,21 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
     netns: with ``exclude_interfaces`` or ``reroute_interfaces``, its links and main routing table
     are read here (``lower_ebpf.pod_interfaces``).
     """
-    e = intent_entries(intent_of(cfg), families, cookie, local)
-    if not cfg.exclude_interfaces and not cfg.reroute_interfaces:
+    e = intent_entries(config_intent(cfg), families, cookie, local)
+    if not cfg.reroute_interfaces and (not cfg.exclude_interfaces or cfg.mode == "ambient"):
         return e
     from .podnet import links_and_routes
 
     links, routes = links_and_routes()
     try:
-        ifs = pod_interfaces(lower_ebpf(intent_of(cfg), families), families, links, routes)
+        ifs = pod_interfaces(lower_ebpf(config_intent(cfg), families), families, links, routes)
     except ValueError as err:
         raise SetupError(f"backend=ebpf: {err}") from None
     extra = {CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw) for plen, k, raw in ifs}
     return PodEntries(e.policy, e.ports, e.cidrs | extra)
 
 
-def intent_entries(it: Intent, families: tuple[int, ...], cookie: int,
+def intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...], cookie: int,
                    local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
     """``pod_entries`` of an intent: its lowering, the pod's own addresses as ``local`` CIDRs
     (``lower_ebpf.pod_local``: a connect to them leaves over lo, Istio's "-o lo" rules) and its
@@ -222,7 +237,8 @@ _CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-inc
                CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
                CIDR_LOCAL4: "local", CIDR_LOCAL6: "local", CIDR_UID: "proxy-uid", CIDR_GID: "proxy-gid",
                CIDR_GROUP: "owner-group", CIDR_IF_EXCL: "excluded-interface", CIDR_VIA_EXCL4: "via-excluded-interface",
-               CIDR_VIA_EXCL6: "via-excluded-interface", CIDR_IF_REROUTE: "reroute-interface"}
+               CIDR_VIA_EXCL6: "via-excluded-interface", CIDR_IF_REROUTE: "reroute-interface",
+               CIDR_PROBE4: "probe-source", CIDR_PROBE6: "probe-source"}
 
 
 def _fmt_port(k: bytes) -> str:
@@ -232,7 +248,7 @@ def _fmt_port(k: bytes) -> str:
 
 def _fmt_cidr(k: bytes) -> str:
     plen, kind, _c, raw = CIDR_KEY.unpack(k)
-    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6, CIDR_VIA_EXCL6)
+    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6, CIDR_VIA_EXCL6, CIDR_PROBE6)
     if kind in (CIDR_IF_EXCL, CIDR_IF_REROUTE):
         return f"{_CIDR_KINDS[kind]} ifindex {int.from_bytes(raw[:4], 'big')}"
     if kind in (CIDR_UID, CIDR_GID, CIDR_GROUP):  # ids lo-hi of a prefix block
@@ -247,7 +263,7 @@ def _fmt_policy(raw: bytes) -> str:
     flags = v[P_FLAGS]
     names = {F_OUT_ALL: "out_all", F_DNS: "dns", F_DNS_ALL: "dns_all", F_INCL_LOOPBACK: "incl_loopback",
              F_INBOUND: "inbound", F_INBOUND_ALL: "inbound_all", F_V6: "v6", F_TPROXY: "tproxy", F_EXCL_IF: "excl_if",
-             F_REROUTE: "reroute_if"}
+             F_REROUTE: "reroute_if", F_AMBIENT: "ambient"}
     on = [n for bit, n in names.items() if flags & bit]
     f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
 
@@ -257,6 +273,10 @@ def _fmt_policy(raw: bytes) -> str:
         return first + (f"(+{f[n] - 1})" if f[n] > 1 else "")
 
     groups = f["groups_mode"]
+    if flags & F_AMBIENT:
+        return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
+                f" dns_port={f['dns_port']} flags={'+'.join(on)} proxy_mark={f['proxy_mark']:#x}/{f['mark_mask']:#x}"
+                f" conn_mark={f['conn_mark']:#x}")
     return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
             f" dns_port={f['dns_port']} flags={'+'.join(on) or '-'}"
             f" loopback={socket.inet_ntoa(f['lo4_addr'])}/{socket.inet_ntoa(f['lo4_mask'])}"

@@ -70,6 +70,8 @@ def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
     _unsupported(cfg)
     if cfg.exclude_interfaces or cfg.reroute_interfaces:
         return None  # its entries depend on the pod's links and routes: the general path reads them
+    if cfg.mode == "ambient":
+        return None  # a policy route and a sysctl besides the entries: the general path sets them
     plan = build_plan(cfg)
     if any(not (a.family == 6 and a.dev == "lo" and a.cidr == INBOUND_PASSTHROUGH_V6) for a in plan.addresses):
         return None

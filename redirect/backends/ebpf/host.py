@@ -381,7 +381,7 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
         "cidrs": (CIDR_KEY.size, 1),
         "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
-        "lookup_prog": (4, 4),
+        "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1),
     }
 
 
