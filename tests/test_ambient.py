@@ -454,3 +454,60 @@ def test_node_cli_round_trip(pod: Pod, node_ns: str) -> None:
     assert p.returncode == 1 and not json.loads(p.stdout)["ok"]
     assert cli("teardown", "--netns", node_ns).returncode == 0
     assert node.CHAIN not in _nat_save(node_ns, 4)
+
+
+# --- eBPF: the sysctl its passthrough needs, and switching backends ---------------------------
+
+
+def _fwmark_accept(ns: str, value: int | None = None) -> int:
+    def run() -> int:
+        path = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+        if value is not None:
+            with open(path, "w") as f:
+                f.write(f"{value}\n")
+        with open(path) as f:
+            return int(f.read())
+
+    return in_netns(ns, run)
+
+
+def test_ebpf_turns_tcp_fwmark_accept_on_and_off_only_when_it_is_its_own(pod: Pod, ebpf_root: str) -> None:
+    cfg = ambient()
+    # Someone else's setting: kept, and left on at teardown.
+    _fwmark_accept(pod.name, 1)
+    redirect.setup(pod.name, cfg, backend="ebpf")
+    assert redirect.check(pod.name, cfg, backend="ebpf").ok
+    assert redirect.teardown(pod.name, backend="ebpf")
+    assert _fwmark_accept(pod.name) == 1
+    # Off before: setup turns it on; turned off by hand, check says so and setup repairs it.
+    _fwmark_accept(pod.name, 0)
+    redirect.setup(pod.name, cfg, backend="ebpf")
+    assert _fwmark_accept(pod.name) == 1
+    _fwmark_accept(pod.name, 0)
+    res = redirect.check(pod.name, cfg, backend="ebpf")
+    assert not res.ok and any("tcp_fwmark_accept" in d for d in res.differences), res.differences
+    assert redirect.setup(pod.name, cfg, backend="ebpf").changed
+    assert _fwmark_accept(pod.name) == 1 and redirect.check(pod.name, cfg, backend="ebpf").ok
+    # Not needed any more (no inbound capture): off again; and at teardown.
+    redirect.setup(pod.name, ambient(bypass_inbound_capture=True), backend="ebpf")
+    assert _fwmark_accept(pod.name) == 0
+    redirect.setup(pod.name, cfg, backend="ebpf")
+    assert redirect.teardown(pod.name, backend="ebpf")
+    assert _fwmark_accept(pod.name) == 0
+
+
+def test_switching_an_ambient_pod_between_backends_keeps_the_passthrough(pod: Pod, proxy: NodeProxy, apps: dict,
+                                                                         ebpf_root: str) -> None:
+    before = snapshot(pod.name)
+    app = apps["app"][4]
+    for backend in ("iptables", "ebpf", "nftables", "ebpf"):
+        res = redirect.setup(pod.name, ambient(), backend=backend)
+        assert res.backend == backend and redirect.check(pod.name, ambient()).ok, backend
+        for fam in FAMILIES:
+            got = in_netns(pod.name, spoofed_connect, pod.peer_ip(fam), (pod.pod_ip(fam), APP_PORT))
+            assert got == apps["app"][fam].label, (backend, fam)
+        hit = landing(pod.name, pod.peer_ip4, APP_PORT, proxy.outbound[4], apps["peer"][4])
+        assert hit.listener is proxy.outbound[4], (backend, hit.result)
+        assert app.last is not None and app.last.peer[0] == pod.peer_ip4
+    assert redirect.teardown(pod.name)
+    assert snapshot(pod.name) == before
