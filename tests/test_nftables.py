@@ -382,7 +382,7 @@ def test_switching_backend_moves_capture_without_doubling(
     (RedirectConfig(), "ebpf", None),
     (RedirectConfig(inbound_interception="TPROXY", proxy_uids=tuple(range(3000, 3020))), "ebpf", None),
     (RedirectConfig(drop_invalid=True), "nftables", "drop_invalid=True is not available with eBPF"),
-    (RedirectConfig(mode="ambient"), "nftables", "mode='ambient' is not available with eBPF"),
+    (RedirectConfig(mode="ambient"), "ebpf", None),
 ], ids=["default", "tproxy-many-uids", "drop-invalid", "ambient"])
 def test_auto_prefers_ebpf_else_nftables_and_says_why(pod: Pod, ebpf_root: str, caplog: pytest.LogCaptureFixture,
                                                      cfg: RedirectConfig, want: str, why: str | None) -> None:
