@@ -275,9 +275,10 @@ static __always_inline __u16 outbound_target(const struct pod_policy *p, __u64 k
 	return inbound_captured(p, keys, port) ? p->inbound_port : RDR_PASS;
 }
 
-/* --- Ambient mode (RDR_F_AMBIENT): Istio's in-pod rules for a node proxy (redirect/ambient.py),
- * over the entries of the eBPF lowering (lower_ebpf.py, lower_ambient). The node proxy is known
- * by its sockets' mark, not by owner; redirect/evaluate.py models these as it does the above. */
+/* --- Ambient mode (RDR_F_AMBIENT): Istio's in-pod rules for a node proxy
+ * (redirect/plan/ambient.py), over the entries of the eBPF lowering
+ * (redirect/plan/lower_ebpf.py, lower_ambient). The node proxy is known by its sockets' mark,
+ * not by owner; redirect/plan/evaluate.py models these as it does the above. */
 
 /* Whether a socket's mark is the node proxy's (proxy_mark under mark_mask). */
 static __always_inline int proxy_marked(const struct pod_policy *p, __u32 mark)
