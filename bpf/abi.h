@@ -176,4 +176,14 @@ struct inv_val {
 	__u8 key[RDR_INV_CHUNK][RDR_INV_KEY_MAX]; /* the keys in those maps, zero-padded */
 };
 
+/* The pods' sk_lookup programs come from a pool loaded ahead (native/redirect_native.c,
+ * rdr_ebpf_pool_prog): program `slot` reads its pod from lookup_slots[slot], which the pod's
+ * setup claims (BPF_NOEXIST) and its teardown or the garbage collection releases. */
+#define RDR_POOL_MAX 8192 /* slots, and programs in lookup_pool */
+
+struct pool_slot {
+	__u64 netns;     /* the cookie of the netns the slot's program is linked to */
+	__u64 netns_ino; /* its inode: the byte of the netns lock a setup holds while it claims */
+};
+
 #endif

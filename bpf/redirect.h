@@ -29,15 +29,22 @@ BPF_F_TABLE("hash", struct inv_key, struct inv_val, inventory, 65536, BPF_F_NO_P
 BPF_HASH(ports, struct port_key, __u8, 65536);
 BPF_LPM_TRIE(cidrs, struct cidr_key, __u8, 65536);
 /* sk_lookup can't ask for its netns cookie (the verifier refuses
- * bpf_get_netns_cookie there), so each pod's netns gets a program of its own,
- * a stub that holds the cookie as a constant (native/redirect_native.c,
- * rdr_ebpf_lookup_prog): it stores it in lookup_netns and tail-calls
- * rdr_sk_lookup (lookup_prog[0]), which reads it back and zeroes it. TCP's
- * lookups run with bottom halves off, so nothing else runs on that CPU in
- * between; a run that interrupts another (a lookup from process context)
- * completes, and leaves the slot zero, never another pod's cookie. */
+ * bpf_get_netns_cookie there), so each pod's netns gets a program of its own:
+ * a stub that holds a slot number as a constant (native/redirect_native.c,
+ * rdr_ebpf_pool_prog), reads the pod's netns cookie from lookup_slots[slot],
+ * stores it in lookup_netns and tail-calls rdr_sk_lookup (lookup_prog[0]),
+ * which reads it back and zeroes it. TCP's lookups run with bottom halves
+ * off, so nothing else runs on that CPU in between; a run that interrupts
+ * another (a lookup from process context) completes, and leaves the slot
+ * zero, never another pod's cookie. The stubs are loaded ahead, a batch at a
+ * time, and kept in lookup_pool; a slot is claimed for a pod (BPF_NOEXIST in
+ * lookup_slots) and released to lookup_free at its teardown. Only user space
+ * reads lookup_pool and lookup_free. */
 BPF_PERCPU_ARRAY(lookup_netns, __u64, 1);
 BPF_PROG_ARRAY(lookup_prog, 1);
+BPF_HASH(lookup_slots, __u32, struct pool_slot, RDR_POOL_MAX);
+BPF_HASH(lookup_free, __u32, __u8, RDR_POOL_MAX);
+BPF_PROG_ARRAY(lookup_pool, RDR_POOL_MAX);
 /* Staging: socket cookie -> original dst, from connect4/6 until sock_ops
  * sees the local port (TCP_CONNECT_CB). LRU, so a connect that fails before
  * then can't leak an entry forever. */

@@ -2,23 +2,26 @@
  *
  * rdr_ebpf_pod_write is the one writer of a pod's entries: given what the pod is to have and
  * what it has (its inventory), it writes the difference (the inventory, the new keys, listeners,
- * the sk_lookup link with its own program holding the netns cookie, pinned at
+ * the sk_lookup link running the program of a pool slot claimed for the pod, pinned at
  * <pin_dir>/<cookie>-sk_lookup, and the policy last: it switches capture on), then deletes what
  * only the old state had; a failure on the way undoes everything written, in reverse. A changed
  * config's keys are in the pod's other generation (bpf/policy.h, pod_keys), which the old policy
  * does not read: until the policy write the pod captures exactly what the old config does.
  * redirect/backends/ebpf/backend.py: EbpfBackend.apply (any pod, any previous state) computes
  * the difference in Python and calls it; rdr_ebpf_pod_add below does the common case, a pod that
- * has nothing of ours yet (a CNI ADD, a sidecar init), all in C: the Python path spends about
- * as long in the interpreter as in the kernel, and this spends ~nothing there. Both scan the
- * netns with rdr_scan_netns and look for the proxy's listener with rdr_inbound_listener_maybe.
+ * has nothing of ours yet (a CNI ADD, a sidecar init), in one call: the writer from an empty
+ * inventory, of the entries the eBPF lowering computed once per config in Python
+ * (redirect/backends/ebpf/fresh.py, struct rdr_pod_set), with the pod's netns cookie and
+ * addresses put in their fields. The Python path spends about as long in the interpreter as in
+ * the kernel, and this spends ~nothing there. Both scan the netns with rdr_scan_netns and look
+ * for the proxy's listener with rdr_inbound_listener_maybe.
  *
- * When the pod is not fresh (a policy, something on the proxy's inbound port) rdr_ebpf_pod_add
- * returns RDR_POD_SLOW before changing anything; leftovers of an earlier attempt (entries, a
- * pinned link) are found by the writes themselves (BPF_NOEXIST, EEXIST), which are then undone
- * before it returns RDR_POD_SLOW. Either way the pod is as it was and the caller takes the
- * general path. Before the writer it adds the plan's ::6 on lo (when the pod has an IPv6
- * address of its own), as apply does.
+ * When the pod is not fresh (a policy, something on the proxy's inbound port, an address a plan
+ * adds there already) rdr_ebpf_pod_add returns RDR_POD_SLOW before changing anything; leftovers
+ * of an earlier attempt (entries, a pinned link) are found by the writes themselves (BPF_NOEXIST,
+ * EEXIST), which are then undone before it returns RDR_POD_SLOW. Either way the pod is as it was
+ * and the caller takes the general path. Before the writer it adds the address the set names
+ * (the plan's ::6 on lo, for a pod with an IPv6 address of its own), as apply does.
  *
  * Around that it does what redirect.setup's general path does in Python: opens
  * the netns, takes its lock (an OFD lock on the caller thread's own fd of the
@@ -65,7 +68,6 @@ struct written {
 
 /* --- netlink ------------------------------------------------------------- */
 
-static const uint8_t V6_PASSTHROUGH[16] = {[15] = 6};
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
 /* One netlink message batch; -EMSGSIZE if it did not fit in len (MSG_TRUNC: the real size). */
@@ -81,7 +83,8 @@ static int nl_recv(int s, char *buf, size_t len)
 	return n < 0 ? -errno : (int)n;
 }
 
-/* One RTM_GETADDR dump of every family: the pod's addresses, whether IPv6 is on.
+/* One RTM_GETADDR dump of every family: the pod's addresses (loopback and IPv6 link-local aside),
+ * whether IPv6 is on.
  *
  * The buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
  * recv offered (up to 32 KB), and a batch over 8 KB comes from the page allocator (~2 us cold
@@ -147,10 +150,6 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 					continue;
 				if (local[0] == 0xfe && (local[1] & 0xc0) == 0x80)
 					continue;
-				if (memcmp(local, V6_PASSTHROUGH, 16) != 0)
-					sc->own_v6 = 1;
-				else if (ifa->ifa_index == 1)
-					sc->v6_lo_there = 1;
 			} else {
 				continue;
 			}
@@ -181,8 +180,8 @@ int rdr_scan_netns(struct rdr_netns_scan *sc)
 	return ret < 0 ? ret : 0;
 }
 
-/* RTM_NEWADDR / RTM_DELADDR of ::6/128 on lo, with our routing protocol; waits for the ack. */
-static int v6_lo_addr(int s, int add, uint8_t proto, uint32_t flags, uint32_t seq)
+/* RTM_NEWADDR / RTM_DELADDR of addr/128 on lo, with our routing protocol; waits for the ack. */
+static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uint32_t flags, uint32_t seq)
 {
 	struct {
 		struct nlmsghdr h;
@@ -210,8 +209,8 @@ static int v6_lo_addr(int s, int add, uint8_t proto, uint32_t flags, uint32_t se
 		memcpy(RTA_DATA(rta), (data), (n));                                        \
 		req.h.nlmsg_len = NLMSG_ALIGN(req.h.nlmsg_len) + RTA_ALIGN(rta->rta_len);  \
 	} while (0)
-	PUT(IFA_LOCAL, V6_PASSTHROUGH, 16);
-	PUT(IFA_ADDRESS, V6_PASSTHROUGH, 16);
+	PUT(IFA_LOCAL, addr, 16);
+	PUT(IFA_ADDRESS, addr, 16);
 	if (add) {
 		PUT(IFA_FLAGS, &flags, 4);
 		PUT(IFA_PROTO, &proto, 1);
@@ -234,16 +233,6 @@ static int v6_lo_addr(int s, int add, uint8_t proto, uint32_t flags, uint32_t se
 }
 
 /* --- the pod ----------------------------------------------------------------- */
-
-/* The cidrs key of one of the pod's own addresses (a connect to it leaves over lo). */
-static void local_key(struct cidr_key *k, uint64_t cookie, int family, const uint8_t addr[16])
-{
-	memset(k, 0, sizeof(*k));
-	k->prefixlen = RDR_CIDR_PREFIX_BASE + (family == 4 ? 32 : 128);
-	k->kind = family == 4 ? RDR_CIDR_LOCAL4 : RDR_CIDR_LOCAL6;
-	k->netns = cookie;
-	memcpy(k->addr, addr, 16);
-}
 
 static int has_item(const struct rdr_pod_entry *it, int n, const struct rdr_pod_entry *x)
 {
@@ -416,16 +405,16 @@ static int lock_byte(int fd, uint64_t off, short type)
 }
 
 /* REDIRECT_FAULT (fault injection for the tests, as redirect.backends.base.fault_point reads
- * it): 1 after the address, before the entries; 2 before the policy; 0 none; negative with
- * ":kill" appended (SIGKILL there). */
+ * it): 1 after the address, before the entries; 2 before the policy; 3 once the pod's pool slot
+ * is claimed, before its link; 0 none; negative with ":kill" appended (SIGKILL there). */
 static int fault_at(void)
 {
-	static const char *const names[] = {"ebpf.before_entries", "ebpf.before_policy"};
+	static const char *const names[] = {"ebpf.before_entries", "ebpf.before_policy", "ebpf.after_claim"};
 	const char *f = getenv("REDIRECT_FAULT");
 
 	if (f == NULL)
 		return 0;
-	for (int i = 0; i < 2; i++) {
+	for (int i = 0; i < 3; i++) {
 		size_t n = strlen(names[i]);
 
 		if (strncmp(f, names[i], n) == 0 && (f[n] == 0 || strcmp(f + n, ":kill") == 0))
@@ -434,7 +423,7 @@ static int fault_at(void)
 	return 0;
 }
 
-/* Is fault point `here` (1, 2) the one asked for (at: fault_at())? A ":kill" one kills. */
+/* Is fault point `here` (1, 2, 3) the one asked for (at: fault_at())? A ":kill" one kills. */
 static int fault_here(int at, int here)
 {
 	if (at == -here)
@@ -450,6 +439,70 @@ static uint64_t now_ns(void)
 	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
+/* --- the pods' sk_lookup programs: a pool of slots ---------------------------------------------- */
+
+/* Claim a pool slot for the pod (bpf/redirect.h, lookup_slots): one from lookup_free, else, none
+ * being free, the first unclaimed one from slot_hint on. The claim (BPF_NOEXIST) is what makes a
+ * slot ours; lookup_free only says where to try, so a slot found there claimed already is dropped
+ * from it. The slot's program comes from lookup_pool, else it is loaded now and kept there. *low
+ * is set when no free slot is left (the caller loads a batch ahead). The program's fd (*slot: its
+ * slot, claimed) or -errno (nothing claimed). */
+static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low)
+{
+	struct pool_slot v = {.netns = w->cookie, .netns_ino = w->netns_ino};
+	uint32_t s = 0, id;
+	int ret, prog, tries;
+
+	for (tries = 0; tries < 64; tries++) {
+		ret = rdr_bpf_map_next_key(w->map_free, NULL, &s);
+		if (ret == -ENOENT)
+			break;
+		if (ret < 0)
+			return ret;
+		ret = rdr_bpf_map_update(w->map_slots, &s, &v, BPF_NOEXIST);
+		rdr_bpf_map_delete(w->map_free, &s); /* claimed now, by us or by another */
+		if (ret == 0)
+			goto claimed;
+		if (ret != -EEXIST)
+			return ret;
+	}
+	*low = 1;
+	for (uint32_t i = 0; i < RDR_POOL_MAX; i++) {
+		s = (w->slot_hint + i) % RDR_POOL_MAX;
+		ret = rdr_bpf_map_update(w->map_slots, &s, &v, BPF_NOEXIST);
+		if (ret == 0)
+			goto claimed;
+		if (ret != -EEXIST)
+			return ret;
+	}
+	return -ENOSPC;
+claimed:
+	if (!*low && rdr_bpf_map_next_key(w->map_free, NULL, &id) == -ENOENT)
+		*low = 1;
+	*slot = s;
+	if (rdr_bpf_map_lookup(w->map_pool, &s, &id) == 0) { /* a program array answers with the id */
+		prog = rdr_bpf_prog_get_fd_by_id(id);
+		if (prog >= 0)
+			return prog;
+	}
+	prog = rdr_ebpf_pool_prog(w->map_slots, w->map_lookup_netns, w->map_lookup_prog, s);
+	if (prog < 0) {
+		rdr_bpf_map_delete(w->map_slots, &s);
+		return prog;
+	}
+	rdr_bpf_map_update(w->map_pool, &s, &prog, BPF_ANY); /* kept for the pods after this one */
+	return prog;
+}
+
+/* Give a claimed slot back: its claim goes, and it is free again. */
+static void pool_release(const struct rdr_pod_write *w, uint32_t s)
+{
+	uint8_t one = 1;
+
+	rdr_bpf_map_delete(w->map_slots, &s);
+	rdr_bpf_map_update(w->map_free, &s, &one, BPF_ANY);
+}
+
 /* The eBPF backend's one writer of a pod's entries (redirect_native.h). */
 int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 {
@@ -459,7 +512,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	struct listener_key lks[2];
 	struct pod_policy policy;
 	uint8_t cookie_v[8], one = 1;
-	int nd = 0, ret = 0, link = -1, pinned = 0, at = fault_at();
+	uint32_t slot = 0;
+	int nd = 0, ret = 0, link = -1, pinned = 0, claimed = 0, low = 0, at = fault_at();
 
 	if (done == NULL || iks == NULL) {
 		ret = -ENOMEM;
@@ -515,10 +569,16 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 			goto undo;
 	}
 	if (w->link_netns >= 0) {
-		int prog = rdr_ebpf_lookup_prog(w->map_lookup_netns, w->map_lookup_prog, w->cookie);
+		int prog = pool_claim(w, &slot, &low);
 
 		if (prog < 0) {
 			ret = prog;
+			goto undo;
+		}
+		claimed = 1;
+		if (fault_here(at, 3)) {
+			close(prog);
+			ret = RDR_POD_FAULT;
 			goto undo;
 		}
 		link = rdr_bpf_link_create(prog, w->link_netns, BPF_SK_LOOKUP, 0);
@@ -565,6 +625,8 @@ undo:
 			unlink(w->pin);
 		close(link);
 	}
+	if (claimed) /* (after the link is gone: no netns runs the slot's program any more) */
+		pool_release(w, slot);
 	while (nd > 0) {
 		nd--;
 		rdr_bpf_map_delete(done[nd].fd, done[nd].key);
@@ -573,21 +635,49 @@ undo:
 		for (int f = 0; f < 2; f++)
 			rdr_bpf_map_delete(w->map_listeners, &lks[f]);
 out:
+	if (w->pool_low && low)
+		*w->pool_low = 1;
 	free(done);
 	free(iks);
 	return ret;
 }
 
-/* Inside the pod netns (netns_fd), with the lock held. */
-static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netns_fd)
+/* May this netns hold netfilter capture of ours? Not if the run dir's marks say so: every setup of
+ * a netfilter backend marks the netns's inode there first (redirect.locks.mark_netfilter), so a
+ * netns made after marking began (its cookie above the marks' epoch) with no mark holds none. A
+ * mark may be stale (the inode of a netns gone, reused): then the tables are looked at. */
+static int netfilter_maybe(const struct rdr_pod_req *r, uint64_t cookie, uint64_t ino)
+{
+	uint8_t m = 0;
+
+	if (r->nf_marks_fd < 0 || r->nf_epoch == 0 || cookie <= r->nf_epoch)
+		return 1;
+	/* (past the end of the file: no mark) */
+	return pread(r->nf_marks_fd, &m, 1, (off_t)ino) < 0 || m != 0;
+}
+
+/* Is addr one of the IPv6 addresses a plan may add (r->ours_v6)? */
+static int ours_v6(const struct rdr_pod_req *r, const uint8_t addr[16])
+{
+	for (uint32_t i = 0; i < r->n_ours_v6 && i < RDR_OURS_V6_MAX; i++)
+		if (memcmp(r->ours_v6[i], addr, 16) == 0)
+			return 1;
+	return 0;
+}
+
+/* Inside the pod netns (netns_fd), with the lock held. The entries are the lowering's (r->sets,
+ * made in Python once per config), with the netns cookie and the pod's addresses put in their
+ * fields: what this pod is to have, written as the difference from nothing. */
+static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netns_fd, uint64_t netns_ino)
 {
 	struct rdr_pod_entry items[MAX_ITEMS];
 	struct rdr_pod_write w;
 	struct rdr_netns_scan sc;
+	const struct rdr_pod_set *set;
 	char pin[4096];
 	struct pod_policy policy;
 	uint8_t cookie_v[8];
-	int s, ret, n = 0, set, addr_added = 0, pin_name, want_v6_lo;
+	int s, ret, n = 0, addr_added = 0, pin_name, own_v6 = 0;
 	uint32_t seq = 1;
 
 	memset(&sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
@@ -598,15 +688,20 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		close(s);
 		return RDR_POD_SLOW;
 	}
+	/* An address a plan adds, on lo already, may be ours from before: the general path tells by
+	 * its protocol. Any other IPv6 address is one of the pod's own. */
+	for (int i = 0; i < sc.n; i++) {
+		if (sc.a[i].family != 6)
+			continue;
+		if (!ours_v6(r, sc.a[i].addr))
+			own_v6 = 1;
+		else if (sc.a[i].ifindex == 1)
+			goto slow;
+	}
+	set = &r->sets[sc.v6_on ? 1 : 0][own_v6];
 	c->cookie = sc.cookie;
-	c->v6 = r->ipv6 < 0 ? sc.v6_on : r->ipv6;
-	set = c->v6 ? 1 : 0;
+	c->v6 = set->v6;
 	memcpy(cookie_v, &sc.cookie, 8);
-	/* ::6 on lo comes with an IPv6 address of the pod's own (Istio's rule). One there that is
-	 * not wanted may be ours from before: the general path tells by its protocol. */
-	want_v6_lo = r->add_v6_lo[set] && sc.own_v6;
-	if (sc.v6_lo_there && !want_v6_lo)
-		goto slow;
 
 	/* Fresh? No policy for this cookie. Leftovers of an earlier attempt (entries, a pinned
 	 * link) show as EEXIST below: every write is
@@ -615,8 +710,8 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, &policy);
 	if (ret != -ENOENT)
 		goto slow;
-	/* Nor netfilter capture (the general path replaces it): no netfilter table at all. */
-	if (rdr_netfilter_present() != 0)
+	/* Nor netfilter capture of ours (the general path replaces it). */
+	if (netfilter_maybe(r, sc.cookie, netns_ino) && rdr_netfilter_present() != 0)
 		goto slow;
 	pin_name = snprintf(pin, sizeof(pin), "%s/", r->pin_dir);
 	if (pin_name < 0 || (size_t)pin_name >= sizeof(pin) ||
@@ -624,34 +719,29 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			     (unsigned long long)sc.cookie) >= sizeof(pin) - (size_t)pin_name)
 		goto slow;
 
-	/* The entries: the config's (cookie patched in), then the pod's own addresses. */
-	for (uint32_t i = 0; i < r->n_ports[set]; i++) {
-		struct port_key k = r->ports[set][i];
+	/* The entries: the config's, then the pod's own addresses in the set's key of their family. */
+	for (uint32_t i = 0; i < set->n_ports; i++) {
+		struct port_key k = set->ports[i];
 
 		k.netns = sc.cookie;
 		if (add_item(items, &n, RDR_INV_PORTS, sizeof(k), &k) < 0)
 			goto slow;
 	}
-	for (uint32_t i = 0; i < r->n_cidrs[set]; i++) {
-		struct cidr_key k = r->cidrs[set][i];
+	for (uint32_t i = 0; i < set->n_cidrs; i++) {
+		struct cidr_key k = set->cidrs[i];
 
 		k.netns = sc.cookie;
 		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
 	for (int i = 0; i < sc.n; i++) {
-		struct cidr_key k;
+		int f = sc.a[i].family == 6;
+		struct cidr_key k = set->local[f];
 
-		if (sc.a[i].family == 6 && !c->v6)
+		if (!set->has_local[f])
 			continue;
-		local_key(&k, sc.cookie, sc.a[i].family, sc.a[i].addr);
-		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
-			goto slow;
-	}
-	if (want_v6_lo && !sc.v6_lo_there) { /* the ::6 added below is one of the pod's own */
-		struct cidr_key k;
-
-		local_key(&k, sc.cookie, 6, V6_PASSTHROUGH);
+		k.netns = sc.cookie;
+		memcpy(k.addr, sc.a[i].addr, sizeof(k.addr));
 		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
@@ -662,8 +752,8 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	}
 
 	/* From here on, changes: each is undone if a later one fails. */
-	if (want_v6_lo && !sc.v6_lo_there) {
-		ret = v6_lo_addr(s, 1, r->addr_proto, r->addr_flags, seq++);
+	if (set->n_add) {
+		ret = v6_lo_addr(s, 1, set->add, r->addr_proto, r->addr_flags, seq++);
 		if (ret < 0 && ret != -EEXIST)
 			goto undo;
 		addr_added = ret == 0;
@@ -676,7 +766,14 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.map_listeners = -1; /* a fresh pod has no listener: none is written */
 	w.map_lookup_netns = r->map_lookup_netns;
 	w.map_lookup_prog = r->map_lookup_prog;
+	w.map_slots = r->map_slots;
+	w.map_free = r->map_free;
+	w.map_pool = r->map_pool;
 	w.cookie = sc.cookie;
+	w.netns_ino = netns_ino;
+	w.slot_hint = r->slot_hint ? *r->slot_hint : 0;
+	c->pool_low = 0;
+	w.pool_low = &c->pool_low;
 	w.entries = items;
 	w.n_entries = (uint32_t)n;
 	w.inv_base = 0; /* a fresh pod's inventory starts there */
@@ -685,10 +782,11 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.pin = pin;
 	w.pin_dir_fd = r->pin_dir_fd;
 	w.pin_name = pin + pin_name;
-	/* The pod's sources (lower_ebpf.pod_sources): its first address of each family not on lo. */
-	policy = *r->policy[set];
+	/* The pod's sources (lower_ebpf.pod_sources): its first address of each family the set
+	 * captures (has_local) not on lo. */
+	policy = *set->policy;
 	for (int i = sc.n - 1; i >= 0; i--) {
-		if (sc.a[i].ifindex == 1 || (sc.a[i].family == 6 && !c->v6))
+		if (sc.a[i].ifindex == 1 || !set->has_local[sc.a[i].family == 6])
 			continue;
 		if (sc.a[i].family == 4)
 			memcpy(policy.src4, sc.a[i].addr, 4);
@@ -705,7 +803,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 
 undo:
 	if (addr_added)
-		v6_lo_addr(s, 0, 0, 0, seq++);
+		v6_lo_addr(s, 0, set->add, 0, 0, seq++);
 	close(s);
 	/* Something of an earlier attempt was in the way (see above): not fresh. */
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
@@ -762,7 +860,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		ret = RDR_POD_SLOW;
 		close(home);
 	} else {
-		ret = pod_add(r, c, nsfd);
+		ret = pod_add(r, c, nsfd, (uint64_t)st.st_ino);
 		/* Coming back can only fail if the kernel is out of memory. */
 		if (setns(home, CLONE_NEWNET) < 0)
 			ret = RDR_POD_STRANDED;

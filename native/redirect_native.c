@@ -136,6 +136,33 @@ int rdr_watch_pending(int fd)
 	return ioctl(fd, FIONREAD, &n) < 0 ? -errno : n > 0;
 }
 
+static void *new_netns(void *out)
+{
+	int s;
+
+	if (unshare(CLONE_NEWNET) < 0) /* (this thread's alone; it goes when the thread ends) */
+		return NULL;
+	s = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (s >= 0) {
+		rdr_sock_netns_cookie(s, out);
+		close(s);
+	}
+	return NULL;
+}
+
+int rdr_new_netns_cookie(uint64_t *cookie)
+{
+	pthread_t t;
+	int ret;
+
+	*cookie = 0;
+	ret = pthread_create(&t, NULL, new_netns, cookie);
+	if (ret != 0)
+		return -ret;
+	pthread_join(t, NULL);
+	return *cookie ? 0 : -EPERM;
+}
+
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie)
 {
 	int self, sock, ret;
@@ -327,26 +354,33 @@ int rdr_pidfd_getfd(int pidfd, int fd)
 	return ret < 0 ? -errno : (int)ret;
 }
 
-/* --- the pod's sk_lookup stub ----------------------------------------------------------------- */
+/* --- the pods' sk_lookup stubs ---------------------------------------------------------------- */
 
 #define STUB_NAME "rdr_pod_lookup"
-#define STUB_COOKIE_REG 7
+#define STUB_SLOT_OFF (-4) /* the stack slot the slot number is stored to, as lookup_slots' key */
 
-int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie)
+int rdr_ebpf_pool_prog(int slots_map_fd, int netns_map_fd, int prog_map_fd, uint32_t slot)
 {
-	/* r6 = ctx; r7 = cookie; lookup_netns[0] = r7; tail_call(ctx, lookup_prog, 0); return SK_PASS */
+	/* r6 = ctx; key = slot; r7 = lookup_slots[key].netns (none: SK_PASS); lookup_netns[0] = r7;
+	 * tail_call(ctx, lookup_prog, 0); return SK_PASS */
 	struct bpf_insn insns[] = {
 		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 6, .src_reg = 1},
-		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = STUB_COOKIE_REG, .imm = (int32_t)(uint32_t)cookie},
-		{.imm = (int32_t)(uint32_t)(cookie >> 32)},
-		{.code = BPF_ST | BPF_MEM | BPF_W, .dst_reg = 10, .off = -4, .imm = 0},
+		{.code = BPF_ST | BPF_MEM | BPF_W, .dst_reg = 10, .off = STUB_SLOT_OFF, .imm = (int32_t)slot},
+		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 1, .src_reg = BPF_PSEUDO_MAP_FD, .imm = slots_map_fd},
+		{.imm = 0},
+		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 2, .src_reg = 10},
+		{.code = BPF_ALU64 | BPF_ADD | BPF_K, .dst_reg = 2, .imm = STUB_SLOT_OFF},
+		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_map_lookup_elem},
+		{.code = BPF_JMP | BPF_JEQ | BPF_K, .dst_reg = 0, .off = 15, .imm = 0},
+		{.code = BPF_LDX | BPF_MEM | BPF_DW, .dst_reg = 7, .src_reg = 0, .off = 0}, /* pool_slot.netns */
+		{.code = BPF_ST | BPF_MEM | BPF_W, .dst_reg = 10, .off = -8, .imm = 0},
 		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 1, .src_reg = BPF_PSEUDO_MAP_FD, .imm = netns_map_fd},
 		{.imm = 0},
 		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 2, .src_reg = 10},
-		{.code = BPF_ALU64 | BPF_ADD | BPF_K, .dst_reg = 2, .imm = -4},
+		{.code = BPF_ALU64 | BPF_ADD | BPF_K, .dst_reg = 2, .imm = -8},
 		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_map_lookup_elem},
 		{.code = BPF_JMP | BPF_JEQ | BPF_K, .dst_reg = 0, .off = 7, .imm = 0},
-		{.code = BPF_STX | BPF_MEM | BPF_DW, .dst_reg = 0, .src_reg = STUB_COOKIE_REG},
+		{.code = BPF_STX | BPF_MEM | BPF_DW, .dst_reg = 0, .src_reg = 7},
 		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 1, .src_reg = 6},
 		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 2, .src_reg = BPF_PSEUDO_MAP_FD, .imm = prog_map_fd},
 		{.imm = 0},
@@ -372,9 +406,9 @@ int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie)
 	return sys_bpf(BPF_PROG_LOAD, &attr);
 }
 
-int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie)
+int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot)
 {
-	struct bpf_insn insns[64];
+	struct bpf_insn insns[128];
 	struct bpf_prog_info info;
 	union bpf_attr attr;
 	int fd, ret;
@@ -396,10 +430,10 @@ int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie)
 	    info.xlated_prog_len > sizeof(insns))
 		return -ENOENT;
 	n = info.xlated_prog_len / sizeof(insns[0]);
-	for (uint32_t i = 0; i + 1 < n; i++) {
-		if (insns[i].code == (BPF_LD | BPF_DW | BPF_IMM) && insns[i].dst_reg == STUB_COOKIE_REG &&
-		    insns[i].src_reg == 0) {
-			*cookie = (uint64_t)(uint32_t)insns[i].imm | (uint64_t)(uint32_t)insns[i + 1].imm << 32;
+	for (uint32_t i = 0; i < n; i++) {
+		if (insns[i].code == (BPF_ST | BPF_MEM | BPF_W) && insns[i].dst_reg == 10 &&
+		    insns[i].off == STUB_SLOT_OFF) {
+			*slot = (uint32_t)insns[i].imm;
 			return 0;
 		}
 	}

@@ -33,6 +33,10 @@ int rdr_watch_pending(int fd);
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
 
+/* The cookie of a netns made now (by a thread of its own, then gone): every netns made later has a
+ * larger one (the kernel counts them up). */
+int rdr_new_netns_cookie(uint64_t *cookie);
+
 /* --- bpf(2) and pidfd: what bcc's Python does not offer ------------------- */
 
 /* BPF_OBJ_PIN: pin the map/prog/link behind fd at path (on a bpffs). */
@@ -66,13 +70,14 @@ int rdr_bpf_prog_id(int prog_fd, uint32_t *id);
 int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_id,
 		      uint32_t *attach_type, uint64_t *target);
 
-/* The sk_lookup program of one pod's netns (BPF_PROG_LOAD, a new fd): stores `cookie` in
- * lookup_netns (netns_map_fd) and tail-calls rdr_sk_lookup from lookup_prog (prog_map_fd)
- * (bpf/redirect.h: sk_lookup can't ask for the netns cookie itself). */
-int rdr_ebpf_lookup_prog(int netns_map_fd, int prog_map_fd, uint64_t cookie);
+/* A pods' sk_lookup program for pool slot `slot` (BPF_PROG_LOAD, a new fd): reads its pod's netns
+ * cookie from lookup_slots[slot] (slots_map_fd), stores it in lookup_netns (netns_map_fd) and
+ * tail-calls rdr_sk_lookup from lookup_prog (prog_map_fd) (bpf/redirect.h: sk_lookup can't ask for
+ * the netns cookie itself). */
+int rdr_ebpf_pool_prog(int slots_map_fd, int netns_map_fd, int prog_map_fd, uint32_t slot);
 
-/* The cookie such a program holds, from its id: 0, or -ENOENT if the program is not one. */
-int rdr_ebpf_lookup_prog_cookie(uint32_t prog_id, uint64_t *cookie);
+/* The slot such a program holds, from its id: 0, or -ENOENT if the program is not one. */
+int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
 
 /* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */
 int rdr_bpf_prog_get_fd_by_id(uint32_t id);
@@ -101,8 +106,6 @@ struct rdr_scan_addr {
 struct rdr_netns_scan {
 	uint64_t cookie;  /* its netns cookie */
 	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
-	int v6_lo_there;  /* ::6 is on lo already */
-	int own_v6;       /* an IPv6 address of the pod's own: not ::1, ::6 or link-local */
 	int n;            /* addresses below: loopback and IPv6 link-local aside */
 	struct rdr_scan_addr a[RDR_SCAN_MAX];
 };
@@ -134,13 +137,19 @@ struct rdr_pod_entry {
  * with nothing yet; EbpfBackend.apply for any other). */
 struct rdr_pod_write {
 	int map_pods, map_inventory, map_ports, map_cidrs, map_listeners;
-	int map_lookup_netns, map_lookup_prog;
+	int map_lookup_netns, map_lookup_prog; /* for a pool program loaded on demand (rdr_ebpf_pool_prog) */
+	int map_slots, map_free, map_pool;     /* the pool (bpf/redirect.h: lookup_slots, _free, _pool) */
 	uint64_t cookie;
+	uint64_t netns_ino;           /* the pod netns's inode: kept with its slot claim (the garbage
+				       * collection tells a claim of a setup under way by its netns lock) */
+	uint32_t slot_hint;           /* where to look for an unclaimed slot when none is free */
+	int *pool_low;                /* if not NULL: set to 1 when no free slot is left (load a batch) */
 	const struct rdr_pod_entry *entries; /* every key the pod is to have, in inventory order */
 	uint32_t n_entries;
 	uint32_t inv_base;            /* its inventory goes to idx inv_base.. (never the old one's) */
 	int listener_fd[2];           /* the proxy's inbound listeners already open, IPv4, IPv6; -1: none */
-	int link_netns;               /* >= 0: make the pod's sk_lookup link on this netns, pinned at pin */
+	int link_netns;               /* >= 0: claim a pool slot for the pod (its sk_lookup program), link it
+				       * on this netns, pinned at pin */
 	const char *pin;
 	int pin_dir_fd;               /* pin's directory, open (O_PATH), and pin's name in it (pin_name):
 				       * the pin is made relative to it where the kernel can; or -1 */
@@ -160,7 +169,8 @@ struct rdr_pod_write {
 
 /* Write w: the inventory, the new keys, the listeners, the link, then the policy; then delete the
  * stale keys and the old inventory. A failure before the policy is in undoes everything written,
- * in reverse (listener entries only for a new pod: an existing one's were there before). REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it
+ * in reverse (listener entries only for a new pod: an existing one's were there before; a claimed
+ * slot is released). REDIRECT_FAULT=ebpf.before_entries|ebpf.after_claim|ebpf.before_policy in the environment fails it
  * there (with ":kill" appended: SIGKILL, as a crash would). 0, RDR_POD_FAULT (undone), or -errno
  * (undone). */
 int rdr_ebpf_pod_write(const struct rdr_pod_write *w);
@@ -174,6 +184,24 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w);
 #define RDR_POD_STALE 5    /* a host pin changed (watch_fd), *alive is 0, or the root is another: nothing
                             * changed, look again */
 
+/* What the eBPF lowering wants in a pod of one kind (redirect/backends/ebpf/fresh.py): the
+ * entries keyed with netns 0, for the call to put the pod's cookie in. */
+struct rdr_pod_set {
+	const struct pod_policy *policy;  /* inventory fields zero */
+	const struct port_key *ports;
+	uint32_t n_ports;
+	const struct cidr_key *cidrs;     /* the plan's addresses (add) among them */
+	uint32_t n_cidrs;
+	struct cidr_key local[2];         /* the key of one of the pod's own IPv4 [0], IPv6 [1] addresses,
+					   * its netns and addr to fill in */
+	int has_local[2];                 /* (0: that family is not captured) */
+	int v6;                           /* IPv6 is captured */
+	int n_add;                        /* 1: the plan adds add/128 on lo (::6), 0: nothing */
+	uint8_t add[16];
+};
+
+#define RDR_OURS_V6_MAX 4
+
 /* What a config writes for any fresh pod on one set of host maps: made once, shared by
  * threads (never written by the call). */
 struct rdr_pod_req {
@@ -182,32 +210,35 @@ struct rdr_pod_req {
 				     * $REDIRECT_BPF_ROOT (or its default, default_root) names another */
 	const char *default_root;
 	int map_pods, map_inventory, map_ports, map_cidrs;
-	int map_lookup_netns, map_lookup_prog; /* for the pod's sk_lookup program (rdr_ebpf_lookup_prog) */
+	int map_lookup_netns, map_lookup_prog, map_slots, map_free, map_pool; /* (rdr_pod_write) */
+	const uint32_t *slot_hint;  /* (rdr_pod_write), read at each call */
 	const char *pin_dir;        /* <root>/pods: the link is pinned at <pin_dir>/<cookie>-sk_lookup */
 	int pin_dir_fd;             /* that directory, open (O_PATH): the pin is made relative to it
 				     * where the kernel can (no walk of the root's path); or -1 */
-	int ipv6;                   /* -1: IPv6 when the netns has an IPv6 address; 0: no; 1: yes */
-	uint16_t inbound_port;      /* 0: no inbound capture (no pod addresses, no listener check) */
-	uint8_t addr_proto;         /* IFA_PROTO of the ::6 we add */
+	uint16_t inbound_port;      /* 0: no inbound capture (no listener check) */
+	uint8_t addr_proto;         /* IFA_PROTO of the address we add */
 	uint32_t addr_flags;        /* its IFA_FLAGS */
-	/* What the config writes, [0] for IPv4 alone, [1] for IPv4 and IPv6 (bpf/abi.h): */
-	const struct pod_policy *policy[2]; /* inventory fields zero */
-	const struct port_key *ports[2];    /* netns zero */
-	uint32_t n_ports[2];
-	const struct cidr_key *cidrs[2];    /* netns zero */
-	uint32_t n_cidrs[2];
-	int add_v6_lo[2];           /* the plan adds ::6/128 on lo (to a pod with IPv6 of its own) */
+	/* What the config writes in a pod by [IPv6 on in its netns][it has an IPv6 address of its own,
+	 * one that is not among ours_v6]: */
+	struct rdr_pod_set sets[2][2];
+	uint8_t ours_v6[RDR_OURS_V6_MAX][16]; /* the IPv6 addresses a plan may add (redirect.routes.own_ipv6:
+					       * never the pod's own; on lo, maybe ours from before) */
+	uint32_t n_ours_v6;
 	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a
 				     * bind probe of the inbound port */
 	uint64_t host_netns_ino[2]; /* the host's netns inodes (redirect.kernel.netns.host_netns_inodes(), 0:
 				     * none): the call backs off for them and for the caller's own, which
 				     * redirect.setup refuses (or allows) on its general path */
+	int nf_marks_fd;            /* the run dir's netfilter marks (redirect.locks.netfilter_marks), or -1 */
+	uint64_t nf_epoch;          /* their epoch: a netns with a larger cookie and no mark has no
+				     * netfilter capture of ours (0: none known, always look) */
 };
 
 /* What one call found and did. */
 struct rdr_pod_call {
 	uint64_t cookie;            /* the netns cookie */
 	int v6;                     /* IPv6 is captured */
+	int pool_low;               /* no free pool slot is left (rdr_pod_write): the caller loads a batch */
 	uint64_t wall_ns;           /* the call's wall time */
 };
 
@@ -218,8 +249,9 @@ int rdr_tcp_diag_ok(void);
  * watch_fd: an inotify fd on the host pin dirs (rdr_watch_add), or -1. lock_fd: the calling
  * thread's own open of the netns lock file: an OFD write lock on the byte at the netns inode
  * is held throughout (-1: none, and the call backs off: threads could not be told apart).
- * A netns that is the host's (r->host_netns_ino, or the caller's own) or that has any netfilter
- * table (rdr_netfilter_present: capture of another backend may be there) is not a fresh pod.
+ * A netns that is the host's (r->host_netns_ino, or the caller's own) or that may hold netfilter
+ * capture of ours (marked, or older than the marks' epoch, and with a netfilter table:
+ * rdr_netfilter_present) is not a fresh pod.
  * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.
  * 0: the pod is set up (c filled in); RDR_POD_*; or -errno of what failed (everything undone). */
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,

@@ -22,7 +22,7 @@ from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
 from .kernel import netns as _netns
-from .kernel.locks import netns_lock, thread_lock_fd
+from .kernel.locks import mark_netfilter, netns_lock, thread_lock_fd
 from .plan import build_plan
 from .plan.vocabulary import Plan
 
@@ -161,6 +161,8 @@ def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns
             # refill of libnftables' cache of our new table after it.
             others = _installed(skip=kind_of(impl.name), strict=False)
             plan = _plan_for(impl, plan)
+            if kind_of(impl.name) != "ebpf":  # (before it may hold any: see locks.mark_netfilter)
+                mark_netfilter(_netns.current_inode())
             res = impl.apply(plan, cfg, families)
             if others and _retire(impl.name, others, plan, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)

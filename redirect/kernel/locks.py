@@ -15,6 +15,14 @@ netns: no lock file per pod to clean up. The lock is an OFD lock (``F_OFD_SETLK`
 belongs to an open file description: each thread opens the file for itself, so one lock keeps
 out other threads and other processes alike. The eBPF backend's fresh-pod call
 (native/pod_setup.c) takes the same lock on the fd :func:`thread_lock_fd` gives it.
+
+The netfilter marks: a setup of a netfilter backend marks its netns first, one byte of
+``netfilter.marks`` at the netns inode's offset (:func:`mark_netfilter`), so that the eBPF
+backend's setup of a new pod knows without asking the kernel that no netfilter capture of ours
+can be there (one netns never holds two backends' capture). The file's first 8 bytes are its
+epoch: the cookie of a netns made when it was created; a netns with a larger cookie was made
+while every setup marked. Marks are never cleared: one left by a netns gone (whose inode a new
+one reuses) only makes that setup look at the netns's tables.
 """
 
 from __future__ import annotations
@@ -152,6 +160,40 @@ def thread_lock_fd() -> int:
     fd = open_private(NETNS_LOCK)
     _tls.lock_file = _LockFile(fd, _fork_gen)
     return fd
+
+
+#: The marks file's name, in the run directory.
+NETFILTER_MARKS = "netfilter.marks"
+_marks: tuple[int, int, int] | None = None  # (fd, epoch, pid)
+_marks_lock = threading.Lock()
+
+
+def netfilter_marks() -> tuple[int, int]:
+    """(fd, epoch) of the netfilter marks (module docstring), opened once per process (and made
+    on first use, with its epoch); the epoch is 0 while its maker has not written it yet."""
+    global _marks
+    m = _marks
+    if m is not None and m[2] == os.getpid() and m[1]:
+        return m[0], m[1]
+    with _marks_lock:
+        fd = _marks[0] if _marks is not None and _marks[2] == os.getpid() else open_private(NETFILTER_MARKS)
+        raw = os.pread(fd, 8, 0)
+        if len(raw) < 8:
+            from .. import _native
+
+            out = _native.ffi.new("uint64_t *")
+            if _native.lib.rdr_new_netns_cookie(out) == 0:  # (another process making it too: either
+                os.pwrite(fd, struct.pack("=Q", int(out[0])), 0)  # epoch is right, both were marking)
+            raw = os.pread(fd, 8, 0)
+        epoch = struct.unpack("=Q", raw)[0] if len(raw) == 8 else 0
+        _marks = (fd, epoch, os.getpid())
+        return fd, epoch
+
+
+def mark_netfilter(inode: int) -> None:
+    """Mark the netns ``inode`` as one that may hold netfilter capture of ours (before it does)."""
+    fd, _epoch = netfilter_marks()
+    os.pwrite(fd, b"\x01", inode)
 
 
 def forget_thread_lock_fd() -> None:

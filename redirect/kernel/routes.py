@@ -37,6 +37,8 @@ class RouteState:
 
 _V6_LOOPBACK = bytes(15) + b"\1"
 _V6_PASSTHROUGH = bytes(15) + b"\6"
+#: The IPv6 addresses a plan adds (``::6``): never one of the pod's own (``own_ipv6``).
+PLAN_V6 = (_V6_PASSTHROUGH,)
 
 
 def own_ipv6(raw: bytes) -> bool:

@@ -22,9 +22,10 @@ ports, CIDRs, the pod's own addresses as ``local`` CIDRs, the proxy's inbound li
 pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
 detaches it when the netns dies, which is how ``collect_garbage`` finds pods
 whose netns went without a teardown), and ``::6`` on lo (the plan's address for the proxy's
-inbound passthrough). The link runs a program of the pod's own
-(``native/redirect_native.c: rdr_ebpf_lookup_prog``) that holds the netns cookie, which an
-sk_lookup program can't ask the kernel for, and tail-calls the shared ``rdr_sk_lookup``: nothing
+inbound passthrough). The link runs a program of the pod's own, from a pool loaded ahead
+(``.pool``; ``native/redirect_native.c: rdr_ebpf_pool_prog``): it holds a slot number, and the
+slot, claimed at the pod's setup, holds the netns cookie, which an sk_lookup program can't ask
+the kernel for; it tail-calls the shared ``rdr_sk_lookup``: nothing
 is found by address, so pods sharing an IP never see each other's policy. ``remove`` deletes
 exactly those, through the inventory: O(entries of that pod), never a walk of the host maps.
 Per-socket state (original destinations) is removed with its socket (``sock_release``, TCP
@@ -34,10 +35,10 @@ registered. A partly pinned host (a pin removed by hand) is reported by ``check`
 read and torn down through what is still attached (``recover_host``), and repaired (missing
 cgroup links) or reloaded (no pod registered) by the next setup, else setup raises
 ``SetupError`` saying what is missing. Fault points for the atomicity
-tests: ``ebpf.before_entries``, ``ebpf.before_policy``.
+tests: ``ebpf.before_entries``, ``ebpf.after_claim``, ``ebpf.before_policy``.
 
 The policy comes from the same intent as the netfilter plan (``redirect.plan.intent``):
-``redirect.plan.lower_ebpf`` lowers it to typed map entries, which ``_config_entries``
+``redirect.plan.lower_ebpf`` lowers it to typed map entries, which ``entries._intent_entries``
 packs; the programs implement Istio's rule order over map lookups
 (``bpf/policy.h: outbound_target``). ``redirect.plan.evaluate`` models them, and a
 property test (``tests/test_lowerings.py``) checks that they land every drawn
@@ -54,8 +55,9 @@ include it, and the struct formats here are derived from cffi's declarations of 
 The package's modules: ``abi`` (layouts, constants), ``syscalls`` (bpf(2) calls, ``Map``, links),
 ``host`` (``HostPrograms``: load, pin, repair, recover), ``lifetime`` (the per-process handle,
 unload, garbage collection), ``entries`` (what a config writes), ``pods`` (one pod's entries and
-link), ``podnet`` (what the pod's netns holds), ``backend`` (``EbpfBackend``: apply, remove,
-check, show, render), ``fresh`` (a fresh pod in one native call).
+link), ``pool`` (the pods' sk_lookup programs, loaded ahead), ``podnet`` (what the pod's netns
+holds), ``backend`` (``EbpfBackend``: apply, remove, check, show, render), ``fresh`` (a fresh pod
+in one native call, from the entries the lowering computed once per config).
 
 How the iptables semantics are met without packets:
 

@@ -103,7 +103,7 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
 }
 SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
 MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners", "lookup_netns", "lookup_prog", "local_conns")
+        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool")
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))

@@ -60,19 +60,13 @@ from .podnet import (
     _plan_addresses,
     _remove_our_addresses,
     _unserved,
+    families_for,
     listener_maybe,
     proxy_listeners,
     scan_netns,
 )
-from .pods import (
-    _link_prog_cookie,
-    _lookup_prog_cookie,
-    _pod_link,
-    _remove_pod,
-    drop_leftovers,
-    read_pod,
-    write_pod,
-)
+from .pods import _pod_link, _remove_pod, drop_leftovers, drop_link, read_pod, write_pod
+from .pool import link_cookie, prog_cookie
 from .syscalls import _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, prog_id
 
 log = logging.getLogger("redirect.ebpf")
@@ -104,9 +98,7 @@ class EbpfBackend:
         has this): IPv6 is on when the netns has an IPv6 address. Read in the dump that ``apply``
         and ``check`` need anyway (kept for them), so a pod costs no IPv6 sysctl read."""
         self._scan = scan_netns()
-        if cfg.ipv6 is None:
-            return (4, 6) if self._scan.v6_on else (4,)
-        return (4, 6) if cfg.ipv6 else (4,)
+        return families_for(cfg, self._scan.v6_on)
 
     def _take_scan(self) -> NetnsScan:
         """The scan ``detect_families`` made, if it was of this thread's current netns; else a new one."""
@@ -156,7 +148,7 @@ class EbpfBackend:
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
         # collect_garbage() finds pods whose netns went without a teardown.
         pinned_target = _link_target(link_path)  # None: no pin
-        have_link = pinned_target == sc.inode and _link_prog_cookie(link_path) == cookie
+        have_link = pinned_target == sc.inode and link_cookie(h, link_path) == cookie
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
@@ -211,13 +203,13 @@ class EbpfBackend:
                 link_netns = -1
                 if not have_link:
                     if pinned_target is not None:
-                        _detach_pinned(link_path)  # a detached, foreign or unreadable one
+                        drop_link(h, cookie, link_path)  # a detached, foreign or unreadable one
                     nsfd = _netns.current_fd()  # the fd redirect.setup entered the netns with
                     if nsfd is None:
                         nsfd = own_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     link_netns = nsfd
                 # The difference, in one native call that undoes itself on failure.
-                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path)
+                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path, sc.inode)
             except BaseException as e:
                 for key in registered:
                     h.maps["listeners"].delete(key)
@@ -317,7 +309,7 @@ class EbpfBackend:
                 os.close(fd)
             if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
                 diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
-            if _lookup_prog_cookie(info["prog_id"]) != cookie:
+            if prog_cookie(h, info["prog_id"]) != cookie:
                 diffs.append("sk_lookup link runs another program than this pod's")
         from ...kernel import routes as rt
 

@@ -184,12 +184,6 @@ def _intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...]) -> tu
             tuple(sorted((CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
 
 
-def _config_entries(cfg: RedirectConfig, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
-                                                                             tuple[tuple[int, int, bytes], ...]]:
-    """``_intent_entries`` of ``cfg``'s intent."""
-    return _intent_entries(config_intent(cfg), families)
-
-
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
                 local: tuple[tuple[int, str, int], ...] | list[tuple[int, str, int]] | None = None) -> PodEntries:
     """The map entries for ``cfg`` in the netns ``cookie`` whose own addresses are ``local``.
@@ -229,6 +223,15 @@ def intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...], cookie
     cidrs.update(CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw)
                  for plen, k, raw in pod_local(families, local or ()))
     return PodEntries(policy, ports, frozenset(cidrs))
+
+
+def local_key_templates(families: tuple[int, ...]) -> dict[int, bytes]:
+    """Per family of ``families``, the ``cidrs`` key ``intent_entries`` gives one of a pod's own
+    addresses (``lower_ebpf.pod_local``), with netns and address zero: the fresh-pod call
+    (native/pod_setup.c) puts a pod's cookie and each address it finds in their fields."""
+    zero = {4: "0.0.0.0", 6: "::"}
+    return {f: CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], 0, raw)
+            for f in families for plen, k, raw in pod_local(families, ((f, zero[f], 0),))}
 
 
 _PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-include",

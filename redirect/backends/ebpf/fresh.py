@@ -1,12 +1,15 @@
 """A fresh pod (nothing of ours in its netns yet) set up in one native call (``native/pod_setup.c``):
-``setup_fresh``, what ``redirect.setup(..., backend="ebpf")`` tries first. The per-config template
-of the entries is built once; the call backs off (nothing changed) to ``EbpfBackend.apply`` for a
-pod that is not fresh.
+``setup_fresh``, what ``redirect.setup(..., backend="ebpf")`` tries first. It is the general path's
+write (``rdr_ebpf_pod_write``) from an empty inventory, of the entries the lowering computed once
+per config (``FreshPodTemplate``: ``entries.intent_entries``, as ``apply`` computes them), with the
+pod's netns cookie and addresses put in their fields; the call backs off (nothing changed) to
+``EbpfBackend.apply`` for a pod that is not fresh.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import os
 import threading
@@ -17,13 +20,14 @@ from ...config import RedirectConfig
 from ...errors import SetupError
 from ...kernel import netns as _netns
 from ...kernel.netns import NetnsRef
-from ...plan.vocabulary import INBOUND_PASSTHROUGH_V6, Plan
+from ...plan.intent import intent_of
+from ...plan.vocabulary import Plan
 from ..base import Installed
-from .abi import CIDR_KEY, F_INBOUND, P_FLAGS, POLICY, PORT_KEY
-from .entries import _config_entries, _unsupported
+from .entries import _unsupported, intent_entries, local_key_templates
 from .host import DEFAULT_ROOT, HostPrograms
 from .lifetime import _host_cache, host
-from .podnet import _plan_addresses
+from .podnet import LOOPBACK_IFINDEX, _plan_addresses, families_for
+from .pool import refill
 from .syscalls import _native
 
 log = logging.getLogger("redirect.ebpf")
@@ -37,33 +41,43 @@ _last_fresh: tuple[Any, Any, Any] = (None, None, None)
 
 
 class FreshPodTemplate:
-    """What ``cfg`` writes for any fresh pod, laid out for ``rdr_ebpf_pod_add`` (native/pod_setup.c):
-    per family set ((4,) and (4, 6)), the policy and the port and CIDR keys with a zero netns
-    cookie. Built once per config; the cffi buffers live as long as this object."""
+    """What ``cfg`` writes in any fresh pod, for ``rdr_ebpf_pod_add`` (native/pod_setup.c): per kind
+    of pod (IPv6 on in its netns or not, an IPv6 address of its own or not: what decides its
+    families and the plan's addresses), the ``struct rdr_pod_set``: the entries of
+    ``entries.intent_entries`` with netns 0, the plan's address (``::6``) it adds with its key, and
+    the key of one of the pod's own addresses per family (``local_key_templates``). Made once per
+    config; the cffi buffers live as long as this object."""
 
     def __init__(self, cfg: RedirectConfig, plan: Plan) -> None:
         ffi = _native().ffi
-        self.ipv6 = -1 if cfg.ipv6 is None else int(bool(cfg.ipv6))
+        it = intent_of(cfg)
         self.inbound_port = 0
-        self.sets: list[tuple[Any, Any, int, Any, int, bool]] = []
-        for families in ((4,), (4, 6)):
-            policy, port_specs, cidr_specs = _config_entries(cfg, families)
-            if POLICY.unpack(policy)[P_FLAGS] & F_INBOUND:
-                self.inbound_port = cfg.inbound_port
-            ports = b"".join(PORT_KEY.pack(0, kind, p, 0) for kind, p in port_specs)
-            cidrs = b"".join(CIDR_KEY.pack(plen, kind, 0, raw) for plen, kind, raw in cidr_specs)
-            bufs = [ffi.new(t, max(n, 1)) for t, n in (("struct pod_policy[]", 1), ("struct port_key[]",
-                                                       len(port_specs)), ("struct cidr_key[]", len(cidr_specs)))]
-            for buf, b in zip(bufs, (policy, ports, cidrs), strict=True):
-                ffi.memmove(buf, b, len(b))
-            v6_lo = any(a.family == 6 and a.dev == "lo" for a in _plan_addresses(plan, families, True))
-            self.sets.append((bufs[0], bufs[1], len(port_specs), bufs[2], len(cidr_specs), v6_lo))
+        #: [v6_on][own_v6]: (policy, ports, cidrs) buffers, and the rest of the set.
+        self.sets: list[list[tuple[Any, Any, int, Any, int, dict[int, bytes], bool, bytes | None]]] = []
+        for v6_on in (False, True):
+            row = []
+            families = families_for(cfg, v6_on)
+            for own_v6 in (False, True):
+                adds = _plan_addresses(plan, families, own_v6)
+                e = intent_entries(it, families, 0,
+                                   tuple((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in adds))
+                if e.inbound:
+                    self.inbound_port = cfg.inbound_port
+                ports, cidrs = b"".join(sorted(e.ports)), b"".join(sorted(e.cidrs))
+                bufs = [ffi.new(t, max(n, 1)) for t, n in (("struct pod_policy[]", 1), ("struct port_key[]",
+                                                           len(e.ports)), ("struct cidr_key[]", len(e.cidrs)))]
+                for buf, raw in zip(bufs, (e.policy, ports, cidrs), strict=True):
+                    ffi.memmove(buf, raw, len(raw))
+                add = ipaddress.ip_address(adds[0].cidr.split("/")[0]).packed if adds else None
+                row.append((bufs[0], bufs[1], len(e.ports), bufs[2], len(e.cidrs), local_key_templates(families),
+                            6 in families, add))
+            self.sets.append(row)
 
 
 @functools.lru_cache(maxsize=64)
 def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
     """The template for ``cfg`` (cached), or None when its pods need the general path (the plan
-    adds an address other than ``::6`` on lo, ``exclude_interfaces`` or ``reroute_interfaces``). Raises
+    adds an address other than one IPv6 /128 on lo, ``exclude_interfaces`` or ``reroute_interfaces``). Raises
     ``BackendUnavailable`` as ``apply`` would."""
     from ...plan import build_plan
 
@@ -73,7 +87,8 @@ def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
     if cfg.mode == "ambient":
         return None  # a policy route and a sysctl besides the entries: the general path sets them
     plan = build_plan(cfg)
-    if any(not (a.family == 6 and a.dev == "lo" and a.cidr == INBOUND_PASSTHROUGH_V6) for a in plan.addresses):
+    if len(plan.addresses) > 1 or any(not (a.family == 6 and a.dev == "lo" and a.cidr.endswith("/128"))
+                                      for a in plan.addresses):
         return None
     return FreshPodTemplate(cfg, plan)
 
@@ -134,6 +149,8 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
         if rc == lib.RDR_POD_FAULT:
             raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
         raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
+    if c.pool_low:
+        refill(h)  # it took the last free sk_lookup program: the next batch, ahead of the next pods
     cookie = c.cookie
     d = _detail(h, cookie, host_ms, c.wall_ns / 1e6, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
     return Installed("ebpf", name, (4, 6) if c.v6 else (4,), True, d)

@@ -35,6 +35,7 @@ from .abi import (
     TUPLE_KEY,
     U32,
 )
+from .pool import POOL_SLOT, fill
 from .syscalls import (
     Map,
     _check,
@@ -136,6 +137,9 @@ class HostPrograms:
         #: 1 while this handle is in use, 0 while ``host()`` looks it over again (the native
         #: fresh-pod call reads it, see ``fresh_request``).
         self.alive = _native().ffi.new("int[1]", [1])
+        #: Where this process's next batch of pool programs starts (``pool.refill``), read by the
+        #: native writer too (where to look for an unclaimed slot when none is free).
+        self.pool_hint = _native().ffi.new("uint32_t[1]")
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
         self._fresh: dict[FreshPodTemplate, tuple[Any, ...]] = {}
 
@@ -157,18 +161,34 @@ class HostPrograms:
         r.map_pods, r.map_inventory, r.map_ports = m["pods"].fd, m["inventory"].fd, m["ports"].fd
         r.map_cidrs = m["cidrs"].fd
         r.map_lookup_netns, r.map_lookup_prog = m["lookup_netns"].fd, m["lookup_prog"].fd
+        r.map_slots, r.map_free, r.map_pool = m["lookup_slots"].fd, m["lookup_free"].fd, m["lookup_pool"].fd
+        r.slot_hint = self.pool_hint
         r.alive = self.alive
         root, default_root = ffi.new("char[]", self.root.encode()), ffi.new("char[]", DEFAULT_ROOT.encode())
         r.root, r.default_root = root, default_root
         pin_dir = ffi.new("char[]", self.pods_dir.encode())
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
-        r.ipv6, r.inbound_port = tmpl.ipv6, tmpl.inbound_port
+        r.inbound_port = tmpl.inbound_port
         r.tcp_diag = _tcp_diag_ok()
         r.host_netns_ino = _netns.host_netns_inodes()
+        from ...kernel import locks
+
+        r.nf_marks_fd, r.nf_epoch = locks.netfilter_marks()
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
-        for i, (policy, ports, n_ports, cidrs, n_cidrs, v6_lo) in enumerate(tmpl.sets):
-            r.policy[i], r.ports[i], r.n_ports[i], r.cidrs[i], r.n_cidrs[i] = policy, ports, n_ports, cidrs, n_cidrs
-            r.add_v6_lo[i] = v6_lo
+        for i, row in enumerate(tmpl.sets):
+            for j, (policy, ports, n_ports, cidrs, n_cidrs, local, v6, add) in enumerate(row):
+                st = r.sets[i][j]
+                st.policy, st.ports, st.n_ports, st.cidrs, st.n_cidrs = policy, ports, n_ports, cidrs, n_cidrs
+                for k, f in enumerate((4, 6)):
+                    st.has_local[k] = f in local
+                    if f in local:
+                        ffi.memmove(ffi.addressof(st.local, k), local[f], len(local[f]))
+                st.v6, st.n_add = v6, add is not None
+                if add is not None:
+                    ffi.memmove(st.add, add, 16)
+        r.n_ours_v6 = len(rt.PLAN_V6)
+        for i, raw in enumerate(rt.PLAN_V6):
+            ffi.memmove(r.ours_v6[i], raw, 16)
         self._fresh[tmpl] = (r, pin_dir, root, default_root)  # with tmpl (a key), the buffers r points to
         return r
 
@@ -381,7 +401,8 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
         "cidrs": (CIDR_KEY.size, 1),
         "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
-        "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1),
+        "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
+        "lookup_free": (4, 1), "lookup_pool": (4, 4),
     }
 
 
@@ -458,8 +479,14 @@ def _load_and_pin(root: str, cgroup: str) -> None:
         for name, fn in fns.items():
             obj_pin(fn.fd, os.path.join(root, "progs", name))
         # The pods' sk_lookup programs tail-call this one (bpf/redirect.h, lookup_netns).
-        _check(_native().lib.rdr_bpf_map_update(libbcc.lib.bpf_table_fd(b.module, b"lookup_prog"), U32.pack(0),
-                                                U32.pack(fns["rdr_sk_lookup"].fd), 0), "update lookup_prog")
+        def table(name: str) -> int:
+            return int(libbcc.lib.bpf_table_fd(b.module, name.encode()))
+
+        _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
+                                                0), "update lookup_prog")
+        # The first batch of the pods' own sk_lookup programs (``.pool``).
+        fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
+             table("lookup_free"), 0)
         _attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in _cgroup_progs()})
     except BaseException:
         _unpin_all(root)

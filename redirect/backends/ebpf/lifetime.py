@@ -27,6 +27,7 @@ from .host import (
     recover_host,
 )
 from .pods import _pod_link, _remove_pod
+from .pool import reclaim
 from .syscalls import _link_target, _native, obj_get
 
 log = logging.getLogger("redirect.ebpf")
@@ -172,7 +173,8 @@ def force_unload_host(root: str | None = None) -> bool:
 
 def collect_garbage(root: str | None = None) -> list[int]:
     """Remove the pods whose netns is gone without a teardown (their sk_lookup link was
-    detached by the kernel). Returns their netns cookies. O(registered pods)."""
+    detached by the kernel), and give back the pool slots nothing uses (``pool.reclaim``: a
+    setup or teardown killed half-way). Returns the pods' netns cookies. O(registered pods)."""
     h = host(root, load=False)
     if h is None:
         return []
@@ -186,4 +188,5 @@ def collect_garbage(root: str | None = None) -> list[int]:
     for c in gone:
         _remove_pod(h, c)
         log.info("ebpf: removed pod with netns cookie %d: its netns is gone", c)
+    reclaim(h)
     return gone

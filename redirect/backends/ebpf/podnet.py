@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...config import RedirectConfig
 from ...kernel import netns as _netns
 from ...plan.vocabulary import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from .abi import AF, LISTENER_KEY
@@ -53,10 +54,19 @@ def scan_netns() -> NetnsScan:
     sc = nat.ffi.new("struct rdr_netns_scan *")
     _check(nat.lib.rdr_scan_netns(sc), "scanning the netns (RTM_GETADDR)")
     buf = nat.ffi.buffer
-    out = tuple((a.family, socket.inet_ntop(AF[a.family], buf(a.addr, 4 if a.family == 4 else 16)[:]), a.ifindex)
-                for a in sc.a[0 : sc.n])
-    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(sc.cookie), out, bool(sc.v6_on),
-                     bool(sc.own_v6), sc)
+    from ...kernel import routes as rt
+
+    raw = [(a.family, buf(a.addr, 4 if a.family == 4 else 16)[:], a.ifindex) for a in sc.a[0 : sc.n]]
+    out = tuple((f, socket.inet_ntop(AF[f], b), i) for f, b, i in raw)
+    own_v6 = any(f == 6 and rt.own_ipv6(b) for f, b, _i in raw)
+    return NetnsScan(_netns.current_inode(), threading.get_ident(), int(sc.cookie), out, bool(sc.v6_on), own_v6, sc)
+
+
+def families_for(cfg: RedirectConfig, v6_on: bool) -> tuple[int, ...]:
+    """The families ``cfg`` captures in a netns where IPv6 is on (``NetnsScan.v6_on``) or not."""
+    if cfg.ipv6 is None:
+        return (4, 6) if v6_on else (4,)
+    return (4, 6) if cfg.ipv6 else (4,)
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...], kind: int = 0) -> tuple[int, ...]:

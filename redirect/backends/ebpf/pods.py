@@ -1,6 +1,7 @@
 """One pod's objects in the host maps, keyed by its netns cookie: reading them back through its
 inventory (``read_pod``), its ``sk_lookup`` link (pinned at ``<root>/pods/<cookie>-sk_lookup``, running
-a program of its own that holds the cookie), and removing them all (``_remove_pod``): O(its entries).
+a program of its own from the pool, ``.pool``, whose slot holds the cookie), and removing them all
+(``_remove_pod``): O(its entries).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from .abi import (
     P_INV_BASE,
     P_N_INV,
     POLICY,
-    SK_LOOKUP_ATTACH,
     U64,
 )
-from .syscalls import _check, _detach_pinned, _native, _pinned_link_info, link_create
+from .pool import refill, release
+from .syscalls import _detach_pinned, _native, _pinned_link_info
 
 if TYPE_CHECKING:
     from .entries import PodEntries
@@ -130,27 +131,14 @@ def _pod_link(root: str, cookie: int) -> str:
     return os.path.join(root, "pods", f"{cookie}-sk_lookup")
 
 
-def _pod_lookup_link(h: HostPrograms, cookie: int, netns_fd: int) -> int:
-    """A new sk_lookup link on ``netns_fd`` running the pod's own program (it holds ``cookie``:
-    bpf/redirect.h, lookup_netns); the link fd."""
-    pfd = _check(_native().lib.rdr_ebpf_lookup_prog(h.maps["lookup_netns"].fd, h.maps["lookup_prog"].fd, cookie),
-                 "BPF_PROG_LOAD sk_lookup")
-    try:
-        return link_create(pfd, netns_fd, SK_LOOKUP_ATTACH)
-    finally:
-        os.close(pfd)
-
-
-def _lookup_prog_cookie(prog: int) -> int | None:
-    """The netns cookie the pod's sk_lookup program ``prog`` (an id) holds; None if it is not one."""
-    out = _native().ffi.new("uint64_t *")
-    return int(out[0]) if _native().lib.rdr_ebpf_lookup_prog_cookie(prog, out) == 0 else None
-
-
-def _link_prog_cookie(path: str) -> int | None:
-    """The netns cookie held by the program of the link pinned at ``path`` (None: none, or not ours)."""
+def drop_link(h: HostPrograms, cookie: int, path: str) -> bool:
+    """Detach and unpin the pod's link at ``path``, then release its pool slot. True if one was there."""
     info = _pinned_link_info(path)
-    return None if info is None else _lookup_prog_cookie(info["prog_id"])
+    if not os.path.exists(path):
+        return False
+    _detach_pinned(path)
+    release(h, cookie, None if info is None else info["prog_id"])
+    return True
 
 
 def _remove_pod(h: HostPrograms, cookie: int) -> bool:
@@ -167,20 +155,18 @@ def _remove_pod(h: HostPrograms, cookie: int) -> bool:
     for fam in (4, 6):
         for kind in (LISTENER_INBOUND, LISTENER_OUTBOUND):
             removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], kind))
-    link = _pod_link(h.root, cookie)
-    if os.path.exists(link):
-        _detach_pinned(link)
-        removed = True
+    removed |= drop_link(h, cookie, _pod_link(h.root, cookie))
     return bool(removed)
 
 
 def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, base: int, listeners: dict[int, int],
-              link_netns: int, link_path: str) -> None:
+              link_netns: int, link_path: str, netns_ino: int = 0) -> None:
     """Make the pod ``cookie`` have ``want`` where it has ``old``, in one native call
     (``rdr_ebpf_pod_write``, native/pod_setup.c: the fresh-pod call writes through it too): the
     inventory at ``base``, the keys ``old`` lacks, the proxy's ``listeners`` (family -> fd), the
-    pod's sk_lookup link on ``link_netns`` pinned at ``link_path`` (-1: it has one), the policy
-    last; then what only ``old`` has goes. A failure undoes it all: ``SetupError``."""
+    pod's sk_lookup link on ``link_netns`` (-1: it has one; its netns inode ``netns_ino``) with
+    a pool slot claimed for it, pinned at ``link_path``, the policy last; then what only ``old``
+    has goes. A failure undoes it all: ``SetupError``."""
     nat = _native()
     ffi, lib = nat.ffi, nat.lib
     by_map = want.by_map()
@@ -207,6 +193,11 @@ def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, bas
     w.map_pods, w.map_inventory, w.map_ports, w.map_cidrs = (m[n].fd for n in ("pods", "inventory", "ports", "cidrs"))
     w.map_listeners, w.map_lookup_netns, w.map_lookup_prog = (m[n].fd for n in ("listeners", "lookup_netns",
                                                                                  "lookup_prog"))
+    w.map_slots, w.map_free, w.map_pool = (m[n].fd if n in m else -1 for n in ("lookup_slots", "lookup_free",
+                                                                               "lookup_pool"))
+    w.netns_ino, w.slot_hint = netns_ino, h.pool_hint[0]
+    low = ffi.new("int *")
+    w.pool_low = low
     w.cookie, w.entries, w.n_entries, w.inv_base = cookie, ents, len(items), base
     w.listener_fd[0], w.listener_fd[1] = listeners.get(4, -1), listeners.get(6, -1)
     w.link_netns, w.pin, w.pin_dir_fd, w.pin_name = link_netns, pin, -1, ffi.NULL
@@ -214,6 +205,8 @@ def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, bas
     w.stale, w.n_stale, w.old_inv, w.n_old_inv = gone, len(stale), old_inv, len(old.inv_keys)
     w.drop_listeners, w.new_pod = not want.inbound, old.policy is None
     rc = lib.rdr_ebpf_pod_write(w)
+    if rc == 0 and low[0]:
+        refill(h)  # it took the last free slot: the next batch, ahead of the pods that come next
     if rc == lib.RDR_POD_FAULT:
         raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
     if rc < 0:

@@ -1,0 +1,168 @@
+"""The pods' ``sk_lookup`` programs, loaded ahead in a pool (bpf/redirect.h, ``lookup_slots``).
+
+An sk_lookup program can't ask for its netns cookie, so each pod's netns runs a program of its own:
+a stub holding a slot number (``rdr_ebpf_pool_prog``) that reads the pod's cookie from
+``lookup_slots[slot]``. Loading one costs a verifier run, so they are loaded ahead, a batch
+(``BATCH``) at a time, into ``lookup_pool`` (slot -> program), and their slots listed in
+``lookup_free``:
+
+- the host load fills the first batch (``fill``);
+- a pod's setup claims a slot (``rdr_ebpf_pod_write``: ``BPF_NOEXIST`` in ``lookup_slots``, a free
+  one first) and links its program; the claim records the pod's netns cookie and inode;
+- when the setup took the last free slot, it loads the next batch before it returns (``refill``);
+  with none free at all (other processes took them meanwhile) the setup claims an unclaimed slot
+  and loads its program on demand: a setup never fails for want of a slot;
+- teardown releases the slot once the pod's link is gone (``release``), and so does the garbage
+  collection for a pod whose netns went, for a claim whose setup was killed before its link was
+  pinned (``reclaim``: no setup holds that netns's lock) and for a slot that is neither claimed
+  nor free (a teardown killed in between).
+
+The programs live as long as ``lookup_pool`` (pinned with the host maps): ``unload_host`` removes
+them with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ...errors import SetupError
+from .abi import U32, const, layout
+from .syscalls import _check, _native, _pinned_link_info
+
+if TYPE_CHECKING:
+    from .host import HostPrograms
+
+log = logging.getLogger("redirect.ebpf")
+
+POOL_SLOT = layout("pool_slot").struct
+POOL_MAX = const("RDR_POOL_MAX")
+#: Programs loaded at a time (at the host load, and when a setup took the last free slot).
+BATCH = 64
+_ONE = b"\x01"
+
+
+def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n: int = BATCH) -> int:
+    """Load ``n`` programs for the slots from ``start`` on that have none in ``pool`` (fds of the
+    maps ``lookup_slots``, ``lookup_netns``, ``lookup_prog``, ``lookup_pool``, ``lookup_free``) and
+    list them free. The slot after the last one looked at (where the next batch starts)."""
+    lib, ffi = _native().lib, _native().ffi
+    out = ffi.new("uint32_t *")
+    s, loaded = start, 0
+    while loaded < n and s < POOL_MAX:
+        key = U32.pack(s)
+        if lib.rdr_bpf_map_lookup(pool, key, out) != 0:
+            pfd = _check(lib.rdr_ebpf_pool_prog(slots, netns, progs, s), "BPF_PROG_LOAD sk_lookup")
+            try:
+                _check(lib.rdr_bpf_map_update(pool, key, U32.pack(pfd), 0), "update lookup_pool")
+            finally:
+                os.close(pfd)
+            _check(lib.rdr_bpf_map_update(free, key, _ONE, 0), "update lookup_free")
+            loaded += 1
+        s += 1
+    return s
+
+
+def refill(h: HostPrograms, n: int = BATCH) -> None:
+    """The next batch of ``h``'s pool (``fill`` from where this process's last one ended)."""
+    m = h.maps
+    if not all(k in m for k in ("lookup_slots", "lookup_netns", "lookup_prog", "lookup_pool", "lookup_free")):
+        return  # (a handle on what is still attached, pins gone: setups load on demand)
+    t = h.pool_hint
+    t[0] = fill(m["lookup_slots"].fd, m["lookup_netns"].fd, m["lookup_prog"].fd, m["lookup_pool"].fd,
+                m["lookup_free"].fd, int(t[0]), n)
+
+
+def prog_slot(prog_id: int) -> int | None:
+    """The slot the pool program ``prog_id`` holds; None if it is not one of them."""
+    out = _native().ffi.new("uint32_t *")
+    return int(out[0]) if _native().lib.rdr_ebpf_pool_prog_slot(prog_id, out) == 0 else None
+
+
+def prog_cookie(h: HostPrograms, prog_id: int) -> int | None:
+    """The netns cookie whose pod the pool program ``prog_id`` serves (its slot's claim); None if it
+    is not a pool program or its slot is not claimed."""
+    slot = prog_slot(prog_id)
+    if slot is None or "lookup_slots" not in h.maps:
+        return None
+    v = h.maps["lookup_slots"].lookup(U32.pack(slot))
+    return None if v is None else int(POOL_SLOT.unpack(v)[0])
+
+
+def link_cookie(h: HostPrograms, path: str) -> int | None:
+    """``prog_cookie`` of the link pinned at ``path`` (None: none, or not ours)."""
+    info = _pinned_link_info(path)
+    return None if info is None else prog_cookie(h, info["prog_id"])
+
+
+def release(h: HostPrograms, cookie: int, prog_id: int | None) -> bool:
+    """Give back the slot of the pool program ``prog_id`` if it is claimed for ``cookie``: called
+    once the pod's link is gone (no netns runs the program any more). True if one was."""
+    slot = None if prog_id is None else prog_slot(prog_id)
+    slots = h.maps.get("lookup_slots")
+    if slot is None or slots is None:
+        return False
+    key = U32.pack(slot)
+    v = slots.lookup(key)
+    if v is None or POOL_SLOT.unpack(v)[0] != cookie:
+        return False
+    slots.delete(key)
+    free = h.maps.get("lookup_free")
+    if free is not None:
+        free.update(key, _ONE)
+    return True
+
+
+def reclaim(h: HostPrograms) -> list[int]:
+    """The garbage collection's part: release the claims that no pod's link uses and no setup is
+    making (its netns lock is free: a setup holds it from its claim until its link is pinned), and
+    list free again the loaded slots that are neither claimed nor free. The slots released."""
+    from ...kernel import locks
+    from .pods import _pod_link
+
+    slots, free, pool = h.maps.get("lookup_slots"), h.maps.get("lookup_free"), h.maps.get("lookup_pool")
+    if slots is None or free is None or pool is None:
+        return []
+    out: list[int] = []
+
+    def in_use(slot: int, cookie: int) -> bool:
+        info = _pinned_link_info(_pod_link(h.root, cookie))
+        return info is not None and prog_slot(info["prog_id"]) == slot
+
+    for key in list(slots.keys(POOL_MAX)):
+        v = slots.lookup(key)
+        if v is None:
+            continue
+        cookie, ino = POOL_SLOT.unpack(v)
+        slot = U32.unpack(key)[0]
+        if in_use(slot, cookie):
+            continue
+        try:
+            with locks.netns_lock(ino, wait_s=0):
+                v = slots.lookup(key)  # again, now that no setup of that netns can run
+                if v is None or POOL_SLOT.unpack(v) != (cookie, ino) or in_use(slot, cookie):
+                    continue
+                slots.delete(key)
+                free.update(key, _ONE)
+                out.append(slot)
+                log.info("ebpf: released pool slot %d of netns cookie %d: no link uses it", slot, cookie)
+        except SetupError:
+            continue  # a setup of that netns is under way: its claim is its own
+    claimed = {U32.unpack(k)[0] for k in slots.keys(POOL_MAX)}
+    listed = {U32.unpack(k)[0] for k in free.keys(POOL_MAX)}
+    ids = _native().ffi.new("uint32_t *")
+    lib = _native().lib
+    # Slots are loaded from 0 up, a batch at a time (on demand: from this process's hint on).
+    top = min(POOL_MAX, max((*claimed, *listed, int(h.pool_hint[0]))) + BATCH + 1)
+    for slot in range(top):
+        if slot in claimed or slot in listed:
+            continue
+        key = U32.pack(slot)
+        if lib.rdr_bpf_map_lookup(pool.fd, key, ids) != 0:
+            continue
+        with contextlib.suppress(OSError):
+            free.update(key, _ONE)
+            out.append(slot)
+    return out

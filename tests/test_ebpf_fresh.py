@@ -1,0 +1,137 @@
+"""The eBPF backend's one-call setup of a fresh pod (native/pod_setup.c, redirect/backends/ebpf/fresh.py):
+it writes what the general path writes, from the lowering's entries, for every kind of pod; and it
+tells a netns that may hold netfilter capture of ours by the run dir's marks (redirect.locks),
+asking the kernel for netfilter tables only then."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from redirect import api
+from redirect.backends import ebpf
+from redirect.config import RedirectConfig
+from redirect.kernel import locks, routes
+from redirect.kernel import netns as rnetns
+from tests import netkit
+from tests.netkit import Pod, TcpListener, landing
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _snapshot(ns: str, root: str) -> dict[str, object]:
+    """What the netns has of ours: its policy, entries, link and addresses."""
+    h = ebpf.host(root, load=False)
+    assert h is not None
+    with rnetns.enter(ns):
+        cookie = ebpf.current_netns_cookie()
+        st = ebpf.read_pod(h, cookie)
+        ours = routes.read_ours((6,)).addresses
+    return {"entries": st.entries, "policy": None if st.policy is None else ebpf._policy_core(st.policy),
+            "link": os.path.exists(ebpf._pod_link(root, cookie)), "addresses": ours}
+
+
+@pytest.mark.parametrize("ipv6", ["lo-only", "lo-only-ipv6-off", "own-ipv6"])
+def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: str, make_pod, ipv6: str) -> None:
+    """A netns with lo alone (IPv6 on or off: no address of its own, no ``::6``) or with an IPv6
+    address of its own (``::6`` added, and one of its own): the one call and the general path
+    write the same, key for key."""
+    ebpf.host(ebpf_root)
+    if ipv6 == "own-ipv6":
+        ns = make_pod().name
+    else:
+        ns = netkit.create_netns(f"{netkit.PREFIX}{os.urandom(4).hex()}")
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        if ipv6 == "lo-only-ipv6-off":
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
+                           check=True)
+    cfg = RedirectConfig()
+    try:
+        before = _snapshot(ns, ebpf_root)
+        res = api.setup(ns, cfg, backend="ebpf")
+        try:
+            assert res.detail["path"] == "fresh" and res.changed
+            assert res.families == ((4,) if ipv6 == "lo-only-ipv6-off" else (4, 6))
+            fresh = _snapshot(ns, ebpf_root)
+            assert bool(fresh["addresses"]) == (ipv6 == "own-ipv6"), fresh["addresses"]
+            assert api.check(ns, cfg, backend="ebpf").ok
+        finally:
+            api.teardown(ns, backend="ebpf")
+        assert _snapshot(ns, ebpf_root) == before
+        impl = ebpf.EbpfBackend(cfg, root=ebpf_root)
+        try:
+            with rnetns.enter(ns):
+                gen = impl.apply(api._plan(cfg), cfg, impl.detect_families(cfg))
+            assert gen.detail["path"] == "general" and gen.families == res.families
+            assert _snapshot(ns, ebpf_root) == fresh
+        finally:
+            api.teardown(ns, backend="ebpf")
+    finally:
+        if ipv6 != "own-ipv6":
+            netkit.remove_netns(ns)
+
+
+def test_a_setup_of_a_netfilter_backend_marks_the_netns_first(ebpf_root: str, pod: Pod) -> None:
+    fd, epoch = locks.netfilter_marks()
+    assert epoch > 0
+    inode = rnetns.netns_inode(pod.name)
+    os.pwrite(fd, b"\0", inode)  # (a stale mark of a netns gone that had this inode)
+    try:
+        api.setup(pod.name, RedirectConfig(), backend="nftables")
+        assert os.pread(fd, 1, inode) == b"\x01"
+    finally:
+        api.teardown(pod.name)
+
+
+def test_a_new_unmarked_pod_with_a_foreign_netfilter_table_is_fresh_and_the_table_untouched(
+        ebpf_root: str, pod: Pod) -> None:
+    """Netfilter tables that are not ours do not stop the one call: with no mark, no netfilter
+    capture of ours can be there. (A marked netns with a table takes the general path, which
+    replaces our netfilter capture: tests/test_backend_switch.py.)"""
+    fd, _epoch = locks.netfilter_marks()
+    os.pwrite(fd, b"\0", rnetns.netns_inode(pod.name))  # (a stale mark of a netns gone with this inode)
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add table inet theirs"], check=True)
+    out = TcpListener(pod.name, 15001, 4, label="proxy-out")
+    app = TcpListener(pod.peer_name, 8080, 4, label="remote-app")
+    with out, app:
+        try:
+            res = api.setup(pod.name, RedirectConfig(), backend="ebpf")
+            assert res.detail["path"] == "fresh", res.detail
+            assert landing(pod.name, pod.peer_ip4, 8080, out, app, uid=1000).listener is out
+        finally:
+            api.teardown(pod.name, backend="ebpf")
+    listed = subprocess.run(["ip", "netns", "exec", pod.name, "nft", "list tables"], capture_output=True, text=True,
+                            check=True).stdout
+    assert "table inet theirs" in listed
+
+
+OLDER = """
+import sys
+from redirect import api
+from redirect.kernel import locks
+fd, epoch = locks.netfilter_marks()
+res = api.setup(sys.argv[1], backend="ebpf")
+print(epoch, res.detail["path"])
+"""
+
+
+def test_a_pod_older_than_the_marks_with_a_netfilter_table_is_not_taken_as_fresh(ebpf_root: str, pod: Pod) -> None:
+    """A netns made before the marks existed (capture of ours there would not be marked): its
+    tables are looked at, and with one the general path takes it."""
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add table inet theirs"], check=True)
+    with tempfile.TemporaryDirectory() as run_dir:  # marks made now: later than the pod
+        env = {**os.environ, "REDIRECT_RUN_DIR": os.path.join(run_dir, "redirect"), "REDIRECT_BPF_ROOT": ebpf_root}
+        try:
+            r = subprocess.run([sys.executable, "-c", OLDER, pod.name], env=env, cwd=REPO, capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            epoch, path = r.stdout.split()
+            with rnetns.enter(pod.name):
+                assert ebpf.current_netns_cookie() < int(epoch)
+            assert path == "general"
+        finally:
+            api.teardown(pod.name, backend="ebpf")
