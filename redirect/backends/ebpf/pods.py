@@ -6,6 +6,7 @@ a program of its own from the pool, ``.pool``, whose slot holds the cookie), and
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from .abi import (
     U64,
 )
 from .pool import refill, release
-from .syscalls import _detach_pinned, _native, _pinned_link_info
+from .syscalls import _native, link_info, obj_get
 
 if TYPE_CHECKING:
     from .entries import PodEntries
@@ -133,11 +134,23 @@ def _pod_link(root: str, cookie: int) -> str:
 
 def drop_link(h: HostPrograms, cookie: int, path: str) -> bool:
     """Detach and unpin the pod's link at ``path``, then release its pool slot. True if one was there."""
-    info = _pinned_link_info(path)
-    if not os.path.exists(path):
+    try:
+        fd = obj_get(path)
+    except FileNotFoundError:
         return False
-    _detach_pinned(path)
-    release(h, cookie, None if info is None else info["prog_id"])
+    except OSError:  # something pinned there that can't be opened: unpinned all the same
+        fd = -1
+    prog = None
+    if fd >= 0:
+        try:
+            with contextlib.suppress(OSError):
+                prog = link_info(fd)["prog_id"]
+            _native().lib.rdr_bpf_link_detach(fd)
+        finally:
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    release(h, cookie, prog)
     return True
 
 

@@ -66,13 +66,19 @@ def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n
 
 
 def refill(h: HostPrograms, n: int = BATCH) -> None:
-    """The next batch of ``h``'s pool (``fill`` from where this process's last one ended)."""
+    """The next batch of ``h``'s pool (``fill`` from where this process's last one ended), after a
+    setup took the last free slot. A failure is logged, not raised: that setup is done, and the
+    next ones load their programs on demand (and try a batch again)."""
     m = h.maps
     if not all(k in m for k in ("lookup_slots", "lookup_netns", "lookup_prog", "lookup_pool", "lookup_free")):
         return  # (a handle on what is still attached, pins gone: setups load on demand)
     t = h.pool_hint
-    t[0] = fill(m["lookup_slots"].fd, m["lookup_netns"].fd, m["lookup_prog"].fd, m["lookup_pool"].fd,
-                m["lookup_free"].fd, int(t[0]), n)
+    try:
+        t[0] = fill(m["lookup_slots"].fd, m["lookup_netns"].fd, m["lookup_prog"].fd, m["lookup_pool"].fd,
+                    m["lookup_free"].fd, int(t[0]), n)
+    except OSError as e:
+        log.warning("ebpf: loading the next %d sk_lookup programs of the pool failed (%s); setups load theirs"
+                    " on demand meanwhile", n, e)
 
 
 def prog_slot(prog_id: int) -> int | None:
