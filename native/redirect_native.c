@@ -136,33 +136,6 @@ int rdr_watch_pending(int fd)
 	return ioctl(fd, FIONREAD, &n) < 0 ? -errno : n > 0;
 }
 
-static void *new_netns(void *out)
-{
-	int s;
-
-	if (unshare(CLONE_NEWNET) < 0) /* (this thread's alone; it goes when the thread ends) */
-		return NULL;
-	s = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-	if (s >= 0) {
-		rdr_sock_netns_cookie(s, out);
-		close(s);
-	}
-	return NULL;
-}
-
-int rdr_new_netns_cookie(uint64_t *cookie)
-{
-	pthread_t t;
-	int ret;
-
-	*cookie = 0;
-	ret = pthread_create(&t, NULL, new_netns, cookie);
-	if (ret != 0)
-		return -ret;
-	pthread_join(t, NULL);
-	return *cookie ? 0 : -EPERM;
-}
-
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie)
 {
 	int self, sock, ret;

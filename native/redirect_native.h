@@ -33,10 +33,6 @@ int rdr_watch_pending(int fd);
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
 
-/* The cookie of a netns made now (by a thread of its own, then gone): every netns made later has a
- * larger one (the kernel counts them up). */
-int rdr_new_netns_cookie(uint64_t *cookie);
-
 /* --- bpf(2) and pidfd: what bcc's Python does not offer ------------------- */
 
 /* BPF_OBJ_PIN: pin the map/prog/link behind fd at path (on a bpffs). */
@@ -229,9 +225,9 @@ struct rdr_pod_req {
 	uint64_t host_netns_ino[2]; /* the host's netns inodes (redirect.kernel.netns.host_netns_inodes(), 0:
 				     * none): the call backs off for them and for the caller's own, which
 				     * redirect.setup refuses (or allows) on its general path */
-	int nf_marks_fd;            /* the run dir's netfilter marks (redirect.locks.netfilter_marks), or -1 */
-	uint64_t nf_epoch;          /* their epoch: a netns with a larger cookie and no mark has no
-				     * netfilter capture of ours (0: none known, always look) */
+	int nf_marks_fd;            /* the run dir's netfilter marks (redirect.kernel.locks.netfilter_marks), or -1 */
+	int nf_marks_ready;         /* they are complete (every netns that may hold netfilter capture of
+				     * ours is marked): a netns without a mark holds none; 0: always look */
 };
 
 /* What one call found and did. */
@@ -250,8 +246,7 @@ int rdr_tcp_diag_ok(void);
  * thread's own open of the netns lock file: an OFD write lock on the byte at the netns inode
  * is held throughout (-1: none, and the call backs off: threads could not be told apart).
  * A netns that is the host's (r->host_netns_ino, or the caller's own) or that may hold netfilter
- * capture of ours (marked, or older than the marks' epoch, and with a netfilter table:
- * rdr_netfilter_present) is not a fresh pod.
+ * capture of ours (marked, and with a netfilter table: rdr_netfilter_present) is not a fresh pod.
  * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.
  * 0: the pod is set up (c filled in); RDR_POD_*; or -errno of what failed (everything undone). */
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,

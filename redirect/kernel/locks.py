@@ -19,10 +19,12 @@ out other threads and other processes alike. The eBPF backend's fresh-pod call
 The netfilter marks: a setup of a netfilter backend marks its netns first, one byte of
 ``netfilter.marks`` at the netns inode's offset (:func:`mark_netfilter`), so that the eBPF
 backend's setup of a new pod knows without asking the kernel that no netfilter capture of ours
-can be there (one netns never holds two backends' capture). The file's first 8 bytes are its
-epoch: the cookie of a netns made when it was created; a netns with a larger cookie was made
-while every setup marked. Marks are never cleared: one left by a netns gone (whose inode a new
-one reuses) only makes that setup look at the netns's tables.
+can be there (one netns never holds two backends' capture). Capture installed before the file
+existed (by an earlier version) was not marked: whoever makes the file first marks every netns
+there is then (the netns of every process, and those bind-mounted, as ``/run/netns`` entries
+are), then writes its header (``MARKS_READY`` in its first 8 bytes); until then no one trusts a
+missing mark. Marks are never cleared: one left by a netns gone (whose inode a new one reuses)
+only makes that setup look at the netns's tables.
 """
 
 from __future__ import annotations
@@ -162,37 +164,51 @@ def thread_lock_fd() -> int:
     return fd
 
 
-#: The marks file's name, in the run directory.
+#: The marks file's name, in the run directory, and its header once complete.
 NETFILTER_MARKS = "netfilter.marks"
-_marks: tuple[int, int, int] | None = None  # (fd, epoch, pid)
+MARKS_READY = b"rdrmark1"
+_marks: tuple[int, bool, int] | None = None  # (fd, ready, pid)
 _marks_lock = threading.Lock()
 
 
-def netfilter_marks() -> tuple[int, int]:
-    """(fd, epoch) of the netfilter marks (module docstring), opened once per process (and made
-    on first use, with its epoch); the epoch is 0 while its maker has not written it yet."""
+def netfilter_marks() -> tuple[int, bool]:
+    """(fd, ready) of the netfilter marks (module docstring), opened once per process; the first
+    process to find them without their header marks every netns there is, then writes it."""
     global _marks
     m = _marks
     if m is not None and m[2] == os.getpid() and m[1]:
         return m[0], m[1]
     with _marks_lock:
         fd = _marks[0] if _marks is not None and _marks[2] == os.getpid() else open_private(NETFILTER_MARKS)
-        raw = os.pread(fd, 8, 0)
-        if len(raw) < 8:
-            from .. import _native
+        ready = os.pread(fd, len(MARKS_READY), 0) == MARKS_READY
+        if not ready:  # (two processes at once both mark: the same marks)
+            for inode in _existing_netns():
+                os.pwrite(fd, b"\x01", inode)
+            os.pwrite(fd, MARKS_READY, 0)
+            ready = True
+        _marks = (fd, ready, os.getpid())
+        return fd, ready
 
-            out = _native.ffi.new("uint64_t *")
-            if _native.lib.rdr_new_netns_cookie(out) == 0:  # (another process making it too: either
-                os.pwrite(fd, struct.pack("=Q", int(out[0])), 0)  # epoch is right, both were marking)
-            raw = os.pread(fd, 8, 0)
-        epoch = struct.unpack("=Q", raw)[0] if len(raw) == 8 else 0
-        _marks = (fd, epoch, os.getpid())
-        return fd, epoch
+
+def _existing_netns() -> set[int]:
+    """The inodes of the network namespaces there are now: those of the processes, and those
+    bind-mounted (``nsfs`` mounts, ``/run/netns`` and the like)."""
+    out: set[int] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                out.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            root = line.split(" ", 4)[3]  # an nsfs mount's root names its namespace: net:[4026532281]
+            if root.startswith("net:[") and root.endswith("]") and root[5:-1].isdigit():
+                out.add(int(root[5:-1]))
+    return {i for i in out if i >= len(MARKS_READY)}
 
 
 def mark_netfilter(inode: int) -> None:
     """Mark the netns ``inode`` as one that may hold netfilter capture of ours (before it does)."""
-    fd, _epoch = netfilter_marks()
+    fd, _ready = netfilter_marks()
     os.pwrite(fd, b"\x01", inode)
 
 

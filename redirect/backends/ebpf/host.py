@@ -173,7 +173,7 @@ class HostPrograms:
         r.host_netns_ino = _netns.host_netns_inodes()
         from ...kernel import locks
 
-        r.nf_marks_fd, r.nf_epoch = locks.netfilter_marks()
+        r.nf_marks_fd, r.nf_marks_ready = locks.netfilter_marks()
         r.addr_proto, r.addr_flags = rt.RT_PROTO, rt.IFA_F_NODAD
         for i, row in enumerate(tmpl.sets):
             for j, (policy, ports, n_ports, cidrs, n_cidrs, local, v6, add) in enumerate(row):
