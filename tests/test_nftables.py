@@ -433,15 +433,17 @@ def ebpf_cannot_load(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
         assert ebpf.refusal(RedirectConfig()) is None  # the probe allows it: only loading tells
         yield want
     finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        backends._ebpf_load_failures.pop(root, None)
-        if request.param == "root-not-bpffs":
-            subprocess.run(["umount", base], check=True)
-        else:
-            ebpf.force_unload_host(root)
-        if os.path.isdir(base):
-            os.rmdir(base)
+        try:  # the mount and the pins first: nothing below may leave them
+            if request.param == "root-not-bpffs":
+                subprocess.run(["umount", base], check=True)
+            else:
+                ebpf.force_unload_host(root)
+            if os.path.isdir(base):
+                os.rmdir(base)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            backends._ebpf_load_failures.pop(root, None)
         assert not os.path.exists(base), f"left {base}"
 
 
