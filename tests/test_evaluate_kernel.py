@@ -6,22 +6,28 @@ supports (``test_nftables_diff.specs``); each is set up in one pod with ``backen
 and in another with ``backend="ebpf"``; a probe matrix (the app, the proxy's uid, an owner
 group; outbound ports and CIDRs, DNS over UDP and TCP, inbound ports, the pod to itself, the
 inbound passthrough, a dual-stack socket to an IPv4 peer; IPv4 and IPv6) runs in both, and
-each probe must land where ``evaluate_plan`` (iptables) and ``evaluate_ebpf`` (eBPF) say.
+each probe must land where ``evaluate_plan`` (iptables) and ``evaluate_ebpf`` (eBPF) say. The
+same for ambient configs, with the node proxy's marked listeners: sockets of every kind of mark,
+DNS, the probe address both ways, the tunnel port, a rerouted interface, and the node proxy's
+transparent connection to the app.
 """
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 
 import redirect
+from redirect.config import RedirectConfig
 from redirect.plan import build_plan
 from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.plan.intent import intent_of
+from redirect.plan.intent import ambient_intent_of, intent_of
 from redirect.plan.lower_ebpf import lower_ebpf
 from tests import test_nftables_diff as diff
-from tests.netkit import Listener, Pod, landing
+from tests.netkit import Listener, Pod, TcpListener, UdpListener, in_netns, landing
 from tests.test_ebpf import bpf_root  # noqa: F401 - the fixture: host programs under a scratch root
 
 #: Listener label -> where the evaluators say such a connection lands.
@@ -103,3 +109,105 @@ def test_evaluators_land_every_probe_where_the_kernel_does(make_pod, bpf_root: s
         print(f"evaluators vs kernel: {len(seen)} configs, landings {sorted(map(str, kinds))}")
         assert len(seen) >= 8, f"only {len(seen)} configs were compared"
         assert {DIRECT, *CAPTURED.values()} <= kinds, kinds
+
+
+# --- ambient mode ---------------------------------------------------------------------------------
+
+#: Ambient configs (the pod's interface stands for a rerouted one in the last).
+AMBIENT = [{}, {"dns_capture": True}, {"bypass_inbound_capture": True, "dns_capture": True}, {"reroute": True}]
+MARKS = {"app": 0, "proxy": 0x539, "proxy+": 0x10539, "conn": 0x111, "other": 0x12}
+PROBE_SRC = {4: "169.254.7.127", 6: "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"}
+
+
+def ambient_probes(pod: Pod) -> list[tuple[str, Conn, dict[str, Any]]]:
+    """Outbound from sockets of every kind of mark (TCP to a peer and to the pod itself, DNS over
+    UDP and TCP, to the probe address), inbound (to the app, the tunnel port, from the probe
+    address)."""
+    out: list[tuple[str, Conn, dict[str, Any]]] = []
+    for fam in (4, 6):
+        peer, own, probe = pod.peer_ip(fam), pod.pod_ip(fam), PROBE_SRC[fam]
+        for who, mark in MARKS.items():
+            kw = {"mark": mark} if mark else {}
+            out.append((f"out {who} v{fam}", Conn("out", "tcp", peer, 8080, mark=mark),
+                        {"ip": peer, "port": 8080, **kw}))
+            if who == "conn":  # (the policy route of that mark takes its traffic to lo: routing, not modelled)
+                continue
+            out.append((f"dns udp {who} v{fam}", Conn("out", "udp", peer, 53, mark=mark),
+                        {"ip": peer, "port": 53, "proto": "udp", "timeout": 0.15, **kw}))
+            out.append((f"dns tcp {who} v{fam}", Conn("out", "tcp", peer, 53, mark=mark),
+                        {"ip": peer, "port": 53, **kw}))
+        out.append((f"self v{fam}", Conn("out", "tcp", own, 8080), {"ip": own, "port": 8080}))
+        out.append((f"to the probe address v{fam}", Conn("out", "tcp", probe, 8080), {"ip": probe, "port": 8080}))
+        for port in (8080, 15008):
+            out.append((f"in v{fam} :{port}", Conn("in", "tcp", own, port, src=peer, iface=pod.pod_if),
+                        {"ns": pod.peer_name, "ip": own, "port": port}))
+        out.append((f"in from the probe address v{fam}", Conn("in", "tcp", own, 8080, src=probe, iface=pod.pod_if),
+                    {"ns": pod.peer_name, "ip": own, "port": 8080, "src": probe}))
+    return out
+
+
+def test_evaluators_land_ambient_probes_where_the_kernel_does(make_pod, bpf_root: str) -> None:  # noqa: F811
+    """Ambient configs on iptables and eBPF: a probe matrix (marks, DNS, the probe address, the
+    tunnel port, a rerouted interface) lands where each evaluator says; the node proxy's
+    transparent connection to the app from a peer's address reaches the app on both."""
+    from tests.test_ambient import node_proxy, spoofed_connect
+
+    ambient_labels: dict[str, Landing] = {"proxy-out4": ("redirect", 15001), "proxy-out6": ("redirect", 15001),
+                                          "proxy-in4": ("redirect", 15006), "proxy-in6": ("redirect", 15006),
+                                          "proxy-dns4": ("redirect", 15053), "proxy-dns6": ("redirect", 15053),
+                                          "proxy-dns-tcp4": ("redirect", 15053), "proxy-dns-tcp6": ("redirect", 15053)}
+    kinds: set[Landing | str] = set()
+    for backend in ("iptables", "ebpf"):
+        pod = make_pod()
+        for fam in (4, 6):  # the probe addresses on the peer, routed to from the pod
+            plen = 32 if fam == 4 else 128
+            in_peer = ["ip", "-n", pod.peer_name, f"-{fam}", "addr", "add", f"{PROBE_SRC[fam]}/{plen}", "dev",
+                       pod.peer_if] + (["nodad"] if fam == 6 else [])
+            subprocess.run(in_peer, check=True)
+            subprocess.run(["ip", "-n", pod.name, f"-{fam}", "route", "add", PROBE_SRC[fam], "dev", pod.pod_if],
+                           check=True)
+        with node_proxy(pod) as proxy, contextlib.ExitStack() as st:
+            ls: list[Listener] = [*proxy.all()]
+            for fam in (4, 6):
+                ls += [st.enter_context(TcpListener(pod.name, 8080, fam, label=f"app{fam}")),
+                       st.enter_context(TcpListener(pod.peer_name, 8080, fam, label=f"peer{fam}")),
+                       st.enter_context(TcpListener(pod.peer_name, 53, fam, label=f"resolver-tcp{fam}")),
+                       st.enter_context(UdpListener(pod.peer_name, 53, fam, label=f"resolver{fam}"))]
+            for fam in (4, 6):  # neighbour discovery first
+                landing(pod.peer_name, pod.pod_ip(fam), 8080, *ls, timeout=3.0)
+            try:
+                for spec in AMBIENT:
+                    kw = {k: v for k, v in spec.items() if k != "reroute"}
+                    if spec.get("reroute"):
+                        kw["reroute_interfaces"] = (pod.pod_if,)
+                    cfg = RedirectConfig(mode="ambient", **kw)
+                    redirect.setup(pod.name, cfg, backend=backend)
+                    net = PodNet(((4, pod.pod_ip4, 2), (6, pod.pod_ip6, 2)), dev=pod.pod_if, links=((pod.pod_if, 2),))
+                    plan, entries = build_plan(cfg), lower_ebpf(ambient_intent_of(cfg), (4, 6))
+                    wrong: dict[str, Any] = {}
+                    for name, conn, pkw in ambient_probes(pod):
+                        want = evaluate_plan(plan, (4, 6), net, conn) if backend == "iptables" else \
+                            evaluate_ebpf(entries, net, conn)
+                        pkw = dict(pkw)
+                        hit = landing(pkw.pop("ns", pod.name), pkw.pop("ip"), pkw.pop("port"), *ls,
+                                      **{"timeout": 1.0, **pkw})
+                        got = (f"nowhere ({hit.result.error})" if hit.listener is None else
+                               ambient_labels.get(hit.listener.label or "", DIRECT))
+                        if name.startswith("out conn") and hit.listener is None:
+                            got = DIRECT  # uncaptured, and the policy route of the connection mark keeps it local
+                        kinds.add(got)
+                        if got != want:
+                            wrong[name] = (got, want)
+                    for fam in (4, 6):  # the node proxy's transparent connection to the app
+                        spoofed = Conn("out", "tcp", pod.pod_ip(fam), 8080, mark=0x539, src=pod.peer_ip(fam))
+                        want = evaluate_plan(plan, (4, 6), net, spoofed) if backend == "iptables" else \
+                            evaluate_ebpf(entries, net, spoofed)
+                        got_label = in_netns(pod.name, spoofed_connect, pod.peer_ip(fam), (pod.pod_ip(fam), 8080))
+                        got = DIRECT if got_label == f"app{fam}" else f"{got_label}"
+                        if not cfg.bypass_inbound_capture:  # (then no connection mark: the replies leave the pod)
+                            if got != want:
+                                wrong[f"transparent v{fam}"] = (got, want)
+                    assert not wrong, f"{backend} {spec}: kernel vs evaluator (got, predicted): {wrong}"
+            finally:
+                redirect.teardown(pod.name, backend=backend)
+    assert {DIRECT, ("redirect", 15001), ("redirect", 15006), ("redirect", 15053)} <= kinds, kinds

@@ -19,8 +19,11 @@ The pod is described by ``PodNet`` (its own addresses; a destination among them,
 loopback one, leaves over lo) and the connection by ``Conn``. Modelled: the first packet of
 a new connection (conntrack state NEW) and its socket's owner and mark; an IPv6
 socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
-netfilter, ``connect6`` for the programs). Not modelled: routing beyond "local or out
-through ``PodNet.dev``", ``sendmsg`` with an explicit source (``IP_PKTINFO``).
+netfilter, ``connect6`` for the programs); in ambient mode, the node proxy's transparent
+connections to the app (a bound source that is not the pod's). Not modelled: routing beyond
+"local or out through ``PodNet.dev``" (a route chosen by the socket's mark, as the ambient policy
+route takes a socket carrying the connection mark to lo, is not), ``sendmsg`` with an explicit
+source (``IP_PKTINFO``).
 """
 
 from __future__ import annotations
