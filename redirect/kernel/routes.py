@@ -19,6 +19,7 @@ from . import rtnl
 #: Our routing protocol number (unassigned in iproute2's rt_protos).
 RT_PROTO = 201
 RULE_PRIORITY = 32764
+LOOPBACK_IFINDEX = 1  # lo, in every netns (no dump to look it up)
 IFA_F_NODAD = 0x02  # usable at once
 _AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 
@@ -107,7 +108,7 @@ def _ignoring(codes: tuple[int, ...], fn: Any, *args: Any) -> None:
 
 def add_route(r: PolicyRoute) -> None:
     """The local default route in ``r.table``, then the fwmark rule that leads to it."""
-    lo = rtnl.link_index("lo")
+    lo = LOOPBACK_IFINDEX
     _ignoring((EEXIST,), rtnl.local_default_route, "add", _AF[r.family], r.table, lo, RT_PROTO)
     _ignoring((EEXIST,), rtnl.fwmark_rule, "add", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY, RT_PROTO)
 
@@ -115,7 +116,7 @@ def add_route(r: PolicyRoute) -> None:
 def remove_route(r: PolicyRoute) -> None:
     _ignoring((ENOENT, ESRCH), rtnl.fwmark_rule, "del", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY,
               RT_PROTO)
-    _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[r.family], r.table, rtnl.link_index("lo"),
+    _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[r.family], r.table, LOOPBACK_IFINDEX,
               RT_PROTO)
 
 
