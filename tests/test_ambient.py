@@ -511,3 +511,20 @@ def test_switching_an_ambient_pod_between_backends_keeps_the_passthrough(pod: Po
         assert app.last is not None and app.last.peer[0] == pod.peer_ip4
     assert redirect.teardown(pod.name)
     assert snapshot(pod.name) == before
+
+
+def test_ebpf_ambient_to_sidecar_and_back_leaves_no_route_or_sysctl_of_the_other(pod: Pod, ebpf_root: str) -> None:
+    """A config change between modes on eBPF: the ambient policy route and tcp_fwmark_accept go
+    with the ambient config and come back with it; teardown gives the netns back as it was."""
+    before = snapshot(pod.name)
+    redirect.setup(pod.name, ambient(), backend="ebpf")
+    assert "lookup 100" in snapshot(pod.name)["rule4"] and _fwmark_accept(pod.name) == 1
+    sidecar = RedirectConfig(ipv6=False)
+    assert redirect.setup(pod.name, sidecar, backend="ebpf").changed
+    now = snapshot(pod.name)
+    assert "lookup 100" not in now["rule4"] + now["rule6"] and _fwmark_accept(pod.name) == 0
+    assert redirect.check(pod.name, sidecar, backend="ebpf").ok
+    assert redirect.setup(pod.name, ambient(), backend="ebpf").changed
+    assert redirect.check(pod.name, ambient(), backend="ebpf").ok and _fwmark_accept(pod.name) == 1
+    assert redirect.teardown(pod.name)
+    assert snapshot(pod.name) == before

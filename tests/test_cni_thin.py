@@ -485,7 +485,7 @@ def test_ambient_pod_through_the_thin_plugin(bin_dir: str, make_pod: Callable[..
 
 @needs_containerd
 @pytest.mark.parametrize("mode,backend", [("sidecar", "iptables"), ("sidecar", "nftables"), ("sidecar", "ebpf"),
-                                          ("ambient", "iptables"), ("ambient", "nftables")])
+                                          ("ambient", "iptables"), ("ambient", "nftables"), ("ambient", "ebpf")])
 def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path: Path,  # noqa: F811
                                                 monkeypatch: pytest.MonkeyPatch, mode: str, backend: str) -> None:
     """``ctr run --cni`` with bridge + host-local + the thin redirect-cni: the container's traffic is
