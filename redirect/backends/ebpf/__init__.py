@@ -44,8 +44,14 @@ packs; the programs implement Istio's rule order over map lookups
 property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
+Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient``), decided by
+``bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
+ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_accept`` on
+(``backend``), through which the node proxy's transparent connections to the app get their replies
+(``bpf/sockopt.c: ambient_connect``).
+
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
-the option): ``mode="ambient"``; ``drop_invalid`` (conntrack tracks nothing in a netns without
+the option): ``drop_invalid`` (conntrack tracks nothing in a netns without
 netfilter rules, so there is no INVALID verdict for a program to read; README).
 
 The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``

@@ -73,7 +73,7 @@ log = logging.getLogger("redirect.ebpf")
 
 
 class EbpfBackend:
-    """Sidecar capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
+    """Sidecar and ambient capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
 
     name = "ebpf"
 
