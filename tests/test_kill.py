@@ -307,13 +307,15 @@ def test_a_failure_once_the_new_rules_are_in_keeps_them_and_says_so(
     assert not our_lines(pod.name, backend)
 
 
-#: The eBPF backend's configs (it has no TPROXY or ambient mode).
+#: The eBPF backend's configs, each capturing another set of the probes (an ambient one among
+#: them: its policy route comes and goes with it).
 EBPF_POOL = [
     RedirectConfig(),
     RedirectConfig(outbound_exclude_ports=(9090,)),
     RedirectConfig(inbound_ports=(8000,), outbound_exclude_cidrs=("10.0.0.0/8",)),
     RedirectConfig(ipv6=False),
     RedirectConfig(outbound_ports=(9090,), outbound_cidrs=()),
+    RedirectConfig(mode="ambient", bypass_inbound_capture=True),
 ]
 
 
@@ -372,3 +374,23 @@ def test_an_ebpf_setup_killed_anywhere_leaves_no_bypass_and_is_repaired(pod: Pod
     from tests.test_ebpf import _cookie, entries_mentioning
 
     assert not any(entries_mentioning(ebpf_root, _cookie(pod)).values())
+
+
+def test_an_ebpf_change_to_or_from_ambient_killed_before_its_entries_is_repaired(pod: Pod, ebpf_root: str) -> None:
+    """The ambient policy route is added before the entries and the policy: a setup killed there
+    leaves the route under the old config's policy; the next setup of either config makes the
+    routes its own, and check agrees."""
+    from tests.test_ambient import snapshot
+
+    before = snapshot(pod.name)
+    sidecar, amb = RedirectConfig(), RedirectConfig(mode="ambient")
+    with subreaper():
+        for old, new in ((sidecar, amb), (amb, sidecar)):
+            for again in (old, new):
+                redirect.setup(pod.name, old, backend="ebpf")
+                killed_setup(pod.name, new, "ebpf", 0.0, point="ebpf.before_entries")
+                redirect.setup(pod.name, again, backend="ebpf")
+                res = redirect.check(pod.name, again, backend="ebpf")
+                assert res.ok, (old.mode, new.mode, again.mode, res.differences)
+    assert redirect.teardown(pod.name)
+    assert snapshot(pod.name) == before

@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
@@ -68,6 +68,9 @@ from .podnet import (
 from .pods import _pod_link, _remove_pod, drop_leftovers, drop_link, read_pod, write_pod
 from .pool import link_cookie, prog_cookie
 from .syscalls import _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, prog_id
+
+if TYPE_CHECKING:
+    from ...kernel.routes import RouteTxn
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -159,15 +162,17 @@ class EbpfBackend:
         out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
-        # Ambient: the plan's policy route, and tcp_fwmark_accept (see _fwmark_state).
+        # Ambient: the plan's policy route, and tcp_fwmark_accept (see _fwmark_state). Our routes are
+        # read for any config: a setup killed between them and the policy leaves the routes of a
+        # config the policy does not name, which this one then adds or removes.
         old_flags = POLICY.unpack(old.policy)[P_FLAGS] if old.policy is not None else 0
-        rtx = _route_txn(plan, families) if plan.routes or old_flags & F_AMBIENT else None
+        rtx = _route_txn(plan, families)
         fw_ours, fw_set = _fwmark_state(want.policy, old_flags)
         policy = _with_flag(want.policy, F_FWMARK_ACCEPT_OURS, fw_ours)
         unchanged = (not scan and not oscan and old.policy is not None and _policy_core(old.policy) == want.policy
                      and not add_addrs and not dropping
                      and not (old_flags ^ policy_flags(policy)) & F_FWMARK_ACCEPT_OURS
-                     and fw_set is None and (rtx is None or not rtx.changed)
+                     and fw_set is None and not rtx.changed
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
@@ -190,8 +195,7 @@ class EbpfBackend:
             registered: list[bytes] = []
             own_fd = None
             try:
-                if rtx is not None:  # before the policy: replies route back once capture is on
-                    rtx.apply()
+                rtx.apply()  # before the policy: replies route back once capture is on
                 for fam, fd in ofds.items():
                     key = LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND)
                     if h.maps["listeners"].lookup(key) is None:
@@ -216,9 +220,8 @@ class EbpfBackend:
                 for la in added:
                     with contextlib.suppress(OSError, RedirectError):
                         rt.remove_address(la)
-                if rtx is not None:
-                    with contextlib.suppress(OSError, RedirectError):
-                        rtx.rollback()
+                with contextlib.suppress(OSError, RedirectError):
+                    rtx.rollback()
                 if isinstance(e, OSError):
                     raise SetupError(f"ebpf: setup failed and was undone: {e}") from e
                 raise
@@ -232,8 +235,7 @@ class EbpfBackend:
         # leaves it recorded and not set: check reports it, the next setup sets it).
         if fw_set is not None:
             set_fwmark_accept(fw_set)
-        if rtx is not None:
-            rtx.finish()
+        rtx.finish()
         for ours in dropping:
             rt.remove_address(ours)
         d = _general_detail(h, cookie, t0, t_host, link_path)
@@ -421,7 +423,7 @@ def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, int | None]:
     return False, (0 if now != 0 else None)
 
 
-def _route_txn(plan: Plan, families: tuple[int, ...]) -> Any:
+def _route_txn(plan: Plan, families: tuple[int, ...]) -> RouteTxn:
     """The plan's policy routes as a transaction; our addresses are left as they are (the backend
     manages ``::6`` itself)."""
     from ...kernel import routes as rt
