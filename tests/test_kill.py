@@ -392,5 +392,9 @@ def test_an_ebpf_change_to_or_from_ambient_killed_before_its_entries_is_repaired
                 redirect.setup(pod.name, again, backend="ebpf")
                 res = redirect.check(pod.name, again, backend="ebpf")
                 assert res.ok, (old.mode, new.mode, again.mode, res.differences)
-    assert redirect.teardown(pod.name)
+        # Killed on a fresh pod (no policy yet): the eBPF teardown takes the route too.
+        assert redirect.teardown(pod.name, backend="ebpf")
+        killed_setup(pod.name, amb, "ebpf", 0.0, point="ebpf.before_entries")
+        assert "lookup 100" in snapshot(pod.name)["rule4"]
+        redirect.teardown(pod.name, backend="ebpf")
     assert snapshot(pod.name) == before

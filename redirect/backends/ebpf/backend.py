@@ -263,12 +263,13 @@ class EbpfBackend:
             set_fwmark_accept(0)
         if keep_routes:  # (another backend's capture uses them now)
             return removed
-        if flags & F_AMBIENT:  # its policy route (a setup killed before the policy: teardown(backend=None))
+        if policy is None or flags & F_AMBIENT:
+            # Ambient's policy route, or what a setup killed before its policy left (as the
+            # netfilter backends' remove, all of ours).
             from ...kernel import routes as rt
 
             return rt.remove_all_ours() or removed
-        if policy is not None:
-            _remove_our_addresses()
+        _remove_our_addresses()
         return removed
 
     # --- check / show / render ----------------------------------------------------
