@@ -46,7 +46,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_STDIN (1 << 20)        /* redirect.cni.plugin.MAX_STDIN */
+#define MAX_STDIN (1 << 20)        /* redirect.cni.netconf.MAX_STDIN */
 #define MAX_MESSAGE (64 * 1024)    /* redirect.ambient.agent.protocol.MAX_MESSAGE */
 #define MAX_ENV_VALUE (32 * 1024)  /* redirect.ambient.agent.cni_requests.MAX_ENV_VALUE */
 #define MAX_DEPTH 512

@@ -31,7 +31,7 @@ import pytest
 import redirect
 from redirect.ambient import node
 from redirect.ambient.agent import client, discovery, identity, protocol
-from redirect.cni.plugin import convert_result
+from redirect.cni.netconf import convert_result
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
     Containerd,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from redirect.cni import install as inst
-from redirect.cni.plugin import convert_result, encode_annotations, parse_cni_args, pod_annotations
+from redirect.cni.netconf import convert_result, encode_annotations, parse_cni_args, pod_annotations
 from redirect.config import RedirectConfig
 from redirect.errors import ConfigError
 from redirect.istio.annotations import config_from_annotations, wants_capture

@@ -27,7 +27,7 @@ import pytest
 
 import redirect
 from redirect.cni import install as inst
-from redirect.cni.plugin import MAX_STDIN, convert_result, encode_annotations
+from redirect.cni.netconf import MAX_STDIN, convert_result, encode_annotations
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
     Containerd,

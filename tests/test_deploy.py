@@ -122,7 +122,7 @@ def test_the_daemonset_has_what_a_node_needs() -> None:
     for c in spec["containers"]:  # every executable logs JSON lines
         assert "--log-json" in argv_of(c, {}), c["name"]
     # the ConfigMap's plugin entry is one redirect-cni accepts
-    from redirect.cni.plugin import PluginConf
+    from redirect.cni.netconf import PluginConf
 
     entry = json.loads(the("ConfigMap")["data"]["cni-plugin.json"])
     pc = PluginConf({"cniVersion": "1.0.0", "type": "redirect-cni", **entry})

@@ -18,6 +18,7 @@ import pytest
 
 import redirect
 from redirect.backends import nftables as nb
+from redirect.backends import nftables_rules as nr
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
 from redirect.plan import build_plan
@@ -36,7 +37,7 @@ def without_ours(ruleset: str) -> str:
     """``nft list ruleset`` text with our table cut out."""
     out, skip = [], False
     for line in ruleset.splitlines():
-        if line.startswith(f"table {nb.FAMILY} {nb.TABLE} "):
+        if line.startswith(f"table {nr.FAMILY} {nr.TABLE} "):
             skip = True
         elif skip and line == "}":
             skip = False
@@ -59,9 +60,9 @@ def test_render_is_deterministic_json_with_iptables_priorities() -> None:
     assert a == nb.NftablesBackend().render(build_plan(RedirectConfig(
         inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True)), (4, 6))
     cmds = json.loads(a)["nftables"]
-    assert cmds[:3] == [{"add": {"table": {"family": "inet", "name": nb.TABLE}}},
-                        {"delete": {"table": {"family": "inet", "name": nb.TABLE}}},
-                        {"add": {"table": {"family": "inet", "name": nb.TABLE}}}]
+    assert cmds[:3] == [{"add": {"table": {"family": "inet", "name": nr.TABLE}}},
+                        {"delete": {"table": {"family": "inet", "name": nr.TABLE}}},
+                        {"add": {"table": {"family": "inet", "name": nr.TABLE}}}]
     bases = {c["add"]["chain"]["name"]: (c["add"]["chain"]["type"], c["add"]["chain"]["prio"])
              for c in cmds if "chain" in c.get("add", {}) and "hook" in c["add"]["chain"]}
     assert bases == {"nat_OUTPUT": ("nat", -100),  # TPROXY: nat PREROUTING has no rules
@@ -70,8 +71,8 @@ def test_render_is_deterministic_json_with_iptables_priorities() -> None:
 
 
 def test_render_rules_in_nft_list_form() -> None:
-    rs = nb.desired_ruleset(build_plan(RedirectConfig(outbound_exclude_ports=(22, 80))), (4, 6))
-    texts = [nb.expr_text(*r) for r in rs["nat_OUTBOUND"].rules]
+    rs = nr.desired_ruleset(build_plan(RedirectConfig(outbound_exclude_ports=(22, 80))), (4, 6))
+    texts = [nr.expr_text(*r) for r in rs["nat_OUTBOUND"].rules]
     assert 'tcp dport 22 return comment "redirect: excluded outbound port 22"' in texts
     assert 'oifname "lo" ip saddr 127.0.0.6 return comment "redirect: inbound passthrough from the proxy"' in texts
     assert rs["nat_REDIRECT"].rules == [([{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}},
@@ -79,16 +80,16 @@ def test_render_rules_in_nft_list_form() -> None:
 
 
 def test_ipv4_only_config_leaves_ipv6_to_other_rules() -> None:
-    rs = nb.desired_ruleset(build_plan(RedirectConfig(ipv6=False)), (4,))
+    rs = nr.desired_ruleset(build_plan(RedirectConfig(ipv6=False)), (4,))
     for spec in rs.values():
         if spec.base:
-            assert nb.expr_text(*spec.rules[0]) == 'meta nfproto ipv6 return comment "redirect: IPv6 is not captured"'
-    assert not any("ip6 " in nb.expr_text(*r) for s in rs.values() for r in s.rules)
+            assert nr.expr_text(*spec.rules[0]) == 'meta nfproto ipv6 return comment "redirect: IPv6 is not captured"'
+    assert not any("ip6 " in nr.expr_text(*r) for s in rs.values() for r in s.rules)
 
 
 def test_tproxy_delivers_or_drops_like_iptables() -> None:
-    rs = nb.desired_ruleset(build_plan(RedirectConfig(inbound_interception="TPROXY")), (4, 6))
-    texts = [nb.expr_text(*r) for r in rs["mangle_TPROXY"].rules]
+    rs = nr.desired_ruleset(build_plan(RedirectConfig(inbound_interception="TPROXY")), (4, 6))
+    texts = [nr.expr_text(*r) for r in rs["mangle_TPROXY"].rules]
     assert texts[0].startswith("ip daddr != 127.0.0.1 meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept")
     assert texts[1].startswith("ip daddr != 127.0.0.1 meta l4proto tcp drop")
 
@@ -96,19 +97,19 @@ def test_tproxy_delivers_or_drops_like_iptables() -> None:
 def test_partial_mask_connmark_copy_is_refused_by_name() -> None:
     plan = Plan("sidecar", (Chain("mangle", "OUTPUT", (Rule((), SaveMark(0xFFF)),), "output"),))
     with pytest.raises(BackendUnavailable, match="SaveMark"):
-        nb.desired_ruleset(plan, (4, 6))
+        nr.desired_ruleset(plan, (4, 6))
 
 
 def test_listing_parses_back_to_the_rendered_ruleset() -> None:
-    rs = nb.desired_ruleset(build_plan(RedirectConfig(drop_invalid=True)), (4, 6))
-    items = [{"chain": {"family": "inet", "table": nb.TABLE, "name": n, "handle": i, **(s.base or {})}}
+    rs = nr.desired_ruleset(build_plan(RedirectConfig(drop_invalid=True)), (4, 6))
+    items = [{"chain": {"family": "inet", "table": nr.TABLE, "name": n, "handle": i, **(s.base or {})}}
              for i, (n, s) in enumerate(rs.items())]
-    items += [{"rule": {"family": "inet", "table": nb.TABLE, "chain": n, "handle": 99, "expr": e,
+    items += [{"rule": {"family": "inet", "table": nr.TABLE, "chain": n, "handle": 99, "expr": e,
                         **({"comment": c} if c else {})}} for n, s in rs.items() for e, c in s.rules]
-    parsed = nb.parse_listing(items)
-    assert nb.diff_rulesets(parsed, rs) == []
+    parsed = nr.parse_listing(items)
+    assert nr.diff_rulesets(parsed, rs) == []
     parsed["nat_OUTBOUND"].rules.pop(0)
-    assert any(d.startswith("chain nat_OUTBOUND: missing rule:") for d in nb.diff_rulesets(parsed, rs))
+    assert any(d.startswith("chain nat_OUTBOUND: missing rule:") for d in nr.diff_rulesets(parsed, rs))
 
 
 # --- traffic ---------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_foreign_tables_and_rules_survive_setup_and_teardown(pod: Pod) -> None:
     before = nft_ruleset(pod.name)
     redirect.setup(pod.name, RedirectConfig(dns_capture=True, capture_all_dns=True), backend="nftables")
     during = nft_ruleset(pod.name)
-    assert f"table inet {nb.TABLE}" in during
+    assert f"table inet {nr.TABLE}" in during
     assert without_ours(during) == before.strip()
     assert redirect.teardown(pod.name, backend="nftables")
     assert nft_ruleset(pod.name) == before
@@ -250,9 +251,9 @@ def test_the_fresh_pod_batch_deletes_nothing_and_replaces_a_table_made_meanwhile
     redirect.setup(pod.name, cfg, backend="nftables")
     want = nft_ruleset(pod.name)
     plan = build_plan(cfg)
-    desired = nb.desired_ruleset(plan, (4, 6))
-    fresh = nb.commands_for(desired, fresh=True)
-    assert not any("delete" in c for c in fresh) and {"flush": {"table": dict(nb._TABLE_OBJ)}} in fresh
+    desired = nr.desired_ruleset(plan, (4, 6))
+    fresh = nr.commands_for(desired, fresh=True)
+    assert not any("delete" in c for c in fresh) and {"flush": {"table": dict(nr.TABLE_OBJ)}} in fresh
     with rn.enter(pod.name):
         nft = nb._context()
         try:
@@ -301,7 +302,7 @@ def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> 
             assert ("ip", "nat") in names and ("ip", "rdrt_behind_our_back") in names
             assert ipt._xtables_tables(nft) == [("ip", "nat")]
             redirect.setup(pod.name, RedirectConfig(), backend="nftables")  # a batch of ours (nested scope)
-            assert (nb.FAMILY, nb.TABLE) in nb.table_names(nft)
+            assert (nr.FAMILY, nr.TABLE) in nb.table_names(nft)
         other = nb._context()
         try:
             sh(pod.name, "nft", "delete", "table", "ip", "rdrt_behind_our_back")
@@ -318,7 +319,7 @@ def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> 
 def test_check_reports_drift_readably(pod: Pod) -> None:
     cfg = RedirectConfig()
     redirect.setup(pod.name, cfg, backend="nftables")
-    sh(pod.name, "nft", "add", "rule", "inet", nb.TABLE, "nat_OUTBOUND", "tcp", "dport", "7777", "return")
+    sh(pod.name, "nft", "add", "rule", "inet", nr.TABLE, "nat_OUTBOUND", "tcp", "dport", "7777", "return")
     res = redirect.check(pod.name, cfg, backend="nftables")
     assert not res.ok
     assert res.differences == ("chain nat_OUTBOUND: unexpected rule: tcp dport 7777 return",)
@@ -342,7 +343,7 @@ def test_failure_half_way_leaves_the_netns_as_it_was(pod: Pod, monkeypatch: pyte
     if how == "route-step":
         monkeypatch.setenv("REDIRECT_FAULT", "nftables.before_transaction")
     else:
-        bad = {"add": {"rule": {"family": "inet", "table": nb.TABLE, "chain": "nat_OUTBOUND",
+        bad = {"add": {"rule": {"family": "inet", "table": nr.TABLE, "chain": "nat_OUTBOUND",
                                 "expr": [{"jump": {"target": "no_such_chain"}}]}}}
         monkeypatch.setattr(nb, "_EXTRA_COMMANDS_FOR_TESTS", [bad])
     with pytest.raises(SetupError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from redirect.ambient import node
-from redirect.backends.iptables import render_rule
+from redirect.backends.iptables_rules import render_rule
 
 pytestmark = pytest.mark.noroot
 

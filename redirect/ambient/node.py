@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..backends import iptables
 from ..backends.base import CheckResult, is_owned_comment
+from ..backends.iptables_rules import render_rule
 from ..config import PROBE_SNAT, normalize_ip
 from ..errors import ConfigError, SetupError
 from ..kernel import netns as _netns
@@ -115,13 +116,13 @@ def node_rules(fam: int, cfg: NodeConfig) -> tuple[Rule, Rule]:
 
 def _desired_rule(fam: int, cfg: NodeConfig) -> str:
     """Our rule as ``iptables-save`` prints it."""
-    return iptables.render_rule(CHAIN, node_rules(fam, cfg)[0])
+    return render_rule(CHAIN, node_rules(fam, cfg)[0])
 
 
 #: Our jump from POSTROUTING, as iptables-save prints it (the same for every family and config).
 #: A bare jump to our chain (_BARE_JUMP, the form installed before jumps carried our comment) is
 #: ours too, and setup replaces it.
-_JUMP = iptables.render_rule("POSTROUTING", node_rules(4, NodeConfig())[1], prefix="")
+_JUMP = render_rule("POSTROUTING", node_rules(4, NodeConfig())[1], prefix="")
 _BARE_JUMP = f"-A POSTROUTING -j {CHAIN}"
 
 

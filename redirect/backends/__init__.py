@@ -8,26 +8,16 @@ registered here.
 from __future__ import annotations
 
 import logging
-import os
 
 from ..config import RedirectConfig
 from ..errors import BackendUnavailable
-from .base import Backend
+from .base import Backend, ebpf_root
 
 log = logging.getLogger("redirect.backends")
 
 BACKENDS = ("iptables", "iptables-legacy", "iptables-nft", "nftables", "ebpf", "auto")
 #: Every kind of capture a netns may hold (a netns holds one: ``redirect.setup`` replaces another).
 KINDS = ("iptables", "nftables", "ebpf")
-#: The eBPF backend's pin root unless ``REDIRECT_BPF_ROOT`` names another.
-EBPF_DEFAULT_ROOT = "/sys/fs/bpf/redirect"
-
-
-def ebpf_root() -> str:
-    """The eBPF backend's pin root now (``REDIRECT_BPF_ROOT``, else the default)."""
-    return os.environ.get("REDIRECT_BPF_ROOT") or EBPF_DEFAULT_ROOT
-
-
 def kind_of(backend_name: str) -> str:
     """The kind of capture a backend installs: ``iptables`` (either variant), ``nftables``, ``ebpf``."""
     return "iptables" if backend_name.startswith("iptables") else backend_name

@@ -20,6 +20,16 @@ POD_CHAINS = frozenset({"PREROUTING", "OUTPUT", "INBOUND", "OUTBOUND", "REDIRECT
                         "TPROXY", "DROP", "DNS", "DNS_IN"})
 
 
+#: The eBPF backend's pin root unless ``REDIRECT_BPF_ROOT`` names another (here, not in the eBPF
+#: package: ``redirect.api`` and the CLI look for pins there without loading the backend).
+EBPF_DEFAULT_ROOT = "/sys/fs/bpf/redirect"
+
+
+def ebpf_root() -> str:
+    """The eBPF backend's pin root now (``REDIRECT_BPF_ROOT``, else the default)."""
+    return os.environ.get("REDIRECT_BPF_ROOT") or EBPF_DEFAULT_ROOT
+
+
 def owned_comment(purpose: str) -> str:
     """The comment of one rule of ours: our mark, then why the rule exists."""
     return f"{MARK}: {purpose}" if purpose else MARK

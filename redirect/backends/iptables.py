@@ -25,369 +25,44 @@ one from a namespace.
 
 The variant (legacy xtables or nf_tables) is chosen per namespace: whichever one
 already holds rules there wins; with neither, the host's ``iptables`` alternative.
+
+The rules' text (rendering a plan, reading a dump) is ``redirect.backends.iptables_rules``;
+this module runs the tools and orders the changes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..config import IdSpec, RedirectConfig
+from ..config import RedirectConfig
 from ..errors import BackendUnavailable, SetupError
 from ..kernel import routes as rt
 from ..plan.vocabulary import (
-    Accept,
-    Action,
-    Addr,
-    ConnMark,
-    CtState,
-    CtZone,
-    Drop,
-    Iface,
-    InSet,
-    Jump,
-    Mark,
-    Owner,
     Plan,
-    Port,
-    Proto,
-    Redirect,
-    RestoreMark,
-    Return,
-    Rule,
-    SaveMark,
-    SetConnMark,
-    SetMark,
-    Snat,
-    Socket,
-    SocketExists,
-    TProxy,
 )
-from .base import MARK, POD_CHAINS, CheckResult, Installed, fault_point, is_owned_comment, owned_comment
+from .base import MARK, CheckResult, Installed, fault_point
+from .iptables_rules import (
+    BUILTIN,
+    GENERATIONS,
+    VARIANTS,
+    Found,
+    State,
+    TableState,
+    add_payload,
+    anchor,
+    desired_state,
+    gen_of,
+    parse_save,
+    payload_for,
+    remove_payload,
+)
 
 log = logging.getLogger("redirect.iptables")
-
-#: Chain name prefixes of the two generations of our chains. A changed config is installed
-#: under the other generation's names beside the installed one, then the old one is removed,
-#: so no state in between captures less than one of the two configs.
-GENERATIONS = ("RDR_", "RDR2_")
-PREFIX = GENERATIONS[0]
-#: A pod's chains are exactly ``POD_CHAINS`` under a generation prefix: other ``RDR_*`` chains
-#: (the node's ``RDR_NODE_POSTRT``, anyone's) are not the pod's.
-JUMP_COMMENT = f"{MARK}: capture"
-BUILTIN = {"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
-HOOK_CHAIN = {"prerouting": "PREROUTING", "output": "OUTPUT"}
-TABLE_ORDER = ("raw", "mangle", "nat")
-VARIANTS = ("legacy", "nft")
-FULL = 0xFFFFFFFF
-
-
-# --- rendering -----------------------------------------------------------------------
-
-
-def _mark(value: int, mask: int) -> str:
-    return f"{value:#x}" if mask == FULL else f"{value:#x}/{mask:#x}"
-
-
-def _idspec(i: IdSpec) -> str:
-    return f"{i[0]}-{i[1]}" if isinstance(i, tuple) else str(i)
-
-
-def _quote(text: str) -> str:
-    # iptables-save quotes every comment and escapes quotes and backslashes; the planner's have none.
-    if any(c in text for c in "\"'\\"):
-        raise ValueError(f"rule comment {text!r} must not contain quotes or backslashes")
-    return f'"{text}"'
-
-
-def render_rule(chain: str, rule: Rule, prefix: str = PREFIX) -> str:
-    """One rule as ``iptables-save`` prints it (``-A CHAIN ...``), with our comment; jumps go to
-    chains named with ``prefix``."""
-    parts = ["-A", chain]
-    m = rule.matches
-    # iptables-save prints the fixed fields first, in this order, then modules in order.
-    for side, flag in (("src", "-s"), ("dst", "-d")):
-        for a in m:
-            if isinstance(a, Addr) and a.side == side:
-                parts += (["!"] if a.neg else []) + [flag, a.cidr]
-    for side, flag in (("in", "-i"), ("out", "-o")):
-        for i in m:
-            if isinstance(i, Iface) and i.side == side:
-                parts += (["!"] if i.neg else []) + [flag, i.name]
-    proto = next((p.name for p in m if isinstance(p, Proto)), None)
-    if proto:
-        parts += ["-p", proto]
-    ports = [p for p in m if isinstance(p, Port)]
-    single = [p for p in ports if len(p.ports) == 1]
-    if single:
-        if proto is None:
-            raise ValueError(f"port match without protocol in {rule}")
-        parts += ["-m", proto]
-        for p in single:
-            parts += (["!"] if p.neg else []) + ["--sport" if p.side == "src" else "--dport", str(p.ports[0])]
-    for x in m:
-        if isinstance(x, Port) and len(x.ports) > 1:
-            parts += ["-m", "multiport"] + (["!"] if x.neg else [])
-            parts += ["--sports" if x.side == "src" else "--dports", ",".join(map(str, x.ports))]
-        elif isinstance(x, Owner):
-            parts += ["-m", "owner"] + (["!"] if x.neg else []) + [f"--{x.kind}-owner", _idspec(x.id)]
-        elif isinstance(x, Mark):
-            parts += ["-m", "mark"] + (["!"] if x.neg else []) + ["--mark", _mark(x.value, x.mask)]
-        elif isinstance(x, ConnMark):
-            parts += ["-m", "connmark"] + (["!"] if x.neg else []) + ["--mark", _mark(x.value, x.mask)]
-        elif isinstance(x, CtState):
-            parts += ["-m", "conntrack", "--ctstate", ",".join(x.states)]
-        elif isinstance(x, SocketExists):
-            parts += ["-m", "owner", "--socket-exists"]
-        elif isinstance(x, InSet):
-            parts += ["-m", "set", "--match-set", x.name, x.side]
-        elif isinstance(x, Socket):
-            parts += ["-m", "socket"]
-            if x.transparent:
-                parts.append("--transparent")
-            if x.nowildcard:
-                parts.append("--nowildcard")
-    parts += ["-m", "comment", "--comment", _quote(owned_comment(rule.comment))]
-    parts += _render_action(rule.action, prefix)
-    return " ".join(parts)
-
-
-def _render_action(a: Action, prefix: str = PREFIX) -> list[str]:
-    if isinstance(a, Return):
-        return ["-j", "RETURN"]
-    if isinstance(a, Accept):
-        return ["-j", "ACCEPT"]
-    if isinstance(a, Drop):
-        return ["-j", "DROP"]
-    if isinstance(a, Jump):
-        return ["-j", prefix + a.chain]
-    if isinstance(a, Redirect):
-        return ["-j", "REDIRECT", "--to-ports", str(a.port)]
-    if isinstance(a, TProxy):
-        return ["-j", "TPROXY", "--on-port", str(a.port), "--on-ip", "{ANY}", "--tproxy-mark",
-                f"{a.mark:#x}/{a.mask:#x}"]
-    if isinstance(a, SetMark):
-        return ["-j", "MARK", "--set-xmark", f"{a.value:#x}/{a.mask:#x}"]
-    if isinstance(a, SetConnMark):
-        return ["-j", "CONNMARK", "--set-xmark", f"{a.value:#x}/{a.mask:#x}"]
-    if isinstance(a, SaveMark):
-        return ["-j", "CONNMARK", "--save-mark", "--nfmask", f"{a.mask:#x}", "--ctmask", f"{a.mask:#x}"]
-    if isinstance(a, RestoreMark):
-        return ["-j", "CONNMARK", "--restore-mark", "--nfmask", f"{a.mask:#x}", "--ctmask", f"{a.mask:#x}"]
-    if isinstance(a, CtZone):
-        return ["-j", "CT", "--zone", str(a.zone)]
-    if isinstance(a, Snat):
-        return ["-j", "SNAT", "--to-source", a.address]
-    raise TypeError(f"unknown action {a!r}")
-
-
-@dataclass
-class TableState:
-    """Our part of one table: chains (name -> rule lines) and jumps from built-in chains."""
-
-    chains: dict[str, list[str]] = field(default_factory=dict)
-    jumps: list[str] = field(default_factory=list)  # '-A OUTPUT -m comment --comment "redirect: capture" -j RDR_OUTPUT'
-
-    def empty(self) -> bool:
-        return not self.chains and not self.jumps
-
-
-State = dict[str, TableState]  # table -> ours
-
-
-def _hook_jump(builtin: str, target: str) -> str:
-    return f'-A {builtin} -m comment --comment "{JUMP_COMMENT}" -j {target}'
-
-
-def _anchor(prefix: str) -> str:
-    """The IPv4 nat jump into a generation's OUTPUT chain: every plan has it, a setup writes it
-    last and removes it first, so a generation that has it is complete."""
-    return _hook_jump("OUTPUT", prefix + "OUTPUT")
-
-
-def desired_state(plan: Plan, family: int, gen: int = 0) -> State:
-    """Our chains and jumps for ``plan`` in ``family``, under generation ``gen``'s names."""
-    prefix = GENERATIONS[gen]
-    out: State = {}
-    for c in plan.chains_for(family):  # type: ignore[arg-type]
-        if c.name not in POD_CHAINS:
-            raise ValueError(f"plan chain {c.name!r} is not one of the pod chains {sorted(POD_CHAINS)}")
-        ts = out.setdefault(c.table, TableState())
-        name = prefix + c.name
-        if c.hook:
-            ts.jumps.append(_hook_jump(HOOK_CHAIN[c.hook], name))
-        ts.jumps.sort()  # as iptables-save lists them: OUTPUT before PREROUTING
-        lines = [render_rule(name, r, prefix=prefix) for r in c.rules]
-        any_ip = "0.0.0.0" if family == 4 else "::"
-        ts.chains[name] = [ln.replace("{ANY}", any_ip) for ln in lines]
-    if family == 4 and _anchor(prefix) not in out.get("nat", TableState()).jumps:
-        raise ValueError("a plan without an IPv4 nat OUTPUT chain (the generation's anchor)")
-    return out
-
-
-# --- reading back: what of an iptables-save dump is ours ------------------------------
-
-_COMMENT_RE = re.compile(r' -m comment --comment "((?:[^"\\]|\\.)*)"')
-_TARGET_RE = re.compile(r" -j (\S+)")
-
-
-def _marked(line: str) -> bool:
-    """The rule carries our comment (``redirect`` or ``redirect: ...``)."""
-    m = _COMMENT_RE.search(line)
-    return m is not None and is_owned_comment(m.group(1))
-
-
-def _target(line: str) -> str | None:
-    m = _TARGET_RE.search(line)
-    return m.group(1) if m else None
-
-
-def _gen_of(name: str) -> int | None:
-    """The generation a chain name of ours belongs to (exact names only), else None."""
-    for g, prefix in enumerate(GENERATIONS):
-        if name.startswith(prefix) and name[len(prefix):] in POD_CHAINS:
-            return g
-    return None
-
-
-@dataclass
-class Found:
-    """What a dump holds of ours, per generation, and what is named like ours but is not."""
-
-    gens: tuple[State, State] = field(default_factory=lambda: ({}, {}))
-    #: Objects named like ours that nothing marks as ours (refused by setup, never touched).
-    foreign: list[str] = field(default_factory=list)
-
-
-def _parse_tables(text: str) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
-    """table -> (declared chains, rules per chain), from ``iptables-save`` output."""
-    out: dict[str, tuple[list[str], dict[str, list[str]]]] = {}
-    table = None
-    for line in text.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-            out.setdefault(table, ([], {}))
-            continue
-        if table is None or not line or line.startswith("#") or line == "COMMIT":
-            continue
-        declared, rules = out[table]
-        if line.startswith(":"):
-            declared.append(line[1:].split()[0])
-        elif line.startswith("-A "):
-            rules.setdefault(line.split()[1], []).append(line)
-    return out
-
-
-def parse_save(text: str, family: int = 4) -> Found:
-    """Our chains and jumps from ``iptables-save`` output, by generation.
-
-    Ours: a chain with one of our exact names (a generation prefix + a pod chain name) that
-    holds a rule with our comment or that a rule with our comment jumps to, and the rules
-    with our comment in built-in chains that jump to one of ours. The layout of earlier
-    versions (no comments: ``-A OUTPUT -j RDR_OUTPUT`` and ``-A PREROUTING -j RDR_PREROUTING``
-    in raw, mangle or nat, and the chains of ours reached from them) is recognised as
-    generation 0. A chain named like ours with nothing of that is listed in ``foreign``.
-    """
-    found = Found()
-    for table, (declared, rules) in _parse_tables(text).items():
-        ours_chains = [n for n in declared if _gen_of(n) is not None]
-        jumped: set[str] = set()  # targets of rules with our mark
-        for lines in rules.values():
-            for ln in lines:
-                t = _target(ln)
-                if t is not None and _gen_of(t) is not None and _marked(ln):
-                    jumped.add(t)
-        # Earlier versions: unmarked exact hook jumps, and what they reach.
-        legacy: set[str] = set()
-        legacy_jumps: list[str] = []
-        if table in TABLE_ORDER:
-            todo = []
-            for builtin in HOOK_CHAIN.values():
-                line = f"-A {builtin} -j {GENERATIONS[0]}{builtin}"
-                if line in rules.get(builtin, []) and GENERATIONS[0] + builtin in declared:
-                    legacy_jumps.append(line)
-                    todo.append(GENERATIONS[0] + builtin)
-            while todo:
-                name = todo.pop()
-                if name in legacy:
-                    continue
-                legacy.add(name)
-                for ln in rules.get(name, []):
-                    t = _target(ln)
-                    if t is not None and _gen_of(t) == 0 and t in declared:
-                        todo.append(t)
-        for name in ours_chains:
-            g = _gen_of(name)
-            assert g is not None
-            mine = name in jumped or name in legacy or any(_marked(ln) for ln in rules.get(name, []))
-            if not mine:
-                found.foreign.append(f"IPv{family} {table} chain {name}")
-                continue
-            ts = found.gens[g].setdefault(table, TableState())
-            ts.chains[name] = list(rules.get(name, []))
-        for builtin in BUILTIN:
-            for ln in rules.get(builtin, []):
-                t = _target(ln)
-                g = _gen_of(t) if t is not None else None
-                if g is None:
-                    continue
-                if t not in found.gens[g].get(table, TableState()).chains:
-                    continue  # a jump to someone else's chain of that name: theirs
-                if (_marked(ln) and ln == _hook_jump(builtin, t)) or ln in legacy_jumps:
-                    found.gens[g].setdefault(table, TableState()).jumps.append(ln)
-                else:
-                    found.foreign.append(f"IPv{family} {table} rule {ln!r} (jumps to our chain {t})")
-    for st in found.gens:
-        for s in st.values():
-            s.jumps.sort()
-        for t in [t for t, s in st.items() if s.empty()]:
-            del st[t]
-    return found
-
-
-def _add_payload(want: State) -> str:
-    """Install ``want`` (chains of a generation not present yet) beside whatever is there.
-
-    Tables in ``TABLE_ORDER``: the IPv4 nat table, which holds the generation's anchor, is
-    committed last (``iptables-restore`` commits table by table).
-    """
-    blocks = []
-    for table in sorted(want, key=_table_rank):
-        ts = want[table]
-        lines = [f"*{table}"] + [f":{name} - [0:0]" for name in ts.chains]
-        for rules in ts.chains.values():
-            lines += rules
-        lines += ts.jumps
-        blocks.append("\n".join(lines + ["COMMIT"]))
-    return "\n".join(blocks) + "\n" if blocks else ""
-
-
-def _remove_payload(cur: State) -> str:
-    """Remove ``cur`` (one generation of ours); the nat table (the anchor) first."""
-    blocks = []
-    for table in sorted(cur, key=_table_rank, reverse=True):
-        ts = cur[table]
-        lines = [f"*{table}"] + ["-D" + j[2:] for j in ts.jumps]
-        lines += [f":{name} - [0:0]" for name in ts.chains]  # declaring flushes (also with --noflush)
-        lines += [f"-X {name}" for name in ts.chains]
-        blocks.append("\n".join(lines + ["COMMIT"]))
-    return "\n".join(blocks) + "\n" if blocks else ""
-
-
-def _table_rank(table: str) -> int:
-    return TABLE_ORDER.index(table) if table in TABLE_ORDER else -1
-
-
-def payload_for(desired: State) -> str:
-    """The plain payload of a desired state (what ``--dry-run`` prints)."""
-    return _add_payload(desired)
-
 
 # --- execution -----------------------------------------------------------------------
 
@@ -497,7 +172,7 @@ def _nft_chains_of_ours() -> bool:
                 continue
             for item in json.loads(out).get("nftables", []):
                 c = item.get("chain")
-                if c and c.get("table") in _XT_TABLES and _gen_of(str(c.get("name", ""))) is not None:
+                if c and c.get("table") in _XT_TABLES and gen_of(str(c.get("name", ""))) is not None:
                     return True
         return False
 
@@ -558,7 +233,7 @@ def _complete(cur: Read, g: int) -> bool:
     """Generation ``g`` holds its anchor: its setup finished adding it and no removal began (the
     previous release's bare jump counts for generation 0: it wrote each family in one go)."""
     jumps = cur[4].gens[g].get("nat", TableState()).jumps
-    return _anchor(GENERATIONS[g]) in jumps or (g == 0 and f"-A OUTPUT -j {GENERATIONS[0]}OUTPUT" in jumps)
+    return anchor(GENERATIONS[g]) in jumps or (g == 0 and f"-A OUTPUT -j {GENERATIONS[0]}OUTPUT" in jumps)
 
 
 class IptablesBackend:
@@ -630,7 +305,7 @@ class IptablesBackend:
             state = cur[fam].gens[g]
             if state:
                 fault_point(f"iptables.remove_v{fam}")
-                self.restore(variant, fam, _remove_payload(state))
+                self.restore(variant, fam, remove_payload(state))
                 hooked |= _hooked(fam, state)
                 cur[fam].gens = (({}, cur[fam].gens[1]) if g == 0 else (cur[fam].gens[0], {}))
 
@@ -673,7 +348,7 @@ class IptablesBackend:
                 step, target = "add", (1 - old if old is not None else 0)
                 for fam in (6, 4):  # IPv4 last: its nat table holds the anchor
                     fault_point(f"iptables.before_restore_v{fam}")
-                    self.restore(variant, fam, _add_payload(want[target][fam]))
+                    self.restore(variant, fam, add_payload(want[target][fam]))
                 step = "remove"
                 if old is not None:
                     self._remove_gen(variant, cur, old, hooked)
@@ -703,7 +378,7 @@ class IptablesBackend:
             try:
                 added = parse_save(self.save(variant, fam), fam).gens[target or 0]
                 if added:
-                    self.restore(variant, fam, _remove_payload(added))
+                    self.restore(variant, fam, remove_payload(added))
                     hooked |= _hooked(fam, added)
             except Exception as re_:  # pragma: no cover - reported, not hidden
                 log.error("rollback of IPv%d failed: %s", fam, re_)

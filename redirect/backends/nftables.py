@@ -72,411 +72,45 @@ binds it wins).
 
 Contexts. A libnftables context acts on the netns it was *created* in (FACTS.md),
 so every method creates its own, inside the netns the caller entered; none is kept.
+
+The table's JSON (rendering a plan, reading a listing, readable differences) is
+``redirect.backends.nftables_rules``; this module runs libnftables and orders the changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import ipaddress
 import json
 import logging
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from ..config import IdSpec, RedirectConfig
+from ..config import RedirectConfig
 from ..errors import BackendUnavailable, SetupError
 from ..kernel import routes as rt
 from ..plan.vocabulary import (
-    Accept,
-    Action,
-    Addr,
-    Chain,
-    ConnMark,
-    CtState,
-    CtZone,
-    Drop,
-    Iface,
-    Jump,
-    Mark,
-    Match,
-    Owner,
     Plan,
-    Port,
-    Proto,
-    Redirect,
-    RestoreMark,
-    Return,
-    Rule,
-    SaveMark,
-    SetConnMark,
-    SetMark,
-    Socket,
-    TProxy,
 )
-from .base import POD_CHAINS, CheckResult, Installed, fault_point, owned_comment
+from .base import POD_CHAINS, CheckResult, Installed, fault_point
+from .nftables_rules import (
+    BASE_CHAINS,
+    FAMILY,
+    TABLE,
+    TABLE_OBJ,
+    Ruleset,
+    base_text,
+    cached_ruleset,
+    commands_for,
+    desired_ruleset,
+    diff_rulesets,
+    expr_text,
+    parse_listing,
+)
 
 log = logging.getLogger("redirect.nftables")
-
-FAMILY = "inet"
-TABLE = "rdr_redirect"
-FULL = 0xFFFFFFFF
-_TABLE_OBJ = {"family": FAMILY, "name": TABLE}
-_NFPROTO = {4: "ipv4", 6: "ipv6"}
-_IPPROTO = {4: "ip", 6: "ip6"}
-
-#: (plan table, hook) -> (nft chain type, priority): where iptables' tables sit.
-BASE_CHAINS: dict[tuple[str, str], tuple[str, int]] = {
-    ("raw", "prerouting"): ("filter", -300),
-    ("raw", "output"): ("filter", -300),
-    ("mangle", "prerouting"): ("filter", -150),
-    ("mangle", "input"): ("filter", -150),
-    ("mangle", "forward"): ("filter", -150),
-    ("mangle", "output"): ("route", -150),
-    ("mangle", "postrouting"): ("filter", -150),
-    ("nat", "prerouting"): ("nat", -100),
-    ("nat", "output"): ("nat", -100),
-    ("nat", "input"): ("nat", 100),
-    ("nat", "postrouting"): ("nat", 100),
-}
-
-Expr = list[dict[str, Any]]
-
-
-# --- rendering: plan -> our table, in the exact JSON form nft lists it ------------------
-
-
-@dataclass
-class ChainSpec:
-    """One chain of our table: base-chain attributes (or None) and its rules."""
-
-    base: dict[str, Any] | None
-    rules: list[tuple[Expr, str]]  # (expr, comment)
-
-
-Ruleset = dict[str, ChainSpec]  # chain name -> spec, in creation order
-
-
-def chain_name(table: str, name: str) -> str:
-    return f"{table}_{name}"
-
-
-def _match(left: Any, right: Any, neg: bool = False, op: str = "==") -> dict[str, Any]:
-    return {"match": {"op": "!=" if neg else op, "left": left, "right": right}}
-
-
-def _meta(key: str) -> dict[str, Any]:
-    return {"meta": {"key": key}}
-
-
-def _ct(key: str) -> dict[str, Any]:
-    return {"ct": {"key": key}}
-
-
-def _addr_right(cidr: str) -> Any:
-    net = ipaddress.ip_network(cidr, strict=False)
-    if net.prefixlen == net.max_prefixlen:
-        return str(net.network_address)
-    return {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-
-
-def _ifname(name: str) -> str:
-    # iptables: a trailing "+" is a prefix wildcard; nft writes it "*" (a literal "*" is "\*").
-    name = name.replace("\\", "\\\\").replace("*", "\\*")
-    return name[:-1] + "*" if name.endswith("+") else name
-
-
-def _id_right(i: IdSpec) -> Any:
-    return {"range": [i[0], i[1]]} if isinstance(i, tuple) else i
-
-
-def _masked(key: dict[str, Any], mask: int) -> Any:
-    return key if mask == FULL else {"&": [key, mask]}
-
-
-def _set_value(key: dict[str, Any], value: int, mask: int) -> Any:
-    """``key = (key & ~mask) ^ value`` (iptables ``--set-xmark``), as nft lists it."""
-    if mask == FULL:
-        return value
-    keep = ~mask & FULL
-    if value & keep:
-        return {"^": [{"&": [key, keep]}, value]}
-    return {"|": [{"&": [key, keep | value]}, value]}
-
-
-def _render_match(m: Match, rule: Rule, has_port: bool) -> list[dict[str, Any]]:
-    if isinstance(m, Proto):
-        return [] if has_port else [_match(_meta("l4proto"), m.name)]
-    if isinstance(m, Addr):
-        fam = 4 if ipaddress.ip_network(m.cidr, strict=False).version == 4 else 6
-        if ipaddress.ip_network(m.cidr, strict=False).prefixlen == 0:
-            # "ip daddr 0.0.0.0/0" is "any IPv4 packet"; its negation matches nothing of IPv4.
-            return [_match(_meta("nfproto"), _NFPROTO[fam], m.neg)]
-        left = {"payload": {"protocol": _IPPROTO[fam], "field": f"{m.side[0]}addr"}}
-        return [_match(left, _addr_right(m.cidr), m.neg)]
-    if isinstance(m, Port):
-        proto = next((p.name for p in rule.matches if isinstance(p, Proto)), None)
-        if proto is None:
-            raise ValueError(f"port match without protocol in {rule}")
-        right: Any = m.ports[0] if len(m.ports) == 1 else {"set": sorted(m.ports)}
-        return [_match({"payload": {"protocol": proto, "field": f"{m.side[0]}port"}}, right, m.neg)]
-    if isinstance(m, Iface):
-        return [_match(_meta(f"{m.side[0]}ifname"), _ifname(m.name), m.neg)]
-    if isinstance(m, Owner):
-        return [_match(_meta(f"sk{m.kind}"), _id_right(m.id), m.neg)]
-    if isinstance(m, Mark):
-        return [_match(_masked(_meta("mark"), m.mask), m.value, m.neg)]
-    if isinstance(m, ConnMark):
-        return [_match(_masked(_ct("mark"), m.mask), m.value, m.neg)]
-    if isinstance(m, CtState):
-        states = sorted(s.lower() for s in m.states)
-        return [_match(_ct("state"), states[0] if len(states) == 1 else states, op="in")]
-    if isinstance(m, Socket):
-        out = []
-        if m.transparent:
-            out.append(_match({"socket": {"key": "transparent"}}, 1))
-        if not m.nowildcard:
-            out.append(_match({"socket": {"key": "wildcard"}}, 0))
-        if not out:  # "a socket exists", wildcard ones included
-            out.append(_match({"socket": {"key": "transparent"}}, {"set": [0, 1]}))
-        return out
-    raise TypeError(f"unknown match {m!r}")
-
-
-def _render_action(a: Action, table: str, family: int | None) -> list[dict[str, Any]]:
-    if isinstance(a, Return):
-        return [{"return": None}]
-    if isinstance(a, Accept):
-        return [{"accept": None}]
-    if isinstance(a, Drop):
-        return [{"drop": None}]
-    if isinstance(a, Jump):
-        return [{"jump": {"target": chain_name(table, a.chain)}}]
-    if isinstance(a, Redirect):
-        return [{"redirect": {"port": a.port}}]
-    if isinstance(a, TProxy):
-        tp: dict[str, Any] = {"port": a.port}
-        if family is not None:
-            tp = {"family": _IPPROTO[family], "port": a.port}
-        return [{"tproxy": tp}, {"mangle": {"key": _meta("mark"), "value": _set_value(_meta("mark"), a.mark, a.mask)}},
-                {"accept": None}]
-    if isinstance(a, SetMark):
-        return [{"mangle": {"key": _meta("mark"), "value": _set_value(_meta("mark"), a.value, a.mask)}}]
-    if isinstance(a, SetConnMark):
-        return [{"mangle": {"key": _ct("mark"), "value": _set_value(_ct("mark"), a.value, a.mask)}}]
-    if isinstance(a, (SaveMark, RestoreMark)):
-        if a.mask != FULL:
-            raise BackendUnavailable(
-                f"backend=nftables: {type(a).__name__}(mask={a.mask:#x}) needs an OR of two registers, which"
-                " nftables 1.0.6 cannot express; use backend=iptables for this config"
-            )
-        if isinstance(a, SaveMark):
-            return [{"mangle": {"key": _ct("mark"), "value": _meta("mark")}}]
-        return [{"mangle": {"key": _meta("mark"), "value": _ct("mark")}}]
-    if isinstance(a, CtZone):
-        return [{"mangle": {"key": _ct("zone"), "value": a.zone}}]
-    raise TypeError(f"unknown action {a!r}")
-
-
-def render_rule(table: str, rule: Rule) -> list[Expr]:
-    """The expression list(s) of one plan rule (two for ``TProxy``: deliver, else drop)."""
-    has_port = any(isinstance(m, Port) for m in rule.matches)
-    matches: Expr = []
-    for m in rule.matches:
-        matches += _render_match(m, rule, has_port)
-    if rule.family is not None and not any(isinstance(m, Addr) for m in rule.matches):
-        matches.insert(0, _match(_meta("nfproto"), _NFPROTO[rule.family]))
-    out = [matches + _render_action(rule.action, table, rule.family)]
-    if isinstance(rule.action, TProxy):
-        out.append(matches + [{"drop": None}])  # iptables' TPROXY drops when no socket is found
-    return out
-
-
-def _chains(plan: Plan, families: tuple[int, ...]) -> tuple[Chain, ...]:
-    """The plan's chains with only the rules of ``families``; empty hook chains and
-    chains nothing jumps to are dropped (as ``Plan.chains_for`` does per family)."""
-    chains = []
-    for c in plan.chains:
-        rules = tuple(r for r in c.rules if r.family is None or r.family in families)
-        if c.hook is not None and not rules:
-            continue
-        chains.append(Chain(c.table, c.name, rules, c.hook))
-    while True:
-        used = {(c.table, r.action.chain) for c in chains for r in c.rules if isinstance(r.action, Jump)}
-        kept = [c for c in chains if c.hook is not None or (c.table, c.name) in used]
-        if len(kept) == len(chains):
-            return tuple(kept)
-        chains = kept
-
-
-def desired_ruleset(plan: Plan, families: tuple[int, ...]) -> Ruleset:
-    """Our table for ``plan``, in the form nft lists it back (so it can be compared)."""
-    out: Ruleset = {}
-    skipped = [f for f in (4, 6) if f not in families]
-    for c in _chains(plan, families):
-        name = chain_name(c.table, c.name)
-        base = None
-        rules: list[tuple[Expr, str]] = []
-        if c.hook is not None:
-            try:
-                typ, prio = BASE_CHAINS[(c.table, c.hook)]
-            except KeyError:
-                raise BackendUnavailable(
-                    f"backend=nftables: no base chain for table {c.table!r} hook {c.hook!r}"
-                ) from None
-            base = {"type": typ, "hook": c.hook, "prio": prio, "policy": "accept"}
-            for f in skipped:
-                rules.append(([_match(_meta("nfproto"), _NFPROTO[f]), {"return": None}],
-                              owned_comment(f"IPv{f} is not captured")))
-        if c.name not in POD_CHAINS:
-            raise ValueError(f"plan chain {c.name!r} is not one of the pod chains {sorted(POD_CHAINS)}")
-        for r in c.rules:
-            for expr in render_rule(c.table, r):
-                rules.append((expr, owned_comment(r.comment)))
-        if name in out:
-            raise ValueError(f"two plan chains render to the nft chain {name}")
-        out[name] = ChainSpec(base, rules)
-    return out
-
-
-#: ``desired_ruleset`` once per (plan, families): the result is shared, never to be modified.
-_desired: functools._lru_cache_wrapper[Ruleset] = functools.lru_cache(maxsize=256)(desired_ruleset)
-
-
-def commands_for(desired: Ruleset, fresh: bool = False) -> list[dict[str, Any]]:
-    """One batch replacing our table by ``desired`` (an empty ruleset deletes it).
-
-    ``fresh``: the table was not there when read. Then the batch adds and flushes it instead of
-    deleting it: the same result when it is still absent (and no duplicate rules if another
-    writer made it since), without deleting objects, whose deferred destruction makes freeing
-    the context wait for an RCU grace period.
-    """
-    if fresh and desired:
-        cmds: list[dict[str, Any]] = [{"add": {"table": dict(_TABLE_OBJ)}}, {"flush": {"table": dict(_TABLE_OBJ)}}]
-    else:
-        cmds = [{"add": {"table": dict(_TABLE_OBJ)}}, {"delete": {"table": dict(_TABLE_OBJ)}}]
-        if not desired:
-            return cmds
-        cmds.append({"add": {"table": dict(_TABLE_OBJ)}})
-    for name, spec in desired.items():
-        cmds.append({"add": {"chain": {"family": FAMILY, "table": TABLE, "name": name, **(spec.base or {})}}})
-    for name, spec in desired.items():
-        for expr, comment in spec.rules:
-            rule: dict[str, Any] = {"family": FAMILY, "table": TABLE, "chain": name, "expr": expr}
-            if comment:
-                rule["comment"] = comment
-            cmds.append({"add": {"rule": rule}})
-    return cmds
-
-
-def parse_listing(items: list[dict[str, Any]]) -> Ruleset:
-    """Our table from the JSON of ``list table inet rdr_redirect``."""
-    out: Ruleset = {}
-    for it in items:
-        if "chain" in it:
-            c = it["chain"]
-            base = {k: c[k] for k in ("type", "hook", "prio", "policy") if k in c} or None
-            out[c["name"]] = ChainSpec(base, [])
-    for it in items:
-        if "rule" in it:
-            r = it["rule"]
-            out.setdefault(r["chain"], ChainSpec(None, [])).rules.append((r["expr"], r.get("comment", "")))
-    return out
-
-
-# --- readable text of rules (check's differences, show) ----------------------------------
-
-
-def _val(v: Any) -> str:
-    if isinstance(v, dict):
-        if "prefix" in v:
-            return f"{v['prefix']['addr']}/{v['prefix']['len']}"
-        if "range" in v:
-            return f"{v['range'][0]}-{v['range'][1]}"
-        if "set" in v:
-            return "{ " + ", ".join(_val(x) for x in v["set"]) + " }"
-        if "meta" in v:
-            key = v["meta"]["key"]
-            return key if key in ("iifname", "oifname") else f"meta {key}"
-        if "ct" in v:
-            return f"ct {v['ct']['key']}"
-        if "payload" in v:
-            return f"{v['payload']['protocol']} {v['payload']['field']}"
-        if "socket" in v:
-            return f"socket {v['socket']['key']}"
-        for op in ("&", "|", "^"):
-            if op in v:
-                a, b = v[op]
-                return f"{_val(a)} {op} {_val(b) if not isinstance(b, int) else hex(b)}"
-        return json.dumps(v, sort_keys=True)
-    if isinstance(v, list):
-        return ",".join(_val(x) for x in v)
-    if isinstance(v, str):
-        return f'"{v}"' if v.endswith("name") else v
-    return str(v)
-
-
-def expr_text(expr: Expr, comment: str = "") -> str:
-    """A rule in (roughly) nft syntax, for humans."""
-    parts = []
-    for e in expr:
-        if "match" in e:
-            m = e["match"]
-            op = "" if m["op"] in ("==", "in") else f"{m['op']} "
-            right = m["right"]
-            r = f'"{right}"' if isinstance(right, str) and _val(m["left"]).endswith("name") else _val(right)
-            parts.append(f"{_val(m['left'])} {op}{r}")
-        elif "mangle" in e:
-            v = e["mangle"]["value"]
-            parts.append(f"{_val(e['mangle']['key'])} set {hex(v) if isinstance(v, int) else _val(v)}")
-        elif "jump" in e:
-            parts.append(f"jump {e['jump']['target']}")
-        elif "redirect" in e:
-            parts.append(f"redirect to :{e['redirect']['port']}")
-        elif "tproxy" in e:
-            fam = e["tproxy"].get("family")
-            parts.append(f"tproxy {fam + ' ' if fam else ''}to :{e['tproxy']['port']}")
-        elif len(e) == 1 and next(iter(e.values())) is None:
-            parts.append(next(iter(e)))
-        else:
-            parts.append(json.dumps(e, sort_keys=True))
-    if comment:
-        parts.append(f'comment "{comment}"')
-    return " ".join(parts)
-
-
-def _base_text(base: dict[str, Any] | None) -> str:
-    if not base:
-        return "regular chain"
-    return f"type {base.get('type')} hook {base.get('hook')} priority {base.get('prio')}; policy {base.get('policy')}"
-
-
-def diff_rulesets(cur: Ruleset, want: Ruleset) -> list[str]:
-    diffs = []
-    for name in list(want) + [n for n in cur if n not in want]:
-        if name not in cur:
-            diffs.append(f"missing chain {name} ({_base_text(want[name].base)})")
-            continue
-        if name not in want:
-            diffs.append(f"unexpected chain {name} ({_base_text(cur[name].base)})")
-            continue
-        c, w = cur[name], want[name]
-        if c.base != w.base:
-            diffs.append(f"chain {name}: is {_base_text(c.base)}, want {_base_text(w.base)}")
-        if c.rules != w.rules:
-            for r in w.rules:
-                if r not in c.rules:
-                    diffs.append(f"chain {name}: missing rule: {expr_text(*r)}")
-            for r in c.rules:
-                if r not in w.rules:
-                    diffs.append(f"chain {name}: unexpected rule: {expr_text(*r)}")
-            if len(c.rules) == len(w.rules) and all(r in c.rules for r in w.rules):
-                diffs.append(f"chain {name}: rules are out of order")
-    return diffs
-
 
 # --- execution -------------------------------------------------------------------------
 
@@ -587,7 +221,7 @@ def _free_now(nft: Any) -> None:
 @functools.lru_cache(maxsize=256)
 def _batch(plan: Plan, families: tuple[int, ...], fresh: bool) -> str:
     """``commands_for`` our table for ``plan`` as the JSON text libnftables parses (built once)."""
-    return json.dumps({"nftables": commands_for(_desired(plan, families), fresh=fresh)})
+    return json.dumps({"nftables": commands_for(cached_ruleset(plan, families), fresh=fresh)})
 
 
 def table_names(nft: Any) -> list[tuple[str, str]]:
@@ -665,7 +299,7 @@ def read_table(nft: Any) -> Ruleset | None:
     someone else's."""
     if (FAMILY, TABLE) not in table_names(nft):
         return None
-    out = _run(nft, [{"list": {"table": dict(_TABLE_OBJ)}}])
+    out = _run(nft, [{"list": {"table": dict(TABLE_OBJ)}}])
     items = out.get("nftables", [])
     why = not_ours(items)
     if why is not None:
@@ -716,7 +350,7 @@ class NftablesBackend:
         return json.dumps({"nftables": commands_for(desired_ruleset(plan, families))}, indent=1) + "\n"
 
     def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
-        desired = _desired(plan, families)  # render errors before touching anything
+        desired = cached_ruleset(plan, families)  # render errors before touching anything
         nft = _context()
         try:
             return self._apply(nft, desired, plan, families)
@@ -787,7 +421,7 @@ class NftablesBackend:
             release(nft)
 
     def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
-        desired = _desired(plan, families)
+        desired = cached_ruleset(plan, families)
         nft = _context()
         try:
             current = read_table(nft)
@@ -815,7 +449,7 @@ class NftablesBackend:
         if foreign:
             out["not_ours"] = foreign
         out["chains"] = {
-            name: {"base": _base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
+            name: {"base": base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
             for name, spec in (current or {}).items()
         }
         out.update(rt.describe_ours())

@@ -38,7 +38,7 @@ from typing import Any
 
 from ..config import seconds_arg
 from ..errors import brief_text
-from .plugin import PLUGIN_TYPE
+from .netconf import PLUGIN_TYPE
 
 DEFAULT_CONF_DIR = "/etc/cni/net.d"
 DEFAULT_BIN_DIR = "/opt/cni/bin"

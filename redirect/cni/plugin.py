@@ -89,239 +89,30 @@ if TYPE_CHECKING:
     from ..ambient.agent.client import AgentTarget
 
 from ..errors import brief, brief_text
-
-SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
-LATEST = "1.1.0"
-PLUGIN_TYPE = "redirect-cni"
-COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
-
-E_INCOMPATIBLE = 1
-E_INVALID_CONFIG = 4
-E_DECODE = 6
-E_ENV = 7
-E_TRY_AGAIN = 11
-E_NOT_AVAILABLE = 50
-E_SETUP = 100
-E_ANNOTATION = 101
-E_BACKEND = 102
-E_AMBIENT = 103
-E_CHECK = 104
-E_TEARDOWN = 105
-
-#: ``agentDown`` (the thin plugin, ``native/cni_thin.c``, when no agent listens at its socket):
-#: fail with code 11 so the runtime retries, or exec the in-process Python plugin
-AGENT_DOWN_POLICIES = ("tryAgain", "inProcess")
-#: The longest network config accepted on stdin, in bytes (the thin plugin has the same bound).
-MAX_STDIN = 1 << 20
-
-RUNTIME_ANNOTATION_KEYS = ("io.kubernetes.cri.pod-annotations", "podAnnotations")
-CNI_ARGS_ANNOTATIONS = "REDIRECT_ANNOTATIONS"
-
-
-class CniError(Exception):
-    """An error the plugin reports as CNI error JSON."""
-
-    def __init__(self, code: int, msg: str, details: str = "") -> None:
-        super().__init__(msg)
-        self.code = code
-        self.msg = msg
-        self.details = details
-
-
-# --- parsing -------------------------------------------------------------------------
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in v.split("."))
-    except ValueError:
-        return (0,)
-
-
-def parse_netconf(raw: bytes) -> dict[str, Any]:
-    """The network config from stdin, with ``cniVersion`` checked."""
-    if len(raw) > MAX_STDIN:
-        raise CniError(E_DECODE, f"the network config on stdin is larger than {MAX_STDIN} bytes")
-    try:
-        conf = json.loads(raw.decode("utf-8") or "{}")
-    except RecursionError:
-        raise CniError(E_DECODE, "cannot decode the network config on stdin", "JSON nested too deeply") from None
-    except ValueError as e:  # not UTF-8, not JSON, an integer too long to convert
-        raise CniError(E_DECODE, "cannot decode the network config on stdin", brief(str(e))) from None
-    if not isinstance(conf, dict):
-        raise CniError(E_DECODE, "the network config on stdin must be a JSON object", brief(conf))
-    version = conf.get("cniVersion")
-    if not isinstance(version, str):
-        raise CniError(E_INVALID_CONFIG, f"cniVersion={brief(version)}: missing or not a string")
-    if version not in SUPPORTED_VERSIONS:
-        raise CniError(E_INCOMPATIBLE, f"cniVersion={brief(version)}: unsupported",
-                       f"supported: {', '.join(SUPPORTED_VERSIONS)}")
-    return conf
-
-
-def parse_cni_args(text: str) -> dict[str, str]:
-    """``CNI_ARGS`` (``K=V;K2=V2``) as a dict; a pair without ``=`` is error 7."""
-    out: dict[str, str] = {}
-    for pair in text.split(";"):
-        if not pair.strip():
-            continue
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CniError(E_ENV, f"CNI_ARGS: invalid pair {brief(pair)} (expected KEY=VALUE)")
-        out[key.strip()] = value
-    return out
-
-
-def encode_annotations(annotations: Mapping[str, str]) -> str:
-    """The ``REDIRECT_ANNOTATIONS`` value for ``CNI_ARGS``: unpadded base64url JSON."""
-    import base64
-
-    raw = json.dumps(dict(annotations), separators=(",", ":"), sort_keys=True).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _annotation_map(source: str, value: object) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise CniError(E_ANNOTATION, f"{source}: pod annotations must be a JSON object of strings to strings",
-                       brief(value))
-    return value
-
-
-def pod_annotations(conf: Mapping[str, Any], cni_args: Mapping[str, str]) -> dict[str, str]:
-    """The pod's annotations from every source the module docstring lists, merged in order."""
-    out: dict[str, str] = {}
-    args = conf.get("args")
-    if isinstance(args, dict) and isinstance(args.get("cni"), dict) and "annotations" in args["cni"]:
-        out.update(_annotation_map("args.cni.annotations", args["cni"]["annotations"]))
-    rc = conf.get("runtimeConfig")
-    if isinstance(rc, dict):
-        for key in RUNTIME_ANNOTATION_KEYS:
-            if key in rc:
-                out.update(_annotation_map(f"runtimeConfig[{key!r}]", rc[key]))
-    enc = cni_args.get(CNI_ARGS_ANNOTATIONS)
-    if enc is not None:
-        import base64
-        import binascii
-
-        try:
-            decoded = json.loads(base64.urlsafe_b64decode(enc + "=" * (-len(enc) % 4)).decode("utf-8"))
-        except (binascii.Error, ValueError, RecursionError) as e:
-            raise CniError(E_ANNOTATION, f"CNI_ARGS {CNI_ARGS_ANNOTATIONS}: not base64url-encoded JSON",
-                           f"{brief(enc, 60)}: {brief(str(e))}") from None
-        out.update(_annotation_map(f"CNI_ARGS {CNI_ARGS_ANNOTATIONS}", decoded))
-    return out
-
-
-def _check_prev_result(prev: object) -> None:
-    """``prevResult`` is an object whose ``ips`` (if any) are objects with an ``address`` in CIDR
-    form: we convert it for older versions and give the addresses to the node agent."""
-    import ipaddress
-
-    if not isinstance(prev, dict):
-        raise CniError(E_INVALID_CONFIG, f"prevResult={brief(prev)}: expected an object")
-    ips = prev.get("ips")
-    if ips is None:
-        return
-    if not isinstance(ips, list):
-        raise CniError(E_INVALID_CONFIG, f"prevResult.ips={brief(ips)}: expected a list of objects")
-    for i, ip in enumerate(ips):
-        if not isinstance(ip, dict):
-            raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}]={brief(ip)}: expected an object")
-        address = ip.get("address")
-        try:
-            ok = isinstance(address, str) and bool(ipaddress.ip_interface(address))
-        except ValueError:
-            ok = False
-        if not ok:
-            raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}].address={brief(address)}: "
-                           "expected an IP address with its prefix length (CIDR)")
-
-
-class PluginConf:
-    """Our part of the network config, validated."""
-
-    def __init__(self, conf: Mapping[str, Any]) -> None:
-        self.raw = conf
-        self.cni_version: str = conf["cniVersion"]
-        self.name = conf.get("name", "")
-        self.backend = conf.get("backend", "iptables")
-        if not isinstance(self.backend, str) or not self.backend:
-            raise CniError(E_INVALID_CONFIG, f"backend={brief(self.backend)}: expected a backend name")
-        self.mode = conf.get("mode", "sidecar")
-        if self.mode not in ("sidecar", "ambient"):
-            raise CniError(E_INVALID_CONFIG, f"mode={brief(self.mode)}: expected \"sidecar\" or \"ambient\"")
-        self.capture = conf.get("capture", {})
-        if not isinstance(self.capture, dict):
-            raise CniError(E_INVALID_CONFIG,
-                           f"capture={brief(self.capture)}: expected an object of RedirectConfig fields")
-        excl = conf.get("excludeNamespaces", [])
-        if not isinstance(excl, list) or not all(isinstance(n, str) for n in excl):
-            raise CniError(E_INVALID_CONFIG, f"excludeNamespaces={brief(excl)}: expected a list of namespace names")
-        self.exclude_namespaces = tuple(excl)
-        self.log_level = conf.get("logLevel", "info")
-        if not isinstance(self.log_level, str) or self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise CniError(E_INVALID_CONFIG,
-                           f"logLevel={brief(self.log_level)}: expected debug, info, warning or error")
-        self.log_file = conf.get("logFile")
-        if self.log_file is not None and not isinstance(self.log_file, str):
-            raise CniError(E_INVALID_CONFIG, f"logFile={brief(self.log_file)}: expected a path")
-        self.log_json = conf.get("logJson", False)
-        if not isinstance(self.log_json, bool):
-            raise CniError(E_INVALID_CONFIG, f"logJson={brief(self.log_json)}: expected true or false")
-        self.agent_socket = conf.get("agentSocket")
-        if self.agent_socket is not None and not isinstance(self.agent_socket, str):
-            raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path")
-        self.agent_timeout = conf.get("agentTimeout", 10)
-        if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
-                or not 0 < self.agent_timeout <= 300:
-            raise CniError(E_INVALID_CONFIG, f"agentTimeout={brief(self.agent_timeout)}: expected seconds in (0, 300]")
-        self.agent_down = conf.get("agentDown", AGENT_DOWN_POLICIES[0])
-        if self.agent_down not in AGENT_DOWN_POLICIES:
-            raise CniError(E_INVALID_CONFIG, f"agentDown={brief(self.agent_down)}: expected "
-                           + " or ".join(f'"{p}"' for p in AGENT_DOWN_POLICIES))
-        #: where ambient pods go: the node agent's events socket, or the agent itself when it
-        #: serves this request in its own process (``run(..., node_agent=...)``)
-        self.agent: AgentTarget | None = self.agent_socket
-        self.prev_result = conf.get("prevResult")
-        if self.prev_result is not None:
-            _check_prev_result(self.prev_result)
-
-    def base_config(self) -> Any:
-        """The default ``RedirectConfig`` from ``capture`` and ``mode``."""
-        from ..config import RedirectConfig
-        from ..errors import ConfigError
-
-        data = dict(self.capture)
-        data.setdefault("mode", self.mode)
-        try:
-            return RedirectConfig.from_dict(data)
-        except ConfigError as e:
-            raise CniError(E_INVALID_CONFIG, f"capture.{e}", "") from None
-
-
-# --- results ---------------------------------------------------------------------------
-
-
-def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, Any]:
-    """``result`` in ``version``'s format: ``ips[].version`` exists before 1.0.0 only."""
-    if not result:
-        out: dict[str, Any] = {"cniVersion": version, "interfaces": [], "ips": [], "dns": {}}
-        return out
-    out = dict(result)
-    modern = _version_tuple(version) >= (1, 0, 0)
-    ips = []
-    for ip in out.get("ips") or []:
-        ip = dict(ip)
-        if modern:
-            ip.pop("version", None)
-        elif "version" not in ip and isinstance(ip.get("address"), str):
-            ip["version"] = "6" if ":" in ip["address"] else "4"
-        ips.append(ip)
-    if "ips" in out:
-        out["ips"] = ips
-    out["cniVersion"] = version
-    return out
-
+from .netconf import (
+    COMMANDS,
+    E_AMBIENT,
+    E_ANNOTATION,
+    E_BACKEND,
+    E_CHECK,
+    E_ENV,
+    E_INCOMPATIBLE,
+    E_INVALID_CONFIG,
+    E_NOT_AVAILABLE,
+    E_SETUP,
+    E_TEARDOWN,
+    E_TRY_AGAIN,
+    LATEST,
+    MAX_STDIN,
+    SUPPORTED_VERSIONS,
+    CniError,
+    PluginConf,
+    convert_result,
+    parse_cni_args,
+    parse_netconf,
+    pod_annotations,
+    version_tuple,
+)
 
 # --- logging -----------------------------------------------------------------------------
 
@@ -615,7 +406,7 @@ def _collect_ebpf_garbage(pc: PluginConf, log: Any) -> None:
 
 
 def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
-    if _version_tuple(pc.cni_version) < (0, 4, 0):
+    if version_tuple(pc.cni_version) < (0, 4, 0):
         raise CniError(E_INCOMPATIBLE, f"cniVersion={pc.cni_version!r}: CHECK needs 0.4.0 or later")
     container = _env("CNI_CONTAINERID", env)
     netns = _env("CNI_NETNS", env)

@@ -26,6 +26,7 @@ from .vocabulary import (
     Plan,
     PolicyRoute,
     Port,
+    Proto,
     Redirect,
     RestoreMark,
     Return,
@@ -200,20 +201,10 @@ def _sidecar_dns(b: ChainBuilder, it: Intent) -> None:
     for fam in FAMILIES:
         if it.dns_all or it.dns_servers_of(fam):
             b.add("nat", "OUTBOUND", [], Jump("DNS"), "DNS", family=fam)
-    if it.dns_all:
-        b.add("nat", "DNS", [TCP, dns53], Redirect(it.dns_port), "TCP DNS to the DNS proxy")
-    else:
-        for fam in FAMILIES:
-            for s in it.dns_servers_of(fam):
-                b.add("nat", "DNS", [TCP, dns53, Addr("dst", s)], Redirect(it.dns_port), f"TCP DNS to {s}")
+    _dns_to_proxy(b, it, TCP)
     for kind, i in owners:
         b.add("nat", "DNS", [UDP, dns53, Owner(kind, i)], Return(), f"proxy {kind} {_id(i)} DNS upstream")
-    if it.dns_all:
-        b.add("nat", "DNS", [UDP, dns53], Redirect(it.dns_port), "UDP DNS to the DNS proxy")
-    else:
-        for fam in FAMILIES:
-            for s in it.dns_servers_of(fam):
-                b.add("nat", "DNS", [UDP, dns53, Addr("dst", s)], Redirect(it.dns_port), f"UDP DNS to {s}")
+    _dns_to_proxy(b, it, UDP)
 
     # raw: conntrack zones, so the proxy's upstream flow and the app's flow to the
     # proxy never share a conntrack entry (UDP races).
@@ -235,6 +226,18 @@ def _sidecar_dns(b: ChainBuilder, it: Intent) -> None:
                 b.add("raw", "DNS", [UDP, dns53, Addr("dst", s)], CtZone(DNS_ZONE_APP), f"app queries to {s}")
                 b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,)), Addr("src", s)], CtZone(DNS_ZONE_PROXY),
                       f"answers from {s}")
+
+
+def _dns_to_proxy(b: ChainBuilder, it: Intent, proto: Proto) -> None:
+    """``proto`` to port 53 (of every resolver, or of the pod's DNS servers) -> the DNS proxy."""
+    dns53 = Port("dst", (DNS_PORT,))
+    name = proto.name.upper()
+    if it.dns_all:
+        b.add("nat", "DNS", [proto, dns53], Redirect(it.dns_port), f"{name} DNS to the DNS proxy")
+        return
+    for fam in FAMILIES:
+        for s in it.dns_servers_of(fam):
+            b.add("nat", "DNS", [proto, dns53, Addr("dst", s)], Redirect(it.dns_port), f"{name} DNS to {s}")
 
 
 def _id(i: IdSpec) -> str:

@@ -24,7 +24,7 @@ import stat
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...cni import plugin
+from ...cni import netconf, plugin
 from ...errors import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ class BadRequest(Exception):
 def _stdin(fds: list[int], length: object) -> bytes:
     if len(fds) != 1:
         raise BadRequest(f"a cni message carries exactly one fd (stdin), got {len(fds)}")
-    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= plugin.MAX_STDIN:
-        raise BadRequest(f"cni.stdin_len={length!r}: expected 0..{plugin.MAX_STDIN}")
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= netconf.MAX_STDIN:
+        raise BadRequest(f"cni.stdin_len={length!r}: expected 0..{netconf.MAX_STDIN}")
     st = os.fstat(fds[0])
     if not stat.S_ISREG(st.st_mode):
         raise BadRequest("cni: the stdin fd is not a regular file (memfd)")
@@ -118,7 +118,7 @@ def handle(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str,
         log.error("cni request refused: %s", e, extra={"fields": {"reason": "bad_request"}})
         return {"type": "result", "ok": False, "reason": "bad_request", "error": str(e)}, b""
     rc, out = plugin.run(env, stdin, node_agent=agent.handle)
-    agent.metrics.inc("events", f"cni_{command.lower()}" if command in plugin.COMMANDS else "cni")
+    agent.metrics.inc("events", f"cni_{command.lower()}" if command in netconf.COMMANDS else "cni")
     if rc != 0:
         agent.metrics.inc("failures", "cni")
     ms = round((time.perf_counter() - t0) * 1e3, 2)

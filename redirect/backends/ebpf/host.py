@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import BackendUnavailable, SetupError
 from ...kernel import netns as _netns
-from .. import EBPF_DEFAULT_ROOT
+from ..base import EBPF_DEFAULT_ROOT
 from .abi import (
     CIDR_KEY,
     INV_KEY,
