@@ -83,7 +83,9 @@ def _reused(make_pod, ebpf_root: str) -> None:
         claimed, free, loaded = _state(ebpf_root)
         assert mine[0] not in claimed and mine[0] in free, "teardown gives the slot back"
         assert (claimed, free) == (claimed0, free0)
-    assert pool.reclaim(ebpf.host(ebpf_root, load=False)) == []  # nothing for the garbage collection
+    h = ebpf.host(ebpf_root, load=False)
+    assert h is not None
+    assert pool.reclaim(h, lambda c: ebpf._pod_link(ebpf_root, c)) == []  # nothing for the garbage collection
 
 
 def test_the_pool_grows_when_its_last_free_slot_is_taken_and_loads_on_demand_when_empty(

@@ -188,5 +188,5 @@ def collect_garbage(root: str | None = None) -> list[int]:
     for c in gone:
         _remove_pod(h, c)
         log.info("ebpf: removed pod with netns cookie %d: its netns is gone", c)
-    reclaim(h)
+    reclaim(h, lambda cookie: _pod_link(h.root, cookie))
     return gone

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import SetupError
@@ -121,12 +122,12 @@ def release(h: HostPrograms, cookie: int, prog_id: int | None) -> bool:
     return True
 
 
-def reclaim(h: HostPrograms) -> list[int]:
-    """The garbage collection's part: release the claims that no pod's link uses and no setup is
-    making (its netns lock is free: a setup holds it from its claim until its link is pinned), and
-    list free again the loaded slots that are neither claimed nor free. The slots released."""
+def reclaim(h: HostPrograms, link_of: Callable[[int], str]) -> list[int]:
+    """The garbage collection's part: release the claims that no pod's link (pinned at
+    ``link_of(cookie)``) uses and no setup is making (its netns lock is free: a setup holds it from
+    its claim until its link is pinned), and list free again the loaded slots that are neither
+    claimed nor free. The slots released."""
     from ...kernel import locks
-    from .pods import _pod_link
 
     slots, free, pool = h.maps.get("lookup_slots"), h.maps.get("lookup_free"), h.maps.get("lookup_pool")
     if slots is None or free is None or pool is None:
@@ -134,7 +135,7 @@ def reclaim(h: HostPrograms) -> list[int]:
     out: list[int] = []
 
     def in_use(slot: int, cookie: int) -> bool:
-        info = _pinned_link_info(_pod_link(h.root, cookie))
+        info = _pinned_link_info(link_of(cookie))
         return info is not None and prog_slot(info["prog_id"]) == slot
 
     for key in list(slots.keys(POOL_MAX)):
