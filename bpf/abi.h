@@ -105,7 +105,7 @@ struct pod_policy {
 	__u8 src6[16];
 	/* With RDR_F_AMBIENT: a socket whose mark & mark_mask is proxy_mark is the node proxy's;
 	 * conn_mark (under mark_mask) is what its transparent connections to the app carry
-	 * (bpf/sockopt.c, ambient_connect), routed back to it by the policy route. */
+	 * (bpf/sockopt.c, transparent_connect), routed back to it by the policy route. */
 	__u32 proxy_mark;
 	__u32 mark_mask;
 	__u32 conn_mark;

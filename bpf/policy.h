@@ -312,21 +312,14 @@ static __always_inline __u16 ambient_target(const struct pod_policy *p, __u64 ke
 }
 
 /* Which of the node proxy's listeners (RDR_LISTENER_*) a new inbound TCP connection to an
- * ambient pod from remote (addr, port_be) goes to, or -1: not captured. The ambient plan's nat
- * PREROUTING in its order: arriving on a reroute interface (rerouted), to the outbound port;
- * else to the inbound port, but not with bypass_inbound_capture, not to the tunnel port, not
- * from the probe address. Never a connection made inside the pod (local_conns: the node proxy's
- * transparent connections to the app from the client's address), which nat PREROUTING never
- * sees. The caller leaves out lo and the pod's own sources. */
-static __always_inline int ambient_listener(const struct pod_policy *p, __u64 netns, __u64 keys, __u16 port,
-					    __u32 family, const __u8 *addr, __u16 port_be, int rerouted)
+ * ambient pod from remote addr goes to, or -1: not captured. The ambient plan's nat PREROUTING
+ * in its order: arriving on a reroute interface (rerouted), to the outbound port; else to the
+ * inbound port, but not with bypass_inbound_capture, not to the tunnel port, not from the probe
+ * address. The caller leaves out lo, the pod's own sources and connections made inside the pod
+ * (local_conns). */
+static __always_inline int ambient_listener(const struct pod_policy *p, __u64 keys, __u16 port, int v6,
+					    const __u8 *addr, int rerouted)
 {
-	struct tuple_key k = {.netns = netns, .family = family, .port_be = port_be};
-	int v6 = family == AF_INET6;
-
-	__builtin_memcpy(k.addr, addr, 16);
-	if (local_conns.lookup(&k))
-		return -1;
 	if (rerouted)
 		return RDR_LISTENER_OUTBOUND;
 	if (!(p->flags & RDR_F_INBOUND) || port == p->tunnel_port)

@@ -80,10 +80,9 @@ static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct 
 }
 
 /* Ambient: ambient_listener of the connection's remote end (bpf/policy.h). */
-static __always_inline int ambient_listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 netns,
-						__u64 keys)
+static __always_inline int ambient_listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
 {
-	__u16 port = (__u16)ctx->local_port, port_be = (__u16)ctx->remote_port;
+	__u16 port = (__u16)ctx->local_port;
 	int rerouted = iface_rerouted(p, keys, ctx->ingress_ifindex);
 	__u8 addr[16] = {};
 
@@ -93,13 +92,36 @@ static __always_inline int ambient_listener_for(struct bpf_sk_lookup *ctx, const
 		__u32 ip = ctx->remote_ip4;
 
 		__builtin_memcpy(addr, &ip, 4);
-		return ambient_listener(p, netns, keys, port, AF_INET, addr, port_be, rerouted);
+		return ambient_listener(p, keys, port, 0, addr, rerouted);
 	} else {
 		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
 
 		__builtin_memcpy(addr, ip, 16);
-		return ambient_listener(p, netns, keys, port, AF_INET6, addr, port_be, rerouted);
+		return ambient_listener(p, keys, port, 1, addr, rerouted);
 	}
+}
+
+/* Whether the connection was made inside the pod, from a source that is not the pod's (a proxy's
+ * transparent connection to the app from the client's address): its client end is in local_conns
+ * (bpf/sockopt.c, transparent_connect). Netfilter's nat PREROUTING never sees such a connection
+ * (TPROXY's mangle rules return it), so it is never captured. */
+static __always_inline int made_here(struct bpf_sk_lookup *ctx, __u64 netns)
+{
+	struct tuple_key k = {.netns = netns, .port_be = (__u16)ctx->remote_port};
+	__u32 ip[4] = {};
+
+	/* (Each family's fields read in its own branch, as above.) */
+	if (ctx->family == AF_INET) {
+		ip[0] = ctx->remote_ip4;
+		tuple_addr(&k, AF_INET, ip, ip[0]);
+	} else {
+		ip[0] = ctx->remote_ip6[0];
+		ip[1] = ctx->remote_ip6[1];
+		ip[2] = ctx->remote_ip6[2];
+		ip[3] = ctx->remote_ip6[3];
+		tuple_addr(&k, AF_INET6, ip, 0);
+	}
+	return local_conns.lookup(&k) != NULL;
 }
 
 int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
@@ -126,8 +148,8 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)))
 		return SK_PASS;
 	keys = pod_keys(p, netns);
-	kind = p->flags & RDR_F_AMBIENT ? ambient_listener_for(ctx, p, netns, keys) : listener_for(ctx, p, keys);
-	if (kind < 0 || from_this_pod(ctx, keys))
+	kind = p->flags & RDR_F_AMBIENT ? ambient_listener_for(ctx, p, keys) : listener_for(ctx, p, keys);
+	if (kind < 0 || from_this_pod(ctx, keys) || made_here(ctx, netns))
 		return SK_PASS;
 	lk.netns = netns;
 	lk.family = ctx->family;

@@ -76,27 +76,30 @@ static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
 	return cidr_listed(keys, RDR_CIDR_LOCAL6, k->addr, 1);
 }
 
-/* Ambient: a TCP connection made in the pod to the pod itself from a source that is not the
- * pod's: the node proxy's transparent connection to the app from the original client's address.
+/* A TCP connection made in the pod to the pod itself from a source that is not the pod's: a
+ * proxy's transparent connection to the app from the original client's address (ambient's node
+ * proxy; a sidecar's with TPROXY, Envoy's original_src).
  *
  * sk_lookup would take it for inbound from that client: its local end goes into local_conns (until
- * the socket closes), which sk_lookup passes, as nat PREROUTING never sees locally generated
- * connections.
+ * the socket closes), which sk_lookup passes, as netfilter's nat PREROUTING never sees locally
+ * generated connections (and TPROXY's mangle rules return them: marked, or from lo unmarked).
  *
  * The app's replies are addressed to the client and would be routed out of the pod. Netfilter
- * saves the proxy's mark as connmark conn_mark and restores it on the replies, which the policy
- * route (fwmark conn_mark/mask lookup route_table: local default dev lo) delivers back to the
- * proxy. Here the connection itself carries it: the proxy's socket gets conn_mark in place of
- * proxy_mark under mark_mask (bpf_setsockopt resets its cached route, and the SYN, sent after this
- * callback, is routed again), and the pod runs with net.ipv4.tcp_fwmark_accept=1 (set up by the
- * backend), so the app's request socket takes the SYN's mark: the SYN-ACK, which leaves before any
- * callback of the app's side could mark a socket, already carries conn_mark, as does the accepted
- * socket, and every packet of the app's side takes the same policy route back to the proxy. No
- * per-packet program and no conntrack. As in netfilter, only with inbound capture (with
- * bypass_inbound_capture the ambient plan sets no connmark either). The proxy's socket keeps
- * conn_mark for its life (restoring proxy_mark after the handshake would break a connection whose
- * app socket is made from a SYN cookie, which takes the mark of the handshake's last ACK). */
-static __always_inline void ambient_connect(struct bpf_sock_ops *ctx)
+ * saves the proxy's mark as a connmark and restores it on the replies, which the plan's policy
+ * route (fwmark -> a table with local default dev lo) delivers back to the proxy. Here the
+ * connection itself carries the route's mark: the pod runs with net.ipv4.tcp_fwmark_accept=1 (set
+ * up by the backend), so the app's request socket takes the SYN's mark: the SYN-ACK, which leaves
+ * before any callback of the app's side could mark a socket, already carries it, as does the
+ * accepted socket, and every packet of the app's side takes the same policy route back to the
+ * proxy. No per-packet program and no conntrack. A sidecar proxy's socket carries the route's
+ * mark itself (tproxy_mark, as netfilter requires of it). Ambient's node proxy marks its sockets
+ * proxy_mark, the route's is conn_mark: its socket gets conn_mark in place of proxy_mark under
+ * mark_mask (bpf_setsockopt resets its cached route, and the SYN, sent after this callback, is
+ * routed again), only with inbound capture (with bypass_inbound_capture the ambient plan sets no
+ * connmark either). The socket keeps conn_mark for its life (restoring proxy_mark after the
+ * handshake would break a connection whose app socket is made from a SYN cookie, which takes the
+ * mark of the handshake's last ACK). */
+static __always_inline void transparent_connect(struct bpf_sock_ops *ctx)
 {
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_policy *p = pod_of(netns);
@@ -106,7 +109,7 @@ static __always_inline void ambient_connect(struct bpf_sock_ops *ctx)
 	__u64 keys;
 	__u8 one = 1;
 
-	if (!p || !(p->flags & RDR_F_AMBIENT))
+	if (!p)
 		return;
 	tuple_of_local(ctx, &here, netns);
 	ip[0] = ctx->remote_ip6[0];
@@ -121,7 +124,7 @@ static __always_inline void ambient_connect(struct bpf_sock_ops *ctx)
 	local_conns.update(&here, &one);
 	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	sk = ctx->sk;
-	if (!sk || !(p->flags & RDR_F_INBOUND))
+	if (!sk || !(p->flags & RDR_F_AMBIENT) || !(p->flags & RDR_F_INBOUND))
 		return;
 	mark = sk->mark;
 	if (!proxy_marked(p, mark))
@@ -142,7 +145,7 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		cookie = bpf_get_socket_cookie(ctx);
 		o = orig_by_cookie.lookup(&cookie);
 		if (!o) {
-			ambient_connect(ctx); /* not a socket we redirected */
+			transparent_connect(ctx); /* not a socket we redirected */
 			return 1;
 		}
 		tuple_of_local(ctx, &k, o->netns);

@@ -9,7 +9,6 @@ whichever backend put it there. ``setup`` refuses the host's own network namespa
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -160,22 +159,12 @@ def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
             # refill of libnftables' cache of our new table after it.
             others = _installed(skip=kind_of(impl.name), strict=False)
-            plan = _plan_for(impl, plan)
             if kind_of(impl.name) != "ebpf":  # (before it may hold any: see locks.mark_netfilter)
                 mark_netfilter(_netns.current_inode())
             res = impl.apply(plan, cfg, families)
             if others and _retire(impl.name, others, plan, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
     return res
-
-
-def _plan_for(impl: Any, plan: Plan) -> Plan:
-    """``plan`` as ``impl`` installs it: without policy routes for a backend that delivers by
-    socket and sets no marks (eBPF: ``uses_policy_routes`` False), so none are added, kept
-    after a switch, or expected by ``check``."""
-    if plan.routes and not getattr(impl, "uses_policy_routes", True):
-        return dataclasses.replace(plan, routes=())
-    return plan
 
 
 def _netfilter_present() -> bool:
@@ -297,12 +286,12 @@ def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     with _netns.enter(netns), one_nft_context():
         if not _any(backend):
             impl = get_backend(backend, cfg)  # type: ignore[arg-type]
-            return impl.check(_plan_for(impl, plan), cfg, _families_for(impl, cfg))  # type: ignore[no-any-return]
+            return impl.check(plan, cfg, _families_for(impl, cfg))  # type: ignore[no-any-return]
         found = _installed()
         if not found:
             return CheckResult(False, "none", ("no capture of ours is installed (by any backend)",))
         impl = get_backend(found[0].name, cfg)
-        res: CheckResult = impl.check(_plan_for(impl, plan), cfg, _families_for(impl, cfg))
+        res: CheckResult = impl.check(plan, cfg, _families_for(impl, cfg))
         extra = tuple(f"capture of the {o.name} backend is installed too (a setup replaces it, teardown removes it)"
                       for o in found[1:])
         return CheckResult(res.ok and not extra, res.backend, res.differences + extra)

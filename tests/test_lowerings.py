@@ -139,9 +139,11 @@ def pick(draw: st.DrawFn, items: list[str]) -> str:
 
 
 @st.composite
-def conns(draw: st.DrawFn, pod: PodNet) -> Conn:
+def conns(draw: st.DrawFn, pod: PodNet, cfg: RedirectConfig) -> Conn:
     """An inbound connection from a peer to a pod address, or an outbound one from an owner
-    (uid, primary gid; sometimes bound, TCP only) to a peer, a loopback or a pod address."""
+    (uid, primary gid; sometimes marked with ``tproxy_mark``; sometimes bound, TCP only, also to a
+    peer's address: a proxy's transparent connection to the app) to a peer, a loopback or a pod
+    address."""
     own = [a for _f, a, _i in pod.addrs]
     proto, port = draw(S_PROTO), draw(S_PORT)
     arrive = [a for _f, a, i in pod.addrs if i != 1]
@@ -155,9 +157,10 @@ def conns(draw: st.DrawFn, pod: PodNet) -> Conn:
         # An IPv6 socket's connect to an IPv4 address (dual-stack clients: Java, Go's net).
         dst = f"::ffff:{dst}"
     elif proto == "tcp" and draw(S_QUARTER) == 0:
-        same = [a for a in own + ["127.0.0.6", "127.0.0.1", "::1"] if _fam(a) == _fam(dst)]
+        same = [a for a in own + PEERS + ["127.0.0.6", "127.0.0.1", "::1"] if _fam(a) == _fam(dst)]
         src = pick(draw, same) if same else None
-    return Conn("out", proto, dst, port, uid=draw(S_UID), gid=draw(S_GID), src=src)
+    mark = cfg.tproxy_mark if draw(S_QUARTER) == 0 else 0
+    return Conn("out", proto, dst, port, uid=draw(S_UID), gid=draw(S_GID), mark=mark, src=src)
 
 
 def normalized(conn: Conn, landing: Landing) -> Landing:
@@ -188,7 +191,7 @@ def test_netfilter_and_ebpf_lowerings_land_every_connection_alike(
     entries = lower_ebpf(intent_of(cfg), families)
     pod = with_plan_addresses(pod0, cfg, families)
     for _ in range(5):
-        conn = data.draw(conns(pod))
+        conn = data.draw(conns(pod, cfg))
         nf = normalized(conn, evaluate_plan(plan, families, pod, conn))
         bpf = normalized(conn, evaluate_ebpf(entries, pod, conn))
         if nf != bpf and known_difference(cfg, pod, conn, nf, bpf) is None:

@@ -24,7 +24,7 @@ from redirect import RedirectConfig
 from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.kernel import rtnl
-from tests.netkit import Pod, TcpListener, UdpListener, landing, tcp_probe_detail, udp_probe_detail
+from tests.netkit import Pod, TcpListener, UdpListener, in_netns, landing, tcp_probe_detail, udp_probe_detail
 
 BACKENDS = ["iptables-nft", "iptables-legacy", "nftables", "ebpf"]
 APP_UID = 1000
@@ -336,6 +336,34 @@ def test_tproxy_inbound_keeps_the_destination_as_local_address(pod: Pod, backend
     assert redirect.check(pod.name, cfg, backend=backend).ok is False  # torn down: nothing matches
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tproxy_proxy_connects_to_the_app_from_the_clients_address(pod: Pod, backend: str, fam: int) -> None:
+    """Envoy's ``original_src`` under TPROXY: the proxy's transparent socket, bound to the client's
+    address and carrying the TPROXY mark, connects to the app. It reaches the app (not the proxy's
+    inbound listener), the app sees the client as its peer, and its replies, addressed to the
+    client, come back to the proxy (the policy route by mark) instead of leaving the pod."""
+    cfg = RedirectConfig(inbound_interception="TPROXY")
+    peer, dst = pod.peer_ip(fam), pod.pod_ip(fam)
+
+    def state() -> tuple[str, str]:
+        rules = subprocess.run(["ip", f"-{fam}", "rule"], capture_output=True, text=True, check=True).stdout
+        with open("/proc/sys/net/ipv4/tcp_fwmark_accept") as f:
+            return rules, f.read().strip()
+
+    with contextlib.ExitStack() as st:
+        proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
+        app = st.enter_context(TcpListener(pod.name, 8000, family=fam, label="pod-app"))
+        before = in_netns(pod.name, state)
+        # Nothing routes the replies back yet: they leave the pod towards the client.
+        assert landing(pod.name, dst, 8000, proxy, app, src=peer, mark=1337, timeout=0.5).label is None
+        with installed(pod, cfg, backend):
+            hit = landing(pod.name, dst, 8000, proxy, app, src=peer, mark=1337)
+            assert hit.listener is app, hit.result
+            assert hit.conn is not None and hit.conn.peer[0] == peer
+            assert redirect.check(pod.name, cfg, backend=backend).ok
+        assert in_netns(pod.name, state) == before  # the policy route (and eBPF's sysctl) went with teardown
+
+
 def test_ebpf_excluded_interface_follows_the_routes_check_reports_changes(pod_with_extra_iface: Pod,
                                                                            ebpf_root: str) -> None:
     """eBPF reads which destinations leave through an excluded interface from the pod's main
@@ -360,16 +388,21 @@ def test_ebpf_excluded_interface_follows_the_routes_check_reports_changes(pod_wi
         assert landing(pod.name, far, 8080, *L.values(), uid=APP_UID).label == "peer-app"
 
 
-def test_tproxy_switch_to_ebpf_leaves_no_policy_route(pod: Pod, ebpf_root: str) -> None:
-    """eBPF sets no marks, so a switch from netfilter TPROXY capture removes its policy routes."""
+def test_tproxy_policy_route_survives_a_switch_to_ebpf_and_goes_with_tproxy(pod: Pod, ebpf_root: str) -> None:
+    """eBPF installs TPROXY's policy route as netfilter does (the replies to the proxy's transparent
+    connections to the app): a switch from netfilter TPROXY capture keeps it, a config without
+    TPROXY removes it."""
     before = routing_state(pod.name)
     cfg = RedirectConfig(inbound_interception="TPROXY")
     redirect.setup(pod.name, cfg, backend="nftables")
     assert "lookup 133" in routing_state(pod.name)
     res = redirect.setup(pod.name, cfg, backend="ebpf")
     assert res.backend == "ebpf" and res.changed
-    assert "lookup 133" not in routing_state(pod.name)
+    assert "lookup 133" in routing_state(pod.name)
     assert redirect.check(pod.name, cfg).ok
+    assert redirect.setup(pod.name, None, backend="ebpf").changed
+    assert "lookup 133" not in routing_state(pod.name)
+    assert redirect.check(pod.name, None).ok
     redirect.teardown(pod.name)
     assert routing_state(pod.name) == before
 
@@ -662,9 +695,7 @@ def test_teardown_restores_routes_and_addresses(pod: Pod, backend: str) -> None:
     before = routing_state(pod.name)
     redirect.setup(pod.name, RedirectConfig(inbound_interception="TPROXY"), backend=backend)
     during = routing_state(pod.name)
-    # eBPF delivers by socket (sk_lookup): no marks, so no policy routes; the ::6 address for the
-    # proxy's passthrough still comes and goes.
-    assert ("lookup 133" in during) == (backend != "ebpf") and "::6" in during
+    assert "lookup 133" in during and "::6" in during
     redirect.teardown(pod.name, backend=backend)
     assert routing_state(pod.name) == before
 

@@ -509,13 +509,9 @@ def _local_end(m: _Maps, ip: str) -> bool:
     return a == V6_LOOPBACK or m.cidr_listed("local6", _raw(ip), True)
 
 
-def _ambient_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool) -> int | None:
-    """``ambient_listener`` of bpf/policy.h: the port of the node proxy's listener, or None;
-    ``made_here``: the connection is in ``local_conns`` (made in the pod from a source not the
-    pod's, bpf/sockopt.c)."""
+def _ambient_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> int | None:
+    """``ambient_listener`` of bpf/policy.h: the port of the node proxy's listener, or None."""
     p = m.policy
-    if made_here:
-        return None
     if p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex):
         return p.proxy_port
     if not p.inbound or conn.port == p.tunnel_port:
@@ -528,7 +524,8 @@ def _ambient_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made
 
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool = False) -> Landing:
     """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
-    (without one, a captured connection is dropped)."""
+    (without one, a captured connection is dropped); ``made_here``: the connection is in
+    ``local_conns`` (made in the pod from a source not the pod's, bpf/sockopt.c)."""
     if conn.proto != "tcp":
         return DIRECT
     if ingress_ifindex == LOOPBACK_IFINDEX:
@@ -537,10 +534,10 @@ def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: 
     if fam == 6 and not m.policy.v6:
         return DIRECT
     if m.policy.ambient:
-        port = _ambient_listener(m, conn, src, ingress_ifindex, made_here)
+        port = _ambient_listener(m, conn, src, ingress_ifindex)
     else:
         port = _listener_for(m, conn, ingress_ifindex)
-    if port is None or _local_end(m, src):
+    if port is None or _local_end(m, src) or made_here:
         return DIRECT
     return ("redirect", port)
 
@@ -555,10 +552,10 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
         return ("redirect", to)
     conn = conn.on_the_wire()  # sk_lookup sees the packets
     if pod.is_local(conn.dst):
-        # Delivered locally as it is: sk_lookup runs at the address's device. In an ambient pod a
-        # TCP connection from a source that is not the pod's is in local_conns (bpf/sockopt.c).
+        # Delivered locally as it is: sk_lookup runs at the address's device. A TCP connection
+        # from a source that is not the pod's is in local_conns (bpf/sockopt.c).
         src = pod.source_for(conn)
-        made_here = m.policy.ambient and conn.proto == "tcp" and not _local_end(m, src)
+        made_here = conn.proto == "tcp" and not _local_end(m, src)
         return _sk_lookup(m, conn, src, pod.ifindex_of(conn.dst), made_here)
     return DIRECT
 

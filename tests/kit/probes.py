@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import itertools
 import json
 import os
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from redirect.kernel import netns as rnetns
-from redirect.relay import SO_MARK
+from redirect.relay import IP_TRANSPARENT, IPV6_TRANSPARENT, SO_MARK, SOL_IPV6
 from tests.kit.listeners import Conn, Listener, addr_of, read_line
 from tests.kit.pods import DEFAULT_TIMEOUT, Addr
 
@@ -81,6 +82,21 @@ def _src_addr(src: str | Addr | None) -> Addr | None:
     return src
 
 
+def _bind(s: socket.socket, src: Addr) -> None:
+    """Bind ``s`` to ``src``; a source the netns does not have is bound transparently, as a TPROXY
+    proxy's socket connecting from the client's address is (``IP_TRANSPARENT``: root only)."""
+    try:
+        s.bind(src)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        if s.family == socket.AF_INET:
+            s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+        else:
+            s.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
+        s.bind(src)
+
+
 def _attempt(
     proto: str, dst_ip: str, port: int, src: str | Addr | None, timeout: float, mark: int | None, token: str
 ) -> dict[str, Any]:
@@ -96,7 +112,7 @@ def _attempt(
                 s.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
             srca = _src_addr(src)
             if srca is not None:
-                s.bind(srca)
+                _bind(s, srca)
             s.connect((dst_ip, port))
             out["local"] = list(addr_of(s.getsockname()))
             if proto == "tcp":

@@ -24,7 +24,7 @@ from .abi import (
     CIDR_LOCAL6,
     F_AMBIENT,
     F_FWMARK_ACCEPT_OURS,
-    F_INBOUND,
+    F_TPROXY,
     INV_CIDRS,
     INV_MAPS,
     INV_PORTS,
@@ -47,6 +47,7 @@ from .entries import (
     intent_entries,
     pod_entries,
     pod_keys,
+    replies_by_mark,
 )
 from .fresh import _detail
 from .host import HostPrograms, _cgroup, _root, host_problems, missing_pins
@@ -79,15 +80,6 @@ class EbpfBackend:
     """Sidecar and ambient capture with cgroup sock_addr/sockopt/sock_ops programs and sk_lookup."""
 
     name = "ebpf"
-
-    @property
-    def uses_policy_routes(self) -> bool:
-        """Whether the plan's policy routes are installed with this config (``redirect.api`` drops
-        them otherwise). Sidecar: no, delivery is by socket (sk_lookup, connect rewrites), even for
-        TPROXY. Ambient: yes, its one route by mark (``fwmark conn_mark/mask lookup route_table``,
-        ``local default dev lo``) takes the app's replies to the node proxy's transparent
-        connections back to it (``bpf/sockopt.c``, ``ambient_connect``)."""
-        return self.cfg is not None and self.cfg.mode == "ambient"
 
     def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
         #: The config (``render`` refuses what this backend cannot do; it lowers the plan's intent).
@@ -162,9 +154,11 @@ class EbpfBackend:
         out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
-        # Ambient: the plan's policy route, and tcp_fwmark_accept (see _fwmark_state). Our routes are
-        # read for any config: a setup killed between them and the policy leaves the routes of a
-        # config the policy does not name, which this one then adds or removes.
+        # The plan's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
+        # connections, by mark), as the netfilter backends add them, and tcp_fwmark_accept (see
+        # _fwmark_state). Our routes are read for any config: a setup killed between them and the
+        # policy leaves the routes of a config the policy does not name, which this one then adds
+        # or removes.
         old_flags = POLICY.unpack(old.policy)[P_FLAGS] if old.policy is not None else 0
         rtx = _route_txn(plan, families)
         fw_ours, fw_set = _fwmark_state(want.policy, old_flags)
@@ -263,9 +257,9 @@ class EbpfBackend:
             set_fwmark_accept(0)
         if keep_routes:  # (another backend's capture uses them now)
             return removed
-        if policy is None or flags & F_AMBIENT:
-            # Ambient's policy route, or what a setup killed before its policy left (as the
-            # netfilter backends' remove, all of ours).
+        if policy is None or flags & _ROUTED:
+            # The policy routes (ambient; TPROXY), or what a setup killed before its policy left
+            # (as the netfilter backends' remove, all of ours).
             from ...kernel import routes as rt
 
             return rt.remove_all_ours() or removed
@@ -317,8 +311,8 @@ class EbpfBackend:
         from ...kernel import routes as rt
 
         diffs += rt.differences(plan, families)
-        if policy_flags(want.policy) & F_AMBIENT and policy_flags(want.policy) & F_INBOUND and fwmark_accept() != 1:
-            diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the node proxy's transparent"
+        if replies_by_mark(policy_flags(want.policy)) and fwmark_accept() != 1:
+            diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the proxy's transparent"
                          " connections need it (setup sets it)")
         return CheckResult(not diffs, self.name, tuple(diffs))
 
@@ -344,7 +338,7 @@ class EbpfBackend:
                                 if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
-            "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & F_AMBIENT else [],
+            "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & _ROUTED else [],
             "sk_lookup_link": link if os.path.exists(link) else None,
             "missing_host_pins": missing_pins(self.root),
         }
@@ -377,11 +371,10 @@ def _render(it: Intent | AmbientIntent, families: tuple[int, ...], plan: Plan) -
     if it.reroute_interfaces:
         lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
         lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
-    if isinstance(it, AmbientIntent):
-        lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
-                  f" table {r.table}" for r in plan.routes if r.family in families]
-        if it.inbound:
-            lines.append("sysctl net.ipv4.tcp_fwmark_accept = 1")
+    lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
+              f" table {r.table}" for r in plan.routes if r.family in families]
+    if replies_by_mark(policy_flags(e.policy)):
+        lines.append("sysctl net.ipv4.tcp_fwmark_accept = 1")
     return "\n".join(lines) + "\n"
 
 
@@ -393,6 +386,11 @@ def _routes_text() -> list[str]:
 
 def policy_flags(policy: bytes) -> int:
     return int(POLICY.unpack(policy)[P_FLAGS])
+
+
+#: Policy flags of the configs whose plans may have policy routes (ambient: always; TPROXY: with
+#: inbound capture): their setup and teardown look for ours.
+_ROUTED = F_AMBIENT | F_TPROXY
 
 
 _FWMARK_ACCEPT = "/proc/sys/net/ipv4/tcp_fwmark_accept"
@@ -411,10 +409,11 @@ def set_fwmark_accept(value: int) -> None:
 
 def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, int | None]:
     """Whether ``net.ipv4.tcp_fwmark_accept`` will be ours (set by us, to undo at teardown), and the
-    value to write after the policy (None: none). An ambient pod with inbound capture needs it on
-    (the app's request socket takes the mark of the node proxy's SYN, bpf/sockopt.c); it is ours if
-    it was off before (or ours already), and turned off again when no longer needed."""
-    need = bool(policy_flags(want) & F_AMBIENT and policy_flags(want) & F_INBOUND)
+    value to write after the policy (None: none). A pod whose proxy's transparent connections are
+    answered by mark (``replies_by_mark``) needs it on (the app's request socket takes the mark of
+    the proxy's SYN, bpf/sockopt.c); it is ours if it was off before (or ours already), and turned
+    off again when no longer needed."""
+    need = replies_by_mark(policy_flags(want))
     ours_before = bool(old_flags & F_FWMARK_ACCEPT_OURS)
     if not need and not ours_before:
         return False, None

@@ -130,6 +130,14 @@ def _policy_core(policy: bytes) -> bytes:
     return POLICY.pack(*v)
 
 
+def replies_by_mark(flags: int) -> bool:
+    """Whether a pod with policy ``flags`` has a proxy's transparent connections to the app answered
+    by the mark of their SYN (``bpf/sockopt.c``, ``transparent_connect``): inbound capture in ambient
+    mode (the node proxy) or with TPROXY (a sidecar's ``original_src``). The app's side then takes
+    the plan's policy route by that mark, which needs ``net.ipv4.tcp_fwmark_accept`` on in the pod."""
+    return bool(flags & F_INBOUND and flags & (F_AMBIENT | F_TPROXY))
+
+
 def _with_flag(policy: bytes, flag: int, on: bool) -> bytes:
     v = list(POLICY.unpack(policy))
     v[P_FLAGS] = v[P_FLAGS] | flag if on else v[P_FLAGS] & ~flag

@@ -77,16 +77,17 @@ class FreshPodTemplate:
 @functools.lru_cache(maxsize=64)
 def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
     """The template for ``cfg`` (cached), or None when its pods need the general path (the plan
-    adds an address other than one IPv6 /128 on lo, ``exclude_interfaces`` or ``reroute_interfaces``). Raises
+    adds an address other than one IPv6 /128 on lo, or policy routes; ``exclude_interfaces`` or
+    ``reroute_interfaces``). Raises
     ``BackendUnavailable`` as ``apply`` would."""
     from ...plan import build_plan
 
     _unsupported(cfg)
     if cfg.exclude_interfaces or cfg.reroute_interfaces:
         return None  # its entries depend on the pod's links and routes: the general path reads them
-    if cfg.mode == "ambient":
-        return None  # a policy route and a sysctl besides the entries: the general path sets them
     plan = build_plan(cfg)
+    if plan.routes:  # (ambient; TPROXY) policy routes and a sysctl besides the entries: the general path sets them
+        return None
     if len(plan.addresses) > 1 or any(not (a.family == 6 and a.dev == "lo" and a.cidr.endswith("/128"))
                                       for a in plan.addresses):
         return None
