@@ -48,7 +48,8 @@ Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient
 ``bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
 ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_accept`` on
 (``backend``), through which the node proxy's transparent connections to the app get their replies
-(``bpf/sockopt.c: ambient_connect``).
+(``bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
+(the plan's route by ``tproxy_mark``).
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option): ``drop_invalid`` (conntrack tracks nothing in a netns without
@@ -86,9 +87,10 @@ How the iptables semantics are met without packets:
   sk_lookup, so it is not captured (README);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
-  port at connect (``bpf/policy.h: outbound_target``); no marks or policy
-  routes, so a proxy connecting to the app from the client's address gets no
-  replies (README);
+  port at connect (``bpf/policy.h: outbound_target``); a proxy connecting to the
+  app from the client's address (transparent, ``tproxy_mark``) is left alone by
+  sk_lookup and gets the replies by the plan's policy route, as in ambient mode
+  (README);
 - owner matches use the calling task's uid and primary gid, like iptables'
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids
   and ranges: a kind's first range is in the policy entry, the others are
