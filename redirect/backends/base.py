@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..config import RedirectConfig
 from ..plan.vocabulary import Plan
+
+_T = TypeVar("_T")
 
 #: Every rule of ours carries a comment starting with this (``redirect`` or ``redirect: <purpose>``):
 #: with our exact object names (``POD_CHAINS`` under each backend's prefix), what tells ours
@@ -28,6 +31,14 @@ EBPF_DEFAULT_ROOT = "/sys/fs/bpf/redirect"
 def ebpf_root() -> str:
     """The eBPF backend's pin root now (``REDIRECT_BPF_ROOT``, else the default)."""
     return os.environ.get("REDIRECT_BPF_ROOT") or EBPF_DEFAULT_ROOT
+
+
+def list_differences(where: str, what: str, cur: Sequence[_T], want: Sequence[_T],
+                     text: Callable[[_T], str] = str) -> list[str]:
+    """``check``'s differences between two lists: ``<where>: missing <what>: <item>`` for each
+    wanted item that is not installed, then ``unexpected`` for each installed one not wanted."""
+    return ([f"{where}: missing {what}: {text(x)}" for x in want if x not in cur]
+            + [f"{where}: unexpected {what}: {text(x)}" for x in cur if x not in want])
 
 
 def owned_comment(purpose: str) -> str:

@@ -56,6 +56,7 @@ from .iptables_rules import (
     add_payload,
     anchor,
     desired_state,
+    diff_state,
     gen_of,
     parse_save,
     payload_for,
@@ -442,7 +443,7 @@ class IptablesBackend:
         g = next((g for g in present if _complete(cur, g)), present[0] if present else 0)
         for fam in (4, 6):
             want = desired_state(plan, fam, g) if fam in families else {}
-            diffs += _diff_state(fam, cur[fam].gens[g], want)
+            diffs += diff_state(fam, cur[fam].gens[g], want)
         diffs += rt.differences(plan, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
@@ -468,30 +469,3 @@ class IptablesBackend:
         out["installed"] = bool(out["variants"])
         return out
 
-
-def _diff_state(fam: int, cur: State, want: State) -> list[str]:
-    diffs = []
-    for table in sorted(set(cur) | set(want)):
-        c = cur.get(table, TableState())
-        w = want.get(table, TableState())
-        for j in w.jumps:
-            if j not in c.jumps:
-                diffs.append(f"IPv{fam} {table}: missing jump: {j}")
-        for j in c.jumps:
-            if j not in w.jumps:
-                diffs.append(f"IPv{fam} {table}: unexpected jump: {j}")
-        for name in sorted(set(c.chains) | set(w.chains)):
-            if name not in c.chains:
-                diffs.append(f"IPv{fam} {table}: missing chain {name}")
-            elif name not in w.chains:
-                diffs.append(f"IPv{fam} {table}: unexpected chain {name}")
-            elif c.chains[name] != w.chains[name]:
-                for ln in w.chains[name]:
-                    if ln not in c.chains[name]:
-                        diffs.append(f"IPv{fam} {table}: missing rule: {ln}")
-                for ln in c.chains[name]:
-                    if ln not in w.chains[name]:
-                        diffs.append(f"IPv{fam} {table}: unexpected rule: {ln}")
-                if sorted(c.chains[name]) == sorted(w.chains[name]):
-                    diffs.append(f"IPv{fam} {table}: rules of {name} are out of order")
-    return diffs

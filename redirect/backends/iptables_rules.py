@@ -38,7 +38,7 @@ from ..plan.vocabulary import (
     SocketExists,
     TProxy,
 )
-from .base import MARK, POD_CHAINS, is_owned_comment, owned_comment
+from .base import MARK, POD_CHAINS, is_owned_comment, list_differences, owned_comment
 
 #: Chain name prefixes of the two generations of our chains. A changed config is installed
 #: under the other generation's names beside the installed one, then the old one is removed,
@@ -355,3 +355,22 @@ def _table_rank(table: str) -> int:
 def payload_for(desired: State) -> str:
     """The plain payload of a desired state (what ``--dry-run`` prints)."""
     return add_payload(desired)
+
+
+def diff_state(fam: int, cur: State, want: State) -> list[str]:
+    """``check``'s differences between what is installed and what is wanted, for one family."""
+    diffs = []
+    for table in sorted(set(cur) | set(want)):
+        c = cur.get(table, TableState())
+        w = want.get(table, TableState())
+        diffs += list_differences(f"IPv{fam} {table}", "jump", c.jumps, w.jumps)
+        for name in sorted(set(c.chains) | set(w.chains)):
+            if name not in c.chains:
+                diffs.append(f"IPv{fam} {table}: missing chain {name}")
+            elif name not in w.chains:
+                diffs.append(f"IPv{fam} {table}: unexpected chain {name}")
+            elif c.chains[name] != w.chains[name]:
+                diffs += list_differences(f"IPv{fam} {table}", "rule", c.chains[name], w.chains[name])
+                if sorted(c.chains[name]) == sorted(w.chains[name]):
+                    diffs.append(f"IPv{fam} {table}: rules of {name} are out of order")
+    return diffs

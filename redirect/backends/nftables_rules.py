@@ -42,7 +42,7 @@ from ..plan.vocabulary import (
     Socket,
     TProxy,
 )
-from .base import POD_CHAINS, owned_comment
+from .base import POD_CHAINS, list_differences, owned_comment
 
 FAMILY = "inet"
 TABLE = "rdr_redirect"
@@ -391,12 +391,7 @@ def diff_rulesets(cur: Ruleset, want: Ruleset) -> list[str]:
         if c.base != w.base:
             diffs.append(f"chain {name}: is {base_text(c.base)}, want {base_text(w.base)}")
         if c.rules != w.rules:
-            for r in w.rules:
-                if r not in c.rules:
-                    diffs.append(f"chain {name}: missing rule: {expr_text(*r)}")
-            for r in c.rules:
-                if r not in w.rules:
-                    diffs.append(f"chain {name}: unexpected rule: {expr_text(*r)}")
+            diffs += list_differences(f"chain {name}", "rule", c.rules, w.rules, lambda r: expr_text(*r))
             if len(c.rules) == len(w.rules) and all(r in c.rules for r in w.rules):
                 diffs.append(f"chain {name}: rules are out of order")
     return diffs
