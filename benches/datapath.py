@@ -1,7 +1,8 @@
 """Data path on loopback inside a pod namespace, measured by C programs (``fastpath/``).
 
 Cases: ``direct`` (the app connects to the proxy at 127.0.0.1:15001: no capture, the physical
-floor), ``reference`` (Istio's rules, see ``reference.py``) and each backend: the app connects
+floor), ``reference`` (Istio's rules, see ``reference.py``) and each backend (sidecar mode; eBPF
+in ambient mode too, ``ebpf/ambient``, where the proxy stands for the node proxy): the app connects
 to 192.0.2.2:8080 (the peer end of the pod's eth0, where nothing listens) and capture delivers
 the connection to the proxy on 15001. The proxy starts before capture is set up, as in a pod (the
 eBPF backend needs its listeners then); an inbound listener on 15006 is held for eBPF. The proxy
@@ -96,9 +97,9 @@ def _install_reference(pod: str) -> None:
         reference.setup()
 
 
-def _install_backend(backend: str) -> Callable[[str], None]:
+def _install_backend(backend: str, mode: str = "sidecar") -> Callable[[str], None]:
     def install(pod: str) -> None:
-        redirect.setup(pod, config_for("sidecar"), backend=backend)
+        redirect.setup(pod, config_for(mode), backend=backend)
     return install
 
 
@@ -109,11 +110,15 @@ def _remove_backend(backend: str) -> Callable[[str], None]:
 
 
 def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_seconds: float,
-        progress: Callable[[int], None], notes: list[str]) -> dict[str, Any]:
+        progress: Callable[[int], None], notes: list[str], ambient: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """``backends`` in sidecar mode, and ``ambient`` in ambient mode (case ``<backend>/ambient``: the
+    app's outbound goes to the proxy's port as a node proxy's would take it)."""
     exes = build()
     cases = [Case("direct", None), Case("reference", _install_reference)]
     # Teardown before the namespace goes: the eBPF backend's per-pod state is not in the netns.
     cases += [Case(b, _install_backend(b), listen_for(b, "sidecar"), _remove_backend(b)) for b in backends]
+    cases += [Case(f"{b}/ambient", _install_backend(b, "ambient"), listen_for(b, "ambient"), _remove_backend(b))
+              for b in ambient]
     lifetime = int(rounds * len(cases) * (seconds + bulk_seconds + 5) + 60)
     results: dict[str, Any] = {"msg_bytes": 64, "rounds": rounds, "seconds_per_run": seconds,
                                "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "cases": {}}

@@ -9,7 +9,7 @@ from typing import Any
 #: The benchmark's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
 #: or vs Istio's rules (netfilter backends). Scale: Nth pod's median setup / first pod's.
 SETUP_TARGETS = {"nftables": 1 / 5, "ebpf": 1 / 100, "iptables": 1.0, "iptables-legacy": 1.0, "iptables-nft": 1.0}
-RATE_VS_DIRECT = {"ebpf": 0.95}
+RATE_VS_DIRECT = {"ebpf": 0.95, "ebpf/ambient": 0.95}
 RATE_VS_REFERENCE = ("iptables", "iptables-legacy", "iptables-nft", "nftables")
 RATE_NOISE = 0.03  # "no worse than Istio's rules" allows run-to-run noise of 3%
 #: CNI ADD through the thin plugin and the agent (median, as the runtime sees it): at most this many

@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         total += (len(scale_methods) * (max(levels) - 1 + prof["level_samples"] * len(levels))
                   if "scale" not in skip else 0)
         total += len(scale_methods) * prof["mem_pods"] if "memory" not in skip else 0
-        n_cases = 2 + len(sidecar_api)
+        # The data path in ambient mode too, where eBPF has a target (0.95 of direct in both modes).
+        ambient_dp = [m.backend for m in methods if m.key == "api/ebpf/ambient"]
+        n_cases = 2 + len(sidecar_api) + len(ambient_dp)
         total += n_cases * (1 + prof["rounds"]) if "datapath" not in skip else 0
         total += len(thin)
         start_backends = [m.backend for m in thin_all]
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
             bar.phase("data path")
             res["datapath"] = datapath.run([m.backend for m in sidecar_api], prof["rounds"], prof["seconds"],
-                                           prof["max_conns"], prof["bulk_seconds"], bar, notes)
+                                           prof["max_conns"], prof["bulk_seconds"], bar, notes, ambient_dp)
     except KeyboardInterrupt:
         print("\nbenches: interrupted; cleaning up (partial results are written)", file=sys.stderr)
         notes.append("interrupted: partial results")

@@ -92,6 +92,7 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
     assert r["conn_rate_vs_direct"]["iptables"] == pytest.approx(
         statistics.median(a["conn_per_s"] / b["conn_per_s"] for a, b in rounds), rel=1e-3)
     assert "iptables" in r["conn_rate_vs_reference"]
+    assert "ebpf/ambient" in cases and "ebpf/ambient" in r["conn_rate_vs_direct"], res["notes"]
     assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
     assert set(res["scale"]["api/iptables/sidecar"]["levels"]) == {"1", "3"}
     mem = res["memory"]["api/iptables/sidecar"]
