@@ -184,6 +184,18 @@ static __always_inline int inbound_captured(const struct pod_policy *p, __u64 ke
 	return port != p->inbound_port && inbound_listed(p, keys, port);
 }
 
+/* Which of the proxy's listeners (RDR_LISTENER_*) new inbound TCP arriving on a reroute interface
+ * goes to, or -1: not captured. Istio's nat PREROUTING sends it to the outbound port (only to
+ * outbound_cidrs when not every destination is captured: out), except what TPROXY's mangle rules,
+ * which run before nat's, take (the inbound port itself among them: delivered there as it is). For
+ * sk_lookup (to the pod's own addresses) and the tcx program (what the pod forwards). */
+static __always_inline int rerouted_listener(const struct pod_policy *p, __u64 keys, __u16 port, int out)
+{
+	if ((p->flags & RDR_F_TPROXY) && inbound_listed(p, keys, port))
+		return inbound_captured(p, keys, port) ? RDR_LISTENER_INBOUND : -1;
+	return out ? RDR_LISTENER_OUTBOUND : -1;
+}
+
 #define RDR_PASS 0
 
 /* Where a new outbound connection/datagram goes: RDR_PASS or the local port

@@ -60,10 +60,7 @@ static __always_inline int to_included(struct bpf_sk_lookup *ctx, __u64 keys)
 /* Which of the proxy's listeners a new inbound connection goes to
  * (RDR_LISTENER_*), or -1: not captured. Istio's PREROUTING in its order:
  * arriving on an excluded interface returns; on a reroute (kube-virt)
- * interface it goes to the outbound port (only to outbound_cidrs when not
- * every destination is captured; the rest of that interface returns), except
- * what TPROXY's mangle rules, which run before nat's, take (the inbound port
- * itself among them: delivered there as it is); else the inbound ports decide. */
+ * interface, rerouted_listener (bpf/policy.h); else the inbound ports decide. */
 static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
 {
 	__u16 port = (__u16)ctx->local_port;
@@ -73,10 +70,9 @@ static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct 
 		return captured ? RDR_LISTENER_INBOUND : -1;
 	if (iface_excluded(p, keys, ctx->ingress_ifindex))
 		return -1;
-	if (!iface_rerouted(p, keys, ctx->ingress_ifindex) ||
-	    ((p->flags & RDR_F_TPROXY) && inbound_listed(p, keys, port)))
+	if (!iface_rerouted(p, keys, ctx->ingress_ifindex))
 		return captured ? RDR_LISTENER_INBOUND : -1;
-	return (p->flags & RDR_F_OUT_ALL) || to_included(ctx, keys) ? RDR_LISTENER_OUTBOUND : -1;
+	return rerouted_listener(p, keys, port, (p->flags & RDR_F_OUT_ALL) || to_included(ctx, keys));
 }
 
 /* Ambient: ambient_listener of the connection's remote end (bpf/policy.h). */

@@ -74,6 +74,9 @@ int rdr_ebpf_pool_prog(int slots_map_fd, int netns_map_fd, int prog_map_fd, uint
 
 /* The slot such a program holds, from its id: 0, or -ENOENT if the program is not one. */
 int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
+/* The tcx stub of a pod's reroute interface (index 0: ingress, 1: egress; bpf/tc_reroute.c): a
+ * program fd, or -errno. */
+int rdr_ebpf_tc_stub(int netns_map_fd, int prog_map_fd, uint64_t cookie, uint32_t index);
 
 /* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */
 int rdr_bpf_prog_get_fd_by_id(uint32_t id);

@@ -149,6 +149,8 @@ def conns(draw: st.DrawFn, pod: PodNet, cfg: RedirectConfig) -> Conn:
     arrive = [a for _f, a, i in pod.addrs if i != 1]
     if arrive and draw(S_QUARTER) == 0:
         dst = pick(draw, arrive)
+        if draw(S_QUARTER) == 0:  # to a host beyond the pod, which forwards it (a VM behind it)
+            dst = pick(draw, [p for p in PEERS if _fam(p) == _fam(dst) and p not in own])
         return Conn("in", proto, dst, port, src=pick(draw, [p for p in PEERS if _fam(p) == _fam(dst)]),
                     iface=draw(S_IFACE))
     dst = pick(draw, PEERS + LOOPBACKS + SERVERS + own)
@@ -178,8 +180,9 @@ def normalized(conn: Conn, landing: Landing) -> Landing:
 
 
 def known_difference(cfg: RedirectConfig, pod: PodNet, conn: Conn, nf: Landing, bpf: Landing) -> str | None:
-    """Why the two may differ for this connection (None: they must not). None are known: this is
-    where one would be documented, with its reason."""
+    """Why the two may differ for this connection (None: they must not), as the README says."""
+    if conn.direction == "in" and not pod.is_local(conn.dst) and conn.iface not in cfg.reroute_interfaces:
+        return "eBPF captures what the pod forwards only from reroute interfaces (inbound capture is by socket)"
     return None
 
 

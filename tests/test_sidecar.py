@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +26,17 @@ from redirect import RedirectConfig
 from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.kernel import rtnl
-from tests.netkit import Pod, TcpListener, UdpListener, in_netns, landing, tcp_probe_detail, udp_probe_detail
+from tests.netkit import (
+    Pod,
+    TcpListener,
+    UdpListener,
+    create_netns,
+    in_netns,
+    landing,
+    remove_netns,
+    tcp_probe_detail,
+    udp_probe_detail,
+)
 
 BACKENDS = ["iptables-nft", "iptables-legacy", "nftables", "ebpf"]
 APP_UID = 1000
@@ -456,6 +468,73 @@ def test_rerouted_interface_inbound_goes_to_the_outbound_port(pod_with_extra_ifa
         assert landing(pod.peer_name, extra_pod, 8000, *L.values()).label == "pod-app"
         assert landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values()).label == "proxy-in"
         assert redirect.check(pod.name, cfg, backend=backend).ok
+
+
+VM_NET = {4: ("192.168.77.1", "192.168.77.2", 24), 6: ("fd77::1", "fd77::2", 64)}  # (pod side, VM, prefix)
+
+
+@contextlib.contextmanager
+def vm_behind(pod: Pod) -> Iterator[str]:
+    """A VM netns behind the pod's ``vm0`` (kube-virt style): its default routes go through the pod,
+    which forwards (``ip_forward`` on), and the pod's peer routes the VM's subnets back to the pod."""
+    vm = create_netns(f"{pod.name}-vm")
+    try:
+        def ip(ns: str, *args: str) -> None:
+            subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
+
+        ip(pod.name, "link", "add", "vm0", "type", "veth", "peer", "name", "eth0", "netns", vm)
+        for fam, (here, there, plen) in VM_NET.items():
+            extra = ("nodad",) if fam == 6 else ()
+            ip(pod.name, f"-{fam}", "addr", "add", f"{here}/{plen}", "dev", "vm0", *extra)
+            ip(vm, f"-{fam}", "addr", "add", f"{there}/{plen}", "dev", "eth0", *extra)
+        for ns, dev in ((pod.name, "vm0"), (vm, "eth0"), (vm, "lo")):
+            ip(ns, "link", "set", dev, "up")
+        for fam, (here, _there, plen) in VM_NET.items():
+            ip(vm, f"-{fam}", "route", "add", "default", "via", here)
+            net = ipaddress.ip_network(f"{here}/{plen}", strict=False)
+            ip(pod.peer_name, f"-{fam}", "route", "add", str(net), "via", pod.pod_ip(fam))
+        for key in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
+            subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", key], check=True)
+        yield vm
+    finally:
+        remove_netns(vm)
+
+
+def _live_link_ids() -> set[int]:
+    """The ids of the kernel's BPF links."""
+    out = subprocess.run(["bpftool", "-j", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return {int(lk["id"]) for lk in json.loads(out or "[]")}
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod, backend: str, fam: int) -> None:
+    """A VM behind a reroute interface connects to a host beyond the pod, which the pod forwards:
+    the connection lands on the proxy's outbound listener with its original destination, as
+    netfilter's nat PREROUTING has it (eBPF: tcx programs on the interface). Before setup and after
+    teardown it reaches that host; eBPF leaves no tcx link behind."""
+    dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
+    with vm_behind(pod) as vm, listeners((pod.name, 15001, fam, "proxy-out"), (pod.peer_name, 8080, fam, "peer-app"),
+                                         (pod.name, 15006, fam, "proxy-in")) as L:
+        assert landing(vm, dst, 8080, *L.values()).label == "peer-app"  # forwarded by the pod
+        cfg = RedirectConfig(reroute_interfaces=("vm0",))
+        with installed(pod, cfg, backend):
+            assert redirect.check(pod.name, cfg, backend=backend).ok
+            hit = landing(vm, dst, 8080, *L.values())
+            assert hit.label == "proxy-out" and hit.orig_dst == (dst, 8080), hit.result
+            assert hit.conn is not None and hit.conn.peer[0] == vm_ip
+            ours: set[int] = set()
+            if backend == "ebpf":
+                from redirect.backends.ebpf import tcx
+                from redirect.backends.ebpf.syscalls import _pinned_link_info
+
+                cookie, root = redirect.show(pod.name)["netns_cookie"], os.environ["REDIRECT_BPF_ROOT"]
+                pins = [os.path.join(tcx.tcx_dir(root, cookie), n) for n in os.listdir(tcx.tcx_dir(root, cookie))]
+                ours = {info["id"] for p in pins if (info := _pinned_link_info(p)) is not None}
+                assert len(ours) == 2 and ours <= _live_link_ids()  # ingress and egress on vm0
+        assert landing(vm, dst, 8080, *L.values()).label == "peer-app"
+        if backend == "ebpf":
+            assert not ours & _live_link_ids()  # detached, not only unpinned
+            assert not os.path.exists(tcx.tcx_dir(root, cookie))
 
 
 def test_ebpf_reroute_registers_an_outbound_listener_already_open(pod_with_extra_iface: Pod, ebpf_root: str) -> None:

@@ -6,6 +6,7 @@ returns, matching on the typed vocabulary, until a verdict. ``evaluate_ebpf`` is
 what the eBPF programs do with the map entries of ``redirect.plan.lower_ebpf``: ``connect4/6``
 and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``bpf/sock_addr.c``, ``outbound_target``
 in ``bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``bpf/sk_lookup.c``) for inbound,
+``rdr_tc_ingress`` (``bpf/tc_reroute.c``) for what the pod forwards,
 statement for statement, with the LPM trie's prefix rules. A change to those programs'
 decisions changes this model with it; ``tests/test_lowerings.py`` then says whether they
 still agree with the netfilter plan. Both answer a ``Landing``:
@@ -496,8 +497,35 @@ def _listener_for(m: _Maps, conn: Conn, ingress_ifindex: int) -> int | None:
             (p.tproxy and _inbound_listed(m, conn.port)):
         return p.inbound_port if captured else None
     v6 = conn.family == 6
-    to_included = m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
-    return p.proxy_port if p.out_all or to_included else None
+    return _rerouted_listener(m, conn, p.out_all or m.cidr_listed("out_include6" if v6 else "out_include4",
+                                                                  _raw(conn.dst), v6))
+
+
+def _rerouted_listener(m: _Maps, conn: Conn, out: bool) -> int | None:
+    """``rerouted_listener`` of bpf/policy.h: the port of the proxy's listener, or None."""
+    p = m.policy
+    if p.tproxy and _inbound_listed(m, conn.port):
+        return p.inbound_port if _inbound_captured(m, conn.port) else None
+    return p.proxy_port if out else None
+
+
+def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Landing:
+    """``rdr_tc_ingress`` of bpf/tc_reroute.c for the first packet of a connection the pod
+    forwards (its destination not the pod's): on a reroute interface, rewritten to the pod's
+    address of the family (dropped without one) and the proxy's port."""
+    p = m.policy
+    if conn.proto != "tcp" or not p.reroute_if or not _iface_listed(m, "iface_reroute", ingress_ifindex):
+        return DIRECT
+    if conn.family == 6 and not p.v6:
+        return DIRECT
+    v6 = conn.family == 6
+    out = p.out_all or m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
+    port = p.proxy_port if p.ambient else _rerouted_listener(m, conn, out)
+    if port is None:
+        return DIRECT
+    if not any(f == conn.family and i != LOOPBACK_IFINDEX for f, _a, i in pod.addrs):
+        return DROP
+    return ("redirect", port)
 
 
 def _local_end(m: _Maps, ip: str) -> bool:
@@ -546,6 +574,8 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
     """Where ``conn`` lands under the eBPF programs with ``entries`` written for ``pod``."""
     m = _Maps(entries, pod)
     if conn.direction == "in":
+        if not pod.is_local(conn.dst):  # forwarded: routed before any socket lookup
+            return _tc_ingress(m, pod, conn, pod.ifindex_named(conn.iface))
         return _sk_lookup(m, conn, conn.src or "0.0.0.0", pod.ifindex_named(conn.iface))
     to = _connect(m, conn)
     if to:

@@ -17,6 +17,7 @@ from ...kernel import netns as _netns
 from ...plan.intent import AmbientIntent, Intent
 from ...plan.vocabulary import LocalAddress, Plan
 from ..base import CheckResult, Installed
+from . import tcx
 from .abi import (
     AF,
     CIDR_KEY,
@@ -154,6 +155,10 @@ class EbpfBackend:
         out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
+        # With reroute_interfaces, the tcx programs on them (forwarded traffic, bpf/tc_reroute.c).
+        want_tcx = tcx.rerouted_ifindexes(want.cidrs)
+        have_tcx = tcx.pinned(self.root, cookie) if want_tcx or old.policy is not None else {}
+        tcx_same = {i for i, d in have_tcx.items() if len(d) == 2} == want_tcx and set(have_tcx) == want_tcx
         # The plan's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
         # connections, by mark), as the netfilter backends add them, and tcp_fwmark_accept (see
         # _fwmark_state). Our routes are read for any config: a setup killed between them and the
@@ -167,7 +172,7 @@ class EbpfBackend:
                      and not add_addrs and not dropping
                      and not (old_flags ^ policy_flags(policy)) & F_FWMARK_ACCEPT_OURS
                      and fw_set is None and not rtx.changed
-                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link)
+                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link and tcx_same)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
         # The other generation: old and new inventories and keys never overlap, the old policy
@@ -187,8 +192,11 @@ class EbpfBackend:
         with listeners_cm as lfds, out_cm as ofds:
             added: list[LocalAddress] = []
             registered: list[bytes] = []
+            tcx_made: list[str] = []
             own_fd = None
             try:
+                # Before the policy that names them (the programs pass what it does not reroute).
+                tcx_made = tcx.attach(h.maps, self.root, cookie, want_tcx)
                 rtx.apply()  # before the policy: replies route back once capture is on
                 for fam, fd in ofds.items():
                     key = LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND)
@@ -211,6 +219,7 @@ class EbpfBackend:
             except BaseException as e:
                 for key in registered:
                     h.maps["listeners"].delete(key)
+                tcx.undo(self.root, cookie, tcx_made)
                 for la in added:
                     with contextlib.suppress(OSError, RedirectError):
                         rt.remove_address(la)
@@ -222,6 +231,8 @@ class EbpfBackend:
             finally:
                 if own_fd is not None:
                     os.close(own_fd)
+        if set(have_tcx) - want_tcx:  # after the policy that no longer names them
+            tcx.detach(self.root, cookie, keep=want_tcx)
         if not reroute:  # (the outbound listener's entries of an earlier config with reroute_interfaces)
             for fam in (4, 6):
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND))
@@ -311,6 +322,7 @@ class EbpfBackend:
         from ...kernel import routes as rt
 
         diffs += rt.differences(plan, families)
+        diffs += tcx.differences(self.root, cookie, tcx.rerouted_ifindexes(want.cidrs))
         if replies_by_mark(policy_flags(want.policy)) and fwmark_accept() != 1:
             diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the proxy's transparent"
                          " connections need it (setup sets it)")
@@ -340,6 +352,7 @@ class EbpfBackend:
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
             "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & _ROUTED else [],
             "sk_lookup_link": link if os.path.exists(link) else None,
+            "tcx_links": sorted(f"ifindex {i} {d}" for i, ds in tcx.pinned(self.root, cookie).items() for d in ds),
             "missing_host_pins": missing_pins(self.root),
         }
 
@@ -371,6 +384,8 @@ def _render(it: Intent | AmbientIntent, families: tuple[int, ...], plan: Plan) -
     if it.reroute_interfaces:
         lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
         lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
+        lines.append(f"tcx ingress and egress links on each of {', '.join(it.reroute_interfaces)}"
+                     " (forwarded TCP to the proxy, bpf/tc_reroute.c)")
     lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
               f" table {r.table}" for r in plan.routes if r.family in families]
     if replies_by_mark(policy_flags(e.policy)):

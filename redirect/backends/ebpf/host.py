@@ -61,7 +61,7 @@ BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.d
                        "bpf")
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
-SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c")
+SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_reroute.c")
 
 
 def _root(root: str | None) -> str:
@@ -339,7 +339,7 @@ def count_pods(root: str) -> int | None:
             finally:
                 r.close()
         try:
-            pod_links = os.listdir(os.path.join(root, "pods"))
+            pod_links = [n for n in os.listdir(os.path.join(root, "pods")) if n.endswith("-sk_lookup")]
         except FileNotFoundError:
             pod_links = []
         if pod_links:
@@ -402,7 +402,7 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
         "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
         "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
-        "lookup_free": (4, 1), "lookup_pool": (4, 4),
+        "lookup_free": (4, 1), "lookup_pool": (4, 4), "tc_netns": (4, 8), "tc_prog": (4, 4),
     }
 
 
@@ -484,6 +484,10 @@ def _load_and_pin(root: str, cgroup: str) -> None:
 
         _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
                                                 0), "update lookup_prog")
+        # The pods' tcx stubs tail-call these (bpf/tc_reroute.c, tc_netns).
+        for i, name in enumerate(("rdr_tc_ingress", "rdr_tc_egress")):
+            _check(_native().lib.rdr_bpf_map_update(table("tc_prog"), U32.pack(i), U32.pack(fns[name].fd), 0),
+                   "update tc_prog")
         # The first batch of the pods' own sk_lookup programs (``.pool``).
         fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
              table("lookup_free"), 0)
@@ -501,8 +505,16 @@ def _unpin_all(root: str) -> None:
         p = os.path.join(root, d)
         if os.path.isdir(p):
             for n in os.listdir(p):
+                q = os.path.join(p, n)
+                if os.path.isdir(q):  # a pod's tcx links (<cookie>-tcx, .tcx)
+                    for m in os.listdir(q):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(q, m))
+                    with contextlib.suppress(OSError):
+                        os.rmdir(q)
+                    continue
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(p, n))
+                    os.unlink(q)
             with contextlib.suppress(OSError):
                 os.rmdir(p)
     with contextlib.suppress(OSError):

@@ -1,7 +1,7 @@
 """One pod's objects in the host maps, keyed by its netns cookie: reading them back through its
 inventory (``read_pod``), its ``sk_lookup`` link (pinned at ``<root>/pods/<cookie>-sk_lookup``, running
 a program of its own from the pool, ``.pool``, whose slot holds the cookie), and removing them all
-(``_remove_pod``): O(its entries).
+with its tcx links (``.tcx``) (``_remove_pod``): O(its entries).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import SetupError
+from . import tcx
 from .abi import (
     AF,
     GEN_BIT,
@@ -169,6 +170,7 @@ def _remove_pod(h: HostPrograms, cookie: int) -> bool:
         for kind in (LISTENER_INBOUND, LISTENER_OUTBOUND):
             removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], kind))
     removed |= drop_link(h, cookie, _pod_link(h.root, cookie))
+    removed |= tcx.detach(h.root, cookie)  # its reroute interfaces' programs (after the policy)
     return bool(removed)
 
 

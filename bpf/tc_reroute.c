@@ -1,0 +1,262 @@
+/* Forwarded TCP on reroute interfaces: tcx programs on each of a pod's reroute_interfaces.
+ *
+ * Netfilter's nat PREROUTING redirects what arrives on a reroute interface (a VM behind the pod)
+ * whatever its destination, so also what the pod forwards (ip_forward on: the VM connecting to
+ * other hosts). Forwarded packets are routed before any socket lookup: sk_lookup (bpf/sk_lookup.c)
+ * never sees them. Here the ingress program does what REDIRECT does to such a connection: its
+ * destination becomes a local address of the pod (the pod's first address of the family, src4/src6
+ * of the policy; REDIRECT takes the interface's) and the proxy's port, chosen as sk_lookup chooses
+ * (rerouted_listener, bpf/policy.h); the original destination is kept in orig_by_tuple under the
+ * client's end, where the getsockopt program answers SO_ORIGINAL_DST from (bpf/sockopt.c), and
+ * every later packet of the connection is rewritten alike. The egress program rewrites the
+ * proxy's replies back (the source becomes the original destination), as conntrack's reverse NAT
+ * does. Destinations of the pod's own (and loopback) are left to sk_lookup. The programs run on
+ * the interface's tcx hooks (.tcx: attached and pinned per pod).
+ *
+ * Ethernet interfaces (veth, tap, bridges); TCP whose header follows the IP header (no IPv6
+ * extension headers, no fragments). Entries are LRU: a connection's is rewritten by the next SYN
+ * of the same client end.
+ */
+#include "policy.h"
+
+/* A tc program does not know its netns (bpf_get_netns_cookie answers for skb->sk, which a packet
+ * from another netns may still carry): each pod's interface runs a stub that holds the pod's netns
+ * cookie (native/redirect_native.c, rdr_ebpf_tc_stub), stores it here and tail-calls
+ * tc_prog[0] (rdr_tc_ingress) or [1] (rdr_tc_egress), which read it back and zero it. tc runs
+ * with bottom halves off (ingress in softirq, egress under rcu_read_lock_bh): nothing else runs on
+ * that CPU in between. */
+BPF_PERCPU_ARRAY(tc_netns, __u64, 1);
+BPF_PROG_ARRAY(tc_prog, 2);
+
+#define RDR_ETH_HLEN 14
+#define RDR_ETH_P_IP 0x0800
+#define RDR_ETH_P_IPV6 0x86DD
+#define RDR_TC_OK (-1) /* TCX_NEXT: the interface's other programs run, then the packet goes on */
+#define RDR_TC_SHOT 2 /* TCX_DROP */
+#define RDR_TCP_SYN 0x02
+#define RDR_TCP_ACK 0x10
+
+/* Where a TCP packet's fields are (offsets from the Ethernet header). */
+struct rdr_pkt {
+	__u32 family;
+	__u32 saddr_off; /* the destination follows the source: +4 (IPv4), +16 (IPv6) */
+	__u32 l3_csum_off; /* IPv4 only */
+	__u32 l4_off;
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__u16 sport_be;
+	__u16 dport_be;
+	__u8 flags;
+};
+
+/* The TCP packet's addresses, ports and flags; 0: not one this program handles. */
+static __always_inline int rdr_parse(struct __sk_buff *skb, struct rdr_pkt *k)
+{
+	__u8 hdr[40];
+	__u16 ports[2];
+
+	if (skb->protocol == bpf_htons(RDR_ETH_P_IP)) {
+		if (bpf_skb_load_bytes(skb, RDR_ETH_HLEN, hdr, 20) < 0)
+			return 0;
+		/* IPv4, TCP, not a fragment (offset and more-fragments both zero) */
+		if ((hdr[0] >> 4) != 4 || hdr[9] != IPPROTO_TCP || (hdr[6] & 0x3f) || hdr[7])
+			return 0;
+		k->family = AF_INET;
+		k->saddr_off = RDR_ETH_HLEN + 12;
+		k->l3_csum_off = RDR_ETH_HLEN + 10;
+		k->l4_off = RDR_ETH_HLEN + (hdr[0] & 0xf) * 4;
+		__builtin_memcpy(k->saddr, hdr + 12, 4);
+		__builtin_memcpy(k->daddr, hdr + 16, 4);
+	} else if (skb->protocol == bpf_htons(RDR_ETH_P_IPV6)) {
+		if (bpf_skb_load_bytes(skb, RDR_ETH_HLEN, hdr, 40) < 0)
+			return 0;
+		if ((hdr[0] >> 4) != 6 || hdr[6] != IPPROTO_TCP)
+			return 0;
+		k->family = AF_INET6;
+		k->saddr_off = RDR_ETH_HLEN + 8;
+		k->l4_off = RDR_ETH_HLEN + 40;
+		__builtin_memcpy(k->saddr, hdr + 8, 16);
+		__builtin_memcpy(k->daddr, hdr + 24, 16);
+	} else {
+		return 0;
+	}
+	if (bpf_skb_load_bytes(skb, k->l4_off, ports, 4) < 0 || bpf_skb_load_bytes(skb, k->l4_off + 13, &k->flags, 1) < 0)
+		return 0;
+	k->sport_be = ports[0];
+	k->dport_be = ports[1];
+	return 1;
+}
+
+/* Rewrite one end (the source: src 1; the destination: 0) of the packet to addr:port_be, with the
+ * IP (IPv4) and TCP checksums. */
+static __always_inline int rdr_rewrite(struct __sk_buff *skb, const struct rdr_pkt *k, int src, const __u8 *addr,
+				       __u16 port_be)
+{
+	__u32 csum = k->l4_off + 16;
+	__u32 aoff = k->saddr_off + (src ? 0 : (k->family == AF_INET ? 4 : 16));
+	__u32 poff = k->l4_off + (src ? 0 : 2);
+	__u16 old_port = src ? k->sport_be : k->dport_be;
+	const __u8 *old = src ? k->saddr : k->daddr;
+
+	if (k->family == AF_INET) {
+		__u32 from, to;
+
+		__builtin_memcpy(&from, old, 4);
+		__builtin_memcpy(&to, addr, 4);
+		if (bpf_l4_csum_replace(skb, csum, from, to, BPF_F_PSEUDO_HDR | 4) < 0 ||
+		    bpf_l3_csum_replace(skb, k->l3_csum_off, from, to, 4) < 0 ||
+		    bpf_skb_store_bytes(skb, aoff, &to, 4, 0) < 0)
+			return -1;
+	} else {
+		__u32 from[4], to[4];
+		__s64 diff;
+
+		__builtin_memcpy(from, old, 16);
+		__builtin_memcpy(to, addr, 16);
+		diff = bpf_csum_diff(from, 16, to, 16, 0);
+		if (diff < 0 || bpf_l4_csum_replace(skb, csum, 0, (__u32)diff, BPF_F_PSEUDO_HDR) < 0 ||
+		    bpf_skb_store_bytes(skb, aoff, to, 16, 0) < 0)
+			return -1;
+	}
+	if (bpf_l4_csum_replace(skb, csum, old_port, port_be, 2) < 0 ||
+	    bpf_skb_store_bytes(skb, poff, &port_be, 2, 0) < 0)
+		return -1;
+	return 0;
+}
+
+/* Whether two addresses (16 bytes, IPv4 in the first 4 and zeros after) are equal. */
+static __always_inline int rdr_same_addr(const __u8 *a, const __u8 *b)
+{
+	__u32 x[4], y[4];
+
+	__builtin_memcpy(x, a, 16);
+	__builtin_memcpy(y, b, 16);
+	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
+}
+
+static __always_inline int rdr_has_addr(const __u8 *a, int v6)
+{
+	__u32 w[4] = {};
+
+	if (v6)
+		__builtin_memcpy(w, a, 16);
+	else
+		__builtin_memcpy(w, a, 4);
+	return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+/* The registered pod this interface's packet belongs to, if the interface is one of its reroute
+ * interfaces. */
+static __always_inline struct pod_policy *rerouting_pod(struct __sk_buff *skb, __u64 *netns, __u64 *keys)
+{
+	struct pod_policy *p;
+
+	__u32 zero = 0;
+	__u64 *slot = tc_netns.lookup(&zero);
+
+	if (!slot)
+		return 0;
+	*netns = *slot;
+	*slot = 0;
+	p = pod_of(*netns);
+	if (!p)
+		return 0;
+	*keys = pod_keys(p, *netns);
+	if (!iface_rerouted(p, *keys, skb->ifindex))
+		return 0;
+	return p;
+}
+
+int rdr_tc_ingress(struct __sk_buff *skb)
+{
+	struct rdr_pkt k = {};
+	struct tuple_key client = {};
+	struct orig_dst o = {}, *seen;
+	struct pod_policy *p;
+	__u64 netns, keys;
+	const __u8 *local;
+	__u32 ip[4];
+	int v6, kind, out;
+	__u16 to;
+
+	p = rerouting_pod(skb, &netns, &keys);
+	if (!p || !rdr_parse(skb, &k))
+		return RDR_TC_OK;
+	v6 = k.family == AF_INET6;
+	if (v6 && !(p->flags & RDR_F_V6))
+		return RDR_TC_OK;
+	__builtin_memcpy(ip, k.daddr, 16);
+	/* To the pod itself: sk_lookup's (there with the original destination as the local address). */
+	if (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0]))
+		return RDR_TC_OK;
+	if (cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.daddr, v6))
+		return RDR_TC_OK;
+	client.netns = netns;
+	client.family = k.family;
+	client.port_be = k.sport_be;
+	__builtin_memcpy(client.addr, k.saddr, 16);
+	local = v6 ? p->src6 : p->src4;
+	if ((k.flags & (RDR_TCP_SYN | RDR_TCP_ACK)) == RDR_TCP_SYN) {
+		/* A new connection: REDIRECT's choice (nat PREROUTING runs for its first packet). */
+		out = (p->flags & RDR_F_OUT_ALL) ||
+		      cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, k.daddr, v6);
+		kind = p->flags & RDR_F_AMBIENT ? RDR_LISTENER_OUTBOUND
+						: rerouted_listener(p, keys, bpf_ntohs(k.dport_be), out);
+		if (kind < 0) {
+			orig_by_tuple.delete(&client); /* (a stale entry of an earlier connection) */
+			return RDR_TC_OK;
+		}
+		to = kind == RDR_LISTENER_INBOUND ? p->inbound_port : p->proxy_port;
+		/* No address of the family to deliver it to: never around the proxy (fail closed). */
+		if (!rdr_has_addr(local, v6))
+			return RDR_TC_SHOT;
+		o.netns = netns;
+		o.family = k.family;
+		o.port_be = k.dport_be;
+		o.via_port = to;
+		__builtin_memcpy(o.addr, k.daddr, 16);
+		orig_by_tuple.update(&client, &o);
+	} else {
+		seen = orig_by_tuple.lookup(&client);
+		if (!seen || seen->port_be != k.dport_be || !rdr_same_addr(seen->addr, k.daddr))
+			return RDR_TC_OK; /* not a connection this program redirected */
+		to = seen->via_port;
+	}
+	if (rdr_rewrite(skb, &k, 0, local, bpf_htons(to)) < 0)
+		return RDR_TC_SHOT;
+	return RDR_TC_OK;
+}
+
+int rdr_tc_egress(struct __sk_buff *skb)
+{
+	struct rdr_pkt k = {};
+	struct tuple_key client = {};
+	struct orig_dst *o;
+	struct pod_policy *p;
+	__u64 netns, keys;
+	__u8 addr[16];
+
+	p = rerouting_pod(skb, &netns, &keys);
+	if (!p || !rdr_parse(skb, &k))
+		return RDR_TC_OK;
+	client.netns = netns;
+	client.family = k.family;
+	client.port_be = k.dport_be;
+	__builtin_memcpy(client.addr, k.daddr, 16);
+	o = orig_by_tuple.lookup(&client);
+	/* The proxy's side of a redirected connection: from the address and port it was redirected to. */
+	if (!o || bpf_htons(o->via_port) != k.sport_be)
+		return RDR_TC_OK;
+	if (k.family == AF_INET6)
+		__builtin_memcpy(addr, p->src6, 16);
+	else {
+		__builtin_memset(addr, 0, 16);
+		__builtin_memcpy(addr, p->src4, 4);
+	}
+	if (!rdr_same_addr(k.saddr, addr))
+		return RDR_TC_OK;
+	__builtin_memcpy(addr, o->addr, 16);
+	if (rdr_rewrite(skb, &k, 1, addr, o->port_be) < 0)
+		return RDR_TC_SHOT;
+	return RDR_TC_OK;
+}
