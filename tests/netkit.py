@@ -41,6 +41,7 @@ from tests.kit.pods import (
     DEFAULT_TIMEOUT,
     NETNS_DIR,
     PREFIX,
+    VM_NET,
     Addr,
     Link,
     Pod,
@@ -53,6 +54,7 @@ from tests.kit.pods import (
     make_pod,
     remove_netns,
     require_root,
+    vm_behind,
     wait_link_detached,
 )
 from tests.kit.probes import (
@@ -72,5 +74,5 @@ __all__ = [
     "original_dst", "DEFAULT_TIMEOUT", "NETNS_DIR", "PREFIX", "Addr", "Link", "Pod", "iproute_in", "create_netns",
     "existing_namespaces", "in_netns", "link_for", "live_namespaces", "make_pod", "remove_netns", "require_root",
     "wait_link_detached", "Landing", "ProbeResult", "in_child", "landing", "tcp_probe", "tcp_probe_detail",
-    "udp_probe", "udp_probe_detail",
+    "udp_probe", "udp_probe_detail", "vm_behind", "VM_NET",
 ]

@@ -26,11 +26,13 @@ from tests.netkit import (
     SO_MARK,
     SOL_IP,
     SOL_IPV6,
+    VM_NET,
     Pod,
     TcpListener,
     UdpListener,
     in_netns,
     landing,
+    vm_behind,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -310,6 +312,20 @@ def test_rerouted_interface_inbound_goes_to_the_outbound_port(pod_with_extra_ifa
         # The main interface is still inbound-captured as usual.
         hit = landing(pod.peer_name, pod.pod_ip4, APP_PORT, proxy.outbound[4], proxy.inbound[4])
         assert hit.listener is proxy.inbound[4], hit.result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod, proxy: NodeProxy, apps: dict,
+                                                                       backend: str) -> None:
+    """A VM behind a reroute interface connects to a host beyond the pod (the pod forwards it): the
+    connection lands on the node proxy's outbound listener with its original destination."""
+    with vm_behind(pod) as vm:
+        redirect.setup(pod.name, ambient(reroute_interfaces=("vm0",)), backend=backend)
+        for fam in FAMILIES:
+            dst = pod.peer_ip(fam)
+            hit = landing(vm, dst, APP_PORT, proxy.outbound[fam], proxy.inbound[fam], apps["peer"][fam])
+            assert hit.listener is proxy.outbound[fam], hit.result
+            assert hit.orig_dst == (dst, APP_PORT) and hit.conn is not None and hit.conn.peer[0] == VM_NET[fam][1]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

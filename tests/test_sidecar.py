@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import json
 import os
 import socket
@@ -27,15 +26,15 @@ from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.kernel import rtnl
 from tests.netkit import (
+    VM_NET,
     Pod,
     TcpListener,
     UdpListener,
-    create_netns,
     in_netns,
     landing,
-    remove_netns,
     tcp_probe_detail,
     udp_probe_detail,
+    vm_behind,
 )
 
 BACKENDS = ["iptables-nft", "iptables-legacy", "nftables", "ebpf"]
@@ -468,36 +467,6 @@ def test_rerouted_interface_inbound_goes_to_the_outbound_port(pod_with_extra_ifa
         assert landing(pod.peer_name, extra_pod, 8000, *L.values()).label == "pod-app"
         assert landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values()).label == "proxy-in"
         assert redirect.check(pod.name, cfg, backend=backend).ok
-
-
-VM_NET = {4: ("192.168.77.1", "192.168.77.2", 24), 6: ("fd77::1", "fd77::2", 64)}  # (pod side, VM, prefix)
-
-
-@contextlib.contextmanager
-def vm_behind(pod: Pod) -> Iterator[str]:
-    """A VM netns behind the pod's ``vm0`` (kube-virt style): its default routes go through the pod,
-    which forwards (``ip_forward`` on), and the pod's peer routes the VM's subnets back to the pod."""
-    vm = create_netns(f"{pod.name}-vm")
-    try:
-        def ip(ns: str, *args: str) -> None:
-            subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
-
-        ip(pod.name, "link", "add", "vm0", "type", "veth", "peer", "name", "eth0", "netns", vm)
-        for fam, (here, there, plen) in VM_NET.items():
-            extra = ("nodad",) if fam == 6 else ()
-            ip(pod.name, f"-{fam}", "addr", "add", f"{here}/{plen}", "dev", "vm0", *extra)
-            ip(vm, f"-{fam}", "addr", "add", f"{there}/{plen}", "dev", "eth0", *extra)
-        for ns, dev in ((pod.name, "vm0"), (vm, "eth0"), (vm, "lo")):
-            ip(ns, "link", "set", dev, "up")
-        for fam, (here, _there, plen) in VM_NET.items():
-            ip(vm, f"-{fam}", "route", "add", "default", "via", here)
-            net = ipaddress.ip_network(f"{here}/{plen}", strict=False)
-            ip(pod.peer_name, f"-{fam}", "route", "add", str(net), "via", pod.pod_ip(fam))
-        for key in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
-            subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", key], check=True)
-        yield vm
-    finally:
-        remove_netns(vm)
 
 
 def _live_link_ids() -> set[int]:

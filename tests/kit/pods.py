@@ -6,6 +6,7 @@ import contextlib
 import ipaddress
 import os
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -197,6 +198,39 @@ def make_pod(extra_iface: bool = False, name: str | None = None) -> Iterator[Pod
             _release_subnet(rx)
 
 
+#: The subnets of a VM behind a pod (``vm_behind``), per family: (the pod's side, the VM, prefix).
+VM_NET = {4: ("192.168.77.1", "192.168.77.2", 24), 6: ("fd77::1", "fd77::2", 64)}
+
+
+@contextlib.contextmanager
+def vm_behind(pod: Pod) -> Iterator[str]:
+    """A VM netns (its name yielded) behind the pod's interface ``vm0`` (kube-virt style): its
+    default routes go through the pod, which forwards (``ip_forward`` on), and the pod's peer
+    routes the VM's subnets back to the pod. Removed on exit."""
+    vm = create_netns(f"{pod.name}-vm")
+    iface = "vm0"
+    try:
+        def ip(ns: str, *args: str) -> None:
+            subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
+
+        ip(pod.name, "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", vm)
+        for fam, (here, there, plen) in VM_NET.items():
+            extra = ("nodad",) if fam == 6 else ()
+            ip(pod.name, f"-{fam}", "addr", "add", f"{here}/{plen}", "dev", iface, *extra)
+            ip(vm, f"-{fam}", "addr", "add", f"{there}/{plen}", "dev", "eth0", *extra)
+        for ns, dev in ((pod.name, iface), (vm, "eth0"), (vm, "lo")):
+            ip(ns, "link", "set", dev, "up")
+        for fam, (here, _there, plen) in VM_NET.items():
+            ip(vm, f"-{fam}", "route", "add", "default", "via", here)
+            net = ipaddress.ip_network(f"{here}/{plen}", strict=False)
+            ip(pod.peer_name, f"-{fam}", "route", "add", str(net), "via", pod.pod_ip(fam))
+        for key in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
+            subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", key], check=True)
+        yield vm
+    finally:
+        remove_netns(vm)
+
+
 __all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
            "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "iproute_in",
-           "link_for", "make_pod"]
+           "link_for", "make_pod", "vm_behind", "VM_NET"]
