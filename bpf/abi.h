@@ -134,7 +134,13 @@ struct orig_dst {
 	__u16 port_be;
 	__u16 via_port; /* the port we sent it to (host order) */
 	__u8 addr[16];
+	__u32 flags;    /* RDR_ORIG_* */
+	__u32 _pad;
 };
+
+/* orig_dst.flags: the proxy's side of the connection is established, and its close (not the
+ * app's) removes the orig_by_tuple entry (bpf/sockopt.c). */
+#define RDR_ORIG_ACCEPTED 0x1
 
 /* The client end of a connection to the proxy, as the proxy's accepted
  * socket sees its peer (an IPv4-mapped address as IPv4). */

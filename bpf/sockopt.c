@@ -7,8 +7,13 @@
  * destination by the app socket's cookie, and sock_ops, called at
  * TCP_CONNECT_CB (port and source known, SYN not yet sent), moves it to a
  * key of (netns, family, local addr, local port). The getsockopt program on
- * the proxy side builds the same key from its socket's peer. Entries go
- * away when the app's socket closes (STATE_CB), and both maps are LRU.
+ * the proxy side builds the same key from its socket's peer. An entry lives
+ * as long as the connection, as conntrack's does: once the proxy's side is
+ * established (PASSIVE_ESTABLISHED_CB: the app's socket, whose handshake just
+ * completed, is still there) that side owns it and its close removes it, so
+ * a client that sends and closes before the proxy accepts leaves the proxy
+ * its original destination; the app's socket's close removes it only when
+ * no proxy side took it (a refused connection). Both maps are LRU.
  */
 #include "policy.h"
 
@@ -33,6 +38,20 @@ static __always_inline void tuple_of_local(struct bpf_sock_ops *ctx, struct tupl
 	k->netns = netns;
 	k->port_be = bpf_htons((__u16)ctx->local_port);
 	tuple_addr(k, ctx->family, ip, ctx->local_ip4);
+}
+
+/* The key of the socket's peer: for the proxy's side of a connection, the app's end. */
+static __always_inline void tuple_of_remote(struct bpf_sock_ops *ctx, struct tuple_key *k, __u64 netns)
+{
+	__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+
+	k->netns = netns;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	k->port_be = (__u16)(ctx->remote_port >> 16); /* sock_ops: network order, in the upper half */
+#else
+	k->port_be = (__u16)ctx->remote_port;
+#endif
+	tuple_addr(k, ctx->family, ip, ctx->remote_ip4);
 }
 
 /* The proxy's inbound listener (and with reroute_interfaces its outbound one),
@@ -156,11 +175,27 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	} else if (ctx->op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
 		register_listener(ctx);
+	} else if (ctx->op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
+		/* The proxy's side of a connection we redirected takes its entry over. */
+		tuple_of_remote(ctx, &k, bpf_get_netns_cookie(ctx));
+		o = orig_by_tuple.lookup(&k);
+		if (!o)
+			return 1;
+		o->flags |= RDR_ORIG_ACCEPTED;
+		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	} else if (ctx->op == BPF_SOCK_OPS_STATE_CB && ctx->args[1] == BPF_TCP_CLOSE) {
-		/* Only sockets we flagged above get here; the netns is ours. */
-		tuple_of_local(ctx, &k, bpf_get_netns_cookie(ctx));
-		orig_by_tuple.delete(&k);
+		/* Only sockets we flagged above get here; the netns is ours. The app's side: */
+		cookie = bpf_get_netns_cookie(ctx);
+		tuple_of_local(ctx, &k, cookie);
+		o = orig_by_tuple.lookup(&k);
+		if (o && !(o->flags & RDR_ORIG_ACCEPTED))
+			orig_by_tuple.delete(&k);
 		local_conns.delete(&k);
+		/* The proxy's side: */
+		tuple_of_remote(ctx, &k, cookie);
+		o = orig_by_tuple.lookup(&k);
+		if (o && (o->flags & RDR_ORIG_ACCEPTED))
+			orig_by_tuple.delete(&k);
 	}
 	return 1;
 }

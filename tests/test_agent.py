@@ -574,14 +574,13 @@ def _netns_fds(pid: int) -> int:
     return count
 
 
-def _connect_once(ns: str, dst: str, port: int, keep: list[socket.socket]) -> tuple[str, int]:
-    """Connect from ``ns``; the socket stays open in ``keep`` until the caller closes it (on eBPF
-    the original destination goes with the client's socket: the proxy may accept after a close)."""
+def _connect_once(ns: str, dst: str, port: int) -> tuple[str, int]:
+    """Connect from ``ns`` and close at once: the proxy may accept after the client is gone, and
+    still reads the original destination (netfilter's conntrack entry, eBPF's, live as long as
+    the connection)."""
     from redirect.kernel import netns as rnetns
 
-    with rnetns.enter(ns):
-        s = socket.socket()
-        keep.append(s)
+    with rnetns.enter(ns), socket.socket() as s:
         s.settimeout(3)
         s.connect((dst, port))
         return s.getsockname()  # type: ignore[no-any-return]
@@ -630,15 +629,10 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         assert {e["pod"]: e["netns_inode"] for e in n.proxy_events("pod_added")} == inodes
         assert node.list_pods(n.ns) == {pods[i][1]: uids[i] for i in range(count)}
         # No cross-talk: each netns's outbound lands on the proxy's listener of that pod.
-        clients: list[socket.socket] = []
-        try:
-            locals_ = [_connect_once(ns, gw, 80, clients) for ns, _, gw in pods]
-            for i, (ip, port) in enumerate(locals_):
-                e = wait_log(n.proxy_log, lambda e, ip=ip, port=port: e["event"] == "accept" and e["src"] == [ip, port])
-                assert e["pod"] == uids[i] and e["orig_dst"] == [pods[i][2], 80] and e["kind"] == "outbound", e
-        finally:
-            for c in clients:
-                c.close()
+        locals_ = [_connect_once(ns, gw, 80) for ns, _, gw in pods]
+        for i, (ip, port) in enumerate(locals_):
+            e = wait_log(n.proxy_log, lambda e, ip=ip, port=port: e["event"] == "accept" and e["src"] == [ip, port])
+            assert e["pod"] == uids[i] and e["orig_dst"] == [pods[i][2], 80] and e["kind"] == "outbound", e
 
         # Ops.
         code, body = agent.get("/readyz")
@@ -660,10 +654,8 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         amb = redirect.RedirectConfig(mode="ambient")
         for ns, _, _ in pods[:5]:
             assert redirect.check(ns, amb, backend=n.backend).ok
-        clients = []
-        ip, port = _connect_once(pods[7][0], pods[7][2], 80, clients)
+        ip, port = _connect_once(pods[7][0], pods[7][2], 80)
         assert wait_log(n.proxy_log, lambda e: e["event"] == "accept" and e["src"] == [ip, port])["pod"] == uids[7]
-        clients[0].close()
 
         # A restart finds all of them in the kernel.
         agent = n.start_agent()

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -971,3 +972,41 @@ def test_an_ipv4_destination_through_a_dual_stack_app_socket_is_captured_as_ipv4
         assert not app.conns
         assert po.answers[-1] == {"SOL_IP": ("AF_INET", pod.peer_ip4, 8080), "SOL_IPV6": "ENOENT"}
 
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_the_original_destination_outlives_a_client_that_closed_before_the_proxy_accepted(
+        pod: Pod, backend: str, fam: int) -> None:
+    """A client that connects, sends and closes before the proxy accepts (a short request on a
+    busy proxy): the proxy still reads the original destination and the data, as netfilter's
+    conntrack keeps it for the connection, not for the client's socket; once the proxy's side
+    closes too, nothing of it is kept."""
+    from redirect.relay import original_dst
+
+    server = pod.peer_ip(fam)
+    af = socket.AF_INET if fam == 4 else socket.AF_INET6
+
+    def listen() -> socket.socket:
+        s = socket.socket(af, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0" if fam == 4 else "::", 15001))
+        s.listen(8)
+        s.settimeout(5)
+        return s
+
+    def client() -> None:
+        with socket.create_connection((server, 8080), timeout=5) as c:
+            c.sendall(b"short request")
+
+    with installed(pod, RedirectConfig(), backend):
+        lsock = in_netns(pod.name, listen)
+        try:
+            in_netns(pod.name, client)
+            time.sleep(0.2)  # the client's FIN is acked: its socket is gone from the kernel's view
+            conn, _ = lsock.accept()
+            with conn:
+                conn.settimeout(5)
+                assert original_dst(conn) == (server, 8080)
+                assert conn.recv(100) == b"short request"
+        finally:
+            lsock.close()
