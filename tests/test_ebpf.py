@@ -400,7 +400,13 @@ def test_check_fails_while_any_host_link_is_missing_or_detached(pod: Pod, scratc
         assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
         link = os.path.join(scratch_root, "links", "rdr_connect4")
         os.unlink(link)
-        assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener is app[0], "capture is off"
+        # The kernel frees the unpinned link when it evicts the bpffs inode, which it may defer:
+        # probe until the app gets the connection, bounded.
+        deadline = time.monotonic() + 5.0
+        while (got := landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener) is not app[0]:
+            assert got in proxy, got
+            assert time.monotonic() < deadline, "outbound still captured 5 s after the link pin went"
+            time.sleep(0.05)
         res = api.check(pod.name, OUT_ONLY, backend="ebpf")
         assert not res.ok and any(link in d and "missing" in d for d in res.differences), res.differences
         api.setup(pod.name, OUT_ONLY, backend="ebpf")

@@ -192,10 +192,26 @@ def make_pod(extra_iface: bool = False, name: str | None = None) -> Iterator[Pod
     links = [link_for(n, rx) for n, rx in enumerate(subnets)]
     try:
         with podkit.make_pod(base, f"{base}-peer", links):
+            _wait_link_local(base, [link.pod_if for link in links])
             yield Pod(name=base, peer_name=f"{base}-peer", links=links)
     finally:
         for rx in subnets:
             _release_subnet(rx)
+
+
+def _wait_link_local(ns: str, ifaces: list[str], timeout: float = 5.0) -> None:
+    """Until each of ``ifaces`` in ``ns`` has its IPv6 link-local address (and so its local
+    routes): a veth gets it when its carrier comes, which may be after it is up, and a test that
+    snapshots a new pod's addresses and routes must not see it arrive later."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(["ip", "-n", ns, "-6", "-o", "addr", "show", "scope", "link"], capture_output=True,
+                             text=True, check=True).stdout
+        have = {line.split()[1] for line in out.splitlines() if " fe80::" in line}
+        if set(ifaces) <= have:
+            return
+        assert time.monotonic() < deadline, f"{ns}: no IPv6 link-local address on {sorted(set(ifaces) - have)}"
+        time.sleep(0.02)
 
 
 #: The subnets of a VM behind a pod (``vm_behind``), per family: (the pod's side, the VM, prefix).
