@@ -11,10 +11,12 @@ detaches them itself when the interface goes (its netns with it); the pins then 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterable
 from typing import Any
 
+from ...errors import BackendUnavailable
 from .abi import CIDR_IF_REROUTE, CIDR_KEY
 from .syscalls import _check, _detach_pinned, _native, link_create, obj_pin
 
@@ -56,7 +58,8 @@ def pinned(root: str, cookie: int) -> dict[int, set[str]]:
 def attach(maps: dict[str, Any], root: str, cookie: int, ifindexes: Iterable[int]) -> list[str]:
     """Attach and pin, in the calling thread's netns, the links ``ifindexes`` lack, each running a
     stub that holds ``cookie`` (``rdr_ebpf_tc_stub``); the pins made (``undo`` takes them back). On
-    ``OSError`` (the kernel refused one) the pins made are undone."""
+    ``OSError`` (the kernel refused one; ``BackendUnavailable`` if it has no tcx) the pins made are
+    undone."""
     made: list[str] = []
     have = pinned(root, cookie)
     d = tcx_dir(root, cookie)
@@ -70,6 +73,11 @@ def attach(maps: dict[str, Any], root: str, cookie: int, ifindexes: Iterable[int
                               "load the tcx stub")
                 try:
                     fd = link_create(stub, idx, attach_type)
+                except OSError as e:
+                    if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # no tcx: nothing was installed
+                        raise BackendUnavailable(f"ebpf: reroute_interfaces needs tcx links (kernel 6.6+): {e}"
+                                                 ) from None
+                    raise
                 finally:
                     os.close(stub)  # (the link holds it)
                 try:
