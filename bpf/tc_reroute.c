@@ -191,6 +191,13 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 		return RDR_TC_OK;
 	if (cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.daddr, v6))
 		return RDR_TC_OK;
+	/* From an address of the pod's own (spoofed: nothing behind the interface has one): never an
+	 * entry, whose key could be one of the pod's own connections' (bpf/sockopt.c). */
+	__builtin_memcpy(ip, k.saddr, 16);
+	if (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0]))
+		return RDR_TC_OK;
+	if (cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.saddr, v6))
+		return RDR_TC_OK;
 	client.netns = netns;
 	client.family = k.family;
 	client.port_be = k.sport_be;
