@@ -316,6 +316,11 @@ int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_
 	} else if (info.type == BPF_LINK_TYPE_CGROUP) {
 		*attach_type = info.cgroup.attach_type;
 		*target = info.cgroup.cgroup_id;
+	} else if (info.type == 11) {
+		/* BPF_LINK_TYPE_TCX (6.6+, newer than the headers this may be built with): its info is
+		 * {__u32 ifindex; __u32 attach_type;}, laid out as the netns one; ifindex 0: detached. */
+		*attach_type = info.netns.attach_type;
+		*target = info.netns.netns_ino;
 	}
 	return 0;
 }

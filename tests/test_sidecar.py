@@ -507,6 +507,33 @@ def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod
             assert not os.path.exists(tcx.tcx_dir(root, cookie))
 
 
+def test_ebpf_reroute_interface_made_again_gets_its_tcx_links_at_the_next_setup(pod_with_extra_iface: Pod,
+                                                                               ebpf_root: str) -> None:
+    """A reroute interface removed and made again (a VM restarted), here with its old ifindex, has
+    new tcx links to get (the kernel detached the old ones): check reports it, the next setup
+    attaches them."""
+    from redirect.backends.ebpf import tcx
+
+    pod = pod_with_extra_iface
+    extra = pod.extra
+    assert extra is not None
+    cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,))
+    with installed(pod, cfg, "ebpf"):
+        cookie = redirect.show(pod.name)["netns_cookie"]
+        old = set(tcx.pinned(ebpf_root, cookie))
+        assert len(old) == 1
+        subprocess.run(["ip", "-n", pod.name, "link", "del", extra.pod_if], check=True)
+        subprocess.run(["ip", "-n", pod.name, "link", "add", extra.pod_if, "index", str(*old), "type", "veth",
+                        "peer", "name", "x"], check=True)
+        assert tcx.pinned(ebpf_root, cookie) == {}
+        chk = redirect.check(pod.name, cfg, backend="ebpf")
+        assert not chk.ok and any("missing tcx link" in d for d in chk.differences), chk
+        assert redirect.setup(pod.name, cfg, backend="ebpf").changed
+        assert redirect.check(pod.name, cfg, backend="ebpf").ok
+        assert tcx.pinned(ebpf_root, cookie) == {i: {"in", "out"} for i in old}
+    assert not os.path.exists(tcx.tcx_dir(ebpf_root, cookie))
+
+
 def test_ebpf_reroute_registers_an_outbound_listener_already_open(pod_with_extra_iface: Pod, ebpf_root: str) -> None:
     """A proxy already listening when reroute_interfaces is set up gets the rerouted connections
     (setup registers its listener; one started later registers itself as it listens); a config

@@ -157,8 +157,9 @@ class EbpfBackend:
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
         # With reroute_interfaces, the tcx programs on them (forwarded traffic, bpf/tc_reroute.c).
         want_tcx = tcx.rerouted_ifindexes(want.cidrs)
-        have_tcx = tcx.pinned(self.root, cookie) if want_tcx or old.policy is not None else {}
-        tcx_same = {i for i, d in have_tcx.items() if len(d) == 2} == want_tcx and set(have_tcx) == want_tcx
+        have_tcx = tcx.pinned(self.root, cookie) if want_tcx else {}
+        pins_tcx = set(tcx.pins(self.root, cookie)) if want_tcx or old.policy is not None else set()
+        tcx_same = {i for i, d in have_tcx.items() if len(d) == 2} == want_tcx and pins_tcx == want_tcx
         # The plan's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
         # connections, by mark), as the netfilter backends add them, and tcp_fwmark_accept (see
         # _fwmark_state). Our routes are read for any config: a setup killed between them and the
@@ -231,7 +232,7 @@ class EbpfBackend:
             finally:
                 if own_fd is not None:
                     os.close(own_fd)
-        if set(have_tcx) - want_tcx:  # after the policy that no longer names them
+        if pins_tcx - want_tcx:  # after the policy that no longer names them
             tcx.detach(self.root, cookie, keep=want_tcx)
         if not reroute:  # (the outbound listener's entries of an earlier config with reroute_interfaces)
             for fam in (4, 6):

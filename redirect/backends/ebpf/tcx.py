@@ -18,7 +18,7 @@ from typing import Any
 
 from ...errors import BackendUnavailable
 from .abi import CIDR_IF_REROUTE, CIDR_KEY
-from .syscalls import _check, _detach_pinned, _native, link_create, obj_pin
+from .syscalls import _check, _detach_pinned, _native, _pinned_link_info, link_create, obj_pin
 
 #: tcx attach types (enum bpf_attach_type, kernel 6.6+: newer than the headers the native module
 #: may be built with).
@@ -41,8 +41,8 @@ def rerouted_ifindexes(cidrs: Iterable[bytes]) -> frozenset[int]:
     return frozenset(out)
 
 
-def pinned(root: str, cookie: int) -> dict[int, set[str]]:
-    """The pod's pinned tcx links: ifindex -> the directions pinned ("in", "out")."""
+def pins(root: str, cookie: int) -> dict[int, set[str]]:
+    """The pod's pinned tcx links, attached or not: ifindex -> the directions ("in", "out")."""
     out: dict[int, set[str]] = {}
     try:
         names = os.listdir(tcx_dir(root, cookie))
@@ -52,6 +52,23 @@ def pinned(root: str, cookie: int) -> dict[int, set[str]]:
         idx, _, d = n.partition("-")
         if idx.isdigit():
             out.setdefault(int(idx), set()).add(d)
+    return out
+
+
+def _attached(root: str, cookie: int, idx: int, suffix: str) -> bool:
+    """Whether the pin is a link attached to ifindex ``idx`` (the kernel detaches it when the
+    interface goes: an interface made again with the same ifindex has none)."""
+    info = _pinned_link_info(os.path.join(tcx_dir(root, cookie), f"{idx}-{suffix}"))
+    return info is not None and info["target"] == idx
+
+
+def pinned(root: str, cookie: int) -> dict[int, set[str]]:
+    """The pod's tcx links attached to their interfaces: ifindex -> the directions ("in", "out")."""
+    out: dict[int, set[str]] = {}
+    for idx, dirs in pins(root, cookie).items():
+        for d in dirs:
+            if _attached(root, cookie, idx, d):
+                out.setdefault(idx, set()).add(d)
     return out
 
 
@@ -68,6 +85,7 @@ def attach(maps: dict[str, Any], root: str, cookie: int, ifindexes: Iterable[int
             for suffix, index, attach_type in _DIRECTIONS:
                 if suffix in have.get(idx, ()):
                     continue
+                _detach_pinned(os.path.join(d, f"{idx}-{suffix}"))  # a detached one left pinned
                 os.makedirs(d, exist_ok=True)
                 stub = _check(_native().lib.rdr_ebpf_tc_stub(maps["tc_netns"].fd, maps["tc_prog"].fd, cookie, index),
                               "load the tcx stub")
@@ -105,7 +123,7 @@ def detach(root: str, cookie: int, keep: Iterable[int] = ()) -> bool:
     keep = set(keep)
     d = tcx_dir(root, cookie)
     removed = False
-    for idx, dirs in pinned(root, cookie).items():
+    for idx, dirs in pins(root, cookie).items():
         if idx in keep:
             continue
         for suffix in dirs:
@@ -121,8 +139,9 @@ def differences(root: str, cookie: int, want: frozenset[int]) -> list[str]:
     have = pinned(root, cookie)
     out = [f"missing tcx link ({suffix}) on ifindex {idx}" for idx in sorted(want)
            for suffix, _p, _a in _DIRECTIONS if suffix not in have.get(idx, ())]
-    out += [f"unexpected tcx link on ifindex {idx}" for idx in sorted(set(have) - want)]
+    out += [f"unexpected tcx link on ifindex {idx}" for idx in sorted(set(pins(root, cookie)) - want)]
     return out
 
 
-__all__ = ["attach", "detach", "differences", "pinned", "rerouted_ifindexes", "tcx_dir", "undo"]
+__all__ = ["TCX_EGRESS", "TCX_INGRESS", "attach", "detach", "differences", "pinned", "pins", "rerouted_ifindexes",
+           "tcx_dir", "undo"]
