@@ -5,7 +5,8 @@ evaluators; this keeps the evaluators honest. Hypothesis draws configs the eBPF 
 supports (``test_nftables_diff.specs``); each is set up in one pod with ``backend="iptables"``
 and in another with ``backend="ebpf"``; a probe matrix (the app, the proxy's uid, an owner
 group; outbound ports and CIDRs, DNS over UDP and TCP, inbound ports, the pod to itself, the
-inbound passthrough, a dual-stack socket to an IPv4 peer; IPv4 and IPv6) runs in both, and
+inbound passthrough, a dual-stack socket to an IPv4 peer, under TPROXY the proxy's transparent
+connection to the app; IPv4 and IPv6) runs in both, and
 each probe must land where ``evaluate_plan`` (iptables) and ``evaluate_ebpf`` (eBPF) say. The
 same for ambient configs, with the node proxy's marked listeners: sockets of every kind of mark,
 DNS, the probe address both ways, the tunnel port, a rerouted interface, and the node proxy's
@@ -35,9 +36,11 @@ CAPTURED: dict[str, Landing] = {"proxy-out": ("redirect", 15001), "proxy-in": ("
                                 "dns-tcp": ("redirect", 15053), "dns-udp": ("redirect", 15053)}
 
 
-def probes(pod: Pod, v6_passthrough: bool) -> list[tuple[str, Conn, dict[str, Any]]]:
+def probes(pod: Pod, v6_passthrough: bool, tproxy: bool) -> list[tuple[str, Conn, dict[str, Any]]]:
     """(name, the connection as the evaluators see it, landing()'s arguments); the IPv6
-    passthrough probe only when ``::6`` is on lo (setup adds it when IPv6 is captured)."""
+    passthrough probe only when ``::6`` is on lo (setup adds it when IPv6 is captured); with
+    TPROXY's policy route (``tproxy``), a proxy's transparent connection to the app from a peer's
+    address with the TPROXY mark (Envoy's ``original_src``; without the route its replies leave)."""
     out: list[tuple[str, Conn, dict[str, Any]]] = []
     for fam in (4, 6):
         peer, own = pod.peer_ip(fam), pod.pod_ip(fam)
@@ -63,6 +66,9 @@ def probes(pod: Pod, v6_passthrough: bool) -> list[tuple[str, Conn, dict[str, An
         for port in diff.IN_PORTS:
             out.append((f"in v{fam} :{port}", Conn("in", "tcp", own, port, src=peer, iface=pod.pod_if),
                         {"ns": pod.peer_name, "ip": own, "port": port}))
+        if tproxy:
+            out.append((f"transparent v{fam}", Conn("out", "tcp", own, 8080, mark=1337, src=peer),
+                        {"ip": own, "port": 8080, "mark": 1337, "src": peer}))
     mapped = f"::ffff:{pod.peer_ip4}"
     out.append(("dual-stack socket to IPv4 :80", Conn("out", "tcp", mapped, 80), {"ip": mapped, "port": 80}))
     return out
@@ -95,7 +101,7 @@ def test_evaluators_land_every_probe_where_the_kernel_does(make_pod, bpf_root: s
                 plan, entries = build_plan(cfg), lower_ebpf(intent_of(cfg), fams)
                 for lst in ls[pod.name]:
                     lst.clear()
-                for name, conn, kw in probes(pod, 6 in fams):
+                for name, conn, kw in probes(pod, 6 in fams, bool(plan.routes)):
                     want = evaluate_plan(plan, fams, net, conn) if backend == "iptables" else \
                         evaluate_ebpf(entries, net, conn)
                     got = landed(pod, ls[pod.name], kw)
