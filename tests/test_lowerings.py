@@ -236,6 +236,8 @@ def ambient_conns(draw: st.DrawFn, pod: PodNet, cfg: RedirectConfig) -> Conn:
     arrive = [a for _f, a, i in pod.addrs if i != 1]
     if arrive and draw(S_QUARTER) == 0:
         dst = pick(draw, arrive)
+        if draw(S_QUARTER) == 0:  # to a host beyond the pod, which forwards it (a VM behind it)
+            dst = pick(draw, [p for p in PEERS if _fam(p) == _fam(dst) and p not in own])
         return Conn("in", proto, dst, port, src=pick(draw, [p for p in PEERS + probes if _fam(p) == _fam(dst)]),
                     iface=draw(S_IFACE))
     marks = [0, cfg.proxy_mark, cfg.conn_mark, cfg.proxy_mark | 0x10000, 0x12, cfg.proxy_mark_mask]
@@ -260,6 +262,6 @@ def test_ambient_lowerings_land_every_connection_alike(
         conn = data.draw(ambient_conns(pod0, cfg))
         nf = normalized(conn, evaluate_plan(plan, families, pod0, conn))
         bpf = normalized(conn, evaluate_ebpf(entries, pod0, conn))
-        if nf != bpf:
+        if nf != bpf and known_difference(cfg, pod0, conn, nf, bpf) is None:
             raise AssertionError(f"netfilter {nf} vs eBPF {bpf} for {conn} in {pod0} under {cfg.to_dict()} "
                                  f"(families {families})")
