@@ -88,25 +88,26 @@ def test_a_setup_of_a_netfilter_backend_marks_the_netns_first(ebpf_root: str, po
 
 
 @pytest.mark.parametrize("backend", ["nftables", "iptables-nft"])
-def test_a_teardown_that_leaves_no_netfilter_table_clears_the_mark_and_one_that_leaves_a_table_keeps_it(
-        ebpf_root: str, pod: Pod, backend: str) -> None:
+def test_a_teardown_of_every_backends_capture_clears_the_mark(ebpf_root: str, pod: Pod, backend: str) -> None:
     """Pods come and go and their netns inodes are reused: a mark left by a torn down netfilter pod
-    would send every later eBPF pod with that inode to look at its tables. Cleared only when no
-    netfilter table at all is left (anyone's table might hold capture of ours)."""
+    would send every later eBPF pod with that inode to look at its tables. A teardown without a
+    backend removes every backend's capture and clears it (someone's own table stays, and is not
+    ours); a teardown of one backend's capture keeps it."""
     fd, _ready = locks.netfilter_marks()
     inode = rnetns.netns_inode(pod.name)
     api.setup(pod.name, RedirectConfig(), backend=backend)
     assert os.pread(fd, 1, inode) == b"\x01"
     assert api.teardown(pod.name, backend=backend)
+    assert os.pread(fd, 1, inode) == b"\x01"
+    api.setup(pod.name, RedirectConfig(), backend=backend)
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add", "table", "inet", "someones"], check=True)
+    assert api.teardown(pod.name)
     assert os.pread(fd, 1, inode) == b"\0"
+    assert "someones" in subprocess.run(["ip", "netns", "exec", pod.name, "nft", "list", "tables"], check=True,
+                                        capture_output=True, text=True).stdout
     res = api.setup(pod.name, RedirectConfig(), backend="ebpf")
     assert res.detail["path"] == "fresh"
     api.teardown(pod.name)
-    # Someone's table stays after our teardown: the mark stays too.
-    api.setup(pod.name, RedirectConfig(), backend=backend)
-    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add", "table", "inet", "someones"], check=True)
-    assert api.teardown(pod.name, backend=backend)
-    assert os.pread(fd, 1, inode) == b"\x01"
 
 
 def test_a_new_unmarked_pod_with_a_foreign_netfilter_table_is_fresh_and_the_table_untouched(

@@ -23,10 +23,10 @@ can be there (one netns never holds two backends' capture). Capture installed be
 existed (by an earlier version) was not marked: whoever makes the file first marks every netns
 there is then (the netns of every process, and those bind-mounted, as ``/run/netns`` entries
 are), then writes its header (``MARKS_READY`` in its first 8 bytes); until then no one trusts a
-missing mark. A teardown that leaves the netns without any netfilter table clears its mark
-(:func:`unmark_netfilter`): pods come and go and their inodes are reused, and a mark left behind
-would send every later eBPF pod with that inode to look at its tables. One left by a netns gone
-without a teardown only makes such a setup look.
+missing mark. A teardown of every backend's capture (``redirect.teardown`` without a backend)
+clears the mark (:func:`unmark_netfilter`): pods come and go and their inodes are reused, and a
+mark left behind sends a later eBPF pod with that inode to look at its tables. One left by a
+netns gone without such a teardown only makes that setup look.
 """
 
 from __future__ import annotations
@@ -214,15 +214,9 @@ def mark_netfilter(inode: int) -> None:
     os.pwrite(fd, b"\x01", inode)
 
 
-def netfilter_marked(inode: int) -> bool:
-    """Whether the netns ``inode`` is marked (or the marks are not ready: then any may be)."""
-    fd, ready = netfilter_marks()
-    return not ready or os.pread(fd, 1, inode) == b"\x01"
-
-
 def unmark_netfilter(inode: int) -> None:
     """Clear the mark of the netns ``inode``: it holds no netfilter capture of ours (its caller
-    holds the netns lock and found no netfilter table there at all)."""
+    holds the netns lock and has just removed every backend's capture)."""
     fd, _ready = netfilter_marks()
     os.pwrite(fd, b"\0", inode)
 
