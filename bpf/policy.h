@@ -184,15 +184,22 @@ static __always_inline int inbound_captured(const struct pod_policy *p, __u64 ke
 	return port != p->inbound_port && inbound_listed(p, keys, port);
 }
 
+/* Whether Istio's inbound chain takes a new TCP connection to port: its port rules, which change
+ * nothing for a local destination already at the inbound port (REDIRECT or TPROXY delivers it
+ * there as it is), but do for one the pod forwards (fwd: its destination becomes the pod's). */
+static __always_inline int inbound_taken(const struct pod_policy *p, __u64 keys, __u16 port, int fwd)
+{
+	return fwd ? inbound_listed(p, keys, port) : inbound_captured(p, keys, port);
+}
+
 /* Which of the proxy's listeners (RDR_LISTENER_*) new inbound TCP arriving on a reroute interface
  * goes to, or -1: not captured. Istio's nat PREROUTING sends it to the outbound port (only to
  * outbound_cidrs when not every destination is captured: out), except what TPROXY's mangle rules,
- * which run before nat's, take (the inbound port itself among them: delivered there as it is). For
- * sk_lookup (to the pod's own addresses) and the tcx program (what the pod forwards). */
-static __always_inline int rerouted_listener(const struct pod_policy *p, __u64 keys, __u16 port, int out)
+ * which run before nat's, take (the inbound port itself among them: delivered there as it is). */
+static __always_inline int rerouted_listener(const struct pod_policy *p, __u64 keys, __u16 port, int out, int fwd)
 {
 	if ((p->flags & RDR_F_TPROXY) && inbound_listed(p, keys, port))
-		return inbound_captured(p, keys, port) ? RDR_LISTENER_INBOUND : -1;
+		return inbound_taken(p, keys, port, fwd) ? RDR_LISTENER_INBOUND : -1;
 	return out ? RDR_LISTENER_OUTBOUND : -1;
 }
 
@@ -339,6 +346,31 @@ static __always_inline int ambient_listener(const struct pod_policy *p, __u64 ke
 	if (cidr_listed(keys, v6 ? RDR_CIDR_PROBE6 : RDR_CIDR_PROBE4, addr, v6))
 		return -1;
 	return RDR_LISTENER_INBOUND;
+}
+
+/* Which of the proxy's listeners (RDR_LISTENER_*) a new inbound TCP connection goes to, or -1: not
+ * captured; the one statement of inbound capture for both places that see such connections:
+ * sk_lookup (bpf/sk_lookup.c: to one of the pod's own addresses) and the tc ingress program
+ * (bpf/tc_reroute.c: what the pod forwards, fwd). It arrived on ifindex from saddr to daddr:port
+ * (16 bytes each, IPv4 in the first 4). Ambient: ambient_listener. Sidecar: Istio's PREROUTING in
+ * its order: arriving on an excluded interface returns; on a reroute (kube-virt) interface,
+ * rerouted_listener; else the inbound ports decide. The callers leave out lo, the pod's own
+ * sources and connections made inside the pod. */
+static __always_inline int pod_listener(const struct pod_policy *p, __u64 keys, __u16 port, __u32 ifindex, int v6,
+					const __u8 *saddr, const __u8 *daddr, int fwd)
+{
+	int out;
+
+	if (p->flags & RDR_F_AMBIENT)
+		return ambient_listener(p, keys, port, v6, saddr, iface_rerouted(p, keys, ifindex));
+	if (!(p->flags & (RDR_F_EXCL_IF | RDR_F_REROUTE)))
+		return inbound_taken(p, keys, port, fwd) ? RDR_LISTENER_INBOUND : -1;
+	if (iface_excluded(p, keys, ifindex))
+		return -1;
+	if (!iface_rerouted(p, keys, ifindex))
+		return inbound_taken(p, keys, port, fwd) ? RDR_LISTENER_INBOUND : -1;
+	out = (p->flags & RDR_F_OUT_ALL) || cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, daddr, v6);
+	return rerouted_listener(p, keys, port, out, fwd);
 }
 
 #endif

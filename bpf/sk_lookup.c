@@ -38,62 +38,26 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
 	}
 }
 
-/* Whether the connection's destination (a local one: sk_lookup runs for
- * those) is among outbound_cidrs (RDR_CIDR_OUT_INCL*). */
-static __always_inline int to_included(struct bpf_sk_lookup *ctx, __u64 keys)
-{
-	__u8 addr[16] = {};
-
-	if (ctx->family == AF_INET) {
-		__u32 ip = ctx->local_ip4;
-
-		__builtin_memcpy(addr, &ip, 4);
-		return cidr_listed(keys, RDR_CIDR_OUT_INCL4, addr, 0);
-	} else {
-		__u32 ip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
-
-		__builtin_memcpy(addr, ip, 16);
-		return cidr_listed(keys, RDR_CIDR_OUT_INCL6, addr, 1);
-	}
-}
-
-/* Which of the proxy's listeners a new inbound connection goes to
- * (RDR_LISTENER_*), or -1: not captured. Istio's PREROUTING in its order:
- * arriving on an excluded interface returns; on a reroute (kube-virt)
- * interface, rerouted_listener (bpf/policy.h); else the inbound ports decide. */
+/* Which of the proxy's listeners the connection goes to (pod_listener, bpf/policy.h), or -1. */
 static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
 {
-	__u16 port = (__u16)ctx->local_port;
-	int captured = inbound_captured(p, keys, port);
+	__u8 saddr[16] = {}, daddr[16] = {};
 
-	if (!(p->flags & (RDR_F_EXCL_IF | RDR_F_REROUTE)))
-		return captured ? RDR_LISTENER_INBOUND : -1;
-	if (iface_excluded(p, keys, ctx->ingress_ifindex))
-		return -1;
-	if (!iface_rerouted(p, keys, ctx->ingress_ifindex))
-		return captured ? RDR_LISTENER_INBOUND : -1;
-	return rerouted_listener(p, keys, port, (p->flags & RDR_F_OUT_ALL) || to_included(ctx, keys));
-}
-
-/* Ambient: ambient_listener of the connection's remote end (bpf/policy.h). */
-static __always_inline int ambient_listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
-{
-	__u16 port = (__u16)ctx->local_port;
-	int rerouted = iface_rerouted(p, keys, ctx->ingress_ifindex);
-	__u8 addr[16] = {};
-
-	/* One call per branch: merged, clang would load both families' fields through one
-	 * modified ctx pointer, which the verifier refuses. */
+	/* Each family's fields read in its own branch, with one call per branch: merged, clang would
+	 * load both families' fields through one modified ctx pointer, which the verifier refuses. */
 	if (ctx->family == AF_INET) {
-		__u32 ip = ctx->remote_ip4;
+		__u32 rip = ctx->remote_ip4, lip = ctx->local_ip4;
 
-		__builtin_memcpy(addr, &ip, 4);
-		return ambient_listener(p, keys, port, 0, addr, rerouted);
+		__builtin_memcpy(saddr, &rip, 4);
+		__builtin_memcpy(daddr, &lip, 4);
+		return pod_listener(p, keys, (__u16)ctx->local_port, ctx->ingress_ifindex, 0, saddr, daddr, 0);
 	} else {
-		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+		__u32 rip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+		__u32 lip[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
 
-		__builtin_memcpy(addr, ip, 16);
-		return ambient_listener(p, keys, port, 1, addr, rerouted);
+		__builtin_memcpy(saddr, rip, 16);
+		__builtin_memcpy(daddr, lip, 16);
+		return pod_listener(p, keys, (__u16)ctx->local_port, ctx->ingress_ifindex, 1, saddr, daddr, 0);
 	}
 }
 
@@ -144,7 +108,7 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 	if (!p || (ctx->family == AF_INET6 && !(p->flags & RDR_F_V6)))
 		return SK_PASS;
 	keys = pod_keys(p, netns);
-	kind = p->flags & RDR_F_AMBIENT ? ambient_listener_for(ctx, p, keys) : listener_for(ctx, p, keys);
+	kind = listener_for(ctx, p, keys);
 	if (kind < 0 || from_this_pod(ctx, keys) || made_here(ctx, netns))
 		return SK_PASS;
 	lk.netns = netns;

@@ -47,7 +47,8 @@ ffibuilder.cdef("\n".join(f"static const int {n};" for n in BPF_TYPES))
 ffibuilder.set_source(
     "redirect._native",
     '#include <linux/bpf.h>\n#include "abi.h"\n#include "redirect_native.h"',
-    sources=[str(HERE / "redirect_native.c"), str(HERE / "pod_setup.c"), str(HERE / "netfilter_probe.c")],
+    sources=[str(HERE / "redirect_native.c"), str(HERE / "pod_setup.c"), str(HERE / "netfilter_probe.c"),
+             str(HERE / "tc_filter.c")],
     include_dirs=[str(HERE), str(BPF)],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )

@@ -514,6 +514,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	uint8_t cookie_v[8], one = 1;
 	uint32_t slot = 0;
 	int nd = 0, ret = 0, link = -1, pinned = 0, claimed = 0, low = 0, at = fault_at();
+	uint32_t tc_done = 0;
 
 	if (done == NULL || iks == NULL) {
 		ret = -ENOMEM;
@@ -595,6 +596,19 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 			goto undo;
 		pinned = 1;
 	}
+	/* The tc filters of the interfaces the pod forwards on (tc_filter.c), with its slot: before the
+	 * policy, which makes their programs take what it captures. */
+	for (; tc_done < w->n_tc; tc_done++) {
+		int32_t s_now = claimed ? (int32_t)slot : w->slot_now;
+
+		if (s_now < 0 || s_now >= RDR_POOL_MAX) {
+			ret = -ESRCH;
+			goto undo;
+		}
+		ret = rdr_tc_attach(w->tc_ifs[tc_done], w->tc_prog_in, w->tc_prog_out, (uint32_t)s_now + 1);
+		if (ret < 0)
+			goto undo;
+	}
 	if (fault_here(at, 2)) {
 		ret = RDR_POD_FAULT;
 		goto undo;
@@ -619,6 +633,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	goto out;
 
 undo:
+	while (tc_done > 0) /* (before the slot goes: a filter names it) */
+		rdr_tc_detach(w->tc_ifs[--tc_done]);
 	if (link >= 0) {
 		rdr_bpf_link_detach(link);
 		if (pinned)
@@ -679,6 +695,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	struct pod_policy policy;
 	uint8_t cookie_v[8];
 	int s, ret, n = 0, addr_added = 0, pin_name, own_v6 = 0;
+	int tc_ifs[RDR_FWD_MAX];
 	uint32_t seq = 1;
 
 	memset(&sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
@@ -796,6 +813,16 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	}
 	w.policy = &policy;
 	w.update_flags = BPF_NOEXIST;
+	if (r->tc_forwarded) {
+		ret = rdr_forwarding(tc_ifs, RDR_FWD_MAX);
+		if (ret < 0)
+			goto undo;
+		w.tc_ifs = tc_ifs;
+		w.n_tc = (uint32_t)ret;
+		w.tc_prog_in = r->tc_prog_in;
+		w.tc_prog_out = r->tc_prog_out;
+	}
+	w.slot_now = -1;
 	ret = rdr_ebpf_pod_write(&w);
 	if (ret != 0)
 		goto undo;

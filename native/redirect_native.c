@@ -418,47 +418,6 @@ int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot)
 	return -ENOENT;
 }
 
-/* --- the tcx stubs of a pod's reroute interfaces ----------------------------------------------- */
-
-#define TC_STUB_NAME "rdr_pod_tc"
-
-int rdr_ebpf_tc_stub(int netns_map_fd, int prog_map_fd, uint64_t cookie, uint32_t index)
-{
-	/* A tc program knows no netns of its own (bpf_get_netns_cookie answers for skb->sk, which a
-	 * packet from another netns may still carry), so each pod's interface gets this stub, which
-	 * holds the pod's netns cookie as a constant: r6 = ctx; tc_netns[0] = cookie;
-	 * tail_call(ctx, tc_prog, index: 0 ingress, 1 egress); return TCX_NEXT (-1). */
-	struct bpf_insn insns[] = {
-		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 6, .src_reg = 1},
-		{.code = BPF_ST | BPF_MEM | BPF_W, .dst_reg = 10, .off = -4, .imm = 0},
-		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 1, .src_reg = BPF_PSEUDO_MAP_FD, .imm = netns_map_fd},
-		{.imm = 0},
-		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 2, .src_reg = 10},
-		{.code = BPF_ALU64 | BPF_ADD | BPF_K, .dst_reg = 2, .imm = -4},
-		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_map_lookup_elem},
-		{.code = BPF_JMP | BPF_JEQ | BPF_K, .dst_reg = 0, .off = 8, .imm = 0},
-		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 1, .imm = (int32_t)(uint32_t)cookie},
-		{.imm = (int32_t)(uint32_t)(cookie >> 32)},
-		{.code = BPF_STX | BPF_MEM | BPF_DW, .dst_reg = 0, .src_reg = 1},
-		{.code = BPF_ALU64 | BPF_MOV | BPF_X, .dst_reg = 1, .src_reg = 6},
-		{.code = BPF_LD | BPF_DW | BPF_IMM, .dst_reg = 2, .src_reg = BPF_PSEUDO_MAP_FD, .imm = prog_map_fd},
-		{.imm = 0},
-		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 3, .imm = (int32_t)index},
-		{.code = BPF_JMP | BPF_CALL, .imm = BPF_FUNC_tail_call},
-		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = -1 /* TCX_NEXT */},
-		{.code = BPF_JMP | BPF_EXIT},
-	};
-	union bpf_attr attr;
-
-	memset(&attr, 0, sizeof(attr));
-	attr.prog_type = BPF_PROG_TYPE_SCHED_CLS;
-	attr.insns = (uint64_t)(uintptr_t)insns;
-	attr.insn_cnt = sizeof(insns) / sizeof(insns[0]);
-	attr.license = (uint64_t)(uintptr_t)"GPL";
-	memcpy(attr.prog_name, TC_STUB_NAME, sizeof(TC_STUB_NAME));
-	return sys_bpf(BPF_PROG_LOAD, &attr);
-}
-
 /* --- finding objects whose pins are gone -------------------------------------------------------- */
 
 int rdr_bpf_prog_get_fd_by_id(uint32_t id)

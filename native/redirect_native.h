@@ -74,9 +74,29 @@ int rdr_ebpf_pool_prog(int slots_map_fd, int netns_map_fd, int prog_map_fd, uint
 
 /* The slot such a program holds, from its id: 0, or -ENOENT if the program is not one. */
 int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
-/* The tcx stub of a pod's reroute interface (index 0: ingress, 1: egress; bpf/tc_reroute.c): a
- * program fd, or -errno. */
-int rdr_ebpf_tc_stub(int netns_map_fd, int prog_map_fd, uint64_t cookie, uint32_t index);
+
+/* --- the tc filters of a pod that forwards (tc_filter.c, bpf/tc_forward.c) ---------------- */
+
+#define RDR_TC_PRIO 0xC0DE /* the priority of our filters in an interface's clsact qdisc */
+#define RDR_FWD_MAX 256    /* interfaces rdr_forwarding lists; more: -E2BIG */
+
+/* The calling thread's netns's interfaces (not lo) on which it forwards what arrives (IPv4: the
+ * device's forwarding setting; IPv6: all.forwarding, then every device): their count, written to
+ * ifindexes[0..max), or -errno. */
+int rdr_forwarding(int *ifindexes, int max);
+/* Our filters on ifindex (in the calling thread's netns), made or replaced: prog_in on ingress,
+ * prog_out on egress, both with classid (the pod's pool slot + 1), in its clsact qdisc (made if
+ * missing). 0, or -errno with nothing of this call's left (-EEXIST: a filter that is not ours holds
+ * our place). */
+int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid);
+/* Our filters off ifindex, and the clsact qdisc when no filter is left in it: 0 or -errno. */
+int rdr_tc_detach(int ifindex);
+/* rdr_tc_detach on every interface of the calling thread's netns but lo: how many had ours, or
+ * -errno. */
+int rdr_tc_detach_all(void);
+/* Our filter on one side (egress 0 or 1) of ifindex: 0 with its program id and classid, -ENOENT
+ * (none), -EEXIST (another's in its place). */
+int rdr_tc_query(int ifindex, int egress, uint32_t *prog_id, uint32_t *classid);
 
 /* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */
 int rdr_bpf_prog_get_fd_by_id(uint32_t id);
@@ -164,6 +184,12 @@ struct rdr_pod_write {
 	uint32_t n_old_inv;
 	int drop_listeners;           /* no inbound capture: the listener entries go too */
 	int new_pod;                  /* the pod had no policy: an undo removes its listener entries too */
+	/* Our tc filters (tc_filter.c) to put on these interfaces of the netns the caller is in, after
+	 * the link and before the policy, with the pod's slot (the one claimed here, else slot_now): */
+	const int *tc_ifs;
+	uint32_t n_tc;
+	int tc_prog_in, tc_prog_out;  /* the host's rdr_tc_ingress, rdr_tc_egress */
+	int32_t slot_now;             /* the slot of the pod's link when it has one (link_netns < 0) */
 };
 
 /* Write w: the inventory, the new keys, the listeners, the link, then the policy; then delete the
@@ -231,6 +257,9 @@ struct rdr_pod_req {
 	int nf_marks_fd;            /* the run dir's netfilter marks (redirect.kernel.locks.netfilter_marks), or -1 */
 	int nf_marks_ready;         /* they are complete (every netns that may hold netfilter capture of
 				     * ours is marked): a netns without a mark holds none; 0: always look */
+	int tc_forwarded;           /* the config's capture takes what the pod forwards: our tc filters go
+				     * on the interfaces it forwards on (rdr_forwarding) */
+	int tc_prog_in, tc_prog_out; /* (rdr_pod_write) */
 };
 
 /* What one call found and did. */

@@ -40,6 +40,7 @@ from tests.kit.listeners import (
 from tests.kit.pods import (
     DEFAULT_TIMEOUT,
     NETNS_DIR,
+    OUR_TC,
     PREFIX,
     VM_NET,
     Addr,
@@ -52,8 +53,11 @@ from tests.kit.pods import (
     link_for,
     live_namespaces,
     make_pod,
+    qdisc_kinds,
     remove_netns,
     require_root,
+    set_forwarding,
+    tc_filters,
     vm_behind,
     wait_link_detached,
 )
@@ -71,7 +75,8 @@ from tests.kit.probes import (
 __all__ = [
     "IP_PKTINFO", "IP_RECVORIGDSTADDR", "IP_TRANSPARENT", "IPV6_PKTINFO", "IPV6_RECVORIGDSTADDR", "IPV6_RECVPKTINFO",
     "IPV6_TRANSPARENT", "SO_MARK", "SOL_IP", "SOL_IPV6", "Conn", "Listener", "TcpListener", "UdpListener",
-    "original_dst", "DEFAULT_TIMEOUT", "NETNS_DIR", "PREFIX", "Addr", "Link", "Pod", "iproute_in", "create_netns",
+    "original_dst", "DEFAULT_TIMEOUT", "NETNS_DIR", "OUR_TC", "qdisc_kinds", "set_forwarding", "tc_filters",
+    "PREFIX", "Addr", "Link", "Pod", "iproute_in", "create_netns",
     "existing_namespaces", "in_netns", "link_for", "live_namespaces", "make_pod", "remove_netns", "require_root",
     "wait_link_detached", "Landing", "ProbeResult", "in_child", "landing", "tcp_probe", "tcp_probe_detail",
     "udp_probe", "udp_probe_detail", "vm_behind", "VM_NET",

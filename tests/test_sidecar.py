@@ -27,12 +27,16 @@ from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.kernel import rtnl
 from tests.netkit import (
+    OUR_TC,
     VM_NET,
     Pod,
     TcpListener,
     UdpListener,
     in_netns,
     landing,
+    qdisc_kinds,
+    set_forwarding,
+    tc_filters,
     tcp_probe_detail,
     udp_probe_detail,
     vm_behind,
@@ -470,18 +474,12 @@ def test_rerouted_interface_inbound_goes_to_the_outbound_port(pod_with_extra_ifa
         assert redirect.check(pod.name, cfg, backend=backend).ok
 
 
-def _live_link_ids() -> set[int]:
-    """The ids of the kernel's BPF links."""
-    out = subprocess.run(["bpftool", "-j", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return {int(lk["id"]) for lk in json.loads(out or "[]")}
-
-
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod, backend: str, fam: int) -> None:
     """A VM behind a reroute interface connects to a host beyond the pod, which the pod forwards:
     the connection lands on the proxy's outbound listener with its original destination, as
-    netfilter's nat PREROUTING has it (eBPF: tcx programs on the interface). Before setup and after
-    teardown it reaches that host; eBPF leaves no tcx link behind."""
+    netfilter's nat PREROUTING has it (eBPF: our tc filters on the interface). Before setup and
+    after teardown it reaches that host; eBPF leaves no filter or qdisc behind."""
     dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
     with vm_behind(pod) as vm, listeners((pod.name, 15001, fam, "proxy-out"), (pod.peer_name, 8080, fam, "peer-app"),
                                          (pod.name, 15006, fam, "proxy-in")) as L:
@@ -492,46 +490,51 @@ def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod
             hit = landing(vm, dst, 8080, *L.values())
             assert hit.label == "proxy-out" and hit.orig_dst == (dst, 8080), hit.result
             assert hit.conn is not None and hit.conn.peer[0] == vm_ip
-            ours: set[int] = set()
             if backend == "ebpf":
-                from redirect.backends.ebpf import tcx
-                from redirect.backends.ebpf.syscalls import _pinned_link_info
-
-                cookie, root = redirect.show(pod.name)["netns_cookie"], os.environ["REDIRECT_BPF_ROOT"]
-                pins = [os.path.join(tcx.tcx_dir(root, cookie), n) for n in os.listdir(tcx.tcx_dir(root, cookie))]
-                ours = {info["id"] for p in pins if (info := _pinned_link_info(p)) is not None}
-                assert len(ours) == 2 and ours <= _live_link_ids()  # ingress and egress on vm0
+                assert tc_filters(pod.name, "vm0") == OUR_TC
         assert landing(vm, dst, 8080, *L.values()).label == "peer-app"
-        if backend == "ebpf":
-            assert not ours & _live_link_ids()  # detached, not only unpinned
-            assert not os.path.exists(tcx.tcx_dir(root, cookie))
+        assert tc_filters(pod.name, "vm0") == {"ingress": [], "egress": []}
+        assert "clsact" not in qdisc_kinds(pod.name, "vm0")  # the one made for ours went with them
 
 
-def test_ebpf_reroute_interface_made_again_gets_its_tcx_links_at_the_next_setup(pod_with_extra_iface: Pod,
-                                                                               ebpf_root: str) -> None:
-    """A reroute interface removed and made again (a VM restarted), here with its old ifindex, has
-    new tcx links to get (the kernel detached the old ones): check reports it, the next setup
-    attaches them."""
-    from redirect.backends.ebpf import tcx
-
+def test_ebpf_interface_made_again_gets_its_tc_filters_at_the_next_setup(pod_with_extra_iface: Pod,
+                                                                        ebpf_root: str) -> None:
+    """An interface the pod forwards on, removed and made again (a VM restarted), here with its old
+    ifindex, has lost our filters (the kernel removed them with it): check reports it, the next
+    setup puts them back; a config without capture that could take forwarded traffic removes
+    them; teardown leaves none."""
     pod = pod_with_extra_iface
     extra = pod.extra
     assert extra is not None
+    set_forwarding(pod.name, True)
     cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,))
+    idx = socket_ifindex(pod.name, extra.pod_if)
     with installed(pod, cfg, "ebpf"):
-        cookie = redirect.show(pod.name)["netns_cookie"]
-        old = set(tcx.pinned(ebpf_root, cookie))
-        assert len(old) == 1
+        assert tc_filters(pod.name, extra.pod_if) == OUR_TC
+        assert tc_filters(pod.name, "eth0") == OUR_TC  # (inbound capture: what arrives there too)
         subprocess.run(["ip", "-n", pod.name, "link", "del", extra.pod_if], check=True)
-        subprocess.run(["ip", "-n", pod.name, "link", "add", extra.pod_if, "index", str(*old), "type", "veth",
+        subprocess.run(["ip", "-n", pod.name, "link", "add", extra.pod_if, "index", str(idx), "type", "veth",
                         "peer", "name", "x"], check=True)
-        assert tcx.pinned(ebpf_root, cookie) == {}
+        assert tc_filters(pod.name, extra.pod_if) == {"ingress": [], "egress": []}
         chk = redirect.check(pod.name, cfg, backend="ebpf")
-        assert not chk.ok and any("missing tcx link" in d for d in chk.differences), chk
+        assert not chk.ok and any("tc filters on " + extra.pod_if in d for d in chk.differences), chk
         assert redirect.setup(pod.name, cfg, backend="ebpf").changed
         assert redirect.check(pod.name, cfg, backend="ebpf").ok
-        assert tcx.pinned(ebpf_root, cookie) == {i: {"in", "out"} for i in old}
-    assert not os.path.exists(tcx.tcx_dir(ebpf_root, cookie))
+        assert tc_filters(pod.name, extra.pod_if) == OUR_TC
+        out_only = RedirectConfig(inbound_ports=())
+        assert redirect.setup(pod.name, out_only, backend="ebpf").changed
+        assert redirect.check(pod.name, out_only, backend="ebpf").ok
+        assert tc_filters(pod.name, extra.pod_if) == tc_filters(pod.name, "eth0") == {"ingress": [], "egress": []}
+        assert redirect.setup(pod.name, cfg, backend="ebpf").changed
+    for dev in (extra.pod_if, "eth0"):
+        assert tc_filters(pod.name, dev) == {"ingress": [], "egress": []} and "clsact" not in qdisc_kinds(pod.name, dev)
+
+
+def socket_ifindex(ns: str, dev: str) -> int:
+    """``dev``'s ifindex in ``ns``."""
+    out = subprocess.run(["ip", "-n", ns, "-j", "link", "show", "dev", dev], capture_output=True, text=True,
+                         check=True).stdout
+    return int(json.loads(out)[0]["ifindex"])
 
 
 def test_ebpf_reroute_registers_an_outbound_listener_already_open(pod_with_extra_iface: Pod, ebpf_root: str) -> None:

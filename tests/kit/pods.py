@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import random
 import subprocess
@@ -240,13 +241,38 @@ def vm_behind(pod: Pod) -> Iterator[str]:
             ip(vm, f"-{fam}", "route", "add", "default", "via", here)
             net = ipaddress.ip_network(f"{here}/{plen}", strict=False)
             ip(pod.peer_name, f"-{fam}", "route", "add", str(net), "via", pod.pod_ip(fam))
-        for key in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
-            subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", key], check=True)
+        set_forwarding(pod.name, True)
         yield vm
     finally:
         remove_netns(vm)
 
 
+def tc_filters(ns: str, dev: str) -> dict[str, list[str]]:
+    """The tc filters on ``dev`` in ``ns`` by side ("ingress", "egress"): each one's bpf name
+    (another kind's: its kind)."""
+    out: dict[str, list[str]] = {}
+    for side in ("ingress", "egress"):
+        r = subprocess.run(["tc", "-n", ns, "-j", "filter", "show", "dev", dev, side], capture_output=True, text=True,
+                           check=True)
+        out[side] = [f["options"].get("bpf_name", f["kind"]) for f in json.loads(r.stdout or "[]") if "options" in f]
+    return out
+
+
+def qdisc_kinds(ns: str, dev: str) -> list[str]:
+    """The kinds of the qdiscs on ``dev`` in ``ns``."""
+    r = subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True)
+    return [q["kind"] for q in json.loads(r.stdout or "[]")]
+
+
+def set_forwarding(ns: str, on: bool) -> None:
+    """IPv4 and IPv6 forwarding in ``ns`` (on every interface)."""
+    for key in ("net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"):
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={int(on)}"], check=True)
+
+
+#: Our filters' names on an interface where a pod forwards (eBPF backend).
+OUR_TC = {"ingress": ["rdr_tc_ingress"], "egress": ["rdr_tc_egress"]}
+
 __all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
            "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "iproute_in",
-           "link_for", "make_pod", "vm_behind", "VM_NET"]
+           "link_for", "make_pod", "vm_behind", "VM_NET", "tc_filters", "qdisc_kinds", "set_forwarding", "OUR_TC"]

@@ -100,14 +100,13 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
     "rdr_sockops": (const("BPF_PROG_TYPE_SOCK_OPS"), const("BPF_CGROUP_SOCK_OPS"), True),
     "rdr_sock_release": (const("BPF_PROG_TYPE_CGROUP_SOCK"), const("BPF_CGROUP_INET_SOCK_RELEASE"), True),
     "rdr_sk_lookup": (const("BPF_PROG_TYPE_SK_LOOKUP"), const("BPF_SK_LOOKUP"), False),
-    # Run by the pods' tcx stubs (tc_prog; ``.tcx``): no attach type of their own.
+    # The filters on the interfaces of pods that forward (``.tc``): no attach type of their own.
     "rdr_tc_ingress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
     "rdr_tc_egress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
 }
 SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
 MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool",
-        "tc_netns", "tc_prog")
+        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool")
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))

@@ -17,7 +17,7 @@ from ...kernel import netns as _netns
 from ...plan.intent import AmbientIntent, Intent
 from ...plan.vocabulary import LocalAddress, Plan
 from ..base import CheckResult, Installed
-from . import tcx
+from . import tc
 from .abi import (
     AF,
     CIDR_KEY,
@@ -68,8 +68,16 @@ from .podnet import (
     scan_netns,
 )
 from .pods import _pod_link, _remove_pod, drop_leftovers, drop_link, read_pod, write_pod
-from .pool import link_cookie, prog_cookie
-from .syscalls import _detach_pinned, _link_target, current_netns_cookie, link_info, obj_get, prog_id
+from .pool import link_cookie, prog_cookie, prog_slot
+from .syscalls import (
+    _detach_pinned,
+    _link_target,
+    _pinned_link_info,
+    current_netns_cookie,
+    link_info,
+    obj_get,
+    prog_id,
+)
 
 if TYPE_CHECKING:
     from ...kernel.routes import RouteTxn
@@ -155,11 +163,13 @@ class EbpfBackend:
         out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
-        # With reroute_interfaces, the tcx programs on them (forwarded traffic, bpf/tc_reroute.c).
-        want_tcx = tcx.rerouted_ifindexes(want.cidrs)
-        have_tcx = tcx.pinned(self.root, cookie) if want_tcx else {}
-        pins_tcx = set(tcx.pins(self.root, cookie)) if want_tcx or old.policy is not None else set()
-        tcx_same = {i for i, d in have_tcx.items() if len(d) == 2} == want_tcx and pins_tcx == want_tcx
+        # Our tc filters on the interfaces the pod forwards on (what it forwards is captured as
+        # netfilter's inbound capture takes it: bpf/tc_forward.c, .tc), with the pod's pool slot.
+        want_tc = tc.wanted(want)
+        have_tc = tc.ours() if want_tc or old.policy is not None else {}
+        progs_tc = tc.host_progs(h) if want_tc or have_tc else (0, 0)
+        tc_attach = tc.to_attach(want_tc, have_tc, progs_tc, _link_slot(link_path) if have_link else None)
+        tc_same = not tc_attach and set(have_tc) == want_tc
         # The plan's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
         # connections, by mark), as the netfilter backends add them, and tcp_fwmark_accept (see
         # _fwmark_state). Our routes are read for any config: a setup killed between them and the
@@ -173,7 +183,7 @@ class EbpfBackend:
                      and not add_addrs and not dropping
                      and not (old_flags ^ policy_flags(policy)) & F_FWMARK_ACCEPT_OURS
                      and fw_set is None and not rtx.changed
-                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link and tcx_same)
+                     and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link and tc_same)
         if unchanged:
             return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
         # The other generation: old and new inventories and keys never overlap, the old policy
@@ -193,11 +203,8 @@ class EbpfBackend:
         with listeners_cm as lfds, out_cm as ofds:
             added: list[LocalAddress] = []
             registered: list[bytes] = []
-            tcx_made: list[str] = []
             own_fd = None
             try:
-                # Before the policy that names them (the programs pass what it does not reroute).
-                tcx_made = tcx.attach(h.maps, self.root, cookie, want_tcx)
                 rtx.apply()  # before the policy: replies route back once capture is on
                 for fam, fd in ofds.items():
                     key = LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND)
@@ -216,11 +223,11 @@ class EbpfBackend:
                         nsfd = own_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     link_netns = nsfd
                 # The difference, in one native call that undoes itself on failure.
-                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path, sc.inode)
+                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path, sc.inode, tc_attach,
+                          _link_slot(link_path) if have_link else None)
             except BaseException as e:
                 for key in registered:
                     h.maps["listeners"].delete(key)
-                tcx.undo(self.root, cookie, tcx_made)
                 for la in added:
                     with contextlib.suppress(OSError, RedirectError):
                         rt.remove_address(la)
@@ -232,8 +239,8 @@ class EbpfBackend:
             finally:
                 if own_fd is not None:
                     os.close(own_fd)
-        if pins_tcx - want_tcx:  # after the policy that no longer names them
-            tcx.detach(self.root, cookie, keep=want_tcx)
+        if set(have_tc) - want_tc:  # after the policy (filters of interfaces that no longer forward)
+            tc.detach(set(have_tc) - want_tc)
         if not reroute:  # (the outbound listener's entries of an earlier config with reroute_interfaces)
             for fam in (4, 6):
                 h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND))
@@ -255,15 +262,21 @@ class EbpfBackend:
         policy is gone: every program looks the pod up first.
         """
         cookie = current_netns_cookie()
+        # Our tc filters first: each names the pod's pool slot, which goes with its link below (a
+        # slot claimed by another pod later must find no filter of this netns).
+        try:
+            had_tc = tc.detach_all() > 0
+        except OSError as e:
+            raise SetupError(f"ebpf: teardown failed, nothing removed: {e}") from e
         with reading_host(self.root) as h:
             if h is None:  # no pods map anywhere: no program of ours can capture; a link pin may be left
                 link = self._pod_link_path(cookie)
                 if os.path.exists(link):
                     _detach_pinned(link)
                     return True
-                return False
+                return had_tc
             policy = h.pods.lookup(U64.pack(cookie))
-            removed = _remove_pod(h, cookie)
+            removed = _remove_pod(h, cookie) or had_tc
         flags = policy_flags(policy) if policy is not None else 0
         if flags & F_FWMARK_ACCEPT_OURS:
             set_fwmark_accept(0)
@@ -323,7 +336,7 @@ class EbpfBackend:
         from ...kernel import routes as rt
 
         diffs += rt.differences(plan, families)
-        diffs += tcx.differences(self.root, cookie, tcx.rerouted_ifindexes(want.cidrs))
+        diffs += tc.differences(tc.wanted(want), tc.ours(), tc.host_progs(h), _link_slot(link))
         if replies_by_mark(policy_flags(want.policy)) and fwmark_accept() != 1:
             diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the proxy's transparent"
                          " connections need it (setup sets it)")
@@ -353,7 +366,7 @@ class EbpfBackend:
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
             "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & _ROUTED else [],
             "sk_lookup_link": link if os.path.exists(link) else None,
-            "tcx_links": sorted(f"ifindex {i} {d}" for i, ds in tcx.pinned(self.root, cookie).items() for d in ds),
+            "tc_filters": tc.describe(tc.ours()),
             "missing_host_pins": missing_pins(self.root),
         }
 
@@ -385,8 +398,9 @@ def _render(it: Intent | AmbientIntent, families: tuple[int, ...], plan: Plan) -
     if it.reroute_interfaces:
         lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
         lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
-        lines.append(f"tcx ingress and egress links on each of {', '.join(it.reroute_interfaces)}"
-                     " (forwarded TCP to the proxy, bpf/tc_reroute.c)")
+    if tc.takes_forwarded(e):
+        lines.append("tc filters (ingress, egress; classid: the pod's pool slot + 1) on each interface the pod"
+                     " forwards on, but excluded ones (forwarded TCP to the proxy, bpf/tc_forward.c)")
     lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
               f" table {r.table}" for r in plan.routes if r.family in families]
     if replies_by_mark(policy_flags(e.policy)):
@@ -451,3 +465,9 @@ def _route_txn(plan: Plan, families: tuple[int, ...]) -> RouteTxn:
 def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:
     """``_detail`` of ``apply``, which started at ``t0`` and had the host programs at ``t_host``."""
     return _detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path)
+
+
+def _link_slot(link_path: str) -> int | None:
+    """The pool slot of the pod's sk_lookup link pinned at ``link_path`` (None: none, or not ours)."""
+    info = _pinned_link_info(link_path)
+    return None if info is None else prog_slot(info["prog_id"])

@@ -29,6 +29,7 @@ from .lifetime import _host_cache, host
 from .podnet import LOOPBACK_IFINDEX, _plan_addresses, families_for
 from .pool import refill
 from .syscalls import _native
+from .tc import takes_forwarded
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -52,6 +53,8 @@ class FreshPodTemplate:
         ffi = _native().ffi
         it = intent_of(cfg)
         self.inbound_port = 0
+        #: Its capture takes what a pod forwards: our tc filters on the interfaces a pod forwards on.
+        self.tc_forwarded = False
         #: [v6_on][own_v6]: (policy, ports, cidrs) buffers, and the rest of the set.
         self.sets: list[list[tuple[Any, Any, int, Any, int, dict[int, bytes], bool, bytes | None]]] = []
         for v6_on in (False, True):
@@ -63,6 +66,7 @@ class FreshPodTemplate:
                                    tuple((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in adds))
                 if e.inbound:
                     self.inbound_port = cfg.inbound_port
+                self.tc_forwarded |= takes_forwarded(e)
                 ports, cidrs = b"".join(sorted(e.ports)), b"".join(sorted(e.cidrs))
                 bufs = [ffi.new(t, max(n, 1)) for t, n in (("struct pod_policy[]", 1), ("struct port_key[]",
                                                            len(e.ports)), ("struct cidr_key[]", len(e.cidrs)))]

@@ -61,7 +61,7 @@ BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.d
                        "bpf")
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
-SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_reroute.c")
+SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
 
 
 def _root(root: str | None) -> str:
@@ -169,6 +169,8 @@ class HostPrograms:
         pin_dir = ffi.new("char[]", self.pods_dir.encode())
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.inbound_port = tmpl.inbound_port
+        r.tc_forwarded = tmpl.tc_forwarded
+        r.tc_prog_in, r.tc_prog_out = self.progs["rdr_tc_ingress"], self.progs["rdr_tc_egress"]
         r.tcp_diag = _tcp_diag_ok()
         r.host_netns_ino = _netns.host_netns_inodes()
         from ...kernel import locks
@@ -402,7 +404,7 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
         "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
         "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
-        "lookup_free": (4, 1), "lookup_pool": (4, 4), "tc_netns": (4, 8), "tc_prog": (4, 4),
+        "lookup_free": (4, 1), "lookup_pool": (4, 4),
     }
 
 
@@ -484,10 +486,6 @@ def _load_and_pin(root: str, cgroup: str) -> None:
 
         _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
                                                 0), "update lookup_prog")
-        # The pods' tcx stubs tail-call these (bpf/tc_reroute.c, tc_netns).
-        for i, name in enumerate(("rdr_tc_ingress", "rdr_tc_egress")):
-            _check(_native().lib.rdr_bpf_map_update(table("tc_prog"), U32.pack(i), U32.pack(fns[name].fd), 0),
-                   "update tc_prog")
         # The first batch of the pods' own sk_lookup programs (``.pool``).
         fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
              table("lookup_free"), 0)

@@ -12,7 +12,8 @@ import os
 import threading
 from collections.abc import Iterator
 
-from ...errors import SetupError
+from ...errors import RedirectError, SetupError
+from ...kernel import netns as _netns
 from .abi import U64
 from .host import (
     DEFAULT_ROOT,
@@ -149,6 +150,8 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
                     f"ebpf: host pins under {r} are incomplete (missing: {', '.join(missing_pins(r))}) and pods may"
                     f" still be registered; tear them down, or unload_host({r!r}, force=True)"
                 )
+        if force:
+            _release_forwarding(r)
         with _host_cache_lock:
             h = _host_cache.pop(r, None)
             if h is not None:
@@ -164,6 +167,55 @@ def unload_host(root: str | None = None, force: bool = False) -> bool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(locks.run_dir_path(), _lock_name(r)))
         return existed
+
+
+def _release_forwarding(root: str) -> None:
+    """Before a forced unload: our tc filters off the interfaces of the pods still registered
+    (found by their netns inodes among the namespaces of processes and ``/run/netns``), then every
+    pod's policy deleted, so that a filter left where its netns could not be found (held only by
+    an fd) runs a program that takes nothing. Unlike the pods' links, the filters are not pinned:
+    they live in the pods' namespaces, with the programs they run."""
+    from . import tc
+    from .pool import POOL_SLOT
+
+    h = host(root, load=False)
+    if h is None or "lookup_slots" not in h.maps:
+        return
+    slots = h.maps["lookup_slots"]
+    inodes = {int(POOL_SLOT.unpack(v)[1]) for k in list(slots.keys()) if (v := slots.lookup(k)) is not None}
+    for path in _netns_paths(inodes):
+        try:
+            with _netns.enter(path):
+                tc.detach_all()
+        except (OSError, RedirectError) as e:
+            log.warning("ebpf: could not remove our tc filters in %s: %s", path, e)
+    for k in list(h.pods.keys()):
+        h.pods.delete(k)
+
+
+def _netns_paths(inodes: set[int]) -> list[str]:
+    """A path of each netns whose inode is in ``inodes`` that can be found: ``/run/netns`` names,
+    then processes' namespaces (bounded: what is not found is left)."""
+    found: dict[int, str] = {}
+    cands = [os.path.join("/run/netns", n) for n in _listdir("/run/netns")]
+    cands += [f"/proc/{p}/ns/net" for p in _listdir("/proc") if p.isdigit()]
+    for path in cands[:100_000]:
+        if len(found) == len(inodes):
+            break
+        try:
+            ino = os.stat(path).st_ino
+        except OSError:
+            continue
+        if ino in inodes and ino not in found:
+            found[ino] = path
+    return list(found.values())
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def force_unload_host(root: str | None = None) -> bool:

@@ -1,7 +1,7 @@
 """One pod's objects in the host maps, keyed by its netns cookie: reading them back through its
 inventory (``read_pod``), its ``sk_lookup`` link (pinned at ``<root>/pods/<cookie>-sk_lookup``, running
 a program of its own from the pool, ``.pool``, whose slot holds the cookie), and removing them all
-with its tcx links (``.tcx``) (``_remove_pod``): O(its entries).
+(``_remove_pod``): O(its entries).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import SetupError
-from . import tcx
 from .abi import (
     AF,
     GEN_BIT,
@@ -170,18 +169,20 @@ def _remove_pod(h: HostPrograms, cookie: int) -> bool:
         for kind in (LISTENER_INBOUND, LISTENER_OUTBOUND):
             removed |= h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], kind))
     removed |= drop_link(h, cookie, _pod_link(h.root, cookie))
-    removed |= tcx.detach(h.root, cookie)  # its reroute interfaces' programs (after the policy)
     return bool(removed)
 
 
 def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, base: int, listeners: dict[int, int],
-              link_netns: int, link_path: str, netns_ino: int = 0) -> None:
+              link_netns: int, link_path: str, netns_ino: int = 0, tc_ifs: list[int] | None = None,
+              slot_now: int | None = None) -> None:
     """Make the pod ``cookie`` have ``want`` where it has ``old``, in one native call
     (``rdr_ebpf_pod_write``, native/pod_setup.c: the fresh-pod call writes through it too): the
     inventory at ``base``, the keys ``old`` lacks, the proxy's ``listeners`` (family -> fd), the
     pod's sk_lookup link on ``link_netns`` (-1: it has one; its netns inode ``netns_ino``) with
-    a pool slot claimed for it, pinned at ``link_path``, the policy last; then what only ``old``
-    has goes. A failure undoes it all: ``SetupError``."""
+    a pool slot claimed for it, pinned at ``link_path``, our tc filters on the interfaces
+    ``tc_ifs`` of the calling thread's netns with that slot (or ``slot_now``, its link's, when it
+    has one: ``.tc``), the policy last; then what only ``old`` has goes. A failure undoes it all:
+    ``SetupError``."""
     nat = _native()
     ffi, lib = nat.ffi, nat.lib
     by_map = want.by_map()
@@ -219,6 +220,12 @@ def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, bas
     w.policy, w.update_flags = policy, 0  # BPF_ANY: a new config replaces the old one's entries
     w.stale, w.n_stale, w.old_inv, w.n_old_inv = gone, len(stale), old_inv, len(old.inv_keys)
     w.drop_listeners, w.new_pod = not want.inbound, old.policy is None
+    tcs = ffi.new("int[]", max(len(tc_ifs or ()), 1))
+    for i, idx in enumerate(tc_ifs or ()):
+        tcs[i] = idx
+    w.tc_ifs, w.n_tc = tcs, len(tc_ifs or ())
+    w.tc_prog_in, w.tc_prog_out = h.progs.get("rdr_tc_ingress", -1), h.progs.get("rdr_tc_egress", -1)
+    w.slot_now = -1 if slot_now is None else slot_now
     rc = lib.rdr_ebpf_pod_write(w)
     if rc == 0 and low[0]:
         refill(h)  # it took the last free slot: the next batch, ahead of the pods that come next

@@ -1,32 +1,28 @@
-/* Forwarded TCP on reroute interfaces: tcx programs on each of a pod's reroute_interfaces.
+/* Forwarded TCP: tc programs on the interfaces of a pod that forwards.
  *
- * Netfilter's nat PREROUTING redirects what arrives on a reroute interface (a VM behind the pod)
- * whatever its destination, so also what the pod forwards (ip_forward on: the VM connecting to
- * other hosts). Forwarded packets are routed before any socket lookup: sk_lookup (bpf/sk_lookup.c)
- * never sees them. Here the ingress program does what REDIRECT does to such a connection: its
- * destination becomes a local address of the pod (the pod's first address of the family, src4/src6
- * of the policy; REDIRECT takes the interface's) and the proxy's port, chosen as sk_lookup chooses
- * (rerouted_listener, bpf/policy.h); the original destination is kept in orig_by_tuple under the
- * client's end, where the getsockopt program answers SO_ORIGINAL_DST from (bpf/sockopt.c), and
- * every later packet of the connection is rewritten alike. The egress program rewrites the
- * proxy's replies back (the source becomes the original destination), as conntrack's reverse NAT
- * does. Destinations of the pod's own (and loopback) are left to sk_lookup. The programs run on
- * the interface's tcx hooks (.tcx: attached and pinned per pod).
+ * Netfilter's inbound capture (nat PREROUTING's REDIRECT, TPROXY's mangle PREROUTING) matches
+ * whatever the destination, so it also takes what the pod forwards (forwarding on: a VM behind a
+ * reroute interface connecting to other hosts, a neighbour routing through the pod). Forwarded
+ * packets are routed before any socket lookup: sk_lookup (bpf/sk_lookup.c) never sees them. Here
+ * the ingress program does what REDIRECT does to such a connection: when pod_listener (the one
+ * statement of inbound capture, bpf/policy.h) takes it, its destination becomes a local address of
+ * the pod (the pod's first address of the family, src4/src6 of the policy; REDIRECT takes the
+ * interface's) and the chosen listener's port; the original destination is kept in orig_by_tuple
+ * under the client's end, where the getsockopt program answers SO_ORIGINAL_DST from
+ * (bpf/sockopt.c), and every later packet of the connection is rewritten alike. The egress program
+ * rewrites the proxy's replies back (the source becomes the original destination), as conntrack's
+ * reverse NAT does. Destinations of the pod's own (and loopback) are left to sk_lookup.
+ *
+ * The programs are attached as cls_bpf filters of a clsact qdisc on each interface the pod
+ * forwards on (redirect/backends/ebpf/tc.py), shared by every pod: a filter's classid is the pod's
+ * pool slot plus one (the slot its sk_lookup program runs in, bpf/abi.h struct pool_slot), which
+ * the kernel hands the program as skb->tc_classid before it runs; lookup_slots names the pod.
  *
  * Ethernet interfaces (veth, tap, bridges); TCP whose header follows the IP header (no IPv6
  * extension headers, no fragments). Entries are LRU: a connection's is rewritten by the next SYN
  * of the same client end.
  */
 #include "policy.h"
-
-/* A tc program does not know its netns (bpf_get_netns_cookie answers for skb->sk, which a packet
- * from another netns may still carry): each pod's interface runs a stub that holds the pod's netns
- * cookie (native/redirect_native.c, rdr_ebpf_tc_stub), stores it here and tail-calls
- * tc_prog[0] (rdr_tc_ingress) or [1] (rdr_tc_egress), which read it back and zero it. tc runs
- * with bottom halves off (ingress in softirq, egress under rcu_read_lock_bh): nothing else runs on
- * that CPU in between. */
-BPF_PERCPU_ARRAY(tc_netns, __u64, 1);
-BPF_PROG_ARRAY(tc_prog, 2);
 
 #define RDR_ETH_HLEN 14
 #define RDR_ETH_P_IP 0x0800
@@ -145,25 +141,24 @@ static __always_inline int rdr_has_addr(const __u8 *a, int v6)
 	return (w[0] | w[1] | w[2] | w[3]) != 0;
 }
 
-/* The registered pod this interface's packet belongs to, if the interface is one of its reroute
- * interfaces. */
-static __always_inline struct pod_policy *rerouting_pod(struct __sk_buff *skb, __u64 *netns, __u64 *keys)
+/* The registered pod whose filter runs the program: lookup_slots[tc_classid - 1]. */
+static __always_inline struct pod_policy *filter_pod(struct __sk_buff *skb, __u64 *netns, __u64 *keys)
 {
 	struct pod_policy *p;
+	struct pool_slot *ps;
+	__u32 slot = skb->tc_classid;
 
-	__u32 zero = 0;
-	__u64 *slot = tc_netns.lookup(&zero);
-
-	if (!slot)
+	if (slot == 0)
 		return 0;
-	*netns = *slot;
-	*slot = 0;
+	slot--;
+	ps = lookup_slots.lookup(&slot);
+	if (!ps)
+		return 0;
+	*netns = ps->netns;
 	p = pod_of(*netns);
 	if (!p)
 		return 0;
 	*keys = pod_keys(p, *netns);
-	if (!iface_rerouted(p, *keys, skb->ifindex))
-		return 0;
 	return p;
 }
 
@@ -176,10 +171,10 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	__u64 netns, keys;
 	const __u8 *local;
 	__u32 ip[4];
-	int v6, kind, out;
+	int v6, kind;
 	__u16 to;
 
-	p = rerouting_pod(skb, &netns, &keys);
+	p = filter_pod(skb, &netns, &keys);
 	if (!p || !rdr_parse(skb, &k))
 		return RDR_TC_OK;
 	v6 = k.family == AF_INET6;
@@ -205,10 +200,7 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	local = v6 ? p->src6 : p->src4;
 	if ((k.flags & (RDR_TCP_SYN | RDR_TCP_ACK)) == RDR_TCP_SYN) {
 		/* A new connection: REDIRECT's choice (nat PREROUTING runs for its first packet). */
-		out = (p->flags & RDR_F_OUT_ALL) ||
-		      cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, k.daddr, v6);
-		kind = p->flags & RDR_F_AMBIENT ? RDR_LISTENER_OUTBOUND
-						: rerouted_listener(p, keys, bpf_ntohs(k.dport_be), out);
+		kind = pod_listener(p, keys, bpf_ntohs(k.dport_be), skb->ifindex, v6, k.saddr, k.daddr, 1);
 		if (kind < 0) {
 			orig_by_tuple.delete(&client); /* (a stale entry of an earlier connection) */
 			return RDR_TC_OK;
@@ -243,7 +235,7 @@ int rdr_tc_egress(struct __sk_buff *skb)
 	__u64 netns, keys;
 	__u8 addr[16];
 
-	p = rerouting_pod(skb, &netns, &keys);
+	p = filter_pod(skb, &netns, &keys);
 	if (!p || !rdr_parse(skb, &k))
 		return RDR_TC_OK;
 	client.netns = netns;

@@ -1,0 +1,572 @@
+/* The tc side of a pod that forwards (bpf/tc_forward.c): which of its interfaces forward, and
+ * the cls_bpf filters that run the shared tc programs there.
+ *
+ * A filter of ours sits in the interface's clsact qdisc (made if missing) at priority
+ * RDR_TC_PRIO, handle 1, protocol all, in direct-action mode, named after its program
+ * ("rdr_tc_ingress", "rdr_tc_egress"); its classid's minor is the pod's pool slot plus one, which
+ * the kernel hands the program as skb->tc_classid. Filters are not tcx links: attaching a tcx link
+ * waits for an RCU grace period (a swap of the device's program array), a few milliseconds each,
+ * where a filter's netlink request costs microseconds (docs/kernel-facts.md). The kernel removes
+ * the qdisc and its filters with the interface, and when the interface moves to another netns.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/if_ether.h>
+#include <linux/netconf.h>
+#include <linux/netlink.h>
+#include <linux/pkt_cls.h>
+#include <linux/pkt_sched.h>
+#include <linux/rtnetlink.h>
+#include <netinet/in.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "redirect_native.h"
+
+#ifndef TC_H_CLSACT
+#define TC_H_CLSACT TC_H_INGRESS
+#endif
+#ifndef TC_H_MIN_INGRESS
+#define TC_H_MIN_INGRESS 0xFFF2U
+#define TC_H_MIN_EGRESS 0xFFF3U
+#endif
+
+#define TC_NAME_IN "rdr_tc_ingress"
+#define TC_NAME_OUT "rdr_tc_egress"
+
+struct nlreq {
+	union {
+		struct {
+			struct nlmsghdr h;
+			union {
+				struct tcmsg t;
+				struct netconfmsg nc;
+			};
+		};
+		char raw[320];
+	};
+} __attribute__((aligned(8)));
+
+/* An attribute appended to r's message (the requests here are far smaller than r). */
+static struct rtattr *add_attr(struct nlreq *r, unsigned short type, const void *data, size_t len)
+{
+	size_t off = NLMSG_ALIGN(r->h.nlmsg_len);
+	struct rtattr *rta = (struct rtattr *)(r->raw + off);
+
+	if (off + RTA_SPACE(len) > sizeof(r->raw))
+		return rta; /* (never: see the callers) */
+	rta->rta_type = type;
+	rta->rta_len = RTA_LENGTH(len);
+	if (len)
+		memcpy(RTA_DATA(rta), data, len);
+	r->h.nlmsg_len = (uint32_t)(off + RTA_ALIGN(rta->rta_len));
+	return rta;
+}
+
+static void end_nest(struct nlreq *r, struct rtattr *nest)
+{
+	nest->rta_len = (unsigned short)(r->raw + r->h.nlmsg_len - (char *)nest);
+}
+
+static int nl_socket(void)
+{
+	int s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+
+	return s < 0 ? -errno : s;
+}
+
+/* Send one request; with a reply buffer, the first reply message of its sequence is copied there
+ * (a get), else its ack is awaited. 0, or -errno (the kernel's answer). */
+static int nl_talk(int s, struct nlmsghdr *req, char *reply, size_t reply_len)
+{
+	static uint32_t seq;
+	char buf[8192] __attribute__((aligned(8)));
+
+	req->nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
+	if (!reply)
+		req->nlmsg_flags |= NLM_F_ACK;
+	if (send(s, req, req->nlmsg_len, 0) < 0)
+		return -errno;
+	for (int rounds = 0; rounds < 64; rounds++) {
+		ssize_t n = recv(s, buf, sizeof(buf), 0);
+		struct nlmsghdr *h;
+		int len;
+
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		len = (int)n;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			if (h->nlmsg_seq != req->nlmsg_seq)
+				continue;
+			if (h->nlmsg_type == NLMSG_ERROR)
+				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+			if (reply && h->nlmsg_len <= reply_len) {
+				memcpy(reply, h, h->nlmsg_len);
+				return 0;
+			}
+			if (reply)
+				return -EMSGSIZE;
+		}
+	}
+	return -EPROTO;
+}
+
+static void tc_req(struct nlreq *r, uint16_t type, uint16_t flags, int ifindex, uint32_t parent, uint32_t handle,
+		   uint32_t info)
+{
+	memset(r, 0, sizeof(*r));
+	r->h.nlmsg_len = NLMSG_LENGTH(sizeof(struct tcmsg));
+	r->h.nlmsg_type = type;
+	r->h.nlmsg_flags = NLM_F_REQUEST | flags;
+	r->t.tcm_family = AF_UNSPEC;
+	r->t.tcm_ifindex = ifindex;
+	r->t.tcm_parent = parent;
+	r->t.tcm_handle = handle;
+	r->t.tcm_info = info;
+}
+
+static uint32_t our_info(void)
+{
+	return TC_H_MAKE((uint32_t)RDR_TC_PRIO << 16, htons(ETH_P_ALL));
+}
+
+static uint32_t parent_of(int egress)
+{
+	return TC_H_MAKE(TC_H_CLSACT, egress ? TC_H_MIN_EGRESS : TC_H_MIN_INGRESS);
+}
+
+/* Our filter's place on one side of the interface: prog_id and classid of the filter there (0
+ * and *ours = 1 when it is one of ours, by name), or -ENOENT (no filter there, or no qdisc). */
+static int query(int s, int ifindex, int egress, uint32_t *prog_id, uint32_t *classid, int *ours)
+{
+	struct nlreq r;
+	char reply[4096] __attribute__((aligned(8)));
+	struct nlmsghdr *h = (struct nlmsghdr *)reply;
+	struct rtattr *rta;
+	int len, ret;
+
+	*prog_id = *classid = 0;
+	*ours = 0;
+	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
+	add_attr(&r, TCA_KIND, "bpf", 4);
+	ret = nl_talk(s, &r.h, reply, sizeof(reply));
+	if (ret == -EINVAL) /* no clsact qdisc on the interface */
+		return -ENOENT;
+	if (ret < 0)
+		return ret;
+	if (h->nlmsg_type != RTM_NEWTFILTER)
+		return -EPROTO;
+	len = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct tcmsg));
+	for (rta = (struct rtattr *)((char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct tcmsg))); RTA_OK(rta, len);
+	     rta = RTA_NEXT(rta, len)) {
+		struct rtattr *o;
+		int olen;
+
+		if ((rta->rta_type & ~NLA_F_NESTED) != TCA_OPTIONS)
+			continue;
+		olen = (int)RTA_PAYLOAD(rta);
+		for (o = RTA_DATA(rta); RTA_OK(o, olen); o = RTA_NEXT(o, olen)) {
+			if (o->rta_type == TCA_BPF_ID && RTA_PAYLOAD(o) >= 4)
+				memcpy(prog_id, RTA_DATA(o), 4);
+			else if (o->rta_type == TCA_BPF_CLASSID && RTA_PAYLOAD(o) >= 4)
+				memcpy(classid, RTA_DATA(o), 4);
+			else if (o->rta_type == TCA_BPF_NAME) {
+				const char *want = egress ? TC_NAME_OUT : TC_NAME_IN;
+
+				*ours = RTA_PAYLOAD(o) >= strlen(want) + 1 &&
+					strncmp(RTA_DATA(o), want, strlen(want) + 1) == 0;
+			}
+		}
+	}
+	return 0;
+}
+
+int rdr_tc_query(int ifindex, int egress, uint32_t *prog_id, uint32_t *classid)
+{
+	int s = nl_socket(), ret, ours;
+
+	if (s < 0)
+		return s;
+	ret = query(s, ifindex, egress, prog_id, classid, &ours);
+	close(s);
+	if (ret == 0 && !ours)
+		return -EEXIST;
+	return ret;
+}
+
+static void filter_req(struct nlreq *r, uint16_t flags, int ifindex, int egress, int prog_fd, uint32_t classid)
+{
+	const char *name = egress ? TC_NAME_OUT : TC_NAME_IN;
+	uint32_t fd = (uint32_t)prog_fd, bpf_flags = TCA_BPF_FLAG_ACT_DIRECT, cls = TC_H_MAKE(1U << 16, classid);
+	struct rtattr *opts;
+
+	tc_req(r, RTM_NEWTFILTER, NLM_F_CREATE | flags, ifindex, parent_of(egress), 1, our_info());
+	add_attr(r, TCA_KIND, "bpf", 4);
+	opts = add_attr(r, TCA_OPTIONS, NULL, 0);
+	add_attr(r, TCA_BPF_FD, &fd, 4);
+	add_attr(r, TCA_BPF_NAME, name, strlen(name) + 1);
+	add_attr(r, TCA_BPF_FLAGS, &bpf_flags, 4);
+	add_attr(r, TCA_BPF_CLASSID, &cls, 4);
+	end_nest(r, opts);
+}
+
+/* Our filter on one side, where one of ours is (another's there: -EEXIST, left alone): replaced. */
+static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t classid)
+{
+	struct nlreq r;
+	uint32_t id, cid;
+	int ret, ours;
+
+	ret = query(s, ifindex, egress, &id, &cid, &ours);
+	if (ret < 0)
+		return ret == -ENOENT ? -EAGAIN : ret;
+	if (!ours)
+		return -EEXIST;
+	filter_req(&r, 0, ifindex, egress, prog_fd, classid);
+	return nl_talk(s, &r.h, NULL, 0);
+}
+
+static int del_filter(int s, int ifindex, int egress)
+{
+	struct nlreq r;
+	uint32_t id, cid;
+	int ret, ours;
+
+	ret = query(s, ifindex, egress, &id, &cid, &ours);
+	if (ret < 0)
+		return ret == -ENOENT ? 0 : ret;
+	if (!ours)
+		return 0; /* not ours: left alone */
+	tc_req(&r, RTM_DELTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
+	add_attr(&r, TCA_KIND, "bpf", 4);
+	ret = nl_talk(s, &r.h, NULL, 0);
+	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
+}
+
+/* Whether one side of the interface's clsact qdisc has any filter (a dump's first message). */
+static int side_used(int s, int ifindex, int egress)
+{
+	struct nlreq r;
+	char reply[4096] __attribute__((aligned(8)));
+	int ret;
+
+	tc_req(&r, RTM_GETTFILTER, NLM_F_DUMP, ifindex, parent_of(egress), 0, 0);
+	ret = nl_talk(s, &r.h, reply, sizeof(reply));
+	if (ret == -EINVAL)
+		return 0;
+	if (ret < 0)
+		return ret;
+	return ((struct nlmsghdr *)reply)->nlmsg_type == RTM_NEWTFILTER;
+}
+
+/* The clsact qdisc, when no filter is left on either side of it. */
+static int drop_qdisc_if_empty(int s, int ifindex)
+{
+	struct nlreq r;
+	int in, out, ret;
+
+	in = side_used(s, ifindex, 0);
+	out = in ? in : side_used(s, ifindex, 1);
+	if (in < 0 || out < 0)
+		return in < 0 ? in : out;
+	if (in || out)
+		return 0;
+	tc_req(&r, RTM_DELQDISC, 0, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
+	add_attr(&r, TCA_KIND, "clsact", 7);
+	ret = nl_talk(s, &r.h, NULL, 0);
+	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
+}
+
+/* The requests in one send, each acked: the answers (0 or -errno) in order. */
+static int nl_batch(int s, struct nlreq *reqs, int n, int *answers)
+{
+	static uint32_t seq = 1u << 20;
+	char out[3 * sizeof(struct nlreq)] __attribute__((aligned(8)));
+	char buf[8192] __attribute__((aligned(8)));
+	size_t len = 0;
+	uint32_t first;
+	int got = 0;
+
+	if (n > 3)
+		return -EINVAL;
+	first = __atomic_add_fetch(&seq, (uint32_t)n, __ATOMIC_RELAXED) - (uint32_t)n + 1;
+	for (int i = 0; i < n; i++) {
+		reqs[i].h.nlmsg_seq = first + (uint32_t)i;
+		reqs[i].h.nlmsg_flags |= NLM_F_ACK;
+		memcpy(out + len, &reqs[i], reqs[i].h.nlmsg_len);
+		len += NLMSG_ALIGN(reqs[i].h.nlmsg_len);
+		answers[i] = -EPROTO;
+	}
+	if (send(s, out, len, 0) < 0)
+		return -errno;
+	for (int rounds = 0; rounds < 64 && got < n; rounds++) {
+		ssize_t r = recv(s, buf, sizeof(buf), 0);
+		struct nlmsghdr *h;
+		int rlen;
+
+		if (r < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		rlen = (int)r;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)rlen); h = NLMSG_NEXT(h, rlen)) {
+			uint32_t i = h->nlmsg_seq - first;
+
+			if (h->nlmsg_type != NLMSG_ERROR || i >= (uint32_t)n)
+				continue;
+			answers[i] = ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+			got++;
+		}
+	}
+	return got == n ? 0 : -EPROTO;
+}
+
+int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid)
+{
+	struct nlreq reqs[3];
+	int s = nl_socket(), ret, made, ans[3];
+
+	if (s < 0)
+		return s;
+	/* The qdisc (made unless there) and both filters (made unless there: a place taken, by ours
+	 * or another's, is looked at below), in one send. */
+	tc_req(&reqs[0], RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
+	add_attr(&reqs[0], TCA_KIND, "clsact", 7);
+	filter_req(&reqs[1], NLM_F_EXCL, ifindex, 0, prog_in, classid);
+	filter_req(&reqs[2], NLM_F_EXCL, ifindex, 1, prog_out, classid);
+	ret = nl_batch(s, reqs, 3, ans);
+	if (ret < 0)
+		goto out;
+	made = ans[0] == 0;
+	ret = ans[0] == -EEXIST ? 0 : ans[0];
+	for (int side = 0; side < 2 && ret == 0; side++) {
+		ret = ans[1 + side];
+		if (ret == -EEXIST)
+			ret = replace_filter(s, ifindex, side, side ? prog_out : prog_in, classid);
+	}
+	if (ret < 0) { /* undone: ours off the interface, and the qdisc if made here */
+		del_filter(s, ifindex, 0);
+		del_filter(s, ifindex, 1);
+		if (made)
+			drop_qdisc_if_empty(s, ifindex);
+	}
+out:
+	close(s);
+	return ret;
+}
+
+int rdr_tc_detach(int ifindex)
+{
+	int s = nl_socket(), ret;
+
+	if (s < 0)
+		return s;
+	ret = del_filter(s, ifindex, 0);
+	if (ret == 0)
+		ret = del_filter(s, ifindex, 1);
+	if (ret == 0)
+		ret = drop_qdisc_if_empty(s, ifindex);
+	close(s);
+	return ret;
+}
+
+/* The interfaces of the calling thread's netns with a clsact qdisc (one RTM_GETQDISC dump): their
+ * count, in idx[0..max), or -errno. */
+static int clsact_interfaces(int s, int *idx, int max)
+{
+	struct nlreq r;
+	char buf[8192] __attribute__((aligned(8)));
+	int n = 0;
+
+	tc_req(&r, RTM_GETQDISC, NLM_F_DUMP, 0, 0, 0, 0);
+	r.h.nlmsg_seq = 1u << 29;
+	if (send(s, &r, r.h.nlmsg_len, 0) < 0)
+		return -errno;
+	for (int rounds = 0; rounds < 4096; rounds++) {
+		ssize_t got = recv(s, buf, sizeof(buf), 0);
+		struct nlmsghdr *h;
+		int len;
+
+		if (got < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		len = (int)got;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			struct tcmsg *t = NLMSG_DATA(h);
+			struct rtattr *rta;
+			int alen;
+
+			if (h->nlmsg_seq != r.h.nlmsg_seq)
+				continue;
+			if (h->nlmsg_type == NLMSG_DONE)
+				return n;
+			if (h->nlmsg_type == NLMSG_ERROR)
+				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+			if (h->nlmsg_type != RTM_NEWQDISC || t->tcm_ifindex <= 1)
+				continue;
+			alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct tcmsg));
+			for (rta = (struct rtattr *)((char *)t + NLMSG_ALIGN(sizeof(struct tcmsg))); RTA_OK(rta, alen);
+			     rta = RTA_NEXT(rta, alen)) {
+				if (rta->rta_type != TCA_KIND || strncmp(RTA_DATA(rta), "clsact", RTA_PAYLOAD(rta)) != 0)
+					continue;
+				if (n == max)
+					return -E2BIG;
+				idx[n++] = t->tcm_ifindex;
+			}
+		}
+	}
+	return -EPROTO;
+}
+
+int rdr_tc_detach_all(void)
+{
+	int idx[RDR_FWD_MAX], s = nl_socket(), n, ret = 0, found = 0;
+
+	if (s < 0)
+		return s;
+	n = clsact_interfaces(s, idx, RDR_FWD_MAX);
+	if (n < 0)
+		ret = n;
+	for (int i = 0; i < n && ret == 0; i++) {
+		uint32_t id, cid;
+		int ours_in = 0, ours_out = 0;
+
+		if (query(s, idx[i], 0, &id, &cid, &ours_in) < 0)
+			ours_in = 0;
+		if (query(s, idx[i], 1, &id, &cid, &ours_out) < 0)
+			ours_out = 0;
+		if (!ours_in && !ours_out)
+			continue;
+		found++;
+		ret = del_filter(s, idx[i], 0);
+		if (ret == 0)
+			ret = del_filter(s, idx[i], 1);
+		if (ret == 0)
+			ret = drop_qdisc_if_empty(s, idx[i]);
+	}
+	close(s);
+	return ret < 0 ? ret : found;
+}
+
+/* One RTM_GETNETCONF dump of family: each entry's ifindex and forwarding value go to on(). */
+static int netconf_dump(int s, int family, void (*on)(void *, int, int), void *arg)
+{
+	struct nlreq r;
+	char buf[8192] __attribute__((aligned(8)));
+	static uint32_t seq = 1u << 30;
+
+	memset(&r, 0, sizeof(r));
+	r.h.nlmsg_len = NLMSG_LENGTH(sizeof(struct netconfmsg));
+	r.h.nlmsg_type = RTM_GETNETCONF;
+	r.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+	r.h.nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
+	r.nc.ncm_family = (uint8_t)family;
+	if (send(s, &r, r.h.nlmsg_len, 0) < 0)
+		return -errno;
+	for (int rounds = 0; rounds < 4096; rounds++) {
+		ssize_t n = recv(s, buf, sizeof(buf), 0);
+		struct nlmsghdr *h;
+		int len;
+
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		len = (int)n;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			struct rtattr *rta;
+			int alen, idx = 0, fwd = -1, have_idx = 0;
+
+			if (h->nlmsg_seq != r.h.nlmsg_seq)
+				continue;
+			if (h->nlmsg_type == NLMSG_DONE)
+				return 0;
+			if (h->nlmsg_type == NLMSG_ERROR)
+				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+			if (h->nlmsg_type != RTM_NEWNETCONF)
+				continue;
+			alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct netconfmsg));
+			for (rta = (struct rtattr *)((char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct netconfmsg)));
+			     RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
+				if (rta->rta_type == NETCONFA_IFINDEX && RTA_PAYLOAD(rta) >= 4) {
+					memcpy(&idx, RTA_DATA(rta), 4);
+					have_idx = 1;
+				} else if (rta->rta_type == NETCONFA_FORWARDING && RTA_PAYLOAD(rta) >= 4) {
+					memcpy(&fwd, RTA_DATA(rta), 4);
+				}
+			}
+			if (have_idx && fwd >= 0)
+				on(arg, idx, fwd);
+		}
+	}
+	return -EPROTO;
+}
+
+struct fwd_acc {
+	int *out;
+	int max, n, over, v6_all;
+	int v6_dev[RDR_FWD_MAX];
+	int n6;
+};
+
+static void add_dev(struct fwd_acc *a, int idx)
+{
+	for (int i = 0; i < a->n; i++)
+		if (a->out[i] == idx)
+			return;
+	if (a->n < a->max)
+		a->out[a->n++] = idx;
+	else
+		a->over = 1;
+}
+
+/* IPv4 forwards what arrives on a device whose own forwarding is on. */
+static void on_v4(void *arg, int idx, int fwd)
+{
+	if (idx > 1 && fwd) /* a device's (1: lo; negative: all, default) */
+		add_dev(arg, idx);
+}
+
+/* IPv6 forwards when all.forwarding is on, whatever the device. */
+static void on_v6(void *arg, int idx, int fwd)
+{
+	struct fwd_acc *a = arg;
+
+	if (idx == NETCONFA_IFINDEX_ALL)
+		a->v6_all = fwd != 0;
+	else if (idx > 1 && a->n6 < RDR_FWD_MAX)
+		a->v6_dev[a->n6++] = idx;
+	else if (idx > 1)
+		a->over = 1;
+}
+
+int rdr_forwarding(int *ifindexes, int max)
+{
+	struct fwd_acc a = {.out = ifindexes, .max = max < RDR_FWD_MAX ? max : RDR_FWD_MAX};
+	int s = nl_socket(), ret;
+
+	if (s < 0)
+		return s;
+	ret = netconf_dump(s, AF_INET, on_v4, &a);
+	if (ret == 0) {
+		ret = netconf_dump(s, AF_INET6, on_v6, &a);
+		if (ret == -EAFNOSUPPORT || ret == -EOPNOTSUPP)
+			ret = 0; /* no IPv6 */
+	}
+	close(s);
+	if (ret < 0)
+		return ret;
+	if (a.v6_all)
+		for (int i = 0; i < a.n6; i++)
+			add_dev(&a, a.v6_dev[i]);
+	return a.over ? -E2BIG : a.n;
+}

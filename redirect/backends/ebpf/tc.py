@@ -1,0 +1,148 @@
+"""A pod's tc filters: ``bpf/tc_forward.c``'s ingress and egress programs on each interface the
+pod forwards on, so that what it forwards is captured as netfilter's inbound capture takes it
+(nat PREROUTING's REDIRECT, TPROXY's mangle PREROUTING: they match whatever the destination).
+
+The filters (``native/tc_filter.c``) sit in the interface's clsact qdisc at our priority
+(``RDR_TC_PRIO``), run the host's shared programs and carry the pod's pool slot in their classid
+(the programs read the pod from it). They go on at setup with the pod's other state, in its one
+native write, before the policy that makes them capture (``rdr_ebpf_pod_write``), and come off
+the interfaces no longer wanted after a policy without them, and at teardown before the pod's slot
+is released (a filter names the slot; a slot given to another pod later must not find it). The
+kernel removes them with the interface, and when the interface moves to another netns; an empty
+clsact qdisc goes with our last filter.
+
+Which interfaces: those on which the pod forwards when setup runs (IPv4: the interface's
+forwarding setting; IPv6: ``all.forwarding``), when its capture takes anything inbound at all
+(``takes_forwarded``), less its excluded interfaces (inbound capture never takes what arrives
+there). An interface made, or forwarding turned on, after setup is reported by ``check`` and
+taken by the next setup.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import Any
+
+from .abi import CIDR_IF_EXCL, CIDR_IF_REROUTE, CIDR_KEY
+from .entries import PodEntries
+from .syscalls import _native
+
+#: Interfaces the native calls list at most (``RDR_FWD_MAX``).
+_MAX = 256
+
+
+def takes_forwarded(want: PodEntries) -> bool:
+    """Whether the pod's capture takes anything inbound (its inbound capture, or a reroute
+    interface): only then can it take what the pod forwards."""
+    return want.inbound or any(CIDR_KEY.unpack(k)[1] == CIDR_IF_REROUTE for k in want.cidrs)
+
+
+def _excluded(cidrs: frozenset[bytes]) -> set[int]:
+    out = set()
+    for k in cidrs:
+        _plen, kind, _netns, addr = CIDR_KEY.unpack(k)
+        if kind == CIDR_IF_EXCL:
+            out.add(int.from_bytes(addr[:4], "big"))
+    return out
+
+
+def forwarding() -> frozenset[int]:
+    """The calling thread's netns's interfaces (lo aside) on which it forwards what arrives."""
+    nat = _native()
+    buf = nat.ffi.new("int[]", _MAX)
+    n = nat.lib.rdr_forwarding(buf, _MAX)
+    if n < 0:
+        raise OSError(-n, f"read the interfaces' forwarding settings: {os.strerror(-n)}")
+    return frozenset(buf[i] for i in range(n))
+
+
+def wanted(want: PodEntries) -> frozenset[int]:
+    """The interfaces of the calling thread's netns that are to have our filters for ``want``."""
+    if not takes_forwarded(want):
+        return frozenset()
+    return forwarding() - _excluded(want.cidrs)
+
+
+def ours(ifindexes: set[int] | frozenset[int] | None = None) -> dict[int, tuple[int, int, int, int]]:
+    """Our filters on ``ifindexes`` (None: every interface but lo) of the calling thread's netns:
+    ifindex -> (ingress program id, its slot, egress program id, its slot); a side without ours has
+    (0, -1)."""
+    lib, ffi = _native().lib, _native().ffi
+    if ifindexes is None:
+        ifindexes = {i for i, _n in socket.if_nameindex() if i > 1}
+    pid, cls = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    out: dict[int, tuple[int, int, int, int]] = {}
+    for idx in sorted(ifindexes):
+        sides: list[int] = []
+        for egress in (0, 1):
+            rc = lib.rdr_tc_query(idx, egress, pid, cls)
+            if rc == 0:
+                sides += [int(pid[0]), (int(cls[0]) & 0xFFFF) - 1]
+            elif rc in (-errno.ENOENT, -errno.EEXIST, -errno.ENODEV):
+                sides += [0, -1]
+            else:
+                raise OSError(-rc, f"read the tc filters of ifindex {idx}: {os.strerror(-rc)}")
+        if sides[0] or sides[2]:
+            out[idx] = (sides[0], sides[1], sides[2], sides[3])
+    return out
+
+
+def to_attach(want: frozenset[int], have: dict[int, tuple[int, int, int, int]], progs: tuple[int, int],
+              slot: int | None) -> list[int]:
+    """Of ``want``, the interfaces whose filters are missing or not the host's programs with
+    ``slot`` (None: a slot not claimed yet: all of them)."""
+    if slot is None:
+        return sorted(want)
+    ok = (progs[0], slot, progs[1], slot)
+    return sorted(i for i in want if have.get(i) != ok)
+
+
+def detach(ifindexes: set[int] | frozenset[int]) -> None:
+    """Our filters off ``ifindexes`` (and a clsact qdisc left empty)."""
+    lib = _native().lib
+    for idx in sorted(ifindexes):
+        rc = lib.rdr_tc_detach(idx)
+        if rc < 0 and rc != -errno.ENODEV:
+            raise OSError(-rc, f"remove our tc filters from ifindex {idx}: {os.strerror(-rc)}")
+
+
+def detach_all() -> int:
+    """Our filters off every interface of the calling thread's netns: how many had ours."""
+    rc = int(_native().lib.rdr_tc_detach_all())
+    if rc < 0:
+        raise OSError(-rc, f"remove our tc filters: {os.strerror(-rc)}")
+    return rc
+
+
+def differences(want: frozenset[int], have: dict[int, tuple[int, int, int, int]], progs: tuple[int, int],
+                slot: int | None) -> list[str]:
+    """What ``check`` reports of the pod's tc filters."""
+    names = {i: n for i, n in socket.if_nameindex()}
+
+    def name(i: int) -> str:
+        return f"{names.get(i, '?')} (ifindex {i})"
+
+    out = [f"missing or stale tc filters on {name(i)}, where the pod forwards"
+           for i in to_attach(want, have, progs, slot)]
+    out += [f"unexpected tc filter of ours on {name(i)}" for i in sorted(set(have) - want)]
+    return out
+
+
+def describe(have: dict[int, tuple[int, int, int, int]]) -> list[str]:
+    """``show``'s lines for the pod's filters."""
+    names = {i: n for i, n in socket.if_nameindex()}
+    return [f"{names.get(i, '?')} (ifindex {i}): ingress prog {v[0]} slot {v[1]}, egress prog {v[2]} slot {v[3]}"
+            for i, v in sorted(have.items())]
+
+
+def host_progs(h: Any) -> tuple[int, int]:
+    """The ids of the host's tc programs (what our filters on a pod's interfaces run)."""
+    from .syscalls import prog_id
+
+    return prog_id(h.progs["rdr_tc_ingress"]), prog_id(h.progs["rdr_tc_egress"])
+
+
+__all__ = ["describe", "detach", "detach_all", "differences", "forwarding", "host_progs", "ours", "takes_forwarded",
+           "to_attach", "wanted"]
