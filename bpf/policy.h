@@ -351,7 +351,7 @@ static __always_inline int ambient_listener(const struct pod_policy *p, __u64 ke
 /* Which of the proxy's listeners (RDR_LISTENER_*) a new inbound TCP connection goes to, or -1: not
  * captured; the one statement of inbound capture for both places that see such connections:
  * sk_lookup (bpf/sk_lookup.c: to one of the pod's own addresses) and the tc ingress program
- * (bpf/tc_reroute.c: what the pod forwards, fwd). It arrived on ifindex from saddr to daddr:port
+ * (bpf/tc_forward.c: what the pod forwards, fwd). It arrived on ifindex from saddr to daddr:port
  * (16 bytes each, IPv4 in the first 4). Ambient: ambient_listener. Sidecar: Istio's PREROUTING in
  * its order: arriving on an excluded interface returns; on a reroute (kube-virt) interface,
  * rerouted_listener; else the inbound ports decide. The callers leave out lo, the pod's own

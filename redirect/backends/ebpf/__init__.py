@@ -62,7 +62,7 @@ include it, and the struct formats here are derived from cffi's declarations of 
 The package's modules: ``abi`` (layouts, constants), ``syscalls`` (bpf(2) calls, ``Map``, links),
 ``host`` (``HostPrograms``: load, pin, repair, recover), ``lifetime`` (the per-process handle,
 unload, garbage collection), ``entries`` (what a config writes), ``pods`` (one pod's entries and
-link), ``tcx`` (its reroute interfaces' tcx links), ``pool`` (the pods' sk_lookup programs, loaded
+link), ``tc`` (its tc filters where it forwards), ``pool`` (the pods' sk_lookup programs, loaded
 ahead), ``podnet`` (what the pod's netns holds), ``backend`` (``EbpfBackend``: apply, remove, check,
 show, render), ``fresh`` (a fresh pod in one native call, from the entries the lowering computed
 once per config).
@@ -84,9 +84,11 @@ How the iptables semantics are met without packets:
   main routing table sends through one (read at setup, ``check`` reports
   route changes, the next setup follows them);
 - ``reroute_interfaces``: sk_lookup hands what arrives on one to the proxy's outbound listener
-  (registered like the inbound one, ``listener_key.kind``); what the pod forwards from one (a VM
-  behind it) never meets sk_lookup: tcx programs on the interface rewrite it to the proxy's port
-  and back (``bpf/tc_reroute.c``, ``.tcx``; README);
+  (registered like the inbound one, ``listener_key.kind``);
+- what the pod forwards (a VM behind a reroute interface, a neighbour routing through it) never
+  meets sk_lookup: tc programs on the interfaces it forwards on take it by the same decision and
+  rewrite it to the proxy's port and back, as netfilter's inbound capture (which matches any
+  destination) takes it (``bpf/tc_forward.c``, ``.tc``; README);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``bpf/policy.h: outbound_target``); a proxy connecting to the

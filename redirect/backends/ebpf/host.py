@@ -504,7 +504,7 @@ def _unpin_all(root: str) -> None:
         if os.path.isdir(p):
             for n in os.listdir(p):
                 q = os.path.join(p, n)
-                if os.path.isdir(q):  # a pod's tcx links (<cookie>-tcx, .tcx)
+                if os.path.isdir(q):  # (<cookie>-tcx: pinned tcx links of an earlier version)
                     for m in os.listdir(q):
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(os.path.join(q, m))
