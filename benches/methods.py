@@ -56,6 +56,8 @@ class Method:
     #: Ports with a listener held open in each fresh namespace before setup (not timed); none for
     #: the per-pod methods (see ``NO_LISTENER``).
     listen: tuple[int, ...] = ()
+    #: Run in each fresh namespace before setup, not timed (what the pod has besides lo).
+    prepare: Callable[[str], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,6 +95,36 @@ def api_method(backend: str, mode: str) -> Method:
 
     return Method(f"api/{backend}/{mode}", "api", backend, mode, setup, teardown, _verify_api(backend, mode),
                   listen=NO_LISTENER)
+
+
+def _forwarding_pod(ns: str) -> None:
+    """``fwd0`` (a veth kept in the namespace) up, and IPv4 forwarding on: a pod that forwards, as
+    every pod of a Kubernetes node does (its netns takes the node's ``ip_forward``)."""
+    from pyroute2 import IPRoute
+
+    with rnetns.enter(ns), IPRoute() as ipr:
+        ipr.link("add", ifname="fwd0", kind="veth", peer="fwd0-peer")
+        ipr.link("set", index=ipr.link_lookup(ifname="fwd0")[0], state="up")
+        with open("/proc/sys/net/ipv4/ip_forward", "w", encoding="ascii") as f:
+            f.write("1\n")
+
+
+def forwarding_method(backend: str) -> Method:
+    """``api_method(backend, "sidecar")`` in pods that forward (the eBPF backend then puts its tc
+    filters on the interface: ``api/<backend>/sidecar-forwarding``)."""
+    m = api_method(backend, "sidecar")
+    verify = m.verify
+
+    def verify_filters(ns: str) -> None:
+        verify(ns)
+        out = subprocess.run(["tc", "-n", ns, "filter", "show", "dev", "fwd0", "ingress"], capture_output=True,
+                             text=True, timeout=30).stdout
+        if backend == "ebpf" and "rdr_tc_ingress" not in out:
+            raise RuntimeError("no tc filter of ours on the interface of a pod that forwards")
+
+    m.key, m.note, m.prepare, m.verify = (f"api/{backend}/sidecar-forwarding", "a pod that forwards (an interface,"
+                                          " ip_forward on)", _forwarding_pod, verify_filters)
+    return m
 
 
 def _redirect_exe() -> str:

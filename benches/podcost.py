@@ -37,6 +37,8 @@ def warm_and_verify(m: Method) -> None:
     that the method really installs something (``verify``) and removes it."""
     (ns,) = nsutil.create(1, "w", m.listen)
     try:
+        if m.prepare is not None:
+            m.prepare(ns)
         m.setup(ns)
         m.verify(ns)
         m.teardown(ns)
@@ -51,6 +53,10 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
     out: dict[str, dict[str, Any]] = {}
     live = [m for m in methods if m.key not in failed]
     names = {m.key: nsutil.create(samples, "s") for m in live}
+    for m in live:  # (not timed)
+        if m.prepare is not None:
+            for ns in names[m.key]:
+                m.prepare(ns)
     setup_t: dict[str, list[float]] = {m.key: [] for m in live}
     down_t: dict[str, list[float]] = {m.key: [] for m in live}
     try:

@@ -8,6 +8,8 @@ from typing import Any
 
 #: The benchmark's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
 #: or vs Istio's rules (netfilter backends). Scale: Nth pod's median setup / first pod's.
+#: The eBPF backend's per-pod setup against the iptables backend's, in the same run.
+EBPF_VS_IPTABLES = 1 / 50
 SETUP_TARGETS = {"nftables": 1 / 5, "ebpf": 1 / 100, "iptables": 1.0, "iptables-legacy": 1.0, "iptables-nft": 1.0}
 RATE_VS_DIRECT = {"ebpf": 0.95, "ebpf/ambient": 0.95}
 RATE_VS_REFERENCE = ("iptables", "iptables-legacy", "iptables-nft", "nftables")
@@ -85,6 +87,15 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
         v = r["setup_vs_reference"][key]
         add(f"{b}: per-pod setup vs reference", f"<= {limit:g}", v, v <= limit)
     per_pod = res.get("per_pod", {})
+    it_ms = _median(per_pod, "api/iptables/sidecar")
+    for key, target in (("api/ebpf/sidecar", EBPF_VS_IPTABLES), ("api/ebpf/sidecar-forwarding", None)):
+        ms = _median(per_pod, key)
+        if ms is None or not it_ms:
+            continue
+        v = round(ms / it_ms, 4)
+        add(f"{key}: per-pod setup vs api/iptables/sidecar", "reported" if target is None else f"<= 1/{1 / target:g}",
+            v, None if target is None else v <= target,
+            "" if target else "a pod that forwards, as Kubernetes pods do: its tc filters besides")
     for b, limit in THIN_ADD_VS_REFERENCE.items():
         key = f"cni-thin/{b}/sidecar"
         why = skipped.get(b, "" if key in per_pod else "not measured in this run")

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from . import cnithin, nsutil, podcost, podstart, report
-from .methods import Method, Unavailable, api_method, cli_method, cni_method, reference_method
+from .methods import Method, Unavailable, api_method, cli_method, cni_method, forwarding_method, reference_method
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sidecar", "ambient")
@@ -138,6 +138,13 @@ def discover(backends: list[str], modes: list[str], skip: set[str], notes: list[
                 notes.append(f"{b} {mode}: skipped (not available yet: {msg})")
                 continue
             per_pod.append(m)
+            if b == "ebpf" and mode == "sidecar":  # its tc filters, where a pod forwards
+                try:
+                    fwd = forwarding_method(b)
+                    podcost.warm_and_verify(fwd)
+                    per_pod.append(fwd)
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"{b} sidecar-forwarding: skipped ({type(e).__name__}: {e})")
             if focus and (b in VARIANTS or mode != "sidecar"):
                 continue
             api.append(m)

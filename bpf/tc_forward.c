@@ -27,8 +27,8 @@
 #define RDR_ETH_HLEN 14
 #define RDR_ETH_P_IP 0x0800
 #define RDR_ETH_P_IPV6 0x86DD
-#define RDR_TC_OK (-1) /* TCX_NEXT: the interface's other programs run, then the packet goes on */
-#define RDR_TC_SHOT 2 /* TCX_DROP */
+#define RDR_TC_OK (-1) /* TC_ACT_UNSPEC: the interface's other filters run, then the packet goes on */
+#define RDR_TC_SHOT 2 /* TC_ACT_SHOT */
 #define RDR_TCP_SYN 0x02
 #define RDR_TCP_ACK 0x10
 
@@ -174,8 +174,10 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	int v6, kind;
 	__u16 to;
 
+	if (!rdr_parse(skb, &k)) /* (first: no map look-up for what is not TCP) */
+		return RDR_TC_OK;
 	p = filter_pod(skb, &netns, &keys);
-	if (!p || !rdr_parse(skb, &k))
+	if (!p)
 		return RDR_TC_OK;
 	v6 = k.family == AF_INET6;
 	if (v6 && !(p->flags & RDR_F_V6))
@@ -235,8 +237,10 @@ int rdr_tc_egress(struct __sk_buff *skb)
 	__u64 netns, keys;
 	__u8 addr[16];
 
+	if (!rdr_parse(skb, &k)) /* (first: no map look-up for what is not TCP) */
+		return RDR_TC_OK;
 	p = filter_pod(skb, &netns, &keys);
-	if (!p || !rdr_parse(skb, &k))
+	if (!p)
 		return RDR_TC_OK;
 	client.netns = netns;
 	client.family = k.family;

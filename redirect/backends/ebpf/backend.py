@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
@@ -247,7 +247,7 @@ class EbpfBackend:
         # After the policy, which records whether the setting is ours to undo (a kill in between
         # leaves it recorded and not set: check reports it, the next setup sets it).
         if fw_set is not None:
-            set_fwmark_accept(fw_set)
+            fw_set.write()
         rtx.finish()
         for ours in dropping:
             rt.remove_address(ours)
@@ -437,9 +437,23 @@ def set_fwmark_accept(value: int) -> None:
         f.write(f"{value}\n")
 
 
-def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, int | None]:
+class _FwmarkWrite:
+    """The value of ``net.ipv4.tcp_fwmark_accept`` to write after the policy, on the file read
+    before it: a ``/proc/sys`` path lookup costs more the more namespaces exist, so one per setup."""
+
+    def __init__(self, f: BinaryIO, value: int) -> None:
+        self.f, self.value = f, value
+
+    def write(self) -> None:
+        try:
+            os.pwrite(self.f.fileno(), f"{self.value}\n".encode(), 0)
+        finally:
+            self.f.close()
+
+
+def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, _FwmarkWrite | None]:
     """Whether ``net.ipv4.tcp_fwmark_accept`` will be ours (set by us, to undo at teardown), and the
-    value to write after the policy (None: none). A pod whose proxy's transparent connections are
+    write to make after the policy (None: none). A pod whose proxy's transparent connections are
     answered by mark (``replies_by_mark``) needs it on (the app's request socket takes the mark of
     the proxy's SYN, bpf/sockopt.c); it is ours if it was off before (or ours already), and turned
     off again when no longer needed."""
@@ -447,10 +461,17 @@ def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, int | None]:
     ours_before = bool(old_flags & F_FWMARK_ACCEPT_OURS)
     if not need and not ours_before:
         return False, None
-    now = fwmark_accept()
-    if need:
-        return ours_before or now == 0, (1 if now != 1 else None)
-    return False, (0 if now != 0 else None)
+    f = open(_FWMARK_ACCEPT, "r+b", buffering=0)  # noqa: SIM115 - closed by _FwmarkWrite.write, or below
+    try:
+        now = int(f.read().strip() or 0)
+    except BaseException:
+        f.close()
+        raise
+    ours, value = (ours_before or now == 0, 1 if now != 1 else None) if need else (False, 0 if now != 0 else None)
+    if value is None:
+        f.close()
+        return ours, None
+    return ours, _FwmarkWrite(f, value)
 
 
 def _route_txn(plan: Plan, families: tuple[int, ...]) -> RouteTxn:

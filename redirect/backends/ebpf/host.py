@@ -170,7 +170,7 @@ class HostPrograms:
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.inbound_port = tmpl.inbound_port
         r.tc_forwarded = tmpl.tc_forwarded
-        r.tc_prog_in, r.tc_prog_out = self.progs["rdr_tc_ingress"], self.progs["rdr_tc_egress"]
+        r.tc_prog_in, r.tc_prog_out = self.progs.get("rdr_tc_ingress", -1), self.progs.get("rdr_tc_egress", -1)
         r.tcp_diag = _tcp_diag_ok()
         r.host_netns_ino = _netns.host_netns_inodes()
         from ...kernel import locks

@@ -138,10 +138,11 @@ def describe(have: dict[int, tuple[int, int, int, int]]) -> list[str]:
 
 
 def host_progs(h: Any) -> tuple[int, int]:
-    """The ids of the host's tc programs (what our filters on a pod's interfaces run)."""
+    """The ids of the host's tc programs (what our filters on a pod's interfaces run; 0: not found)."""
     from .syscalls import prog_id
 
-    return prog_id(h.progs["rdr_tc_ingress"]), prog_id(h.progs["rdr_tc_egress"])
+    fds = [h.progs.get(n) for n in ("rdr_tc_ingress", "rdr_tc_egress")]
+    return (prog_id(fds[0]) if fds[0] is not None else 0, prog_id(fds[1]) if fds[1] is not None else 0)
 
 
 __all__ = ["describe", "detach", "detach_all", "differences", "forwarding", "host_progs", "ours", "takes_forwarded",
