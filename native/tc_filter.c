@@ -249,19 +249,60 @@ static int del_filter(int s, int ifindex, int egress)
 }
 
 /* Whether one side of the interface's clsact qdisc has any filter (a dump's first message). */
+/* Send the dump request r and pass each message of its answer to each(arg, message) until the
+ * end: 0, the first negative value each returned, or -errno. */
+static int nl_dump(int s, struct nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
+{
+	static uint32_t seq = 1u << 29;
+	char buf[8192] __attribute__((aligned(8)));
+
+	r->h.nlmsg_flags |= NLM_F_DUMP;
+	r->h.nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
+	if (send(s, r, r->h.nlmsg_len, 0) < 0)
+		return -errno;
+	for (int rounds = 0; rounds < 4096; rounds++) {
+		ssize_t got = recv(s, buf, sizeof(buf), 0);
+		struct nlmsghdr *h;
+		int len, ret;
+
+		if (got < 0) {
+			if (errno == EINTR)
+				continue;
+			return -errno;
+		}
+		len = (int)got;
+		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+			if (h->nlmsg_seq != r->h.nlmsg_seq)
+				continue;
+			if (h->nlmsg_type == NLMSG_DONE)
+				return 0;
+			if (h->nlmsg_type == NLMSG_ERROR)
+				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+			ret = each(arg, h);
+			if (ret < 0)
+				return ret;
+		}
+	}
+	return -EPROTO;
+}
+
+static int on_filter(void *arg, const struct nlmsghdr *h)
+{
+	if (h->nlmsg_type == RTM_NEWTFILTER)
+		*(int *)arg = 1;
+	return 0;
+}
+
 static int side_used(int s, int ifindex, int egress)
 {
 	struct nlreq r;
-	char reply[4096] __attribute__((aligned(8)));
-	int ret;
+	int used = 0, ret;
 
-	tc_req(&r, RTM_GETTFILTER, NLM_F_DUMP, ifindex, parent_of(egress), 0, 0);
-	ret = nl_talk(s, &r.h, reply, sizeof(reply));
-	if (ret == -EINVAL)
+	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 0, 0);
+	ret = nl_dump(s, &r, on_filter, &used);
+	if (ret == -EINVAL) /* no qdisc */
 		return 0;
-	if (ret < 0)
-		return ret;
-	return ((struct nlmsghdr *)reply)->nlmsg_type == RTM_NEWTFILTER;
+	return ret < 0 ? ret : used;
 }
 
 /* The clsact qdisc, when no filter is left on either side of it. */
@@ -376,54 +417,43 @@ int rdr_tc_detach(int ifindex)
 	return ret;
 }
 
+struct idx_list {
+	int *idx;
+	int n, max;
+};
+
+static int on_qdisc(void *arg, const struct nlmsghdr *h)
+{
+	struct idx_list *l = arg;
+	const struct tcmsg *t = NLMSG_DATA(h);
+	const struct rtattr *rta;
+	int alen;
+
+	if (h->nlmsg_type != RTM_NEWQDISC || t->tcm_ifindex <= 1)
+		return 0;
+	alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct tcmsg));
+	for (rta = (const struct rtattr *)((const char *)t + NLMSG_ALIGN(sizeof(struct tcmsg))); RTA_OK(rta, alen);
+	     rta = RTA_NEXT(rta, alen)) {
+		if (rta->rta_type != TCA_KIND || strncmp(RTA_DATA(rta), "clsact", RTA_PAYLOAD(rta)) != 0)
+			continue;
+		if (l->n == l->max)
+			return -E2BIG;
+		l->idx[l->n++] = t->tcm_ifindex;
+	}
+	return 0;
+}
+
 /* The interfaces of the calling thread's netns with a clsact qdisc (one RTM_GETQDISC dump): their
  * count, in idx[0..max), or -errno. */
 static int clsact_interfaces(int s, int *idx, int max)
 {
+	struct idx_list l = {.idx = idx, .max = max};
 	struct nlreq r;
-	char buf[8192] __attribute__((aligned(8)));
-	int n = 0;
+	int ret;
 
-	tc_req(&r, RTM_GETQDISC, NLM_F_DUMP, 0, 0, 0, 0);
-	r.h.nlmsg_seq = 1u << 29;
-	if (send(s, &r, r.h.nlmsg_len, 0) < 0)
-		return -errno;
-	for (int rounds = 0; rounds < 4096; rounds++) {
-		ssize_t got = recv(s, buf, sizeof(buf), 0);
-		struct nlmsghdr *h;
-		int len;
-
-		if (got < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		len = (int)got;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			struct tcmsg *t = NLMSG_DATA(h);
-			struct rtattr *rta;
-			int alen;
-
-			if (h->nlmsg_seq != r.h.nlmsg_seq)
-				continue;
-			if (h->nlmsg_type == NLMSG_DONE)
-				return n;
-			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-			if (h->nlmsg_type != RTM_NEWQDISC || t->tcm_ifindex <= 1)
-				continue;
-			alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct tcmsg));
-			for (rta = (struct rtattr *)((char *)t + NLMSG_ALIGN(sizeof(struct tcmsg))); RTA_OK(rta, alen);
-			     rta = RTA_NEXT(rta, alen)) {
-				if (rta->rta_type != TCA_KIND || strncmp(RTA_DATA(rta), "clsact", RTA_PAYLOAD(rta)) != 0)
-					continue;
-				if (n == max)
-					return -E2BIG;
-				idx[n++] = t->tcm_ifindex;
-			}
-		}
-	}
-	return -EPROTO;
+	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0);
+	ret = nl_dump(s, &r, on_qdisc, &l);
+	return ret < 0 ? ret : l.n;
 }
 
 int rdr_tc_detach_all(void)
@@ -456,59 +486,46 @@ int rdr_tc_detach_all(void)
 	return ret < 0 ? ret : found;
 }
 
+struct netconf_cb {
+	void (*on)(void *, int, int);
+	void *arg;
+};
+
+static int on_netconf(void *arg, const struct nlmsghdr *h)
+{
+	const struct netconf_cb *cb = arg;
+	const struct rtattr *rta;
+	int alen, idx = 0, fwd = -1, have_idx = 0;
+
+	if (h->nlmsg_type != RTM_NEWNETCONF)
+		return 0;
+	alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct netconfmsg));
+	for (rta = (const struct rtattr *)((const char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct netconfmsg)));
+	     RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
+		if (rta->rta_type == NETCONFA_IFINDEX && RTA_PAYLOAD(rta) >= 4) {
+			memcpy(&idx, RTA_DATA(rta), 4);
+			have_idx = 1;
+		} else if (rta->rta_type == NETCONFA_FORWARDING && RTA_PAYLOAD(rta) >= 4) {
+			memcpy(&fwd, RTA_DATA(rta), 4);
+		}
+	}
+	if (have_idx && fwd >= 0)
+		cb->on(cb->arg, idx, fwd);
+	return 0;
+}
+
 /* One RTM_GETNETCONF dump of family: each entry's ifindex and forwarding value go to on(). */
 static int netconf_dump(int s, int family, void (*on)(void *, int, int), void *arg)
 {
+	struct netconf_cb cb = {.on = on, .arg = arg};
 	struct nlreq r;
-	char buf[8192] __attribute__((aligned(8)));
-	static uint32_t seq = 1u << 30;
 
 	memset(&r, 0, sizeof(r));
 	r.h.nlmsg_len = NLMSG_LENGTH(sizeof(struct netconfmsg));
 	r.h.nlmsg_type = RTM_GETNETCONF;
-	r.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-	r.h.nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
+	r.h.nlmsg_flags = NLM_F_REQUEST;
 	r.nc.ncm_family = (uint8_t)family;
-	if (send(s, &r, r.h.nlmsg_len, 0) < 0)
-		return -errno;
-	for (int rounds = 0; rounds < 4096; rounds++) {
-		ssize_t n = recv(s, buf, sizeof(buf), 0);
-		struct nlmsghdr *h;
-		int len;
-
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		len = (int)n;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			struct rtattr *rta;
-			int alen, idx = 0, fwd = -1, have_idx = 0;
-
-			if (h->nlmsg_seq != r.h.nlmsg_seq)
-				continue;
-			if (h->nlmsg_type == NLMSG_DONE)
-				return 0;
-			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-			if (h->nlmsg_type != RTM_NEWNETCONF)
-				continue;
-			alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct netconfmsg));
-			for (rta = (struct rtattr *)((char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct netconfmsg)));
-			     RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
-				if (rta->rta_type == NETCONFA_IFINDEX && RTA_PAYLOAD(rta) >= 4) {
-					memcpy(&idx, RTA_DATA(rta), 4);
-					have_idx = 1;
-				} else if (rta->rta_type == NETCONFA_FORWARDING && RTA_PAYLOAD(rta) >= 4) {
-					memcpy(&fwd, RTA_DATA(rta), 4);
-				}
-			}
-			if (have_idx && fwd >= 0)
-				on(arg, idx, fwd);
-		}
-	}
-	return -EPROTO;
+	return nl_dump(s, &r, on_netconf, &cb);
 }
 
 struct fwd_acc {
