@@ -658,6 +658,32 @@ def test_without_the_pods_map_pin_setup_and_unload_refuse_while_pods_are_registe
     assert ebpf.unload_host(scratch_root, force=True)
 
 
+def test_a_forced_unload_takes_the_tc_filters_off_a_live_pod_that_forwards(pod: Pod, scratch_root: str) -> None:
+    """A pod that forwards has our tc filters (they are not pinned: they live in its netns, with the
+    programs they run); a forced unload with the pod still registered finds its netns and takes them
+    off, and no program of ours stays loaded for them."""
+    netkit.set_forwarding(pod.name, True)
+    api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    assert netkit.tc_filters(pod.name, "eth0") == netkit.OUR_TC
+    ids = {ebpf_prog_id(scratch_root, n) for n in ("rdr_tc_ingress", "rdr_tc_egress")}
+    assert ebpf.unload_host(scratch_root, force=True)
+    assert netkit.tc_filters(pod.name, "eth0") == {"ingress": [], "egress": []}
+    assert "clsact" not in netkit.qdisc_kinds(pod.name, "eth0")
+    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
+    assert not ids & {int(p["id"]) for p in json.loads(out or "[]")}
+
+
+def ebpf_prog_id(root: str, name: str) -> int:
+    """The id of the host program ``name`` pinned under ``root``."""
+    from redirect.backends.ebpf.syscalls import obj_get, prog_id
+
+    fd = obj_get(os.path.join(root, "progs", name))
+    try:
+        return prog_id(fd)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("backend", ["iptables-nft", "ebpf"])
 def test_the_app_sees_the_peer_it_connected_to(pod: Pod, bpf_root: str, backend: str, family: int) -> None:
