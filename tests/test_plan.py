@@ -14,7 +14,7 @@ import pytest
 from redirect import RedirectConfig
 from redirect.plan import build_plan
 from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.plan.intent import AmbientIntent, LocalAddress, intent_of
+from redirect.plan.intent import AmbientIntent, LocalAddress, ambient_intent_of, intent_of
 from redirect.plan.lower_ebpf import lower_ebpf, pod_local
 from redirect.plan.vocabulary import ChainBuilder, Redirect
 
@@ -74,6 +74,16 @@ TABLE: list[tuple[str, dict[str, Any], Conn, Landing]] = [
     ("inbound UDP is not captured", {}, inbound("10.1.0.2", 8080, "udp"), DIRECT),
     ("bypass_inbound_capture is an ambient option: a sidecar still captures inbound",
      {"bypass_inbound_capture": True}, inbound("10.1.0.2", 8080), ("redirect", 15006)),
+    # What the pod forwards (a destination not its own): inbound capture matches no destination.
+    ("forwarded TCP goes to the proxy inbound port", {}, inbound("10.2.0.1", 8080), ("redirect", 15006)),
+    ("forwarded IPv6 too", {}, inbound("2001:db8::1", 8080, src="fd00::9"), ("redirect", 15006)),
+    ("forwarded to the inbound port itself is captured (it would leave the pod)", {}, inbound("10.2.0.1", 15006),
+     ("redirect", 15006)),
+    ("forwarded to the tunnel port is not captured", {}, inbound("10.2.0.1", 15008), DIRECT),
+    ("forwarded to an excluded inbound port is not captured", {}, inbound("10.2.0.1", 15090), DIRECT),
+    ("forwarded from an excluded interface is not captured", {"exclude_interfaces": ("eth0",)},
+     inbound("10.2.0.1", 8080), DIRECT),
+    ("forwarded UDP is not captured", {}, inbound("10.2.0.1", 8080, "udp"), DIRECT),
 ]
 
 
@@ -175,6 +185,22 @@ def test_the_evaluator_follows_marks_accepts_and_tproxy() -> None:
     assert evaluate_plan(invalid, (4, 6), POD, inbound("10.1.0.2", 8080)) == ("redirect", 15006)  # NEW, not INVALID
     excluded = build_plan(RedirectConfig(exclude_interfaces=("eth1",)))
     assert evaluate_plan(excluded, (4, 6), PodNet(POD.addrs, dev="eth1"), out("10.2.0.1", 80)) == DIRECT
+
+
+@pytest.mark.parametrize(("fields", "conn", "want"), [
+    ({}, inbound("10.2.0.1", 8080), ("redirect", 15006)),
+    ({}, inbound("10.2.0.1", 15006), ("redirect", 15006)),
+    ({}, inbound("10.2.0.1", 15008), DIRECT),
+    ({}, inbound("10.2.0.1", 8080, src="169.254.7.127"), DIRECT),
+    ({"bypass_inbound_capture": True}, inbound("10.2.0.1", 8080), DIRECT),
+    ({"reroute_interfaces": ("eth0",)}, inbound("10.2.0.1", 15008), ("redirect", 15001)),
+], ids=["to the inbound port", "to the inbound port itself", "not to the tunnel port", "not from the probe address",
+        "not with bypass_inbound_capture", "a reroute interface's to the outbound port"])
+def test_what_an_ambient_pod_forwards_is_captured_as_inbound(fields: dict[str, Any], conn: Conn,
+                                                              want: Landing) -> None:
+    cfg = RedirectConfig(mode="ambient", **fields)
+    assert evaluate_plan(build_plan(cfg), (4, 6), POD, conn) == want, "netfilter"
+    assert evaluate_ebpf(lower_ebpf(ambient_intent_of(cfg), (4, 6)), POD, conn) == want, "eBPF"
 
 
 def test_chain_builder_is_the_one_vocabulary_of_both_modes() -> None:

@@ -6,7 +6,8 @@ returns, matching on the typed vocabulary, until a verdict. ``evaluate_ebpf`` is
 what the eBPF programs do with the map entries of ``redirect.plan.lower_ebpf``: ``connect4/6``
 and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``bpf/sock_addr.c``, ``outbound_target``
 in ``bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``bpf/sk_lookup.c``) for inbound,
-``rdr_tc_ingress`` (``bpf/tc_reroute.c``) for what the pod forwards,
+``rdr_tc_ingress`` (``bpf/tc_reroute.c``) for what the pod forwards (arriving on any of its
+interfaces), these two by one decision (``pod_listener`` in ``bpf/policy.h``),
 statement for statement, with the LPM trie's prefix rules. A change to those programs'
 decisions changes this model with it; ``tests/test_lowerings.py`` then says whether they
 still agree with the netfilter plan. Both answer a ``Landing``:
@@ -484,43 +485,67 @@ def _iface_listed(m: _Maps, kind: CidrKind, ifindex: int) -> bool:
     return ifindex != 0 and m.cidr_listed(kind, ifindex.to_bytes(4, "big").ljust(16, b"\0"), False)
 
 
-def _listener_for(m: _Maps, conn: Conn, ingress_ifindex: int) -> int | None:
-    """``listener_for`` of bpf/sk_lookup.c: the port of the proxy's listener the connection goes
-    to (inbound or outbound), or None."""
-    p = m.policy
-    captured = _inbound_captured(m, conn.port)
-    if not p.excl_if and not p.reroute_if:
-        return p.inbound_port if captured else None
-    if p.excl_if and _iface_listed(m, "iface_exclude", ingress_ifindex):
-        return None
-    if not (p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex)) or \
-            (p.tproxy and _inbound_listed(m, conn.port)):
-        return p.inbound_port if captured else None
-    v6 = conn.family == 6
-    return _rerouted_listener(m, conn, p.out_all or m.cidr_listed("out_include6" if v6 else "out_include4",
-                                                                  _raw(conn.dst), v6))
+def _inbound_taken(m: _Maps, port: int, fwd: bool) -> bool:
+    """``inbound_taken`` of bpf/policy.h: the inbound chain's port rules, which change nothing for
+    a local destination already at the inbound port, but do for one the pod forwards (``fwd``)."""
+    return _inbound_listed(m, port) if fwd else _inbound_captured(m, port)
 
 
-def _rerouted_listener(m: _Maps, conn: Conn, out: bool) -> int | None:
+def _rerouted_listener(m: _Maps, conn: Conn, out: bool, fwd: bool) -> int | None:
     """``rerouted_listener`` of bpf/policy.h: the port of the proxy's listener, or None."""
     p = m.policy
     if p.tproxy and _inbound_listed(m, conn.port):
-        return p.inbound_port if _inbound_captured(m, conn.port) else None
+        return p.inbound_port if _inbound_taken(m, conn.port, fwd) else None
     return p.proxy_port if out else None
+
+
+def _ambient_listener(m: _Maps, conn: Conn, src: str, rerouted: bool) -> int | None:
+    """``ambient_listener`` of bpf/policy.h: the port of the node proxy's listener, or None."""
+    p = m.policy
+    if rerouted:
+        return p.proxy_port
+    if not p.inbound or conn.port == p.tunnel_port:
+        return None
+    v6 = _ip(src).version == 6
+    if m.cidr_listed("probe6" if v6 else "probe4", _raw(src), v6):
+        return None
+    return p.inbound_port
+
+
+def _pod_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, fwd: bool) -> int | None:
+    """``pod_listener`` of bpf/policy.h, the one decision of inbound capture of both programs that
+    see new inbound TCP (``_sk_lookup``: to the pod's own addresses; ``_tc_ingress``: what the pod
+    forwards, ``fwd``): the port of the proxy's listener the connection goes to, or None. Ambient:
+    ``ambient_listener``. Sidecar: Istio's PREROUTING in its order: an excluded interface returns;
+    a reroute interface, ``rerouted_listener``; else the inbound ports decide."""
+    p = m.policy
+    if p.ambient:
+        return _ambient_listener(m, conn, src, p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex))
+    taken = _inbound_taken(m, conn.port, fwd)
+    if not p.excl_if and not p.reroute_if:
+        return p.inbound_port if taken else None
+    if p.excl_if and _iface_listed(m, "iface_exclude", ingress_ifindex):
+        return None
+    if not (p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex)):
+        return p.inbound_port if taken else None
+    v6 = conn.family == 6
+    out = p.out_all or m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
+    return _rerouted_listener(m, conn, out, fwd)
 
 
 def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Landing:
     """``rdr_tc_ingress`` of bpf/tc_reroute.c for the first packet of a connection the pod
-    forwards (its destination not the pod's): on a reroute interface, rewritten to the pod's
-    address of the family (dropped without one) and the proxy's port."""
-    p = m.policy
-    if conn.proto != "tcp" or not p.reroute_if or not _iface_listed(m, "iface_reroute", ingress_ifindex):
+    forwards (its destination not the pod's), on any of its interfaces: from a source of the
+    pod's own (or loopback) not captured; else where ``pod_listener`` sends it, rewritten to the
+    pod's first address of the family (dropped without one) and that listener's port."""
+    if conn.proto != "tcp":
         return DIRECT
-    if conn.family == 6 and not p.v6:
+    if conn.family == 6 and not m.policy.v6:
         return DIRECT
-    v6 = conn.family == 6
-    out = p.out_all or m.cidr_listed("out_include6" if v6 else "out_include4", _raw(conn.dst), v6)
-    port = p.proxy_port if p.ambient else _rerouted_listener(m, conn, out)
+    src = conn.src or "0.0.0.0"
+    if _local_end(m, src):
+        return DIRECT
+    port = _pod_listener(m, conn, src, ingress_ifindex, fwd=True)
     if port is None:
         return DIRECT
     if not any(f == conn.family and i != LOOPBACK_IFINDEX for f, _a, i in pod.addrs):
@@ -537,19 +562,6 @@ def _local_end(m: _Maps, ip: str) -> bool:
     return a == V6_LOOPBACK or m.cidr_listed("local6", _raw(ip), True)
 
 
-def _ambient_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int) -> int | None:
-    """``ambient_listener`` of bpf/policy.h: the port of the node proxy's listener, or None."""
-    p = m.policy
-    if p.reroute_if and _iface_listed(m, "iface_reroute", ingress_ifindex):
-        return p.proxy_port
-    if not p.inbound or conn.port == p.tunnel_port:
-        return None
-    v6 = _ip(src).version == 6
-    if m.cidr_listed("probe6" if v6 else "probe4", _raw(src), v6):
-        return None
-    return p.inbound_port
-
-
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool = False) -> Landing:
     """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
     (without one, a captured connection is dropped); ``made_here``: the connection is in
@@ -561,10 +573,7 @@ def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: 
     fam = conn.family
     if fam == 6 and not m.policy.v6:
         return DIRECT
-    if m.policy.ambient:
-        port = _ambient_listener(m, conn, src, ingress_ifindex)
-    else:
-        port = _listener_for(m, conn, ingress_ifindex)
+    port = _pod_listener(m, conn, src, ingress_ifindex, fwd=False)
     if port is None or _local_end(m, src) or made_here:
         return DIRECT
     return ("redirect", port)
