@@ -6,7 +6,7 @@ returns, matching on the typed vocabulary, until a verdict. ``evaluate_ebpf`` is
 what the eBPF programs do with the map entries of ``redirect.plan.lower_ebpf``: ``connect4/6``
 and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``bpf/sock_addr.c``, ``outbound_target``
 in ``bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``bpf/sk_lookup.c``) for inbound,
-``rdr_tc_ingress`` (``bpf/tc_reroute.c``) for what the pod forwards (arriving on any of its
+``rdr_tc_ingress`` (``bpf/tc_forward.c``) for what the pod forwards (arriving on any of its
 interfaces), these two by one decision (``pod_listener`` in ``bpf/policy.h``),
 statement for statement, with the LPM trie's prefix rules. A change to those programs'
 decisions changes this model with it; ``tests/test_lowerings.py`` then says whether they
@@ -534,7 +534,7 @@ def _pod_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, fwd: boo
 
 
 def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Landing:
-    """``rdr_tc_ingress`` of bpf/tc_reroute.c for the first packet of a connection the pod
+    """``rdr_tc_ingress`` of bpf/tc_forward.c for the first packet of a connection the pod
     forwards (its destination not the pod's), on any of its interfaces: from a source of the
     pod's own (or loopback) not captured; else where ``pod_listener`` sends it, rewritten to the
     pod's first address of the family (dropped without one) and that listener's port."""
