@@ -27,6 +27,7 @@ from tests.netkit import (
     SOL_IP,
     SOL_IPV6,
     VM_NET,
+    Landing,
     Pod,
     TcpListener,
     UdpListener,
@@ -327,6 +328,27 @@ def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod
             assert hit.listener is proxy.outbound[fam], hit.result
             assert hit.orig_dst == (dst, APP_PORT) and hit.conn is not None and hit.conn.peer[0] == VM_NET[fam][1]
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forwarded_traffic_lands_on_the_inbound_port(pod: Pod, proxy: NodeProxy, apps: dict, backend: str) -> None:
+    """TCP the pod forwards from an interface that is not a reroute one (a VM behind ``vm0``
+    connecting to a host beyond the pod) is inbound-captured, as the in-pod nat PREROUTING rule
+    (no destination match) has it: it lands on the node proxy's inbound listener with its original
+    destination and the VM as the peer. Before setup and after teardown the pod forwards it."""
+    with vm_behind(pod) as vm:
+        def land(fam: int) -> Landing:
+            return landing(vm, pod.peer_ip(fam), APP_PORT, proxy.outbound[fam], proxy.inbound[fam], apps["app"][fam],
+                           apps["peer"][fam])
+
+        assert all(land(fam).listener is apps["peer"][fam] for fam in FAMILIES)
+        redirect.setup(pod.name, ambient(), backend=backend)
+        for fam in FAMILIES:
+            hit = land(fam)
+            assert hit.listener is proxy.inbound[fam], hit.result
+            assert hit.orig_dst == (pod.peer_ip(fam), APP_PORT), hit.conn
+            assert hit.peer is not None and hit.peer[0] == VM_NET[fam][1], hit.conn
+        redirect.teardown(pod.name, backend=backend)
+        assert all(land(fam).listener is apps["peer"][fam] for fam in FAMILIES)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_setup_twice_is_once_and_teardown_restores_the_netns(pod: Pod, backend: str) -> None:

@@ -497,6 +497,109 @@ def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod
         assert "clsact" not in qdisc_kinds(pod.name, "vm0")  # the one made for ours went with them
 
 
+# --------------------------------------------------------------------------- forwarded by the pod
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_forwarded_traffic_lands_on_the_inbound_port_with_its_original_destination(pod: Pod, backend: str,
+                                                                                   fam: int) -> None:
+    """TCP the pod forwards (ip_forward on) arriving on an interface that is neither excluded nor
+    rerouted is inbound-captured, as netfilter's nat PREROUTING (no destination match) has it: a VM
+    behind the pod's ``vm0`` connecting to a host beyond the pod, and that host connecting to the VM
+    through the pod's ``eth0``, land on the proxy's inbound listener with their original
+    destination and their client as the peer. Before setup and after teardown the pod forwards
+    them untouched. eBPF: its programs are on each interface's tc ingress while installed; teardown
+    leaves no program and no qdisc of its own on them."""
+    dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
+    with vm_behind(pod) as vm, listeners((pod.name, 15006, fam, "proxy-in"), (pod.name, 15001, fam, "proxy-out"),
+                                         (pod.peer_name, 8080, fam, "peer-app"), (vm, 8080, fam, "vm-app")) as L:
+        qdiscs = {dev: qdisc_kinds(pod.name, dev) for dev in ("vm0", "eth0")}
+        assert landing(vm, dst, 8080, *L.values()).label == "peer-app"  # forwarded by the pod
+        assert landing(pod.peer_name, vm_ip, 8080, *L.values()).label == "vm-app"
+        with installed(pod, None, backend):
+            assert redirect.check(pod.name, None, backend=backend).ok
+            for src_ns, client, server in ((vm, vm_ip, dst), (pod.peer_name, dst, vm_ip)):
+                hit = landing(src_ns, server, 8080, *L.values())
+                assert hit.label == "proxy-in" and hit.orig_dst == (server, 8080), hit.result
+                assert hit.peer is not None and hit.peer[0] == client, hit.conn
+            if backend == "ebpf":
+                for dev in ("vm0", "eth0"):
+                    assert tc_filters(pod.name, dev) == OUR_TC, dev
+        assert landing(vm, dst, 8080, *L.values()).label == "peer-app"
+        assert landing(pod.peer_name, vm_ip, 8080, *L.values()).label == "vm-app"
+        if backend == "ebpf":
+            for dev in ("vm0", "eth0"):
+                assert tc_filters(pod.name, dev) == {"ingress": [], "egress": []}, dev
+                assert qdisc_kinds(pod.name, dev) == qdiscs[dev], dev
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_forwarded_traffic_to_an_uncaptured_port_or_from_an_excluded_interface_is_forwarded(pod: Pod, backend: str,
+                                                                                             fam: int) -> None:
+    """Forwarded TCP to an excluded inbound port or to one outside ``inbound_ports``, or arriving on
+    an excluded interface, is not captured: the pod forwards it to its destination. What the same
+    config still captures (another port; the same port arriving on another interface) lands on the
+    proxy's inbound listener."""
+    dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
+    with vm_behind(pod) as vm, listeners((pod.name, 15006, fam, "proxy-in"), (pod.peer_name, 8080, fam, "peer-app"),
+                                         (vm, 8080, fam, "vm-app")) as L:
+        cases = [  # the config; (from, to, port) forwarded untouched; (from, to, port) the config captures
+            (RedirectConfig(inbound_exclude_ports=(8080,)), (vm, dst, 8080), (vm, dst, 8081)),
+            (RedirectConfig(inbound_ports=(8081,)), (vm, dst, 8080), (vm, dst, 8081)),
+            (RedirectConfig(exclude_interfaces=("vm0",)), (vm, dst, 8080), (pod.peer_name, vm_ip, 8080)),
+        ]
+        with installed(pod, cases[0][0], backend):
+            for cfg, (src, to, port), (csrc, cto, cport) in cases:
+                redirect.setup(pod.name, cfg, backend=backend)
+                assert redirect.check(pod.name, cfg, backend=backend).ok
+                hit = landing(src, to, port, *L.values())
+                assert hit.label == ("peer-app" if to == dst else "vm-app") and hit.local == (to, port), (cfg, hit)
+                hit = landing(csrc, cto, cport, *L.values())
+                assert hit.label == "proxy-in" and hit.orig_dst == (cto, cport), (cfg, hit.result)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tproxy_forwarded_traffic_lands_with_its_destination_as_local_address(pod: Pod, backend: str,
+                                                                              fam: int) -> None:
+    """Under TPROXY inbound capture (mangle PREROUTING, no destination match) a connection the pod
+    forwards lands on the proxy's transparent inbound listener with the original destination as
+    its local address, as inbound connections to the pod do; after teardown it is forwarded."""
+    cfg = RedirectConfig(inbound_interception="TPROXY")
+    dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
+    with vm_behind(pod) as vm, contextlib.ExitStack() as st:
+        proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
+        peer_app = st.enter_context(TcpListener(pod.peer_name, 8080, family=fam, label="peer-app"))
+        with installed(pod, cfg, backend):
+            assert redirect.check(pod.name, cfg, backend=backend).ok
+            hit = landing(vm, dst, 8080, proxy, peer_app)
+            assert hit.label == "proxy-in" and hit.local == (dst, 8080), (hit.result, hit.conn)
+            assert hit.peer is not None and hit.peer[0] == vm_ip, hit.conn
+        assert landing(vm, dst, 8080, proxy, peer_app).label == "peer-app"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_a_pod_that_does_not_forward(pod: Pod, backend: str, fam: int) -> None:
+    """With forwarding off the kernel drops what a VM behind the pod sends to a host beyond it.
+    Netfilter's nat PREROUTING rewrites the destination before the routing decision, so its inbound
+    capture takes such a connection to the proxy all the same; eBPF attaches no tc program to a pod
+    that does not forward (its socket hooks see only local destinations), and the connection goes
+    nowhere, as without capture."""
+    dst = pod.peer_ip(fam)
+    with vm_behind(pod) as vm, listeners((pod.name, 15006, fam, "proxy-in"),
+                                         (pod.peer_name, 8080, fam, "peer-app")) as L:
+        set_forwarding(pod.name, False)
+        hit = landing(vm, dst, 8080, *L.values(), timeout=0.5)
+        assert hit.label is None and hit.result.error == "timeout", hit.result
+        with installed(pod, None, backend):
+            assert redirect.check(pod.name, None, backend=backend).ok
+            hit = landing(vm, dst, 8080, *L.values(), timeout=0.5)
+            if backend == "ebpf":
+                assert hit.label is None and hit.result.error == "timeout", hit.result
+                for dev in ("vm0", "eth0"):
+                    assert tc_filters(pod.name, dev) == {"ingress": [], "egress": []}, dev
+            else:
+                assert hit.label == "proxy-in" and hit.orig_dst == (dst, 8080), hit.result
+
+
 def test_ebpf_interface_made_again_gets_its_tc_filters_at_the_next_setup(pod_with_extra_iface: Pod,
                                                                         ebpf_root: str) -> None:
     """An interface the pod forwards on, removed and made again (a VM restarted), here with its old
