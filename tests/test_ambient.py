@@ -347,6 +347,13 @@ def test_forwarded_traffic_lands_on_the_inbound_port(pod: Pod, proxy: NodeProxy,
             assert hit.listener is proxy.inbound[fam], hit.result
             assert hit.orig_dst == (pod.peer_ip(fam), APP_PORT), hit.conn
             assert hit.peer is not None and hit.peer[0] == VM_NET[fam][1], hit.conn
+            # The pod's own traffic is captured as in a pod that does not forward.
+            hit = landing(pod.peer_name, pod.pod_ip(fam), APP_PORT, proxy.inbound[fam], apps["app"][fam])
+            assert hit.listener is proxy.inbound[fam] and hit.orig_dst == (pod.pod_ip(fam), APP_PORT), hit.result
+            hit = landing(pod.name, pod.peer_ip(fam), APP_PORT, proxy.outbound[fam], apps["peer"][fam])
+            assert hit.listener is proxy.outbound[fam], hit.result
+            hit = landing(pod.name, pod.peer_ip(fam), APP_PORT, proxy.outbound[fam], apps["peer"][fam], mark=MARK)
+            assert hit.listener is apps["peer"][fam], hit.result
         redirect.teardown(pod.name, backend=backend)
         assert all(land(fam).listener is apps["peer"][fam] for fam in FAMILIES)
 

@@ -521,6 +521,12 @@ def test_forwarded_traffic_lands_on_the_inbound_port_with_its_original_destinati
                 hit = landing(src_ns, server, 8080, *L.values())
                 assert hit.label == "proxy-in" and hit.orig_dst == (server, 8080), hit.result
                 assert hit.peer is not None and hit.peer[0] == client, hit.conn
+            # The pod's own traffic is captured as in a pod that does not forward.
+            hit = landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values())
+            assert hit.label == "proxy-in" and hit.orig_dst == (pod.pod_ip(fam), 8000), hit.result
+            hit = landing(pod.name, dst, 8080, *L.values(), uid=APP_UID)
+            assert hit.label == "proxy-out" and hit.orig_dst == (dst, 8080), hit.result
+            assert landing(pod.name, dst, 8080, *L.values(), uid=PROXY_UID).label == "peer-app"
             if backend == "ebpf":
                 for dev in ("vm0", "eth0"):
                     assert tc_filters(pod.name, dev) == OUR_TC, dev
@@ -577,7 +583,8 @@ def test_tproxy_forwarded_traffic_lands_with_its_destination_as_local_address(po
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_a_pod_that_does_not_forward(pod: Pod, backend: str, fam: int) -> None:
+def test_without_forwarding_netfilter_still_captures_and_ebpf_attaches_no_tc_program(pod: Pod, backend: str,
+                                                                                     fam: int) -> None:
     """With forwarding off the kernel drops what a VM behind the pod sends to a host beyond it.
     Netfilter's nat PREROUTING rewrites the destination before the routing decision, so its inbound
     capture takes such a connection to the proxy all the same; eBPF attaches no tc program to a pod
