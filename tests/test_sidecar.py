@@ -499,6 +499,10 @@ def test_rerouted_interface_forwarded_traffic_goes_to_the_outbound_port(pod: Pod
 
 # --------------------------------------------------------------------------- forwarded by the pod
 
+#: No tc filter on an interface (``tc_filters``).
+NO_TC: dict[str, list[str]] = {"ingress": [], "egress": []}
+
+
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_forwarded_traffic_lands_on_the_inbound_port_with_its_original_destination(pod: Pod, backend: str,
                                                                                    fam: int) -> None:
@@ -534,7 +538,7 @@ def test_forwarded_traffic_lands_on_the_inbound_port_with_its_original_destinati
         assert landing(pod.peer_name, vm_ip, 8080, *L.values()).label == "vm-app"
         if backend == "ebpf":
             for dev in ("vm0", "eth0"):
-                assert tc_filters(pod.name, dev) == {"ingress": [], "egress": []}, dev
+                assert tc_filters(pod.name, dev) == NO_TC, dev
                 assert qdisc_kinds(pod.name, dev) == qdiscs[dev], dev
 
 
@@ -561,14 +565,18 @@ def test_forwarded_traffic_to_an_uncaptured_port_or_from_an_excluded_interface_i
                 assert hit.label == ("peer-app" if to == dst else "vm-app") and hit.local == (to, port), (cfg, hit)
                 hit = landing(csrc, cto, cport, *L.values())
                 assert hit.label == "proxy-in" and hit.orig_dst == (cto, cport), (cfg, hit.result)
+                if backend == "ebpf":  # none on an excluded interface
+                    assert tc_filters(pod.name, "vm0") == (NO_TC if cfg.exclude_interfaces else OUR_TC), cfg
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_tproxy_forwarded_traffic_lands_with_its_destination_as_local_address(pod: Pod, backend: str,
-                                                                              fam: int) -> None:
+def test_tproxy_forwarded_traffic_lands_on_the_inbound_port(pod: Pod, backend: str, fam: int) -> None:
     """Under TPROXY inbound capture (mangle PREROUTING, no destination match) a connection the pod
     forwards lands on the proxy's transparent inbound listener with the original destination as
-    its local address, as inbound connections to the pod do; after teardown it is forwarded."""
+    its local address, as inbound connections to the pod do; after teardown it is forwarded. eBPF
+    (a difference the README names): its tc programs rewrite the connection as REDIRECT does, to
+    the pod's first address and the inbound port, and ``SO_ORIGINAL_DST`` names the original
+    destination."""
     cfg = RedirectConfig(inbound_interception="TPROXY")
     dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
     with vm_behind(pod) as vm, contextlib.ExitStack() as st:
@@ -577,19 +585,23 @@ def test_tproxy_forwarded_traffic_lands_with_its_destination_as_local_address(po
         with installed(pod, cfg, backend):
             assert redirect.check(pod.name, cfg, backend=backend).ok
             hit = landing(vm, dst, 8080, proxy, peer_app)
-            assert hit.label == "proxy-in" and hit.local == (dst, 8080), (hit.result, hit.conn)
-            assert hit.peer is not None and hit.peer[0] == vm_ip, hit.conn
+            assert hit.label == "proxy-in" and hit.peer is not None and hit.peer[0] == vm_ip, (hit.result, hit.conn)
+            if backend == "ebpf":
+                assert hit.local == (pod.pod_ip(fam), 15006) and hit.orig_dst == (dst, 8080), hit.conn
+            else:
+                assert hit.local == (dst, 8080), hit.conn
         assert landing(vm, dst, 8080, proxy, peer_app).label == "peer-app"
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_without_forwarding_netfilter_still_captures_and_ebpf_attaches_no_tc_program(pod: Pod, backend: str,
-                                                                                     fam: int) -> None:
+def test_without_forwarding_netfilter_still_captures_ebpf_has_no_tc_filter_until_a_setup_sees_it_on(
+        pod: Pod, backend: str, fam: int) -> None:
     """With forwarding off the kernel drops what a VM behind the pod sends to a host beyond it.
     Netfilter's nat PREROUTING rewrites the destination before the routing decision, so its inbound
-    capture takes such a connection to the proxy all the same; eBPF attaches no tc program to a pod
-    that does not forward (its socket hooks see only local destinations), and the connection goes
-    nowhere, as without capture."""
+    capture takes such a connection to the proxy all the same; eBPF puts no tc filter on a pod that
+    does not forward (its socket hooks see only local destinations), and the connection goes
+    nowhere, as without capture. Forwarding turned on after setup: eBPF's check reports it, and
+    the next setup puts the filters on; then every backend captures the connection."""
     dst = pod.peer_ip(fam)
     with vm_behind(pod) as vm, listeners((pod.name, 15006, fam, "proxy-in"),
                                          (pod.peer_name, 8080, fam, "peer-app")) as L:
@@ -602,9 +614,17 @@ def test_without_forwarding_netfilter_still_captures_and_ebpf_attaches_no_tc_pro
             if backend == "ebpf":
                 assert hit.label is None and hit.result.error == "timeout", hit.result
                 for dev in ("vm0", "eth0"):
-                    assert tc_filters(pod.name, dev) == {"ingress": [], "egress": []}, dev
+                    assert tc_filters(pod.name, dev) == NO_TC, dev
             else:
                 assert hit.label == "proxy-in" and hit.orig_dst == (dst, 8080), hit.result
+            set_forwarding(pod.name, True)
+            assert redirect.check(pod.name, None, backend=backend).ok is (backend != "ebpf")
+            redirect.setup(pod.name, None, backend=backend)
+            assert redirect.check(pod.name, None, backend=backend).ok
+            hit = landing(vm, dst, 8080, *L.values())
+            assert hit.label == "proxy-in" and hit.orig_dst == (dst, 8080), hit.result
+            if backend == "ebpf":
+                assert tc_filters(pod.name, "vm0") == OUR_TC
 
 
 def test_ebpf_interface_made_again_gets_its_tc_filters_at_the_next_setup(pod_with_extra_iface: Pod,
