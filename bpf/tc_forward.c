@@ -171,7 +171,7 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	__u64 netns, keys;
 	const __u8 *local;
 	__u32 ip[4];
-	int v6, kind;
+	int v6, kind, spoofed;
 	__u16 to;
 
 	if (!rdr_parse(skb, &k)) /* (first: no map look-up for what is not TCP) */
@@ -188,13 +188,11 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 		return RDR_TC_OK;
 	if (cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.daddr, v6))
 		return RDR_TC_OK;
-	/* From an address of the pod's own (spoofed: nothing behind the interface has one): never an
-	 * entry, whose key could be one of the pod's own connections' (bpf/sockopt.c). */
+	/* From an address of the pod's own, or loopback (spoofed: nothing behind the interface has
+	 * one): never an entry, whose key could be one of the pod's own connections' (bpf/sockopt.c). */
 	__builtin_memcpy(ip, k.saddr, 16);
-	if (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0]))
-		return RDR_TC_OK;
-	if (cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.saddr, v6))
-		return RDR_TC_OK;
+	spoofed = (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0])) ||
+		  cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.saddr, v6);
 	client.netns = netns;
 	client.family = k.family;
 	client.port_be = k.sport_be;
@@ -204,9 +202,14 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 		/* A new connection: REDIRECT's choice (nat PREROUTING runs for its first packet). */
 		kind = pod_listener(p, keys, bpf_ntohs(k.dport_be), skb->ifindex, v6, k.saddr, k.daddr, 1);
 		if (kind < 0) {
-			orig_by_tuple.delete(&client); /* (a stale entry of an earlier connection) */
+			if (!spoofed)
+				orig_by_tuple.delete(&client); /* (a stale entry of an earlier connection) */
 			return RDR_TC_OK;
 		}
+		/* Captured, but from a source that can't be given an entry: never around the proxy
+		 * (fail closed; IPv4 drops such a martian source anyway, IPv6 would forward it). */
+		if (spoofed)
+			return RDR_TC_SHOT;
 		to = kind == RDR_LISTENER_INBOUND ? p->inbound_port : p->proxy_port;
 		/* No address of the family to deliver it to: never around the proxy (fail closed). */
 		if (!rdr_has_addr(local, v6))
@@ -218,6 +221,8 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 		__builtin_memcpy(o.addr, k.daddr, 16);
 		orig_by_tuple.update(&client, &o);
 	} else {
+		if (spoofed)
+			return RDR_TC_OK;
 		seen = orig_by_tuple.lookup(&client);
 		if (!seen || seen->port_be != k.dport_be || !rdr_same_addr(seen->addr, k.daddr))
 			return RDR_TC_OK; /* not a connection this program redirected */

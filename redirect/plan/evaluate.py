@@ -535,19 +535,19 @@ def _pod_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, fwd: boo
 
 def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Landing:
     """``rdr_tc_ingress`` of bpf/tc_forward.c for the first packet of a connection the pod
-    forwards (its destination not the pod's), on any of its interfaces: from a source of the
-    pod's own (or loopback) not captured; else where ``pod_listener`` sends it, rewritten to the
-    pod's first address of the family (dropped without one) and that listener's port."""
+    forwards (its destination not the pod's), on any of its interfaces: where ``pod_listener`` sends
+    it, rewritten to the pod's first address of the family (dropped without one) and that
+    listener's port; from a source of the pod's own (or loopback), dropped instead."""
     if conn.proto != "tcp":
         return DIRECT
     if conn.family == 6 and not m.policy.v6:
         return DIRECT
     src = conn.src or "0.0.0.0"
-    if _local_end(m, src):
-        return DIRECT
     port = _pod_listener(m, conn, src, ingress_ifindex, fwd=True)
     if port is None:
         return DIRECT
+    if _local_end(m, src):  # spoofed: never an entry, never around the proxy
+        return DROP
     if not any(f == conn.family and i != LOOPBACK_IFINDEX for f, _a, i in pod.addrs):
         return DROP
     return ("redirect", port)
