@@ -814,7 +814,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.policy = &policy;
 	w.update_flags = BPF_NOEXIST;
 	if (r->tc_forwarded) {
-		ret = rdr_forwarding(tc_ifs, RDR_FWD_MAX);
+		ret = rdr_forwarding_on(s, tc_ifs, RDR_FWD_MAX);
 		if (ret < 0)
 			goto undo;
 		w.tc_ifs = tc_ifs;

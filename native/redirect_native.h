@@ -84,6 +84,8 @@ int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
  * device's forwarding setting; IPv6: all.forwarding, then every device): their count, written to
  * ifindexes[0..max), or -errno. */
 int rdr_forwarding(int *ifindexes, int max);
+/* rdr_forwarding over the NETLINK_ROUTE socket s of that netns. */
+int rdr_forwarding_on(int s, int *ifindexes, int max);
 /* Our filters on ifindex (in the calling thread's netns), made or replaced: prog_in on ingress,
  * prog_out on egress, both with classid (the pod's pool slot + 1), in its clsact qdisc (made if
  * missing). 0, or -errno with nothing of this call's left (-EEXIST: a filter that is not ours holds

@@ -487,7 +487,7 @@ int rdr_tc_detach_all(void)
 }
 
 struct netconf_cb {
-	void (*on)(void *, int, int);
+	void (*on)(void *, int, int, int);
 	void *arg;
 };
 
@@ -495,9 +495,12 @@ static int on_netconf(void *arg, const struct nlmsghdr *h)
 {
 	const struct netconf_cb *cb = arg;
 	const struct rtattr *rta;
-	int alen, idx = 0, fwd = -1, have_idx = 0;
+	int alen, idx = 0, fwd = -1, have_idx = 0, family;
 
 	if (h->nlmsg_type != RTM_NEWNETCONF)
+		return 0;
+	family = ((const struct netconfmsg *)NLMSG_DATA(h))->ncm_family;
+	if (family != AF_INET && family != AF_INET6)
 		return 0;
 	alen = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct netconfmsg));
 	for (rta = (const struct rtattr *)((const char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct netconfmsg)));
@@ -510,12 +513,13 @@ static int on_netconf(void *arg, const struct nlmsghdr *h)
 		}
 	}
 	if (have_idx && fwd >= 0)
-		cb->on(cb->arg, idx, fwd);
+		cb->on(cb->arg, family, idx, fwd);
 	return 0;
 }
 
-/* One RTM_GETNETCONF dump of family: each entry's ifindex and forwarding value go to on(). */
-static int netconf_dump(int s, int family, void (*on)(void *, int, int), void *arg)
+/* One RTM_GETNETCONF dump of every family: each IPv4 and IPv6 entry's family, ifindex and
+ * forwarding value go to on(). */
+static int netconf_dump(int s, void (*on)(void *, int, int, int), void *arg)
 {
 	struct netconf_cb cb = {.on = on, .arg = arg};
 	struct nlreq r;
@@ -524,7 +528,7 @@ static int netconf_dump(int s, int family, void (*on)(void *, int, int), void *a
 	r.h.nlmsg_len = NLMSG_LENGTH(sizeof(struct netconfmsg));
 	r.h.nlmsg_type = RTM_GETNETCONF;
 	r.h.nlmsg_flags = NLM_F_REQUEST;
-	r.nc.ncm_family = (uint8_t)family;
+	r.nc.ncm_family = AF_UNSPEC;
 	return nl_dump(s, &r, on_netconf, &cb);
 }
 
@@ -546,44 +550,44 @@ static void add_dev(struct fwd_acc *a, int idx)
 		a->over = 1;
 }
 
-/* IPv4 forwards what arrives on a device whose own forwarding is on. */
-static void on_v4(void *arg, int idx, int fwd)
-{
-	if (idx > 1 && fwd) /* a device's (1: lo; negative: all, default) */
-		add_dev(arg, idx);
-}
-
-/* IPv6 forwards when all.forwarding is on, whatever the device. */
-static void on_v6(void *arg, int idx, int fwd)
+/* IPv4 forwards what arrives on a device whose own forwarding is on; IPv6 when all.forwarding is
+ * on, whatever the device. */
+static void on_forwarding(void *arg, int family, int idx, int fwd)
 {
 	struct fwd_acc *a = arg;
 
-	if (idx == NETCONFA_IFINDEX_ALL)
+	if (family == AF_INET) {
+		if (idx > 1 && fwd) /* a device's (1: lo; negative: all, default) */
+			add_dev(a, idx);
+	} else if (idx == NETCONFA_IFINDEX_ALL) {
 		a->v6_all = fwd != 0;
-	else if (idx > 1 && a->n6 < RDR_FWD_MAX)
+	} else if (idx > 1 && a->n6 < RDR_FWD_MAX) {
 		a->v6_dev[a->n6++] = idx;
-	else if (idx > 1)
+	} else if (idx > 1) {
 		a->over = 1;
+	}
 }
 
-int rdr_forwarding(int *ifindexes, int max)
+int rdr_forwarding_on(int s, int *ifindexes, int max)
 {
 	struct fwd_acc a = {.out = ifindexes, .max = max < RDR_FWD_MAX ? max : RDR_FWD_MAX};
-	int s = nl_socket(), ret;
+	int ret = netconf_dump(s, on_forwarding, &a);
 
-	if (s < 0)
-		return s;
-	ret = netconf_dump(s, AF_INET, on_v4, &a);
-	if (ret == 0) {
-		ret = netconf_dump(s, AF_INET6, on_v6, &a);
-		if (ret == -EAFNOSUPPORT || ret == -EOPNOTSUPP)
-			ret = 0; /* no IPv6 */
-	}
-	close(s);
 	if (ret < 0)
 		return ret;
 	if (a.v6_all)
 		for (int i = 0; i < a.n6; i++)
 			add_dev(&a, a.v6_dev[i]);
 	return a.over ? -E2BIG : a.n;
+}
+
+int rdr_forwarding(int *ifindexes, int max)
+{
+	int s = nl_socket(), ret;
+
+	if (s < 0)
+		return s;
+	ret = rdr_forwarding_on(s, ifindexes, max);
+	close(s);
+	return ret;
 }
