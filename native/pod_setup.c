@@ -659,18 +659,20 @@ out:
 }
 
 /* May this netns hold netfilter capture of ours? Not if the run dir's marks say so: every setup of
- * a netfilter backend marks the netns's inode there first, and the netns there before the marks
- * were made are marked with them (redirect.kernel.locks.netfilter_marks), so a netns with no
- * mark holds none. A mark may be stale (the inode of a netns gone, reused): then the tables are
- * looked at. */
-static int netfilter_maybe(const struct rdr_pod_req *r, uint64_t ino)
+ * a netfilter backend first writes its netns's cookie there, at 8 times its inode, and the netns
+ * there before the marks were made are marked unknown (all ones) with them
+ * (redirect.kernel.locks.netfilter_marks). A netns with no mark, or with another netns's cookie
+ * (its inode was reused), holds none. */
+static int netfilter_maybe(const struct rdr_pod_req *r, uint64_t ino, uint64_t cookie)
 {
-	uint8_t m = 0;
+	uint64_t m = 0;
 
 	if (r->nf_marks_fd < 0 || !r->nf_marks_ready)
 		return 1;
 	/* (past the end of the file: no mark) */
-	return pread(r->nf_marks_fd, &m, 1, (off_t)ino) < 0 || m != 0;
+	if (pread(r->nf_marks_fd, &m, sizeof(m), (off_t)(ino * sizeof(m))) < 0)
+		return 1;
+	return m == cookie || m == UINT64_MAX;
 }
 
 /* Is addr one of the IPv6 addresses a plan may add (r->ours_v6)? */
@@ -729,7 +731,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	if (ret != -ENOENT)
 		goto slow;
 	/* Nor netfilter capture of ours (the general path replaces it). */
-	if (netfilter_maybe(r, netns_ino) && rdr_netfilter_present() != 0)
+	if (netfilter_maybe(r, netns_ino, sc.cookie) && rdr_netfilter_present() != 0)
 		goto slow;
 	pin_name = snprintf(pin, sizeof(pin), "%s/", r->pin_dir);
 	if (pin_name < 0 || (size_t)pin_name >= sizeof(pin) ||

@@ -160,7 +160,7 @@ def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns
             # refill of libnftables' cache of our new table after it.
             others = _installed(skip=kind_of(impl.name), strict=False)
             if kind_of(impl.name) != "ebpf":  # (before it may hold any: see locks.mark_netfilter)
-                mark_netfilter(_netns.current_inode())
+                mark_netfilter(_netns.current_inode(), _netns.current_cookie())
             res = impl.apply(plan, cfg, families)
             if others and _retire(impl.name, others, plan, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)

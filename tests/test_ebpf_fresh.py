@@ -76,13 +76,28 @@ def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: st
 
 
 def test_a_setup_of_a_netfilter_backend_marks_the_netns_first(ebpf_root: str, pod: Pod) -> None:
-    fd, ready = locks.netfilter_marks()
+    _fd, ready = locks.netfilter_marks()
     assert ready
     inode = rnetns.netns_inode(pod.name)
-    os.pwrite(fd, b"\0", inode)  # (a stale mark of a netns gone that had this inode)
+    locks.unmark_netfilter(inode)  # (as if a netns gone that had this inode left none)
     try:
         api.setup(pod.name, RedirectConfig(), backend="nftables")
-        assert os.pread(fd, 1, inode) == b"\x01"
+        assert locks.netfilter_mark(inode) == rnetns.netns_cookie(pod.name)
+    finally:
+        api.teardown(pod.name)
+
+
+@pytest.mark.parametrize("mark", ["own", "stale"])
+def test_a_mark_counts_only_for_the_netns_whose_cookie_it_holds(ebpf_root: str, pod: Pod, mark: str) -> None:
+    """Inodes are reused as pods come and go, cookies never are: a mark with this netns's cookie
+    sends its setup to look at the tables (with one there, the general path takes it); a mark with
+    another netns's cookie (one gone that had this inode) is stale, and the one call goes on."""
+    inode, cookie = rnetns.netns_inode(pod.name), rnetns.netns_cookie(pod.name)
+    locks.mark_netfilter(inode, cookie if mark == "own" else cookie + 1)
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add table inet theirs"], check=True)
+    try:
+        res = api.setup(pod.name, RedirectConfig(), backend="ebpf")
+        assert res.detail["path"] == ("general" if mark == "own" else "fresh"), res.detail
     finally:
         api.teardown(pod.name)
 
@@ -93,16 +108,15 @@ def test_a_teardown_of_every_backends_capture_clears_the_mark(ebpf_root: str, po
     would send every later eBPF pod with that inode to look at its tables. A teardown without a
     backend removes every backend's capture and clears it (someone's own table stays, and is not
     ours); a teardown of one backend's capture keeps it."""
-    fd, _ready = locks.netfilter_marks()
-    inode = rnetns.netns_inode(pod.name)
+    inode, cookie = rnetns.netns_inode(pod.name), rnetns.netns_cookie(pod.name)
     api.setup(pod.name, RedirectConfig(), backend=backend)
-    assert os.pread(fd, 1, inode) == b"\x01"
+    assert locks.netfilter_mark(inode) == cookie
     assert api.teardown(pod.name, backend=backend)
-    assert os.pread(fd, 1, inode) == b"\x01"
+    assert locks.netfilter_mark(inode) == cookie
     api.setup(pod.name, RedirectConfig(), backend=backend)
     subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add", "table", "inet", "someones"], check=True)
     assert api.teardown(pod.name)
-    assert os.pread(fd, 1, inode) == b"\0"
+    assert locks.netfilter_mark(inode) == 0
     assert "someones" in subprocess.run(["ip", "netns", "exec", pod.name, "nft", "list", "tables"], check=True,
                                         capture_output=True, text=True).stdout
     res = api.setup(pod.name, RedirectConfig(), backend="ebpf")
@@ -115,8 +129,7 @@ def test_a_new_unmarked_pod_with_a_foreign_netfilter_table_is_fresh_and_the_tabl
     """Netfilter tables that are not ours do not stop the one call: with no mark, no netfilter
     capture of ours can be there. (A marked netns with a table takes the general path, which
     replaces our netfilter capture: tests/test_backend_switch.py.)"""
-    fd, _epoch = locks.netfilter_marks()
-    os.pwrite(fd, b"\0", rnetns.netns_inode(pod.name))  # (a stale mark of a netns gone with this inode)
+    locks.unmark_netfilter(rnetns.netns_inode(pod.name))  # (as if a netns gone with this inode left none)
     subprocess.run(["ip", "netns", "exec", pod.name, "nft", "add table inet theirs"], check=True)
     out = TcpListener(pod.name, 15001, 4, label="proxy-out")
     app = TcpListener(pod.peer_name, 8080, 4, label="remote-app")
@@ -138,7 +151,7 @@ from redirect import api
 from redirect.kernel import locks
 fd, ready = locks.netfilter_marks()
 res = api.setup(sys.argv[1], backend="ebpf")
-print(ready, os.pread(fd, 1, int(sys.argv[2])) == b"\\x01", res.detail["path"])
+print(ready, locks.netfilter_mark(int(sys.argv[2])) == locks.MARK_UNKNOWN, res.detail["path"])
 """
 
 

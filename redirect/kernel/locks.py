@@ -16,17 +16,17 @@ belongs to an open file description: each thread opens the file for itself, so o
 out other threads and other processes alike. The eBPF backend's fresh-pod call
 (native/pod_setup.c) takes the same lock on the fd :func:`thread_lock_fd` gives it.
 
-The netfilter marks: a setup of a netfilter backend marks its netns first, one byte of
-``netfilter.marks`` at the netns inode's offset (:func:`mark_netfilter`), so that the eBPF
-backend's setup of a new pod knows without asking the kernel that no netfilter capture of ours
-can be there (one netns never holds two backends' capture). Capture installed before the file
-existed (by an earlier version) was not marked: whoever makes the file first marks every netns
-there is then (the netns of every process, and those bind-mounted, as ``/run/netns`` entries
-are), then writes its header (``MARKS_READY`` in its first 8 bytes); until then no one trusts a
-missing mark. A teardown of every backend's capture (``redirect.teardown`` without a backend)
-clears the mark (:func:`unmark_netfilter`): pods come and go and their inodes are reused, and a
-mark left behind sends a later eBPF pod with that inode to look at its tables. One left by a
-netns gone without such a teardown only makes that setup look.
+The netfilter marks: a setup of a netfilter backend marks its netns first, with the netns's
+cookie in 8 bytes of ``netfilter.cookies`` at 8 times the netns inode (:func:`mark_netfilter`),
+so that the eBPF backend's setup of a new pod knows without asking the kernel that no netfilter
+capture of ours can be there (one netns never holds two backends' capture). Inodes are reused
+as pods come and go; cookies never are: a mark with another netns's cookie is stale, and says
+nothing of this one. Capture installed before the file existed (by an earlier version) was not
+marked: whoever makes the file first marks every netns there is then (the netns of every
+process, and those bind-mounted, as ``/run/netns`` entries are) as unknown (all ones: its
+tables are looked at), then writes its header (``MARKS_READY`` in its first 8 bytes); until then
+no one trusts a missing mark. A teardown of every backend's capture (``redirect.teardown``
+without a backend) clears the mark (:func:`unmark_netfilter`).
 """
 
 from __future__ import annotations
@@ -167,10 +167,15 @@ def thread_lock_fd() -> int:
 
 
 #: The marks file's name, in the run directory, and its header once complete.
-NETFILTER_MARKS = "netfilter.marks"
-MARKS_READY = b"rdrmark1"
+NETFILTER_MARKS = "netfilter.cookies"
+MARKS_READY = b"rdrmark2"
+#: A mark of a netns that was there when the marks were made: may hold netfilter capture of ours.
+MARK_UNKNOWN = (1 << 64) - 1
+#: The marks file of earlier versions (a byte per netns inode), removed when these are made.
+_OLD_MARKS = "netfilter.marks"
 _marks: tuple[int, bool, int] | None = None  # (fd, ready, pid)
 _marks_lock = threading.Lock()
+_MARK = struct.Struct("=Q")  # (native order: native/pod_setup.c reads it)
 
 
 def netfilter_marks() -> tuple[int, bool]:
@@ -185,9 +190,11 @@ def netfilter_marks() -> tuple[int, bool]:
         ready = os.pread(fd, len(MARKS_READY), 0) == MARKS_READY
         if not ready:  # (two processes at once both mark: the same marks)
             for inode in _existing_netns():
-                os.pwrite(fd, b"\x01", inode)
+                os.pwrite(fd, _MARK.pack(MARK_UNKNOWN), inode * _MARK.size)
             os.pwrite(fd, MARKS_READY, 0)
             ready = True
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(run_dir_path(), _OLD_MARKS))
         _marks = (fd, ready, os.getpid())
         return fd, ready
 
@@ -205,20 +212,28 @@ def _existing_netns() -> set[int]:
             root = line.split(" ", 4)[3]  # an nsfs mount's root names its namespace: net:[4026532281]
             if root.startswith("net:[") and root.endswith("]") and root[5:-1].isdigit():
                 out.add(int(root[5:-1]))
-    return {i for i in out if i >= len(MARKS_READY)}
+    return {i for i in out if i >= 1}  # (inode 0 would be the header)
 
 
-def mark_netfilter(inode: int) -> None:
-    """Mark the netns ``inode`` as one that may hold netfilter capture of ours (before it does)."""
+def netfilter_mark(inode: int) -> int:
+    """The mark of the netns ``inode``: 0 (none), a netns cookie, or ``MARK_UNKNOWN``."""
     fd, _ready = netfilter_marks()
-    os.pwrite(fd, b"\x01", inode)
+    raw = os.pread(fd, _MARK.size, inode * _MARK.size)
+    return _MARK.unpack(raw)[0] if len(raw) == _MARK.size else 0
+
+
+def mark_netfilter(inode: int, cookie: int) -> None:
+    """Mark the netns ``inode`` (its cookie ``cookie``) as one that may hold netfilter capture of
+    ours (before it does)."""
+    fd, _ready = netfilter_marks()
+    os.pwrite(fd, _MARK.pack(cookie), inode * _MARK.size)
 
 
 def unmark_netfilter(inode: int) -> None:
     """Clear the mark of the netns ``inode``: it holds no netfilter capture of ours (its caller
     holds the netns lock and has just removed every backend's capture)."""
     fd, _ready = netfilter_marks()
-    os.pwrite(fd, b"\0", inode)
+    os.pwrite(fd, _MARK.pack(0), inode * _MARK.size)
 
 
 def forget_thread_lock_fd() -> None:

@@ -24,6 +24,8 @@ import contextlib
 import fcntl
 import functools
 import os
+import socket
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Union
@@ -155,6 +157,16 @@ def current_inode() -> int:
     """The inode of the calling thread's netns (an fstat when inside ``enter``)."""
     fd = current_fd()
     return os.fstat(fd).st_ino if fd is not None else os.stat("/proc/thread-self/ns/net").st_ino
+
+
+#: getsockopt(SOL_SOCKET, SO_NETNS_COOKIE): the cookie of the socket's netns (Linux 5.14+).
+SO_NETNS_COOKIE = 71
+
+
+def current_cookie() -> int:
+    """The cookie of the calling thread's netns (of a socket made in it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        return int.from_bytes(s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8), sys.byteorder)
 
 
 @contextlib.contextmanager
