@@ -441,18 +441,41 @@ static uint64_t now_ns(void)
 
 /* --- the pods' sk_lookup programs: a pool of slots ---------------------------------------------- */
 
+/* The program of pool slot s kept open in w's cache (the host handle's: a slot's program never
+ * changes while its lookup_pool does), or -1. */
+static int cached_prog(const struct rdr_pod_write *w, uint32_t s)
+{
+	return w->prog_fds ? __atomic_load_n(&w->prog_fds[s], __ATOMIC_ACQUIRE) : -1;
+}
+
+/* Keep prog (slot s's program) in w's cache, while it has room: 1 kept (the cache owns it now),
+ * 0 not (the caller closes it). */
+static int cache_prog(const struct rdr_pod_write *w, uint32_t s, int prog)
+{
+	int none = -1;
+
+	if (!w->prog_fds || !w->n_prog_fds || __atomic_load_n(w->n_prog_fds, __ATOMIC_RELAXED) >= RDR_PROG_CACHE)
+		return 0;
+	if (!__atomic_compare_exchange_n(&w->prog_fds[s], &none, prog, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+		return 0;
+	__atomic_add_fetch(w->n_prog_fds, 1, __ATOMIC_RELAXED);
+	return 1;
+}
+
 /* Claim a pool slot for the pod (bpf/redirect.h, lookup_slots): one from lookup_free, else, none
  * being free, the first unclaimed one from slot_hint on. The claim (BPF_NOEXIST) is what makes a
  * slot ours; lookup_free only says where to try, so a slot found there claimed already is dropped
- * from it. The slot's program comes from lookup_pool, else it is loaded now and kept there. *low
- * is set when no free slot is left (the caller loads a batch ahead). The program's fd (*slot: its
- * slot, claimed) or -errno (nothing claimed). */
-static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low)
+ * from it. The slot's program comes from the cache, else from lookup_pool, else it is loaded now
+ * and kept there. *low is set when no free slot is left (the caller loads a batch ahead). The
+ * program's fd (*slot: its slot, claimed; *cached: the cache owns the fd) or -errno (nothing
+ * claimed). */
+static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low, int *cached)
 {
 	struct pool_slot v = {.netns = w->cookie, .netns_ino = w->netns_ino};
 	uint32_t s = 0, id;
 	int ret, prog, tries;
 
+	*cached = 0;
 	for (tries = 0; tries < 64; tries++) {
 		ret = rdr_bpf_map_next_key(w->map_free, NULL, &s);
 		if (ret == -ENOENT)
@@ -480,17 +503,23 @@ claimed:
 	if (!*low && rdr_bpf_map_next_key(w->map_free, NULL, &id) == -ENOENT)
 		*low = 1;
 	*slot = s;
-	if (rdr_bpf_map_lookup(w->map_pool, &s, &id) == 0) { /* a program array answers with the id */
-		prog = rdr_bpf_prog_get_fd_by_id(id);
-		if (prog >= 0)
-			return prog;
-	}
-	prog = rdr_ebpf_pool_prog(w->map_slots, w->map_lookup_netns, w->map_lookup_prog, s);
-	if (prog < 0) {
-		rdr_bpf_map_delete(w->map_slots, &s);
+	prog = cached_prog(w, s);
+	if (prog >= 0) {
+		*cached = 1;
 		return prog;
 	}
-	rdr_bpf_map_update(w->map_pool, &s, &prog, BPF_ANY); /* kept for the pods after this one */
+	prog = -1;
+	if (rdr_bpf_map_lookup(w->map_pool, &s, &id) == 0) /* a program array answers with the id */
+		prog = rdr_bpf_prog_get_fd_by_id(id);
+	if (prog < 0) {
+		prog = rdr_ebpf_pool_prog(w->map_slots, w->map_lookup_netns, w->map_lookup_prog, s);
+		if (prog < 0) {
+			rdr_bpf_map_delete(w->map_slots, &s);
+			return prog;
+		}
+		rdr_bpf_map_update(w->map_pool, &s, &prog, BPF_ANY); /* kept for the pods after this one */
+	}
+	*cached = cache_prog(w, s, prog);
 	return prog;
 }
 
@@ -570,7 +599,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 			goto undo;
 	}
 	if (w->link_netns >= 0) {
-		int prog = pool_claim(w, &slot, &low);
+		int cached, prog = pool_claim(w, &slot, &low, &cached);
 
 		if (prog < 0) {
 			ret = prog;
@@ -578,12 +607,14 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		}
 		claimed = 1;
 		if (fault_here(at, 3)) {
-			close(prog);
+			if (!cached)
+				close(prog);
 			ret = RDR_POD_FAULT;
 			goto undo;
 		}
 		link = rdr_bpf_link_create(prog, w->link_netns, BPF_SK_LOOKUP, 0);
-		close(prog); /* the link holds it */
+		if (!cached)
+			close(prog); /* the link holds it */
 		if (link < 0) {
 			ret = link;
 			goto undo;
@@ -792,6 +823,8 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.cookie = sc.cookie;
 	w.netns_ino = netns_ino;
 	w.slot_hint = r->slot_hint ? *r->slot_hint : 0;
+	w.prog_fds = r->prog_fds;
+	w.n_prog_fds = r->n_prog_fds;
 	c->pool_low = 0;
 	w.pool_low = &c->pool_low;
 	w.entries = items;

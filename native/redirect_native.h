@@ -192,7 +192,13 @@ struct rdr_pod_write {
 	uint32_t n_tc;
 	int tc_prog_in, tc_prog_out;  /* the host's rdr_tc_ingress, rdr_tc_egress */
 	int32_t slot_now;             /* the slot of the pod's link when it has one (link_netns < 0) */
+	int *prog_fds;                /* RDR_POOL_MAX fds (-1: none) of the pool's programs kept open by the
+				       * host handle, at most RDR_PROG_CACHE of them (*n_prog_fds): a claim
+				       * of a slot there needs no look-up; or NULL */
+	int *n_prog_fds;
 };
+
+#define RDR_PROG_CACHE 256
 
 /* Write w: the inventory, the new keys, the listeners, the link, then the policy; then delete the
  * stale keys and the old inventory. A failure before the policy is in undoes everything written,
@@ -262,6 +268,8 @@ struct rdr_pod_req {
 	int tc_forwarded;           /* the config's capture takes what the pod forwards: our tc filters go
 				     * on the interfaces it forwards on (rdr_forwarding) */
 	int tc_prog_in, tc_prog_out; /* (rdr_pod_write) */
+	int *prog_fds;              /* (rdr_pod_write) */
+	int *n_prog_fds;
 };
 
 /* What one call found and did. */

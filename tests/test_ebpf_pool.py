@@ -77,6 +77,8 @@ def _reused(make_pod, ebpf_root: str) -> None:
         assert claimed[mine[0]][1] == rnetns.netns_inode(p.name)
         assert _link_prog(ebpf_root, cookie) == loaded[mine[0]], "its link runs the slot's program, loaded ahead"
         assert loaded == loaded0, "no program loaded for it"
+        h = ebpf.host(ebpf_root, load=False)
+        assert h is not None and h.prog_fds[mine[0]] >= 0, "kept open by this process for the slot's next claim"
         _inbound_lands_on_proxy(p)
         assert api.check(p.name, RedirectConfig(), backend="ebpf").ok
         assert api.teardown(p.name, backend="ebpf")
@@ -99,6 +101,7 @@ def test_the_pool_grows_when_its_last_free_slot_is_taken_and_loads_on_demand_whe
         h.maps["lookup_free"].delete(U32.pack(s))
     gone = min(set(loaded0) - set(claimed0))
     h.maps["lookup_pool"].delete(U32.pack(gone))  # and one program is not loaded any more
+    h.forget_programs()  # (nor kept open by this process)
     h.pool_hint[0] = gone
     p = make_pod()
     cookie = _cookie(p)

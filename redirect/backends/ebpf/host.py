@@ -35,7 +35,7 @@ from .abi import (
     TUPLE_KEY,
     U32,
 )
-from .pool import POOL_SLOT, fill
+from .pool import POOL_MAX, POOL_SLOT, fill
 from .syscalls import (
     Map,
     _check,
@@ -142,6 +142,22 @@ class HostPrograms:
         self.pool_hint = _native().ffi.new("uint32_t[1]")
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
         self._fresh: dict[FreshPodTemplate, tuple[Any, ...]] = {}
+        #: The pool's programs this handle keeps open, by slot (-1: none), and how many: the native
+        #: writer fills it as it claims slots, up to ``RDR_PROG_CACHE`` (a slot's program never
+        #: changes while its ``lookup_pool`` entry stays), and a claim of a slot there needs no
+        #: look-up. Closed with the handle (``forget_programs``).
+        self.prog_fds = _native().ffi.new("int[]", [-1] * POOL_MAX)
+        self.n_prog_fds = _native().ffi.new("int *")
+
+    def forget_programs(self) -> None:
+        """Close the pool programs this handle keeps open (the next claims look them up)."""
+        for i in range(POOL_MAX):
+            fd = self.prog_fds[i]
+            if fd >= 0:
+                self.prog_fds[i] = -1
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.n_prog_fds[0] = 0
 
     @property
     def pods(self) -> Map:
@@ -170,6 +186,7 @@ class HostPrograms:
         r.pin_dir, r.pin_dir_fd = pin_dir, self._pods_dir_fd()
         r.inbound_port = tmpl.inbound_port
         r.tc_forwarded = tmpl.tc_forwarded
+        r.prog_fds, r.n_prog_fds = self.prog_fds, self.n_prog_fds
         r.tc_prog_in, r.tc_prog_out = self.progs.get("rdr_tc_ingress", -1), self.progs.get("rdr_tc_egress", -1)
         r.tcp_diag = _tcp_diag_ok()
         r.host_netns_ino = _netns.host_netns_inodes()
@@ -212,6 +229,7 @@ class HostPrograms:
         for fd in [*self.progs.values(), self.pods_dir_fd]:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self.forget_programs()
         self.maps, self.progs, self.pods_dir_fd, self.ok = {}, {}, -1, False
 
     @staticmethod

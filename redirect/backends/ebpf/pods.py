@@ -226,6 +226,7 @@ def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, bas
     w.tc_ifs, w.n_tc = tcs, len(tc_ifs or ())
     w.tc_prog_in, w.tc_prog_out = h.progs.get("rdr_tc_ingress", -1), h.progs.get("rdr_tc_egress", -1)
     w.slot_now = -1 if slot_now is None else slot_now
+    w.prog_fds, w.n_prog_fds = h.prog_fds, h.n_prog_fds
     rc = lib.rdr_ebpf_pod_write(w)
     if rc == 0 and low[0]:
         refill(h)  # it took the last free slot: the next batch, ahead of the pods that come next

@@ -8,7 +8,9 @@ a stub holding a slot number (``rdr_ebpf_pool_prog``) that reads the pod's cooki
 
 - the host load fills the first batch (``fill``);
 - a pod's setup claims a slot (``rdr_ebpf_pod_write``: ``BPF_NOEXIST`` in ``lookup_slots``, a free
-  one first) and links its program; the claim records the pod's netns cookie and inode;
+  one first) and links its program; the claim records the pod's netns cookie and inode; the
+  process keeps up to ``RDR_PROG_CACHE`` of the programs it linked open (``HostPrograms.prog_fds``),
+  so a later claim of such a slot links it without looking it up;
 - when the setup took the last free slot, it loads the next batch before it returns (``refill``);
   with none free at all (other processes took them meanwhile) the setup claims an unclaimed slot
   and loads its program on demand: a setup never fails for want of a slot;
