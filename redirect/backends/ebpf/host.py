@@ -142,10 +142,8 @@ class HostPrograms:
         self.pool_hint = _native().ffi.new("uint32_t[1]")
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
         self._fresh: dict[FreshPodTemplate, tuple[Any, ...]] = {}
-        #: The pool's programs this handle keeps open, by slot (-1: none), and how many: the native
-        #: writer fills it as it claims slots, up to ``RDR_PROG_CACHE`` (a slot's program never
-        #: changes while its ``lookup_pool`` entry stays), and a claim of a slot there needs no
-        #: look-up. Closed with the handle (``forget_programs``).
+        #: The pool's programs kept open by slot (-1: none) and their count, filled by the native
+        #: writer as it claims slots (``.pool``); closed with the handle (``forget_programs``).
         self.prog_fds = _native().ffi.new("int[]", [-1] * POOL_MAX)
         self.n_prog_fds = _native().ffi.new("int *")
 
