@@ -669,8 +669,15 @@ def test_a_forced_unload_takes_the_tc_filters_off_a_live_pod_that_forwards(pod: 
     assert ebpf.unload_host(scratch_root, force=True)
     assert netkit.tc_filters(pod.name, "eth0") == {"ingress": [], "egress": []}
     assert "clsact" not in netkit.qdisc_kinds(pod.name, "eth0")
-    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
-    assert not ids & {int(p["id"]) for p in json.loads(out or "[]")}
+    # (A filter's program is put after an RCU grace period and the classifier's work queue.)
+    deadline = time.monotonic() + 10
+    while True:
+        out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
+        left = ids & {int(p["id"]) for p in json.loads(out or "[]")}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"tc programs still loaded: {left}"
 
 
 def ebpf_prog_id(root: str, name: str) -> int:
