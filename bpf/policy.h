@@ -167,6 +167,18 @@ static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const 
 	}
 }
 
+/* Whether addr (16 bytes, IPv4 in the first 4) is loopback or one of the pod's own addresses (its
+ * RDR_CIDR_LOCAL* entries under keys, ::6 among them). */
+static __always_inline int own_address(__u64 keys, const __u8 *addr, int v6)
+{
+	__u32 ip[4];
+
+	__builtin_memcpy(ip, addr, 16);
+	if (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0]))
+		return 1;
+	return cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, addr, v6);
+}
+
 /* Whether Istio's INBOUND chain's port rules take an inbound TCP connection to port ... */
 static __always_inline int inbound_listed(const struct pod_policy *p, __u64 keys, __u16 port)
 {

@@ -21,20 +21,17 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
 {
 	__u8 addr[16] = {};
 
+	/* (Each family's fields read in its own branch, with one call per branch: see listener_for.) */
 	if (ctx->family == AF_INET) {
 		__u32 ip = ctx->remote_ip4;
 
-		if (is_v4_loopback(ip))
-			return 1;
 		__builtin_memcpy(addr, &ip, 4);
-		return cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0);
+		return own_address(keys, addr, 0);
 	} else {
 		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
 
-		if (is_v6_loopback(ip))
-			return 1;
 		__builtin_memcpy(addr, ip, 16);
-		return cidr_listed(keys, RDR_CIDR_LOCAL6, addr, 1);
+		return own_address(keys, addr, 1);
 	}
 }
 

@@ -33,7 +33,7 @@ static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int
 	int out_lo;
 
 	__builtin_memcpy(addr, &dst, 4);
-	out_lo = is_v4_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0);
+	out_lo = own_address(keys, addr, 0);
 	if (p->flags & RDR_F_AMBIENT)
 		return ambient_target(p, keys, tcp, port, addr, 0, out_lo, dst == bpf_htonl(0x7f000001), mark);
 	return outbound_target(p, keys, tcp, port, addr, 0, out_lo, (dst & p->lo4_mask) == p->lo4_addr,
@@ -209,7 +209,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	if (!(p->flags & RDR_F_V6))
 		return SYS_PROCEED;
 	keys = pod_keys(p, netns);
-	out_lo = is_v6_loopback(dst) || cidr_listed(keys, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1);
+	out_lo = own_address(keys, (const __u8 *)dst, 1);
 	/* No source yet and ::6 as the destination: the kernel picks ::6 itself as the source (the
 	 * destination is a local address), so netfilter sees the inbound passthrough. */
 	if (p->flags & RDR_F_AMBIENT)

@@ -78,21 +78,10 @@ static __always_inline void register_listener(struct bpf_sock_ops *ctx)
 	listeners.sock_hash_update(ctx, &lk, BPF_ANY);
 }
 
-/* Whether a connection end (a tuple_key of it) is the pod's own: loopback or one of its
- * addresses (entries under keys, pod_keys). */
+/* Whether a connection end (a tuple_key of it) is the pod's own (own_address, bpf/policy.h). */
 static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
 {
-	if (k->family == AF_INET) {
-		__u32 ip;
-
-		__builtin_memcpy(&ip, k->addr, 4);
-		if (is_v4_loopback(ip))
-			return 1;
-		return cidr_listed(keys, RDR_CIDR_LOCAL4, k->addr, 0);
-	}
-	if (is_v6_loopback((const __u32 *)k->addr))
-		return 1;
-	return cidr_listed(keys, RDR_CIDR_LOCAL6, k->addr, 1);
+	return own_address(keys, k->addr, k->family == AF_INET6);
 }
 
 /* A TCP connection made in the pod to the pod itself from a source that is not the pod's: a

@@ -170,7 +170,6 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	struct pod_policy *p;
 	__u64 netns, keys;
 	const __u8 *local;
-	__u32 ip[4];
 	int v6, kind, spoofed;
 	__u16 to;
 
@@ -182,17 +181,12 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	v6 = k.family == AF_INET6;
 	if (v6 && !(p->flags & RDR_F_V6))
 		return RDR_TC_OK;
-	__builtin_memcpy(ip, k.daddr, 16);
 	/* To the pod itself: sk_lookup's (there with the original destination as the local address). */
-	if (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0]))
-		return RDR_TC_OK;
-	if (cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.daddr, v6))
+	if (own_address(keys, k.daddr, v6))
 		return RDR_TC_OK;
 	/* From an address of the pod's own, or loopback (spoofed: nothing behind the interface has
 	 * one): never an entry, whose key could be one of the pod's own connections' (bpf/sockopt.c). */
-	__builtin_memcpy(ip, k.saddr, 16);
-	spoofed = (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0])) ||
-		  cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, k.saddr, v6);
+	spoofed = own_address(keys, k.saddr, v6);
 	client.netns = netns;
 	client.family = k.family;
 	client.port_be = k.sport_be;
