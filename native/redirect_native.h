@@ -96,9 +96,14 @@ int rdr_tc_detach(int ifindex);
 /* rdr_tc_detach on every interface of the calling thread's netns but lo: how many had ours, or
  * -errno. */
 int rdr_tc_detach_all(void);
-/* Our filter on one side (egress 0 or 1) of ifindex: 0 with its program id and classid, -ENOENT
- * (none), -EEXIST (another's in its place). */
-int rdr_tc_query(int ifindex, int egress, uint32_t *prog_id, uint32_t *classid);
+/* One interface's filters of ours: a side without one has program 0. */
+struct rdr_tc_filter {
+	int ifindex;
+	uint32_t prog_in, classid_in, prog_out, classid_out;
+};
+
+/* Our filters in the calling thread's netns: their count, written to out[0..max), or -errno. */
+int rdr_tc_list(struct rdr_tc_filter *out, int max);
 
 /* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */
 int rdr_bpf_prog_get_fd_by_id(uint32_t id);

@@ -186,19 +186,6 @@ static int query(int s, int ifindex, int egress, uint32_t *prog_id, uint32_t *cl
 	return 0;
 }
 
-int rdr_tc_query(int ifindex, int egress, uint32_t *prog_id, uint32_t *classid)
-{
-	int s = nl_socket(), ret, ours;
-
-	if (s < 0)
-		return s;
-	ret = query(s, ifindex, egress, prog_id, classid, &ours);
-	close(s);
-	if (ret == 0 && !ours)
-		return -EEXIST;
-	return ret;
-}
-
 static void filter_req(struct nlreq *r, uint16_t flags, int ifindex, int egress, int prog_fd, uint32_t classid)
 {
 	const char *name = egress ? TC_NAME_OUT : TC_NAME_IN;
@@ -231,9 +218,22 @@ static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t 
 	return nl_talk(s, &r.h, NULL, 0);
 }
 
-static int del_filter(int s, int ifindex, int egress)
+/* Our filter off one side (the caller knows it is ours): 0 (gone, or not there), or -errno. */
+static int del_ours(int s, int ifindex, int egress)
 {
 	struct nlreq r;
+	int ret;
+
+	tc_req(&r, RTM_DELTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
+	add_attr(&r, TCA_KIND, "bpf", 4);
+	ret = nl_talk(s, &r.h, NULL, 0);
+	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
+}
+
+/* Our filter off one side, if one of ours is there (another's is left alone): 1 taken off, 0 none
+ * of ours, or -errno. */
+static int del_filter(int s, int ifindex, int egress)
+{
 	uint32_t id, cid;
 	int ret, ours;
 
@@ -241,14 +241,11 @@ static int del_filter(int s, int ifindex, int egress)
 	if (ret < 0)
 		return ret == -ENOENT ? 0 : ret;
 	if (!ours)
-		return 0; /* not ours: left alone */
-	tc_req(&r, RTM_DELTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
-	add_attr(&r, TCA_KIND, "bpf", 4);
-	ret = nl_talk(s, &r.h, NULL, 0);
-	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
+		return 0;
+	ret = del_ours(s, ifindex, egress);
+	return ret < 0 ? ret : 1;
 }
 
-/* Whether one side of the interface's clsact qdisc has any filter (a dump's first message). */
 /* Send the dump request r and pass each message of its answer to each(arg, message) until the
  * end: 0, the first negative value each returned, or -errno. */
 static int nl_dump(int s, struct nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
@@ -293,6 +290,7 @@ static int on_filter(void *arg, const struct nlmsghdr *h)
 	return 0;
 }
 
+/* Whether one side of the interface's clsact qdisc has any filter. */
 static int side_used(int s, int ifindex, int egress)
 {
 	struct nlreq r;
@@ -409,12 +407,12 @@ int rdr_tc_detach(int ifindex)
 	if (s < 0)
 		return s;
 	ret = del_filter(s, ifindex, 0);
-	if (ret == 0)
+	if (ret >= 0)
 		ret = del_filter(s, ifindex, 1);
-	if (ret == 0)
+	if (ret >= 0)
 		ret = drop_qdisc_if_empty(s, ifindex);
 	close(s);
-	return ret;
+	return ret < 0 ? ret : 0;
 }
 
 struct idx_list {
@@ -456,34 +454,60 @@ static int clsact_interfaces(int s, int *idx, int max)
 	return ret < 0 ? ret : l.n;
 }
 
-int rdr_tc_detach_all(void)
+/* Our filters in the calling thread's netns (on the interfaces with a clsact qdisc): their count,
+ * in out[0..max), a side without ours with program 0, or -errno. */
+static int list_ours(int s, struct rdr_tc_filter *out, int max)
 {
-	int idx[RDR_FWD_MAX], s = nl_socket(), n, ret = 0, found = 0;
+	int idx[RDR_FWD_MAX], n = clsact_interfaces(s, idx, RDR_FWD_MAX), found = 0;
+
+	for (int i = 0; i < n; i++) {
+		struct rdr_tc_filter f = {.ifindex = idx[i]};
+		int ours_in = 0, ours_out = 0;
+
+		if (query(s, idx[i], 0, &f.prog_in, &f.classid_in, &ours_in) < 0 || !ours_in)
+			f.prog_in = f.classid_in = 0;
+		if (query(s, idx[i], 1, &f.prog_out, &f.classid_out, &ours_out) < 0 || !ours_out)
+			f.prog_out = f.classid_out = 0;
+		if (!f.prog_in && !f.prog_out)
+			continue;
+		if (found == max)
+			return -E2BIG;
+		out[found++] = f;
+	}
+	return n < 0 ? n : found;
+}
+
+int rdr_tc_list(struct rdr_tc_filter *out, int max)
+{
+	int s = nl_socket(), ret;
 
 	if (s < 0)
 		return s;
-	n = clsact_interfaces(s, idx, RDR_FWD_MAX);
+	ret = list_ours(s, out, max);
+	close(s);
+	return ret;
+}
+
+int rdr_tc_detach_all(void)
+{
+	struct rdr_tc_filter f[RDR_FWD_MAX];
+	int s = nl_socket(), n, ret = 0;
+
+	if (s < 0)
+		return s;
+	n = list_ours(s, f, RDR_FWD_MAX);
 	if (n < 0)
 		ret = n;
 	for (int i = 0; i < n && ret == 0; i++) {
-		uint32_t id, cid;
-		int ours_in = 0, ours_out = 0;
-
-		if (query(s, idx[i], 0, &id, &cid, &ours_in) < 0)
-			ours_in = 0;
-		if (query(s, idx[i], 1, &id, &cid, &ours_out) < 0)
-			ours_out = 0;
-		if (!ours_in && !ours_out)
-			continue;
-		found++;
-		ret = del_filter(s, idx[i], 0);
+		if (f[i].prog_in)
+			ret = del_ours(s, f[i].ifindex, 0);
+		if (ret == 0 && f[i].prog_out)
+			ret = del_ours(s, f[i].ifindex, 1);
 		if (ret == 0)
-			ret = del_filter(s, idx[i], 1);
-		if (ret == 0)
-			ret = drop_qdisc_if_empty(s, idx[i]);
+			ret = drop_qdisc_if_empty(s, f[i].ifindex);
 	}
 	close(s);
-	return ret < 0 ? ret : found;
+	return ret < 0 ? ret : n;
 }
 
 struct netconf_cb {

@@ -65,28 +65,20 @@ def wanted(want: PodEntries) -> frozenset[int]:
     return forwarding() - _excluded(want.cidrs)
 
 
-def ours(ifindexes: set[int] | frozenset[int] | None = None) -> dict[int, tuple[int, int, int, int]]:
-    """Our filters on ``ifindexes`` (None: every interface but lo) of the calling thread's netns:
-    ifindex -> (ingress program id, its slot, egress program id, its slot); a side without ours has
-    (0, -1)."""
-    lib, ffi = _native().lib, _native().ffi
-    if ifindexes is None:
-        ifindexes = {i for i, _n in socket.if_nameindex() if i > 1}
-    pid, cls = ffi.new("uint32_t *"), ffi.new("uint32_t *")
-    out: dict[int, tuple[int, int, int, int]] = {}
-    for idx in sorted(ifindexes):
-        sides: list[int] = []
-        for egress in (0, 1):
-            rc = lib.rdr_tc_query(idx, egress, pid, cls)
-            if rc == 0:
-                sides += [int(pid[0]), (int(cls[0]) & 0xFFFF) - 1]
-            elif rc in (-errno.ENOENT, -errno.EEXIST, -errno.ENODEV):
-                sides += [0, -1]
-            else:
-                raise OSError(-rc, f"read the tc filters of ifindex {idx}: {os.strerror(-rc)}")
-        if sides[0] or sides[2]:
-            out[idx] = (sides[0], sides[1], sides[2], sides[3])
-    return out
+def ours() -> dict[int, tuple[int, int, int, int]]:
+    """Our filters in the calling thread's netns: ifindex -> (ingress program id, its slot, egress
+    program id, its slot); a side without ours has (0, -1)."""
+    nat = _native()
+    buf = nat.ffi.new("struct rdr_tc_filter[]", _MAX)
+    n = nat.lib.rdr_tc_list(buf, _MAX)
+    if n < 0:
+        raise OSError(-n, f"read our tc filters: {os.strerror(-n)}")
+
+    def slot(prog: int, classid: int) -> int:
+        return (classid & 0xFFFF) - 1 if prog else -1
+
+    return {int(f.ifindex): (int(f.prog_in), slot(f.prog_in, f.classid_in), int(f.prog_out),
+                             slot(f.prog_out, f.classid_out)) for f in (buf[i] for i in range(n))}
 
 
 def to_attach(want: frozenset[int], have: dict[int, tuple[int, int, int, int]], progs: tuple[int, int],
