@@ -544,6 +544,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	uint32_t slot = 0;
 	int nd = 0, ret = 0, link = -1, pinned = 0, claimed = 0, low = 0, at = fault_at();
 	uint32_t tc_done = 0;
+	int32_t tc_slot;
 
 	if (done == NULL || iks == NULL) {
 		ret = -ENOMEM;
@@ -629,14 +630,13 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	}
 	/* The tc filters of the interfaces the pod forwards on (tc_filter.c), with its slot: before the
 	 * policy, which makes their programs take what it captures. */
+	tc_slot = claimed ? (int32_t)slot : w->slot_now;
+	if (w->n_tc && (tc_slot < 0 || tc_slot >= RDR_POOL_MAX)) {
+		ret = -ESRCH;
+		goto undo;
+	}
 	for (; tc_done < w->n_tc; tc_done++) {
-		int32_t s_now = claimed ? (int32_t)slot : w->slot_now;
-
-		if (s_now < 0 || s_now >= RDR_POOL_MAX) {
-			ret = -ESRCH;
-			goto undo;
-		}
-		ret = rdr_tc_attach(w->tc_ifs[tc_done], w->tc_prog_in, w->tc_prog_out, (uint32_t)s_now + 1);
+		ret = rdr_tc_attach(w->tc_ifs[tc_done], w->tc_prog_in, w->tc_prog_out, (uint32_t)tc_slot + 1);
 		if (ret < 0)
 			goto undo;
 	}

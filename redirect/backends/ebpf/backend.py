@@ -168,7 +168,8 @@ class EbpfBackend:
         want_tc = tc.wanted(want)
         have_tc = tc.ours() if want_tc or old.policy is not None else {}
         progs_tc = tc.host_progs(h) if want_tc or have_tc else (0, 0)
-        tc_attach = tc.to_attach(want_tc, have_tc, progs_tc, _link_slot(link_path) if have_link else None)
+        slot_now = _link_slot(link_path) if have_link else None  # (None: a slot is claimed with the link)
+        tc_attach = tc.to_attach(want_tc, have_tc, progs_tc, slot_now)
         tc_same = not tc_attach and set(have_tc) == want_tc
         # The plan's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
         # connections, by mark), as the netfilter backends add them, and tcp_fwmark_accept (see
@@ -223,8 +224,7 @@ class EbpfBackend:
                         nsfd = own_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     link_netns = nsfd
                 # The difference, in one native call that undoes itself on failure.
-                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path, sc.inode, tc_attach,
-                          _link_slot(link_path) if have_link else None)
+                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path, sc.inode, tc_attach, slot_now)
             except BaseException as e:
                 for key in registered:
                     h.maps["listeners"].delete(key)

@@ -10,11 +10,11 @@ import contextlib
 import errno
 import functools
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 from ... import _native as _native_module
+from ...kernel import netns as _netns
 
 
 def _native() -> Any:
@@ -109,11 +109,8 @@ def _detach_pinned(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 def current_netns_cookie() -> int:
-    n = _native()
-    out = n.ffi.new("uint64_t *")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        _check(n.lib.rdr_sock_netns_cookie(s.fileno(), out), "SO_NETNS_COOKIE")
-    return int(out[0])
+    """The cookie of the calling thread's netns (``redirect.kernel.netns.current_cookie``)."""
+    return _netns.current_cookie()
 
 
 class Map:
