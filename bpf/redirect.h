@@ -38,12 +38,15 @@ BPF_LPM_TRIE(cidrs, struct cidr_key, __u8, 65536);
  * another (a lookup from process context) completes, and leaves the slot
  * zero, never another pod's cookie. The stubs are loaded ahead, a batch at a
  * time, and kept in lookup_pool; a slot is claimed for a pod (BPF_NOEXIST in
- * lookup_slots) and released to lookup_free at its teardown. Only user space
- * reads lookup_pool and lookup_free. */
+ * lookup_slots) and released to lookup_free at its teardown. lookup_free is a
+ * queue of slot numbers: a claim pops one (constant time, where the first key
+ * of a sparse hash is a walk of its buckets); a slot may be in it twice, or be
+ * claimed already (the claim then drops it). Only user space reads
+ * lookup_pool and lookup_free. */
 BPF_PERCPU_ARRAY(lookup_netns, __u64, 1);
 BPF_PROG_ARRAY(lookup_prog, 1);
 BPF_HASH(lookup_slots, __u32, struct pool_slot, RDR_POOL_MAX);
-BPF_HASH(lookup_free, __u32, __u8, RDR_POOL_MAX);
+BPF_QUEUE(lookup_free, __u32, RDR_POOL_MAX);
 BPF_PROG_ARRAY(lookup_pool, RDR_POOL_MAX);
 /* Staging: socket cookie -> original dst, from connect4/6 until sock_ops
  * sees the local port (TCP_CONNECT_CB). LRU, so a connect that fails before

@@ -462,12 +462,13 @@ static int cache_prog(const struct rdr_pod_write *w, uint32_t s, int prog)
 	return 1;
 }
 
-/* Claim a pool slot for the pod (bpf/redirect.h, lookup_slots): one from lookup_free, else, none
- * being free, the first unclaimed one from slot_hint on. The claim (BPF_NOEXIST) is what makes a
- * slot ours; lookup_free only says where to try, so a slot found there claimed already is dropped
- * from it. The slot's program comes from the cache, else from lookup_pool, else it is loaded now
- * and kept there. *low is set when no free slot is left (the caller loads a batch ahead). The
- * program's fd (*slot: its slot, claimed; *cached: the cache owns the fd) or -errno (nothing
+/* Claim a pool slot for the pod (bpf/redirect.h, lookup_slots): one popped from the lookup_free
+ * queue, else, none being queued, the first unclaimed one from slot_hint on. The claim
+ * (BPF_NOEXIST) is what makes a slot ours; the queue only says where to try, so a slot popped
+ * there that is claimed already (queued twice, or claimed by such a scan) is dropped from it. The
+ * slot's program comes from the cache, else from lookup_pool, else it is loaded now and kept
+ * there. *low is set when the queue was empty (the caller loads a batch ahead of the next pods).
+ * The program's fd (*slot: its slot, claimed; *cached: the cache owns the fd) or -errno (nothing
  * claimed). */
 static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low, int *cached)
 {
@@ -477,17 +478,20 @@ static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low, i
 
 	*cached = 0;
 	for (tries = 0; tries < 64; tries++) {
-		ret = rdr_bpf_map_next_key(w->map_free, NULL, &s);
+		ret = rdr_bpf_map_pop(w->map_free, &s);
 		if (ret == -ENOENT)
 			break;
 		if (ret < 0)
 			return ret;
+		if (s >= RDR_POOL_MAX)
+			continue;
 		ret = rdr_bpf_map_update(w->map_slots, &s, &v, BPF_NOEXIST);
-		rdr_bpf_map_delete(w->map_free, &s); /* claimed now, by us or by another */
 		if (ret == 0)
 			goto claimed;
-		if (ret != -EEXIST)
+		if (ret != -EEXIST) {
+			rdr_bpf_map_push(w->map_free, &s); /* still free */
 			return ret;
+		}
 	}
 	*low = 1;
 	for (uint32_t i = 0; i < RDR_POOL_MAX; i++) {
@@ -500,8 +504,6 @@ static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low, i
 	}
 	return -ENOSPC;
 claimed:
-	if (!*low && rdr_bpf_map_next_key(w->map_free, NULL, &id) == -ENOENT)
-		*low = 1;
 	*slot = s;
 	prog = cached_prog(w, s);
 	if (prog >= 0) {
@@ -523,13 +525,11 @@ claimed:
 	return prog;
 }
 
-/* Give a claimed slot back: its claim goes, and it is free again. */
+/* Give a claimed slot back: its claim goes, and it is queued free again. */
 static void pool_release(const struct rdr_pod_write *w, uint32_t s)
 {
-	uint8_t one = 1;
-
 	rdr_bpf_map_delete(w->map_slots, &s);
-	rdr_bpf_map_update(w->map_free, &s, &one, BPF_ANY);
+	rdr_bpf_map_push(w->map_free, &s);
 }
 
 /* The eBPF backend's one writer of a pod's entries (redirect_native.h). */

@@ -271,6 +271,16 @@ int rdr_bpf_map_next_key(int map_fd, const void *key, void *next_key)
 	return map_elem(BPF_MAP_GET_NEXT_KEY, map_fd, key, next_key, 0);
 }
 
+int rdr_bpf_map_pop(int map_fd, void *value)
+{
+	return map_elem(BPF_MAP_LOOKUP_AND_DELETE_ELEM, map_fd, NULL, value, 0);
+}
+
+int rdr_bpf_map_push(int map_fd, const void *value)
+{
+	return map_elem(BPF_MAP_UPDATE_ELEM, map_fd, NULL, (void *)value, 0);
+}
+
 static int obj_info(int fd, void *info, uint32_t len)
 {
 	union bpf_attr attr;

@@ -57,6 +57,9 @@ int rdr_bpf_map_update(int map_fd, const void *key, const void *value, uint64_t 
 int rdr_bpf_map_lookup(int map_fd, const void *key, void *value);
 int rdr_bpf_map_delete(int map_fd, const void *key);
 int rdr_bpf_map_next_key(int map_fd, const void *key, void *next_key);
+/* A queue map's (no key): take its oldest value, or add one at its end; -ENOENT empty, -E2BIG full. */
+int rdr_bpf_map_pop(int map_fd, void *value);
+int rdr_bpf_map_push(int map_fd, const void *value);
 
 /* BPF_OBJ_GET_INFO_BY_FD for a program: its id. */
 int rdr_bpf_prog_id(int prog_fd, uint32_t *id);
@@ -169,7 +172,7 @@ struct rdr_pod_write {
 	uint64_t netns_ino;           /* the pod netns's inode: kept with its slot claim (the garbage
 				       * collection tells a claim of a setup under way by its netns lock) */
 	uint32_t slot_hint;           /* where to look for an unclaimed slot when none is free */
-	int *pool_low;                /* if not NULL: set to 1 when no free slot is left (load a batch) */
+	int *pool_low;                /* if not NULL: set to 1 when no slot was queued free (load a batch) */
 	const struct rdr_pod_entry *entries; /* every key the pod is to have, in inventory order */
 	uint32_t n_entries;
 	uint32_t inv_base;            /* its inventory goes to idx inv_base.. (never the old one's) */
@@ -281,7 +284,7 @@ struct rdr_pod_req {
 struct rdr_pod_call {
 	uint64_t cookie;            /* the netns cookie */
 	int v6;                     /* IPv6 is captured */
-	int pool_low;               /* no free pool slot is left (rdr_pod_write): the caller loads a batch */
+	int pool_low;               /* no pool slot was queued free (rdr_pod_write): the caller loads a batch */
 	uint64_t wall_ns;           /* the call's wall time */
 };
 

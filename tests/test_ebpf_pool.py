@@ -24,7 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _state(root: str) -> tuple[dict[int, tuple[int, int]], set[int], dict[int, int]]:
-    """(slot -> (netns cookie, inode) claimed, the free slots, slot -> program id loaded)."""
+    """(slot -> (netns cookie, inode) claimed, the slots queued free, slot -> program id loaded).
+    The queue is read by emptying it and queueing the same again."""
     h = ebpf.host(root, load=False)
     assert h is not None
     slots, free, progs = h.maps["lookup_slots"], h.maps["lookup_free"], h.maps["lookup_pool"]
@@ -34,7 +35,10 @@ def _state(root: str) -> tuple[dict[int, tuple[int, int]], set[int], dict[int, i
         v = progs.lookup(U32.pack(s))
         if v is not None:
             loaded[s] = U32.unpack(v)[0]
-    return claimed, {U32.unpack(k)[0] for k in free.keys()}, loaded
+    queued = pool.drain(free.fd)
+    for s in queued:
+        pool.push(free.fd, s)
+    return claimed, set(queued), loaded
 
 
 def _cookie(pod: Pod) -> int:
@@ -90,15 +94,14 @@ def _reused(make_pod, ebpf_root: str) -> None:
     assert pool.reclaim(h, lambda c: ebpf._pod_link(ebpf_root, c)) == []  # nothing for the garbage collection
 
 
-def test_the_pool_grows_when_its_last_free_slot_is_taken_and_loads_on_demand_when_empty(
+def test_a_setup_that_finds_no_slot_queued_free_loads_one_on_demand_and_the_next_batch(
         make_pod, ebpf_root: str) -> None:
     h = ebpf.host(ebpf_root)
     assert h is not None
     # Other processes took every free slot (as far as this process can tell): the next setup
     # claims an unclaimed slot, loads its program if none is loaded, and the batch after follows.
     claimed0, free0, loaded0 = _state(ebpf_root)
-    for s in free0:
-        h.maps["lookup_free"].delete(U32.pack(s))
+    assert set(pool.drain(h.maps["lookup_free"].fd)) == free0
     gone = min(set(loaded0) - set(claimed0))
     h.maps["lookup_pool"].delete(U32.pack(gone))  # and one program is not loaded any more
     h.forget_programs()  # (nor kept open by this process)
@@ -191,3 +194,39 @@ def test_the_pools_programs_go_with_the_host_programs(pod: Pod, monkeypatch) -> 
         left = {p for p, fd in fds.items() if fd >= 0}
         time.sleep(0.05)
     assert not left, f"{len(left)} of the pool's programs are still loaded"
+
+
+def test_a_queued_slot_that_is_claimed_already_is_dropped_and_the_next_one_claimed(make_pod, ebpf_root: str) -> None:
+    first = make_pod()
+    api.setup(first.name, RedirectConfig(), backend="ebpf")
+    try:
+        h = ebpf.host(ebpf_root, load=False)
+        assert h is not None
+        claimed0, _, _ = _state(ebpf_root)
+        (taken,) = claimed0
+        free = h.maps["lookup_free"].fd
+        rest = pool.drain(free)
+        for s in (taken, rest[0], *rest):  # the first pod's slot, then a free one listed twice
+            pool.push(free, s)
+        p = make_pod()
+        cookie = _cookie(p)
+        assert api.setup(p.name, RedirectConfig(), backend="ebpf").detail["path"] == "fresh"
+        claimed, queued, _ = _state(ebpf_root)
+        assert claimed[taken] == claimed0[taken], "the first pod keeps its slot"
+        assert claimed[rest[0]][0] == cookie and taken not in queued
+        _inbound_lands_on_proxy(p)
+        _inbound_lands_on_proxy(first)
+        assert api.teardown(p.name, backend="ebpf")
+        # Its slot is queued again, and was still queued once: the garbage collection leaves
+        # each free slot queued once.
+        queued_list = pool.drain(free)
+        for s in queued_list:
+            pool.push(free, s)
+        assert queued_list.count(rest[0]) == 2
+        assert ebpf.collect_garbage(ebpf_root) == []
+        queued_list = pool.drain(free)
+        for s in queued_list:
+            pool.push(free, s)
+        assert sorted(queued_list) == sorted(set(queued_list)) and rest[0] in queued_list and taken not in queued_list
+    finally:
+        api.teardown(first.name, backend="ebpf")

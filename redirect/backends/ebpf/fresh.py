@@ -155,7 +155,7 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
             raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
         raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
     if c.pool_low:
-        refill(h)  # it took the last free sk_lookup program: the next batch, ahead of the next pods
+        refill(h)  # it found no sk_lookup program queued free: the next batch, ahead of the next pods
     cookie = c.cookie
     d = _detail(h, cookie, host_ms, c.wall_ns / 1e6, f"{h.pods_dir}/{cookie}-sk_lookup", "fresh")
     return Installed("ebpf", name, (4, 6) if c.v6 else (4,), True, d)

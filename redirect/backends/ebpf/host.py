@@ -420,7 +420,7 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
         "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
         "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
-        "lookup_free": (4, 1), "lookup_pool": (4, 4),
+        "lookup_free": (0, 4), "lookup_pool": (4, 4),
     }
 
 

@@ -229,7 +229,7 @@ def write_pod(h: HostPrograms, cookie: int, want: PodEntries, old: PodState, bas
     w.prog_fds, w.n_prog_fds = h.prog_fds, h.n_prog_fds
     rc = lib.rdr_ebpf_pod_write(w)
     if rc == 0 and low[0]:
-        refill(h)  # it took the last free slot: the next batch, ahead of the pods that come next
+        refill(h)  # it found no slot queued free: the next batch, ahead of the pods that come next
     if rc == lib.RDR_POD_FAULT:
         raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
     if rc < 0:

@@ -3,17 +3,16 @@
 An sk_lookup program can't ask for its netns cookie, so each pod's netns runs a program of its own:
 a stub holding a slot number (``rdr_ebpf_pool_prog``) that reads the pod's cookie from
 ``lookup_slots[slot]``. Loading one costs a verifier run, so they are loaded ahead, a batch
-(``BATCH``) at a time, into ``lookup_pool`` (slot -> program), and their slots listed in
-``lookup_free``:
+(``BATCH``) at a time, into ``lookup_pool`` (slot -> program), and their slots queued in
+``lookup_free`` (a queue map: a claim pops one in constant time):
 
 - the host load fills the first batch (``fill``);
-- a pod's setup claims a slot (``rdr_ebpf_pod_write``: ``BPF_NOEXIST`` in ``lookup_slots``, a free
-  one first) and links its program; the claim records the pod's netns cookie and inode; the
+- a pod's setup claims a slot (``rdr_ebpf_pod_write``: ``BPF_NOEXIST`` in ``lookup_slots``, one
+  popped from the queue first; a popped slot claimed already is dropped) and links its program; the claim records the pod's netns cookie and inode; the
   process keeps up to ``RDR_PROG_CACHE`` of the programs it linked open (``HostPrograms.prog_fds``),
   so a later claim of such a slot links it without looking it up;
-- when the setup took the last free slot, it loads the next batch before it returns (``refill``);
-  with none free at all (other processes took them meanwhile) the setup claims an unclaimed slot
-  and loads its program on demand: a setup never fails for want of a slot;
+- when the setup found the queue empty, it claims an unclaimed slot, loads its program on demand,
+  and loads the next batch before it returns (``refill``): a setup never fails for want of a slot;
 - teardown releases the slot once the pod's link is gone (``release``), and so does the garbage
   collection for a pod whose netns went, for a claim whose setup was killed before its link was
   pinned (``reclaim``: no setup holds that netns's lock) and for a slot that is neither claimed
@@ -26,6 +25,7 @@ them with it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -44,13 +44,34 @@ POOL_SLOT = layout("pool_slot").struct
 POOL_MAX = const("RDR_POOL_MAX")
 #: Programs loaded at a time (at the host load, and when a setup took the last free slot).
 BATCH = 64
-_ONE = b"\x01"
+
+
+def push(free: int, slot: int) -> None:
+    """Queue ``slot`` free in ``lookup_free`` (fd ``free``); a full queue is left as it is (a slot
+    neither claimed nor queued is found by a setup's scan, and queued again by the garbage
+    collection)."""
+    rc = _native().lib.rdr_bpf_map_push(free, U32.pack(slot))
+    if rc != -errno.E2BIG:
+        _check(rc, "push lookup_free")
+
+
+def drain(free: int) -> list[int]:
+    """Empty the ``lookup_free`` queue (fd ``free``); the slots it held, oldest first."""
+    lib, out = _native().lib, _native().ffi.new("uint32_t *")
+    got: list[int] = []
+    for _ in range(2 * POOL_MAX):  # (bounded: setups push back meanwhile)
+        rc = lib.rdr_bpf_map_pop(free, out)
+        if rc == -errno.ENOENT:
+            break
+        _check(rc, "pop lookup_free")
+        got.append(int(out[0]))
+    return got
 
 
 def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n: int = BATCH) -> int:
     """Load ``n`` programs for the slots from ``start`` on that have none in ``pool`` (fds of the
     maps ``lookup_slots``, ``lookup_netns``, ``lookup_prog``, ``lookup_pool``, ``lookup_free``) and
-    list them free. The slot after the last one looked at (where the next batch starts)."""
+    queue them free. The slot after the last one looked at (where the next batch starts)."""
     lib, ffi = _native().lib, _native().ffi
     out = ffi.new("uint32_t *")
     s, loaded = start, 0
@@ -62,7 +83,7 @@ def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n
                 _check(lib.rdr_bpf_map_update(pool, key, U32.pack(pfd), 0), "update lookup_pool")
             finally:
                 os.close(pfd)
-            _check(lib.rdr_bpf_map_update(free, key, _ONE, 0), "update lookup_free")
+            push(free, s)
             loaded += 1
         s += 1
     return s
@@ -70,7 +91,7 @@ def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n
 
 def refill(h: HostPrograms, n: int = BATCH) -> None:
     """The next batch of ``h``'s pool (``fill`` from where this process's last one ended), after a
-    setup took the last free slot. A failure is logged, not raised: that setup is done, and the
+    setup found no slot queued free. A failure is logged, not raised: that setup is done, and the
     next ones load their programs on demand (and try a batch again)."""
     m = h.maps
     if not all(k in m for k in ("lookup_slots", "lookup_netns", "lookup_prog", "lookup_pool", "lookup_free")):
@@ -120,15 +141,16 @@ def release(h: HostPrograms, cookie: int, prog_id: int | None) -> bool:
     slots.delete(key)
     free = h.maps.get("lookup_free")
     if free is not None:
-        free.update(key, _ONE)
+        push(free.fd, slot)
     return True
 
 
 def reclaim(h: HostPrograms, link_of: Callable[[int], str]) -> list[int]:
     """The garbage collection's part: release the claims that no pod's link (pinned at
     ``link_of(cookie)``) uses and no setup is making (its netns lock is free: a setup holds it from
-    its claim until its link is pinned), and list free again the loaded slots that are neither
-    claimed nor free. The slots released."""
+    its claim until its link is pinned), and queue free again the loaded slots that are neither
+    claimed nor queued (the queue is emptied and made again: each free slot once). The slots
+    released."""
     from ...kernel import locks
 
     slots, free, pool = h.maps.get("lookup_slots"), h.maps.get("lookup_free"), h.maps.get("lookup_pool")
@@ -154,24 +176,25 @@ def reclaim(h: HostPrograms, link_of: Callable[[int], str]) -> list[int]:
                 if v is None or POOL_SLOT.unpack(v) != (cookie, ino) or in_use(slot, cookie):
                     continue
                 slots.delete(key)
-                free.update(key, _ONE)
+                push(free.fd, slot)
                 out.append(slot)
                 log.info("ebpf: released pool slot %d of netns cookie %d: no link uses it", slot, cookie)
         except SetupError:
             continue  # a setup of that netns is under way: its claim is its own
+    queued = set(drain(free.fd))
     claimed = {U32.unpack(k)[0] for k in slots.keys(POOL_MAX)}
-    listed = {U32.unpack(k)[0] for k in free.keys(POOL_MAX)}
     ids = _native().ffi.new("uint32_t *")
     lib = _native().lib
     # Slots are loaded from 0 up, a batch at a time (on demand: from this process's hint on).
-    top = min(POOL_MAX, max((*claimed, *listed, int(h.pool_hint[0]))) + BATCH + 1)
+    top = min(POOL_MAX, max((*claimed, *queued, int(h.pool_hint[0]))) + BATCH + 1)
     for slot in range(top):
-        if slot in claimed or slot in listed:
+        if slot in claimed:
             continue
         key = U32.pack(slot)
         if lib.rdr_bpf_map_lookup(pool.fd, key, ids) != 0:
             continue
         with contextlib.suppress(OSError):
-            free.update(key, _ONE)
-            out.append(slot)
+            push(free.fd, slot)
+            if slot not in queued:
+                out.append(slot)
     return out
