@@ -8,15 +8,16 @@ a stub holding a slot number (``rdr_ebpf_pool_prog``) that reads the pod's cooki
 
 - the host load fills the first batch (``fill``);
 - a pod's setup claims a slot (``rdr_ebpf_pod_write``: ``BPF_NOEXIST`` in ``lookup_slots``, one
-  popped from the queue first; a popped slot claimed already is dropped) and links its program; the claim records the pod's netns cookie and inode; the
-  process keeps up to ``RDR_PROG_CACHE`` of the programs it linked open (``HostPrograms.prog_fds``),
-  so a later claim of such a slot links it without looking it up;
+  popped from the queue first; a popped slot claimed already is dropped) and links its program;
+  the claim records the pod's netns cookie and inode; the process keeps up to ``RDR_PROG_CACHE``
+  of the programs it linked open (``HostPrograms.prog_fds``), so a later claim of such a slot
+  links it without looking it up;
 - when the setup found the queue empty, it claims an unclaimed slot, loads its program on demand,
   and loads the next batch before it returns (``refill``): a setup never fails for want of a slot;
 - teardown releases the slot once the pod's link is gone (``release``), and so does the garbage
   collection for a pod whose netns went, for a claim whose setup was killed before its link was
   pinned (``reclaim``: no setup holds that netns's lock) and for a slot that is neither claimed
-  nor free (a teardown killed in between).
+  nor queued (a teardown killed in between, a full queue).
 
 The programs live as long as ``lookup_pool`` (pinned with the host maps): ``unload_host`` removes
 them with it.
