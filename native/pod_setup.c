@@ -448,17 +448,16 @@ static int cached_prog(const struct rdr_pod_write *w, uint32_t s)
 	return w->prog_fds ? __atomic_load_n(&w->prog_fds[s], __ATOMIC_ACQUIRE) : -1;
 }
 
-/* Keep prog (slot s's program) in w's cache, while it has room: 1 kept (the cache owns it now),
- * 0 not (the caller closes it). */
-static int cache_prog(const struct rdr_pod_write *w, uint32_t s, int prog)
+/* The pool's program cache (redirect_native.h). */
+int rdr_prog_cache_put(int *fds, int *n_fds, uint32_t s, int prog)
 {
 	int none = -1;
 
-	if (!w->prog_fds || !w->n_prog_fds || __atomic_load_n(w->n_prog_fds, __ATOMIC_RELAXED) >= RDR_PROG_CACHE)
+	if (!fds || !n_fds || s >= RDR_POOL_MAX || __atomic_load_n(n_fds, __ATOMIC_RELAXED) >= RDR_PROG_CACHE)
 		return 0;
-	if (!__atomic_compare_exchange_n(&w->prog_fds[s], &none, prog, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+	if (!__atomic_compare_exchange_n(&fds[s], &none, prog, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
 		return 0;
-	__atomic_add_fetch(w->n_prog_fds, 1, __ATOMIC_RELAXED);
+	__atomic_add_fetch(n_fds, 1, __ATOMIC_RELAXED);
 	return 1;
 }
 
@@ -521,7 +520,7 @@ claimed:
 		}
 		rdr_bpf_map_update(w->map_pool, &s, &prog, BPF_ANY); /* kept for the pods after this one */
 	}
-	*cached = cache_prog(w, s, prog);
+	*cached = rdr_prog_cache_put(w->prog_fds, w->n_prog_fds, s, prog);
 	return prog;
 }
 

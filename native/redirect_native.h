@@ -208,6 +208,11 @@ struct rdr_pod_write {
 
 #define RDR_PROG_CACHE 256
 
+/* Keep prog (pool slot s's program) in a host handle's cache (fds, *n_fds: see prog_fds above)
+ * while it has room and none is kept for s: 1 kept (the cache owns it now), 0 not (the caller
+ * closes it). Threads may call it at once. */
+int rdr_prog_cache_put(int *fds, int *n_fds, uint32_t s, int prog);
+
 /* Write w: the inventory, the new keys, the listeners, the link, then the policy; then delete the
  * stale keys and the old inventory. A failure before the policy is in undoes everything written,
  * in reverse (listener entries only for a new pod: an existing one's were there before; a claimed

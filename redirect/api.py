@@ -62,29 +62,23 @@ def _config(config: RedirectConfig | None) -> RedirectConfig:
 
 
 #: Backends with a one-call setup for pods with nothing of ours yet: ``fn(cfg, netns, name,
-#: lock_fd) -> Installed | None`` (looked up once).
+#: lock_fd) -> Installed | None`` (looked up once; None: the backend has none).
 _FRESH: dict[str, Any] = {}
 
 
 def _fresh_setup_of(backend: str) -> Any:
-    fn = _FRESH.get(backend)
-    if fn is None and backend == "ebpf":
+    """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF). It
+    takes the same lock as the general path (by the call, on this thread's own fd of the lock
+    file, ``thread_lock_fd``), and backs off (None: take the general path, nothing changed) for
+    anything but a fresh pod: capture of ours there, any netfilter table, the host's netns."""
+    fn = None
+    if backend == "ebpf":
         from .backends import ebpf
 
-        fn = _FRESH[backend] = ebpf.setup_fresh
+        fn = ebpf.setup_fresh
+    if backend in KINDS:
+        _FRESH[backend] = fn
     return fn
-
-
-def _setup_fresh(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str) -> Installed | None:
-    """The backend's one-call setup of a pod with nothing of ours yet, if it has one (eBPF),
-    under the same lock as the general path (taken by the call, on this thread's own fd of the
-    lock file). It backs off (None: take the general path, nothing changed) for anything but a
-    fresh pod: capture of ours there, any netfilter table, the host's netns."""
-    fresh = _fresh_setup_of(backend)
-    if fresh is None:
-        return None
-    res: Installed | None = fresh(cfg, netns, name, thread_lock_fd())
-    return res
 
 
 def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend: str = "iptables", *,
@@ -132,7 +126,8 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
 def _setup_with(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str,
                 allow_host_netns: bool) -> tuple[Installed, Installed | None]:
     """``setup`` with one backend: (what was installed, the same if the fresh-pod call did it)."""
-    res = fresh = _setup_fresh(backend, cfg, netns, name)
+    fn = _FRESH[backend] if backend in _FRESH else _fresh_setup_of(backend)
+    res = fresh = None if fn is None else fn(cfg, netns, name, thread_lock_fd())
     if res is None:
         res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns, name, allow_host_netns)
         res = Installed(res.backend, name, res.families, res.changed, res.detail)

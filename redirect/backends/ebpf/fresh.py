@@ -28,7 +28,7 @@ from .host import DEFAULT_ROOT, HostPrograms
 from .lifetime import _host_cache, host
 from .podnet import LOOPBACK_IFINDEX, _plan_addresses, families_for
 from .pool import refill
-from .syscalls import _native
+from .syscalls import _native, _native_module
 from .tc import takes_forwarded
 
 log = logging.getLogger("redirect.ebpf")
@@ -134,7 +134,7 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
             host_ms = round((time.perf_counter() - t0) * 1e3, 3)
         req = h.fresh_request(tmpl)
         _last_fresh = (cfg, h, req)
-    nat = _native()
+    nat = _native_module
     c = _tls.__dict__.get("call")
     if c is None:
         c = _tls.call = nat.ffi.new("struct rdr_pod_call *")

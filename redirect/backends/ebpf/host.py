@@ -298,10 +298,17 @@ class HostPrograms:
                     )
                 log.warning("ebpf: host pins under %s incomplete (missing: %s); reloading", root, ", ".join(missing))
             t0 = time.perf_counter()
-            _load_and_pin(root, cg)
+            kept, n_kept, hint = _load_and_pin(root, cg)
             ms = (time.perf_counter() - t0) * 1e3
             log.info("ebpf: compiled and pinned host programs under %s in %.0f ms", root, ms)
-            return cls.open_pinned(root, compiled=True, load_ms=ms)
+            try:
+                h = cls.open_pinned(root, compiled=True, load_ms=ms)
+            except BaseException:
+                _close_kept(kept)
+                raise
+            # The first batch of the pool, loaded just now: kept open, as a refill keeps its own.
+            h.prog_fds, h.n_prog_fds, h.pool_hint[0] = kept, n_kept, hint
+            return h
 
 
 def _cgroup_progs() -> list[str]:
@@ -459,7 +466,18 @@ def host_refusal(root: str, cgroup: str) -> str | None:
     return None
 
 
-def _load_and_pin(root: str, cgroup: str) -> None:
+def _close_kept(fds: Any) -> None:
+    for i in range(POOL_MAX):
+        if fds[i] >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fds[i])
+            fds[i] = -1
+
+
+def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
+    """Compile, load, pin and attach the host programs under ``root``, with the pool's first batch:
+    its programs kept open (``HostPrograms.prog_fds``, ``n_prog_fds``) and where the next batch
+    starts, for the caller's handle."""
     probe_kernel()
     from bcc import BPF
 
@@ -472,6 +490,8 @@ def _load_and_pin(root: str, cgroup: str) -> None:
     except Exception as e:
         raise BackendUnavailable(f"ebpf: compiling bpf/ with bcc failed: {e}") from None
     fns: dict[str, Any] = {}
+    ffi = _native().ffi
+    kept, n_kept = ffi.new("int[]", [-1] * POOL_MAX), ffi.new("int *")
     try:
         for name, (ptype, atype, _cg) in PROGRAMS.items():
             try:
@@ -503,14 +523,16 @@ def _load_and_pin(root: str, cgroup: str) -> None:
         _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
                                                 0), "update lookup_prog")
         # The first batch of the pods' own sk_lookup programs (``.pool``).
-        fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
-             table("lookup_free"), 0)
+        hint = fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
+                    table("lookup_free"), 0, keep=(kept, n_kept))
         _attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in _cgroup_progs()})
     except BaseException:
+        _close_kept(kept)
         _unpin_all(root)
         raise
     finally:
         b.cleanup()
+    return kept, n_kept, hint
 
 
 def _unpin_all(root: str) -> None:

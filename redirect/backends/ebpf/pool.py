@@ -10,7 +10,7 @@ a stub holding a slot number (``rdr_ebpf_pool_prog``) that reads the pod's cooki
 - a pod's setup claims a slot (``rdr_ebpf_pod_write``: ``BPF_NOEXIST`` in ``lookup_slots``, one
   popped from the queue first; a popped slot claimed already is dropped) and links its program;
   the claim records the pod's netns cookie and inode; the process keeps up to ``RDR_PROG_CACHE``
-  of the programs it linked open (``HostPrograms.prog_fds``), so a later claim of such a slot
+  of the programs it loaded or linked open (``HostPrograms.prog_fds``), so a claim of such a slot
   links it without looking it up;
 - when the setup found the queue empty, it claims an unclaimed slot, loads its program on demand,
   and loads the next batch before it returns (``refill``): a setup never fails for want of a slot;
@@ -30,7 +30,7 @@ import errno
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import SetupError
 from .abi import U32, const, layout
@@ -69,12 +69,16 @@ def drain(free: int) -> list[int]:
     return got
 
 
-def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n: int = BATCH) -> int:
+def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n: int = BATCH,
+         keep: tuple[Any, Any] | None = None) -> int:
     """Load ``n`` programs for the slots from ``start`` on that have none in ``pool`` (fds of the
     maps ``lookup_slots``, ``lookup_netns``, ``lookup_prog``, ``lookup_pool``, ``lookup_free``) and
-    queue them free. The slot after the last one looked at (where the next batch starts)."""
+    queue them free; each is kept open in ``keep`` (a host handle's ``prog_fds``, ``n_prog_fds``)
+    while it has room, so this process's claims of those slots need no look-up. The slot after the
+    last one looked at (where the next batch starts)."""
     lib, ffi = _native().lib, _native().ffi
     out = ffi.new("uint32_t *")
+    fds, n_fds = keep if keep is not None else (ffi.NULL, ffi.NULL)
     s, loaded = start, 0
     while loaded < n and s < POOL_MAX:
         key = U32.pack(s)
@@ -83,7 +87,8 @@ def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n
             try:
                 _check(lib.rdr_bpf_map_update(pool, key, U32.pack(pfd), 0), "update lookup_pool")
             finally:
-                os.close(pfd)
+                if not lib.rdr_prog_cache_put(fds, n_fds, s, pfd):
+                    os.close(pfd)
             push(free, s)
             loaded += 1
         s += 1
@@ -91,16 +96,16 @@ def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n
 
 
 def refill(h: HostPrograms, n: int = BATCH) -> None:
-    """The next batch of ``h``'s pool (``fill`` from where this process's last one ended), after a
-    setup found no slot queued free. A failure is logged, not raised: that setup is done, and the
-    next ones load their programs on demand (and try a batch again)."""
+    """The next batch of ``h``'s pool (``fill`` from where this process's last one ended, kept open
+    in ``h``'s cache), after a setup found no slot queued free. A failure is logged, not raised:
+    that setup is done, and the next ones load their programs on demand (and try a batch again)."""
     m = h.maps
     if not all(k in m for k in ("lookup_slots", "lookup_netns", "lookup_prog", "lookup_pool", "lookup_free")):
         return  # (a handle on what is still attached, pins gone: setups load on demand)
     t = h.pool_hint
     try:
         t[0] = fill(m["lookup_slots"].fd, m["lookup_netns"].fd, m["lookup_prog"].fd, m["lookup_pool"].fd,
-                    m["lookup_free"].fd, int(t[0]), n)
+                    m["lookup_free"].fd, int(t[0]), n, (h.prog_fds, h.n_prog_fds))
     except OSError as e:
         log.warning("ebpf: loading the next %d sk_lookup programs of the pool failed (%s); setups load theirs"
                     " on demand meanwhile", n, e)
