@@ -195,6 +195,10 @@ def netfilter_marks() -> tuple[int, bool]:
             ready = True
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(run_dir_path(), _OLD_MARKS))
+        # Reads leave the file's atime alone: each fresh eBPF pod's setup reads its mark, and an
+        # atime update costs that read about as much again (docs/kernel-facts.md).
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NOATIME)
         _marks = (fd, ready, os.getpid())
         return fd, ready
 
