@@ -35,7 +35,7 @@ from .abi import (
     TUPLE_KEY,
     U32,
 )
-from .pool import POOL_MAX, POOL_SLOT, fill
+from .pool import POOL_SLOT, close_kept, fill, kept_programs
 from .syscalls import (
     Map,
     _check,
@@ -121,12 +121,9 @@ class HostPrograms:
     """The pinned programs, maps and cgroup links under one root, opened by fd."""
 
     def __init__(self, root: str, maps: dict[str, Map], progs: dict[str, int], loaded: bool, load_ms: float) -> None:
-        self.root = root
-        self.maps = maps
-        self.progs = progs
+        self.root, self.maps, self.progs, self.load_ms = root, maps, progs, load_ms
         #: True if this process compiled the programs, False if it reused pins.
         self.compiled = loaded
-        self.load_ms = load_ms
         self.pods_dir = os.path.join(root, "pods")  # where the pods' links are pinned (_pod_link)
         self.pods_dir_fd = -1  # pods_dir open, for the fresh-pod call (``_pods_dir_fd``)
         #: The root's inotify fd on the host pin dirs (``_watch_pins``; not ours to close), -1
@@ -138,24 +135,17 @@ class HostPrograms:
         #: fresh-pod call reads it, see ``fresh_request``).
         self.alive = _native().ffi.new("int[1]", [1])
         #: Where this process's next batch of pool programs starts (``pool.refill``), read by the
-        #: native writer too (where to look for an unclaimed slot when none is free).
+        #: native writer too (where to look for an unclaimed slot when none is queued free).
         self.pool_hint = _native().ffi.new("uint32_t[1]")
         #: ``fresh_request``'s structs (with the pin-dir buffer they point to), by template.
         self._fresh: dict[FreshPodTemplate, tuple[Any, ...]] = {}
-        #: The pool's programs kept open by slot (-1: none) and their count, filled by the native
-        #: writer as it claims slots (``.pool``); closed with the handle (``forget_programs``).
-        self.prog_fds = _native().ffi.new("int[]", [-1] * POOL_MAX)
-        self.n_prog_fds = _native().ffi.new("int *")
+        #: The pool's programs kept open by slot (-1: none) and their count: those this process
+        #: loaded or claimed (``.pool``); closed with the handle (``forget_programs``).
+        self.prog_fds, self.n_prog_fds = kept_programs()
 
     def forget_programs(self) -> None:
         """Close the pool programs this handle keeps open (the next claims look them up)."""
-        for i in range(POOL_MAX):
-            fd = self.prog_fds[i]
-            if fd >= 0:
-                self.prog_fds[i] = -1
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.n_prog_fds[0] = 0
+        close_kept(self.prog_fds, self.n_prog_fds)
 
     @property
     def pods(self) -> Map:
@@ -304,10 +294,9 @@ class HostPrograms:
             try:
                 h = cls.open_pinned(root, compiled=True, load_ms=ms)
             except BaseException:
-                _close_kept(kept)
+                close_kept(kept, n_kept)
                 raise
-            # The first batch of the pool, loaded just now: kept open, as a refill keeps its own.
-            h.prog_fds, h.n_prog_fds, h.pool_hint[0] = kept, n_kept, hint
+            h.prog_fds, h.n_prog_fds, h.pool_hint[0] = kept, n_kept, hint  # (as a refill keeps its batch)
             return h
 
 
@@ -466,18 +455,9 @@ def host_refusal(root: str, cgroup: str) -> str | None:
     return None
 
 
-def _close_kept(fds: Any) -> None:
-    for i in range(POOL_MAX):
-        if fds[i] >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fds[i])
-            fds[i] = -1
-
-
 def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
-    """Compile, load, pin and attach the host programs under ``root``, with the pool's first batch:
-    its programs kept open (``HostPrograms.prog_fds``, ``n_prog_fds``) and where the next batch
-    starts, for the caller's handle."""
+    """Compile, load, pin and attach the host programs under ``root``; the pool's first batch kept
+    open (``pool.kept_programs``) and where the next batch starts, for the caller's handle."""
     probe_kernel()
     from bcc import BPF
 
@@ -490,8 +470,7 @@ def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
     except Exception as e:
         raise BackendUnavailable(f"ebpf: compiling bpf/ with bcc failed: {e}") from None
     fns: dict[str, Any] = {}
-    ffi = _native().ffi
-    kept, n_kept = ffi.new("int[]", [-1] * POOL_MAX), ffi.new("int *")
+    kept, n_kept = kept_programs()
     try:
         for name, (ptype, atype, _cg) in PROGRAMS.items():
             try:
@@ -527,7 +506,7 @@ def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
                     table("lookup_free"), 0, keep=(kept, n_kept))
         _attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in _cgroup_progs()})
     except BaseException:
-        _close_kept(kept)
+        close_kept(kept, n_kept)
         _unpin_all(root)
         raise
     finally:

@@ -69,6 +69,21 @@ def drain(free: int) -> list[int]:
     return got
 
 
+def kept_programs() -> tuple[Any, Any]:
+    """An empty cache of pool programs kept open (``HostPrograms.prog_fds``, ``n_prog_fds``)."""
+    return _native().ffi.new("int[]", [-1] * POOL_MAX), _native().ffi.new("int *")
+
+
+def close_kept(fds: Any, n_fds: Any) -> None:
+    """Close the programs of a cache from ``kept_programs`` and empty it."""
+    for i in range(POOL_MAX):
+        if fds[i] >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fds[i])
+            fds[i] = -1
+    n_fds[0] = 0
+
+
 def fill(slots: int, netns: int, progs: int, pool: int, free: int, start: int, n: int = BATCH,
          keep: tuple[Any, Any] | None = None) -> int:
     """Load ``n`` programs for the slots from ``start`` on that have none in ``pool`` (fds of the
