@@ -714,6 +714,19 @@ static int ours_v6(const struct rdr_pod_req *r, const uint8_t addr[16])
 	return 0;
 }
 
+/* The pod's sources (redirect_native.h). */
+void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16])
+{
+	for (int i = n - 1; i >= 0; i--) { /* (backwards: the first one is written last) */
+		if (a[i].ifindex == 1 || (a[i].family != 4 && a[i].family != 6) || !has[a[i].family == 6])
+			continue;
+		if (a[i].family == 4)
+			memcpy(src4, a[i].addr, 4);
+		else
+			memcpy(src6, a[i].addr, 16);
+	}
+}
+
 /* Inside the pod netns (netns_fd), with the lock held. The entries are the lowering's (r->sets,
  * made in Python once per config), with the netns cookie and the pod's addresses put in their
  * fields: what this pod is to have, written as the difference from nothing. */
@@ -834,17 +847,8 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.pin = pin;
 	w.pin_dir_fd = r->pin_dir_fd;
 	w.pin_name = pin + pin_name;
-	/* The pod's sources (lower_ebpf.pod_sources): its first address of each family the set
-	 * captures (has_local) not on lo. */
 	policy = *set->policy;
-	for (int i = sc.n - 1; i >= 0; i--) {
-		if (sc.a[i].ifindex == 1 || !set->has_local[sc.a[i].family == 6])
-			continue;
-		if (sc.a[i].family == 4)
-			memcpy(policy.src4, sc.a[i].addr, 4);
-		else
-			memcpy(policy.src6, sc.a[i].addr, 16);
-	}
+	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6);
 	w.policy = &policy;
 	w.update_flags = BPF_NOEXIST;
 	if (r->tc_forwarded) {

@@ -142,6 +142,12 @@ struct rdr_netns_scan {
 /* Fill sc for the calling thread's netns (a[n..] left as they were): 0 or -errno. */
 int rdr_scan_netns(struct rdr_netns_scan *sc);
 
+/* A pod's sources (struct pod_policy's src4, src6: what the connect and sendmsg hooks give a socket
+ * they send to the proxy): per family f (4, 6) with has[f == 6], the first of the pod's addresses
+ * a[0..n) of that family not on lo (ifindex 1); a family without one is left as it was. The one
+ * statement of that choice: the fresh-pod call and the general path (lower_ebpf.pod_sources). */
+void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16]);
+
 #define RDR_FAM4 1
 #define RDR_FAM6 2
 

@@ -268,3 +268,17 @@ def test_ambient_lowerings_land_every_connection_alike(
         if nf != bpf and known_difference(cfg, pod0, conn, nf, bpf) is None:
             raise AssertionError(f"netfilter {nf} vs eBPF {bpf} for {conn} in {pod0} under {cfg.to_dict()} "
                                  f"(families {families})")
+
+
+def test_a_pods_sources_are_its_first_address_of_each_captured_family_off_lo() -> None:
+    """``pod_sources`` (the choice ``rdr_pod_sources`` makes for both setup paths): per family the
+    config captures, the first of the pod's addresses not on lo; none for a family it has none of
+    or does not capture."""
+    from redirect.plan.lower_ebpf import pod_sources
+
+    local = ((6, "::6", 1), (4, "10.0.0.7", 1), (4, "10.1.0.2", 2), (6, "fd00::2", 3), (4, "10.2.0.3", 3),
+             (6, "fd00::9", 2))
+    assert pod_sources((4, 6), local) == {4: "10.1.0.2", 6: "fd00::2"}
+    assert pod_sources((4,), local) == {4: "10.1.0.2"}
+    assert pod_sources((4, 6), ((4, "10.0.0.7", 1), (6, "::6", 1))) == {}
+    assert pod_sources((6,), local[:3]) == {}

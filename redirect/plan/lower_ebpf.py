@@ -201,11 +201,21 @@ def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[i
     """Per family, the source an unbound socket's connect gets for a destination off the pod: its
     first address of the family not on lo (the address of its one interface, in a pod with one;
     with several, the kernel's choice per route may be another). The connect and sendmsg hooks
-    give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``)."""
+    give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``). The
+    choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
+    from .._native import ffi, lib
+
+    addrs = [(f, ipaddress.ip_address(ip).packed, index) for f, ip, index in local if f in (4, 6)]
+    a = ffi.new("struct rdr_scan_addr[]", max(1, len(addrs)))
+    for i, (f, raw, index) in enumerate(addrs):
+        a[i].family, a[i].ifindex, a[i].addr = f, index, raw.ljust(16, b"\0")
+    src4, src6 = ffi.new("uint8_t[4]"), ffi.new("uint8_t[16]")
+    lib.rdr_pod_sources(a, len(addrs), ffi.new("int[2]", [4 in families, 6 in families]), src4, src6)
     out: dict[int, str] = {}
-    for f, ip, index in local:
-        if f in families and index != LOOPBACK_IFINDEX:
-            out.setdefault(f, ip)
+    for f, buf, size in ((4, src4, 4), (6, src6, 16)):
+        raw = bytes(ffi.buffer(buf, size))
+        if any(raw):
+            out[f] = str(ipaddress.ip_address(raw))
     return out
 
 
