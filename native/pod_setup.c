@@ -70,23 +70,10 @@ struct written {
 
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
-/* One netlink message batch; -EMSGSIZE if it did not fit in len (MSG_TRUNC: the real size). */
-static int nl_recv(int s, char *buf, size_t len)
-{
-	ssize_t n;
-
-	do
-		n = recv(s, buf, len, MSG_TRUNC);
-	while (n < 0 && errno == EINTR);
-	if (n > (ssize_t)len)
-		return -EMSGSIZE;
-	return n < 0 ? -errno : (int)n;
-}
-
 /* One RTM_GETADDR dump of every family: the pod's addresses (loopback and IPv6 link-local aside),
  * whether IPv6 is on.
  *
- * The buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
+ * A buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
  * recv offered (up to 32 KB), and a batch over 8 KB comes from the page allocator (~2 us cold
  * here, for the NLMSG_DONE alone); a first batch is at most a page less its overhead on 4 KB
  * pages. A batch that does not fit (many addresses, larger pages) sends the pod the general way. */
@@ -96,8 +83,8 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 		struct nlmsghdr h;
 		struct ifaddrmsg m;
 	} req;
-	char buf[4096] __attribute__((aligned(8)));
-	int rounds;
+	char buf[2][4096] __attribute__((aligned(8)));
+	int rounds, lens[2], got = 0, at = 0;
 
 	memset(&req, 0, sizeof(req));
 	req.h.nlmsg_len = sizeof(req);
@@ -107,13 +94,20 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 	req.m.ifa_family = AF_UNSPEC;
 	if (send(s, &req, sizeof(req), 0) < 0)
 		return -errno;
-	for (rounds = 0; rounds < 4096; rounds++) {
-		int len = nl_recv(s, buf, sizeof(buf));
+	for (rounds = 0; rounds < 4096; rounds++, at++) {
+		int len;
 		struct nlmsghdr *h;
 
+		if (at == got) { /* (a batch and the dump's end, in one call where they both came) */
+			got = rdr_nl_recv(s, buf[0], sizeof(buf[0]), 2, lens);
+			if (got < 0)
+				return got;
+			at = 0;
+		}
+		len = lens[at];
 		if (len < 0)
 			return len;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+		for (h = (struct nlmsghdr *)buf[at]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
 			struct ifaddrmsg *ifa;
 			struct rtattr *rta;
 			const uint8_t *local = NULL, *addr = NULL;
@@ -220,8 +214,10 @@ static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uin
 		return -errno;
 	for (rounds = 0; rounds < 64; rounds++) {
 		struct nlmsghdr *h;
+		int got = rdr_nl_recv(s, buf, sizeof(buf), 1, &len);
 
-		len = nl_recv(s, buf, sizeof(buf));
+		if (got < 0)
+			return got;
 		if (len < 0)
 			return len;
 		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
@@ -271,7 +267,7 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		struct nlmsghdr h;
 		struct inet_diag_req_v2 r;
 	} q[2 + RDR_SCAN_MAX];
-	char buf[8192] __attribute__((aligned(8)));
+	char buf[RDR_NL_RECV_MAX][1024] __attribute__((aligned(8)));
 	int s, n = 0, got = 0, found = 0;
 
 	for (int i = -2; i < sc->n; i++) {
@@ -308,17 +304,28 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		close(s);
 		return 0;
 	}
-	/* One answer a question: the socket found, or ENOENT. */
+	/* One answer a question (a datagram each, all there once the send returns): the socket
+	 * found, or ENOENT. */
 	for (int rounds = 0; got < n && rounds < 64; rounds++) {
-		int len = nl_recv(s, buf, sizeof(buf));
-		struct nlmsghdr *h;
+		int lens[RDR_NL_RECV_MAX], m = rdr_nl_recv(s, buf[0], sizeof(buf[0]), RDR_NL_RECV_MAX, lens);
 
-		if (len < 0)
+		if (m < 0)
 			break;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			got++;
-			if (h->nlmsg_type != NLMSG_ERROR || ((struct nlmsgerr *)NLMSG_DATA(h))->error != -ENOENT)
-				found = 1; /* a listener, or an answer we can't read as "none" */
+		for (int i = 0; i < m; i++) {
+			int len = lens[i];
+			struct nlmsghdr *h;
+
+			if (len < 0) { /* (an answer too large for "none") */
+				got++;
+				found = 1;
+				continue;
+			}
+			for (h = (struct nlmsghdr *)buf[i]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+				got++;
+				if (h->nlmsg_type != NLMSG_ERROR ||
+				    ((struct nlmsgerr *)NLMSG_DATA(h))->error != -ENOENT)
+					found = 1; /* a listener, or an answer we can't read as "none" */
+			}
 		}
 	}
 	close(s);
@@ -346,10 +353,8 @@ int rdr_tcp_diag_ok(void)
 	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
 	if (s < 0)
 		return 0;
-	if (send(s, &q, sizeof(q), 0) == (ssize_t)sizeof(q)) {
-		len = nl_recv(s, buf, sizeof(buf));
+	if (send(s, &q, sizeof(q), 0) == (ssize_t)sizeof(q) && rdr_nl_recv(s, buf, sizeof(buf), 1, &len) == 1)
 		ok = len >= (int)sizeof(struct nlmsghdr) && ((struct nlmsghdr *)buf)->nlmsg_type == NLMSG_DONE;
-	}
 	close(s);
 	return ok;
 }

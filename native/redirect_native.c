@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -20,6 +21,33 @@
 int rdr_setns(int fd, int nstype)
 {
 	return setns(fd, nstype) == 0 ? 0 : -errno;
+}
+
+int rdr_nl_recv(int s, char *buf, size_t each, int n, int *lens)
+{
+	struct mmsghdr m[RDR_NL_RECV_MAX];
+	struct iovec iov[RDR_NL_RECV_MAX];
+	int got;
+
+	if (n > RDR_NL_RECV_MAX)
+		n = RDR_NL_RECV_MAX;
+	if (n < 1)
+		return -EINVAL;
+	memset(m, 0, sizeof(m[0]) * (size_t)n);
+	for (int i = 0; i < n; i++) {
+		iov[i].iov_base = buf + (size_t)i * each;
+		iov[i].iov_len = each;
+		m[i].msg_hdr.msg_iov = &iov[i];
+		m[i].msg_hdr.msg_iovlen = 1;
+	}
+	do
+		got = recvmmsg(s, m, (unsigned)n, MSG_WAITFORONE, NULL);
+	while (got < 0 && errno == EINTR);
+	if (got < 0)
+		return -errno;
+	for (int i = 0; i < got; i++)
+		lens[i] = m[i].msg_hdr.msg_flags & MSG_TRUNC ? -EMSGSIZE : (int)m[i].msg_len;
+	return got;
 }
 
 int rdr_sock_netns_cookie(int sockfd, uint64_t *cookie)

@@ -251,24 +251,27 @@ static int del_filter(int s, int ifindex, int egress)
 static int nl_dump(int s, struct nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
 {
 	static uint32_t seq = 1u << 29;
-	char buf[8192] __attribute__((aligned(8)));
+	char buf[2][8192] __attribute__((aligned(8)));
+	int lens[2], got = 0, at = 0;
 
 	r->h.nlmsg_flags |= NLM_F_DUMP;
 	r->h.nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
 	if (send(s, r, r->h.nlmsg_len, 0) < 0)
 		return -errno;
-	for (int rounds = 0; rounds < 4096; rounds++) {
-		ssize_t got = recv(s, buf, sizeof(buf), 0);
+	for (int rounds = 0; rounds < 4096; rounds++, at++) {
 		struct nlmsghdr *h;
 		int len, ret;
 
-		if (got < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
+		if (at == got) { /* (a batch and the dump's end, in one call where they both came) */
+			got = rdr_nl_recv(s, buf[0], sizeof(buf[0]), 2, lens);
+			if (got < 0)
+				return got;
+			at = 0;
 		}
-		len = (int)got;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+		len = lens[at];
+		if (len < 0)
+			return len;
+		for (h = (struct nlmsghdr *)buf[at]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
 			if (h->nlmsg_seq != r->h.nlmsg_seq)
 				continue;
 			if (h->nlmsg_type == NLMSG_DONE)
@@ -321,12 +324,15 @@ static int drop_qdisc_if_empty(int s, int ifindex)
 	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
 }
 
+/* An ack (the error and the request again) of one of our requests, rounded up to 8 bytes. */
+#define ACK_MAX ((NLMSG_LENGTH(sizeof(struct nlmsgerr)) + sizeof(struct nlreq) + 256 + 7) & ~(size_t)7)
+
 /* The requests in one send, each acked: the answers (0 or -errno) in order. */
 static int nl_batch(int s, struct nlreq *reqs, int n, int *answers)
 {
 	static uint32_t seq = 1u << 20;
 	char out[3 * sizeof(struct nlreq)] __attribute__((aligned(8)));
-	char buf[8192] __attribute__((aligned(8)));
+	char buf[3][ACK_MAX] __attribute__((aligned(8)));
 	size_t len = 0;
 	uint32_t first;
 	int got = 0;
@@ -343,23 +349,21 @@ static int nl_batch(int s, struct nlreq *reqs, int n, int *answers)
 	}
 	if (send(s, out, len, 0) < 0)
 		return -errno;
+	/* (all the acks are there once the send returns: one call) */
 	for (int rounds = 0; rounds < 64 && got < n; rounds++) {
-		ssize_t r = recv(s, buf, sizeof(buf), 0);
-		struct nlmsghdr *h;
-		int rlen;
+		int lens[3], m = rdr_nl_recv(s, buf[0], sizeof(buf[0]), 3, lens);
 
-		if (r < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		rlen = (int)r;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)rlen); h = NLMSG_NEXT(h, rlen)) {
+		if (m < 0)
+			return m;
+		for (int k = 0; k < m; k++) { /* an ack is a datagram of its own; cut short, it still
+						 * starts with its error */
+			const struct nlmsghdr *h = (const struct nlmsghdr *)buf[k];
 			uint32_t i = h->nlmsg_seq - first;
 
-			if (h->nlmsg_type != NLMSG_ERROR || i >= (uint32_t)n)
+			if ((lens[k] != -EMSGSIZE && lens[k] < (int)NLMSG_LENGTH(sizeof(struct nlmsgerr))) ||
+			    h->nlmsg_type != NLMSG_ERROR || i >= (uint32_t)n)
 				continue;
-			answers[i] = ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+			answers[i] = ((const struct nlmsgerr *)NLMSG_DATA(h))->error;
 			got++;
 		}
 	}

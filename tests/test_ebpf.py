@@ -1021,9 +1021,11 @@ def test_v6_passthrough_is_one_of_the_pods_own_addresses_only_while_it_is_there(
         api.teardown(pod.name, backend="ebpf")
 
 
-def test_a_pod_with_more_addresses_than_the_native_call_reads_takes_the_general_path(pod: Pod, setup_pod) -> None:
-    """The native call reads the address dump into one page and keeps 64 addresses: a pod with
-    more (here 100 more IPv6 ones) gets the general path, which registers them all for inbound."""
+def test_a_pod_with_many_addresses_has_them_all_registered_and_one_with_too_many_is_refused(
+        pod: Pod, bpf_root: str, setup_pod) -> None:
+    """Every address of a pod is one of its own for capture (here 100 more IPv6 ones, set up by the
+    one native call, whose listener check asks for them all at once); a pod with more than the
+    backend registers (RDR_SCAN_MAX) is refused with an error that says so, nothing installed."""
     prefix = pod.pod_ip6.rsplit(":", 1)[0]
     extra = [f"{prefix}:{0x100 + i:x}" for i in range(100)]
     batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in extra)
@@ -1031,13 +1033,22 @@ def test_a_pod_with_more_addresses_than_the_native_call_reads_takes_the_general_
     proxy = [TcpListener(pod.name, 15006, family=6, label="proxy")]
     app = [TcpListener(pod.name, 8080, family=6, label="app")]
     try:
-        assert setup_pod(pod, RedirectConfig()).detail["path"] == "general"
+        assert setup_pod(pod, RedirectConfig()).detail["path"] == "fresh"
         for t in proxy + app:
             t.start()
         hit = landing(pod.peer_name, extra[-1], 8080, *proxy, *app)
         assert hit.listener is proxy[0], hit.result
     finally:
         _close(proxy, app)
+    api.teardown(pod.name, backend="ebpf")
+    most = ebpf._native().lib.RDR_SCAN_MAX
+    more = [f"{prefix}:{0x1000 + i:x}" for i in range(most)]
+    batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in more)
+    subprocess.run(["ip", "-n", pod.name, "-batch", "-"], input=batch, text=True, check=True)
+    before = _snapshot(pod, bpf_root)
+    with pytest.raises(SetupError, match=f"more than {most} addresses"):
+        api.setup(pod.name, RedirectConfig(), backend="ebpf")
+    assert _snapshot(pod, bpf_root) == before
 
 
 @pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])

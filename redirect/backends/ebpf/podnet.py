@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...config import RedirectConfig
+from ...errors import SetupError
 from ...kernel import netns as _netns
 from ...plan.vocabulary import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
 from .abi import AF, LISTENER_KEY
@@ -52,7 +53,12 @@ def scan_netns() -> NetnsScan:
     fresh-pod call scans with it too): its cookie and one address dump."""
     nat = _native()
     sc = nat.ffi.new("struct rdr_netns_scan *")
-    _check(nat.lib.rdr_scan_netns(sc), "scanning the netns (RTM_GETADDR)")
+    rc = nat.lib.rdr_scan_netns(sc)
+    if rc == -errno.E2BIG:
+        raise SetupError(f"backend=ebpf: the netns has more than {nat.lib.RDR_SCAN_MAX} addresses (loopback and"
+                         " IPv6 link-local aside), the most the eBPF backend registers; nftables and iptables"
+                         " take any number")
+    _check(rc, "scanning the netns (RTM_GETADDR)")
     buf = nat.ffi.buffer
     from ...kernel import routes as rt
 
