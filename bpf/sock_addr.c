@@ -25,15 +25,16 @@ static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, _
 }
 
 /* outbound_target for an IPv4 destination (src: the socket's source, for the
- * passthrough address). */
+ * passthrough address); *out_lo: whether dst is the pod's own (own_address), for source4. */
 static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int tcp, __u16 port, __u32 dst,
-				     __u32 src, __u32 mark, __u32 bound_if)
+				     __u32 src, __u32 mark, __u32 bound_if, int *out_lo_p)
 {
 	__u8 addr[16] = {};
 	int out_lo;
 
 	__builtin_memcpy(addr, &dst, 4);
 	out_lo = own_address(keys, addr, 0);
+	*out_lo_p = out_lo;
 	if (p->flags & RDR_F_AMBIENT)
 		return ambient_target(p, keys, tcp, port, addr, 0, out_lo, dst == bpf_htonl(0x7f000001), mark);
 	return outbound_target(p, keys, tcp, port, addr, 0, out_lo, (dst & p->lo4_mask) == p->lo4_addr,
@@ -41,28 +42,26 @@ static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int
 }
 
 /* The source the connection would have had under iptables, whose nat OUTPUT runs after the
- * kernel picked it: a local destination is its own source (127/8 and ::1 answer from loopback,
- * as the rewritten destination does too: 0), anything else the pod's (src4, src6 of the policy,
- * 0 when it has none). */
-static __always_inline __u32 source4(const struct pod_policy *p, __u64 keys, __u32 dst)
+ * kernel picked it: a local destination (out_lo: own_address, as the target's decision found it)
+ * is its own source (127/8 and ::1 answer from loopback, as the rewritten destination does too:
+ * 0), anything else the pod's (src4, src6 of the policy, 0 when it has none). */
+static __always_inline __u32 source4(const struct pod_policy *p, __u32 dst, int out_lo)
 {
-	__u8 addr[16] = {};
 	__u32 src;
 
 	if (is_v4_loopback(dst))
 		return 0;
-	__builtin_memcpy(addr, &dst, 4);
-	if (cidr_listed(keys, RDR_CIDR_LOCAL4, addr, 0))
+	if (out_lo)
 		return dst;
 	__builtin_memcpy(&src, p->src4, 4);
 	return src;
 }
 
-static __always_inline const __u8 *source6(const struct pod_policy *p, __u64 keys, const __u32 *dst)
+static __always_inline const __u8 *source6(const struct pod_policy *p, const __u32 *dst, int out_lo)
 {
 	if (is_v6_loopback(dst))
 		return NULL;
-	if (cidr_listed(keys, RDR_CIDR_LOCAL6, (const __u8 *)dst, 1))
+	if (out_lo)
 		return (const __u8 *)dst;
 	if (!(p->src6[0] | p->src6[1] | p->src6[2] | p->src6[3] | p->src6[4] | p->src6[5] | p->src6[6] |
 	      p->src6[7] | p->src6[8] | p->src6[9] | p->src6[10] | p->src6[11] | p->src6[12] | p->src6[13] |
@@ -132,20 +131,20 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 	__u8 addr[16] = {};
 	__u32 dst = ctx->user_ip4;
 	__u16 to;
-	int tcp;
+	int tcp, out_lo;
 
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
 	to = target4(p, pod_keys(p, netns), tcp, bpf_ntohs((__u16)ctx->user_port), dst,
 		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4, ctx->sk->mark,
-		     ctx->sk->bound_dev_if);
+		     ctx->sk->bound_dev_if, &out_lo);
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	/* TCP: keyed by this socket's cookie until sock_ops learns its port.
 	 * UDP: keyed by cookie for as long as the socket lives (recvmsg). */
 	__builtin_memcpy(addr, &dst, 4);
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port, addr, to);
-	give_source4(ctx, source4(p, pod_keys(p, netns), dst), from_sendmsg);
+	give_source4(ctx, source4(p, dst, out_lo), from_sendmsg);
 	ctx->user_ip4 = bpf_htonl(0x7f000001);
 	ctx->user_port = bpf_htons(to);
 	return SYS_PROCEED;
@@ -186,7 +185,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		 * so IPv4's rules (whatever the pod's IPv6), recorded as IPv4, sent
 		 * to the IPv4 loopback. */
 		to = target4(p, pod_keys(p, netns), tcp, port, dst[3], is_v4_mapped(src) ? src[3] : 0, ctx->sk->mark,
-			     ctx->sk->bound_dev_if);
+			     ctx->sk->bound_dev_if, &out_lo);
 		if (to == RDR_PASS)
 			return SYS_PROCEED;
 		__builtin_memcpy(addr, &dst[3], 4);
@@ -196,7 +195,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 			src[0] = 0;
 			src[1] = 0;
 			src[2] = bpf_htonl(0xffff);
-			src[3] = source4(p, pod_keys(p, netns), dst[3]);
+			src[3] = source4(p, dst[3], out_lo);
 			give_source6(ctx, src[3] ? (const __u8 *)src : NULL, 0);
 		}
 		ctx->user_ip6[0] = 0;
@@ -223,7 +222,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,
 		 (const __u8 *)dst, to);
-	give_source6(ctx, source6(p, keys, dst), from_sendmsg);
+	give_source6(ctx, source6(p, dst, out_lo), from_sendmsg);
 	ctx->user_ip6[0] = 0;
 	ctx->user_ip6[1] = 0;
 	ctx->user_ip6[2] = 0;
@@ -323,8 +322,15 @@ int rdr_sock_release(struct bpf_sock *ctx)
 {
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 
-	orig_by_cookie.delete(&cookie);
-	dns_by_cookie.delete(&cookie);
+	/* A TCP socket's entry is in orig_by_cookie, a UDP one's in dns_by_cookie (remember); looked
+	 * up first: a delete takes the bucket's lock even for a key that is not there, and nearly
+	 * every socket on the host has none. */
+	if (ctx->type == SOCK_STREAM) {
+		if (orig_by_cookie.lookup(&cookie))
+			orig_by_cookie.delete(&cookie);
+	} else if (dns_by_cookie.lookup(&cookie)) {
+		dns_by_cookie.delete(&cookie);
+	}
 	return 1;
 }
 

@@ -143,7 +143,7 @@ static __always_inline void transparent_connect(struct bpf_sock_ops *ctx)
 
 int rdr_sockops(struct bpf_sock_ops *ctx)
 {
-	struct tuple_key k = {};
+	struct tuple_key k = {}, r = {};
 	struct orig_dst *o;
 	__u64 cookie;
 
@@ -173,18 +173,28 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		o->flags |= RDR_ORIG_ACCEPTED;
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	} else if (ctx->op == BPF_SOCK_OPS_STATE_CB && ctx->args[1] == BPF_TCP_CLOSE) {
-		/* Only sockets we flagged above get here; the netns is ours. The app's side: */
+		/* Only sockets we flagged above get here (the netns is ours), each for one reason; the
+		 * first lookup that finds its entry says which, and the others would find nothing (a
+		 * lookup that misses still costs a cache miss on a random bucket). The app's side: */
 		cookie = bpf_get_netns_cookie(ctx);
 		tuple_of_local(ctx, &k, cookie);
 		o = orig_by_tuple.lookup(&k);
-		if (o && !(o->flags & RDR_ORIG_ACCEPTED))
-			orig_by_tuple.delete(&k);
-		local_conns.delete(&k);
+		if (o) {
+			if (!(o->flags & RDR_ORIG_ACCEPTED))
+				orig_by_tuple.delete(&k);
+			return 1;
+		}
 		/* The proxy's side: */
-		tuple_of_remote(ctx, &k, cookie);
-		o = orig_by_tuple.lookup(&k);
-		if (o && (o->flags & RDR_ORIG_ACCEPTED))
-			orig_by_tuple.delete(&k);
+		tuple_of_remote(ctx, &r, cookie);
+		o = orig_by_tuple.lookup(&r);
+		if (o && (o->flags & RDR_ORIG_ACCEPTED)) {
+			orig_by_tuple.delete(&r);
+			return 1;
+		}
+		/* A transparent connection (or the app's side after the proxy's took its entry away). A
+		 * delete takes the bucket's lock even when there is nothing: looked up first. */
+		if (local_conns.lookup(&k))
+			local_conns.delete(&k);
 	}
 	return 1;
 }

@@ -8,6 +8,7 @@ in that root's maps, so other tests running at the same time are unaffected.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -279,6 +280,68 @@ def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setu
         assert not api.teardown(a.name, backend="ebpf"), "second teardown removes nothing"
     finally:
         _close(*lists)
+
+
+def _conn_entries(root: str, cookie: int) -> dict[str, int]:
+    """How many entries of the netns ``cookie`` the per-connection maps hold (their keys start with it)."""
+    h = ebpf.host(root, load=False)
+    assert h is not None
+    c = ebpf.U64.pack(cookie)
+    return {name: sum(1 for k in h.maps[name].keys() if k[:8] == c) for name in ("orig_by_tuple", "local_conns")}
+
+
+def _conn_entries_left(root: str, cookie: int) -> dict[str, int]:
+    """``_conn_entries`` once they are gone (the close callbacks run as the handshakes end), or after 3 s."""
+    deadline = time.monotonic() + 3
+    while any(left := _conn_entries(root, cookie)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {k: v for k, v in left.items() if v}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_connections_entries_go_when_it_closes(pod: Pod, setup_pod, bpf_root: str, family: int) -> None:
+    """sock_ops' close callback: a redirected connection's original destination (orig_by_tuple) goes
+    with it whichever side closes first, and with a refused one; the local end of a connection made
+    in the pod to the pod from a foreign source (local_conns) goes with that connection."""
+    fam = socket.AF_INET if family == 4 else socket.AF_INET6
+    cookie = _cookie(pod)
+    setup_pod(pod, OUT_ONLY)
+    dst = (pod.peer_ip(family), 8080)
+
+    def redirected(first: str) -> dict[str, int]:
+        with socket.socket(fam, socket.SOCK_STREAM) as lst:
+            lst.bind(("0.0.0.0" if family == 4 else "::", 15001))
+            lst.listen(4)
+            app = socket.create_connection(dst, timeout=2)
+            proxy, _ = lst.accept()
+            with app, proxy:
+                assert netkit.original_dst(proxy) == dst
+                had = _conn_entries(bpf_root, cookie)
+                (app if first == "app" else proxy).close()
+        return had
+
+    def refused() -> None:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(dst, timeout=2)  # (nothing listens on 15001)
+
+    def transparent() -> dict[str, int]:
+        with socket.socket(fam, socket.SOCK_STREAM) as s, socket.socket(fam, socket.SOCK_STREAM) as app:
+            app.bind((pod.pod_ip(family), 8080))
+            app.listen(4)
+            s.setsockopt(*((netkit.SOL_IP, netkit.IP_TRANSPARENT) if family == 4 else
+                           (netkit.SOL_IPV6, netkit.IPV6_TRANSPARENT)), 1)
+            s.bind((pod.peer_ip(family), 0))
+            s.setblocking(False)
+            assert s.connect_ex((pod.pod_ip(family), 8080)) in (0, errno.EINPROGRESS)
+            return _conn_entries(bpf_root, cookie)  # (no route back here: it never completes)
+
+    for first in ("app", "proxy"):
+        assert pod.run(redirected, first) == {"orig_by_tuple": 1, "local_conns": 0}, first
+        assert _conn_entries_left(bpf_root, cookie) == {}, first
+    pod.run(refused)
+    assert _conn_entries_left(bpf_root, cookie) == {}
+    assert pod.run(transparent) == {"orig_by_tuple": 0, "local_conns": 1}
+    assert _conn_entries_left(bpf_root, cookie) == {}
 
 
 def test_unregistered_netns_is_untouched(make_pod, setup_pod) -> None:
