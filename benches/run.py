@@ -27,7 +27,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # exec_samples: pods per exec'd method (redirect init, redirect-cni), which cost a process start each.
     # focus: exec'd methods, scale and memory only for sidecar mode and the non-variant backends.
     "full": dict(samples=50, exec_samples=20, levels=[1, 10, 100, 1000], level_samples=20, mem_pods=100,
-                 rounds=5, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False, concurrent_pods=100,
+                 rounds=10, seconds=2.0, max_conns=200_000, bulk_seconds=1.0, focus=False, concurrent_pods=100,
                  pod_starts=10),
     "quick": dict(samples=15, exec_samples=4, levels=[1, 10, 100], level_samples=8, mem_pods=100,
                   rounds=5, seconds=0.5, max_conns=50_000, bulk_seconds=0.2, focus=True, concurrent_pods=100,
