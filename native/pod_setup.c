@@ -52,6 +52,7 @@
 #include <unistd.h>
 
 #include "abi.h"
+#include "netlink.h"
 #include "redirect_native.h"
 
 #ifndef IFA_PROTO
@@ -70,6 +71,51 @@ struct written {
 
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
+/* One address of the dump (rdr_nl_dump) into the scan (arg): loopback and IPv6 link-local aside. */
+static int on_address(void *arg, const struct nlmsghdr *h)
+{
+	struct rdr_netns_scan *sc = arg;
+	const struct ifaddrmsg *ifa;
+	const struct rtattr *rta;
+	const uint8_t *local = NULL, *addr = NULL;
+	int alen;
+
+	if (h->nlmsg_type != RTM_NEWADDR)
+		return 0;
+	ifa = NLMSG_DATA(h);
+	alen = IFA_PAYLOAD(h);
+	for (rta = IFA_RTA(ifa); RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
+		if (rta->rta_type == IFA_LOCAL)
+			local = RTA_DATA(rta);
+		else if (rta->rta_type == IFA_ADDRESS)
+			addr = RTA_DATA(rta);
+	}
+	if (local == NULL)
+		local = addr;
+	if (local == NULL)
+		return 0;
+	if (ifa->ifa_family == AF_INET) {
+		if (local[0] == 127)
+			return 0;
+	} else if (ifa->ifa_family == AF_INET6) {
+		sc->v6_on = 1;
+		if (memcmp(local, V6_LOOPBACK, 16) == 0)
+			return 0;
+		if (local[0] == 0xfe && (local[1] & 0xc0) == 0x80)
+			return 0;
+	} else {
+		return 0;
+	}
+	if (sc->n == RDR_SCAN_MAX)
+		return -E2BIG;
+	sc->a[sc->n].family = ifa->ifa_family == AF_INET ? 4 : 6;
+	sc->a[sc->n].ifindex = (int)ifa->ifa_index;
+	memset(sc->a[sc->n].addr, 0, 16);
+	memcpy(sc->a[sc->n].addr, local, ifa->ifa_family == AF_INET ? 4 : 16);
+	sc->n++;
+	return 0;
+}
+
 /* One RTM_GETADDR dump of every family: the pod's addresses (loopback and IPv6 link-local aside),
  * whether IPv6 is on.
  *
@@ -84,7 +130,6 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 		struct ifaddrmsg m;
 	} req;
 	char buf[2][4096] __attribute__((aligned(8)));
-	int rounds, lens[2], got = 0, at = 0;
 
 	memset(&req, 0, sizeof(req));
 	req.h.nlmsg_len = sizeof(req);
@@ -92,71 +137,7 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
 	req.h.nlmsg_seq = seq;
 	req.m.ifa_family = AF_UNSPEC;
-	if (send(s, &req, sizeof(req), 0) < 0)
-		return -errno;
-	for (rounds = 0; rounds < 4096; rounds++, at++) {
-		int len;
-		struct nlmsghdr *h;
-
-		if (at == got) { /* (a batch and the dump's end, in one call where they both came) */
-			got = rdr_nl_recv(s, buf[0], sizeof(buf[0]), 2, lens);
-			if (got < 0)
-				return got;
-			at = 0;
-		}
-		len = lens[at];
-		if (len < 0)
-			return len;
-		for (h = (struct nlmsghdr *)buf[at]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			struct ifaddrmsg *ifa;
-			struct rtattr *rta;
-			const uint8_t *local = NULL, *addr = NULL;
-			int alen;
-
-			if (h->nlmsg_seq != seq)
-				continue;
-			if (h->nlmsg_type == NLMSG_DONE)
-				return 0;
-			if (h->nlmsg_type == NLMSG_ERROR) {
-				struct nlmsgerr *e = NLMSG_DATA(h);
-				return e->error ? e->error : -EPROTO;
-			}
-			if (h->nlmsg_type != RTM_NEWADDR)
-				continue;
-			ifa = NLMSG_DATA(h);
-			alen = IFA_PAYLOAD(h);
-			for (rta = IFA_RTA(ifa); RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
-				if (rta->rta_type == IFA_LOCAL)
-					local = RTA_DATA(rta);
-				else if (rta->rta_type == IFA_ADDRESS)
-					addr = RTA_DATA(rta);
-			}
-			if (local == NULL)
-				local = addr;
-			if (local == NULL)
-				continue;
-			if (ifa->ifa_family == AF_INET) {
-				if (local[0] == 127)
-					continue;
-			} else if (ifa->ifa_family == AF_INET6) {
-				sc->v6_on = 1;
-				if (memcmp(local, V6_LOOPBACK, 16) == 0)
-					continue;
-				if (local[0] == 0xfe && (local[1] & 0xc0) == 0x80)
-					continue;
-			} else {
-				continue;
-			}
-			if (sc->n == RDR_SCAN_MAX)
-				return -E2BIG;
-			sc->a[sc->n].family = ifa->ifa_family == AF_INET ? 4 : 6;
-			sc->a[sc->n].ifindex = (int)ifa->ifa_index;
-			memset(sc->a[sc->n].addr, 0, 16);
-			memcpy(sc->a[sc->n].addr, local, ifa->ifa_family == AF_INET ? 4 : 16);
-			sc->n++;
-		}
-	}
-	return -EPROTO;
+	return rdr_nl_dump(s, &req, sizeof(req), seq, buf[0], sizeof(buf[0]), on_address, sc);
 }
 
 int rdr_scan_netns(struct rdr_netns_scan *sc)

@@ -8,14 +8,6 @@
 /* setns(2) on the calling thread. nstype 0 or CLONE_NEWNET. */
 int rdr_setns(int fd, int nstype);
 
-/* Netlink answers, several messages in one call (recvmmsg): waits for the first, then takes what
- * is queued, up to n (at most RDR_NL_RECV_MAX) datagrams of at most `each` bytes, the i-th at
- * buf + i * each with its length in lens[i] (-EMSGSIZE: it did not fit). A dump's next batch is
- * made while its last one is read, so one call takes a short dump and its end. The count, or
- * -errno. */
-#define RDR_NL_RECV_MAX 8
-int rdr_nl_recv(int s, char *buf, size_t each, int n, int *lens);
-
 /* The network namespace cookie (SO_NETNS_COOKIE) of the netns a socket lives in.
  * Written to *cookie. */
 int rdr_sock_netns_cookie(int sockfd, uint64_t *cookie);

@@ -23,6 +23,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "netlink.h"
 #include "redirect_native.h"
 
 #ifndef TC_H_CLSACT
@@ -252,38 +253,10 @@ static int nl_dump(int s, struct nlreq *r, int (*each)(void *, const struct nlms
 {
 	static uint32_t seq = 1u << 29;
 	char buf[2][8192] __attribute__((aligned(8)));
-	int lens[2], got = 0, at = 0;
 
 	r->h.nlmsg_flags |= NLM_F_DUMP;
 	r->h.nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
-	if (send(s, r, r->h.nlmsg_len, 0) < 0)
-		return -errno;
-	for (int rounds = 0; rounds < 4096; rounds++, at++) {
-		struct nlmsghdr *h;
-		int len, ret;
-
-		if (at == got) { /* (a batch and the dump's end, in one call where they both came) */
-			got = rdr_nl_recv(s, buf[0], sizeof(buf[0]), 2, lens);
-			if (got < 0)
-				return got;
-			at = 0;
-		}
-		len = lens[at];
-		if (len < 0)
-			return len;
-		for (h = (struct nlmsghdr *)buf[at]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			if (h->nlmsg_seq != r->h.nlmsg_seq)
-				continue;
-			if (h->nlmsg_type == NLMSG_DONE)
-				return 0;
-			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-			ret = each(arg, h);
-			if (ret < 0)
-				return ret;
-		}
-	}
-	return -EPROTO;
+	return rdr_nl_dump(s, r, r->h.nlmsg_len, r->h.nlmsg_seq, buf[0], sizeof(buf[0]), each, arg);
 }
 
 static int on_filter(void *arg, const struct nlmsghdr *h)
