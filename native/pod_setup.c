@@ -122,7 +122,7 @@ static int on_address(void *arg, const struct nlmsghdr *h)
  * A buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
  * recv offered (up to 32 KB), and a batch over 8 KB comes from the page allocator (~2 us cold
  * here, for the NLMSG_DONE alone); a first batch is at most a page less its overhead on 4 KB
- * pages. A batch that does not fit (many addresses, larger pages) sends the pod the general way. */
+ * pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
 static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 {
 	struct {
