@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Capture a pod's traffic and hand it to a local proxy (iptables, nftables, eBPF)",
     packages=find_packages(include=["redirect", "redirect.*"]),
-    package_data={"redirect": ["py.typed"]},
+    package_data={"redirect": ["py.typed", "bpf/*.c", "bpf/*.h"]},
     python_requires=">=3.11",
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "pyroute2>=0.7", "PyYAML>=6"],

@@ -4,7 +4,7 @@
 builds it in place for development.
 
 The cdef is made of the headers themselves, one list to keep true: ``redirect_native.h`` (the
-functions) and ``bpf/abi.h`` (the eBPF maps' keys and values, which ``redirect.backends.ebpf``
+functions) and ``redirect/bpf/abi.h`` (the eBPF maps' keys and values, which ``redirect.backends.ebpf``
 reads its layouts and constants from), less what cdef does not read (preprocessor lines other
 than ``#define NAME <integer>``), plus the kernel's names of the program and attach types.
 """
@@ -17,7 +17,7 @@ import re
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
-BPF = HERE.parent / "bpf"
+BPF = HERE.parent / "redirect" / "bpf"
 
 #: The bpf(2) program and attach types the eBPF backend uses, by the kernel's names (their values
 #: come from <linux/bpf.h> when the module is compiled).

@@ -5,7 +5,7 @@
  * the sk_lookup link running the program of a pool slot claimed for the pod, pinned at
  * <pin_dir>/<cookie>-sk_lookup, and the policy last: it switches capture on), then deletes what
  * only the old state had; a failure on the way undoes everything written, in reverse. A changed
- * config's keys are in the pod's other generation (bpf/policy.h, pod_keys), which the old policy
+ * config's keys are in the pod's other generation (redirect/bpf/policy.h, pod_keys), which the old policy
  * does not read: until the policy write the pod captures exactly what the old config does.
  * redirect/backends/ebpf/backend.py: EbpfBackend.apply (any pod, any previous state) computes
  * the difference in Python and calls it; rdr_ebpf_pod_add below does the common case, a pod that
@@ -447,7 +447,7 @@ int rdr_prog_cache_put(int *fds, int *n_fds, uint32_t s, int prog)
 	return 1;
 }
 
-/* Claim a pool slot for the pod (bpf/redirect.h, lookup_slots): one popped from the lookup_free
+/* Claim a pool slot for the pod (redirect/bpf/redirect.h, lookup_slots): one popped from the lookup_free
  * queue, else, none being queued, the first unclaimed one from slot_hint on. The claim
  * (BPF_NOEXIST) is what makes a slot ours; the queue only says where to try, so a slot popped
  * there that is claimed already (queued twice, or claimed by such a scan) is dropped from it. The

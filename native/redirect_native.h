@@ -3,7 +3,7 @@
  * side can raise OSError with the right code without reading errno itself. */
 #include <stdint.h>
 
-#include "abi.h" /* bpf/abi.h: the eBPF maps' keys and values */
+#include "abi.h" /* redirect/bpf/abi.h: the eBPF maps' keys and values */
 
 /* setns(2) on the calling thread. nstype 0 or CLONE_NEWNET. */
 int rdr_setns(int fd, int nstype);
@@ -71,14 +71,14 @@ int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_
 
 /* A pods' sk_lookup program for pool slot `slot` (BPF_PROG_LOAD, a new fd): reads its pod's netns
  * cookie from lookup_slots[slot] (slots_map_fd), stores it in lookup_netns (netns_map_fd) and
- * tail-calls rdr_sk_lookup from lookup_prog (prog_map_fd) (bpf/redirect.h: sk_lookup can't ask for
+ * tail-calls rdr_sk_lookup from lookup_prog (prog_map_fd) (redirect/bpf/redirect.h: sk_lookup can't ask for
  * the netns cookie itself). */
 int rdr_ebpf_pool_prog(int slots_map_fd, int netns_map_fd, int prog_map_fd, uint32_t slot);
 
 /* The slot such a program holds, from its id: 0, or -ENOENT if the program is not one. */
 int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
 
-/* --- the tc filters of a pod that forwards (tc_filter.c, bpf/tc_forward.c) ---------------- */
+/* --- the tc filters of a pod that forwards (tc_filter.c, redirect/bpf/tc_forward.c) ---------------- */
 
 #define RDR_TC_PRIO 0xC0DE /* the priority of our filters in an interface's clsact qdisc */
 #define RDR_FWD_MAX 256    /* interfaces rdr_forwarding lists; more: -E2BIG */
@@ -159,7 +159,7 @@ int rdr_inbound_listener_maybe(uint16_t port, int fams, const struct rdr_netns_s
 
 /* --- one pod's entries written as a difference (pod_setup.c) ----------------- */
 
-/* One key of a pod in ports or cidrs (bpf/abi.h), as its inventory holds it. */
+/* One key of a pod in ports or cidrs (redirect/bpf/abi.h), as its inventory holds it. */
 struct rdr_pod_entry {
 	uint32_t map;                 /* RDR_INV_PORTS or RDR_INV_CIDRS */
 	uint32_t have;                /* already in its map (the pod's previous config has it): not
@@ -173,7 +173,7 @@ struct rdr_pod_entry {
 struct rdr_pod_write {
 	int map_pods, map_inventory, map_ports, map_cidrs, map_listeners;
 	int map_lookup_netns, map_lookup_prog; /* for a pool program loaded on demand (rdr_ebpf_pool_prog) */
-	int map_slots, map_free, map_pool;     /* the pool (bpf/redirect.h: lookup_slots, _free, _pool) */
+	int map_slots, map_free, map_pool;     /* the pool (redirect/bpf/redirect.h: lookup_slots, _free, _pool) */
 	uint64_t cookie;
 	uint64_t netns_ino;           /* the pod netns's inode: kept with its slot claim (the garbage
 				       * collection tells a claim of a setup under way by its netns lock) */

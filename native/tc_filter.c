@@ -1,4 +1,4 @@
-/* The tc side of a pod that forwards (bpf/tc_forward.c): which of its interfaces forward, and
+/* The tc side of a pod that forwards (redirect/bpf/tc_forward.c): which of its interfaces forward, and
  * the cls_bpf filters that run the shared tc programs there.
  *
  * A filter of ours sits in the interface's clsact qdisc (made if missing) at priority

@@ -55,13 +55,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements-dev.txt 2> >(grep -v 'is ignored: it is neither' >&2)
   echo "$want" > "$stamp"
 fi
-# The native module: rebuilt whenever its sources (native/, bpf/abi.h) change (cheap, ~1 s).
+# The native module: rebuilt whenever its sources (native/, redirect/bpf/abi.h) change (cheap, ~1 s).
 # The editable install (console scripts: redirect, redirect-cni, redirect-agent, ...) is
 # redone when setup.py changes, so a new entry point appears in an existing venv too.
 so=$(ls redirect/_native*.so 2>/dev/null | head -n1 || true)
 pkg_stamp="$VENV/.redirect-pkg"
 pkg_want=$(sha1sum setup.py | cut -d' ' -f1)
-if [ -z "$so" ] || [ -n "$(find native bpf/abi.h -newer "$so" -type f 2>/dev/null)" ] \
+if [ -z "$so" ] || [ -n "$(find native redirect/bpf/abi.h -newer "$so" -type f 2>/dev/null)" ] \
     || [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
   log "building native helpers (cffi)"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps -e . >/dev/null

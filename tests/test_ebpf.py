@@ -787,7 +787,7 @@ def test_the_app_sees_the_peer_it_connected_to(pod: Pod, bpf_root: str, backend:
 
 
 def test_pins_of_other_sources_are_replaced_once_no_pod_uses_them(pod: Pod, scratch_root: str) -> None:
-    """An upgrade of bpf/ (here: the build pin renamed, as an older build would have it)."""
+    """An upgrade of redirect/bpf/ (here: the build pin renamed, as an older build would have it)."""
     api.setup(pod.name, OUT_ONLY, backend="ebpf")
     mine = os.path.join(scratch_root, "maps", f"build-{ebpf.build_id()}")
     os.rename(mine, os.path.join(scratch_root, "maps", "build-000000000000"))
@@ -1306,7 +1306,7 @@ def test_a_new_root_in_the_environment_is_followed_from_the_next_pod_on(make_pod
 
 
 def test_the_map_layouts_are_those_of_the_abi_header() -> None:
-    """bpf/abi.h is the one description of the maps' keys and values: the struct formats the backend
+    """redirect/bpf/abi.h is the one description of the maps' keys and values: the struct formats the backend
     packs with are derived from cffi's declarations of it (the C compiler's sizes and offsets)."""
     from redirect._native import ffi
 

@@ -1,7 +1,7 @@
 """The intent, both lowerings and both evaluators, without root: Istio's capture semantics as a table.
 
 Each row is one behaviour ("outbound from uid 1337 is not captured") asked of the netfilter
-plan (interpreted rule by rule) and of the eBPF map entries (the model of ``bpf/policy.h``);
+plan (interpreted rule by rule) and of the eBPF map entries (the model of ``redirect/bpf/policy.h``);
 the kernel tests check the same behaviours with real rules, programs and sockets.
 """
 

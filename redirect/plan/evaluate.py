@@ -4,10 +4,10 @@
 connection walks the hook chains table by table (raw, mangle, nat), following jumps and
 returns, matching on the typed vocabulary, until a verdict. ``evaluate_ebpf`` is a model of
 what the eBPF programs do with the map entries of ``redirect.plan.lower_ebpf``: ``connect4/6``
-and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``bpf/sock_addr.c``, ``outbound_target``
-in ``bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``bpf/sk_lookup.c``) for inbound,
-``rdr_tc_ingress`` (``bpf/tc_forward.c``) for what the pod forwards (arriving on any of its
-interfaces), these two by one decision (``pod_listener`` in ``bpf/policy.h``),
+and ``sendmsg4/6`` (``redirect4``/``redirect6`` in ``redirect/bpf/sock_addr.c``, ``outbound_target``
+in ``redirect/bpf/policy.h``) for outbound, ``rdr_sk_lookup`` (``redirect/bpf/sk_lookup.c``) for inbound,
+``rdr_tc_ingress`` (``redirect/bpf/tc_forward.c``) for what the pod forwards (arriving on any of its
+interfaces), these two by one decision (``pod_listener`` in ``redirect/bpf/policy.h``),
 statement for statement, with the LPM trie's prefix rules. A change to those programs'
 decisions changes this model with it; ``tests/test_lowerings.py`` then says whether they
 still agree with the netfilter plan. Both answer a ``Landing``:
@@ -342,7 +342,7 @@ _OWN_NEXT, _OWN_PASS, _OWN_INBOUND = 0, 1, 2
 
 
 def _id_listed(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int) -> bool:
-    """``id_listed`` of bpf/policy.h: in the first range, else in the kind's ``cidrs`` entries."""
+    """``id_listed`` of redirect/bpf/policy.h: in the first range, else in the kind's ``cidrs`` entries."""
     if n == 0:
         return False
     if first[0] <= ident <= first[1]:
@@ -352,7 +352,7 @@ def _id_listed(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int) -> 
 
 def _owner_rules(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int, out_lo: bool, hairpin: bool,
                  lo_return: bool) -> int:
-    """``owner_rules`` of bpf/policy.h."""
+    """``owner_rules`` of redirect/bpf/policy.h."""
     if n == 0:
         return _OWN_NEXT
     if out_lo and lo_return:
@@ -364,7 +364,7 @@ def _owner_rules(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int, o
 
 def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
                      src_passthrough: bool) -> int:
-    """``outbound_target`` of bpf/policy.h: 0 (pass) or the local port to rewrite to."""
+    """``outbound_target`` of redirect/bpf/policy.h: 0 (pass) or the local port to rewrite to."""
     p = m.policy
     if p.excl_if and not out_lo and m.cidr_listed("via_exclude6" if v6 else "via_exclude4", addr, v6):
         return 0  # leaves_excluded (sockets bound to a device aside: none here)
@@ -379,7 +379,7 @@ def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, 
 
 def _nat_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
                 src_passthrough: bool) -> int:
-    """``nat_target`` of bpf/policy.h."""
+    """``nat_target`` of redirect/bpf/policy.h."""
     p = m.policy
     tcp = conn.proto == "tcp"
     port = conn.port
@@ -419,7 +419,7 @@ def _nat_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_i
 
 
 def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
-    """``target4`` of bpf/sock_addr.c."""
+    """``target4`` of redirect/bpf/sock_addr.c."""
     addr = _raw(dst)
     out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False)
     if m.policy.ambient:
@@ -430,7 +430,7 @@ def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
 
 
 def _ambient_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_host: bool) -> int:
-    """``ambient_target`` of bpf/policy.h: 0 (pass) or the local port to rewrite to."""
+    """``ambient_target`` of redirect/bpf/policy.h: 0 (pass) or the local port to rewrite to."""
     p = m.policy
     tcp = conn.proto == "tcp"
     marked = (conn.mark & p.mark_mask) == p.proxy_mark
@@ -448,7 +448,7 @@ def _ambient_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, d
 
 
 def _connect(m: _Maps, conn: Conn) -> int:
-    """``redirect4``/``redirect6`` of bpf/sock_addr.c (connect, or sendmsg of UDP): the port the
+    """``redirect4``/``redirect6`` of redirect/bpf/sock_addr.c (connect, or sendmsg of UDP): the port the
     destination is rewritten to (on the socket family's loopback), or 0."""
     dst = _ip(conn.dst)
     # The socket's source when the hook runs: the bound address, else none yet.
@@ -469,7 +469,7 @@ def _connect(m: _Maps, conn: Conn) -> int:
 
 
 def _inbound_listed(m: _Maps, port: int) -> bool:
-    """``inbound_listed`` of bpf/policy.h."""
+    """``inbound_listed`` of redirect/bpf/policy.h."""
     p = m.policy
     if not p.inbound or port == p.tunnel_port:
         return False
@@ -481,18 +481,18 @@ def _inbound_captured(m: _Maps, port: int) -> bool:
 
 
 def _iface_listed(m: _Maps, kind: CidrKind, ifindex: int) -> bool:
-    """``iface_listed`` of bpf/policy.h."""
+    """``iface_listed`` of redirect/bpf/policy.h."""
     return ifindex != 0 and m.cidr_listed(kind, ifindex.to_bytes(4, "big").ljust(16, b"\0"), False)
 
 
 def _inbound_taken(m: _Maps, port: int, fwd: bool) -> bool:
-    """``inbound_taken`` of bpf/policy.h: the inbound chain's port rules, which change nothing for
+    """``inbound_taken`` of redirect/bpf/policy.h: the inbound chain's port rules, which change nothing for
     a local destination already at the inbound port, but do for one the pod forwards (``fwd``)."""
     return _inbound_listed(m, port) if fwd else _inbound_captured(m, port)
 
 
 def _rerouted_listener(m: _Maps, conn: Conn, out: bool, fwd: bool) -> int | None:
-    """``rerouted_listener`` of bpf/policy.h: the port of the proxy's listener, or None."""
+    """``rerouted_listener`` of redirect/bpf/policy.h: the port of the proxy's listener, or None."""
     p = m.policy
     if p.tproxy and _inbound_listed(m, conn.port):
         return p.inbound_port if _inbound_taken(m, conn.port, fwd) else None
@@ -500,7 +500,7 @@ def _rerouted_listener(m: _Maps, conn: Conn, out: bool, fwd: bool) -> int | None
 
 
 def _ambient_listener(m: _Maps, conn: Conn, src: str, rerouted: bool) -> int | None:
-    """``ambient_listener`` of bpf/policy.h: the port of the node proxy's listener, or None."""
+    """``ambient_listener`` of redirect/bpf/policy.h: the port of the node proxy's listener, or None."""
     p = m.policy
     if rerouted:
         return p.proxy_port
@@ -513,7 +513,7 @@ def _ambient_listener(m: _Maps, conn: Conn, src: str, rerouted: bool) -> int | N
 
 
 def _pod_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, fwd: bool) -> int | None:
-    """``pod_listener`` of bpf/policy.h, the one decision of inbound capture of both programs that
+    """``pod_listener`` of redirect/bpf/policy.h, the one decision of inbound capture of both programs that
     see new inbound TCP (``_sk_lookup``: to the pod's own addresses; ``_tc_ingress``: what the pod
     forwards, ``fwd``): the port of the proxy's listener the connection goes to, or None. Ambient:
     ``ambient_listener``. Sidecar: Istio's PREROUTING in its order: an excluded interface returns;
@@ -534,7 +534,7 @@ def _pod_listener(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, fwd: boo
 
 
 def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Landing:
-    """``rdr_tc_ingress`` of bpf/tc_forward.c for the first packet of a connection the pod
+    """``rdr_tc_ingress`` of redirect/bpf/tc_forward.c for the first packet of a connection the pod
     forwards (its destination not the pod's), on any of its interfaces: where ``pod_listener`` sends
     it, rewritten to the pod's first address of the family (dropped without one) and that
     listener's port; from a source of the pod's own (or loopback), dropped instead."""
@@ -554,7 +554,7 @@ def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Land
 
 
 def _local_end(m: _Maps, ip: str) -> bool:
-    """``from_this_pod`` of bpf/sk_lookup.c, ``local_end`` of bpf/sockopt.c: loopback or one of
+    """``from_this_pod`` of redirect/bpf/sk_lookup.c, ``local_end`` of redirect/bpf/sockopt.c: loopback or one of
     the pod's addresses (its ``local`` entries)."""
     a = _ip(ip)
     if a.version == 4:
@@ -563,9 +563,9 @@ def _local_end(m: _Maps, ip: str) -> bool:
 
 
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool = False) -> Landing:
-    """``rdr_sk_lookup`` of bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
+    """``rdr_sk_lookup`` of redirect/bpf/sk_lookup.c in the pod's netns, the proxy's listeners registered
     (without one, a captured connection is dropped); ``made_here``: the connection is in
-    ``local_conns`` (made in the pod from a source not the pod's, bpf/sockopt.c)."""
+    ``local_conns`` (made in the pod from a source not the pod's, redirect/bpf/sockopt.c)."""
     if conn.proto != "tcp":
         return DIRECT
     if ingress_ifindex == LOOPBACK_IFINDEX:
@@ -592,7 +592,7 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
     conn = conn.on_the_wire()  # sk_lookup sees the packets
     if pod.is_local(conn.dst):
         # Delivered locally as it is: sk_lookup runs at the address's device. A TCP connection
-        # from a source that is not the pod's is in local_conns (bpf/sockopt.c).
+        # from a source that is not the pod's is in local_conns (redirect/bpf/sockopt.c).
         src = pod.source_for(conn)
         made_here = conn.proto == "tcp" and not _local_end(m, src)
         return _sk_lookup(m, conn, src, pod.ifindex_of(conn.dst), made_here)

@@ -15,7 +15,7 @@ again:
 - ``redirect.plan`` (``build_plan``): netfilter chains in the plan vocabulary, which the
   iptables and nftables backends render;
 - ``redirect.plan.lower_ebpf`` (``lower_ebpf``): the eBPF backend's map entries, which
-  ``bpf/policy.h`` reads.
+  ``redirect/bpf/policy.h`` reads.
 
 ``redirect.plan.evaluate`` interprets both for one connection (where it lands), and the tests
 check, without root, that the two lowerings agree.

@@ -5,7 +5,7 @@ policy (``EbpfPolicy``: ports, flags, loopback range, owner ranges, owner groups
 ``ports`` map's (kind, port) entries and the ``cidrs`` LPM trie's (prefix length, kind,
 address) entries. ``pod_local`` adds what depends on the pod: its own addresses (``local``
 CIDRs: a connect to them leaves over lo; inbound from them is the pod to itself).
-``redirect.backends.ebpf`` only packs these into the structs of ``bpf/abi.h``; the programs
+``redirect.backends.ebpf`` only packs these into the structs of ``redirect/bpf/abi.h``; the programs
 read them, and ``redirect.plan.evaluate`` models what they do with them.
 
 Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is

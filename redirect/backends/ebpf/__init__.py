@@ -1,6 +1,6 @@
 """The eBPF backend: capture without netfilter.
 
-Host part, done once per host (``HostPrograms.open_or_load``): ``bpf/*.c`` is
+Host part, done once per host (``HostPrograms.open_or_load``): ``redirect/bpf/*.c`` is
 compiled through bcc, every program and map is pinned under a bpffs directory
 (``/sys/fs/bpf/redirect``, or ``$REDIRECT_BPF_ROOT``), and the cgroup programs
 (``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getpeername4/6``,
@@ -40,22 +40,22 @@ tests: ``ebpf.before_entries``, ``ebpf.after_claim``, ``ebpf.before_policy``.
 The policy comes from the same intent as the netfilter plan (``redirect.plan.intent``):
 ``redirect.plan.lower_ebpf`` lowers it to typed map entries, which ``entries._intent_entries``
 packs; the programs implement Istio's rule order over map lookups
-(``bpf/policy.h: outbound_target``). ``redirect.plan.evaluate`` models them, and a
+(``redirect/bpf/policy.h: outbound_target``). ``redirect.plan.evaluate`` models them, and a
 property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
 Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient``), decided by
-``bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
+``redirect/bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
 ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_accept`` on
 (``backend``), through which the node proxy's transparent connections to the app get their replies
-(``bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
+(``redirect/bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
 (the plan's route by ``tproxy_mark``).
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option): ``drop_invalid`` (conntrack tracks nothing in a netns without
 netfilter rules, so there is no INVALID verdict for a program to read; README).
 
-The maps' keys and values are laid out once, in ``bpf/abi.h``: the programs and ``native/``
+The maps' keys and values are laid out once, in ``redirect/bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it
 (``.abi``). Program and attach types are taken by the kernel's names.
 
@@ -88,10 +88,10 @@ How the iptables semantics are met without packets:
 - what the pod forwards (a VM behind a reroute interface, a neighbour routing through it) never
   meets sk_lookup: tc programs on the interfaces it forwards on take it by the same decision and
   rewrite it to the proxy's port and back, as netfilter's inbound capture (which matches any
-  destination) takes it (``bpf/tc_forward.c``, ``.tc``; README);
+  destination) takes it (``redirect/bpf/tc_forward.c``, ``.tc``; README);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
-  port at connect (``bpf/policy.h: outbound_target``); a proxy connecting to the
+  port at connect (``redirect/bpf/policy.h: outbound_target``); a proxy connecting to the
   app from the client's address (transparent, ``tproxy_mark``) is left alone by
   sk_lookup and gets the replies by the plan's policy route, as in ambient mode
   (README);

@@ -1,7 +1,7 @@
-"""The eBPF maps' keys and values, as ``bpf/abi.h`` lays them out, and the kernel's program and attach
+"""The eBPF maps' keys and values, as ``redirect/bpf/abi.h`` lays them out, and the kernel's program and attach
 types the backend uses, by name.
 
-``bpf/abi.h`` is the one description of the layouts: the BPF programs and ``native/`` include it,
+``redirect/bpf/abi.h`` is the one description of the layouts: the BPF programs and ``native/`` include it,
 and ``native/build_native.py`` gives it to cffi's cdef, so the compiled ``redirect._native`` knows
 every struct with the C compiler's own sizes and offsets. The ``struct.Struct`` formats the eBPF
 backend packs and unpacks with are derived here from those declarations (field by field, in
@@ -23,7 +23,7 @@ _FORMATS = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q"}
 
 @dataclass(frozen=True)
 class Layout:
-    """A C struct of ``bpf/abi.h`` as a ``struct.Struct`` (native byte order), and where each of its
+    """A C struct of ``redirect/bpf/abi.h`` as a ``struct.Struct`` (native byte order), and where each of its
     top-level fields starts among the packed values (an array of structs is flattened: its
     elements' fields one after the other)."""
 
@@ -50,12 +50,12 @@ def _fields(ctype: Any, base: int, raw: frozenset[str]) -> list[tuple[str, int, 
         elif t.kind == "array":  # bytes (an address, keys): one value
             out.append((name, off, f"{ffi.sizeof(t)}s"))
         else:
-            raise TypeError(f"bpf/abi.h: field {name} of {ctype.cname} has a type this reader does not know")
+            raise TypeError(f"redirect/bpf/abi.h: field {name} of {ctype.cname} has a type this reader does not know")
     return out
 
 
 def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
-    """``struct <name>`` of ``bpf/abi.h``; ``raw``: fields packed as bytes as they are (in network byte
+    """``struct <name>`` of ``redirect/bpf/abi.h``; ``raw``: fields packed as bytes as they are (in network byte
     order: addresses, ``_be`` ports) rather than as numbers."""
     ctype = ffi.typeof(f"struct {name}")
     fmt, pos = "=", 0
@@ -63,7 +63,7 @@ def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
     offset: dict[str, int] = {}
     for i, (field, off, f) in enumerate(_fields(ctype, 0, frozenset(raw))):
         if off < pos:
-            raise TypeError(f"bpf/abi.h: struct {name} field {field} overlaps the one before")
+            raise TypeError(f"redirect/bpf/abi.h: struct {name} field {field} overlaps the one before")
         fmt += f"{off - pos}x" if off > pos else ""
         fmt += f
         pos = off + struct.calcsize("=" + f)
@@ -74,12 +74,12 @@ def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
         fmt += f"{size - pos}x"
     s = struct.Struct(fmt)
     if s.size != size:
-        raise TypeError(f"bpf/abi.h: struct {name} is {size} bytes, its derived format {fmt!r} {s.size}")
+        raise TypeError(f"redirect/bpf/abi.h: struct {name} is {size} bytes, its derived format {fmt!r} {s.size}")
     return Layout(s, index, offset)
 
 
 def const(name: str) -> int:
-    """An integer ``#define`` of ``bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type."""
+    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type."""
     return int(getattr(lib, name))
 
 
@@ -126,7 +126,7 @@ INV_PORTS, INV_CIDRS = const("RDR_INV_PORTS"), const("RDR_INV_CIDRS")
 INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs"}
 INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size}
 U64 = struct.Struct("=Q")
-GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys (bpf/policy.h, pod_keys)
+GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys (redirect/bpf/policy.h, pod_keys)
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 

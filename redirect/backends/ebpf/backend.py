@@ -164,7 +164,7 @@ class EbpfBackend:
                         ) if reroute else ()
         oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
         # Our tc filters on the interfaces the pod forwards on (what it forwards is captured as
-        # netfilter's inbound capture takes it: bpf/tc_forward.c, .tc), with the pod's pool slot.
+        # netfilter's inbound capture takes it: redirect/bpf/tc_forward.c, .tc), with the pod's pool slot.
         want_tc = tc.wanted(want)
         have_tc = tc.ours() if want_tc or old.policy is not None else {}
         progs_tc = tc.host_progs(h) if want_tc or have_tc else (0, 0)
@@ -400,7 +400,7 @@ def _render(it: Intent | AmbientIntent, families: tuple[int, ...], plan: Plan) -
         lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
     if tc.takes_forwarded(e):
         lines.append("tc filters (ingress, egress; classid: the pod's pool slot + 1) on each interface the pod"
-                     " forwards on, but excluded ones (forwarded TCP to the proxy, bpf/tc_forward.c)")
+                     " forwards on, but excluded ones (forwarded TCP to the proxy, redirect/bpf/tc_forward.c)")
     lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
               f" table {r.table}" for r in plan.routes if r.family in families]
     if replies_by_mark(policy_flags(e.policy)):
@@ -455,7 +455,7 @@ def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, _FwmarkWrite | Non
     """Whether ``net.ipv4.tcp_fwmark_accept`` will be ours (set by us, to undo at teardown), and the
     write to make after the policy (None: none). A pod whose proxy's transparent connections are
     answered by mark (``replies_by_mark``) needs it on (the app's request socket takes the mark of
-    the proxy's SYN, bpf/sockopt.c); it is ours if it was off before (or ours already), and turned
+    the proxy's SYN, redirect/bpf/sockopt.c); it is ours if it was off before (or ours already), and turned
     off again when no longer needed."""
     need = replies_by_mark(policy_flags(want))
     ours_before = bool(old_flags & F_FWMARK_ACCEPT_OURS)

@@ -1,4 +1,4 @@
-"""What a config writes into the maps, packed in the ``bpf/abi.h`` layout, and how entries read.
+"""What a config writes into the maps, packed in the ``redirect/bpf/abi.h`` layout, and how entries read.
 
 The eBPF lowering of the config's intent (``redirect.plan.lower_ebpf``) gives typed entries;
 ``_intent_entries`` packs them once per intent, ``intent_entries`` (``pod_entries`` for a config) keys
@@ -117,7 +117,7 @@ class PodEntries:
 def pod_keys(cookie: int, inv_base: int) -> int:
     """The netns value a pod's ports/cidrs entries are keyed under in the generation whose
     inventory starts at ``inv_base`` (0 or 1 << 31): the cookie, with bit 63 set in the second
-    (bpf/policy.h, pod_keys). A changed config is written in the generation the live policy does
+    (redirect/bpf/policy.h, pod_keys). A changed config is written in the generation the live policy does
     not read, and its policy write switches to all of it at once."""
     return cookie | GEN_BIT if inv_base >> 31 else cookie
 
@@ -132,7 +132,7 @@ def _policy_core(policy: bytes) -> bytes:
 
 def replies_by_mark(flags: int) -> bool:
     """Whether a pod with policy ``flags`` has a proxy's transparent connections to the app answered
-    by the mark of their SYN (``bpf/sockopt.c``, ``transparent_connect``): inbound capture in ambient
+    by the mark of their SYN (``redirect/bpf/sockopt.c``, ``transparent_connect``): inbound capture in ambient
     mode (the node proxy) or with TPROXY (a sidecar's ``original_src``). The app's side then takes
     the plan's policy route by that mark, which needs ``net.ipv4.tcp_fwmark_accept`` on in the pod."""
     return bool(flags & F_INBOUND and flags & (F_AMBIENT | F_TPROXY))

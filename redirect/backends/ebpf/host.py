@@ -1,7 +1,7 @@
 """The host part of the eBPF backend: the programs, maps and cgroup links pinned under one bpffs root.
 
 ``HostPrograms`` is one process's handle on them (opened by fd). ``HostPrograms.open_or_load``
-reuses the pins, or compiles ``bpf/*.c`` through bcc, loads, pins and attaches them once (under a
+reuses the pins, or compiles ``redirect/bpf/*.c`` through bcc, loads, pins and attaches them once (under a
 host lock); a partly pinned root is repaired (missing cgroup links) or reloaded (no pod registered).
 ``recover_host`` reads what is still attached when pins are gone; ``host_problems`` says what a pod's
 capture is missing. The per-process cache of handles and unloading are in ``.lifetime``.
@@ -57,8 +57,8 @@ log = logging.getLogger("redirect.ebpf")
 
 DEFAULT_ROOT = EBPF_DEFAULT_ROOT  # (defined with the backends: redirect.api looks for pins there too)
 DEFAULT_CGROUP = "/sys/fs/cgroup/unified"
-BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-                       "bpf")
+#: The BPF C sources: package data of ``redirect`` (``redirect/bpf/``), installed with it.
+BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
 SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
@@ -306,7 +306,7 @@ def _cgroup_progs() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def build_id() -> str:
-    """A digest of ``bpf/``: pinned as ``maps/build-<id>``, so pins of other sources count as missing."""
+    """A digest of ``redirect/bpf/``: pinned as ``maps/build-<id>``, so pins of other sources count as missing."""
     import hashlib
 
     h = hashlib.sha256()
@@ -324,7 +324,7 @@ def _build_pin() -> str:
 def missing_pins(root: str) -> list[str]:
     """The host pins (``maps/x``, ``progs/x``, ``links/x``) not present under ``root``.
 
-    ``maps/build-<id>`` stands for "pinned from these sources": after an upgrade of ``bpf/``
+    ``maps/build-<id>`` stands for "pinned from these sources": after an upgrade of ``redirect/bpf/``
     it is missing, so the old programs are replaced (or, with pods registered, setup says so).
     """
     out: list[str] = []
@@ -468,7 +468,7 @@ def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
     try:
         b = BPF(text=text.encode(), cflags=[f"-I{BPF_DIR}", "-Wno-unused-function"])
     except Exception as e:
-        raise BackendUnavailable(f"ebpf: compiling bpf/ with bcc failed: {e}") from None
+        raise BackendUnavailable(f"ebpf: compiling redirect/bpf/ with bcc failed: {e}") from None
     fns: dict[str, Any] = {}
     kept, n_kept = kept_programs()
     try:
@@ -495,7 +495,7 @@ def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
         obj_pin(fd, os.path.join(root, "maps", _build_pin()))
         for name, fn in fns.items():
             obj_pin(fn.fd, os.path.join(root, "progs", name))
-        # The pods' sk_lookup programs tail-call this one (bpf/redirect.h, lookup_netns).
+        # The pods' sk_lookup programs tail-call this one (redirect/bpf/redirect.h, lookup_netns).
         def table(name: str) -> int:
             return int(libbcc.lib.bpf_table_fd(b.module, name.encode()))
 
@@ -620,7 +620,7 @@ def host_problems(root: str, cgroup: str, h: HostPrograms | None) -> list[str]:
     out: list[str] = []
     for m in missing_pins(root):
         if m.startswith("maps/build-"):
-            out.append(f"host pin {root}/{m} is missing: the pinned programs come from another build of bpf/")
+            out.append(f"host pin {root}/{m} is missing: the pinned programs come from another build of redirect/bpf/")
         elif m.startswith("links/"):
             out.append(f"host link {root}/{m} is missing: {m[6:]} is not attached (its capture is off)")
         else:

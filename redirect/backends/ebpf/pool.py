@@ -1,4 +1,4 @@
-"""The pods' ``sk_lookup`` programs, loaded ahead in a pool (bpf/redirect.h, ``lookup_slots``).
+"""The pods' ``sk_lookup`` programs, loaded ahead in a pool (redirect/bpf/redirect.h, ``lookup_slots``).
 
 An sk_lookup program can't ask for its netns cookie, so each pod's netns runs a program of its own:
 a stub holding a slot number (``rdr_ebpf_pool_prog``) that reads the pod's cookie from

@@ -1,6 +1,6 @@
 """The bpf(2) calls the eBPF backend makes (through ``redirect._native``): pins, links, maps by fd.
 
-``Map`` reads and writes a pinned map with keys and values as bytes in the ``bpf/abi.h`` layout
+``Map`` reads and writes a pinned map with keys and values as bytes in the ``redirect/bpf/abi.h`` layout
 (``.abi``); the link helpers read what a pinned ``bpf_link`` is attached to and detach it.
 """
 

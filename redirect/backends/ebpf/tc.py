@@ -1,4 +1,4 @@
-"""A pod's tc filters: ``bpf/tc_forward.c``'s ingress and egress programs on each interface the
+"""A pod's tc filters: ``redirect/bpf/tc_forward.c``'s ingress and egress programs on each interface the
 pod forwards on, so that what it forwards is captured as netfilter's inbound capture takes it
 (nat PREROUTING's REDIRECT, TPROXY's mangle PREROUTING: they match whatever the destination).
 

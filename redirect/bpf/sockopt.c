@@ -78,7 +78,7 @@ static __always_inline void register_listener(struct bpf_sock_ops *ctx)
 	listeners.sock_hash_update(ctx, &lk, BPF_ANY);
 }
 
-/* Whether a connection end (a tuple_key of it) is the pod's own (own_address, bpf/policy.h). */
+/* Whether a connection end (a tuple_key of it) is the pod's own (own_address, redirect/bpf/policy.h). */
 static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
 {
 	return own_address(keys, k->addr, k->family == AF_INET6);

@@ -3,19 +3,19 @@
  * Netfilter's inbound capture (nat PREROUTING's REDIRECT, TPROXY's mangle PREROUTING) matches
  * whatever the destination, so it also takes what the pod forwards (forwarding on: a VM behind a
  * reroute interface connecting to other hosts, a neighbour routing through the pod). Forwarded
- * packets are routed before any socket lookup: sk_lookup (bpf/sk_lookup.c) never sees them. Here
+ * packets are routed before any socket lookup: sk_lookup (redirect/bpf/sk_lookup.c) never sees them. Here
  * the ingress program does what REDIRECT does to such a connection: when pod_listener (the one
- * statement of inbound capture, bpf/policy.h) takes it, its destination becomes a local address of
+ * statement of inbound capture, redirect/bpf/policy.h) takes it, its destination becomes a local address of
  * the pod (the pod's first address of the family, src4/src6 of the policy; REDIRECT takes the
  * interface's) and the chosen listener's port; the original destination is kept in orig_by_tuple
  * under the client's end, where the getsockopt program answers SO_ORIGINAL_DST from
- * (bpf/sockopt.c), and every later packet of the connection is rewritten alike. The egress program
+ * (redirect/bpf/sockopt.c), and every later packet of the connection is rewritten alike. The egress program
  * rewrites the proxy's replies back (the source becomes the original destination), as conntrack's
  * reverse NAT does. Destinations of the pod's own (and loopback) are left to sk_lookup.
  *
  * The programs are attached as cls_bpf filters of a clsact qdisc on each interface the pod
  * forwards on (redirect/backends/ebpf/tc.py), shared by every pod: a filter's classid is the pod's
- * pool slot plus one (the slot its sk_lookup program runs in, bpf/abi.h struct pool_slot), which
+ * pool slot plus one (the slot its sk_lookup program runs in, redirect/bpf/abi.h struct pool_slot), which
  * the kernel hands the program as skb->tc_classid before it runs; lookup_slots names the pod.
  *
  * Ethernet interfaces (veth, tap, bridges); TCP whose header follows the IP header (no IPv6
@@ -185,7 +185,7 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	if (own_address(keys, k.daddr, v6))
 		return RDR_TC_OK;
 	/* From an address of the pod's own, or loopback (spoofed: nothing behind the interface has
-	 * one): never an entry, whose key could be one of the pod's own connections' (bpf/sockopt.c). */
+	 * one): never an entry, whose key could be one of the pod's own connections' (redirect/bpf/sockopt.c). */
 	spoofed = own_address(keys, k.saddr, v6);
 	client.netns = netns;
 	client.family = k.family;

@@ -12,7 +12,7 @@ static __always_inline struct pod_policy *pod_of(__u64 netns)
 }
 
 /* The netns value the pod's ports/cidrs entries are keyed under ("keys" below): its netns
- * cookie, with bit 63 set for the second generation (bpf/abi.h, pod_policy.inv_base). A changed
+ * cookie, with bit 63 set for the second generation (redirect/bpf/abi.h, pod_policy.inv_base). A changed
  * config's entries are written in the other generation, where the live policy never looks, and
  * the one policy write switches to all of them at once. */
 static __always_inline __u64 pod_keys(const struct pod_policy *p, __u64 netns)
@@ -331,7 +331,7 @@ static __always_inline __u16 ambient_target(const struct pod_policy *p, __u64 ke
 	/* DNS to the DNS proxy: UDP not over lo, TCP not to the loopback host; never the proxy's own. */
 	if ((p->flags & RDR_F_DNS) && port == RDR_DNS_PORT && !marked && (tcp ? !dst_is_lo_host : !out_lo))
 		return p->dns_port;
-	/* A socket carrying the connection mark (the proxy's connections to the app, bpf/sockopt.c). */
+	/* A socket carrying the connection mark (the proxy's connections to the app, redirect/bpf/sockopt.c). */
 	if (tcp && (mark & p->mark_mask) == p->conn_mark)
 		return RDR_PASS;
 	/* To the pod itself over lo. */
@@ -362,8 +362,8 @@ static __always_inline int ambient_listener(const struct pod_policy *p, __u64 ke
 
 /* Which of the proxy's listeners (RDR_LISTENER_*) a new inbound TCP connection goes to, or -1: not
  * captured; the one statement of inbound capture for both places that see such connections:
- * sk_lookup (bpf/sk_lookup.c: to one of the pod's own addresses) and the tc ingress program
- * (bpf/tc_forward.c: what the pod forwards, fwd). It arrived on ifindex from saddr to daddr:port
+ * sk_lookup (redirect/bpf/sk_lookup.c: to one of the pod's own addresses) and the tc ingress program
+ * (redirect/bpf/tc_forward.c: what the pod forwards, fwd). It arrived on ifindex from saddr to daddr:port
  * (16 bytes each, IPv4 in the first 4). Ambient: ambient_listener. Sidecar: Istio's PREROUTING in
  * its order: arriving on an excluded interface returns; on a reroute (kube-virt) interface,
  * rerouted_listener; else the inbound ports decide. The callers leave out lo, the pod's own

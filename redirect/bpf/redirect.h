@@ -58,7 +58,7 @@ BPF_TABLE("lru_hash", struct tuple_key, struct orig_dst, orig_by_tuple, 65536);
  * pod's (the node proxy's transparent connection to the app from the client's address), from
  * sock_ops' TCP_CONNECT_CB until the socket closes. Such a connection is locally generated, which
  * netfilter's nat PREROUTING never sees; sk_lookup sees it as inbound from afar, and passes it by
- * this entry (bpf/sockopt.c, bpf/sk_lookup.c). */
+ * this entry (redirect/bpf/sockopt.c, redirect/bpf/sk_lookup.c). */
 BPF_TABLE("lru_hash", struct tuple_key, __u8, local_conns, 65536);
 /* UDP DNS: socket cookie -> the server the app asked, for recvmsg4/6. */
 BPF_TABLE("lru_hash", __u64, struct orig_dst, dns_by_cookie, 65536);

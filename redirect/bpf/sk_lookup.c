@@ -35,7 +35,7 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
 	}
 }
 
-/* Which of the proxy's listeners the connection goes to (pod_listener, bpf/policy.h), or -1. */
+/* Which of the proxy's listeners the connection goes to (pod_listener, redirect/bpf/policy.h), or -1. */
 static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
 {
 	__u8 saddr[16] = {}, daddr[16] = {};
@@ -60,7 +60,7 @@ static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct 
 
 /* Whether the connection was made inside the pod, from a source that is not the pod's (a proxy's
  * transparent connection to the app from the client's address): its client end is in local_conns
- * (bpf/sockopt.c, transparent_connect). Netfilter's nat PREROUTING never sees such a connection
+ * (redirect/bpf/sockopt.c, transparent_connect). Netfilter's nat PREROUTING never sees such a connection
  * (TPROXY's mangle rules return it), so it is never captured. */
 static __always_inline int made_here(struct bpf_sk_lookup *ctx, __u64 netns)
 {

@@ -1,5 +1,5 @@
 /* The eBPF backend's ABI: the layouts of the map keys and values, and their
- * constants, in one place. Included by the BPF programs (bpf/redirect.h), by
+ * constants, in one place. Included by the BPF programs (redirect/bpf/redirect.h), by
  * the native helpers (native/pod_setup.c) and given to cffi's cdef
  * (native/build_native.py), from which redirect/backends/ebpf/abi.py takes its
  * sizes, offsets and struct formats: a layout is changed here, once.
@@ -105,7 +105,7 @@ struct pod_policy {
 	__u8 src6[16];
 	/* With RDR_F_AMBIENT: a socket whose mark & mark_mask is proxy_mark is the node proxy's;
 	 * conn_mark (under mark_mask) is what its transparent connections to the app carry
-	 * (bpf/sockopt.c, transparent_connect), routed back to it by the policy route. */
+	 * (redirect/bpf/sockopt.c, transparent_connect), routed back to it by the policy route. */
 	__u32 proxy_mark;
 	__u32 mark_mask;
 	__u32 conn_mark;
@@ -139,7 +139,7 @@ struct orig_dst {
 };
 
 /* orig_dst.flags: the proxy's side of the connection is established, and its close (not the
- * app's) removes the orig_by_tuple entry (bpf/sockopt.c). */
+ * app's) removes the orig_by_tuple entry (redirect/bpf/sockopt.c). */
 #define RDR_ORIG_ACCEPTED 0x1
 
 /* The client end of a connection to the proxy, as the proxy's accepted
