@@ -149,7 +149,7 @@ def test_istio_injector_flags_give_the_default_config() -> None:
 
 def test_istio_dns_flags_keep_istios_gid_hairpin_and_the_library_default_differs() -> None:
     """istio-iptables' hairpin rule for proxy gids leaves only the tunnel port alone under DNS
-    capture; ``redirect init`` renders it so, the library's default leaves 53 alone too (README)."""
+    capture; ``redirect init`` renders it so, the library's default leaves 53 alone too (docs/api.md)."""
     import redirect
 
     init = config_from_istio_args([*INJECTOR, "--redirect-dns", "--capture-all-dns"], env={})

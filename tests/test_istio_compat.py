@@ -280,7 +280,7 @@ def dns_matrix(pod: Pod, fam: int, listeners: list[Listener]) -> list[tuple[str,
 def test_redirect_init_with_dns_capture_behaves_like_istio_iptables(make_pod, fam: int) -> None:  # type: ignore[no-untyped-def]
     """With DNS capture, the proxy gid's hairpin over lo captures port 53 to inbound in
     istio-iptables (only its uid's leaves 53 alone); ``redirect init`` does the same. The library's
-    default leaves 53 alone for gids too (README): there the probe reaches the pod's DNS server."""
+    default leaves 53 alone for gids too (docs/cli.md): there the probe reaches the pod's DNS server."""
     ref, ours, lib = make_pod(), make_pod(), make_pod()
     ns = ["ip", "netns", "exec", ref.name]
     for f, tool in ((4, "iptables-restore"), (6, "ip6tables-restore")):

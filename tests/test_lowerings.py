@@ -185,7 +185,7 @@ def normalized(pod: PodNet, conn: Conn, landing: Landing) -> Landing:
 
 
 def known_difference(cfg: RedirectConfig, pod: PodNet, conn: Conn, nf: Landing, bpf: Landing) -> str | None:
-    """Why the two may differ for this connection (None: they must not), as the README says."""
+    """Why the two may differ for this connection (None: they must not), as docs/backends.md says."""
     return None
 
 

@@ -574,7 +574,7 @@ def test_tproxy_forwarded_traffic_lands_on_the_inbound_port(pod: Pod, backend: s
     """Under TPROXY inbound capture (mangle PREROUTING, no destination match) a connection the pod
     forwards lands on the proxy's transparent inbound listener with the original destination as
     its local address, as inbound connections to the pod do; after teardown it is forwarded. eBPF
-    (a difference the README names): its tc programs rewrite the connection as REDIRECT does, to
+    (a difference docs/backends.md names): its tc programs rewrite the connection as REDIRECT does, to
     the pod's first address and the inbound port, and ``SO_ORIGINAL_DST`` names the original
     destination."""
     cfg = RedirectConfig(inbound_interception="TPROXY")

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Capture a pod network namespace's traffic and hand it to a local proxy "
                     "(Istio-compatible sidecar and ambient modes).",
         epilog="Exit codes: 0 ok, 2 bad configuration, 1 failure. "
-               "See README.md for the config fields and the backends.",
+               "See docs/api.md for the config fields and docs/backends.md for the backends.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: rule payloads)")
     p.add_argument("--log-json", action="store_true",

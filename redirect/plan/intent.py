@@ -196,7 +196,7 @@ def intent_of(cfg: RedirectConfig) -> Intent:
     inbound = cfg.inbound_ports != ()
     excluded = set(cfg.inbound_exclude_ports)  # a set: both lists may be long
     # With DNS capture the proxy's own DNS over lo is not hairpinned either (Istio: only for uids;
-    # for gids only with gid_hairpin_skips_dns, our default, see README).
+    # for gids only with gid_hairpin_skips_dns, our default, see docs/api.md).
     hairpin: dict[OwnerKind, tuple[int, ...]] = {
         kind: (DNS_PORT, cfg.tunnel_port) if dns and (kind == "uid" or cfg.gid_hairpin_skips_dns)
         else (cfg.tunnel_port,) for kind in ("uid", "gid")}

@@ -53,7 +53,7 @@ ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option): ``drop_invalid`` (conntrack tracks nothing in a netns without
-netfilter rules, so there is no INVALID verdict for a program to read; README).
+netfilter rules, so there is no INVALID verdict for a program to read; docs/backends.md).
 
 The maps' keys and values are laid out once, in ``redirect/bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it
@@ -78,7 +78,7 @@ How the iptables semantics are met without packets:
   UDP), as through NAT; a captured socket without an address gets the source
   iptables would show (``bpf_bind`` at connect, the datagram's source at sendmsg:
   the pod's first address of the family, ``pod_policy.src4/src6``; a local
-  destination itself), so the proxy sees the pod's address as the peer (README);
+  destination itself), so the proxy sees the pod's address as the peer (docs/backends.md);
 - ``exclude_interfaces``: sk_lookup leaves alone what arrives on one; the
   connect hooks leave alone a socket bound to one, and destinations the pod's
   main routing table sends through one (read at setup, ``check`` reports
@@ -88,13 +88,13 @@ How the iptables semantics are met without packets:
 - what the pod forwards (a VM behind a reroute interface, a neighbour routing through it) never
   meets sk_lookup: tc programs on the interfaces it forwards on take it by the same decision and
   rewrite it to the proxy's port and back, as netfilter's inbound capture (which matches any
-  destination) takes it (``redirect/bpf/tc_forward.c``, ``.tc``; README);
+  destination) takes it (``redirect/bpf/tc_forward.c``, ``.tc``; docs/backends.md);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``redirect/bpf/policy.h: outbound_target``); a proxy connecting to the
   app from the client's address (transparent, ``tproxy_mark``) is left alone by
   sk_lookup and gets the replies by the plan's policy route, as in ambient mode
-  (README);
+  (docs/backends.md);
 - owner matches use the calling task's uid and primary gid, like iptables'
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids
   and ranges: a kind's first range is in the policy entry, the others are
