@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from .backends import KINDS, choose_auto, ebpf_failed, ebpf_root, get_backend, kind_of
+from .backends import KINDS, choose_auto, ebpf_caps_refusal, ebpf_failed, ebpf_root, get_backend, kind_of
 from .backends.base import Backend, CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
@@ -126,6 +126,8 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
 def _setup_with(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str,
                 allow_host_netns: bool) -> tuple[Installed, Installed | None]:
     """``setup`` with one backend: (what was installed, the same if the fresh-pod call did it)."""
+    if backend == "ebpf" and (why := ebpf_caps_refusal()) is not None:
+        raise BackendUnavailable(why)  # (before anything is touched, instead of an EPERM half-way)
     fn = _FRESH[backend] if backend in _FRESH else _fresh_setup_of(backend)
     res = fresh = None if fn is None else fn(cfg, netns, name, thread_lock_fd())
     if res is None:

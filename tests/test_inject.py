@@ -21,7 +21,9 @@ from redirect.errors import ConfigError
 from redirect.istio.annotations import config_from_annotations
 from redirect.istio.flags import config_from_istio_args
 from redirect.k8s import inject
-from tests.netkit import Pod
+from redirect.kernel import netns as rnetns
+from tests.kit import secctx
+from tests.netkit import Pod, TcpListener, UdpListener, landing
 from tests.test_wait import health
 
 K8S_VERSION = "1.30"
@@ -181,20 +183,158 @@ def test_istio_annotations_round_trip_through_the_init_flags(annotations: dict[s
     assert (proxy["runAsUser"], proxy["runAsGroup"]) == (want.proxy_uids[0], want.proxy_gids[0])
 
 
+# --- the injected containers, run as the runtime runs them ---------------------------------------
+
+#: Downward-API values of the pod the containers run in.
+POD_FIELDS = {"metadata.name": "web-0", "metadata.namespace": "shop", "metadata.uid": "0b1c"}
+
+
+def container_env(c: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet makes it (its ``env``: values, downward-API
+    fields), with the image's PATH (where ``redirect`` is: this tree's console scripts)."""
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    for e in c.get("env", []):
+        env[e["name"]] = e["value"] if "value" in e else POD_FIELDS[e["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def as_container(c: dict[str, Any], spec: dict[str, Any], netns: str | None, command: list[str] | None = None,
+                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (default: the container's own) as a container runtime runs container ``c`` of
+    the pod ``spec``: in the pod's netns (None: this process's), in a mount namespace of its own with
+    a private ``/run`` (a tmpfs, as the runtime mounts it: no lock or file of the node's there),
+    with exactly the credentials its security context gives (``tests.kit.secctx``) and its env."""
+    creds = secctx.creds_of(c, spec)
+    enter = ["nsenter", f"--net={rnetns.path_of(netns)}", "--"] if netns is not None else []
+    argv = [*enter, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run && exec "$@"', "sh",
+            *creds.setpriv(), *(command if command is not None else c["command"])]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=container_env(c))
+
+
+def injected_pod(annotations: dict[str, str], **opts: Any) -> dict[str, Any]:
+    pod = inject.inject_object(workloads(annotations)[0], inject.InjectOptions(proxy_image="envoy:1", **opts))
+    validate(pod)
+    return dict(pod["spec"])
+
+
+TPROXY = {"sidecar.istio.io/interceptionMode": "TPROXY"}
+INIT_CASES = [  # (backend of redirect inject, the pod's annotations)
+    ("iptables", {}),
+    ("iptables-legacy", {T + "excludeOutboundPorts": "9090"}),
+    ("iptables-nft", {T + "includeInboundPorts": "8080"}),
+    ("nftables", {}),
+    ("iptables", TPROXY),
+    ("nftables", TPROXY),
+]
+
+
+@pytest.mark.parametrize("backend,annotations", INIT_CASES, ids=[f"{b}-{i}" for i, (b, _) in enumerate(INIT_CASES)])
+def test_the_injected_init_container_captures_under_its_own_security_context(
+        pod: Pod, backend: str, annotations: dict[str, str]) -> None:
+    """The init container exactly as injected (command, env, security context: root with NET_ADMIN
+    and NET_RAW only, no_new_privs, a private /run) installs in its pod's netns what the annotations
+    mean, every backend it can be told to use: the app's connections land at the proxy's outbound
+    listener with their original destination, inbound ones at its inbound listener, and the
+    proxy's passthrough from ``::6`` (the address the plan adds on lo) reaches the app. Its
+    ``--cleanup-only`` under the same credentials takes all of it out again."""
+    spec = injected_pod(annotations, backend=backend)
+    init = spec["initContainers"][0]
+    assert secctx.creds_of(init, spec).effective == {"NET_ADMIN", "NET_RAW"}  # what the YAML grants
+    cfg = config_from_annotations(annotations)
+    tproxy = cfg.inbound_interception == "TPROXY"
+    try:
+        p = as_container(init, spec, pod.name)
+        assert p.returncode == 0, p.stderr
+        res = redirect.check(pod.name, cfg, backend=None)
+        assert res.ok and res.backend.startswith(backend.split("-")[0]), (res.backend, res.differences)
+        for fam in (4, 6):
+            with TcpListener(pod.name, 15001, family=fam, label="proxy-out") as out, \
+                    TcpListener(pod.name, 15006, family=fam, transparent=tproxy, label="proxy-in") as inb, \
+                    TcpListener(pod.name, 8080, family=fam, label="app") as app, \
+                    TcpListener(pod.peer_name, 8080, family=fam, label="peer") as peer:
+                hit = landing(pod.name, pod.peer_ip(fam), 8080, out, peer, uid=1000)
+                assert hit.label == "proxy-out" and hit.orig_dst == (pod.peer_ip(fam), 8080), (fam, hit.result)
+                hit = landing(pod.peer_name, pod.pod_ip(fam), 8080, inb, app)
+                assert hit.label == "proxy-in", (fam, hit.result)
+                assert (hit.local if tproxy else hit.orig_dst) == (pod.pod_ip(fam), 8080)
+                six = "127.0.0.6" if fam == 4 else "::6"
+                hit = landing(pod.name, pod.pod_ip(fam), 8080, inb, app, uid=1337, src=six)
+                assert hit.label == "app", (fam, hit.result)
+        p = as_container(init, spec, pod.name, [*init["command"], "--cleanup-only"])
+        assert p.returncode == 0 and "removed" in p.stdout, p.stderr
+        assert not redirect.show(pod.name)["installed"]
+        routing = subprocess.run(["ip", "-n", pod.name, "-6", "addr", "show", "dev", "lo"], capture_output=True,
+                                 text=True, check=True).stdout + subprocess.run(
+            ["ip", "-n", pod.name, "rule"], capture_output=True, text=True, check=True).stdout
+        assert "::6/" not in routing and "lookup 133" not in routing, routing
+    finally:
+        redirect.teardown(pod.name)
+
+
+def test_init_validation_dns_and_ebpf_under_the_injected_security_contexts(pod: Pod) -> None:
+    """What else ``redirect init`` may be asked for, under the injected security contexts: DNS
+    capture works as the init container; ``--run-validation`` as the init container says it lacks
+    CAP_SETUID (it would connect as the proxy) before installing anything, and succeeds as the
+    proxy container (Istio's validation container: ``--skip-rule-apply`` as the proxy's uid, no
+    capabilities); the eBPF backend, which an init container cannot run, is refused naming the
+    missing capability rather than failing half-way."""
+    spec = injected_pod({})
+    init, proxy = spec["initContainers"][0], spec["containers"][-1]
+    assert proxy["name"] == "redirect-proxy" and secctx.creds_of(proxy, spec).effective == frozenset()
+    try:
+        p = as_container(init, spec, pod.name, [*init["command"], "--run-validation"])
+        assert p.returncode == 1 and "lacks CAP_SETUID and CAP_SETGID" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and not redirect.show(pod.name)["installed"]
+        dns = [*init["command"], "--redirect-dns", "--capture-all-dns"]
+        p = as_container(init, spec, pod.name, dns)
+        assert p.returncode == 0, p.stderr
+        assert redirect.check(pod.name, config_from_istio_args(dns[2:], env={})).ok
+        # (the DNS proxy answers as the proxy uid: its answers are what conntrack un-NATs)
+        with UdpListener(pod.name, 15053, label="dns-proxy", owner=(1337, 1337)) as dns_proxy, \
+                UdpListener(pod.peer_name, 53, label="resolver") as resolver:
+            hit = landing(pod.name, pod.peer_ip4, 53, dns_proxy, resolver, proto="udp", uid=1000)
+            assert hit.label == "dns-proxy", hit.result
+        p = as_container(proxy, spec, pod.name, [*init["command"], "--run-validation", "--skip-rule-apply"])
+        assert p.returncode == 0 and "captured on 15006" in p.stdout, (p.stdout, p.stderr)
+        assert redirect.teardown(pod.name)
+        p = as_container(init, spec, pod.name, ["redirect", "setup", "/proc/self/ns/net", "--allow-host-netns",
+                                                "--backend", "ebpf"])
+        assert p.returncode == 1 and "lacks CAP_BPF" in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert not redirect.show(pod.name)["installed"]
+    finally:
+        redirect.teardown(pod.name)
+
+
+def test_the_injected_init_container_in_the_hosts_netns_is_still_refused() -> None:
+    """Without setns the init container installs in whatever netns it runs in: run (with its
+    credentials) in the host's, it is refused as a full-root run is, and leaves nothing."""
+    from tests.test_host_and_locks import host_capture
+
+    spec = injected_pod({})
+    init = spec["initContainers"][0]
+    before = host_capture()
+    # (a command that would capture nothing even if it were not refused)
+    p = as_container(init, spec, None, ["redirect", "init", "-p", "15001"])
+    assert p.returncode == 1 and "host's initial network namespace" in p.stderr, p.stderr
+    assert host_capture() == before
+
+
 def test_the_injected_init_command_installs_what_the_annotations_mean(pod: Pod) -> None:
-    """The exact command line of the injected init container, run in a pod netns (as root, as the
-    container runs), leaves the capture that ``redirect check`` finds equal to the annotations' config."""
+    """The exact command line of the injected init container of a Deployment, run in a pod netns as
+    the container runs, leaves the capture that ``redirect check`` finds equal to the annotations'
+    config (and logs JSON lines with the pod's fields)."""
     annotations = {T + "excludeOutboundPorts": "22", T + "excludeOutboundIPRanges": "10.96.0.0/12",
                    T + "includeInboundPorts": "8080,9090"}
     injected = inject.inject_object(workloads(annotations)[1], inject.InjectOptions(log_json=True))
-    command = injected["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    assert command[:3] == ["redirect", "--log-json", "init"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ISTIO_", "REDIRECT_", "ENVOY_", "INVALID_"))}
-    env.update(POD_NAME="web-0", POD_NAMESPACE="shop")
-    p = subprocess.run(["ip", "netns", "exec", pod.name, sys.executable, "-m", "redirect.cli", *command[1:]],
-                       capture_output=True, text=True, timeout=60, env=env)
+    spec = injected["spec"]["template"]["spec"]
+    init = spec["initContainers"][0]
+    assert init["command"][:3] == ["redirect", "--log-json", "init"]
+    p = as_container(init, spec, pod.name, [*init["command"][:2], "-v", *init["command"][2:]])
     try:
         assert p.returncode == 0, p.stderr
+        lines = [json.loads(ln) for ln in p.stderr.splitlines()]
+        assert lines and all(ln["pod_name"] == "web-0" and ln["pod_namespace"] == "shop" for ln in lines), lines
         res = redirect.check(pod.name, config_from_annotations(annotations))
         assert res.ok, res.differences
         assert not redirect.check(pod.name, config_from_annotations({})).ok  # and not the defaults
@@ -210,27 +350,23 @@ def test_a_held_pod_starts_as_the_kubelet_would_run_its_injected_commands(pod: P
                                     inject.InjectOptions(proxy_image="proxy-with-redirect:1", hold_application=True,
                                                          wait_timeout=20))
     spec = injected["spec"]
-    hook = spec["containers"][0]["lifecycle"]["postStart"]["exec"]["command"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ISTIO_", "REDIRECT_", "ENVOY_", "INVALID_"))}
-    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '/usr/bin:/bin')}"  # redirect on PATH
-
-    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ip", "netns", "exec", pod.name, *command], capture_output=True, text=True,
-                              timeout=60, env=env)
-
+    init, proxy = spec["initContainers"][0], spec["containers"][0]
+    hook = proxy["lifecycle"]["postStart"]["exec"]["command"]
+    assert secctx.creds_of(proxy, spec).uid == 1337  # the hook runs as the proxy container runs
     try:
-        p = run(spec["initContainers"][0]["command"])
+        p = as_container(init, spec, pod.name)
         assert p.returncode == 0, p.stderr
         with health(pod.name, ready_after=1.0, port=15020) as h:
             t0 = time.monotonic()
-            p = run(hook)
+            p = as_container(proxy, spec, pod.name, hook)
             took = time.monotonic() - t0
         assert p.returncode == 0 and took >= 1.0, (p.stderr, took)
         assert h.answers[-1] == 200 and 503 in h.answers
         short = inject.inject_object(injected, inject.InjectOptions(proxy_image="p:1", hold_application=True,
                                                                     wait_timeout=1))
         with health(pod.name, ready_after=None, port=15020):
-            p = run(short["spec"]["containers"][0]["lifecycle"]["postStart"]["exec"]["command"])
+            p = as_container(proxy, spec, pod.name, short["spec"]["containers"][0]["lifecycle"]["postStart"]["exec"][
+                "command"])
         assert p.returncode == 1 and "503" in p.stderr, p.stderr
     finally:
         redirect.teardown(pod.name)

@@ -13,6 +13,7 @@ from pyroute2 import IPRoute
 
 from redirect.kernel import netns as rnetns
 from tests import netkit
+from tests.kit import secctx
 from tests.netkit import (
     Pod,
     TcpListener,
@@ -272,3 +273,43 @@ def test_transparent_listener_sees_the_original_destination_under_tproxy(pod: Po
         assert hit.label == "proxy-in"
         assert hit.local == (pod.pod_ip4, 9080)
         assert hit.peer is not None and hit.peer[0] == pod.peer_ip4
+
+
+# --- security contexts --------------------------------------------------------------------------
+
+SECURITY_CONTEXTS = [
+    ({"runAsUser": 0, "allowPrivilegeEscalation": False,
+      "capabilities": {"add": ["NET_ADMIN", "NET_RAW"], "drop": ["ALL"]}}, {"NET_ADMIN", "NET_RAW"}),
+    ({"runAsUser": 0}, secctx.CONTAINERD_DEFAULT_CAPS),
+    ({"runAsUser": 0, "capabilities": {"drop": ["NET_RAW", "cap_mknod"]}},
+     secctx.CONTAINERD_DEFAULT_CAPS - {"NET_RAW", "MKNOD"}),
+    ({"privileged": True}, None),  # every capability of the kernel
+    ({"runAsUser": 0, "capabilities": {"add": ["ALL"], "drop": ["SYS_ADMIN"]}}, "all but SYS_ADMIN"),
+    ({"runAsUser": 1337, "runAsGroup": 1337, "allowPrivilegeEscalation": False,
+      "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN"]}}, {"NET_ADMIN"}),
+]
+
+
+@pytest.mark.parametrize("sc,caps", SECURITY_CONTEXTS, ids=range(len(SECURITY_CONTEXTS)))
+def test_a_security_context_runs_as_a_runtime_runs_it(sc: dict[str, Any], caps: Any) -> None:
+    """``secctx.creds_of`` (the runtime's translation) and ``Creds.setpriv`` give a process exactly
+    those credentials: the bounding set is the granted one, effective too for root and empty for
+    another user (no ambient capabilities), no_new_privs as asked."""
+    want_caps = (secctx.kernel_caps() if caps is None else
+                 secctx.kernel_caps() - {"SYS_ADMIN"} if caps == "all but SYS_ADMIN" else frozenset(caps))
+    creds = secctx.creds_of({"name": "c", "securityContext": sc}, {"securityContext": {"supplementalGroups": [5]}})
+    assert creds.bounding == want_caps and creds.uid == sc.get("runAsUser", 0)
+    p = subprocess.run([*creds.setpriv(), "cat", "/proc/self/status"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    status = p.stdout.splitlines()
+    caps_of = {k: int(v, 16) for k, v in (ln.split(":\t") for ln in status if ln.startswith("Cap"))}
+    seen = {k: frozenset(n for i, n in enumerate(secctx.NAMES) if caps_of[k] >> i & 1) for k in caps_of}
+    assert seen["CapBnd"] == creds.bounding and seen["CapEff"] == seen["CapPrm"] == creds.effective
+    assert seen["CapInh"] == seen["CapAmb"] == frozenset()
+    assert ("NoNewPrivs:\t1" in status) == creds.no_new_privs == (sc.get("allowPrivilegeEscalation") is False)
+    assert f"Uid:\t{creds.uid}\t{creds.uid}\t{creds.uid}\t{creds.uid}" in status
+    assert "Groups:\t5 " in status or "Groups:\t5" in status
+    if sc.get("runAsUser") == 1337:
+        assert creds.effective == frozenset()  # granted, but a non-root container process has none
+    with pytest.raises(ValueError, match="capability"):
+        secctx.creds_of({"name": "c", "securityContext": {"capabilities": {"add": ["NO_SUCH"]}}})

@@ -8,6 +8,7 @@ registered here.
 from __future__ import annotations
 
 import logging
+import os
 
 from ..config import RedirectConfig
 from ..errors import BackendUnavailable
@@ -41,6 +42,34 @@ def ebpf_failed(why: str) -> str:
     return fallback
 
 
+#: (pid, answer) of ``ebpf_caps_refusal``: a process's capabilities stay as they started.
+_ebpf_caps: tuple[int, str | None] = (0, None)
+
+
+def ebpf_caps_refusal() -> str | None:
+    """Why this process can't install eBPF capture for want of a capability (None: it has them).
+    Every setup needs ``CAP_BPF`` (map entries; ``CAP_SYS_ADMIN`` stands for it) and
+    ``CAP_NET_ADMIN`` (the pod's sk_lookup link); loading the host programs needs ``CAP_PERFMON``
+    too. An init container with ``NET_ADMIN`` and ``NET_RAW`` has neither the first nor the host's
+    bpffs: the node agent installs eBPF capture, not a pod. Asked once per process."""
+    global _ebpf_caps
+    if _ebpf_caps[0] != os.getpid():
+        _ebpf_caps = (os.getpid(), _ebpf_caps_refusal())
+    return _ebpf_caps[1]
+
+
+def _ebpf_caps_refusal() -> str | None:
+    from ..kernel.caps import effective
+
+    eff = effective()
+    lacking = [f"CAP_{c}" for c in ("BPF", "NET_ADMIN") if c not in eff and not (c == "BPF" and "SYS_ADMIN" in eff)]
+    if not lacking:
+        return None
+    return (f"ebpf: this process lacks {' and '.join(lacking)}: the eBPF backend needs CAP_BPF (or CAP_SYS_ADMIN) and"
+            f" CAP_NET_ADMIN, CAP_PERFMON too to load its host programs, and the host's bpffs; run it where the node"
+            f" agent runs, or use iptables or nftables")
+
+
 def _netfilter_choice() -> tuple[str, str | None]:
     """``nftables`` when libnftables imports and the kernel takes an inet nat table, else
     ``iptables`` with the reason."""
@@ -52,14 +81,16 @@ def _netfilter_choice() -> tuple[str, str | None]:
 
 def choose_auto(cfg: RedirectConfig | None) -> str:
     """The backend ``auto`` stands for with ``cfg`` here (logged with the reason): ``ebpf`` when
-    the kernel, bcc, bpffs and cgroup v2 allow it and the backend supports every option of
-    ``cfg``; else ``nftables`` when libnftables imports and the kernel takes an inet nat table;
+    the kernel, bcc, bpffs, cgroup v2 and this process's capabilities allow it and the backend
+    supports every option of ``cfg``; else ``nftables`` when libnftables imports and the kernel takes an inet nat table;
     else ``iptables``. (Probed once per process; with no ``cfg`` only the host decides.) A
     setup that finds eBPF unable to load or attach after all falls back the same way
     (``redirect.setup``, ``ebpf_failed``), and later choices of the process skip eBPF."""
     why: str | None = _ebpf_load_failures.get(ebpf_root())
     if why is not None:
         why = f"could not load or attach here earlier in this process: {why}"
+    elif (why := ebpf_caps_refusal()) is not None:
+        pass
     else:
         try:
             from . import ebpf

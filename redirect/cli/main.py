@@ -312,6 +312,13 @@ def cmd_init(args: argparse.Namespace) -> int:
         removed = redirect.teardown(target, backend=opts.backend)
         print("removed redirect rules" if removed else "nothing of ours was installed")
         return EXIT_OK
+    if opts.run_validation:
+        from ..errors import SetupError
+        from ..istio.validation import cannot_validate
+
+        why = cannot_validate(opts.config)
+        if why is not None:  # said before anything is installed
+            raise SetupError(why)
     if not opts.skip_rule_apply:
         allow_host = args.allow_host_netns
         if not opts.netns and not allow_host:

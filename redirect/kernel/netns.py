@@ -21,6 +21,7 @@ install capture there unless asked to.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import os
@@ -169,13 +170,30 @@ def current_cookie() -> int:
         return int.from_bytes(s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8), sys.byteorder)
 
 
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _setns_hint(e: OSError) -> str:
+    """What to do about a failed setns, when it is for want of ``CAP_SYS_ADMIN``."""
+    from .caps import has
+
+    if e.errno != errno.EPERM or has("SYS_ADMIN"):
+        return ""
+    return " (entering another network namespace needs CAP_SYS_ADMIN, which this process lacks; run inside it)"
+
+
 @contextlib.contextmanager
 def enter(ref: NetnsRef) -> Iterator[int]:
     """Run the body with the calling thread in namespace ``ref``; yields its fd.
 
     The thread's own namespace is restored on exit. If restoring fails the thread
     is unusable and the error is raised as ``SystemError`` rather than carrying on
-    in the wrong namespace.
+    in the wrong namespace. A thread already in ``ref`` stays where it is: no ``setns``,
+    which needs ``CAP_SYS_ADMIN`` even into the thread's own namespace (``redirect init``
+    in an init container has ``NET_ADMIN`` and ``NET_RAW`` only). ``host_netns_reason``
+    judges the namespace all the same.
     """
     target = open_netns(ref)
     try:
@@ -184,10 +202,13 @@ def enter(ref: NetnsRef) -> Iterator[int]:
         os.close(target)
         raise
     try:
-        try:
-            _setns(target)
-        except OSError as e:
-            raise NetnsError(f"netns={describe(ref)!r}: setns failed: {e.strerror}") from None
+        moves = not _same_file(target, home)
+        if moves:
+            try:
+                _setns(target)
+            except OSError as e:
+                raise NetnsError(f"netns={describe(ref)!r}: setns failed: {e.strerror}"
+                                 f"{_setns_hint(e)}") from None
         stack = _entered.__dict__.setdefault("fds", [])
         homes = _entered.__dict__.setdefault("homes", [])
         stack.append(target)
@@ -197,10 +218,11 @@ def enter(ref: NetnsRef) -> Iterator[int]:
         finally:
             stack.pop()
             homes.pop()
-            try:
-                _setns(home)
-            except OSError as e:  # pragma: no cover - kernel out of memory
-                raise SystemError(f"could not return to the thread's own netns: {e}") from e
+            if moves:
+                try:
+                    _setns(home)
+                except OSError as e:  # pragma: no cover - kernel out of memory
+                    raise SystemError(f"could not return to the thread's own netns: {e}") from e
     finally:
         os.close(home)
         os.close(target)
