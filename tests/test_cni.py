@@ -167,6 +167,53 @@ def test_install_replaces_an_outdated_entry(tmp_path: Any) -> None:
     assert len(mine) == 1 and mine[0]["excludeNamespaces"] == ["kube-system"]
 
 
+def _documented_entry() -> dict[str, Any]:
+    """The JSON block after "Our entry" in docs/cni-and-agent.md."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "cni-and-agent.md"), encoding="utf-8").read()
+    after = text[text.index("Our entry, as `redirect-cni install` writes it"):]
+    block = after[after.index("```json\n") + 8:]
+    return dict(json.loads(block[: block.index("```")]))
+
+
+def test_install_writes_the_entry_in_force_and_the_docs_show_it(tmp_path: Any) -> None:
+    """``redirect-cni install`` writes every setting of our entry, each as the plugin reads it when
+    left out (the thin plugin's agent socket aside: its default, which the Python plugin lacks), and
+    docs/cni-and-agent.md shows exactly that entry; ``--plugin-config`` replaces settings, and one
+    the plugin would refuse fails the install naming it, with nothing written."""
+    from redirect.cni.netconf import DEFAULTS, PluginConf
+
+    conf_dir, bin_dir = tmp_path / "net.d", tmp_path / "bin"
+    conf_dir.mkdir()
+    path = conf_dir / "10-net.conflist"
+    path.write_text(CONFLISTS["indented"])
+    exe = [sys.executable, "-m", "redirect.cni.plugin", "install", "--conf-dir", str(conf_dir), "--bin-dir",
+           str(bin_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "CNI_COMMAND"}
+    p = subprocess.run(exe, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    (entry,) = [e for e in json.loads(path.read_text())["plugins"] if e["type"] == "redirect-cni"]
+    assert entry == _documented_entry()
+    assert set(entry) == {"type", "capabilities", *DEFAULTS}
+    written, bare = PluginConf({"cniVersion": "1.0.0", **entry}), PluginConf({"cniVersion": "1.0.0"})
+    for attr in ("backend", "mode", "capture", "exclude_namespaces", "log_level", "log_file", "log_json",
+                 "agent_timeout", "agent_down"):
+        assert getattr(written, attr) == getattr(bare, attr), attr
+    assert bare.exclude_namespaces == ("kube-system",) and written.agent_socket == "/run/redirect/agent.sock"
+    p = subprocess.run([*exe, "--plugin-config", '{"excludeNamespaces": [], "capture": {"outbound_ports": [443]}}'],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    (entry2,) = [e for e in json.loads(path.read_text())["plugins"] if e["type"] == "redirect-cni"]
+    assert entry2 == {**entry, "excludeNamespaces": [], "capture": {"outbound_ports": [443]}}
+    before = path.read_bytes()
+    for bad, field in (('{"excludeNamespaces": "kube-system"}', "excludeNamespaces"),
+                       ('{"capture": {"proxy_port": 0}}', "capture.proxy_port"),
+                       ('{"agentDown": "wait"}', "agentDown")):
+        p = subprocess.run([*exe, "--plugin-config", bad, "--watch"], capture_output=True, text=True, timeout=60,
+                           env=env)
+        assert p.returncode == 1 and field in p.stderr, (bad, p.stderr)
+        assert path.read_bytes() == before
+
+
 def test_single_conf_becomes_conflist_and_comes_back(tmp_path: Any) -> None:
     original = b'{"cniVersion": "0.3.1", "name": "mynet", "type": "bridge", "bridge": "cni0",\n "ipam": {}}\n'
     conf = tmp_path / "10-mynet.conf"
@@ -441,9 +488,16 @@ def test_annotations_from_runtime_config_apply(pod: Pod) -> None:
 
 
 def test_excluded_namespace_and_opt_out_are_not_captured(pod: Pod) -> None:
-    conf = netconf(excludeNamespaces=["kube-system"])
-    rc, out = cni("ADD", conf, pod.path, args="K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=dns")
-    assert rc == 0 and out == PREV and not ours_installed(pod.name)
+    kube_system = "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=dns"
+    for conf in (netconf(), netconf(excludeNamespaces=["kube-system"])):  # kube-system by default, as Istio's CNI
+        rc, out = cni("ADD", conf, pod.path, args=kube_system)
+        assert rc == 0 and out == PREV and not ours_installed(pod.name)
+    conf = netconf(excludeNamespaces=["shop"])
+    assert cni("ADD", conf, pod.path, args="K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web") == (0, PREV)
+    assert not ours_installed(pod.name)
+    conf = netconf(excludeNamespaces=[])  # none excluded: kube-system pods are captured too
+    assert cni("ADD", conf, pod.path, args=kube_system) == (0, PREV) and ours_installed(pod.name)
+    assert cni("DEL", conf, pod.path, args=kube_system) == (0, None) and not ours_installed(pod.name)
     conf = netconf(args={"cni": {"annotations": {"sidecar.istio.io/inject": "false"}}})
     assert cni("ADD", conf, pod.path) == (0, PREV) and not ours_installed(pod.name)
 

@@ -243,6 +243,26 @@ def test_sidecar_add_check_del_status_gc_through_the_agent(bin_dir: str, make_po
         assert n.agent.metric('redirect_agent_events_total{type="cni_add"}') == 3
 
 
+def test_kube_system_is_left_alone_unless_the_entry_says_otherwise(bin_dir: str, pod: Pod, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the thin plugin and the agent, an entry without ``excludeNamespaces`` leaves
+    kube-system pods uncaptured (the Python plugin's default: the agent reads the entry as it
+    does); ``[]`` captures them; the entry ``install`` writes says the same."""
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        thin = Thin(bin_dir, n)
+        kube_system = "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns"
+        written = inst.plugin_entry({"agentSocket": n.events})
+        for entry in (netconf(n.events), netconf(n.events, **{k: v for k, v in written.items() if k != "type"})):
+            assert thin("ADD", entry, pod.path, args=kube_system) == (0, PREV)
+            assert not installed(pod, "iptables") and not captured(pod, "iptables")
+        none = netconf(n.events, excludeNamespaces=[])
+        assert thin("ADD", none, pod.path, args=kube_system) == (0, PREV)
+        assert captured(pod, "iptables")
+        assert thin("DEL", none, pod.path, args=kube_system) == (0, None)
+        assert not installed(pod, "iptables")
+
+
 def test_errors_are_the_python_plugins_word_for_word(bin_dir: str, pod: Pod, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """What the agent answers for a bad request is what the Python plugin prints for it."""

@@ -1,6 +1,7 @@
 """``redirect-cni install`` / ``uninstall``: put our plugin into a node's CNI config.
 
-``install`` appends our entry to the ``plugins`` of the conf dir's active network
+``install`` appends our entry (``plugin_entry``: every setting written out, so the node's
+config shows what is in force) to the ``plugins`` of the conf dir's active network
 config (the first ``*.conf``/``*.conflist``/``*.json`` by name, as libcni picks it),
 and writes two executables into the bin dir: ``redirect-cni``, the thin plugin
 (``native/cni_thin.c``: it hands every request to ``redirect-agent``, which runs the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import json
 import logging
 import os
@@ -38,7 +40,7 @@ from typing import Any
 
 from ..config import seconds_arg
 from ..errors import brief_text
-from .netconf import PLUGIN_TYPE
+from .netconf import DEFAULTS, LATEST, PLUGIN_TYPE, CniError, PluginConf
 
 DEFAULT_CONF_DIR = "/etc/cni/net.d"
 DEFAULT_BIN_DIR = "/opt/cni/bin"
@@ -49,12 +51,8 @@ PYTHON_PLUGIN = "redirect-cni-python"
 #: the thin plugin as ``scripts/bootstrap.sh`` builds it, and the string it carries
 THIN_BINARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "redirect-cni-thin")
 THIN_MARK = b"redirect-cni thin plugin (written by `redirect-cni install`)"
-DEFAULT_ENTRY: dict[str, Any] = {
-    "type": PLUGIN_TYPE,
-    "backend": "iptables",
-    "mode": "sidecar",
-    "capabilities": {"io.kubernetes.cri.pod-annotations": True},
-}
+#: The capabilities our entry declares: the runtime passes the pod's annotations.
+CAPABILITIES = {"io.kubernetes.cri.pod-annotations": True}
 
 
 class InstallError(Exception):
@@ -199,10 +197,19 @@ def _load(path: str, data: bytes) -> dict[str, Any]:
 
 
 def plugin_entry(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Our conflist entry: the defaults with ``overrides`` applied (``type`` is always ours)."""
-    entry = dict(DEFAULT_ENTRY)
+    """Our conflist entry as it is in force: every setting spelled out (``netconf.DEFAULTS``; the
+    agent socket the thin plugin in the bin dir uses; the capabilities), ``overrides`` applied
+    (``type`` is always ours), checked as the plugin checks it. ``InstallError`` names a bad setting."""
+    from ..ambient.agent.protocol import DEFAULT_EVENTS_SOCKET
+
+    entry = {"type": PLUGIN_TYPE, **copy.deepcopy(DEFAULTS), "agentSocket": DEFAULT_EVENTS_SOCKET,
+             "capabilities": dict(CAPABILITIES)}
     entry.update(overrides or {})
     entry["type"] = PLUGIN_TYPE
+    try:
+        PluginConf({"cniVersion": LATEST, **entry}).base_config()
+    except CniError as e:
+        raise InstallError(f"the redirect-cni entry: {e.msg}{': ' + e.details if e.details else ''}") from None
     return entry
 
 
@@ -506,6 +513,7 @@ def cli_main(argv: list[str]) -> int:
         if entry is not None and not isinstance(entry, dict):
             raise InstallError("--plugin-config: expected a JSON object")
         primary = _json_arg(a.primary, "--primary")
+        plugin_entry(entry)  # a bad setting fails here, before anything is written (--watch too)
         if a.watch:
             stop = threading.Event()
             for sig in (signal.SIGTERM, signal.SIGINT):

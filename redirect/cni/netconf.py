@@ -39,6 +39,22 @@ AGENT_DOWN_POLICIES = ("tryAgain", "inProcess")
 #: The longest network config accepted on stdin, in bytes (the thin plugin has the same bound).
 MAX_STDIN = 1 << 20
 
+#: The entry's settings where it does not set them (``redirect-cni install`` writes them all out,
+#: so the node's conflist shows what is in force). Pods in ``excludeNamespaces`` are never captured:
+#: kube-system by default, as Istio's CNI leaves it alone; an explicit ``[]`` excludes none.
+DEFAULTS: dict[str, Any] = {
+    "backend": "iptables",
+    "mode": "sidecar",
+    "capture": {},
+    "excludeNamespaces": ["kube-system"],
+    "logLevel": "info",
+    "logFile": None,
+    "logJson": False,
+    "agentSocket": None,
+    "agentTimeout": 10,
+    "agentDown": AGENT_DOWN_POLICIES[0],
+}
+
 RUNTIME_ANNOTATION_KEYS = ("io.kubernetes.cri.pod-annotations", "podAnnotations")
 CNI_ARGS_ANNOTATIONS = "REDIRECT_ANNOTATIONS"
 
@@ -169,38 +185,38 @@ class PluginConf:
         self.raw = conf
         self.cni_version: str = conf["cniVersion"]
         self.name = conf.get("name", "")
-        self.backend = conf.get("backend", "iptables")
+        self.backend = conf.get("backend", DEFAULTS["backend"])
         if not isinstance(self.backend, str) or not self.backend:
             raise CniError(E_INVALID_CONFIG, f"backend={brief(self.backend)}: expected a backend name")
-        self.mode = conf.get("mode", "sidecar")
+        self.mode = conf.get("mode", DEFAULTS["mode"])
         if self.mode not in ("sidecar", "ambient"):
             raise CniError(E_INVALID_CONFIG, f"mode={brief(self.mode)}: expected \"sidecar\" or \"ambient\"")
-        self.capture = conf.get("capture", {})
+        self.capture = conf.get("capture", DEFAULTS["capture"])
         if not isinstance(self.capture, dict):
             raise CniError(E_INVALID_CONFIG,
                            f"capture={brief(self.capture)}: expected an object of RedirectConfig fields")
-        excl = conf.get("excludeNamespaces", [])
+        excl = conf.get("excludeNamespaces", DEFAULTS["excludeNamespaces"])
         if not isinstance(excl, list) or not all(isinstance(n, str) for n in excl):
             raise CniError(E_INVALID_CONFIG, f"excludeNamespaces={brief(excl)}: expected a list of namespace names")
         self.exclude_namespaces = tuple(excl)
-        self.log_level = conf.get("logLevel", "info")
+        self.log_level = conf.get("logLevel", DEFAULTS["logLevel"])
         if not isinstance(self.log_level, str) or self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise CniError(E_INVALID_CONFIG,
                            f"logLevel={brief(self.log_level)}: expected debug, info, warning or error")
-        self.log_file = conf.get("logFile")
+        self.log_file = conf.get("logFile", DEFAULTS["logFile"])
         if self.log_file is not None and not isinstance(self.log_file, str):
             raise CniError(E_INVALID_CONFIG, f"logFile={brief(self.log_file)}: expected a path")
-        self.log_json = conf.get("logJson", False)
+        self.log_json = conf.get("logJson", DEFAULTS["logJson"])
         if not isinstance(self.log_json, bool):
             raise CniError(E_INVALID_CONFIG, f"logJson={brief(self.log_json)}: expected true or false")
-        self.agent_socket = conf.get("agentSocket")
+        self.agent_socket = conf.get("agentSocket", DEFAULTS["agentSocket"])
         if self.agent_socket is not None and not isinstance(self.agent_socket, str):
             raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path")
-        self.agent_timeout = conf.get("agentTimeout", 10)
+        self.agent_timeout = conf.get("agentTimeout", DEFAULTS["agentTimeout"])
         if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
                 or not 0 < self.agent_timeout <= 300:
             raise CniError(E_INVALID_CONFIG, f"agentTimeout={brief(self.agent_timeout)}: expected seconds in (0, 300]")
-        self.agent_down = conf.get("agentDown", AGENT_DOWN_POLICIES[0])
+        self.agent_down = conf.get("agentDown", DEFAULTS["agentDown"])
         if self.agent_down not in AGENT_DOWN_POLICIES:
             raise CniError(E_INVALID_CONFIG, f"agentDown={brief(self.agent_down)}: expected "
                            + " or ".join(f'"{p}"' for p in AGENT_DOWN_POLICIES))

@@ -34,17 +34,18 @@ Commands
              does the same.
 ``VERSION``  ``{"cniVersion", "supportedVersions"}``.
 
-Config (one entry of the conflist's ``plugins``)::
+Config (one entry of the conflist's ``plugins``; a setting left out has the default of
+``netconf.DEFAULTS``, and ``redirect-cni install`` writes every one out)::
 
     {"type": "redirect-cni",
      "backend": "iptables",              # any name redirect.backends.get_backend knows
      "mode": "sidecar",                  # or "ambient"
-     "capture": {"outbound_exclude_ports": [22]},   # RedirectConfig fields: the defaults
-     "excludeNamespaces": ["kube-system"],          # pods there are never captured
-     "logLevel": "info", "logFile": "/var/log/redirect-cni.log",
+     "capture": {"outbound_exclude_ports": [22]},   # RedirectConfig fields: the defaults ({})
+     "excludeNamespaces": ["kube-system"],          # pods there are never captured (default; [] = none)
+     "logLevel": "info", "logFile": "/var/log/redirect-cni.log",   # (default null: no log file)
      "logJson": false,                              # true: JSON lines (redirect.logjson) with the pod's fields
-     "agentSocket": "/var/run/redirect/agent.sock", # the node agent: ambient pods go to it; the thin
-                                                    # plugin sends it every request (default /run/redirect/agent.sock)
+     "agentSocket": "/run/redirect/agent.sock",     # the node agent: ambient pods go to it; the thin
+                                                    # plugin sends it every request (its default)
      "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
      "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
