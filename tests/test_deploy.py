@@ -4,8 +4,10 @@ under containerd.
 
 There is no kubelet here, so the test does its part by hand: a netns stands for the node
 (the DaemonSet has ``hostNetwork``), each container's command runs in it with the container's
-environment (``$(VAR)`` expanded as the kubelet does) inside a private mount namespace where its
-hostPath and ConfigMap volumes are bind-mounted at their ``mountPath``s (the host paths
+environment (``$(VAR)`` expanded as the kubelet does) and exactly the credentials its security
+context gives (user, group, capabilities, no_new_privs: ``tests.kit.secctx``, as containerd makes
+them) inside a private mount namespace where its hostPath and ConfigMap volumes are bind-mounted
+at their ``mountPath``s (the host paths
 ``/etc/cni/net.d``, ``/opt/cni/bin`` and ``/run/redirect`` are directories of the test's own;
 ``/run/netns``, ``/sys/fs/bpf`` and ``/run/xtables.lock`` are the machine's, as on a node). The
 probes are the manifest's too. Then ``ctr run --cni`` starts a busybox container on that node:
@@ -34,6 +36,7 @@ import yaml
 
 from redirect.ambient import node
 from redirect.ambient.agent import client
+from redirect.cni.install import THIN_BINARY, plugin_entry
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
     CNI_DIR,
@@ -44,6 +47,7 @@ from tests.ctrkit import (  # the containerd kit
     needs_containerd,
     wait_task,
 )
+from tests.kit import secctx
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -184,14 +188,17 @@ class NodeUnderTest:
                 out.append((src, m["mountPath"], bool(m.get("readOnly"))))
         return out
 
-    def command(self, argv: list[str], binds: list[tuple[str, str, bool]]) -> list[str]:
+    def command(self, argv: list[str], binds: list[tuple[str, str, bool]],
+                creds: secctx.Creds | None = None) -> list[str]:
+        """``argv`` in the node's netns, in a mount namespace of its own with ``binds``, under
+        ``creds`` (a container's security context; None: full root, as the runtime itself)."""
         steps = []
         for src, dst, ro in binds:
             steps.append(f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}")
             if ro:
                 steps.append(f"mount -o remount,bind,ro {shlex.quote(dst)}")
         return ["nsenter", f"--net=/run/netns/{self.name}", "--", "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", " && ".join([*steps, 'exec "$@"']), "sh", *argv]
+                "sh", "-c", " && ".join([*steps, 'exec "$@"']), "sh", *(creds.setpriv() if creds else []), *argv]
 
     def env(self, extra: dict[str, str]) -> dict[str, str]:
         keep = {k: v for k, v in os.environ.items() if not k.startswith(("ISTIO_", "REDIRECT_", "CNI_", "POD_"))}
@@ -201,10 +208,16 @@ class NodeUnderTest:
         c = container(name)
         cenv = container_env(c, {"spec.nodeName": self.name})
         argv = argv_of(c, cenv)
+        creds = secctx.creds_of(c, the("DaemonSet")["spec"]["template"]["spec"])
         with open(self.base / f"{name}.log", "wb") as log:
-            self.procs[name] = subprocess.Popen(self.command(argv, self.binds(c)), env=self.env(cenv),
+            self.procs[name] = subprocess.Popen(self.command(argv, self.binds(c), creds), env=self.env(cenv),
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return argv
+
+    def creds(self, name: str) -> secctx.Creds:
+        """What the container's process runs with, read from the live process (the one setpriv
+        exec'd: ``sh`` -> ``setpriv`` -> the command keep one pid)."""
+        return secctx.read_status(self.procs[name].pid)
 
     def log(self, name: str) -> str:
         return (self.base / f"{name}.log").read_text()
@@ -275,6 +288,17 @@ def test_the_daemonsets_command_lines_run_a_node_that_captures_a_containerd_pod(
                 assert time.monotonic() < deadline, {k: n.log(k)[-1500:] for k in n.procs}
                 time.sleep(0.1)
             assert n.probe(container("agent")["livenessProbe"]) == 200
+            pod_spec = the("DaemonSet")["spec"]["template"]["spec"]
+            for name in n.procs:  # each runs with exactly what its security context grants
+                assert n.creds(name) == secctx.creds_of(container(name), pod_spec), name
+            assert n.creds("node-proxy").effective == {"SYS_ADMIN", "NET_ADMIN"}
+            assert n.creds("install-cni").effective == {"CHOWN"}
+            # the installer's files: the ConfigMap's entry as in force, the two executables
+            (entry,) = [e for e in json.loads((net_d / "10-rdrt-node.conflist").read_text())["plugins"]
+                        if e["type"] == "redirect-cni"]
+            assert entry == plugin_entry(json.loads(the("ConfigMap")["data"]["cni-plugin.json"]))
+            assert (bin_d / "redirect-cni").read_bytes() == open(THIN_BINARY, "rb").read()
+            assert os.access(bin_d / "redirect-cni", os.X_OK) and os.access(bin_d / "redirect-cni-python", os.X_OK)
 
             cid = f"rdrt-{os.urandom(3).hex()}"
             rootfs = n.base / "rootfs"
