@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -39,6 +40,38 @@ def test_current_fd_and_inode_follow_nested_enters(pod_pair: tuple[Pod, Pod]) ->
         assert os.stat("/proc/thread-self/ns/net").st_ino == rnetns.netns_inode(a.name)
     assert rnetns.current_fd() is None
     assert os.stat("/proc/thread-self/ns/net").st_ino == home
+
+
+_ENTER_OWN = """
+import os, sys
+from redirect.kernel import netns as n
+from redirect.errors import NetnsError
+own = os.stat("/proc/thread-self/ns/net").st_ino
+with n.enter("/proc/self/ns/net") as fd:
+    with n.enter(f"pid:{os.getpid()}"):
+        assert n.current_inode() == own and os.fstat(fd).st_ino == own
+        print(n.host_netns_reason(), "|", n.host_netns_reason(own_ok=True))
+try:
+    with n.enter(sys.argv[1]):
+        pass
+except NetnsError as e:
+    print(e)
+assert os.stat("/proc/thread-self/ns/net").st_ino == own
+"""
+
+
+def test_entering_the_threads_own_netns_makes_no_setns(pod: Pod) -> None:
+    """Without CAP_SYS_ADMIN (an init container's capabilities) a process enters its own netns, in
+    any form and nested, since that takes no setns; the host guard judges it all the same (the
+    caller's own; not the host's with ``own_ok``); entering another netns fails naming the
+    capability it lacks."""
+    p = subprocess.run(["nsenter", f"--net={pod.path}", "--", "setpriv", "--bounding-set=-all,+net_admin,+net_raw",
+                        "--inh-caps=-all", "--ambient-caps=-all", "--", sys.executable, "-c", _ENTER_OWN,
+                        f"/run/netns/{pod.peer_name}"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    reason, rest = p.stdout.split("|", 1)
+    assert "caller's own" in reason and rest.split("\n")[0].strip() == "None", p.stdout
+    assert "setns failed: Operation not permitted" in p.stdout and "needs CAP_SYS_ADMIN" in p.stdout, p.stdout
 
 
 def test_current_fd_is_cleared_when_the_body_raises(pod: Pod) -> None:
