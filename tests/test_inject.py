@@ -202,13 +202,16 @@ def as_container(c: dict[str, Any], spec: dict[str, Any], netns: str | None, com
                  timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run ``command`` (default: the container's own) as a container runtime runs container ``c`` of
     the pod ``spec``: in the pod's netns (None: this process's), in a mount namespace of its own with
-    a private ``/run`` (a tmpfs, as the runtime mounts it: no lock or file of the node's there),
-    with exactly the credentials its security context gives (``tests.kit.secctx``) and its env."""
+    a private ``/run`` (a tmpfs, as the runtime mounts it: no lock or file of the node's there) and
+    ``/proc/sys`` read-only (as a runtime makes it for a container that is not privileged), with
+    exactly the credentials its security context gives (``tests.kit.secctx``) and its env."""
     creds = secctx.creds_of(c, spec)
     enter = ["nsenter", f"--net={rnetns.path_of(netns)}", "--"] if netns is not None else []
+    mounts = ["mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run", "mount --bind /proc/sys /proc/sys",
+              "mount -o remount,bind,ro /proc/sys"]
     argv = [*enter, "unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run && exec "$@"', "sh",
-            *creds.setpriv(), *(command if command is not None else c["command"])]
+            " && ".join([*mounts, 'exec "$@"']), "sh", *creds.setpriv(),
+            *(command if command is not None else c["command"])]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=container_env(c))
 
 
