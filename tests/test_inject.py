@@ -305,6 +305,10 @@ def test_init_validation_dns_and_ebpf_under_the_injected_security_contexts(pod: 
                                                 "--backend", "ebpf"])
         assert p.returncode == 1 and "lacks CAP_BPF" in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert not redirect.show(pod.name)["installed"]
+        p = as_container(init, spec, pod.name, ["redirect", "-v", "setup", "/proc/self/ns/net", "--allow-host-netns",
+                                                "--backend", "auto"])  # auto passes eBPF over, saying why
+        assert p.returncode == 0 and "not ebpf (ebpf: this process lacks CAP_BPF" in p.stderr, p.stderr
+        assert redirect.show(pod.name)["backend"] in ("nftables", "iptables")
     finally:
         redirect.teardown(pod.name)
 

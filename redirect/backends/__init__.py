@@ -81,17 +81,17 @@ def _netfilter_choice() -> tuple[str, str | None]:
 
 def choose_auto(cfg: RedirectConfig | None) -> str:
     """The backend ``auto`` stands for with ``cfg`` here (logged with the reason): ``ebpf`` when
-    the kernel, bcc, bpffs, cgroup v2 and this process's capabilities allow it and the backend
-    supports every option of ``cfg``; else ``nftables`` when libnftables imports and the kernel takes an inet nat table;
-    else ``iptables``. (Probed once per process; with no ``cfg`` only the host decides.) A
-    setup that finds eBPF unable to load or attach after all falls back the same way
-    (``redirect.setup``, ``ebpf_failed``), and later choices of the process skip eBPF."""
+    this process's capabilities, the kernel, bcc, bpffs and cgroup v2 allow it and the backend
+    supports every option of ``cfg``; else ``nftables`` when libnftables imports and the kernel
+    takes an inet nat table; else ``iptables``. (Probed once per process; with no ``cfg`` only
+    the host decides.) A setup that finds eBPF unable to load or attach after all falls back the
+    same way (``redirect.setup``, ``ebpf_failed``), and later choices of the process skip eBPF."""
     why: str | None = _ebpf_load_failures.get(ebpf_root())
     if why is not None:
         why = f"could not load or attach here earlier in this process: {why}"
-    elif (why := ebpf_caps_refusal()) is not None:
-        pass
     else:
+        why = ebpf_caps_refusal()
+    if why is None:
         try:
             from . import ebpf
         except ImportError as e:  # the native module or bcc's bindings missing
