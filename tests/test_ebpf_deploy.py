@@ -56,9 +56,9 @@ def test_setup_from_the_cli_captures_with_the_nodes_kernel_headers_hidden(pod: P
     /lib/modules and /usr/src, ``redirect setup NS --backend ebpf`` compiles the host programs (against
     the headers the package carries), and the pod's connection is captured."""
     assert not os.path.exists(scratch_root)
-    script = " && ".join([*(f"mount -t tmpfs rdrt-hidden {d}" for d in HIDDEN),
-                          *(f'{{ [ -z "$(ls -A {d})" ] || {{ echo "{d} not hidden" >&2; exit 99; }}; }}' for d in HIDDEN),
-                          'exec "$@"'])
+    hide = [f"mount -t tmpfs rdrt-hidden {d}" for d in HIDDEN]
+    empty = [f'{{ [ -z "$(ls -A {d})" ] || {{ echo "{d} not hidden" >&2; exit 99; }}; }}' for d in HIDDEN]
+    script = " && ".join([*hide, *empty, 'exec "$@"'])
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
                         sys.executable, "-m", "redirect.cli", "setup", pod.name, "--backend", "ebpf",
                         "--set", "inbound_ports=", "--json"],
