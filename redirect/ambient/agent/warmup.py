@@ -8,10 +8,10 @@ eBPF then cannot load or attach here, ``auto`` falls back for this process's pod
 (``backends.ebpf_failed``) and the fallback is the backend in use.
 
 The agent is ready (``/readyz``, the ``status`` message) only while its backend is usable: for
-eBPF, every host pin is in place (looked at on each probe: a pin removed later makes it not ready
-until a pod's setup or the warm-up loads them again); a warm-up that failed is tried again, less
-and less often (``RETRY_FIRST`` doubling up to ``RETRY_MAX`` seconds), until it succeeds or the
-agent stops, and until then the answer carries its error.
+eBPF, while every host pin is in place, whoever loaded them (looked at on each probe: a pin
+removed later makes it not ready until a pod's setup or the warm-up loads them again); a warm-up
+that failed is tried again, less and less often (``RETRY_FIRST`` doubling up to ``RETRY_MAX``
+seconds), until it succeeds or the agent stops, and until then the answer carries its error.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Warmup:
         #: why the backend is not usable yet (the last warm-up's error)
         self.error: str | None = None
         self._lock = threading.Lock()
+        if backend not in ("ebpf", "auto"):
+            self._once()  # nothing slow to warm up (nftables: a probe): known before the agent serves
 
     def run(self, stopping: threading.Event) -> None:
         """Warm up until it succeeds or ``stopping`` is set (thread target)."""
@@ -88,17 +90,18 @@ class Warmup:
         """(usable, the fields /readyz adds: ``backend``, and ``backend_error`` while not usable)."""
         with self._lock:
             effective, error = self.effective, self.error
-        if effective is None:
-            return False, {"backend": self.backend, "backend_error": "warming up"}
-        if effective == "ebpf":  # usable once loaded and pinned, whoever loaded them
+        if "ebpf" in (self.backend, effective):  # usable once loaded and pinned, whoever loaded them
             from ...backends import ebpf
 
             root = ebpf._root(None)
             missing = ebpf.missing_pins(root)
             if not missing:
-                return True, {"backend": effective}
-            error = error or (f"ebpf: host pins missing under {root}: {', '.join(missing[:4])}"
-                              + (f" (+{len(missing) - 4})" if len(missing) > 4 else ""))
+                return True, {"backend": "ebpf"}
+            if effective is not None:
+                error = error or (f"ebpf: host pins missing under {root}: {', '.join(missing[:4])}"
+                                  + (f" (+{len(missing) - 4})" if len(missing) > 4 else ""))
+        if effective is None:
+            return False, {"backend": self.backend, "backend_error": "warming up"}
         if error is not None:
             return False, {"backend": effective, "backend_error": error}
         return True, {"backend": effective}
