@@ -21,6 +21,7 @@ import pytest
 from redirect import api
 from redirect.backends import ebpf
 from redirect.backends.ebpf.host import _host_lock
+from redirect.backends.ebpf.launch import run_loader
 from redirect.config import RedirectConfig
 from tests.netkit import Pod, TcpListener, landing
 from tests.test_agent import Node, cni
@@ -116,11 +117,10 @@ def test_a_library_setup_that_loads_the_host_programs_keeps_no_compiler_mapped(p
 def test_a_loader_that_fails_leaves_nothing_pinned_and_says_why(scratch_root: str, tmp_path: Path) -> None:
     """The loader's failure comes back to the caller as the error it raised (here: no cgroup v2 where
     the programs would be attached), and nothing is left pinned."""
-    from redirect.backends.ebpf import loader
     from redirect.errors import BackendUnavailable
 
     with _host_lock(scratch_root) as lock_fd, pytest.raises(BackendUnavailable, match="cgroup v2 not mounted at"):
-        loader.load(scratch_root, str(tmp_path), lock_fd)
+        run_loader(scratch_root, str(tmp_path), lock_fd)
     assert not os.path.exists(scratch_root)
 
 

@@ -63,7 +63,7 @@ include it, and the struct formats here are derived from cffi's declarations of 
 
 The package's modules: ``abi`` (layouts, constants), ``syscalls`` (bpf(2) calls, ``Map``, links),
 ``host`` (``HostPrograms``: load, pin, repair, recover), ``loader`` (the loader process: compile
-with bcc, load, pin, attach), ``lifetime`` (the per-process handle,
+with bcc, load, pin, attach), ``launch`` (starting it, its answer), ``lifetime`` (the per-process handle,
 unload, garbage collection), ``entries`` (what a config writes), ``pods`` (one pod's entries and
 link), ``tc`` (its tc filters where it forwards), ``pool`` (the pods' sk_lookup programs, loaded
 ahead), ``podnet`` (what the pod's netns holds), ``backend`` (``EbpfBackend``: apply, remove, check,

@@ -296,12 +296,16 @@ class HostPrograms:
                         f" (or unload_host({root!r}, force=True)) and set up again"
                     )
                 log.warning("ebpf: host pins under %s incomplete (missing: %s); reloading", root, ", ".join(missing))
-            from .loader import load
-
             probe_kernel()  # (what the loader would refuse, without starting it)
             _require_cgroup(cg)
+            from .launch import LoaderDied, run_loader
+
             t0 = time.perf_counter()
-            hint = load(root, cg, lock_fd)
+            try:
+                hint = run_loader(root, cg, lock_fd)
+            except LoaderDied:
+                _unpin_all(root)  # (whatever it pinned before it died)
+                raise
             ms = (time.perf_counter() - t0) * 1e3
             log.info("ebpf: compiled and pinned host programs under %s in %.0f ms (loader process)", root, ms)
             h = cls.open_pinned(root, compiled=True, load_ms=ms)

@@ -4,15 +4,16 @@
 bcc against the header tree the package carries (``redirect/bpf/headers/``, given to bcc as
 ``BCC_KERNEL_SOURCE``: the kernel's UAPI and a few headers of ours, so no node needs kernel
 headers), loads the programs, pins them and their maps under ``R``, loads the pool's first batch,
-attaches the cgroup programs to ``C`` with pinned links, and exits. bcc and LLVM are mapped in that
-process only: ``HostPrograms.open_or_load`` runs it (``load``) under the host lock, whose fd the
-child inherits (so the lock is held until both are gone), then opens the pins; every long-lived
-process (the agent, a user's process calling ``redirect.setup``) uses bpf(2) through the native
-module only. It runs once per host (per pin root and build of ``redirect/bpf/``), never per pod.
+attaches the cgroup programs to ``C`` with pinned links, and exits. bcc and LLVM are mapped in
+that process only: ``HostPrograms.open_or_load`` runs it (``launch.run_loader``) under the host
+lock, whose fd the child inherits (so the lock is held until both are gone), then opens the
+pins; every long-lived process (the agent, a user's process calling ``redirect.setup``) uses
+bpf(2) through the native module only. It runs once per host (per pin root and build of
+``redirect/bpf/``), never per pod.
 
 On failure the child unpins whatever it pinned, and answers on ``--result-fd`` with the error's
-class and message, which ``load`` raises again in the caller; a child that dies without an answer
-(killed, or over ``LOAD_TIMEOUT``) has its pins removed by ``load``.
+class and message, which ``launch.run_loader`` raises again in the caller; a child that dies without
+an answer (killed, or over ``launch.LOAD_TIMEOUT``) has its pins removed by its caller.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -41,83 +41,6 @@ from .host import (
 )
 from .pool import fill
 from .syscalls import _check, _native, obj_pin
-
-#: Seconds the loader may take (it compiles in about a second) before it is killed.
-LOAD_TIMEOUT = 120.0
-#: The error classes the loader's answer may name; anything else is reported as a ``SetupError``.
-_ERRORS: dict[str, type[Exception]] = {"BackendUnavailable": BackendUnavailable, "compile": BackendUnavailable,
-                                       "SetupError": SetupError}
-#: At most this much of the loader's stderr (bcc's compiler diagnostics) goes into an error.
-_STDERR_TAIL = 4000
-
-
-def load(root: str, cgroup: str, lock_fd: int, timeout: float = LOAD_TIMEOUT) -> int:
-    """Run the loader for ``root``/``cgroup`` and wait for it (the caller holds the host lock on
-    ``lock_fd``); where the pool's next batch starts. Raises what the loader raised."""
-    r, w = os.pipe2(os.O_CLOEXEC)
-    cmd = [sys.executable, "-m", __name__, "--root", root, "--cgroup", cgroup, "--result-fd", str(w)]
-    try:
-        try:
-            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 pass_fds=(w, lock_fd), env=_child_env())
-        finally:
-            os.close(w)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            _unpin_all(root)
-            raise BackendUnavailable(f"ebpf: the host programs' loader ({_shown(cmd)}) took more than {timeout:.0f} s"
-                                     f" and was killed; nothing is left pinned under {root}") from None
-        answer = _read_all(r)
-    finally:
-        os.close(r)
-    try:
-        res = json.loads(answer) if answer else None
-    except ValueError:
-        res = None
-    detail = _tail(err.decode(errors="replace") + out.decode(errors="replace"))
-    if isinstance(res, dict) and res.get("ok") is True and isinstance(res.get("hint"), int):
-        return int(res["hint"])
-    if isinstance(res, dict) and isinstance(res.get("error"), str):
-        cls = _ERRORS.get(str(res.get("kind")), SetupError)
-        raise cls(res["error"] + (f"\n{detail}" if detail and res.get("kind") == "compile" else ""))
-    _unpin_all(root)
-    raise BackendUnavailable(f"ebpf: the host programs' loader ({_shown(cmd)}) exited with {p.returncode} without"
-                             f" an answer; nothing is left pinned under {root}" + (f":\n{detail}" if detail else ""))
-
-
-def _child_env() -> dict[str, str]:
-    """The caller's environment, with this package first on the loader's ``sys.path`` (so it runs
-    this very code) and bcc's arch taken from the machine (``ARCH`` would override it)."""
-    env = dict(os.environ)
-    env.pop("ARCH", None)
-    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env["PYTHONPATH"] = os.pathsep.join([top, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    return env
-
-
-def _read_all(fd: int) -> bytes:
-    data = b""
-    while len(data) < 1 << 20:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _tail(text: str) -> str:
-    text = text.strip()
-    return text if len(text) <= _STDERR_TAIL else "..." + text[-_STDERR_TAIL:]
-
-
-def _shown(cmd: list[str]) -> str:
-    return " ".join(a for a in cmd[:3]) + " ..."
-
-
-# --- the loader process ---------------------------------------------------------------------
 
 
 def compile_load_pin(root: str, cgroup: str) -> int:
