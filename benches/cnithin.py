@@ -34,7 +34,9 @@ class ThinAgent:
 
     _instance: ThinAgent | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "iptables", http_port: int = 0, env: dict[str, str] | None = None) -> None:
+        """``backend``: the agent's ``--backend`` (its default, which it warms up); ``http_port``: its
+        ops port (0: any, not known here); ``env``: set in its environment."""
         from redirect.cni import install as inst
 
         self.dir = tempfile.mkdtemp(prefix="rdrt-bench-cni-")
@@ -50,9 +52,10 @@ class ThinAgent:
         with open(self.log, "wb") as f:
             self.proc = nsutil.track(subprocess.Popen(
                 [sys.executable, "-m", "redirect.ambient.agent.daemon", "--events-socket", self.sock,
-                 "--proxy-socket", os.path.join(self.dir, "proxy.sock"), "--http-port", "0", "--no-host-rules",
+                 "--proxy-socket", os.path.join(self.dir, "proxy.sock"), "--http-port", str(http_port),
+                 "--backend", backend, "--no-host-rules",
                  "--no-proc-scan", "--resync-seconds", "0", "--log-level", "warning"],
-                stdout=subprocess.DEVNULL, stderr=f))
+                stdout=subprocess.DEVNULL, stderr=f, env={**os.environ, **(env or {})}))
         deadline = time.monotonic() + 60
         while True:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s, contextlib.suppress(OSError):

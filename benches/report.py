@@ -18,6 +18,10 @@ RATE_NOISE = 0.03  # "no worse than Istio's rules" allows run-to-run noise of 3%
 #: ms with eBPF, and at most this share of Istio's per-pod sequence measured in the same run
 THIN_ADD_MS = {"ebpf": 3.0}
 THIN_ADD_VS_REFERENCE = {"ebpf": 1 / 4, "nftables": 1 / 2}
+#: redirect-agent's resident memory in steady state with this default backend, at most (MiB); the
+#: agent with AGENT_REFERENCE is measured in the same run (benches/agentmem.py)
+AGENT_RSS_MIB = {"ebpf": 60.0}
+AGENT_REFERENCE = "iptables"
 SCALE_TARGET = 1.2
 SCALE_TARGET_N = 1000
 REFERENCE_KEY = "reference/istio-iptables/sidecar"
@@ -122,6 +126,17 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         add(f"{b}: connection rate vs Istio's rules", f">= 1 (-{RATE_NOISE:.0%} noise)", v,
             None if v is None else v >= 1 - RATE_NOISE, skipped.get(b, "" if v is not None else "not measured"))
+    am = res.get("agent_memory", {})
+    ref_rss = am.get(AGENT_REFERENCE, {}).get("rss_mib")
+    for b, limit in AGENT_RSS_MIB.items():
+        a = am.get(b, {})
+        v = a.get("rss_mib")
+        why = skipped.get(b, a.get("error", "not measured in this run" if v is None else ""))
+        if v is not None:
+            why = (f"{AGENT_REFERENCE} agent {_fmt(ref_rss)} MiB in this run; peak {_fmt(a.get('peak_mib'))} MiB; "
+                   f"compiler mapped: {', '.join(a.get('compiler_mapped', [])) or 'none'}")
+        add(f"{b}: agent resident memory in steady state (MiB)", f"<= {limit:g}", v,
+            None if v is None else v <= limit, why)
     for key, d in r["nth_vs_first"].items():
         if key.startswith("reference"):
             continue
@@ -217,6 +232,23 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{o.get('iptables_legacy_rules')} / {o.get('nft_rules_total')} | "
                      f"{_fmt(m.get('bpf_map_entries_per_pod'))}"
                      + (f" ({_fmt(m['bpf_map_bytes_per_pod'])} B)" if m.get("bpf_map_bytes_per_pod") else "") + " |")
+    if res.get("agent_memory"):
+        L += ["", "## redirect-agent's memory per default backend (steady state)", "",
+              "Each agent started as on a node, waited for until /readyz said ready (its backend warmed up), "
+              "then read from /proc with its pods set up through the thin plugin.", "",
+              "| --backend | ready after (ms) | pods | RSS (MiB) | vs " + AGENT_REFERENCE + " | peak RSS (MiB) |"
+              " anon / file (MiB) | compiler mapped |", "|---|---|---|---|---|---|---|---|"]
+        am = res["agent_memory"]
+        ref_rss = am.get(AGENT_REFERENCE, {}).get("rss_mib")
+        for b, a in am.items():
+            if "error" in a:
+                L.append(f"| {b} | {a['error']} | | | | | | |")
+                continue
+            vs = round(a["rss_mib"] / ref_rss, 3) if ref_rss and a.get("rss_mib") else None
+            L.append(f"| {b} | {_fmt(a.get('ready_ms'))} | {a.get('pods')} ({a.get('add_errors')} failed) | "
+                     f"{_fmt(a.get('rss_mib'))} | {_fmt(vs)} | {_fmt(a.get('peak_mib'))} | "
+                     f"{_fmt(a.get('anon_mib'))} / {_fmt(a.get('file_mib'))} | "
+                     f"{', '.join(a.get('compiler_mapped', [])) or 'none'} |")
     dp = res.get("datapath", {})
     if dp.get("cases"):
         L += ["", f"## Data path (loopback in a pod netns; connect + {dp.get('msg_bytes')} B request/response + "

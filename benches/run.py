@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from . import cnithin, nsutil, podcost, podstart, report
+from . import agentmem, cnithin, nsutil, podcost, podstart, report
 from .methods import Method, Unavailable, api_method, cli_method, cni_method, forwarding_method, reference_method
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,7 +38,8 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 #: Variants of the iptables backend: in focused runs they get the in-process per-pod figure only.
 VARIANTS = ("iptables-legacy", "iptables-nft")
-PHASES = ("per_pod", "cli", "cni", "cni_thin", "cni_concurrent", "pod_start", "scale", "memory", "datapath")
+PHASES = ("per_pod", "cli", "cni", "cni_thin", "cni_concurrent", "pod_start", "scale", "memory", "agent_memory",
+          "datapath")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                            "quick": bool(args.quick or args.tiny), "host": _host(), "backends": backends,
                            "settings": prof, "notes": notes, "skipped_backends": skipped,
                            "per_pod": {}, "cni_concurrent": {}, "pod_start": {}, "scale": {}, "memory": {},
-                           "datapath": {}}
+                           "agent_memory": {}, "datapath": {}}
     bar: Bar | None = None
     try:
         print("benches: discovering backends and entry points ...", file=sys.stderr)
@@ -261,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         start_backends = [m.backend for m in thin_all]
         n_starts = len(podstart._cases(start_backends)) * prof["pod_starts"] if "pod_start" not in skip else 0
         total += n_starts
+        # The agent's resident memory per default backend: eBPF's against iptables' (the reference).
+        agent_backends = ([b for b in (agentmem.REFERENCE, *agentmem.TARGET_MIB) if b in backends and b not in skipped]
+                          if "agent_memory" not in skip else [])
+        total += len(agent_backends)
         bar = Bar(total, not args.no_progress)
         failed: dict[str, str] = {}
         if "per_pod" not in skip:
@@ -302,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001
                     bar.note(f"memory {m.key}: {e}")
                     res["memory"][m.key] = {"error": str(e)}
+        if agent_backends:
+            bar.phase("agent memory")
+            res["agent_memory"] = agentmem.run(agent_backends, prof["mem_pods"], bar)
         if "datapath" not in skip:
             from . import datapath
 

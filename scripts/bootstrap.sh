@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything redirect needs on a fresh Debian 12 machine, idempotently:
-# system packages, the kernel-header links bcc needs, bpffs, the venv, the native build.
+# system packages, bpffs, the venv, the native build.
 # Safe to run again: each step checks before it acts. Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ log() { printf 'bootstrap: %s\n' "$*" >&2; }
 [ "$(id -u)" = 0 ] || { log "must run as root (namespaces, netfilter, BPF)"; exit 1; }
 
 PKGS=(iptables nftables python3-nftables bpfcc-tools python3-bpfcc libbpfcc-dev bpftool
-      clang llvm linux-headers-amd64 ipset containernetworking-plugins containerd runc
+      clang llvm ipset containernetworking-plugins containerd runc
       busybox-static conntrack iperf3 wrk iproute2 kmod python3-venv python3-dev
       libffi-dev gcc make procps psmisc)
 missing=()
@@ -25,21 +25,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# bcc compiles against /lib/modules/$(uname -r)/build; the running kernel has no
-# header package, Debian's 6.1 headers serve for the networking programs.
-KDIR=/lib/modules/$(uname -r)
-if [ ! -e "$KDIR/build/include" ]; then
-  arch=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n1)
-  common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n1)
-  if [ -n "$arch" ] && [ -n "$common" ]; then
-    log "linking $KDIR/build -> $arch and source -> $common"
-    mkdir -p "$KDIR"
-    ln -sfn "$arch" "$KDIR/build"
-    ln -sfn "$common" "$KDIR/source"
-  else
-    log "warning: no kernel headers under /usr/src; the eBPF backend will be unavailable"
-  fi
-fi
+# No kernel headers: bcc compiles the eBPF programs against the UAPI headers the package
+# carries (redirect/bpf/headers/), in a short-lived loader process.
 
 mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
 

@@ -636,7 +636,8 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
 
         # Ops.
         code, body = agent.get("/readyz")
-        assert code == 200 and json.loads(body) == {"ready": True, "pods": count, "proxies": 1}
+        assert code == 200 and json.loads(body) == {"ready": True, "pods": count, "proxies": 1,
+                                                   "backend": n.backend}
         assert agent.metric("redirect_agent_pods_enrolled") == count
         assert agent.metric("redirect_agent_proxy_connections") == 1
         assert agent.metric('redirect_agent_events_total{type="add"}') == count

@@ -14,12 +14,17 @@
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/in.h>
 #include <uapi/linux/in6.h>
-#include <linux/socket.h>
 
-/* Socket types, from include/linux/net.h (not a uapi header). */
+/* The programs are compiled against UAPI headers only (redirect/bpf/headers/): socket types
+ * and address families are in the kernel's include/linux/net.h and include/linux/socket.h,
+ * which are not UAPI. */
 #ifndef SOCK_STREAM
 #define SOCK_STREAM 1
 #define SOCK_DGRAM 2
+#endif
+#ifndef AF_INET
+#define AF_INET 2
+#define AF_INET6 10
 #endif
 
 #include "abi.h" /* the map keys and values */

@@ -13,6 +13,7 @@
 - ``pods``: a pod's fields, validated once for events and for records;
 - ``identity``: the record the agent keeps in each pod's netns;
 - ``metrics``: /healthz /readyz /metrics and their bounded HTTP server;
+- ``warmup``: the default backend's warm-up, and whether it is usable yet (/readyz);
 - ``cni_requests``: the thin CNI plugin's requests, served with the plugin's own code;
 - ``protocol``: the wire format of both sockets (docs/agent-protocol.md);
 - ``client``: what the CNI plugin calls (``add_pod``, ``del_pod``).

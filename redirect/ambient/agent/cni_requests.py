@@ -25,7 +25,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...cni import netconf, plugin
-from ...errors import BackendUnavailable
 
 if TYPE_CHECKING:
     from .daemon import Agent
@@ -71,35 +70,6 @@ def _env(raw: object) -> dict[str, str]:
             raise BadRequest(f"cni.env.{k}: expected a string of at most {MAX_ENV_VALUE} chars")
         env[k] = v
     return env
-
-
-def warm_up(backend: str) -> None:
-    """Pay the first pod's one-off costs before a pod waits for them: with the eBPF backend the host
-    programs are compiled, loaded and attached (once per node, about a second); else nothing.
-    ``auto`` warms eBPF up when it would choose eBPF for the default config; if eBPF then cannot
-    load or attach here, ``auto`` falls back for this process's pods (``backends.ebpf_failed``)."""
-    auto = backend == "auto"
-    if auto:
-        from ...backends import choose_auto
-
-        backend = choose_auto(None)
-    if backend != "ebpf":
-        return
-    from ...backends import ebpf, ebpf_failed
-
-    t0 = time.perf_counter()
-    try:
-        ebpf.host()
-    except BackendUnavailable as e:
-        if auto:
-            ebpf_failed(str(e))
-        else:
-            log.warning("eBPF host programs not loaded at start: %s", e, extra={"fields": {"error": str(e)}})
-        return
-    except Exception as e:  # noqa: BLE001 - the first pod's setup will try again and report
-        log.warning("eBPF host programs not loaded at start: %s", e, extra={"fields": {"error": str(e)}})
-        return
-    log.info("eBPF host programs ready", extra={"fields": {"ms": round((time.perf_counter() - t0) * 1e3, 1)}})
 
 
 def handle(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], bytes]:
@@ -150,4 +120,4 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-__all__ = ["CNI_ENV", "BadRequest", "handle", "serve", "warm_up"]
+__all__ = ["CNI_ENV", "BadRequest", "handle", "serve"]

@@ -33,8 +33,9 @@ read-back and the resync), ``hub`` (the node proxies: snapshots, hand-outs, acks
 kernel), ``dispatch`` and ``events`` (the events socket's answers and its server), ``proxies``
 (one node proxy connection, its acks validated), ``discovery`` (the records found at start),
 ``pods`` (a pod's fields, validated once for events and records), ``identity`` (the record),
-``metrics`` (/healthz /readyz /metrics). This module wires them to the sockets and holds the
-command line.
+``metrics`` (/healthz /readyz /metrics), ``warmup`` (the default backend's warm-up; /readyz says
+ready only once that backend is usable: for eBPF, its host programs loaded and pinned). This
+module wires them to the sockets and holds the command line.
 
 Wire formats: ``redirect.ambient.agent.protocol`` and docs/agent-protocol.md.
 """
@@ -66,6 +67,7 @@ from .metrics import Metrics, serve_http
 from .ops import KernelOps
 from .reconcile import Reconciler
 from .registry import Registry
+from .warmup import Warmup
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Agent:
         self.reconciler = Reconciler(self.enroller, self.metrics, workers=opts.workers)
         self.dispatcher = Dispatcher(self.enroller, self.metrics, self._readiness)
         self.ready = False
+        self.warmup = Warmup(opts.backend)  # the default backend's one-off costs; usable yet? (/readyz)
         self.stopping = threading.Event()
         self._socks: list[socket.socket] = []
         self._paths: list[str] = []
@@ -133,8 +136,7 @@ class Agent:
         if self.opts.resync_seconds > 0:
             threading.Thread(target=self.reconciler.loop, args=(self.opts.resync_seconds, self.stopping),
                              name="agent-resync", daemon=True).start()
-        threading.Thread(target=cni_requests.warm_up, args=(self.opts.backend,), name="agent-warm-up",
-                         daemon=True).start()
+        threading.Thread(target=self.warmup.run, args=(self.stopping,), name="agent-warm-up", daemon=True).start()
         self.ready = True
         jlog(logging.INFO, "agent ready", node=self.opts.node_name, pods=len(self.registry.pods),
              events_socket=self.opts.events_socket, proxy_socket=self.opts.proxy_socket,
@@ -179,8 +181,11 @@ class Agent:
         jlog(logging.INFO, "agent stopped; redirection left in place", pods=len(self.registry.pods))
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: reconciled, accepting events, and the default backend usable (``warmup``)."""
+        usable, backend = self.warmup.readiness()
         with self.registry.lock:
-            return self.ready, {"pods": len(self.registry.pods), "proxies": self.hub.serving_locked()}
+            return self.ready and usable, {"pods": len(self.registry.pods), "proxies": self.hub.serving_locked(),
+                                           **backend}
 
 
 # --- CLI -----------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The eBPF backend: capture without netfilter.
 
 Host part, done once per host (``HostPrograms.open_or_load``): ``redirect/bpf/*.c`` is
-compiled through bcc, every program and map is pinned under a bpffs directory
+compiled through bcc, against the UAPI headers the package carries (``redirect/bpf/headers/``;
+no kernel headers needed), by a short-lived loader process (``.loader``: no long-lived process
+maps bcc or LLVM), every program and map is pinned under a bpffs directory
 (``/sys/fs/bpf/redirect``, or ``$REDIRECT_BPF_ROOT``), and the cgroup programs
 (``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getpeername4/6``,
 ``getsockopt``, ``sock_ops``, ``sock_release``)
@@ -60,7 +62,8 @@ include it, and the struct formats here are derived from cffi's declarations of 
 (``.abi``). Program and attach types are taken by the kernel's names.
 
 The package's modules: ``abi`` (layouts, constants), ``syscalls`` (bpf(2) calls, ``Map``, links),
-``host`` (``HostPrograms``: load, pin, repair, recover), ``lifetime`` (the per-process handle,
+``host`` (``HostPrograms``: load, pin, repair, recover), ``loader`` (the loader process: compile
+with bcc, load, pin, attach), ``launch`` (starting it, its answer), ``lifetime`` (the per-process handle,
 unload, garbage collection), ``entries`` (what a config writes), ``pods`` (one pod's entries and
 link), ``tc`` (its tc filters where it forwards), ``pool`` (the pods' sk_lookup programs, loaded
 ahead), ``podnet`` (what the pod's netns holds), ``backend`` (``EbpfBackend``: apply, remove, check,

@@ -1,8 +1,10 @@
 """The host part of the eBPF backend: the programs, maps and cgroup links pinned under one bpffs root.
 
 ``HostPrograms`` is one process's handle on them (opened by fd). ``HostPrograms.open_or_load``
-reuses the pins, or compiles ``redirect/bpf/*.c`` through bcc, loads, pins and attaches them once (under a
-host lock); a partly pinned root is repaired (missing cgroup links) or reloaded (no pod registered).
+reuses the pins, or has them compiled (``redirect/bpf/*.c`` through bcc, against the headers in
+``redirect/bpf/headers/``), loaded, pinned and attached once, under a host lock, by a short-lived
+process (``.loader``): bcc and LLVM are never mapped in the caller. A partly pinned root is repaired
+(missing cgroup links) or reloaded (no pod registered).
 ``recover_host`` reads what is still attached when pins are gone; ``host_problems`` says what a pod's
 capture is missing. The per-process cache of handles and unloading are in ``.lifetime``.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -35,10 +38,9 @@ from .abi import (
     TUPLE_KEY,
     U32,
 )
-from .pool import POOL_SLOT, close_kept, fill, kept_programs
+from .pool import POOL_SLOT, close_kept, kept_programs
 from .syscalls import (
     Map,
-    _check,
     _fd_by_id,
     _link_prog_fd,
     _native,
@@ -59,6 +61,12 @@ DEFAULT_ROOT = EBPF_DEFAULT_ROOT  # (defined with the backends: redirect.api loo
 DEFAULT_CGROUP = "/sys/fs/cgroup/unified"
 #: The BPF C sources: package data of ``redirect`` (``redirect/bpf/``), installed with it.
 BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
+#: The header tree bcc compiles against (``BCC_KERNEL_SOURCE``): the kernel's UAPI headers the programs
+#: and bcc's helpers.h include, and a few of ours (``redirect/bpf/headers/README.md``). Package data.
+HEADERS_DIR = os.path.join(BPF_DIR, "headers")
+#: ``uname -m`` -> the kernel's arch directory (as bcc maps it), for the arches whose UAPI headers
+#: ``HEADERS_DIR`` carries.
+HEADER_ARCHES = {"x86_64": "x86"}
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
 SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
@@ -105,14 +113,15 @@ def _lock_name(root: str) -> str:
 
 
 @contextlib.contextmanager
-def _host_lock(root: str) -> Iterator[None]:
-    """One loader per host at a time (other processes too)."""
+def _host_lock(root: str) -> Iterator[int]:
+    """One loader per host at a time (other processes too); the lock file's fd (a process it is
+    passed to holds the lock with it)."""
     from ...kernel import locks
 
     fd = locks.open_private(_lock_name(root))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
         os.close(fd)
 
@@ -267,7 +276,7 @@ class HostPrograms:
         root = _root(root)
         cg = _cgroup(cgroup)
         _ensure_bpffs(root)
-        with _host_lock(root):
+        with _host_lock(root) as lock_fd:
             missing = missing_pins(root)
             if not missing:
                 return cls.open_pinned(root)
@@ -287,16 +296,20 @@ class HostPrograms:
                         f" (or unload_host({root!r}, force=True)) and set up again"
                     )
                 log.warning("ebpf: host pins under %s incomplete (missing: %s); reloading", root, ", ".join(missing))
+            probe_kernel()  # (what the loader would refuse, without starting it)
+            _require_cgroup(cg)
+            from .launch import LoaderDied, run_loader
+
             t0 = time.perf_counter()
-            kept, n_kept, hint = _load_and_pin(root, cg)
-            ms = (time.perf_counter() - t0) * 1e3
-            log.info("ebpf: compiled and pinned host programs under %s in %.0f ms", root, ms)
             try:
-                h = cls.open_pinned(root, compiled=True, load_ms=ms)
-            except BaseException:
-                close_kept(kept, n_kept)
+                hint = run_loader(root, cg, lock_fd)
+            except LoaderDied:
+                _unpin_all(root)  # (whatever it pinned before it died)
                 raise
-            h.prog_fds, h.n_prog_fds, h.pool_hint[0] = kept, n_kept, hint  # (as a refill keeps its batch)
+            ms = (time.perf_counter() - t0) * 1e3
+            log.info("ebpf: compiled and pinned host programs under %s in %.0f ms (loader process)", root, ms)
+            h = cls.open_pinned(root, compiled=True, load_ms=ms)
+            h.pool_hint[0] = hint  # (where this process's next batch starts, as after its own refill)
             return h
 
 
@@ -310,7 +323,8 @@ def build_id() -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for n in sorted(os.listdir(BPF_DIR)):
+    names = sorted(os.path.relpath(os.path.join(d, n), BPF_DIR) for d, _, ns in os.walk(BPF_DIR) for n in ns)
+    for n in names:  # the sources and the headers they are compiled against
         if n.endswith((".c", ".h")):
             with open(os.path.join(BPF_DIR, n), "rb") as f:
                 h.update(n.encode() + b"\0" + f.read())
@@ -366,6 +380,11 @@ def count_pods(root: str) -> int | None:
         return sum(1 for _ in Map("pods", fd, 8, POLICY.size).keys())
     finally:
         os.close(fd)
+
+
+def _require_cgroup(cgroup: str) -> None:
+    if not os.path.isdir(cgroup) or not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
+        raise BackendUnavailable(f"ebpf: cgroup v2 not mounted at {cgroup} (set REDIRECT_BPF_CGROUP)")
 
 
 def _attach_to_cgroup(root: str, cgroup: str, progs: dict[str, int]) -> None:
@@ -428,13 +447,27 @@ def probe_kernel() -> None:
         raise BackendUnavailable(
             f"ebpf: kernel {rel} is too old: needs 5.17+ (sk_lookup ingress_ifindex, netns cookies in sock_ops)"
         )
-    build = f"/lib/modules/{rel}/build/include"
-    if not os.path.exists(build):
-        raise BackendUnavailable(f"ebpf: no kernel headers at {build} for bcc: run scripts/bootstrap.sh")
-    try:
-        import bcc  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailable(f"ebpf: bcc's Python module is missing ({e}): install python3-bpfcc") from None
+    why = headers_refusal()
+    if why is not None:
+        raise BackendUnavailable(why)
+    # Found, not imported: bcc (and LLVM with it) is loaded only by the loader process (``.loader``).
+    if importlib.util.find_spec("bcc") is None:
+        raise BackendUnavailable("ebpf: bcc's Python module is missing (it compiles the host programs once per"
+                                 " host): install python3-bpfcc")
+
+
+def headers_refusal() -> str | None:
+    """Why the header tree the package carries can't serve bcc on this machine (None: it can)."""
+    machine = os.uname().machine
+    arch = HEADER_ARCHES.get(machine)
+    if arch is None:
+        return (f"ebpf: no UAPI headers for this machine's architecture ({machine}) under {HEADERS_DIR}: only"
+                f" {', '.join(sorted(HEADER_ARCHES))} is carried")
+    for p in ("include/linux/kconfig.h", f"arch/{arch}/include/uapi/asm/types.h"):
+        if not os.path.isfile(os.path.join(HEADERS_DIR, p)):
+            return f"ebpf: the header tree bcc compiles against is incomplete: {os.path.join(HEADERS_DIR, p)} is" \
+                   " missing (an installation without redirect's package data redirect/bpf/headers/)"
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -450,68 +483,11 @@ def host_refusal(root: str, cgroup: str) -> str | None:
     if not (_is_bpffs(parent if os.path.exists(parent) else root)
             or (root.startswith("/sys/fs/bpf/") and os.path.isdir("/sys/fs/bpf"))):
         return f"ebpf: no bpffs for the pins under {root}"
-    if not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
-        return f"ebpf: cgroup v2 not mounted at {cgroup} (set REDIRECT_BPF_CGROUP)"
+    try:
+        _require_cgroup(cgroup)
+    except BackendUnavailable as e:
+        return str(e)
     return None
-
-
-def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
-    """Compile, load, pin and attach the host programs under ``root``; the pool's first batch kept
-    open (``pool.kept_programs``) and where the next batch starts, for the caller's handle."""
-    probe_kernel()
-    from bcc import BPF
-
-    if not os.path.isdir(cgroup) or not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
-        raise BackendUnavailable(f"ebpf: cgroup v2 not mounted at {cgroup} (set REDIRECT_BPF_CGROUP)")
-    text = "".join(open(os.path.join(BPF_DIR, n), encoding="utf-8").read() for n in SOURCES)
-    text += "\n/* which sources these pins came from (see build_id) */\nBPF_ARRAY(build_id, __u32, 1);\n"
-    try:
-        b = BPF(text=text.encode(), cflags=[f"-I{BPF_DIR}", "-Wno-unused-function"])
-    except Exception as e:
-        raise BackendUnavailable(f"ebpf: compiling redirect/bpf/ with bcc failed: {e}") from None
-    fns: dict[str, Any] = {}
-    kept, n_kept = kept_programs()
-    try:
-        for name, (ptype, atype, _cg) in PROGRAMS.items():
-            try:
-                fns[name] = b.load_func(name.encode(), ptype, attach_type=atype)
-            except Exception as e:
-                raise BackendUnavailable(f"ebpf: the kernel refused program {name}: {e}") from None
-        # Clear leftovers of a half-done earlier load (ours only: this root).
-        _unpin_all(root)
-        for d in ("maps", "progs", "links", "pods"):
-            os.makedirs(os.path.join(root, d), exist_ok=True)
-        from bcc import libbcc
-
-        for m in MAPS:
-            # By fd, not b[m]: bcc's Table class has no type for sockhash.
-            fd = libbcc.lib.bpf_table_fd(b.module, m.encode())
-            if fd < 0:
-                raise BackendUnavailable(f"ebpf: map {m} missing from the compiled object")
-            obj_pin(fd, os.path.join(root, "maps", m))
-        fd = libbcc.lib.bpf_table_fd(b.module, b"build_id")
-        if fd < 0:
-            raise BackendUnavailable("ebpf: map build_id missing from the compiled object")
-        obj_pin(fd, os.path.join(root, "maps", _build_pin()))
-        for name, fn in fns.items():
-            obj_pin(fn.fd, os.path.join(root, "progs", name))
-        # The pods' sk_lookup programs tail-call this one (redirect/bpf/redirect.h, lookup_netns).
-        def table(name: str) -> int:
-            return int(libbcc.lib.bpf_table_fd(b.module, name.encode()))
-
-        _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
-                                                0), "update lookup_prog")
-        # The first batch of the pods' own sk_lookup programs (``.pool``).
-        hint = fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
-                    table("lookup_free"), 0, keep=(kept, n_kept))
-        _attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in _cgroup_progs()})
-    except BaseException:
-        close_kept(kept, n_kept)
-        _unpin_all(root)
-        raise
-    finally:
-        b.cleanup()
-    return kept, n_kept, hint
 
 
 def _unpin_all(root: str) -> None:
