@@ -228,8 +228,6 @@ class HostPrograms:
 
     @classmethod
     def open_pinned(cls, root: str, compiled: bool = False, load_ms: float = 0.0) -> HostPrograms:
-        from ... import _native  # noqa: F401  (fail early with an ImportError that names it)
-
         maps: dict[str, Map] = {}
         progs: dict[str, int] = {}
         sizes = _map_sizes()
@@ -309,6 +307,8 @@ def build_id() -> str:
     """A digest of ``redirect/bpf/``: pinned as ``maps/build-<id>``, so pins of other sources count as missing."""
     import hashlib
 
+    if missing := [n for n in SOURCES if not os.path.isfile(os.path.join(BPF_DIR, n))]:
+        raise BackendUnavailable(f"ebpf: the BPF sources are missing from {BPF_DIR} ({', '.join(missing)}): reinstall")
     h = hashlib.sha256()
     for n in sorted(os.listdir(BPF_DIR)):
         if n.endswith((".c", ".h")):
@@ -434,7 +434,7 @@ def probe_kernel() -> None:
     try:
         import bcc  # noqa: F401
     except ImportError as e:
-        raise BackendUnavailable(f"ebpf: bcc's Python module is missing ({e}): install python3-bpfcc") from None
+        raise BackendUnavailable(f"ebpf: no bcc ({e}): install python3-bpfcc (venv: --system-site-packages)") from None
 
 
 @functools.lru_cache(maxsize=4)
