@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import struct
 import subprocess
@@ -124,7 +125,8 @@ def elf_interpreter(path: Path) -> bool:
 
 
 def test_the_wheel_holds_the_whole_product_and_runs_outside_the_tree(wheel: Path, venv: Venv) -> None:
-    assert wheel.name == f"redirect-{VERSION}-cp311-cp311-linux_x86_64.whl"  # tagged for its binaries
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert wheel.name == f"redirect-{VERSION}-{py}-{py}-linux_{platform.machine()}.whl"  # tagged for its binaries
     p = venv.run("python", "-c", "import json, sys, redirect, redirect._native as n; "
                                  "print(json.dumps([redirect.__file__, n.__file__, sys.path, redirect.__version__]))")
     assert p.returncode == 0, p.stderr
