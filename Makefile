@@ -3,7 +3,7 @@
 #   make test   installs what it needs, then runs lint, types and the whole test suite
 PY := .venv/bin/python
 
-.PHONY: bootstrap demo test lint bench bench-quick clean
+.PHONY: bootstrap demo test lint wheel bench bench-quick clean
 
 bootstrap:
 	bash scripts/bootstrap.sh
@@ -23,6 +23,13 @@ test: lint
 	$(PYTEST) -m noroot $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 	$(PYTEST) -m "not noroot" $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 
+# make wheel: the sdist and the wheel built from it, each in an isolated environment as pip
+# builds them (the cffi module and the thin CNI plugin compiled in), into $(WHEEL_DIR):
+# redirect-<version>.tar.gz and redirect-<version>-cp311-cp311-linux_x86_64.whl.
+WHEEL_DIR := build/dist
+wheel: bootstrap
+	$(PY) -m build --outdir $(WHEEL_DIR) .
+
 # make bench [ARGS=--quick]: results in benches/results/ (JSON, summary.md, PNG plots)
 bench: bootstrap
 	$(PY) -m benches $(BENCH_ARGS) $(ARGS)
@@ -31,4 +38,4 @@ bench-quick: bootstrap
 	$(PY) -m benches --quick $(BENCH_ARGS) $(ARGS)
 
 clean:
-	rm -rf .venv build *.egg-info redirect/_native* .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv build *.egg-info redirect/_native* redirect/cni/redirect-cni-thin .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,7 @@
 """cffi build script for ``redirect._native`` (API mode, out of line).
 
-``setup.py`` runs this through ``cffi_modules``; ``python native/build_native.py``
-builds it in place for development.
+The package build runs this through ``cffi_modules`` (``setup.py``): a wheel build, and the
+editable install of ``make bootstrap`` (in place).
 
 The cdef is made of the headers themselves, one list to keep true: ``redirect_native.h`` (the
 functions) and ``redirect/bpf/abi.h`` (the eBPF maps' keys and values, which ``redirect.backends.ebpf``
@@ -11,6 +11,7 @@ than ``#define NAME <integer>``), plus the kernel's names of the program and att
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -39,6 +40,12 @@ def cdef_of(path: pathlib.Path) -> str:
                      if not ln.lstrip().startswith("#") or _DEFINE.match(ln.lstrip()))
 
 
+def _rel(path: pathlib.Path) -> str:
+    """``path`` as setuptools wants the paths it is given: relative to setup.py's directory, where the
+    package build runs."""
+    return os.path.relpath(path)
+
+
 ffibuilder = FFI()
 ffibuilder.cdef("typedef uint8_t __u8; typedef uint16_t __u16; typedef uint32_t __u32; typedef uint64_t __u64;")
 ffibuilder.cdef(cdef_of(BPF / "abi.h"))
@@ -47,11 +54,8 @@ ffibuilder.cdef("\n".join(f"static const int {n};" for n in BPF_TYPES))
 ffibuilder.set_source(
     "redirect._native",
     '#include <linux/bpf.h>\n#include "abi.h"\n#include "redirect_native.h"',
-    sources=[str(HERE / "redirect_native.c"), str(HERE / "pod_setup.c"), str(HERE / "netfilter_probe.c"),
-             str(HERE / "tc_filter.c")],
-    include_dirs=[str(HERE), str(BPF)],
+    sources=[_rel(HERE / n) for n in ("redirect_native.c", "pod_setup.c", "netfilter_probe.c", "tc_filter.c")],
+    include_dirs=[_rel(HERE), _rel(BPF)],
+    depends=[_rel(p) for p in (*sorted(HERE.glob("*.h")), BPF / "abi.h")],  # rebuilt when a header changes
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )
-
-if __name__ == "__main__":
-    ffibuilder.compile(tmpdir=str(HERE.parent), verbose=True)

@@ -62,6 +62,9 @@ enum { E_INCOMPATIBLE = 1, E_INVALID_CONFIG = 4, E_DECODE = 6, E_ENV = 7, E_TRY_
 __attribute__((used)) static const char INSTALL_MARK[] = "redirect-cni thin plugin (written by `redirect-cni install`)";
 
 static const char *const SUPPORTED[] = {"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"};
+#ifndef REDIRECT_VERSION /* the package version: the package build (setup.py) defines it */
+#define REDIRECT_VERSION "unknown"
+#endif
 static const char *const ENV_NAMES[] = {"CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS",
                                         "CNI_IFNAME", "CNI_ARGS", "CNI_PATH"};
 
@@ -542,10 +545,21 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     const char *command = getenv("CNI_COMMAND");
+    if (!command && argc == 2 && strcmp(argv[1], "--version") == 0) { /* for people: which build a node has */
+        struct buf b = {0};
+        puts_(&b, "redirect-cni " REDIRECT_VERSION " (thin plugin)\nCNI protocol versions supported: ");
+        for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++) {
+            if (k) puts_(&b, ", ");
+            puts_(&b, SUPPORTED[k]);
+        }
+        puts_(&b, "\n");
+        write_all(1, b.p, b.n);
+        return 0;
+    }
     if (!command)
-        fail(E_ENV, "this is the thin redirect-cni plugin, run by a container runtime; "
+        fail(E_ENV, "this is the thin redirect-cni plugin " REDIRECT_VERSION ", run by a container runtime; "
                     "install it with `redirect-cni install`",
              "CNI_COMMAND is not set");
     size_t len = 0;

@@ -19,7 +19,14 @@ from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, HostNetnsError, NetnsError, RedirectError, SetupError
 from .kernel.netns import Fd, Pid
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> str:
+    if name == "__version__":  # looked up when asked (redirect.version)
+        from .version import version
+
+        return version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "setup",

@@ -167,9 +167,9 @@ def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns
 def _netfilter_present() -> bool:
     """Whether the calling thread's netns has any netfilter table (else no netfilter capture of
     ours can be there); True when it can't tell."""
-    from ._native import lib
+    from .native import load
 
-    return bool(lib.rdr_netfilter_present() != 0)
+    return bool(load().lib.rdr_netfilter_present() != 0)
 
 
 def _candidates(skip: str | None) -> list[str]:

@@ -97,3 +97,8 @@ class NetnsError(RedirectError):
 
 class HostNetnsError(NetnsError):
     """``setup`` was pointed at the host's own network namespace and not told that is meant."""
+
+
+class NotBuilt(RedirectError, ImportError):
+    """A part the package build makes (``redirect._native``, the compiled helpers) is missing from
+    this copy of redirect, or does not load; the message says how to get it."""

@@ -35,33 +35,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$VENV"
 fi
 stamp="$VENV/.redirect-deps"
-want=$(sha1sum requirements-dev.txt setup.py | sha1sum | cut -d' ' -f1)
+want=$(sha1sum requirements-dev.txt | sha1sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing Python packages into $VENV"
   # (pip's notes about unused local index locations on these machines are noise)
   "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements-dev.txt 2> >(grep -v 'is ignored: it is neither' >&2)
   echo "$want" > "$stamp"
 fi
-# The native module: rebuilt whenever its sources (native/, redirect/bpf/abi.h) change (cheap, ~1 s).
-# The editable install (console scripts: redirect, redirect-cni, redirect-agent, ...) is
-# redone when setup.py changes, so a new entry point appears in an existing venv too.
-so=$(ls redirect/_native*.so 2>/dev/null | head -n1 || true)
+# The package build (setup.py's build_ext) makes the native parts: the cffi module redirect/_native
+# and the thin CNI plugin redirect/cni/redirect-cni-thin, here in place through the editable install
+# (which also puts the console scripts redirect, redirect-cni, redirect-agent, ... into the venv);
+# `make wheel` runs the same build for a wheel. Redone when what it builds from changes.
 pkg_stamp="$VENV/.redirect-pkg"
-pkg_want=$(sha1sum setup.py | cut -d' ' -f1)
-if [ -z "$so" ] || [ -n "$(find native redirect/bpf/abi.h -newer "$so" -type f 2>/dev/null)" ] \
-    || [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
-  log "building native helpers (cffi)"
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps -e . >/dev/null
-  "$VENV/bin/python" native/build_native.py >/dev/null
+pkg_want=$(cat pyproject.toml setup.py MANIFEST.in native/* redirect/bpf/abi.h | sha1sum | cut -d' ' -f1)
+so=$(ls redirect/_native*.so 2>/dev/null | head -n1 || true)
+if [ -z "$so" ] || [ ! -x redirect/cni/redirect-cni-thin ] || [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
+  log "building the package's native parts (cffi module, thin CNI plugin)"
+  # (the module as older bootstraps built it, straight from native/build_native.py, would be
+  # imported before this build's: _native.cpython-*.so comes before _native.abi3.so)
+  rm -f redirect/_native.c redirect/_native.o redirect/_native.*.so
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e . 2> >(grep -v 'is ignored: it is neither' >&2) >/dev/null
   echo "$pkg_want" > "$pkg_stamp"
-fi
-# The thin CNI plugin (native/cni_thin.c): a static binary next to the package's code, where
-# `redirect-cni install` takes it from; rebuilt when its source changes.
-thin=redirect/cni/redirect-cni-thin
-if [ ! -x "$thin" ] || [ native/cni_thin.c -nt "$thin" ]; then
-  log "building the thin CNI plugin ($thin)"
-  cflags=(-O2 -Wall -Wextra -Werror -o "$thin.tmp" native/cni_thin.c)
-  gcc -static "${cflags[@]}" 2>/dev/null || gcc "${cflags[@]}"
-  mv -f "$thin.tmp" "$thin"
 fi
 log "ready: $VENV"

@@ -112,6 +112,9 @@ class Agent:
 class Node:
     """A test node: a netns for the node's probe rules, the agent's sockets, and its processes."""
 
+    #: How the agent is started (a test of an installed package runs its console script).
+    agent_command: tuple[str, ...] = (sys.executable, "-m", "redirect.ambient.agent.daemon")
+
     def __init__(self, tmp: Path, backend: str = "iptables") -> None:
         self.tmp = tmp
         self.backend = backend
@@ -129,7 +132,7 @@ class Node:
         self._n += 1
         log = self.tmp / f"agent-{self._n}.log"
         with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, "-m", "redirect.ambient.agent.daemon", "--events-socket", self.events,
+            p = subprocess.Popen([*self.agent_command, "--events-socket", self.events,
                                   "--proxy-socket", self.proxy_sock, "--http-port", "0", "--host-netns", self.ns,
                                   "--node-name", self.name, "--backend", self.backend, "--proxy-timeout", "5",
                                   *extra], stderr=f, stdout=subprocess.DEVNULL,

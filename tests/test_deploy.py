@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -140,14 +141,15 @@ def test_the_image_recipe_provides_what_the_manifests_run() -> None:
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
                 assert (ROOT / src).exists(), f"Containerfile copies {src}, which is not in the tree"
-    setup = (ROOT / "setup.py").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     path = re.search(r"^ENV PATH=(\S+)", text, re.M)
     assert path is not None and "/opt/redirect/venv/bin" in path.group(1).split(":")
     images = {c["image"] for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]}
-    assert images == {"redirect:0.1.0"} and 'version="0.1.0"' in setup and "redirect:0.1.0" in text
+    tag = f"redirect:{project['version']}"
+    assert images == {tag} and tag in text
     for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]:
         exe = argv_of(c, {})[0]
-        assert f'"{exe}=' in setup, f"{c['name']} runs {exe}, which setup.py does not install"
+        assert exe in project["scripts"], f"{c['name']} runs {exe}, which the package does not install"
 
 
 # --- on a node: the command lines as written, under containerd ------------------------------------

@@ -56,6 +56,7 @@ from .. import logjson
 from ..config import int_arg, seconds_arg
 from ..kernel import netns as _netns
 from ..relay import SO_MARK, original_dst, pump
+from ..version import VersionAction
 from .agent import protocol
 
 MARK = 0x539
@@ -440,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Reference node proxy for redirect-agent: takes pod netns fds from the agent, opens marked "
                     "listeners on 15001/15006/15008 inside each pod, forwards captured connections to their "
                     "original destination, logs them as JSON lines.")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--socket", default=protocol.DEFAULT_PROXY_SOCKET,
                    help="the agent's proxy socket (default %(default)s)")
     p.add_argument("--name", default="redirect-nodeproxy", help="name sent in hello (logs)")

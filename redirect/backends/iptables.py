@@ -120,7 +120,7 @@ def detect_variant(forced: str | None = None) -> str:
                     return "legacy"
         except OSError:
             pass
-    if _nft_xtables_present():
+    if _nft_xtables_present(unknown=False):  # (without the binding: the host's alternative decides)
         return "nft"
     # Nothing here yet: follow the host's alternative.
     target = os.path.realpath(shutil.which("iptables") or "/usr/sbin/iptables")
@@ -156,14 +156,16 @@ def _xtables_tables(nft: Any) -> list[tuple[str, str]]:
     return [(f, n) for f, n in names if f in ("ip", "ip6") and n in _XT_TABLES]
 
 
-def _nft_xtables_present() -> bool:
-    return _nft_call(lambda nft: bool(_xtables_tables(nft)), False)
+def _nft_xtables_present(unknown: bool) -> bool:
+    """Whether iptables-nft has a table here; ``unknown`` without the libnftables binding to list with."""
+    return _nft_call(lambda nft: bool(_xtables_tables(nft)), unknown)
 
 
 def _nft_chains_of_ours() -> bool:
     """Whether iptables-nft holds a chain with one of our names here (in-process listings, no
     exec; just the table list when there is no iptables-nft table, as in a pod of the nftables
-    backend). Whether it is truly ours is decided on the ``iptables-save`` dump (``parse_save``)."""
+    backend). Whether it is truly ours is decided on the ``iptables-save`` dump (``parse_save``);
+    without the libnftables binding to list with, that dump is always read."""
     import json
 
     def look(nft: Any) -> bool:
@@ -177,7 +179,7 @@ def _nft_chains_of_ours() -> bool:
                     return True
         return False
 
-    return _nft_call(look, False)
+    return _nft_call(look, True)
 
 
 Hooked = set[tuple[int, str, str]]  # (family, table, built-in chain) we removed a jump of ours from
@@ -422,7 +424,7 @@ class IptablesBackend:
                 except OSError:
                     pass
             return False
-        return _nft_xtables_present()
+        return _nft_xtables_present(unknown=True)  # (without the binding: the dump decides)
 
     def installed(self) -> bool:
         """Whether any chain of ours exists (cheap: no exec unless tables with our names exist)."""

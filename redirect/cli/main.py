@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import int_arg, seconds_arg
+from ..version import VersionAction
 from . import ebpf as ebpf_commands
 from . import node as node_commands
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 2 bad configuration, 1 failure. "
                "See docs/api.md for the config fields and docs/backends.md for the backends.",
     )
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: rule payloads)")
     p.add_argument("--log-json", action="store_true",
                    help="log as JSON lines on stderr: time, level, logger, msg and the pod's fields "

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..config import seconds_arg
 from ..errors import brief_text
+from ..version import VersionAction
 from .netconf import DEFAULTS, LATEST, PLUGIN_TYPE, CniError, PluginConf
 
 DEFAULT_CONF_DIR = "/etc/cni/net.d"
@@ -48,7 +49,7 @@ CONF_EXTS = (".conf", ".conflist", ".json")
 MARK_KEY = "redirectInstall"
 LAUNCHER_MARK = "# redirect-cni launcher"
 PYTHON_PLUGIN = "redirect-cni-python"
-#: the thin plugin as ``scripts/bootstrap.sh`` builds it, and the string it carries
+#: the thin plugin where the package build (``setup.py``) puts it, and the string it carries
 THIN_BINARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "redirect-cni-thin")
 THIN_MARK = b"redirect-cni thin plugin (written by `redirect-cni install`)"
 #: The capabilities our entry declares: the runtime passes the pod's annotations.
@@ -262,11 +263,13 @@ def _launcher(python: str) -> bytes:
 
 
 def thin_binary() -> bytes:
-    """The thin plugin's bytes, as built by ``scripts/bootstrap.sh``."""
+    """The thin plugin's bytes, as the package build made it."""
     try:
         data = _read(THIN_BINARY)[0]
     except FileNotFoundError:
-        raise InstallError(f"{THIN_BINARY}: the thin CNI plugin is not built (make bootstrap builds it)") from None
+        raise InstallError(f"{THIN_BINARY}: the thin CNI plugin is missing; the package build makes it: reinstall"
+                           " redirect with pip (its wheel or source tree; the build needs gcc), or run"
+                           " `make bootstrap` in the source tree") from None
     if THIN_MARK not in data:
         raise InstallError(f"{THIN_BINARY}: not the thin CNI plugin (no install mark in it)")
     return data
@@ -474,6 +477,7 @@ def _json_arg(text: str | None, what: str) -> Any:
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="redirect-cni", description="Install redirect-cni into a node's CNI config. "
                                 "(Run by a container runtime with CNI_COMMAND set, it is the CNI plugin.)")
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("install", "uninstall"):
         s = sub.add_parser(name)

@@ -127,9 +127,9 @@ def open_netns(ref: NetnsRef) -> int:
 
 
 def _setns(fd: int) -> None:
-    from .._native import lib
+    from ..native import load
 
-    rc = lib.rdr_setns(fd, CLONE_NEWNET)
+    rc = load().lib.rdr_setns(fd, CLONE_NEWNET)
     if rc < 0:
         raise OSError(-rc, os.strerror(-rc))
 
@@ -286,8 +286,10 @@ def _host_reason(st: os.stat_result, home: os.stat_result | None) -> str | None:
 
 def netns_cookie(ref: NetnsRef) -> int:
     """The kernel's 64-bit cookie for a namespace (what BPF programs see)."""
-    from .._native import ffi, lib
+    from ..native import load
 
+    native = load()
+    ffi, lib = native.ffi, native.lib
     fd = open_netns(ref)
     try:
         out = ffi.new("uint64_t *")

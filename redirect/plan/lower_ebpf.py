@@ -203,7 +203,10 @@ def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[i
     with several, the kernel's choice per route may be another). The connect and sendmsg hooks
     give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``). The
     choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
-    from .._native import ffi, lib
+    from ..native import load
+
+    native = load()
+    ffi, lib = native.ffi, native.lib
 
     addrs = [(f, ipaddress.ip_address(ip).packed, index) for f, ip, index in local if f in (4, 6)]
     a = ffi.new("struct rdr_scan_addr[]", max(1, len(addrs)))

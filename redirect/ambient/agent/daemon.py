@@ -57,6 +57,7 @@ from typing import Any
 
 from ...config import RedirectConfig, int_arg, seconds_arg
 from ...errors import ConfigError, RedirectError
+from ...version import VersionAction
 from . import cni_requests, protocol
 from .dispatch import Dispatcher
 from .enroller import Enroller
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "enrols ambient pods (in-pod rules, node probe sets) and hands their network namespaces to "
                     "the node proxy. Restart-safe: state is read back from the kernel. SIGTERM stops it and "
                     "leaves redirection in place.")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--events-socket", default=protocol.DEFAULT_EVENTS_SOCKET,
                    help="unix SOCK_SEQPACKET socket for pod events from the CNI plugin (default %(default)s)")
     p.add_argument("--proxy-socket", default=protocol.DEFAULT_PROXY_SOCKET,

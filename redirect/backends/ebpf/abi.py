@@ -16,7 +16,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..._native import ffi, lib
+from ...native import load
+
+_native = load()  # NotBuilt, naming what to do, when the package was not built
+ffi, lib = _native.ffi, _native.lib
 
 _FORMATS = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q"}
 

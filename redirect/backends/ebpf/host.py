@@ -237,8 +237,6 @@ class HostPrograms:
 
     @classmethod
     def open_pinned(cls, root: str, compiled: bool = False, load_ms: float = 0.0) -> HostPrograms:
-        from ... import _native  # noqa: F401  (fail early with an ImportError that names it)
-
         maps: dict[str, Map] = {}
         progs: dict[str, int] = {}
         sizes = _map_sizes()
@@ -322,6 +320,8 @@ def build_id() -> str:
     """A digest of ``redirect/bpf/``: pinned as ``maps/build-<id>``, so pins of other sources count as missing."""
     import hashlib
 
+    if missing := [n for n in SOURCES if not os.path.isfile(os.path.join(BPF_DIR, n))]:
+        raise BackendUnavailable(f"ebpf: the BPF sources are missing from {BPF_DIR} ({', '.join(missing)}): reinstall")
     h = hashlib.sha256()
     names = sorted(os.path.relpath(os.path.join(d, n), BPF_DIR) for d, _, ns in os.walk(BPF_DIR) for n in ns)
     for n in names:  # the sources and the headers they are compiled against

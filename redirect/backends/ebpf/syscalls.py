@@ -13,8 +13,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ... import _native as _native_module
 from ...kernel import netns as _netns
+from ...native import load
+
+_native_module = load()  # NotBuilt, naming what to do, when the package was not built
 
 
 def _native() -> Any:
