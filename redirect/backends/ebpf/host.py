@@ -453,7 +453,7 @@ def probe_kernel() -> None:
     # Found, not imported: bcc (and LLVM with it) is loaded only by the loader process (``.loader``).
     if importlib.util.find_spec("bcc") is None:
         raise BackendUnavailable("ebpf: bcc's Python module is missing (it compiles the host programs once per"
-                                 " host): install python3-bpfcc")
+                                 " host): install python3-bpfcc (in a venv: --system-site-packages)")
 
 
 def headers_refusal() -> str | None:
