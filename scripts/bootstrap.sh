@@ -61,7 +61,7 @@ fi
 so=$(ls redirect/_native*.so 2>/dev/null | head -n1 || true)
 pkg_stamp="$VENV/.redirect-pkg"
 pkg_want=$(sha1sum setup.py | cut -d' ' -f1)
-if [ -z "$so" ] || [ -n "$(find native redirect/bpf/abi.h -newer "$so" -type f 2>/dev/null)" ] \
+if [ -z "$so" ] || [ -n "$(find native redirect/bpf/abi.h redirect/plan/lower_ebpf.py -newer "$so" -type f 2>/dev/null)" ] \
     || [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
   log "building native helpers (cffi)"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps -e . >/dev/null

@@ -35,7 +35,7 @@ static __always_inline int cidr_listed(__u64 keys, __u32 kind, const __u8 *addr,
 	return cidrs.lookup(&k) != NULL;
 }
 
-/* Whether ifindex has an entry of kind (RDR_CIDR_IF_EXCL, RDR_CIDR_IF_REROUTE) in the pod. */
+/* Whether ifindex has an entry of kind (RDR_CIDR_IFACE_EXCLUDE, RDR_CIDR_IFACE_REROUTE) in the pod. */
 static __always_inline int iface_listed(__u64 keys, __u32 kind, __u32 ifindex)
 {
 	__u32 be = bpf_htonl(ifindex);
@@ -50,13 +50,13 @@ static __always_inline int iface_listed(__u64 keys, __u32 kind, __u32 ifindex)
 /* Whether ifindex is one of the pod's excluded interfaces (exclude_interfaces). */
 static __always_inline int iface_excluded(const struct pod_policy *p, __u64 keys, __u32 ifindex)
 {
-	return (p->flags & RDR_F_EXCL_IF) && iface_listed(keys, RDR_CIDR_IF_EXCL, ifindex);
+	return (p->flags & RDR_F_EXCL_IF) && iface_listed(keys, RDR_CIDR_IFACE_EXCLUDE, ifindex);
 }
 
 /* Whether ifindex is one of the pod's reroute (kube-virt) interfaces (reroute_interfaces). */
 static __always_inline int iface_rerouted(const struct pod_policy *p, __u64 keys, __u32 ifindex)
 {
-	return (p->flags & RDR_F_REROUTE) && iface_listed(keys, RDR_CIDR_IF_REROUTE, ifindex);
+	return (p->flags & RDR_F_REROUTE) && iface_listed(keys, RDR_CIDR_IFACE_REROUTE, ifindex);
 }
 
 /* Whether the connection leaves through an excluded interface (Istio's "-o <if> -j RETURN",
@@ -70,7 +70,7 @@ static __always_inline int leaves_excluded(const struct pod_policy *p, __u64 key
 		return 0;
 	if (bound_if)
 		return iface_excluded(p, keys, bound_if);
-	return cidr_listed(keys, v6 ? RDR_CIDR_VIA_EXCL6 : RDR_CIDR_VIA_EXCL4, addr, v6);
+	return cidr_listed(keys, v6 ? RDR_CIDR_VIA_EXCLUDE6 : RDR_CIDR_VIA_EXCLUDE4, addr, v6);
 }
 
 /* Whether id is in one kind's ranges: the first (inline in the policy, all a
@@ -185,8 +185,8 @@ static __always_inline int inbound_listed(const struct pod_policy *p, __u64 keys
 	if (!(p->flags & RDR_F_INBOUND) || port == p->tunnel_port)
 		return 0;
 	if (p->flags & RDR_F_INBOUND_ALL)
-		return !port_listed(keys, RDR_PORT_IN_EXCL, port);
-	return port_listed(keys, RDR_PORT_IN_INCL, port);
+		return !port_listed(keys, RDR_PORT_IN_EXCLUDE, port);
+	return port_listed(keys, RDR_PORT_IN_INCLUDE, port);
 }
 
 /* ... to a port other than the inbound port itself (where the chain's REDIRECT or TPROXY changes
@@ -232,7 +232,7 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, 
 	__u64 ug = bpf_get_current_uid_gid();
 	int hairpin, lo_return, own;
 
-	if (port_listed(keys, RDR_PORT_OUT_EXCL, port))
+	if (port_listed(keys, RDR_PORT_OUT_EXCLUDE, port))
 		return RDR_PASS;
 	if (out_lo && src_passthrough)
 		return RDR_PASS;
@@ -263,13 +263,13 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, 
 		return RDR_PASS; /* only DNS is captured for UDP */
 	if (dst_is_lo_cidr)
 		return RDR_PASS;
-	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_EXCL6 : RDR_CIDR_OUT_EXCL4, addr, v6))
+	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_EXCLUDE6 : RDR_CIDR_OUT_EXCLUDE4, addr, v6))
 		return RDR_PASS;
-	if (port_listed(keys, RDR_PORT_OUT_INCL, port))
+	if (port_listed(keys, RDR_PORT_OUT_INCLUDE, port))
 		return p->proxy_port;
 	if (p->flags & RDR_F_OUT_ALL)
 		return p->proxy_port;
-	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, addr, v6))
+	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCLUDE6 : RDR_CIDR_OUT_INCLUDE4, addr, v6))
 		return p->proxy_port;
 	return RDR_PASS;
 }
@@ -381,7 +381,7 @@ static __always_inline int pod_listener(const struct pod_policy *p, __u64 keys, 
 		return -1;
 	if (!iface_rerouted(p, keys, ifindex))
 		return inbound_taken(p, keys, port, fwd) ? RDR_LISTENER_INBOUND : -1;
-	out = (p->flags & RDR_F_OUT_ALL) || cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, daddr, v6);
+	out = (p->flags & RDR_F_OUT_ALL) || cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCLUDE6 : RDR_CIDR_OUT_INCLUDE4, daddr, v6);
 	return rerouted_listener(p, keys, port, out, fwd);
 }
 

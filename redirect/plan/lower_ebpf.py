@@ -8,7 +8,8 @@ CIDRs: a connect to them leaves over lo; inbound from them is the pod to itself)
 ``redirect.backends.ebpf`` only packs these into the structs of ``redirect/bpf/abi.h``; the programs
 read them, and ``redirect.plan.evaluate`` models what they do with them.
 
-Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
+Kinds are named, numbered and displayed here, once (``PORT_KINDS``, ``CIDR_KINDS``: the C header
+redirect/bpf/kinds.h is generated from the table). A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
 of kind and netns cookie.
 An ambient intent (``AmbientIntent``) lowers to a policy with ``ambient`` set (the node proxy's
@@ -33,6 +34,48 @@ PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
 CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
                    "local4", "local6", "uid", "gid", "group", "iface_exclude", "via_exclude4", "via_exclude6",
                    "iface_reroute", "probe4", "probe6"]
+#: What a ``cidrs`` key of a kind holds in its 16 bytes: an IPv4 or IPv6 network, an ifindex or an
+#: owner id (both network order in the first 4 bytes, prefix blocks of the 32-bit number).
+Shape = Literal["addr4", "addr6", "ifindex", "id"]
+
+# The kinds of the ``ports`` and ``cidrs`` entries, the one table of them: (name, number, [shape,]
+# display name). The number is the key's ``kind`` in the maps: native/build_native.py writes
+# redirect/bpf/kinds.h from this table (``RDR_PORT_<NAME>``, ``RDR_CIDR_<NAME>``, which the
+# programs read), and the display name is what ``check``, ``show`` and ``render`` print. Plain
+# literals: the build reads them without importing the package. A kind added here is a kind the
+# programs must read (tests/test_guards.py fails until redirect/bpf/ and redirect.plan.evaluate do).
+PORT_KINDS = (
+    ("out_exclude", 1, "outbound-exclude"),  # outbound_exclude_ports: never captured
+    ("out_include", 2, "outbound-include"),  # outbound_ports: captured whatever the destination
+    ("in_include", 3, "inbound-include"),  # inbound_ports (not "*"): captured
+    ("in_exclude", 4, "inbound-exclude"),  # inbound_exclude_ports (inbound_ports "*"): not captured
+)
+CIDR_KINDS = (
+    ("out_exclude4", 1, "addr4", "outbound-exclude"),  # outbound_exclude_cidrs
+    ("out_include4", 2, "addr4", "outbound-include"),  # outbound_cidrs (not "*")
+    ("dns4", 3, "addr4", "dns-server"),  # dns_servers (without capture_all_dns)
+    ("out_exclude6", 4, "addr6", "outbound-exclude"),
+    ("out_include6", 5, "addr6", "outbound-include"),
+    ("dns6", 6, "addr6", "dns-server"),
+    ("local4", 7, "addr4", "local"),  # the pod's own addresses: a connect to them leaves over lo
+    ("local6", 8, "addr6", "local"),
+    ("uid", 9, "id", "proxy-uid"),  # proxy_uids past the first range
+    ("gid", 10, "id", "proxy-gid"),  # proxy_gids past the first range
+    ("group", 11, "id", "owner-group"),  # owner_groups / owner_groups_exclude past the first range
+    ("iface_exclude", 12, "ifindex", "excluded-interface"),  # exclude_interfaces, resolved in the pod
+    ("via_exclude4", 13, "addr4", "via-excluded-interface"),  # destinations routed through one
+    ("via_exclude6", 14, "addr6", "via-excluded-interface"),
+    ("probe4", 15, "addr4", "probe-source"),  # ambient: probe_snat_ipv4
+    ("probe6", 16, "addr6", "probe-source"),  # ambient: probe_snat_ipv6
+    ("iface_reroute", 17, "ifindex", "reroute-interface"),  # reroute_interfaces, resolved in the pod
+)
+#: Kind name -> its number in the maps, and back; its display name; a CIDR kind's shape.
+PORT_KIND: dict[PortKind, int] = {n: i for n, i, _d in PORT_KINDS}  # type: ignore[misc]
+CIDR_KIND: dict[CidrKind, int] = {n: i for n, i, _s, _d in CIDR_KINDS}  # type: ignore[misc]
+PORT_KIND_NAME: dict[int, PortKind] = {i: n for n, i in PORT_KIND.items()}
+CIDR_KIND_NAME: dict[int, CidrKind] = {i: n for n, i in CIDR_KIND.items()}
+KIND_DISPLAY: dict[str, str] = {n: d for n, _i, d in PORT_KINDS} | {n: d for n, _i, _s, d in CIDR_KINDS}
+CIDR_SHAPE: dict[CidrKind, Shape] = {n: s for n, _i, s, _d in CIDR_KINDS}  # type: ignore[misc]
 IdRange = tuple[int, int]
 #: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
 LocalAddr = tuple[int, str, int]
@@ -265,7 +308,8 @@ def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Itera
     return tuple(dict.fromkeys(out))
 
 
-__all__ = ["pod_interfaces", "pod_sources", "Route",
+__all__ = ["pod_interfaces", "pod_sources", "Route", "PORT_KINDS", "CIDR_KINDS", "PORT_KIND", "CIDR_KIND",
+           "PORT_KIND_NAME", "CIDR_KIND_NAME", "KIND_DISPLAY", "CIDR_SHAPE", "Shape",
            "EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "lower_ambient",
            "pod_local",
            "LOOPBACK_IFINDEX"]

@@ -119,9 +119,6 @@ from ...errors import BackendUnavailable, RedirectError
 from .abi import (
     AF,
     CIDR_KEY,
-    CIDR_LOCAL4,
-    CIDR_LOCAL6,
-    CIDR_OUT_EXCL4,
     CIDR_PREFIX_BASE,
     F_V6,
     GEN_BIT,
@@ -130,7 +127,6 @@ from .abi import (
     P_N_INV,
     POLICY,
     PORT_KEY,
-    PORT_OUT_EXCL,
     PROGRAMS,
     SK_LOOKUP_ATTACH,
     U64,
@@ -174,7 +170,7 @@ __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_h
            "probe_kernel", "refusal", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id",
            "missing_pins", "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF",
            "CIDR_KEY",
-           "CIDR_LOCAL4", "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
-           "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "GEN_BIT", "_policy_core",
+           "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
+           "POLICY", "PORT_KEY", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "GEN_BIT", "_policy_core",
            "_unsupported", "_cgroup_progs", "count_pods", "_root", "_unpin_all", "_pod_link", "_link_target",
            "_native", "link_info", "obj_get", "prog_id"]

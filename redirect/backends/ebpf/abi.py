@@ -79,7 +79,8 @@ def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
 
 
 def const(name: str) -> int:
-    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type."""
+    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type.
+    (The entry kinds are not here: ``redirect.plan.lower_ebpf`` numbers them, ``PORT_KIND``, ``CIDR_KIND``.)"""
     return int(getattr(lib, name))
 
 
@@ -135,16 +136,7 @@ F_EXCL_IF, F_REROUTE, F_AMBIENT, F_FWMARK_ACCEPT_OURS = (
 F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6, F_TPROXY = (
     const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6",
                                   "TPROXY"))
-PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = (
-    const(f"RDR_PORT_{n}") for n in ("OUT_EXCL", "OUT_INCL", "IN_INCL", "IN_EXCL"))
-CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = (
-    const(f"RDR_CIDR_{n}") for n in ("OUT_EXCL4", "OUT_INCL4", "DNS4", "OUT_EXCL6", "OUT_INCL6", "DNS6"))
-CIDR_LOCAL4, CIDR_LOCAL6 = const("RDR_CIDR_LOCAL4"), const("RDR_CIDR_LOCAL6")
-CIDR_UID, CIDR_GID, CIDR_GROUP = const("RDR_CIDR_UID"), const("RDR_CIDR_GID"), const("RDR_CIDR_GROUP")
-CIDR_IF_EXCL, CIDR_VIA_EXCL4, CIDR_VIA_EXCL6, CIDR_IF_REROUTE = (
-    const(f"RDR_CIDR_{n}") for n in ("IF_EXCL", "VIA_EXCL4", "VIA_EXCL6", "IF_REROUTE"))
 LISTENER_INBOUND, LISTENER_OUTBOUND = const("RDR_LISTENER_INBOUND"), const("RDR_LISTENER_OUTBOUND")
-CIDR_PROBE4, CIDR_PROBE6 = const("RDR_CIDR_PROBE4"), const("RDR_CIDR_PROBE6")
 CIDR_PREFIX_BASE = const("RDR_CIDR_PREFIX_BASE")  # cidr_key.prefixlen = this + the CIDR's own
 GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = (const(f"RDR_GROUPS_{n}") for n in ("ALL", "ONLY", "EXCLUDE"))
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}

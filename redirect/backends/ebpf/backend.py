@@ -15,14 +15,13 @@ from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
 from ...kernel import netns as _netns
 from ...plan.intent import AmbientIntent, Intent
+from ...plan.lower_ebpf import CIDR_KIND
 from ...plan.vocabulary import LocalAddress, Plan
 from ..base import CheckResult, Installed
 from . import tc
 from .abi import (
     AF,
     CIDR_KEY,
-    CIDR_LOCAL4,
-    CIDR_LOCAL6,
     F_AMBIENT,
     F_FWMARK_ACCEPT_OURS,
     F_TPROXY,
@@ -361,7 +360,7 @@ class EbpfBackend:
             "policy": _fmt_policy(st.policy) if st.policy else None,
             "ports": sorted(_fmt_port(k) for k in st.ports), "cidrs": sorted(_fmt_cidr(k) for k in st.cidrs),
             "addresses": sorted(_fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
-                                if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
+                                if CIDR_KEY.unpack(k)[1] in (CIDR_KIND["local4"], CIDR_KIND["local6"])),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
             "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & _ROUTED else [],

@@ -17,27 +17,21 @@ from dataclasses import dataclass
 from ...config import RedirectConfig
 from ...errors import BackendUnavailable, SetupError
 from ...plan.intent import AmbientIntent, Intent, ambient_intent_of, intent_of
-from ...plan.lower_ebpf import lower_ebpf, pod_interfaces, pod_local, pod_sources
+from ...plan.lower_ebpf import (
+    CIDR_KIND,
+    CIDR_KIND_NAME,
+    CIDR_SHAPE,
+    KIND_DISPLAY,
+    PORT_KIND,
+    PORT_KIND_NAME,
+    lower_ebpf,
+    pod_interfaces,
+    pod_local,
+    pod_sources,
+)
 from .abi import (
-    CIDR_DNS4,
-    CIDR_DNS6,
-    CIDR_GID,
-    CIDR_GROUP,
-    CIDR_IF_EXCL,
-    CIDR_IF_REROUTE,
     CIDR_KEY,
-    CIDR_LOCAL4,
-    CIDR_LOCAL6,
-    CIDR_OUT_EXCL4,
-    CIDR_OUT_EXCL6,
-    CIDR_OUT_INCL4,
-    CIDR_OUT_INCL6,
     CIDR_PREFIX_BASE,
-    CIDR_PROBE4,
-    CIDR_PROBE6,
-    CIDR_UID,
-    CIDR_VIA_EXCL4,
-    CIDR_VIA_EXCL6,
     F_AMBIENT,
     F_DNS,
     F_DNS_ALL,
@@ -63,11 +57,7 @@ from .abi import (
     P_SRC6,
     POLICY,
     POLICY_LAYOUT,
-    PORT_IN_EXCL,
-    PORT_IN_INCL,
     PORT_KEY,
-    PORT_OUT_EXCL,
-    PORT_OUT_INCL,
     U64,
 )
 
@@ -155,15 +145,6 @@ def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
     return POLICY.pack(*v)
 
 
-_PORT_KIND = {"out_exclude": PORT_OUT_EXCL, "out_include": PORT_OUT_INCL, "in_include": PORT_IN_INCL,
-              "in_exclude": PORT_IN_EXCL}
-_CIDR_KIND = {"out_exclude4": CIDR_OUT_EXCL4, "out_include4": CIDR_OUT_INCL4, "dns4": CIDR_DNS4,
-              "out_exclude6": CIDR_OUT_EXCL6, "out_include6": CIDR_OUT_INCL6, "dns6": CIDR_DNS6,
-              "local4": CIDR_LOCAL4, "local6": CIDR_LOCAL6, "uid": CIDR_UID, "gid": CIDR_GID, "group": CIDR_GROUP,
-              "iface_exclude": CIDR_IF_EXCL, "via_exclude4": CIDR_VIA_EXCL4, "via_exclude6": CIDR_VIA_EXCL6,
-              "iface_reroute": CIDR_IF_REROUTE, "probe4": CIDR_PROBE4, "probe6": CIDR_PROBE6}
-
-
 @functools.lru_cache(maxsize=256)
 def _intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
                                                                    tuple[tuple[int, int, bytes], ...]]:
@@ -188,8 +169,8 @@ def _intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...]) -> tu
     )
     # (::6 on lo, which the plan adds for the proxy's passthrough to a pod with IPv6 of its own, is
     # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
-    return (policy, tuple(sorted((_PORT_KIND[k], port) for k, port in e.ports)),
-            tuple(sorted((CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
+    return (policy, tuple(sorted((PORT_KIND[k], port) for k, port in e.ports)),
+            tuple(sorted((CIDR_PREFIX_BASE + plen, CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
 
 
 def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
@@ -210,7 +191,7 @@ def pod_entries(cfg: RedirectConfig, families: tuple[int, ...], cookie: int,
         ifs = pod_interfaces(lower_ebpf(config_intent(cfg), families), families, links, routes)
     except ValueError as err:
         raise SetupError(f"backend=ebpf: {err}") from None
-    extra = {CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw) for plen, k, raw in ifs}
+    extra = {CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, CIDR_KIND[k], cookie, raw) for plen, k, raw in ifs}
     return PodEntries(e.policy, e.ports, e.cidrs | extra)
 
 
@@ -228,7 +209,7 @@ def intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...], cookie
         policy = POLICY.pack(*v)
     ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
     cidrs = {CIDR_KEY.pack(plen, kind, cookie, raw) for plen, kind, raw in cidr_specs}
-    cidrs.update(CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], cookie, raw)
+    cidrs.update(CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, CIDR_KIND[k], cookie, raw)
                  for plen, k, raw in pod_local(families, local or ()))
     return PodEntries(policy, ports, frozenset(cidrs))
 
@@ -238,35 +219,29 @@ def local_key_templates(families: tuple[int, ...]) -> dict[int, bytes]:
     addresses (``lower_ebpf.pod_local``), with netns and address zero: the fresh-pod call
     (native/pod_setup.c) puts a pod's cookie and each address it finds in their fields."""
     zero = {4: "0.0.0.0", 6: "::"}
-    return {f: CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, _CIDR_KIND[k], 0, raw)
+    return {f: CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, CIDR_KIND[k], 0, raw)
             for f in families for plen, k, raw in pod_local(families, ((f, zero[f], 0),))}
-
-
-_PORT_KINDS = {PORT_OUT_EXCL: "outbound-exclude", PORT_OUT_INCL: "outbound-include",
-               PORT_IN_INCL: "inbound-include", PORT_IN_EXCL: "inbound-exclude"}
-_CIDR_KINDS = {CIDR_OUT_EXCL4: "outbound-exclude", CIDR_OUT_INCL4: "outbound-include", CIDR_DNS4: "dns-server",
-               CIDR_OUT_EXCL6: "outbound-exclude", CIDR_OUT_INCL6: "outbound-include", CIDR_DNS6: "dns-server",
-               CIDR_LOCAL4: "local", CIDR_LOCAL6: "local", CIDR_UID: "proxy-uid", CIDR_GID: "proxy-gid",
-               CIDR_GROUP: "owner-group", CIDR_IF_EXCL: "excluded-interface", CIDR_VIA_EXCL4: "via-excluded-interface",
-               CIDR_VIA_EXCL6: "via-excluded-interface", CIDR_IF_REROUTE: "reroute-interface",
-               CIDR_PROBE4: "probe-source", CIDR_PROBE6: "probe-source"}
 
 
 def _fmt_port(k: bytes) -> str:
     _c, kind, port, _ = PORT_KEY.unpack(k)
-    return f"{_PORT_KINDS.get(kind, kind)} {port}"
+    name = PORT_KIND_NAME.get(kind)
+    return f"{KIND_DISPLAY[name] if name else kind} {port}"
 
 
 def _fmt_cidr(k: bytes) -> str:
-    plen, kind, _c, raw = CIDR_KEY.unpack(k)
-    v6 = kind in (CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6, CIDR_LOCAL6, CIDR_VIA_EXCL6, CIDR_PROBE6)
-    if kind in (CIDR_IF_EXCL, CIDR_IF_REROUTE):
-        return f"{_CIDR_KINDS[kind]} ifindex {int.from_bytes(raw[:4], 'big')}"
-    if kind in (CIDR_UID, CIDR_GID, CIDR_GROUP):  # ids lo-hi of a prefix block
+    plen, number, _c, raw = CIDR_KEY.unpack(k)
+    kind = CIDR_KIND_NAME.get(number)
+    if kind is None:
+        return f"{number} {raw.hex()}/{plen - CIDR_PREFIX_BASE}"
+    shape, name = CIDR_SHAPE[kind], KIND_DISPLAY[kind]
+    if shape == "ifindex":
+        return f"{name} ifindex {int.from_bytes(raw[:4], 'big')}"
+    if shape == "id":  # ids lo-hi of a prefix block
         lo = int.from_bytes(raw[:4], "big")
-        return f"{_CIDR_KINDS[kind]} {lo}-{lo + (1 << (32 - (plen - 96))) - 1}"
-    ip = ipaddress.ip_address(raw if v6 else raw[:4])
-    return f"{_CIDR_KINDS.get(kind, kind)} {ip}/{plen - 96}"
+        return f"{name} {lo}-{lo + (1 << (32 - (plen - CIDR_PREFIX_BASE))) - 1}"
+    ip = ipaddress.ip_address(raw if shape == "addr6" else raw[:4])
+    return f"{name} {ip}/{plen - CIDR_PREFIX_BASE}"
 
 
 def _fmt_policy(raw: bytes) -> str:
