@@ -203,7 +203,8 @@ def test_netfilter_and_ebpf_lowerings_land_every_connection_alike(
 # --- ambient mode: the node proxy known by its sockets' mark ---------------------------------
 
 PROBES = {4: ["169.254.7.127", "10.1.3.1"], 6: ["fd16:9254:7127:1337:ffff:ffff:ffff:ffff", "fd00:2::9"]}
-S_MARKS = st.sampled_from([(0x539, 0xFFF, 0x111), (0x100, 0xF00, 0x200), (0x10, 0x30, 0x20)])
+S_MARKS = st.sampled_from([(0x539, 0xFFF, 0x111), (0x100, 0xF00, 0x200), (0x10, 0x30, 0x20), (0x53A, 0xFFF, 0x111),
+                           (0x539, 0xFFF, 0x222)])
 
 
 @st.composite
