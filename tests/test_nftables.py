@@ -91,7 +91,8 @@ def test_ipv4_only_config_leaves_ipv6_to_other_rules() -> None:
 def test_tproxy_delivers_or_drops_like_iptables() -> None:
     rs = nr.desired_ruleset(build_plan(RedirectConfig(inbound_interception="TPROXY")), (4, 6))
     texts = [nr.expr_text(*r) for r in rs["mangle_TPROXY"].rules]
-    assert texts[0].startswith("ip daddr != 127.0.0.1 meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept")
+    assert texts[0].startswith("ip daddr != 127.0.0.1 meta l4proto tcp tproxy ip to :15006 meta mark set 0x00000539"
+                               " accept")
     assert texts[1].startswith("ip daddr != 127.0.0.1 meta l4proto tcp drop")
 
 
@@ -111,6 +112,23 @@ def test_listing_parses_back_to_the_rendered_ruleset() -> None:
     assert nr.diff_rulesets(parsed, rs) == []
     parsed["nat_OUTBOUND"].rules.pop(0)
     assert any(d.startswith("chain nat_OUTBOUND: missing rule:") for d in nr.diff_rulesets(parsed, rs))
+
+
+def test_the_text_rendering_is_what_nft_lists_for_every_golden_config(pod: Pod) -> None:
+    """``render`` (and the nftables goldens) print our table as ``nft list table inet rdr_redirect``
+    prints it once installed: for every golden config, set up in a pod through the backend's JSON
+    batch, the kernel's listing (through this machine's nft) is the rendered text, line for line."""
+    from tests.golden import CONFIGS, config
+
+    try:
+        for name in CONFIGS:
+            cfg = config(name)
+            redirect.setup(pod.name, cfg, backend="nftables")
+            listed = subprocess.run(["ip", "netns", "exec", pod.name, "nft", "list", "table", nr.FAMILY, nr.TABLE],
+                                    check=True, capture_output=True, text=True, timeout=30).stdout
+            assert listed == redirect.render(cfg, backend="nftables"), name
+    finally:
+        redirect.teardown(pod.name)
 
 
 # --- traffic ---------------------------------------------------------------------------

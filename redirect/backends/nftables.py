@@ -109,6 +109,7 @@ from .nftables_rules import (
     diff_rulesets,
     expr_text,
     parse_listing,
+    ruleset_text,
 )
 
 log = logging.getLogger("redirect.nftables")
@@ -348,7 +349,9 @@ class NftablesBackend:
     # All methods act on the calling thread's netns (the caller entered it).
 
     def render(self, it: AnyIntent, families: tuple[int, ...]) -> str:
-        return json.dumps({"nftables": commands_for(desired_ruleset(netfilter_plan(it), families))}, indent=1) + "\n"
+        """Our table for ``it`` as ``nft list table inet rdr_redirect`` prints it once installed
+        (``apply`` sends the same rules as one libnftables JSON batch)."""
+        return ruleset_text(desired_ruleset(netfilter_plan(it), families))
 
     def apply(self, it: AnyIntent, families: tuple[int, ...]) -> Installed:
         plan = netfilter_plan(it)
