@@ -276,7 +276,8 @@ def teardown(netns: _netns.NetnsRef, backend: str | None = None) -> bool:
 
                 removed = rt.remove_all_ours() or removed  # routes of an interrupted setup, if any
                 # Every backend's remove ran: no netfilter capture of ours is left. (Asking the
-                # kernel instead would wait out the commit just made: ~10 ms.)
+                # kernel instead would wait out the deferred destruction of what the commit just
+                # deleted: docs/kernel-facts.md, libnftables contexts.)
                 unmark_netfilter(_netns.current_inode())
     log.info("teardown netns=%s backend=%s removed=%s", name, backend or "any", removed)
     return removed

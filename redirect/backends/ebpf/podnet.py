@@ -93,7 +93,8 @@ def _listener_inodes(port: int) -> dict[int, int]:
     """Socket inode -> family of TCP listeners on ``port`` in the current netns.
 
     Asked over NETLINK_SOCK_DIAG for listeners only: reading /proc/net/tcp walks
-    every socket of the host (about 12 ms here), a listener dump about 50 us.
+    every socket of the host (it grows with the host's connections), a listener dump only the
+    listening hash (docs/kernel-facts.md, ``SOCK_DIAG_BY_FAMILY``).
     """
     out: dict[int, int] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as nl:  # NETLINK_SOCK_DIAG
