@@ -26,6 +26,7 @@ config (``intent_for``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 from dataclasses import dataclass
@@ -79,9 +80,21 @@ class Refusal:
     why: str
 
 
+def _cached_hash(self: object) -> int:
+    """A frozen dataclass's hash, computed once: intents key the lowering and plan caches on every
+    setup, and the hash of every field (nested tuples) is the same each time."""
+    h: int | None = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))  # type: ignore[arg-type]
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class Intent:
     """What one sidecar config captures (``intent_of``). Field order follows Istio's rule purposes."""
+
+    __hash__ = _cached_hash
 
     proxy_port: int
     inbound_port: int
@@ -164,6 +177,8 @@ class Intent:
 class AmbientIntent:
     """What one ambient config captures (``ambient_intent_of``), for a node proxy that opens its
     listeners in the pod's netns and marks its sockets."""
+
+    __hash__ = _cached_hash
 
     proxy_port: int
     inbound_port: int
