@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import typing
 
 import pytest
@@ -265,3 +266,26 @@ def test_every_entry_kind_is_read_by_the_programs_and_their_model() -> None:
             if f'"{name}"' not in model and f'"{name[:-1]}6" if' not in model:
                 problems.append(f"kind {name!r} is not looked up by the model (redirect/plan/evaluate.py)")
     assert not problems, "\n".join(problems)
+
+
+def test_the_plan_layer_touches_no_kernel_and_no_native_code() -> None:
+    """``redirect.plan`` (and what it imports, transitively) imports neither the native module nor
+    a backend nor the kernel layer, lazily or not: it decides, the backends do."""
+    spec = importlib.util.spec_from_file_location("import_cycles", ROOT / "scripts" / "import_cycles.py")
+    assert spec is not None and spec.loader is not None
+    ic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ic)
+    known = ic.modules()
+    graph = {m: ic.imports(m, p, known) for m, p in known.items()}
+    reach: set[str] = set()
+    todo = [m for m in known if m.startswith("redirect.plan")]
+    while todo:
+        m = todo.pop()
+        if m not in reach:
+            reach.add(m)
+            todo += graph[m]
+    bad = sorted(m for m in reach if m.startswith(("redirect.backends", "redirect.kernel", "redirect.api")))
+    assert not bad, f"the plan layer imports {bad}"
+    imports_native = re.compile(r"^\s*(from|import)\s+[.\w]*\b_native\b", re.MULTILINE)
+    native = sorted(m for m in reach if imports_native.search((ROOT / known[m]).read_text()))
+    assert not native, f"the plan layer reaches the native module in {native}"
