@@ -10,7 +10,7 @@ Nothing here touches a kernel, so all of it is unit-testable without root.
 ``sidecar``, ``ambient``
     The netfilter lowerings of a sidecar and of an ambient intent to a ``Plan``.
 ``lower_ebpf``
-    The eBPF lowering of a sidecar intent to map entries.
+    The eBPF lowering of an intent (sidecar or ambient) to map entries, and its kind table.
 ``evaluate``
     Interpreters of a ``Plan`` and of eBPF entries (which packet goes where), for tests.
 

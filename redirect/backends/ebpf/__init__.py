@@ -21,7 +21,7 @@ ports, CIDRs, the pod's own addresses as ``local`` CIDRs, the proxy's inbound li
 ``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
 pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
 detaches it when the netns dies, which is how ``collect_garbage`` finds pods
-whose netns went without a teardown), and ``::6`` on lo (the plan's address for the proxy's
+whose netns went without a teardown), and ``::6`` on lo (the intent's address for the proxy's
 inbound passthrough). The link runs a program of the pod's own, from a pool loaded ahead
 (``.pool``; ``native/redirect_native.c: rdr_ebpf_pool_prog``): it holds a slot number, and the
 slot, claimed at the pod's setup, holds the netns cookie, which an sk_lookup program can't ask
@@ -46,10 +46,10 @@ connection where the netfilter plan does.
 
 Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient``), decided by
 ``redirect/bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
-ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_accept`` on
+ambient pod has the intent's policy route by the connection mark and ``tcp_fwmark_accept`` on
 (``backend``), through which the node proxy's transparent connections to the app get their replies
 (``redirect/bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
-(the plan's route by ``tproxy_mark``).
+(the intent's route by ``tproxy_mark``).
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option, as ``redirect.plan.intent.refusals`` decides): ``drop_invalid`` (conntrack tracks
@@ -94,7 +94,7 @@ How the iptables semantics are met without packets:
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``redirect/bpf/policy.h: outbound_target``); a proxy connecting to the
   app from the client's address (transparent, ``tproxy_mark``) is left alone by
-  sk_lookup and gets the replies by the plan's policy route, as in ambient mode
+  sk_lookup and gets the replies by the intent's policy route, as in ambient mode
   (docs/backends.md);
 - owner matches use the calling task's uid and primary gid, like iptables'
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids

@@ -116,7 +116,7 @@ def replies_by_mark(flags: int) -> bool:
     """Whether a pod with policy ``flags`` has a proxy's transparent connections to the app answered
     by the mark of their SYN (``redirect/bpf/sockopt.c``, ``transparent_connect``): inbound capture in ambient
     mode (the node proxy) or with TPROXY (a sidecar's ``original_src``). The app's side then takes
-    the plan's policy route by that mark, which needs ``net.ipv4.tcp_fwmark_accept`` on in the pod."""
+    the intent's policy route by that mark, which needs ``net.ipv4.tcp_fwmark_accept`` on in the pod."""
     return bool(flags & F_INBOUND and flags & (F_AMBIENT | F_TPROXY))
 
 
