@@ -107,7 +107,9 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     choices skip eBPF.
     """
     cfg = _config(config)
-    it = _intent(cfg)
+    c, it = _last_intent  # (_intent, without its call for the config of the last pod)
+    if c is not cfg or it is None:
+        it = _intent(cfg)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
     if backend != "auto":
