@@ -157,7 +157,7 @@ static __always_inline int is_v6_passthrough(const struct pod_policy *p, const _
 	return ip[0] == pass[0] && ip[1] == pass[1] && ip[2] == pass[2] && ip[3] == pass[3];
 }
 
-/* Whether a socket with this mark is delivered in the pod whatever its destination: the plan's
+/* Whether a socket with this mark is delivered in the pod whatever its destination: the intent's
  * policy route (fwmark route_mark/route_mask, local default dev lo) takes it over lo. */
 static __always_inline int routed_to_lo(const struct pod_policy *p, __u32 mark)
 {
