@@ -7,18 +7,35 @@ The cdef is made of the headers themselves, one list to keep true: ``redirect_na
 functions) and ``redirect/bpf/abi.h`` (the eBPF maps' keys and values, which ``redirect.backends.ebpf``
 reads its layouts and constants from), less what cdef does not read (preprocessor lines other
 than ``#define NAME <integer>``), plus the kernel's names of the program and attach types.
+
+First it writes ``redirect/bpf/kinds.h`` (the numbers of the maps' entry kinds) from the kind
+table of ``redirect/plan/lower_ebpf.py``, the one place they are written.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
+from typing import Any
 
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 BPF = HERE.parent / "redirect" / "bpf"
+
+
+def _load_kinds() -> Any:
+    """native/kinds.py (the header's generator), loaded by path: cffi runs this file outside any package."""
+    spec = importlib.util.spec_from_file_location("rdr_kinds", HERE / "kinds.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+KINDS_H = _load_kinds().write_kinds_header()
 
 #: The bpf(2) program and attach types the eBPF backend uses, by the kernel's names (their values
 #: come from <linux/bpf.h> when the module is compiled).
@@ -48,6 +65,7 @@ def _rel(path: pathlib.Path) -> str:
 
 ffibuilder = FFI()
 ffibuilder.cdef("typedef uint8_t __u8; typedef uint16_t __u16; typedef uint32_t __u32; typedef uint64_t __u64;")
+ffibuilder.cdef(cdef_of(KINDS_H))
 ffibuilder.cdef(cdef_of(BPF / "abi.h"))
 ffibuilder.cdef(cdef_of(HERE / "redirect_native.h"))
 ffibuilder.cdef("\n".join(f"static const int {n};" for n in BPF_TYPES))

@@ -25,10 +25,10 @@
  *
  * Around that it does what redirect.setup's general path does in Python: opens
  * the netns, takes its lock (an OFD lock on the caller thread's own fd of the
- * lock file), enters, and comes back. In the benchmark's per-pod phase the
- * caches are cold (other methods run in between): each kernel path and each
- * line of Python costs ~2-3x its warm figure there, so fewer of them is what
- * counts (docs/kernel-facts.md).
+ * lock file), enters, and comes back. A pod's setup runs between other work,
+ * with cold caches: every distinct kernel path and line of Python on the way
+ * is paid in cache and TLB refills, so taking fewer of them is what counts
+ * (docs/kernel-facts.md, "Short calls after other work").
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -120,9 +120,9 @@ static int on_address(void *arg, const struct nlmsghdr *h)
  * whether IPv6 is on.
  *
  * A buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
- * recv offered (up to 32 KB), and a batch over 8 KB comes from the page allocator (~2 us cold
- * here, for the NLMSG_DONE alone); a first batch is at most a page less its overhead on 4 KB
- * pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
+ * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
+ * path than the slab caches (docs/kernel-facts.md), paid for the NLMSG_DONE alone; a first batch
+ * is at most a page less its overhead on 4 KB pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
 static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
 {
 	struct {
@@ -880,8 +880,8 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	if (r->alive && !__atomic_load_n(r->alive, __ATOMIC_ACQUIRE))
 		return RDR_POD_STALE;
 	/* The caller took these objects for the root the environment named last time; it is
-	 * asked here (a getenv), not in the interpreter, where reading os.environ costs a few
-	 * microseconds a pod. */
+	 * asked here (a getenv), not in the interpreter, where reading os.environ is several
+	 * Python frames (key encoding, a mapping look-up, value decoding) on every pod's path. */
 	if (r->root) {
 		const char *root = getenv("REDIRECT_BPF_ROOT");
 

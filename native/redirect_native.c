@@ -143,8 +143,9 @@ int rdr_thread_netns(void)
 			thread_pidfd_tid = tid;
 		}
 	}
-	/* An ioctl on the pidfd skips the procfs path walk of the open below (~20 vs ~45 us on a
-	 * cold cache here); kernels before 6.11 (no such ioctl) or 6.9 (no thread pidfds) open. */
+	/* An ioctl on the pidfd skips the procfs path walk of the open below (a look-up per path
+	 * component, each a cache miss when cold: docs/kernel-facts.md); kernels before 6.11 (no
+	 * such ioctl) or 6.9 (no thread pidfds) open. */
 	if (thread_pidfd >= 0) {
 		fd = ioctl(thread_pidfd, PIDFD_GET_NET_NAMESPACE, 0);
 		if (fd >= 0)

@@ -5,8 +5,9 @@
  * RDR_TC_PRIO, handle 1, protocol all, in direct-action mode, named after its program
  * ("rdr_tc_ingress", "rdr_tc_egress"); its classid's minor is the pod's pool slot plus one, which
  * the kernel hands the program as skb->tc_classid. Filters are not tcx links: attaching a tcx link
- * waits for an RCU grace period (a swap of the device's program array), a few milliseconds each,
- * where a filter's netlink request costs microseconds (docs/kernel-facts.md). The kernel removes
+ * waits for an RCU grace period (a swap of the device's program array, then synchronize_rcu),
+ * which a filter's netlink request does not (docs/kernel-facts.md has the figures and how to
+ * measure them). The kernel removes
  * the qdisc and its filters with the interface, and when the interface moves to another netns.
  */
 #define _GNU_SOURCE

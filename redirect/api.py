@@ -9,7 +9,6 @@ whichever backend put it there. ``setup`` refuses the host's own network namespa
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -22,29 +21,38 @@ from .config import RedirectConfig
 from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
 from .kernel import netns as _netns
 from .kernel.locks import mark_netfilter, netns_lock, thread_lock_fd, unmark_netfilter
-from .plan import build_plan
-from .plan.vocabulary import Plan
-
-#: Plans depend only on the (frozen, hashable) config, and pods of one platform share a few
-#: configs: build each once per process.
-_plan: functools._lru_cache_wrapper[Plan] = functools.lru_cache(maxsize=256)(build_plan)
+from .plan.intent import AnyIntent, intent_for
 
 log = logging.getLogger("redirect")
 
+#: The last config given and its intent: a caller setting up many pods passes one config object
+#: again and again, and its intent (cached by config) is then found without hashing it.
+_last_intent: tuple[RedirectConfig | None, AnyIntent | None] = (None, None)
 
-def _families(cfg: RedirectConfig) -> tuple[int, ...]:
+
+def _intent(cfg: RedirectConfig) -> AnyIntent:
+    """The intent of ``cfg``: what every backend is given (never the config)."""
+    global _last_intent
+    c, it = _last_intent
+    if c is not cfg or it is None:
+        it = intent_for(cfg)
+        _last_intent = (cfg, it)
+    return it
+
+
+def _families(it: AnyIntent) -> tuple[int, ...]:
     from .kernel.routes import ipv6_enabled
 
-    if cfg.ipv6 is None:
+    if it.ipv6 is None:
         return (4, 6) if ipv6_enabled() else (4,)
-    return (4, 6) if cfg.ipv6 else (4,)
+    return (4, 6) if it.ipv6 else (4,)
 
 
-def _families_for(impl: Backend, cfg: RedirectConfig) -> tuple[int, ...]:
+def _families_for(impl: Backend, it: AnyIntent) -> tuple[int, ...]:
     """``_families``, or the backend's own answer when it has one (eBPF reads it in the netlink
     dump it makes anyway)."""
     detect = getattr(impl, "detect_families", None)
-    return detect(cfg) if detect is not None else _families(cfg)
+    return detect(it) if detect is not None else _families(it)
 
 
 _default_config: RedirectConfig | None = None  # frozen: one for every call that passes none
@@ -61,7 +69,7 @@ def _config(config: RedirectConfig | None) -> RedirectConfig:
     return config
 
 
-#: Backends with a one-call setup for pods with nothing of ours yet: ``fn(cfg, netns, name,
+#: Backends with a one-call setup for pods with nothing of ours yet: ``fn(intent, netns, name,
 #: lock_fd) -> Installed | None`` (looked up once; None: the backend has none).
 _FRESH: dict[str, Any] = {}
 
@@ -99,21 +107,24 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     choices skip eBPF.
     """
     cfg = _config(config)
+    c, it = _last_intent  # (_intent, without its call for the config of the last pod)
+    if c is not cfg or it is None:
+        it = _intent(cfg)
     name = _netns.describe(netns)
     t0 = time.perf_counter()
     if backend != "auto":
-        res, fresh = _setup_with(backend, cfg, netns, name, allow_host_netns)
+        res, fresh = _setup_with(backend, it, netns, name, allow_host_netns)
     else:
-        backend = choose_auto(cfg)
+        backend = choose_auto(it)
         try:
-            res, fresh = _setup_with(backend, cfg, netns, name, allow_host_netns)
+            res, fresh = _setup_with(backend, it, netns, name, allow_host_netns)
         except BackendUnavailable as e:
             if backend != "ebpf":
                 raise
             # The host probe allowed eBPF, but its programs could not be loaded or attached here
             # (bpffs, the verifier, a missing hook): nothing was installed; the next choice.
             backend = ebpf_failed(str(e))
-            res, fresh = _setup_with(backend, cfg, netns, name, allow_host_netns)
+            res, fresh = _setup_with(backend, it, netns, name, allow_host_netns)
     if log.isEnabledFor(logging.INFO):
         log.info(
             "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",
@@ -123,15 +134,15 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     return res
 
 
-def _setup_with(backend: str, cfg: RedirectConfig, netns: _netns.NetnsRef, name: str,
+def _setup_with(backend: str, it: AnyIntent, netns: _netns.NetnsRef, name: str,
                 allow_host_netns: bool) -> tuple[Installed, Installed | None]:
     """``setup`` with one backend: (what was installed, the same if the fresh-pod call did it)."""
     if backend == "ebpf" and (why := ebpf_caps_refusal()) is not None:
         raise BackendUnavailable(why)  # (before anything is touched, instead of an EPERM half-way)
     fn = _FRESH[backend] if backend in _FRESH else _fresh_setup_of(backend)
-    res = fresh = None if fn is None else fn(cfg, netns, name, thread_lock_fd())
+    res = fresh = None if fn is None else fn(it, netns, name, thread_lock_fd())
     if res is None:
-        res = _setup_general(get_backend(backend, cfg), cfg, _plan(cfg), netns, name, allow_host_netns)
+        res = _setup_general(get_backend(backend, it), it, netns, name, allow_host_netns)
         res = Installed(res.backend, name, res.families, res.changed, res.detail)
     return res, fresh
 
@@ -145,21 +156,21 @@ def _refuse_host_netns(name: str) -> None:
                              " if the host is really meant")
 
 
-def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns.NetnsRef, name: str,
+def _setup_general(impl: Backend, it: AnyIntent, netns: _netns.NetnsRef, name: str,
                    allow_host_netns: bool) -> Installed:
     """``setup`` inside the netns, under ``netns_lock``: any backend, any previous state."""
     with _netns.enter(netns), one_nft_context():
         if not allow_host_netns:
             _refuse_host_netns(name)
         with netns_lock(_netns.current_inode()):
-            families = _families_for(impl, cfg)
+            families = _families_for(impl, it)
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
             # refill of libnftables' cache of our new table after it.
             others = _installed(skip=kind_of(impl.name), strict=False)
             if kind_of(impl.name) != "ebpf":  # (before it may hold any: see locks.mark_netfilter)
                 mark_netfilter(_netns.current_inode(), _netns.current_cookie())
-            res = impl.apply(plan, cfg, families)
-            if others and _retire(impl.name, others, plan, families):
+            res = impl.apply(it, families)
+            if others and _retire(impl.name, others, it, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
     return res
 
@@ -220,10 +231,10 @@ def _installed(skip: str | None = None, strict: bool = True) -> list[Backend]:
     return out
 
 
-def _retire(backend_name: str, olds: list[Backend], plan: Plan, families: tuple[int, ...]) -> bool:
+def _retire(backend_name: str, olds: list[Backend], it: AnyIntent, families: tuple[int, ...]) -> bool:
     """Once ``backend_name``'s capture is in, remove that of the backends ``olds`` (as
     ``_installed`` found them): new first, old after, so capture never lapses. Routes and
-    addresses of ours are then what ``plan`` wants (the new backend's apply made sure of those
+    addresses of ours are then what ``it`` wants (the new backend's apply made sure of those
     it wants; another backend's policy routes go). True if anything was removed."""
     from .kernel import routes as rt
 
@@ -237,7 +248,7 @@ def _retire(backend_name: str, olds: list[Backend], plan: Plan, families: tuple[
             log.error("could not remove our old %s capture after switching to %s: %s", old.name, backend_name, e)
     if removed:
         try:
-            rt.txn_for(plan, families).finish()
+            rt.txn_for(it, families).finish()
         except (RedirectError, OSError) as e:  # (as above: capture is in place; the next setup retries)
             log.error("could not remove the old %s capture's routes after switching to %s: %s",
                       "+".join(o.name for o in olds), backend_name, e)
@@ -269,7 +280,8 @@ def teardown(netns: _netns.NetnsRef, backend: str | None = None) -> bool:
 
                 removed = rt.remove_all_ours() or removed  # routes of an interrupted setup, if any
                 # Every backend's remove ran: no netfilter capture of ours is left. (Asking the
-                # kernel instead would wait out the commit just made: ~10 ms.)
+                # kernel instead would wait out the deferred destruction of what the commit just
+                # deleted: docs/kernel-facts.md, libnftables contexts.)
                 unmark_netfilter(_netns.current_inode())
     log.info("teardown netns=%s backend=%s removed=%s", name, backend or "any", removed)
     return removed
@@ -281,17 +293,16 @@ def check(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     ``backend`` None (or ``auto``): compared with the backend whose capture is installed
     (nothing installed, or capture of two backends, is a difference); a backend name: with that
     backend's capture."""
-    cfg = _config(config)
-    plan = _plan(cfg)
+    it = _intent(_config(config))
     with _netns.enter(netns), one_nft_context():
         if not _any(backend):
-            impl = get_backend(backend, cfg)  # type: ignore[arg-type]
-            return impl.check(plan, cfg, _families_for(impl, cfg))  # type: ignore[no-any-return]
+            impl = get_backend(backend, it)  # type: ignore[arg-type]
+            return impl.check(it, _families_for(impl, it))
         found = _installed()
         if not found:
             return CheckResult(False, "none", ("no capture of ours is installed (by any backend)",))
-        impl = get_backend(found[0].name, cfg)
-        res: CheckResult = impl.check(plan, cfg, _families_for(impl, cfg))
+        impl = get_backend(found[0].name, it)
+        res: CheckResult = impl.check(it, _families_for(impl, it))
         extra = tuple(f"capture of the {o.name} backend is installed too (a setup replaces it, teardown removes it)"
                       for o in found[1:])
         return CheckResult(res.ok and not extra, res.backend, res.differences + extra)
@@ -320,6 +331,7 @@ def show(netns: _netns.NetnsRef, backend: str | None = None) -> dict[str, Any]:
 def render(config: RedirectConfig | None = None, backend: str = "iptables", ipv6: bool = True) -> str:
     """What ``setup`` would install, as text, without touching any kernel (``--dry-run``)."""
     cfg = _config(config)
-    impl = get_backend(backend, cfg)
+    it = _intent(cfg)
+    impl = get_backend(backend, it)
     fams = (4, 6) if (cfg.ipv6 if cfg.ipv6 is not None else ipv6) else (4,)
-    return impl.render(_plan(cfg), fams)
+    return impl.render(it, fams)

@@ -123,8 +123,8 @@ class RedirectConfig:
         _validate(self)
 
     def __hash__(self) -> int:
-        # Computed once: configs key the plan and backend caches, and hashing ~35 fields (nested
-        # tuples) on every setup cost more than an eBPF pod's setup itself.
+        # Computed once: configs key the intent and backend caches on every setup, and a hash of
+        # every field (nested tuples) is the same each time.
         h: int | None = self.__dict__.get("_hash")
         if h is None:
             h = hash(tuple(getattr(self, f.name) for f in fields(self)))

@@ -47,7 +47,7 @@ fi
 # (which also puts the console scripts redirect, redirect-cni, redirect-agent, ... into the venv);
 # `make wheel` runs the same build for a wheel. Redone when what it builds from changes.
 pkg_stamp="$VENV/.redirect-pkg"
-pkg_want=$(cat pyproject.toml setup.py MANIFEST.in native/* redirect/bpf/abi.h | sha1sum | cut -d' ' -f1)
+pkg_want=$(cat pyproject.toml setup.py MANIFEST.in native/* redirect/bpf/abi.h redirect/plan/lower_ebpf.py | sha1sum | cut -d' ' -f1)
 so=$(ls redirect/_native*.so 2>/dev/null | head -n1 || true)
 if [ -z "$so" ] || [ ! -x redirect/cni/redirect-cni-thin ] || [ "$(cat "$pkg_stamp" 2>/dev/null)" != "$pkg_want" ]; then
   log "building the package's native parts (cffi module, thin CNI plugin)"

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 import redirect
-from redirect import api
 from redirect.config import RedirectConfig
 from redirect.kernel import netns as rnetns
+from redirect.plan.intent import intent_for
 from tests.netkit import Pod, TcpListener, landing
 
 CFG = RedirectConfig()
@@ -129,9 +129,9 @@ def test_two_backends_left_by_an_interrupted_switch_are_shown_checked_and_torn_d
             redirect.setup(pod.name, CFG, backend="nftables")
             # eBPF capture put in beside it without the switch's second step (as a setup killed
             # between the two would leave it).
-            impl = ebpf.EbpfBackend(CFG)
+            impl, it = ebpf.EbpfBackend(), intent_for(CFG)
             with rnetns.enter(pod.name):
-                impl.apply(api._plan(CFG), CFG, impl.detect_families(CFG))
+                impl.apply(it, impl.detect_families(it))
             shown = redirect.show(pod.name)
             assert shown["backends"] == ["nftables", "ebpf"] and "ebpf" in shown["also_installed"]
             checked = redirect.check(pod.name, CFG)
@@ -141,7 +141,7 @@ def test_two_backends_left_by_an_interrupted_switch_are_shown_checked_and_torn_d
             assert redirect.setup(pod.name, CFG, backend="nftables").changed
             assert redirect.show(pod.name)["backends"] == ["nftables"]
             with rnetns.enter(pod.name):
-                impl.apply(api._plan(CFG), CFG, impl.detect_families(CFG))
+                impl.apply(it, impl.detect_families(it))
             assert redirect.teardown(pod.name)
             assert redirect.show(pod.name)["backends"] == []
             assert_not_captured(pod, ls)

@@ -25,6 +25,8 @@ from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
 from redirect.kernel import netns as rnetns
+from redirect.plan.intent import intent_for
+from redirect.plan.lower_ebpf import CIDR_KIND, PORT_KIND
 from tests import netkit
 from tests.netkit import Pod, TcpListener, UdpListener, landing, wait_link_detached
 
@@ -365,11 +367,10 @@ def test_unload_host_refuses_while_pods_exist(pod: Pod, setup_pod, bpf_root: str
     assert ebpf.HostPrograms.pinned(bpf_root)
 
 
-@pytest.mark.parametrize("kw", [
-    {"drop_invalid": True},
-    {"gid_hairpin_skips_dns": False, "dns_capture": True, "capture_all_dns": True},
-], ids=lambda kw: "-".join(kw))
+@pytest.mark.parametrize("kw", [{"drop_invalid": True}], ids=lambda kw: "-".join(kw))
 def test_unsupported_options_raise_backend_unavailable(pod: Pod, bpf_root: str, kw: dict) -> None:
+    """What ``redirect.plan.intent.refusals`` says eBPF cannot lower: setup refuses it by name and
+    installs nothing."""
     with pytest.raises(BackendUnavailable, match=next(iter(kw))):
         api.setup(pod.name, RedirectConfig(**kw), backend="ebpf")
     assert not api.show(pod.name, backend="ebpf")["installed"]
@@ -385,7 +386,7 @@ def test_check_reads_the_maps_back_and_setup_repairs(pod: Pod, setup_pod, bpf_ro
         assert landing(pod.name, pod.peer_ip4, 9090, *proxy, *app, uid=APP_UID).listener is app[0]
         h = ebpf.host(bpf_root, load=False)
         assert h is not None
-        key = ebpf.PORT_KEY.pack(_cookie(pod), ebpf.PORT_OUT_EXCL, 9090, 0)
+        key = ebpf.PORT_KEY.pack(_cookie(pod), PORT_KIND["out_exclude"], 9090, 0)
         assert h.maps["ports"].delete(key)  # someone else's hand
         res = api.check(pod.name, cfg, backend="ebpf")
         assert not res.ok and "missing port entry outbound-exclude 9090" in res.differences, res.differences
@@ -570,7 +571,7 @@ def test_native_bpf_helpers_report_errno(bpf_root: str) -> None:
     h = ebpf.host(bpf_root)
     assert h is not None
     m = h.maps["ports"]
-    key = ebpf.PORT_KEY.pack(0xFFFF_FFFF_FFFF_0001, ebpf.PORT_OUT_EXCL, 1, 0)  # a cookie no netns has
+    key = ebpf.PORT_KEY.pack(0xFFFF_FFFF_FFFF_0001, PORT_KIND["out_exclude"], 1, 0)  # a cookie no netns has
     try:
         m.update(key, b"\x01")
         assert m.lookup(key) == b"\x01"
@@ -1010,11 +1011,12 @@ def test_a_fresh_pod_gets_from_the_native_path_what_the_general_path_writes(pod:
     finally:
         api.teardown(pod.name, backend="ebpf")
     assert _snapshot(pod, bpf_root) == before
-    impl = ebpf.EbpfBackend(cfg, root=bpf_root)
+    impl = ebpf.EbpfBackend(root=bpf_root)
+    it = intent_for(cfg)
     try:
         with rn.enter(pod.name):
-            families = impl.detect_families(cfg)
-            gen = impl.apply(api._plan(cfg), cfg, families)
+            families = impl.detect_families(it)
+            gen = impl.apply(it, families)
         assert gen.detail["path"] == "general" and gen.families == res.families
         assert _snapshot(pod, bpf_root) == fresh
     finally:
@@ -1066,7 +1068,7 @@ def test_v6_passthrough_is_one_of_the_pods_own_addresses_only_while_it_is_there(
     adds it); in one without, there is no ``::6`` and no entry for it. Both the native call and
     the general path (a second setup) write the same."""
     cfg = RedirectConfig() if inbound == "inbound" else OUT_ONLY
-    local6 = ebpf.CIDR_KEY.pack(96 + 128, ebpf.CIDR_LOCAL6, _cookie(pod), socket.inet_pton(socket.AF_INET6, "::6"))
+    local6 = ebpf.CIDR_KEY.pack(96 + 128, CIDR_KIND["local6"], _cookie(pod), socket.inet_pton(socket.AF_INET6, "::6"))
     ip6 = ["ip", "-n", pod.name, "-6", "addr"]
     own = [f"{pod.pod_ip6}/64", "dev", pod.pod_if]
     for has_v6 in (True, False):
@@ -1173,7 +1175,7 @@ def test_leftovers_of_an_earlier_attempt_send_a_fresh_pod_the_general_way_untouc
     assert left["policy"] is None and left["link"] and left["keys"]
     fd = rn.open_netns(pod.name)
     try:
-        assert ebpf.setup_fresh(RedirectConfig(), fd, pod.name, api.thread_lock_fd()) is None
+        assert ebpf.setup_fresh(intent_for(RedirectConfig()), fd, pod.name, api.thread_lock_fd()) is None
     finally:
         os.close(fd)
     assert _snapshot(pod, bpf_root) == left
@@ -1319,12 +1321,12 @@ def test_the_map_layouts_are_those_of_the_abi_header() -> None:
             assert off == ffi.offsetof(f"struct {name}", field), (name, field)
     # A value packed in Python reads back field by field through the C declaration.
     addr = b"\x0a\x01\x02" + bytes(13)
-    k = ebpf.CIDR_KEY.pack(ebpf.CIDR_PREFIX_BASE + 24, ebpf.CIDR_OUT_EXCL4, 0x1122334455667788, addr)
+    k = ebpf.CIDR_KEY.pack(ebpf.CIDR_PREFIX_BASE + 24, CIDR_KIND["out_exclude4"], 0x1122334455667788, addr)
     c = ffi.cast("struct cidr_key *", ffi.from_buffer(k))
-    assert (c.prefixlen, c.kind, c.netns, bytes(c.addr)[:3]) == (120, ebpf.CIDR_OUT_EXCL4, 0x1122334455667788,
+    assert (c.prefixlen, c.kind, c.netns, bytes(c.addr)[:3]) == (120, CIDR_KIND["out_exclude4"], 0x1122334455667788,
                                                                   b"\x0a\x01\x02")
     v = list(ebpf.POLICY.unpack(bytes(ebpf.POLICY.size)))
-    v[ebpf.P_FLAGS], v[ebpf.P_N_INV] = ebpf.F_V6, 7
+    v[ebpf.P_FLAGS], v[ebpf.P_N_INV] = ebpf.flag("v6"), 7
     p = ffi.cast("struct pod_policy *", ffi.from_buffer(ebpf.POLICY.pack(*v)))
-    assert (p.flags, p.n_inv, p.inv_base) == (ebpf.F_V6, 7, 0)
+    assert (p.flags, p.n_inv, p.inv_base) == (ebpf.flag("v6"), 7, 0)
     assert ebpf.PROGRAMS["rdr_sk_lookup"][1] == ebpf.SK_LOOKUP_ATTACH == 36  # BPF_SK_LOOKUP, by name

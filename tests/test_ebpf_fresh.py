@@ -17,6 +17,7 @@ from redirect.backends import ebpf
 from redirect.config import RedirectConfig
 from redirect.kernel import locks, routes
 from redirect.kernel import netns as rnetns
+from redirect.plan.intent import intent_for
 from tests import netkit
 from tests.netkit import Pod, TcpListener, landing
 
@@ -62,10 +63,11 @@ def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: st
         finally:
             api.teardown(ns, backend="ebpf")
         assert _snapshot(ns, ebpf_root) == before
-        impl = ebpf.EbpfBackend(cfg, root=ebpf_root)
+        impl = ebpf.EbpfBackend(root=ebpf_root)
+        it = intent_for(cfg)
         try:
             with rnetns.enter(ns):
-                gen = impl.apply(api._plan(cfg), cfg, impl.detect_families(cfg))
+                gen = impl.apply(it, impl.detect_families(it))
             assert gen.detail["path"] == "general" and gen.families == res.families
             assert _snapshot(ns, ebpf_root) == fresh
         finally:

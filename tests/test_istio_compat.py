@@ -1,9 +1,11 @@
-"""``redirect init`` with Istio's flags behaves like ``istio-iptables`` with the same flags.
+"""``redirect init`` with Istio's flags behaves like ``istio-iptables`` with the same flags, and so
+does the eBPF backend given the config those flags make.
 
 The reference is the ruleset ``istio-iptables`` installs for these flags (ISTIO_* chains,
 as its golden files show), loaded with ``iptables-restore`` into one pod; ``redirect
-init`` configures a second pod. The same probe matrix runs against both, and every
-probe must land on the same kind of listener with the same original destination.
+init`` (iptables) or ``redirect.setup(..., backend="ebpf")`` configures a second pod. The same
+probe matrix runs against both, and every probe must land on the same kind of listener with the
+same original destination (or nowhere on both).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 
 import redirect
 from redirect import RedirectConfig
+from redirect.istio.flags import config_from_istio_args
 from tests.netkit import Listener, Pod, TcpListener, UdpListener, landing
 
 APP, PROXY = 1000, 1337
@@ -89,10 +92,15 @@ def install_reference(pod: Pod, tproxy: bool, exclude_ports: tuple[int, ...], ex
                            check=True)
 
 
-def install_ours(pod: Pod, tproxy: bool, exclude_ports: tuple[int, ...], exclude_cidrs: tuple[str, ...]) -> None:
+def install_ours(pod: Pod, tproxy: bool, exclude_ports: tuple[int, ...], exclude_cidrs: tuple[str, ...],
+                 backend: str = "iptables") -> None:
+    """``redirect init`` with the flags (iptables), or the eBPF backend with the config they make."""
     flags = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "TPROXY" if tproxy else "REDIRECT", "-i", "*",
              "-x", ",".join(exclude_cidrs), "-b", "*", "-d", "15090,15021,15020",
              "-o", ",".join(map(str, exclude_ports))]
+    if backend == "ebpf":
+        redirect.setup(pod.name, config_from_istio_args(flags), backend="ebpf")
+        return
     p = subprocess.run([sys.executable, "-m", "redirect.cli", "init", "--netns", pod.name, *flags],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -135,6 +143,11 @@ def matrix(pod: Pod, fam: int, listeners: list[Listener]) -> list[tuple[str, str
         ("peer->pod:7000", pod.peer_name, pod.pod_ip(fam), 7000, {}),
         ("peer->pod:15021", pod.peer_name, pod.pod_ip(fam), 15021, {}),
         ("peer->pod:15008", pod.peer_name, pod.pod_ip(fam), 15008, {}),
+        # Sockets with the TPROXY mark (root: setting SO_MARK needs CAP_NET_ADMIN), to a remote
+        # address: under TPROXY the policy route by that mark takes them over lo, where the
+        # rules of lo traffic judge them (and where no listener has the address: nowhere).
+        ("app marked->peer:8080", pod.name, pod.peer_ip(fam), 8080, {"mark": 1337}),
+        ("proxy gid marked->peer:8080", pod.name, pod.peer_ip(fam), 8080, {"gid": PROXY, "mark": 1337}),
     ]
     out = []
     for name, ns, ip, port, kw in probes:
@@ -145,13 +158,17 @@ def matrix(pod: Pod, fam: int, listeners: list[Listener]) -> list[tuple[str, str
     return out
 
 
+@pytest.mark.parametrize("backend", ["iptables", "ebpf"])
 @pytest.mark.parametrize("tproxy", [False, True], ids=["REDIRECT", "TPROXY"])
 @pytest.mark.parametrize("fam", [4, 6])
-def test_redirect_init_behaves_like_istio_iptables(make_pod, fam: int, tproxy: bool) -> None:  # type: ignore[no-untyped-def]
+def test_redirect_init_behaves_like_istio_iptables(make_pod, request, fam: int, tproxy: bool,  # type: ignore[no-untyped-def]
+                                                   backend: str) -> None:
+    if backend == "ebpf":
+        request.getfixturevalue("ebpf_root")
     ref, ours = make_pod(extra_iface=True), make_pod(extra_iface=True)
-    for p, install in ((ref, install_reference), (ours, install_ours)):
-        assert p.extra is not None
-        install(p, tproxy, (9090,), (p.extra.subnet4, p.extra.subnet6))
+    assert ref.extra is not None and ours.extra is not None
+    install_reference(ref, tproxy, (9090,), (ref.extra.subnet4, ref.extra.subnet6))
+    install_ours(ours, tproxy, (9090,), (ours.extra.subnet4, ours.extra.subnet6), backend)
     with world(ref, fam, tproxy) as lr:
         expected = matrix(ref, fam, lr)
     with world(ours, fam, tproxy) as lo:
@@ -171,6 +188,10 @@ def test_redirect_init_behaves_like_istio_iptables(make_pod, fam: int, tproxy: b
     assert by["proxy->own ip:7000 (hairpin)"] == "proxy-in"
     assert by["peer->pod:7000"] == "proxy-in"
     assert by["peer->pod:15021"] == "pod-health"
+    if tproxy:  # the marked sockets went over lo: the app's lo traffic returns, uncaptured
+        assert by["app marked->peer:8080"] != "proxy-out" and by["proxy gid marked->peer:8080"] != "proxy-out"
+    else:
+        assert by["app marked->peer:8080"] == "proxy-out"
 
 
 # --------------------------------------------------------------------------- DNS capture
@@ -276,11 +297,16 @@ def dns_matrix(pod: Pod, fam: int, listeners: list[Listener]) -> list[tuple[str,
     return out
 
 
+@pytest.mark.parametrize("backend", ["iptables", "ebpf"])
 @pytest.mark.parametrize("fam", [4, 6])
-def test_redirect_init_with_dns_capture_behaves_like_istio_iptables(make_pod, fam: int) -> None:  # type: ignore[no-untyped-def]
+def test_redirect_init_with_dns_capture_behaves_like_istio_iptables(make_pod, request, fam: int,  # type: ignore[no-untyped-def]
+                                                                    backend: str) -> None:
     """With DNS capture, the proxy gid's hairpin over lo captures port 53 to inbound in
-    istio-iptables (only its uid's leaves 53 alone); ``redirect init`` does the same. The library's
-    default leaves 53 alone for gids too (docs/cli.md): there the probe reaches the pod's DNS server."""
+    istio-iptables (only its uid's leaves 53 alone); ``redirect init`` does the same, and so does
+    the eBPF backend with the config its flags make. The library's default leaves 53 alone for
+    gids too (docs/cli.md): there the probe reaches the pod's DNS server."""
+    if backend == "ebpf":
+        request.getfixturevalue("ebpf_root")
     ref, ours, lib = make_pod(), make_pod(), make_pod()
     ns = ["ip", "netns", "exec", ref.name]
     for f, tool in ((4, "iptables-restore"), (6, "ip6tables-restore")):
@@ -288,10 +314,13 @@ def test_redirect_init_with_dns_capture_behaves_like_istio_iptables(make_pod, fa
     subprocess.run(["ip", "-n", ref.name, "-6", "addr", "add", "::6/128", "dev", "lo", "nodad"], check=True)
     flags = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*",
              "-d", "15090,15021,15020", *DNS_FLAGS]
-    p = subprocess.run([sys.executable, "-m", "redirect.cli", "init", "--netns", ours.name, *flags],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    redirect.setup(lib.name, RedirectConfig(dns_capture=True, capture_all_dns=True))
+    if backend == "ebpf":
+        redirect.setup(ours.name, config_from_istio_args(flags), backend="ebpf")
+    else:
+        p = subprocess.run([sys.executable, "-m", "redirect.cli", "init", "--netns", ours.name, *flags],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+    redirect.setup(lib.name, RedirectConfig(dns_capture=True, capture_all_dns=True), backend=backend)
     with dns_world(ref, fam) as lr:
         expected = dns_matrix(ref, fam, lr)
     with dns_world(ours, fam) as lo:

@@ -22,11 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from redirect import BackendUnavailable, RedirectConfig
-from redirect.backends.ebpf import _unsupported
+from redirect import RedirectConfig
 from redirect.plan import build_plan
 from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.plan.intent import ambient_intent_of, intent_of
+from redirect.plan.intent import ambient_intent_of, intent_of, refusals
 from redirect.plan.lower_ebpf import lower_ebpf
 
 pytestmark = pytest.mark.noroot
@@ -76,7 +75,7 @@ S_INTERCEPTION = st.sampled_from(["REDIRECT", "TPROXY"])
 
 @st.composite
 def configs(draw: st.DrawFn) -> RedirectConfig:
-    """Sidecar configs of the options the eBPF backend supports (``_unsupported`` accepts them)."""
+    """Sidecar configs of the options the eBPF backend lowers (``refusals`` has none for them)."""
     kw: dict[str, Any] = {
         "proxy_uids": draw(S_IDS),
         "proxy_gids": draw(S_IDS),
@@ -105,11 +104,7 @@ def configs(draw: st.DrawFn) -> RedirectConfig:
     if draw(S_TENTH) == 0:
         kw.update(proxy_port=16001, inbound_port=16006, tunnel_port=16008, dns_port=16053)
     cfg = RedirectConfig(**kw)
-    try:
-        _unsupported(cfg)
-    except BackendUnavailable:  # the gid hairpin as istio-iptables has it with DNS capture
-        cfg = cfg.replace(gid_hairpin_skips_dns=True)
-        _unsupported(cfg)
+    assert not refusals(intent_of(cfg), "ebpf"), cfg
     return cfg
 
 
@@ -208,7 +203,8 @@ def test_netfilter_and_ebpf_lowerings_land_every_connection_alike(
 # --- ambient mode: the node proxy known by its sockets' mark ---------------------------------
 
 PROBES = {4: ["169.254.7.127", "10.1.3.1"], 6: ["fd16:9254:7127:1337:ffff:ffff:ffff:ffff", "fd00:2::9"]}
-S_MARKS = st.sampled_from([(0x539, 0xFFF, 0x111), (0x100, 0xF00, 0x200), (0x10, 0x30, 0x20)])
+S_MARKS = st.sampled_from([(0x539, 0xFFF, 0x111), (0x100, 0xF00, 0x200), (0x10, 0x30, 0x20), (0x53A, 0xFFF, 0x111),
+                           (0x539, 0xFFF, 0x222)])
 
 
 @st.composite
@@ -224,7 +220,7 @@ def ambient_configs(draw: st.DrawFn) -> RedirectConfig:
     if draw(S_TENTH) == 0:
         kw.update(proxy_port=16001, inbound_port=16006, tunnel_port=16008, dns_port=16053)
     cfg = RedirectConfig(**kw)
-    _unsupported(cfg)
+    assert not refusals(ambient_intent_of(cfg), "ebpf"), cfg
     return cfg
 
 
@@ -274,7 +270,7 @@ def test_a_pods_sources_are_its_first_address_of_each_captured_family_off_lo() -
     """``pod_sources`` (the choice ``rdr_pod_sources`` makes for both setup paths): per family the
     config captures, the first of the pod's addresses not on lo; none for a family it has none of
     or does not capture."""
-    from redirect.plan.lower_ebpf import pod_sources
+    from redirect.backends.ebpf.entries import pod_sources
 
     local = ((6, "::6", 1), (4, "10.0.0.7", 1), (4, "10.1.0.2", 2), (6, "fd00::2", 3), (4, "10.2.0.3", 3),
              (6, "fd00::9", 2))

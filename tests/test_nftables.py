@@ -22,6 +22,7 @@ from redirect.backends import nftables_rules as nr
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
 from redirect.plan import build_plan
+from redirect.plan.intent import intent_for
 from redirect.plan.vocabulary import Chain, Plan, Rule, SaveMark
 from tests.netkit import Pod, TcpListener, UdpListener, landing
 
@@ -56,10 +57,10 @@ def sh(ns: str, *argv: str) -> None:
 
 def test_render_is_deterministic_json_with_iptables_priorities() -> None:
     plan = build_plan(RedirectConfig(inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True))
-    a = nb.NftablesBackend().render(plan, (4, 6))
-    assert a == nb.NftablesBackend().render(build_plan(RedirectConfig(
-        inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True)), (4, 6))
-    cmds = json.loads(a)["nftables"]
+    a = json.dumps(nr.commands_for(nr.desired_ruleset(plan, (4, 6))))
+    assert a == json.dumps(nr.commands_for(nr.desired_ruleset(build_plan(RedirectConfig(
+        inbound_interception="TPROXY", dns_capture=True, capture_all_dns=True)), (4, 6))))
+    cmds = json.loads(a)
     assert cmds[:3] == [{"add": {"table": {"family": "inet", "name": nr.TABLE}}},
                         {"delete": {"table": {"family": "inet", "name": nr.TABLE}}},
                         {"add": {"table": {"family": "inet", "name": nr.TABLE}}}]
@@ -90,7 +91,8 @@ def test_ipv4_only_config_leaves_ipv6_to_other_rules() -> None:
 def test_tproxy_delivers_or_drops_like_iptables() -> None:
     rs = nr.desired_ruleset(build_plan(RedirectConfig(inbound_interception="TPROXY")), (4, 6))
     texts = [nr.expr_text(*r) for r in rs["mangle_TPROXY"].rules]
-    assert texts[0].startswith("ip daddr != 127.0.0.1 meta l4proto tcp tproxy ip to :15006 meta mark set 0x539 accept")
+    assert texts[0].startswith("ip daddr != 127.0.0.1 meta l4proto tcp tproxy ip to :15006 meta mark set 0x00000539"
+                               " accept")
     assert texts[1].startswith("ip daddr != 127.0.0.1 meta l4proto tcp drop")
 
 
@@ -110,6 +112,23 @@ def test_listing_parses_back_to_the_rendered_ruleset() -> None:
     assert nr.diff_rulesets(parsed, rs) == []
     parsed["nat_OUTBOUND"].rules.pop(0)
     assert any(d.startswith("chain nat_OUTBOUND: missing rule:") for d in nr.diff_rulesets(parsed, rs))
+
+
+def test_the_text_rendering_is_what_nft_lists_for_every_golden_config(pod: Pod) -> None:
+    """``render`` (and the nftables goldens) print our table as ``nft list table inet rdr_redirect``
+    prints it once installed: for every golden config, set up in a pod through the backend's JSON
+    batch, the kernel's listing (through this machine's nft) is the rendered text, line for line."""
+    from tests.golden import CONFIGS, config
+
+    try:
+        for name in CONFIGS:
+            cfg = config(name)
+            redirect.setup(pod.name, cfg, backend="nftables")
+            listed = subprocess.run(["ip", "netns", "exec", pod.name, "nft", "list", "table", nr.FAMILY, nr.TABLE],
+                                    check=True, capture_output=True, text=True, timeout=30).stdout
+            assert listed == redirect.render(cfg, backend="nftables"), name
+    finally:
+        redirect.teardown(pod.name)
 
 
 # --- traffic ---------------------------------------------------------------------------
@@ -431,7 +450,7 @@ def ebpf_cannot_load(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
     old = {k: os.environ.get(k) for k in env}
     os.environ.update({k: v for k, v in env.items() if v is not None})
     try:
-        assert ebpf.refusal(RedirectConfig()) is None  # the probe allows it: only loading tells
+        assert ebpf.refusal(intent_for(RedirectConfig())) is None  # the probe allows it: only loading tells
         yield want
     finally:
         try:  # the mount and the pins first: nothing below may leave them

@@ -12,9 +12,17 @@ from typing import Any
 import pytest
 
 from redirect import RedirectConfig
-from redirect.plan import build_plan
+from redirect.plan import build_plan, netfilter_plan
 from redirect.plan.evaluate import DIRECT, Conn, Landing, PodNet, evaluate_ebpf, evaluate_plan
-from redirect.plan.intent import AmbientIntent, LocalAddress, ambient_intent_of, intent_of
+from redirect.plan.intent import (
+    AmbientIntent,
+    LocalAddress,
+    PolicyRoute,
+    ambient_intent_of,
+    intent_for,
+    intent_of,
+    refusals,
+)
 from redirect.plan.lower_ebpf import lower_ebpf, pod_local
 from redirect.plan.vocabulary import ChainBuilder, Redirect
 
@@ -99,8 +107,10 @@ def test_the_gid_hairpin_takes_dns_only_as_istio_when_asked() -> None:
     gid_proxy = {"uid": 1000, "gid": 1337}
     assert evaluate_plan(build_plan(istio), (4, 6), POD, out("10.1.0.2", 53, who=gid_proxy)) == ("redirect", 15006)
     assert evaluate_plan(build_plan(istio), (4, 6), POD, out("10.1.0.2", 53, who=PROXY)) == DIRECT
-    with pytest.raises(ValueError, match="gid"):
-        lower_ebpf(intent_of(istio), (4, 6))
+    # The eBPF lowering says it too: each owner kind's hairpin ports are its own.
+    entries = lower_ebpf(intent_of(istio), (4, 6))
+    assert evaluate_ebpf(entries, POD, out("10.1.0.2", 53, who=gid_proxy)) == ("redirect", 15006)
+    assert evaluate_ebpf(entries, POD, out("10.1.0.2", 53, who=PROXY)) == DIRECT
 
 
 @pytest.mark.parametrize(("fields", "dst", "want"), [
@@ -129,7 +139,8 @@ def test_intent_decides_istio_derived_values_once() -> None:
                                   inbound_ports=(8080, 9090, 15008), inbound_exclude_ports=(9090,),
                                   owner_groups_exclude=(5,), proxy_gids=((10, 20),)))
     assert not it.dns and it.dns_servers == ()  # Istio: no servers and not all DNS -> off
-    assert it.include_has_loopback and not it.outbound_all
+    assert not it.lo_return and not it.outbound_all  # an included loopback CIDR keeps the app's lo traffic
+    assert it.resolver_port == 53 and it.passthrough == ((4, "127.0.0.6/32"), (6, "::6/128"))
     assert it.inbound and not it.inbound_all and it.inbound_include_ports == (8080, 15008)
     assert (it.groups_mode, it.groups) == ("exclude", (5,))
     assert it.proxy_owners == (("uid", 1337), ("gid", (10, 20)))
@@ -144,13 +155,34 @@ def test_intent_decides_istio_derived_values_once() -> None:
     assert intent_of(RedirectConfig()) is intent_of(RedirectConfig())  # computed once per config
 
 
-def test_the_plan_carries_its_intent() -> None:
+def test_the_intent_decides_addresses_and_routes_the_plan_installs() -> None:
     cfg = RedirectConfig()
-    assert build_plan(cfg).intent == intent_of(cfg)
-    ambient = build_plan(RedirectConfig(mode="ambient", bypass_inbound_capture=True, dns_capture=True))
-    assert isinstance(ambient.intent, AmbientIntent)
-    assert not ambient.intent.inbound and ambient.intent.dns  # ambient: DNS capture needs no servers
-    assert ambient.intent.probe_source_of(4) == "169.254.7.127/32"
+    assert netfilter_plan(intent_for(cfg)) is build_plan(cfg)  # one plan per intent
+    assert build_plan(cfg).addresses == intent_of(cfg).local_addresses and not build_plan(cfg).routes
+    tproxy = RedirectConfig(inbound_interception="TPROXY", tproxy_mark=4242, tproxy_route_table=200)
+    assert build_plan(tproxy).routes == intent_of(tproxy).routes == (
+        PolicyRoute(4, 4242, 0xFFFFFFFF, 200), PolicyRoute(6, 4242, 0xFFFFFFFF, 200))
+    assert not intent_of(tproxy.replace(inbound_ports=())).routes  # TPROXY's route comes with inbound capture
+    ambient = intent_for(RedirectConfig(mode="ambient", bypass_inbound_capture=True, dns_capture=True))
+    assert isinstance(ambient, AmbientIntent)
+    assert not ambient.inbound and ambient.dns  # ambient: DNS capture needs no servers
+    assert ambient.probe_source_of(4) == "169.254.7.127/32"
+    assert build_plan(RedirectConfig(mode="ambient")).routes == ambient.routes == (
+        PolicyRoute(4, 0x111, 0xFFF, 100), PolicyRoute(6, 0x111, 0xFFF, 100))
+
+
+def test_refusals_are_decided_in_the_intent() -> None:
+    """Which options a backend cannot lower is one function of the intent: eBPF refuses
+    ``drop_invalid`` (a sidecar option), netfilter nothing; Istio's gid hairpin (DNS over lo of a
+    proxy gid goes to inbound capture) is lowered by eBPF too."""
+    drop = intent_for(RedirectConfig(drop_invalid=True))
+    assert [r.option for r in refusals(drop, "ebpf")] == ["drop_invalid=True"]
+    assert refusals(drop, "iptables") == refusals(drop, "nftables") == ()
+    assert refusals(intent_for(RedirectConfig(mode="ambient", drop_invalid=True)), "ebpf") == ()
+    istio = intent_for(RedirectConfig(dns_capture=True, capture_all_dns=True, gid_hairpin_skips_dns=False))
+    assert refusals(istio, "ebpf") == ()
+    e = lower_ebpf(istio, (4, 6)).policy
+    assert (e.hairpin_uid_skip, e.hairpin_gid_skip) == ((53, 15008), (15008, 15008))
 
 
 def test_ebpf_lowering_is_typed_and_skips_ipv6_entries_without_ipv6() -> None:

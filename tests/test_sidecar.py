@@ -26,6 +26,7 @@ from redirect import RedirectConfig
 from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.kernel import rtnl
+from redirect.plan.lower_ebpf import CIDR_KIND
 from tests.netkit import (
     OUR_TC,
     VM_NET,
@@ -840,7 +841,7 @@ def _flush_outbound_chain(ns: str, backend: str) -> None:
             assert h is not None
             cookie = ebpf.current_netns_cookie()
             for k in list(h.maps["cidrs"].keys()):
-                if ebpf.CIDR_KEY.unpack(k)[1:3] == (ebpf.CIDR_LOCAL4, cookie):
+                if ebpf.CIDR_KEY.unpack(k)[1:3] == (CIDR_KIND["local4"], cookie):
                     assert h.maps["cidrs"].delete(k)
         return
     if backend == "nftables":

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..config import RedirectConfig
 from ..errors import BackendUnavailable
+from ..plan.intent import AnyIntent
 from .base import Backend, ebpf_root
 
 log = logging.getLogger("redirect.backends")
@@ -79,13 +79,14 @@ def _netfilter_choice() -> tuple[str, str | None]:
     return ("nftables", None) if ok else ("iptables", why)
 
 
-def choose_auto(cfg: RedirectConfig | None) -> str:
-    """The backend ``auto`` stands for with ``cfg`` here (logged with the reason): ``ebpf`` when
-    this process's capabilities, the kernel, bcc, bpffs and cgroup v2 allow it and the backend
-    supports every option of ``cfg``; else ``nftables`` when libnftables imports and the kernel
-    takes an inet nat table; else ``iptables``. (Probed once per process; with no ``cfg`` only
-    the host decides.) A setup that finds eBPF unable to load or attach after all falls back the
-    same way (``redirect.setup``, ``ebpf_failed``), and later choices of the process skip eBPF."""
+def choose_auto(it: AnyIntent | None) -> str:
+    """The backend ``auto`` stands for with intent ``it`` here (logged with the reason): ``ebpf``
+    when this process's capabilities, the kernel, bcc, bpffs and cgroup v2 allow it and the
+    backend lowers every option of ``it`` (``redirect.plan.intent.refusals``); else ``nftables``
+    when libnftables imports and the kernel takes an inet nat table; else ``iptables``. (Probed
+    once per process; with no ``it`` only the host decides.) A setup that finds eBPF unable to
+    load or attach after all falls back the same way (``redirect.setup``, ``ebpf_failed``), and
+    later choices of the process skip eBPF."""
     why: str | None = _ebpf_load_failures.get(ebpf_root())
     if why is not None:
         why = f"could not load or attach here earlier in this process: {why}"
@@ -97,7 +98,7 @@ def choose_auto(cfg: RedirectConfig | None) -> str:
         except ImportError as e:  # the native module or bcc's bindings missing
             why = f"ebpf: {e}"
         else:
-            why = ebpf.refusal(cfg if cfg is not None else RedirectConfig())
+            why = ebpf.refusal(it)
     if why is None:
         log.info("backend=auto: chose ebpf (the kernel allows it and it supports every option of the config)")
         return "ebpf"
@@ -109,8 +110,9 @@ def choose_auto(cfg: RedirectConfig | None) -> str:
     return choice
 
 
-def get_backend(name: str, cfg: RedirectConfig | None) -> Backend:
-    """The backend object for ``name``; ``BackendUnavailable`` names what is missing."""
+def get_backend(name: str, it: AnyIntent | None = None) -> Backend:
+    """The backend object for ``name`` (``auto``: the one it stands for with intent ``it``);
+    ``BackendUnavailable`` names what is missing."""
     if name == "iptables":
         from .iptables import IptablesBackend
 
@@ -127,9 +129,9 @@ def get_backend(name: str, cfg: RedirectConfig | None) -> Backend:
             raise BackendUnavailable(f"backend='nftables': {why}")
         return NftablesBackend()
     if name == "auto":
-        return get_backend(choose_auto(cfg), cfg)
+        return get_backend(choose_auto(it), it)
     if name == "ebpf":
         from .ebpf import EbpfBackend
 
-        return EbpfBackend(cfg)
+        return EbpfBackend()
     raise BackendUnavailable(f"backend={name!r}: unknown backend; choose one of {', '.join(BACKENDS)}")

@@ -7,8 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from ..config import RedirectConfig
-from ..plan.vocabulary import Plan
+from ..plan.intent import AnyIntent
 
 _T = TypeVar("_T")
 
@@ -75,19 +74,24 @@ class CheckResult:
 
 
 class Backend(Protocol):
-    """A backend turns a plan into kernel state in the netns the calling thread is in."""
+    """A backend turns an intent into kernel state in the netns the calling thread is in.
+
+    It is given the intent (``redirect.plan.intent``), never the config: the netfilter backends
+    render its netfilter plan (``redirect.plan.netfilter_plan``), the eBPF backend its eBPF
+    lowering (``redirect.plan.lower_ebpf``); every backend installs the intent's policy routes and
+    local addresses (``redirect.kernel.routes``)."""
 
     name: str
 
-    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed: ...
+    def apply(self, it: AnyIntent, families: tuple[int, ...]) -> Installed: ...
 
     def remove(self, keep_routes: bool = False) -> bool: ...
 
-    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult: ...
+    def check(self, it: AnyIntent, families: tuple[int, ...]) -> CheckResult: ...
 
     def show(self) -> dict[str, Any]: ...
 
-    def render(self, plan: Plan, families: tuple[int, ...]) -> str: ...
+    def render(self, it: AnyIntent, families: tuple[int, ...]) -> str: ...
 
     def installed(self) -> bool: ...
 

@@ -39,12 +39,10 @@ import subprocess
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..config import RedirectConfig
 from ..errors import BackendUnavailable, SetupError
 from ..kernel import routes as rt
-from ..plan.vocabulary import (
-    Plan,
-)
+from ..plan import netfilter_plan
+from ..plan.intent import AnyIntent
 from .base import MARK, CheckResult, Installed, fault_point
 from .iptables_rules import (
     BUILTIN,
@@ -272,7 +270,8 @@ class IptablesBackend:
     def restore(self, variant: str, family: int, payload: str) -> None:
         restore(variant, family, payload)
 
-    def render(self, plan: Plan, families: tuple[int, ...]) -> str:
+    def render(self, it: AnyIntent, families: tuple[int, ...]) -> str:
+        plan = netfilter_plan(it)
         out = []
         for fam in families:
             out.append(f"# IPv{fam}: {'iptables' if fam == 4 else 'ip6tables'}-restore --noflush")
@@ -312,7 +311,8 @@ class IptablesBackend:
                 hooked |= _hooked(fam, state)
                 cur[fam].gens = (({}, cur[fam].gens[1]) if g == 0 else (cur[fam].gens[0], {}))
 
-    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
+    def apply(self, it: AnyIntent, families: tuple[int, ...]) -> Installed:
+        plan = netfilter_plan(it)
         variant = self._variant()
         cur = self.read(variant)
         foreign = [x for f in cur.values() for x in f.foreign]
@@ -329,7 +329,7 @@ class IptablesBackend:
 
         present = [g for g in (0, 1) if _gen_present(cur, g)]
         keep = next((g for g in present if same(g)), None)
-        txn = rt.txn_for(plan, families)
+        txn = rt.txn_for(it, families)
         if keep is not None and len(present) == 1 and not txn.changed:
             return Installed(self.name, "", families, False, {"variant": variant})
         hooked: Hooked = set()
@@ -432,7 +432,8 @@ class IptablesBackend:
             return True
         return self._has_variant_state("legacy") and any(_gen_present(self.read("legacy"), g) for g in (0, 1))
 
-    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
+    def check(self, it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
+        plan = netfilter_plan(it)
         variant = self._variant()
         diffs: list[str] = []
         cur = self.read(variant)
@@ -446,7 +447,7 @@ class IptablesBackend:
         for fam in (4, 6):
             want = desired_state(plan, fam, g) if fam in families else {}
             diffs += diff_state(fam, cur[fam].gens[g], want)
-        diffs += rt.differences(plan, families)
+        diffs += rt.differences(it, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:

@@ -88,9 +88,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import RedirectConfig
 from ..errors import BackendUnavailable, SetupError
 from ..kernel import routes as rt
+from ..plan import netfilter_plan
+from ..plan.intent import AnyIntent
 from ..plan.vocabulary import (
     Plan,
 )
@@ -108,6 +109,7 @@ from .nftables_rules import (
     diff_rulesets,
     expr_text,
     parse_listing,
+    ruleset_text,
 )
 
 log = logging.getLogger("redirect.nftables")
@@ -346,20 +348,23 @@ class NftablesBackend:
 
     # All methods act on the calling thread's netns (the caller entered it).
 
-    def render(self, plan: Plan, families: tuple[int, ...]) -> str:
-        return json.dumps({"nftables": commands_for(desired_ruleset(plan, families))}, indent=1) + "\n"
+    def render(self, it: AnyIntent, families: tuple[int, ...]) -> str:
+        """Our table for ``it`` as ``nft list table inet rdr_redirect`` prints it once installed
+        (``apply`` sends the same rules as one libnftables JSON batch)."""
+        return ruleset_text(desired_ruleset(netfilter_plan(it), families))
 
-    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
+    def apply(self, it: AnyIntent, families: tuple[int, ...]) -> Installed:
+        plan = netfilter_plan(it)
         desired = cached_ruleset(plan, families)  # render errors before touching anything
         nft = _context()
         try:
-            return self._apply(nft, desired, plan, families)
+            return self._apply(nft, desired, it, plan, families)
         finally:
             release(nft)
 
-    def _apply(self, nft: Any, desired: Ruleset, plan: Plan, families: tuple[int, ...]) -> Installed:
+    def _apply(self, nft: Any, desired: Ruleset, it: AnyIntent, plan: Plan, families: tuple[int, ...]) -> Installed:
         current = read_table(nft)
-        txn = rt.txn_for(plan, families)  # the same routes and addresses as the iptables backend
+        txn = rt.txn_for(it, families)  # the same routes and addresses as the iptables backend
         same = current is not None and not diff_rulesets(current, desired)
         detail = {"table": f"{FAMILY} {TABLE}", "chains": list(desired)}
         if same and not txn.changed and not _EXTRA_COMMANDS_FOR_TESTS:
@@ -420,20 +425,20 @@ class NftablesBackend:
         finally:
             release(nft)
 
-    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
-        desired = cached_ruleset(plan, families)
+    def check(self, it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
+        desired = cached_ruleset(netfilter_plan(it), families)
         nft = _context()
         try:
             current = read_table(nft)
         except NotOurs as e:
-            return CheckResult(False, self.name, (str(e),) + tuple(rt.differences(plan, families)))
+            return CheckResult(False, self.name, (str(e),) + tuple(rt.differences(it, families)))
         finally:
             release(nft)
         if current is None:
             diffs = [f"table {FAMILY} {TABLE} is not installed"]
         else:
             diffs = diff_rulesets(current, desired)
-        diffs += rt.differences(plan, families)
+        diffs += rt.differences(it, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:

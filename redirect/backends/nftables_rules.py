@@ -1,6 +1,7 @@
 """Our table in nft's own JSON: rendered from a plan exactly as ``nft -j list`` prints it
 (``desired_ruleset``, ``commands_for``), read back from a listing (``parse_listing``), and as
-readable text for ``check``'s differences (``diff_rulesets``). Pure data: nothing here runs
+the text ``nft list`` prints (``ruleset_text``: ``render``'s output and the goldens; ``expr_text``
+in ``check``'s differences, ``diff_rulesets``). Pure data: nothing here runs
 libnftables, so all of it is tested without root; the backend (``redirect.backends.nftables``)
 reads, writes and orders.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,17 +311,27 @@ def parse_listing(items: list[dict[str, Any]]) -> Ruleset:
     return out
 
 
-# --- readable text of rules (check's differences, show) ----------------------------------
+# --- nft's own text: what ``nft list table inet rdr_redirect`` prints ----------------------
+
+#: ``ct state`` bits in the order nft prints them.
+_CT_STATES = ("invalid", "established", "related", "new", "untracked")
+#: nft's names of the standard priorities (any hook), and of the NAT ones (only on their hook).
+_PRIO_NAMES = {-300: "raw", -150: "mangle", 0: "filter", 50: "security"}
+_NAT_PRIO_NAMES = {("prerouting", -100): "dstnat", ("postrouting", 100): "srcnat"}
+#: Keys whose values nft prints as 32-bit hex (marks).
+_HEX_KEYS = (("meta", "mark"), ("ct", "mark"))
 
 
-def _val(v: Any) -> str:
+def _key(v: Any) -> tuple[str, str] | None:
+    """(kind, key) of a ``meta``/``ct``/``socket`` expression, else None."""
+    for kind in ("meta", "ct", "socket"):
+        if isinstance(v, dict) and kind in v:
+            return kind, v[kind]["key"]
+    return None
+
+
+def _left_text(v: Any) -> str:
     if isinstance(v, dict):
-        if "prefix" in v:
-            return f"{v['prefix']['addr']}/{v['prefix']['len']}"
-        if "range" in v:
-            return f"{v['range'][0]}-{v['range'][1]}"
-        if "set" in v:
-            return "{ " + ", ".join(_val(x) for x in v["set"]) + " }"
         if "meta" in v:
             key = v["meta"]["key"]
             return key if key in ("iifname", "oifname") else f"meta {key}"
@@ -334,28 +344,55 @@ def _val(v: Any) -> str:
         for op in ("&", "|", "^"):
             if op in v:
                 a, b = v[op]
-                return f"{_val(a)} {op} {_val(b) if not isinstance(b, int) else hex(b)}"
-        return json.dumps(v, sort_keys=True)
-    if isinstance(v, list):
-        return ",".join(_val(x) for x in v)
+                return f"{_left_text(a)} {op} {_value_text(b, _hex_of(a))}"
+    raise ValueError(f"nft text: no rendering of {v!r}")
+
+
+def _hex_of(left: Any) -> bool:
+    """Whether the values compared with (or set into) ``left`` are marks (printed as hex)."""
+    while isinstance(left, dict) and any(op in left for op in ("&", "|", "^")):
+        left = next(left[op][0] for op in ("&", "|", "^") if op in left)
+    return _key(left) in _HEX_KEYS
+
+
+def _value_text(v: Any, hexa: bool = False, quote: bool = False) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, int):
+        return f"0x{v:08x}" if hexa else str(v)
     if isinstance(v, str):
-        return f'"{v}"' if v.endswith("name") else v
-    return str(v)
+        return f'"{v}"' if quote else v
+    if isinstance(v, list):  # ct state
+        return ",".join(sorted(v, key=lambda x: _CT_STATES.index(x) if x in _CT_STATES else len(_CT_STATES)))
+    if isinstance(v, dict):
+        if "prefix" in v:
+            return f"{v['prefix']['addr']}/{v['prefix']['len']}"
+        if "range" in v:
+            return f"{v['range'][0]}-{v['range'][1]}"
+        if "set" in v:
+            return "{ " + ", ".join(_value_text(x, hexa, quote) for x in v["set"]) + " }"
+        if _key(v) is not None or "payload" in v or any(op in v for op in ("&", "|", "^")):
+            return _left_text(v)
+    raise ValueError(f"nft text: no rendering of value {v!r}")
+
+
+def _match_text(m: dict[str, Any]) -> str:
+    left, right, op = m["left"], m["right"], m["op"]
+    binop = isinstance(left, dict) and any(o in left for o in ("&", "|", "^"))
+    shown_op = "" if op == "in" or (op == "==" and not binop) else f"{op} "
+    quote = _key(left) in (("meta", "iifname"), ("meta", "oifname"))
+    return f"{_left_text(left)} {shown_op}{_value_text(right, _hex_of(left), quote)}"
 
 
 def expr_text(expr: Expr, comment: str = "") -> str:
-    """A rule in (roughly) nft syntax, for humans."""
+    """One rule of ours as ``nft list`` prints it."""
     parts = []
     for e in expr:
         if "match" in e:
-            m = e["match"]
-            op = "" if m["op"] in ("==", "in") else f"{m['op']} "
-            right = m["right"]
-            r = f'"{right}"' if isinstance(right, str) and _val(m["left"]).endswith("name") else _val(right)
-            parts.append(f"{_val(m['left'])} {op}{r}")
+            parts.append(_match_text(e["match"]))
         elif "mangle" in e:
-            v = e["mangle"]["value"]
-            parts.append(f"{_val(e['mangle']['key'])} set {hex(v) if isinstance(v, int) else _val(v)}")
+            key = e["mangle"]["key"]
+            parts.append(f"{_left_text(key)} set {_value_text(e['mangle']['value'], _hex_of(key))}")
         elif "jump" in e:
             parts.append(f"jump {e['jump']['target']}")
         elif "redirect" in e:
@@ -366,16 +403,38 @@ def expr_text(expr: Expr, comment: str = "") -> str:
         elif len(e) == 1 and next(iter(e.values())) is None:
             parts.append(next(iter(e)))
         else:
-            parts.append(json.dumps(e, sort_keys=True))
+            raise ValueError(f"nft text: no rendering of statement {e!r}")
     if comment:
         parts.append(f'comment "{comment}"')
     return " ".join(parts)
 
 
+def _prio_text(hook: str, prio: int) -> str:
+    return _NAT_PRIO_NAMES.get((hook, prio)) or _PRIO_NAMES.get(prio) or str(prio)
+
+
 def base_text(base: dict[str, Any] | None) -> str:
+    """A base chain's attributes as ``nft list`` prints them ("regular chain" for the others)."""
     if not base:
         return "regular chain"
-    return f"type {base.get('type')} hook {base.get('hook')} priority {base.get('prio')}; policy {base.get('policy')}"
+    return (f"type {base.get('type')} hook {base.get('hook')} priority {_prio_text(base['hook'], base['prio'])};"
+            f" policy {base.get('policy')};")
+
+
+def ruleset_text(rs: Ruleset) -> str:
+    """Our table as ``nft list table inet rdr_redirect`` prints it (the kernel tests compare the
+    two): what the JSON batch of ``commands_for`` installs, for a reader. Empty: no table."""
+    if not rs:
+        return ""
+    chains = []
+    for name, spec in rs.items():
+        lines = [f"\tchain {name} {{"]
+        if spec.base:
+            lines.append(f"\t\t{base_text(spec.base)}")
+        lines += [f"\t\t{expr_text(expr, comment)}" for expr, comment in spec.rules]
+        lines.append("\t}")
+        chains.append("\n".join(lines))
+    return f"table {FAMILY} {TABLE} {{\n" + "\n\n".join(chains) + "\n}\n"
 
 
 def diff_rulesets(cur: Ruleset, want: Ruleset) -> list[str]:

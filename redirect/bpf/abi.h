@@ -6,7 +6,7 @@
  *
  * Plain C for all three readers: fixed-width __uN types, no padding the
  * compiler would add (explicit _pad fields), constants as plain integers
- * (cffi's cdef reads only "#define NAME <integer>"). Addresses are stored in
+ * (cffi's cdef reads only "#define NAME <integer>", and is given kinds.h itself). Addresses are stored in
  * network byte order as 16 raw bytes (IPv4 in the first 4); ports in host
  * order unless the field name says _be.
  */
@@ -15,20 +15,22 @@
 
 #include <linux/types.h>
 
-/* pod_policy.flags */
+/* pod_policy.flags: each is the boolean of redirect/plan/lower_ebpf.py's EbpfPolicy of its name
+ * (RDR_F_<NAME>), which redirect/backends/ebpf/entries.py packs by that name. */
 #define RDR_F_OUT_ALL 0x1        /* outbound_cidrs == "*" */
 #define RDR_F_DNS 0x2            /* DNS capture on (dns_effective) */
 #define RDR_F_DNS_ALL 0x4        /* capture_all_dns */
-#define RDR_F_INCL_LOOPBACK 0x8  /* an included CIDR is loopback: app lo traffic is not returned */
+#define RDR_F_LO_RETURN 0x8      /* others' lo traffic returns at the proxy owners' rules (see nat_target) */
 #define RDR_F_INBOUND 0x10       /* inbound capture on */
 #define RDR_F_INBOUND_ALL 0x20   /* inbound_ports == "*" */
 #define RDR_F_V6 0x40            /* IPv6 is captured too */
 #define RDR_F_TPROXY 0x80        /* inbound_interception = TPROXY (see outbound_target) */
-#define RDR_F_EXCL_IF 0x100      /* exclude_interfaces: RDR_CIDR_IF_EXCL / VIA_EXCL* entries count */
+#define RDR_F_EXCL_IF 0x100      /* exclude_interfaces: RDR_CIDR_IFACE_EXCLUDE / VIA_EXCLUDE* entries count */
 #define RDR_F_AMBIENT 0x200      /* mode = ambient: the node proxy's marks (proxy_mark...), not owners */
-#define RDR_F_REROUTE 0x400      /* reroute_interfaces: RDR_CIDR_IF_REROUTE entries count */
+#define RDR_F_REROUTE_IF 0x400   /* reroute_interfaces: RDR_CIDR_IFACE_REROUTE entries count */
+#define RDR_F_LO_RETURN_SPARES_DNS 0x800 /* that lo return leaves DNS (UDP, TCP to resolver_port) alone */
 /* Bookkeeping of user space only (no program reads it): this pod's setup turned the netns's
- * net.ipv4.tcp_fwmark_accept on (ambient), so its teardown turns it off again. */
+ * net.ipv4.tcp_fwmark_accept on (ambient, TPROXY), so its teardown turns it off again. */
 #define RDR_F_FWMARK_ACCEPT_OURS 0x80000000
 
 /* pod_policy.groups_mode: owner_groups / owner_groups_exclude */
@@ -36,41 +38,19 @@
 #define RDR_GROUPS_ONLY 1    /* only these groups are captured */
 #define RDR_GROUPS_EXCLUDE 2 /* these groups are not captured */
 
-/* port_key.kind */
-#define RDR_PORT_OUT_EXCL 1
-#define RDR_PORT_OUT_INCL 2
-#define RDR_PORT_IN_INCL 3
-#define RDR_PORT_IN_EXCL 4
-
-/* cidr_key.kind: family-specific, so one trie serves both families */
-#define RDR_CIDR_OUT_EXCL4 1
-#define RDR_CIDR_OUT_INCL4 2
-#define RDR_CIDR_DNS4 3
-#define RDR_CIDR_OUT_EXCL6 4
-#define RDR_CIDR_OUT_INCL6 5
-#define RDR_CIDR_DNS6 6
-#define RDR_CIDR_LOCAL4 7 /* the pod's own addresses: a connect to them leaves over lo */
-#define RDR_CIDR_LOCAL6 8
-/* Owner ids past a kind's first range (any number): each range as prefix blocks of the id in
- * network order in addr's first 4 bytes, prefix 0-32 (an IPv4-shaped key). */
-#define RDR_CIDR_UID 9   /* proxy_uids */
-#define RDR_CIDR_GID 10  /* proxy_gids */
-#define RDR_CIDR_GROUP 11 /* owner_groups / owner_groups_exclude */
-/* exclude_interfaces, resolved in the pod at setup: an excluded interface's ifindex (network
- * order, /32, like the ids above), and the destinations the pod's main routing table sends
- * through one (redirect/plan/lower_ebpf.py, pod_interfaces). */
-#define RDR_CIDR_IF_EXCL 12
-#define RDR_CIDR_VIA_EXCL4 13
-#define RDR_CIDR_VIA_EXCL6 14
-/* Ambient: the host addresses kubelet probes come from (probe_snat_ipv4/6), /32 and /128. */
-#define RDR_CIDR_PROBE4 15
-#define RDR_CIDR_PROBE6 16
-/* reroute_interfaces, resolved in the pod at setup: a rerouted interface's ifindex (network order,
- * /32, like RDR_CIDR_IF_EXCL): inbound arriving on it goes to the outbound port. */
-#define RDR_CIDR_IF_REROUTE 17
+/* port_key.kind, cidr_key.kind (RDR_PORT_*, RDR_CIDR_*): kinds.h, generated from the kind table
+ * of redirect/plan/lower_ebpf.py. CIDR kinds are family-specific, so one trie serves both
+ * families; owner ids past a kind's first range (any number) are prefix blocks of the id in
+ * network order in addr's first 4 bytes, prefix 0-32 (an IPv4-shaped key), and so is an
+ * interface's ifindex (/32), resolved in the pod at setup (exclude_interfaces, reroute_interfaces:
+ * redirect/plan/lower_ebpf.py, pod_interfaces). */
+#include "kinds.h"
 
 /* cidr_key.prefixlen = RDR_CIDR_PREFIX_BASE + the CIDR's own prefix length */
 #define RDR_CIDR_PREFIX_BASE 96
+
+/* pod_policy.hairpin_*_skip: room for the ports one owner kind's hairpin leaves alone */
+#define RDR_HAIRPIN_SKIP_MAX 2
 
 struct id_range {
 	__u32 lo;
@@ -109,6 +89,22 @@ struct pod_policy {
 	__u32 proxy_mark;
 	__u32 mark_mask;
 	__u32 conn_mark;
+	/* DNS capture takes UDP and TCP to this port (53). */
+	__u16 resolver_port;
+	/* Per owner kind, the ports the proxy's lo hairpin to inbound capture leaves alone (the tunnel
+	 * port; the resolver port with DNS capture); a list shorter than the room repeats its first. */
+	__u16 hairpin_uid_skip[RDR_HAIRPIN_SKIP_MAX];
+	__u16 hairpin_gid_skip[RDR_HAIRPIN_SKIP_MAX];
+	__u16 _pad;
+	/* The source of the proxy's inbound passthrough (127.0.0.6, ::6), network order: its
+	 * connections over lo are never captured. */
+	__u8 passthrough4[4];
+	__u8 passthrough6[16];
+	/* The plan's policy route (``local default dev lo``): a socket whose mark & route_mask is
+	 * route_mark is delivered in the pod whatever its destination, so it leaves over lo (TPROXY's
+	 * tproxy_mark; ambient's conn_mark). route_mask 0: no such route. */
+	__u32 route_mark;
+	__u32 route_mask;
 };
 
 struct port_key {

@@ -4,8 +4,6 @@
 
 #include "redirect.h"
 
-#define RDR_DNS_PORT 53
-
 static __always_inline struct pod_policy *pod_of(__u64 netns)
 {
 	return pods.lookup(&netns);
@@ -35,7 +33,7 @@ static __always_inline int cidr_listed(__u64 keys, __u32 kind, const __u8 *addr,
 	return cidrs.lookup(&k) != NULL;
 }
 
-/* Whether ifindex has an entry of kind (RDR_CIDR_IF_EXCL, RDR_CIDR_IF_REROUTE) in the pod. */
+/* Whether ifindex has an entry of kind (RDR_CIDR_IFACE_EXCLUDE, RDR_CIDR_IFACE_REROUTE) in the pod. */
 static __always_inline int iface_listed(__u64 keys, __u32 kind, __u32 ifindex)
 {
 	__u32 be = bpf_htonl(ifindex);
@@ -50,13 +48,13 @@ static __always_inline int iface_listed(__u64 keys, __u32 kind, __u32 ifindex)
 /* Whether ifindex is one of the pod's excluded interfaces (exclude_interfaces). */
 static __always_inline int iface_excluded(const struct pod_policy *p, __u64 keys, __u32 ifindex)
 {
-	return (p->flags & RDR_F_EXCL_IF) && iface_listed(keys, RDR_CIDR_IF_EXCL, ifindex);
+	return (p->flags & RDR_F_EXCL_IF) && iface_listed(keys, RDR_CIDR_IFACE_EXCLUDE, ifindex);
 }
 
 /* Whether ifindex is one of the pod's reroute (kube-virt) interfaces (reroute_interfaces). */
 static __always_inline int iface_rerouted(const struct pod_policy *p, __u64 keys, __u32 ifindex)
 {
-	return (p->flags & RDR_F_REROUTE) && iface_listed(keys, RDR_CIDR_IF_REROUTE, ifindex);
+	return (p->flags & RDR_F_REROUTE_IF) && iface_listed(keys, RDR_CIDR_IFACE_REROUTE, ifindex);
 }
 
 /* Whether the connection leaves through an excluded interface (Istio's "-o <if> -j RETURN",
@@ -70,7 +68,7 @@ static __always_inline int leaves_excluded(const struct pod_policy *p, __u64 key
 		return 0;
 	if (bound_if)
 		return iface_excluded(p, keys, bound_if);
-	return cidr_listed(keys, v6 ? RDR_CIDR_VIA_EXCL6 : RDR_CIDR_VIA_EXCL4, addr, v6);
+	return cidr_listed(keys, v6 ? RDR_CIDR_VIA_EXCLUDE6 : RDR_CIDR_VIA_EXCLUDE4, addr, v6);
 }
 
 /* Whether id is in one kind's ranges: the first (inline in the policy, all a
@@ -94,25 +92,39 @@ static __always_inline int id_listed(__u64 keys, __u32 kind, const struct id_ran
 #define RDR_OWN_PASS 1
 #define RDR_OWN_INBOUND 2
 
+/* Whether port is one of the ports an owner kind's hairpin leaves alone (skip: its
+ * RDR_HAIRPIN_SKIP_MAX entries of the policy). */
+static __always_inline int hairpin_skips(const __u16 *skip, __u16 port)
+{
+	int i;
+
+#pragma unroll
+	for (i = 0; i < RDR_HAIRPIN_SKIP_MAX; i++)
+		if (port == skip[i])
+			return 1;
+	return 0;
+}
+
 /* One owner kind's three rules of Istio's OUTPUT chain, per uid/gid range in
  * order (redirect/plan/sidecar.py, "proxy uid hairpin over lo" / "app traffic over lo" /
  * "proxy uid"): the proxy's lo traffic to a non-loopback address goes to
- * inbound capture; anyone else's lo traffic returns; the proxy returns. With
+ * inbound capture (hairpin: TCP, not to the loopback range; skip: the ports the kind's
+ * hairpin leaves alone); anyone else's lo traffic returns; the proxy returns. With
  * lo_return the first range's rules decide every lo connection (whoever is
  * not in it returns there); otherwise only membership in some range counts. */
 static __always_inline int owner_rules(__u64 keys, __u32 kind, const struct id_range *first, __u32 n, __u32 id,
-				       int out_lo, int hairpin, int lo_return)
+				       int out_lo, int hairpin, const __u16 *skip, __u16 port, int lo_return)
 {
 	if (n == 0)
 		return RDR_OWN_NEXT;
 	if (out_lo && lo_return) {
-		if (id >= first->lo && id <= first->hi && hairpin)
+		if (id >= first->lo && id <= first->hi && hairpin && !hairpin_skips(skip, port))
 			return RDR_OWN_INBOUND;
 		return RDR_OWN_PASS;
 	}
 	if (!id_listed(keys, kind, first, n, id))
 		return RDR_OWN_NEXT;
-	return out_lo && hairpin ? RDR_OWN_INBOUND : RDR_OWN_PASS;
+	return out_lo && hairpin && !hairpin_skips(skip, port) ? RDR_OWN_INBOUND : RDR_OWN_PASS;
 }
 
 /* "Leaves over lo" (iptables' -o lo) without a route lookup, which sock_addr
@@ -128,14 +140,28 @@ static __always_inline int is_v6_loopback(const __u32 *ip)
 	return ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1);
 }
 
-static __always_inline int is_v4_passthrough(__u32 ip_be)
+/* Whether a source is the proxy's inbound passthrough address (pod_policy.passthrough4/6). */
+static __always_inline int is_v4_passthrough(const struct pod_policy *p, __u32 ip_be)
 {
-	return ip_be == bpf_htonl(0x7f000006); /* 127.0.0.6: proxy inbound passthrough */
+	__u32 pass;
+
+	__builtin_memcpy(&pass, p->passthrough4, 4);
+	return ip_be == pass;
 }
 
-static __always_inline int is_v6_passthrough(const __u32 *ip)
+static __always_inline int is_v6_passthrough(const struct pod_policy *p, const __u32 *ip)
 {
-	return ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(6); /* ::6 */
+	__u32 pass[4];
+
+	__builtin_memcpy(pass, p->passthrough6, 16);
+	return ip[0] == pass[0] && ip[1] == pass[1] && ip[2] == pass[2] && ip[3] == pass[3];
+}
+
+/* Whether a socket with this mark is delivered in the pod whatever its destination: the intent's
+ * policy route (fwmark route_mark/route_mask, local default dev lo) takes it over lo. */
+static __always_inline int routed_to_lo(const struct pod_policy *p, __u32 mark)
+{
+	return p->route_mask && (mark & p->route_mask) == p->route_mark;
 }
 
 static __always_inline int is_v6_unspecified(const __u32 *ip)
@@ -185,8 +211,8 @@ static __always_inline int inbound_listed(const struct pod_policy *p, __u64 keys
 	if (!(p->flags & RDR_F_INBOUND) || port == p->tunnel_port)
 		return 0;
 	if (p->flags & RDR_F_INBOUND_ALL)
-		return !port_listed(keys, RDR_PORT_IN_EXCL, port);
-	return port_listed(keys, RDR_PORT_IN_INCL, port);
+		return !port_listed(keys, RDR_PORT_IN_EXCLUDE, port);
+	return port_listed(keys, RDR_PORT_IN_INCLUDE, port);
 }
 
 /* ... to a port other than the inbound port itself (where the chain's REDIRECT or TPROXY changes
@@ -226,22 +252,23 @@ static __always_inline int rerouted_listener(const struct pod_policy *p, __u64 k
 static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, int tcp, __u16 port,
 					const __u8 *addr, int v6, int out_lo, int dst_is_lo_cidr, int src_passthrough)
 {
-	int dns = (p->flags & RDR_F_DNS) != 0;
-	int dns53 = dns && port == RDR_DNS_PORT;
+	int dns53 = (p->flags & RDR_F_DNS) && port == p->resolver_port;
 	int dns_listed;
 	__u64 ug = bpf_get_current_uid_gid();
 	int hairpin, lo_return, own;
 
-	if (port_listed(keys, RDR_PORT_OUT_EXCL, port))
+	if (port_listed(keys, RDR_PORT_OUT_EXCLUDE, port))
 		return RDR_PASS;
 	if (out_lo && src_passthrough)
 		return RDR_PASS;
-	hairpin = tcp && !dst_is_lo_cidr && port != p->tunnel_port && !dns53;
-	lo_return = !(p->flags & RDR_F_INCL_LOOPBACK) && (!dns || (tcp && port != RDR_DNS_PORT));
-	own = owner_rules(keys, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug, out_lo, hairpin, lo_return);
+	hairpin = tcp && !dst_is_lo_cidr;
+	lo_return = (p->flags & RDR_F_LO_RETURN) &&
+		    (!(p->flags & RDR_F_LO_RETURN_SPARES_DNS) || (tcp && port != p->resolver_port));
+	own = owner_rules(keys, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ug, out_lo, hairpin, p->hairpin_uid_skip,
+			  port, lo_return);
 	if (own == RDR_OWN_NEXT)
 		own = owner_rules(keys, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ug >> 32), out_lo, hairpin,
-				  lo_return);
+				  p->hairpin_gid_skip, port, lo_return);
 	if (own == RDR_OWN_INBOUND)
 		return p->inbound_port;
 	if (own == RDR_OWN_PASS)
@@ -263,13 +290,13 @@ static __always_inline __u16 nat_target(const struct pod_policy *p, __u64 keys, 
 		return RDR_PASS; /* only DNS is captured for UDP */
 	if (dst_is_lo_cidr)
 		return RDR_PASS;
-	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_EXCL6 : RDR_CIDR_OUT_EXCL4, addr, v6))
+	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_EXCLUDE6 : RDR_CIDR_OUT_EXCLUDE4, addr, v6))
 		return RDR_PASS;
-	if (port_listed(keys, RDR_PORT_OUT_INCL, port))
+	if (port_listed(keys, RDR_PORT_OUT_INCLUDE, port))
 		return p->proxy_port;
 	if (p->flags & RDR_F_OUT_ALL)
 		return p->proxy_port;
-	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, addr, v6))
+	if (cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCLUDE6 : RDR_CIDR_OUT_INCLUDE4, addr, v6))
 		return p->proxy_port;
 	return RDR_PASS;
 }
@@ -329,7 +356,7 @@ static __always_inline __u16 ambient_target(const struct pod_policy *p, __u64 ke
 	if (tcp && cidr_listed(keys, v6 ? RDR_CIDR_PROBE6 : RDR_CIDR_PROBE4, addr, v6))
 		return RDR_PASS;
 	/* DNS to the DNS proxy: UDP not over lo, TCP not to the loopback host; never the proxy's own. */
-	if ((p->flags & RDR_F_DNS) && port == RDR_DNS_PORT && !marked && (tcp ? !dst_is_lo_host : !out_lo))
+	if ((p->flags & RDR_F_DNS) && port == p->resolver_port && !marked && (tcp ? !dst_is_lo_host : !out_lo))
 		return p->dns_port;
 	/* A socket carrying the connection mark (the proxy's connections to the app, redirect/bpf/sockopt.c). */
 	if (tcp && (mark & p->mark_mask) == p->conn_mark)
@@ -375,13 +402,14 @@ static __always_inline int pod_listener(const struct pod_policy *p, __u64 keys, 
 
 	if (p->flags & RDR_F_AMBIENT)
 		return ambient_listener(p, keys, port, v6, saddr, iface_rerouted(p, keys, ifindex));
-	if (!(p->flags & (RDR_F_EXCL_IF | RDR_F_REROUTE)))
+	if (!(p->flags & (RDR_F_EXCL_IF | RDR_F_REROUTE_IF)))
 		return inbound_taken(p, keys, port, fwd) ? RDR_LISTENER_INBOUND : -1;
 	if (iface_excluded(p, keys, ifindex))
 		return -1;
 	if (!iface_rerouted(p, keys, ifindex))
 		return inbound_taken(p, keys, port, fwd) ? RDR_LISTENER_INBOUND : -1;
-	out = (p->flags & RDR_F_OUT_ALL) || cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCL6 : RDR_CIDR_OUT_INCL4, daddr, v6);
+	out = (p->flags & RDR_F_OUT_ALL) ||
+	      cidr_listed(keys, v6 ? RDR_CIDR_OUT_INCLUDE6 : RDR_CIDR_OUT_INCLUDE4, daddr, v6);
 	return rerouted_listener(p, keys, port, out, fwd);
 }
 

@@ -25,25 +25,26 @@ static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, _
 }
 
 /* outbound_target for an IPv4 destination (src: the socket's source, for the
- * passthrough address); *out_lo: whether dst is the pod's own (own_address), for source4. */
+ * passthrough address); *out_lo: whether it leaves over lo (to the pod's own address,
+ * own_address, or by the plan's policy route for its mark, routed_to_lo), for source4. */
 static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int tcp, __u16 port, __u32 dst,
 				     __u32 src, __u32 mark, __u32 bound_if, int *out_lo_p)
 {
 	__u8 addr[16] = {};
-	int out_lo;
+	int out_lo, dst_is_lo = (dst & p->lo4_mask) == p->lo4_addr;
 
 	__builtin_memcpy(addr, &dst, 4);
-	out_lo = own_address(keys, addr, 0);
+	out_lo = own_address(keys, addr, 0) || routed_to_lo(p, mark);
 	*out_lo_p = out_lo;
 	if (p->flags & RDR_F_AMBIENT)
-		return ambient_target(p, keys, tcp, port, addr, 0, out_lo, dst == bpf_htonl(0x7f000001), mark);
-	return outbound_target(p, keys, tcp, port, addr, 0, out_lo, (dst & p->lo4_mask) == p->lo4_addr,
-			       is_v4_passthrough(src), mark, bound_if);
+		return ambient_target(p, keys, tcp, port, addr, 0, out_lo, dst_is_lo, mark);
+	return outbound_target(p, keys, tcp, port, addr, 0, out_lo, dst_is_lo, is_v4_passthrough(p, src), mark,
+			       bound_if);
 }
 
 /* The source the connection would have had under iptables, whose nat OUTPUT runs after the
- * kernel picked it: a local destination (out_lo: own_address, as the target's decision found it)
- * is its own source (127/8 and ::1 answer from loopback, as the rewritten destination does too:
+ * kernel picked it: a destination delivered in the pod (out_lo, as the target's decision found
+ * it: the pod's own, or routed over lo by the socket's mark) is its own source (127/8 and ::1 answer from loopback, as the rewritten destination does too:
  * 0), anything else the pod's (src4, src6 of the policy, 0 when it has none). */
 static __always_inline __u32 source4(const struct pod_policy *p, __u32 dst, int out_lo)
 {
@@ -208,7 +209,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	if (!(p->flags & RDR_F_V6))
 		return SYS_PROCEED;
 	keys = pod_keys(p, netns);
-	out_lo = own_address(keys, (const __u8 *)dst, 1);
+	out_lo = own_address(keys, (const __u8 *)dst, 1) || routed_to_lo(p, ctx->sk->mark);
 	/* No source yet and ::6 as the destination: the kernel picks ::6 itself as the source (the
 	 * destination is a local address), so netfilter sees the inbound passthrough. */
 	if (p->flags & RDR_F_AMBIENT)
@@ -216,7 +217,8 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 				    ctx->sk->mark);
 	else
 		to = outbound_target(p, keys, tcp, port, (const __u8 *)dst, 1, out_lo, is_v6_loopback(dst),
-				     is_v6_passthrough(src) || (is_v6_unspecified(src) && is_v6_passthrough(dst)),
+				     is_v6_passthrough(p, src) ||
+					     (is_v6_unspecified(src) && is_v6_passthrough(p, dst)),
 				     ctx->sk->mark, ctx->sk->bound_dev_if);
 	if (to == RDR_PASS)
 		return SYS_PROCEED;

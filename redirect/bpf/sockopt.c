@@ -69,7 +69,7 @@ static __always_inline void register_listener(struct bpf_sock_ops *ctx)
 		return;
 	if ((p->flags & RDR_F_INBOUND) && ctx->local_port == p->inbound_port)
 		lk.kind = RDR_LISTENER_INBOUND;
-	else if ((p->flags & RDR_F_REROUTE) && ctx->local_port == p->proxy_port)
+	else if ((p->flags & RDR_F_REROUTE_IF) && ctx->local_port == p->proxy_port)
 		lk.kind = RDR_LISTENER_OUTBOUND;
 	else
 		return;

@@ -1,4 +1,4 @@
-"""Policy routes and local addresses a plan needs, over rtnetlink (``redirect.kernel.rtnl``).
+"""Policy routes and local addresses an intent needs, over rtnetlink (``redirect.kernel.rtnl``).
 
 Everything we create carries routing protocol ``RT_PROTO`` (rules: FRA_PROTOCOL,
 routes: rtm_protocol, addresses: IFA_PROTO), so what is ours is found in the kernel
@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..plan.vocabulary import LocalAddress, Plan, PolicyRoute
+from ..plan.intent import AnyIntent, LocalAddress, PolicyRoute
 from . import rtnl
 
 #: Our routing protocol number (unassigned in iproute2's rt_protos).
@@ -30,7 +30,7 @@ class RouteState:
 
     routes: frozenset[PolicyRoute]
     addresses: frozenset[LocalAddress]
-    #: The namespace has an IPv6 address of its own (``own_ipv6``): the plan's IPv6 addresses
+    #: The namespace has an IPv6 address of its own (``own_ipv6``): the intent's IPv6 addresses
     #: (``::6`` for the proxy's inbound passthrough) are wanted only then, as Istio adds ``::6``
     #: only to a pod with an IPv6 address.
     own_v6: bool = False
@@ -38,13 +38,13 @@ class RouteState:
 
 _V6_LOOPBACK = bytes(15) + b"\1"
 _V6_PASSTHROUGH = bytes(15) + b"\6"
-#: The IPv6 addresses a plan adds (``::6``): never one of the pod's own (``own_ipv6``).
+#: The IPv6 addresses an intent adds (``::6``): never one of the pod's own (``own_ipv6``).
 PLAN_V6 = (_V6_PASSTHROUGH,)
 
 
 def own_ipv6(raw: bytes) -> bool:
     """Whether the IPv6 address ``raw`` (16 bytes) is one of the pod's own: not ``::1``, not
-    link-local (fe80::/10), not the ``::6`` the plan adds (Istio's test for "the pod has IPv6",
+    link-local (fe80::/10), not the ``::6`` the intent adds (Istio's test for "the pod has IPv6",
     which decides whether it adds ``::6``: its proxy binds ``::6`` only when it serves IPv6)."""
     return raw != _V6_LOOPBACK and raw != _V6_PASSTHROUGH and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80)
 
@@ -167,23 +167,23 @@ def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress],
     return tuple(a for a in addresses if a.family == 4 or own_v6)
 
 
-def for_plan(plan: Plan, families: tuple[int, ...],
-             state: RouteState) -> tuple[tuple[PolicyRoute, ...], tuple[LocalAddress, ...]]:
-    """The routes and addresses ``plan`` wants for ``families`` in the namespace ``state`` was read from."""
-    routes = tuple(r for r in plan.routes if r.family in families)
-    return routes, usable_addresses([a for a in plan.addresses if a.family in families], state.own_v6)
+def wanted(it: AnyIntent, families: tuple[int, ...],
+           state: RouteState) -> tuple[tuple[PolicyRoute, ...], tuple[LocalAddress, ...]]:
+    """The routes and addresses ``it`` wants for ``families`` in the namespace ``state`` was read from."""
+    routes = tuple(r for r in it.routes if r.family in families)
+    return routes, usable_addresses([a for a in it.local_addresses if a.family in families], state.own_v6)
 
 
-def txn_for(plan: Plan, families: tuple[int, ...]) -> RouteTxn:
+def txn_for(it: AnyIntent, families: tuple[int, ...]) -> RouteTxn:
     state = read_ours()
-    routes, addresses = for_plan(plan, families, state)
+    routes, addresses = wanted(it, families, state)
     return RouteTxn(routes, addresses, families, state)
 
 
-def differences(plan: Plan, families: tuple[int, ...]) -> list[str]:
-    """How our routes and addresses in the kernel differ from what ``plan`` wants."""
+def differences(it: AnyIntent, families: tuple[int, ...]) -> list[str]:
+    """How our routes and addresses in the kernel differ from what ``it`` wants."""
     state = read_ours()
-    routes, addresses = for_plan(plan, families, state)
+    routes, addresses = wanted(it, families, state)
     want_routes, want_addrs = set(routes), set(addresses)
     diffs = []
     for r in sorted(want_routes - state.routes, key=str):

@@ -10,25 +10,38 @@ Nothing here touches a kernel, so all of it is unit-testable without root.
 ``sidecar``, ``ambient``
     The netfilter lowerings of a sidecar and of an ambient intent to a ``Plan``.
 ``lower_ebpf``
-    The eBPF lowering of a sidecar intent to map entries.
+    The eBPF lowering of an intent (sidecar or ambient) to map entries, and its kind table.
 ``evaluate``
     Interpreters of a ``Plan`` and of eBPF entries (which packet goes where), for tests.
 
-``build_plan`` below is the one entry point the backends and the API use.
+``netfilter_plan(intent)`` below is what the iptables and nftables backends render (they are
+given the intent, as every backend is); ``build_plan(cfg)`` is the same from a config, for tests
+and tools.
 """
 
 from __future__ import annotations
 
+import functools
+
 from ..config import RedirectConfig
-from .intent import intent_of
+from .intent import AmbientIntent, AnyIntent, intent_for
 from .sidecar import sidecar_plan
 from .vocabulary import Plan
 
 
-def build_plan(cfg: RedirectConfig) -> Plan:
-    """The plan for ``cfg`` (dispatches on ``cfg.mode``)."""
-    if cfg.mode == "ambient":
-        from .ambient import build_ambient_plan  # (a sidecar's per-pod exec never loads it)
+@functools.lru_cache(maxsize=256)
+def netfilter_plan(it: AnyIntent) -> Plan:
+    """The netfilter lowering of ``it``, sidecar or ambient (cached: intents are frozen)."""
+    if isinstance(it, AmbientIntent):
+        from .ambient import ambient_plan  # (a sidecar's per-pod exec never loads it)
 
-        return build_ambient_plan(cfg)
-    return sidecar_plan(intent_of(cfg))
+        return ambient_plan(it)
+    return sidecar_plan(it)
+
+
+def build_plan(cfg: RedirectConfig) -> Plan:
+    """The netfilter plan of ``cfg`` (``netfilter_plan`` of its intent)."""
+    return netfilter_plan(intent_for(cfg))
+
+
+__all__ = ["build_plan", "netfilter_plan"]

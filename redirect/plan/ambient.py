@@ -30,8 +30,7 @@ Not captured in ambient mode (as in Istio): UDP other than DNS, loopback.
 
 from __future__ import annotations
 
-from ..config import RedirectConfig
-from .intent import DNS_PORT, AmbientIntent, ambient_intent_of
+from .intent import AmbientIntent
 from .vocabulary import (
     DNS_ZONE_PROXY,
     FAMILIES,
@@ -46,7 +45,6 @@ from .vocabulary import (
     Iface,
     Mark,
     Plan,
-    PolicyRoute,
     Port,
     Redirect,
     RestoreMark,
@@ -55,12 +53,7 @@ from .vocabulary import (
 )
 
 
-def build_ambient_plan(cfg: RedirectConfig) -> Plan:
-    """The in-pod plan for ``cfg`` (``cfg.mode == "ambient"``)."""
-    return _ambient_plan(ambient_intent_of(cfg))
-
-
-def _ambient_plan(it: AmbientIntent) -> Plan:
+def ambient_plan(it: AmbientIntent) -> Plan:
     """The netfilter lowering of an ambient intent."""
     b = ChainBuilder()
     mark = Mark(it.proxy_mark, it.mark_mask)
@@ -102,10 +95,11 @@ def _ambient_plan(it: AmbientIntent) -> Plan:
         b.add("nat", "OUTPUT", [Addr("dst", snat[fam]), TCP], Accept(), "replies to kubelet probes")
     if dns:
         for fam in FAMILIES:
-            b.add("nat", "OUTPUT", [Iface("out", "lo", neg=True), UDP, Port("dst", (DNS_PORT,)), not_mark],
+            b.add("nat", "OUTPUT", [Iface("out", "lo", neg=True), UDP, Port("dst", (it.resolver_port,)), not_mark],
                   Redirect(it.dns_port), "UDP DNS to the DNS proxy", family=fam)
         for fam in FAMILIES:
-            b.add("nat", "OUTPUT", [Addr("dst", loopback[fam], neg=True), TCP, Port("dst", (DNS_PORT,)), not_mark],
+            b.add("nat", "OUTPUT",
+                  [Addr("dst", loopback[fam], neg=True), TCP, Port("dst", (it.resolver_port,)), not_mark],
                   Redirect(it.dns_port), "TCP DNS to the DNS proxy")
     b.add("nat", "OUTPUT", [TCP, conn_as_mark], Accept(), "connmark-routed: not captured")
     for fam in FAMILIES:
@@ -119,13 +113,12 @@ def _ambient_plan(it: AmbientIntent) -> Plan:
     if dns:
         b.chain("raw", "PREROUTING", "prerouting")
         b.chain("raw", "OUTPUT", "output")
-        b.add("raw", "OUTPUT", [UDP, Port("dst", (DNS_PORT,)), mark], CtZone(DNS_ZONE_PROXY),
+        b.add("raw", "OUTPUT", [UDP, Port("dst", (it.resolver_port,)), mark], CtZone(DNS_ZONE_PROXY),
               "proxy upstream DNS queries")
-        b.add("raw", "PREROUTING", [UDP, Port("src", (DNS_PORT,)), not_mark], CtZone(DNS_ZONE_PROXY),
+        b.add("raw", "PREROUTING", [UDP, Port("src", (it.resolver_port,)), not_mark], CtZone(DNS_ZONE_PROXY),
               "upstream DNS answers")
 
-    routes = tuple(PolicyRoute(fam, it.conn_mark, it.mark_mask, it.route_table) for fam in FAMILIES)
-    return Plan("ambient", b.build(), routes, (), it.ipv6, it)
+    return Plan("ambient", b.build(), it.routes, it.local_addresses, it.ipv6)
 
 
-__all__ = ["build_ambient_plan"]
+__all__ = ["ambient_plan"]

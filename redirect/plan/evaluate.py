@@ -22,10 +22,11 @@ loopback one, leaves over lo) and the connection by ``Conn``. Modelled: the firs
 a new connection (conntrack state NEW) and its socket's owner and mark; an IPv6
 socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
 netfilter, ``connect6`` for the programs); in ambient mode, the node proxy's transparent
-connections to the app (a bound source that is not the pod's). Not modelled: routing beyond
-"local or out through ``PodNet.dev``" (a route chosen by the socket's mark, as the ambient policy
-route takes a socket carrying the connection mark to lo, is not), ``sendmsg`` with an explicit
-source (``IP_PKTINFO``).
+connections to the app (a bound source that is not the pod's); the plan's policy routes (``local
+default dev lo`` by mark: TPROXY's ``tproxy_mark``, ambient's ``conn_mark``), which take a socket
+with that mark over lo whatever its destination. Not modelled: other routing beyond "local or out
+through the longest matching route of ``PodNet``", ``sendmsg`` with an explicit source
+(``IP_PKTINFO``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,18 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 from ..config import IdSpec
-from .lower_ebpf import LOOPBACK_IFINDEX, CidrKind, EbpfEntries, IdRange, LocalAddr, Route, pod_interfaces, pod_local
+from .intent import PolicyRoute
+from .lower_ebpf import (
+    LOOPBACK_IFINDEX,
+    CidrKind,
+    EbpfEntries,
+    EbpfPolicy,
+    IdRange,
+    LocalAddr,
+    Route,
+    pod_interfaces,
+    pod_local,
+)
 from .vocabulary import (
     Accept,
     Addr,
@@ -66,11 +78,7 @@ from .vocabulary import (
 Landing = Union[tuple[Literal["redirect", "tproxy"], int], tuple[Literal["direct", "drop"]]]
 DIRECT: Landing = ("direct",)
 DROP: Landing = ("drop",)
-DNS_PORT = 53
-V4_PASSTHROUGH = ipaddress.ip_address("127.0.0.6")
-V6_PASSTHROUGH = ipaddress.ip_address("::6")
 V6_LOOPBACK = ipaddress.ip_address("::1")
-V4_LOOPBACK = ipaddress.ip_address("127.0.0.1")
 
 
 #: Parsed once: the evaluators run for thousands of connections of a few addresses.
@@ -273,6 +281,13 @@ def _hooks(plan_chains: tuple[Chain, ...], hook: str, tables: tuple[str, ...], p
     return None
 
 
+def _routed_to_lo(routes: tuple[PolicyRoute, ...], family: int, mark: int) -> bool:
+    """Whether a socket with ``mark`` is taken over lo by one of the plan's policy routes (``local
+    default dev lo``), whatever its destination (the local table, consulted first, keeps the pod's
+    own addresses where they are)."""
+    return any(r.family == family and (mark & r.mask) == r.fwmark for r in routes)
+
+
 def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn) -> Landing:
     """Where ``conn`` lands under ``plan`` installed for ``families``."""
     conn = conn.on_the_wire()
@@ -283,9 +298,11 @@ def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn
     if conn.direction == "in":
         pkt = _Packet(conn, conn.src or "0.0.0.0", conn.iface, None, local=False)
         return _hooks(chains, "prerouting", ("raw", "mangle", "nat"), pkt) or DIRECT
-    over_lo = pod.is_local(conn.dst)
-    pkt = _Packet(conn, pod.source_for(conn), None, "lo" if over_lo else pod.out_dev(conn.dst), local=True,
-                  mark=conn.mark)
+    routed = not pod.is_local(conn.dst) and _routed_to_lo(plan.routes, fam, conn.mark)
+    over_lo = routed or pod.is_local(conn.dst)
+    # A route of type local gives an unbound socket the destination itself as its source.
+    src = (conn.src or conn.dst) if routed else pod.source_for(conn)
+    pkt = _Packet(conn, src, None, "lo" if over_lo else pod.out_dev(conn.dst), local=True, mark=conn.mark)
     landed = _hooks(chains, "output", ("raw", "mangle", "nat"), pkt)
     if landed is not None:
         return landed
@@ -351,15 +368,15 @@ def _id_listed(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int) -> 
 
 
 def _owner_rules(m: _Maps, kind: CidrKind, first: IdRange, n: int, ident: int, out_lo: bool, hairpin: bool,
-                 lo_return: bool) -> int:
-    """``owner_rules`` of redirect/bpf/policy.h."""
+                 skip: tuple[int, ...], port: int, lo_return: bool) -> int:
+    """``owner_rules`` of redirect/bpf/policy.h (``skip``: the kind's hairpin ports, ``hairpin_skips``)."""
     if n == 0:
         return _OWN_NEXT
     if out_lo and lo_return:
-        return _OWN_INBOUND if first[0] <= ident <= first[1] and hairpin else _OWN_PASS
+        return _OWN_INBOUND if first[0] <= ident <= first[1] and hairpin and port not in skip else _OWN_PASS
     if not _id_listed(m, kind, first, n, ident):
         return _OWN_NEXT
-    return _OWN_INBOUND if out_lo and hairpin else _OWN_PASS
+    return _OWN_INBOUND if out_lo and hairpin and port not in skip else _OWN_PASS
 
 
 def _outbound_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_cidr: bool,
@@ -383,16 +400,17 @@ def _nat_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_i
     p = m.policy
     tcp = conn.proto == "tcp"
     port = conn.port
-    dns53 = p.dns and port == DNS_PORT
+    dns53 = p.dns and port == p.resolver_port
     if m.port_listed("out_exclude", port):
         return 0
     if out_lo and src_passthrough:
         return 0
-    hairpin = tcp and not dst_is_lo_cidr and port != p.tunnel_port and not dns53
-    lo_return = not p.incl_loopback and (not p.dns or (tcp and port != DNS_PORT))
-    own = _owner_rules(m, "uid", p.uid0, p.n_uids, conn.uid, out_lo, hairpin, lo_return)
+    hairpin = tcp and not dst_is_lo_cidr
+    lo_return = p.lo_return and (not p.lo_return_spares_dns or (tcp and port != p.resolver_port))
+    own = _owner_rules(m, "uid", p.uid0, p.n_uids, conn.uid, out_lo, hairpin, p.hairpin_uid_skip, port, lo_return)
     if own == _OWN_NEXT:
-        own = _owner_rules(m, "gid", p.gid0, p.n_gids, conn.gid, out_lo, hairpin, lo_return)
+        own = _owner_rules(m, "gid", p.gid0, p.n_gids, conn.gid, out_lo, hairpin, p.hairpin_gid_skip, port,
+                           lo_return)
     if own == _OWN_INBOUND:
         return p.inbound_port
     if own == _OWN_PASS:
@@ -418,15 +436,21 @@ def _nat_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_i
     return 0
 
 
+def _routed_by_mark(p: EbpfPolicy, mark: int) -> bool:
+    """``routed_to_lo`` of redirect/bpf/policy.h: the policy route of the socket's mark takes it over lo."""
+    return p.route_mask != 0 and (mark & p.route_mask) == p.route_mark
+
+
 def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
     """``target4`` of redirect/bpf/sock_addr.c."""
     addr = _raw(dst)
-    out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False)
+    out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False) or _routed_by_mark(m.policy,
+                                                                                                      conn.mark)
+    dst_is_lo = _ip(dst) in _net(m.policy.loopback4)
     if m.policy.ambient:
-        return _ambient_target(m, conn, addr, False, out_lo, _ip(dst) == V4_LOOPBACK)
-    dst_is_lo_cidr = _ip(dst) in _net(m.policy.loopback4)
-    return _outbound_target(m, conn, addr, False, out_lo, dst_is_lo_cidr,
-                            src is not None and _ip(src) == V4_PASSTHROUGH)
+        return _ambient_target(m, conn, addr, False, out_lo, dst_is_lo)
+    return _outbound_target(m, conn, addr, False, out_lo, dst_is_lo,
+                            src is not None and _ip(src) == _ip(m.policy.passthrough4))
 
 
 def _ambient_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, dst_is_lo_host: bool) -> int:
@@ -436,7 +460,7 @@ def _ambient_target(m: _Maps, conn: Conn, addr: bytes, v6: bool, out_lo: bool, d
     marked = (conn.mark & p.mark_mask) == p.proxy_mark
     if tcp and m.cidr_listed("probe6" if v6 else "probe4", addr, v6):
         return 0
-    if p.dns and conn.port == DNS_PORT and not marked and (not dst_is_lo_host if tcp else not out_lo):
+    if p.dns and conn.port == p.resolver_port and not marked and (not dst_is_lo_host if tcp else not out_lo):
         return p.dns_port
     if tcp and (conn.mark & p.mark_mask) == p.conn_mark:
         return 0
@@ -460,11 +484,11 @@ def _connect(m: _Maps, conn: Conn) -> int:
     if not m.policy.v6:
         return 0
     addr = _raw(conn.dst)
-    out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True)
+    out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True) or _routed_by_mark(m.policy, conn.mark)
     if m.policy.ambient:
         return _ambient_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK)
     # No source yet and ::6 as the destination: the kernel will pick ::6 itself as the source.
-    src_passthrough = (_ip(conn.src) if conn.src is not None else dst) == V6_PASSTHROUGH
+    src_passthrough = (_ip(conn.src) if conn.src is not None else dst) == _ip(m.policy.passthrough6)
     return _outbound_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK, src_passthrough)
 
 
@@ -590,6 +614,8 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
     if to:
         return ("redirect", to)
     conn = conn.on_the_wire()  # sk_lookup sees the packets
+    if not pod.is_local(conn.dst) and _routed_by_mark(m.policy, conn.mark):
+        return DIRECT  # delivered over lo by the policy route of its mark: sk_lookup leaves lo alone
     if pod.is_local(conn.dst):
         # Delivered locally as it is: sk_lookup runs at the address's device. A TCP connection
         # from a source that is not the pod's is in local_conns (redirect/bpf/sockopt.c).

@@ -18,17 +18,21 @@ again:
   ``redirect/bpf/policy.h`` reads.
 
 ``redirect.plan.evaluate`` interprets both for one connection (where it lands), and the tests
-check, without root, that the two lowerings agree.
+check, without root, that the two lowerings agree. What a backend cannot lower is decided here
+too (``refusals``), and so are the addresses and policy routes every backend installs besides
+its rules or entries (``local_addresses``, ``routes``). Backends are given the intent, never the
+config (``intent_for``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
-from ..config import IdSpec, Interception, Mode, RedirectConfig
+from ..config import IdSpec, Interception, RedirectConfig
 
 Family = Literal[4, 6]
 OwnerKind = Literal["uid", "gid"]
@@ -40,7 +44,10 @@ FAMILIES: tuple[Family, ...] = (4, 6)
 INBOUND_PASSTHROUGH_V4 = "127.0.0.6/32"
 INBOUND_PASSTHROUGH_V6 = "::6/128"
 LOOPBACK_V6 = "::1/128"
+#: The port DNS capture takes traffic to (Istio's, not configurable there).
 DNS_PORT = 53
+#: A policy route's mask that compares the whole mark.
+WHOLE_MARK = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,41 @@ class LocalAddress:
 
 
 @dataclass(frozen=True)
+class PolicyRoute:
+    """``ip rule fwmark MARK/MASK lookup TABLE`` + ``local default dev lo table TABLE``: what a
+    socket (or packet) with that mark sends, whatever its destination, is delivered in the pod
+    (over lo)."""
+
+    family: Family
+    fwmark: int
+    mask: int
+    table: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An option of an intent that a backend cannot lower, and why."""
+
+    option: str
+    why: str
+
+
+def _cached_hash(self: object) -> int:
+    """A frozen dataclass's hash, computed once: intents key the lowering and plan caches on every
+    setup, and the hash of every field (nested tuples) is the same each time."""
+    h: int | None = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))  # type: ignore[arg-type]
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+@dataclass(frozen=True)
 class Intent:
     """What one sidecar config captures (``intent_of``). Field order follows Istio's rule purposes."""
 
-    mode: Mode
+    __hash__ = _cached_hash
+
     proxy_port: int
     inbound_port: int
     tunnel_port: int
@@ -67,9 +105,10 @@ class Intent:
     #: Owner groups (primary gid of the connecting task) whose outbound is captured.
     groups_mode: GroupsMode
     groups: tuple[IdSpec, ...]
-    # --- interfaces and packet-level options (netfilter only) ---
+    # --- interfaces and packet-level options ---
     exclude_interfaces: tuple[str, ...]
     reroute_interfaces: tuple[str, ...]
+    #: Drop what conntrack deems INVALID (netfilter only: ``refusals``).
     drop_invalid: bool
     # --- inbound ---
     #: Inbound TCP is captured at all (``inbound_ports`` not empty).
@@ -83,7 +122,6 @@ class Intent:
     inbound_include_ports: tuple[int, ...]
     interception: Interception
     tproxy_mark: int
-    tproxy_route_table: int
     # --- outbound ---
     outbound_exclude_ports: tuple[int, ...]
     #: Ports captured whatever their destination (after the exclusions).
@@ -92,23 +130,30 @@ class Intent:
     outbound_all: bool
     outbound_include_cidrs: tuple[str, ...]
     outbound_exclude_cidrs: tuple[str, ...]
-    #: An included CIDR is loopback: the app's traffic over lo is then not returned early.
-    include_has_loopback: bool
     #: Per family, the loopback range never captured outbound (IPv4: ``ipv4_loopback_cidr``).
     loopback: tuple[tuple[Family, str], ...]
     #: Per family, the source of the proxy's inbound passthrough (never captured over lo).
     passthrough: tuple[tuple[Family, str], ...]
+    #: Others' traffic over lo returns at each proxy owner's rules (Istio's "app traffic over lo");
+    #: not when an included CIDR is loopback (then the app's lo traffic meets the CIDR rules).
+    lo_return: bool
+    #: That return leaves DNS alone (UDP, and TCP to ``resolver_port``), which DNS capture then takes.
+    lo_return_spares_dns: bool
     # --- DNS ---
     #: DNS capture is on (Istio: only with ``capture_all_dns`` or some servers).
     dns: bool
     dns_all: bool
-    #: Without ``dns_all``: the servers whose port-53 traffic is captured, as host CIDRs.
+    #: Without ``dns_all``: the servers whose DNS traffic is captured, as host CIDRs.
     dns_servers: tuple[tuple[Family, str], ...]
+    #: The port DNS capture takes traffic to (53).
+    resolver_port: int
     #: Per owner kind, the ports the proxy's lo hairpin to inbound capture leaves alone.
     hairpin_exclude: tuple[tuple[OwnerKind, tuple[int, ...]], ...]
-    # --- addresses and families ---
+    # --- what every backend installs besides its rules or entries ---
     #: Addresses the pod needs (on lo) when it has an IPv6 address of its own.
     local_addresses: tuple[LocalAddress, ...]
+    #: Policy routes (TPROXY with inbound capture: the proxy's marked traffic is delivered over lo).
+    routes: tuple[PolicyRoute, ...]
     #: IPv6 captured: True, False, or None = whenever the namespace has IPv6.
     ipv6: bool | None
 
@@ -133,6 +178,8 @@ class AmbientIntent:
     """What one ambient config captures (``ambient_intent_of``), for a node proxy that opens its
     listeners in the pod's netns and marks its sockets."""
 
+    __hash__ = _cached_hash
+
     proxy_port: int
     inbound_port: int
     tunnel_port: int
@@ -141,19 +188,25 @@ class AmbientIntent:
     proxy_mark: int
     mark_mask: int
     #: Connmark of the proxy's connections to the app, under ``mark_mask``: their replies are
-    #: routed back to it through ``route_table``.
+    #: routed back to it by ``routes``.
     conn_mark: int
-    route_table: int
     #: Inbound TCP is captured (not Istio's ingress mode, ``bypass_inbound_capture``).
     inbound: bool
-    #: UDP and TCP port 53 go to the DNS port (``dns_capture``; ambient needs no servers).
+    #: UDP and TCP to ``resolver_port`` go to the DNS port (``dns_capture``; ambient needs no servers).
     dns: bool
+    #: The port DNS capture takes traffic to (53).
+    resolver_port: int
     #: Interfaces whose inbound TCP goes to the outbound port.
     reroute_interfaces: tuple[str, ...]
     #: Per family, the host address kubelet probes come from: they reach the app directly.
     probe_sources: tuple[tuple[Family, str], ...]
     #: Per family, loopback: never captured.
     loopback: tuple[tuple[Family, str], ...]
+    #: The policy routes by ``conn_mark``: the app's replies to the proxy's transparent connections
+    #: are delivered over lo, back to it.
+    routes: tuple[PolicyRoute, ...]
+    #: Addresses the pod needs: none in ambient mode.
+    local_addresses: tuple[LocalAddress, ...]
     ipv6: bool | None
 
     def probe_source_of(self, family: Family) -> str:
@@ -169,10 +222,12 @@ def ambient_intent_of(cfg: RedirectConfig) -> AmbientIntent:
     return AmbientIntent(
         proxy_port=cfg.proxy_port, inbound_port=cfg.inbound_port, tunnel_port=cfg.tunnel_port,
         dns_port=cfg.dns_port, proxy_mark=cfg.proxy_mark, mark_mask=cfg.proxy_mark_mask, conn_mark=cfg.conn_mark,
-        route_table=cfg.route_table, inbound=not cfg.bypass_inbound_capture, dns=cfg.dns_capture,
+        inbound=not cfg.bypass_inbound_capture, dns=cfg.dns_capture, resolver_port=DNS_PORT,
         reroute_interfaces=cfg.reroute_interfaces,
         probe_sources=((4, f"{cfg.probe_snat_ipv4}/32"), (6, f"{cfg.probe_snat_ipv6}/128")),
-        loopback=((4, "127.0.0.1/32"), (6, LOOPBACK_V6)), ipv6=cfg.ipv6,
+        loopback=((4, "127.0.0.1/32"), (6, LOOPBACK_V6)),
+        routes=tuple(PolicyRoute(fam, cfg.conn_mark, cfg.proxy_mark_mask, cfg.route_table) for fam in FAMILIES),
+        local_addresses=(), ipv6=cfg.ipv6,
     )
 
 
@@ -200,8 +255,8 @@ def intent_of(cfg: RedirectConfig) -> Intent:
     hairpin: dict[OwnerKind, tuple[int, ...]] = {
         kind: (DNS_PORT, cfg.tunnel_port) if dns and (kind == "uid" or cfg.gid_hairpin_skips_dns)
         else (cfg.tunnel_port,) for kind in ("uid", "gid")}
+    tproxy = cfg.inbound_interception == "TPROXY"
     return Intent(
-        mode=cfg.mode,
         proxy_port=cfg.proxy_port,
         inbound_port=cfg.inbound_port,
         tunnel_port=cfg.tunnel_port,
@@ -219,26 +274,61 @@ def intent_of(cfg: RedirectConfig) -> Intent:
             p for p in cfg.inbound_ports if p not in excluded),
         interception=cfg.inbound_interception,
         tproxy_mark=cfg.tproxy_mark,
-        tproxy_route_table=cfg.tproxy_route_table,
         outbound_exclude_ports=cfg.outbound_exclude_ports,
         outbound_include_ports=cfg.outbound_ports,
         outbound_all=include == "*",
         outbound_include_cidrs=() if include == "*" else tuple(include),
         outbound_exclude_cidrs=cfg.outbound_exclude_cidrs,
-        include_has_loopback=include != "*" and any(ipaddress.ip_network(c).is_loopback for c in include),
         loopback=((4, cfg.ipv4_loopback_cidr), (6, LOOPBACK_V6)),
         passthrough=((4, INBOUND_PASSTHROUGH_V4), (6, INBOUND_PASSTHROUGH_V6)),
+        # An included loopback CIDR keeps the app's lo traffic for the CIDR rules; with DNS capture
+        # the return leaves DNS to it (Istio: "-o lo -p tcp ! --dport 53 ... -j RETURN").
+        lo_return=include == "*" or not any(ipaddress.ip_network(c).is_loopback for c in include),
+        lo_return_spares_dns=dns,
         dns=dns,
         dns_all=dns and cfg.capture_all_dns,
         dns_servers=tuple(servers) if dns else (),
+        resolver_port=DNS_PORT,
         hairpin_exclude=tuple(hairpin.items()),
         # The proxy's inbound passthrough binds ::6 (IPv4 has all of 127/8 on lo already). As in
         # istio-iptables, it comes whatever the inbound ports (the backends add it only in a pod
         # with IPv6 of its own, Istio's EnableIPv6).
         local_addresses=(LocalAddress(6, INBOUND_PASSTHROUGH_V6),),
+        # TPROXY delivers by mark: the policy route takes the marked traffic to lo (istio-iptables'
+        # ConfigureRoutes), only with inbound capture.
+        routes=tuple(PolicyRoute(fam, cfg.tproxy_mark, WHOLE_MARK, cfg.tproxy_route_table) for fam in FAMILIES)
+        if tproxy and inbound else (),
         ipv6=cfg.ipv6,
     )
 
 
-__all__ = ["Intent", "intent_of", "AmbientIntent", "ambient_intent_of", "LocalAddress", "Family", "OwnerKind",
-           "GroupsMode", "FAMILIES", "INBOUND_PASSTHROUGH_V4", "INBOUND_PASSTHROUGH_V6", "LOOPBACK_V6", "DNS_PORT"]
+#: An intent of either mode.
+AnyIntent = Union[Intent, AmbientIntent]
+
+
+def intent_for(cfg: RedirectConfig) -> AnyIntent:
+    """The intent of ``cfg``, sidecar or ambient (cached): what the backends are given."""
+    return ambient_intent_of(cfg) if cfg.mode == "ambient" else intent_of(cfg)
+
+
+#: The kinds of capture, by what their backends lower an intent to.
+BackendKind = Literal["iptables", "nftables", "ebpf"]
+
+
+def refusals(it: AnyIntent, kind: BackendKind) -> tuple[Refusal, ...]:
+    """The options of ``it`` that backends of ``kind`` cannot lower, and why: every such decision,
+    here once (setup with that backend raises ``BackendUnavailable`` naming the first; ``auto``
+    chooses another). The netfilter backends lower everything."""
+    out: list[Refusal] = []
+    if kind == "ebpf" and isinstance(it, Intent) and it.drop_invalid:
+        out.append(Refusal(
+            "drop_invalid=True",
+            "conntrack's INVALID verdict exists only for packets conntrack tracks, and it tracks none in a"
+            " netns without netfilter rules that use it: bpf_skb_ct_lookup finds no entry there and BPF cannot"
+            " run conntrack on a packet"))
+    return tuple(out)
+
+
+__all__ = ["Intent", "intent_of", "AmbientIntent", "ambient_intent_of", "AnyIntent", "intent_for", "LocalAddress",
+           "PolicyRoute", "Refusal", "refusals", "BackendKind", "Family", "OwnerKind", "GroupsMode", "FAMILIES",
+           "INBOUND_PASSTHROUGH_V4", "INBOUND_PASSTHROUGH_V6", "LOOPBACK_V6", "DNS_PORT", "WHOLE_MARK"]

@@ -1,22 +1,26 @@
-"""The eBPF lowering: an ``Intent`` as the eBPF backend's map entries, typed.
+"""The eBPF lowering: an intent as the eBPF backend's map entries, typed.
 
 ``lower_ebpf(intent, families)`` says what a config writes for any pod: the ``pods`` map's
-policy (``EbpfPolicy``: ports, flags, loopback range, owner ranges, owner groups), the
+policy (``EbpfPolicy``: ports, flags, loopback range, owner ranges, owner groups, the resolver
+port, each owner kind's hairpin ports, the passthrough addresses, the policy route's mark), the
 ``ports`` map's (kind, port) entries and the ``cidrs`` LPM trie's (prefix length, kind,
 address) entries. ``pod_local`` adds what depends on the pod: its own addresses (``local``
 CIDRs: a connect to them leaves over lo; inbound from them is the pod to itself).
 ``redirect.backends.ebpf`` only packs these into the structs of ``redirect/bpf/abi.h``; the programs
-read them, and ``redirect.plan.evaluate`` models what they do with them.
+read them (``redirect/bpf/policy.h`` decides over these values, no literal of its own), and
+``redirect.plan.evaluate`` models what they do with them.
 
-Kinds are named here; the numbers of the ABI are the backend's. A CIDR's prefix length is
+Kinds are named, numbered and displayed here, once (``PORT_KINDS``, ``CIDR_KINDS``: the C header
+redirect/bpf/kinds.h is generated from the table). A CIDR's prefix length is
 its own (0-32 or 0-128): the trie key's prefix adds ``RDR_CIDR_PREFIX_BASE``, the 96 bits
 of kind and netns cookie.
 An ambient intent (``AmbientIntent``) lowers to a policy with ``ambient`` set (the node proxy's
 marks, the ports, DNS, inbound capture) and the probe addresses as ``probe4``/``probe6`` entries;
-its policy route (``fwmark conn_mark/mask lookup route_table``) is the plan's, which the backend
-adds as the netfilter backends do. Options the eBPF backend refuses (``drop_invalid``, a gid
-hairpin unlike the uids') have no place here. ``pod_interfaces`` adds what ``exclude_interfaces``
-and ``reroute_interfaces`` mean in one pod (its links and routes).
+its policy route (``fwmark conn_mark/mask lookup route_table``) is the intent's, which the backend
+adds as the netfilter backends do, and whose mark the policy carries (a socket with it leaves over
+lo). Options the eBPF backend refuses (``redirect.plan.intent.refusals``: ``drop_invalid``) have
+no place here. ``pod_interfaces`` adds what ``exclude_interfaces`` and ``reroute_interfaces`` mean
+in one pod (its links and routes). Nothing here touches a kernel or the native module.
 """
 
 from __future__ import annotations
@@ -27,12 +31,54 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..config import IdSpec
-from .intent import AmbientIntent, GroupsMode, Intent
+from .intent import AmbientIntent, AnyIntent, GroupsMode, PolicyRoute
 
 PortKind = Literal["out_exclude", "out_include", "in_include", "in_exclude"]
 CidrKind = Literal["out_exclude4", "out_include4", "dns4", "out_exclude6", "out_include6", "dns6",
                    "local4", "local6", "uid", "gid", "group", "iface_exclude", "via_exclude4", "via_exclude6",
                    "iface_reroute", "probe4", "probe6"]
+#: What a ``cidrs`` key of a kind holds in its 16 bytes: an IPv4 or IPv6 network, an ifindex or an
+#: owner id (both network order in the first 4 bytes, prefix blocks of the 32-bit number).
+Shape = Literal["addr4", "addr6", "ifindex", "id"]
+
+# The kinds of the ``ports`` and ``cidrs`` entries, the one table of them: (name, number, [shape,]
+# display name). The number is the key's ``kind`` in the maps: native/build_native.py writes
+# redirect/bpf/kinds.h from this table (``RDR_PORT_<NAME>``, ``RDR_CIDR_<NAME>``, which the
+# programs read), and the display name is what ``check``, ``show`` and ``render`` print. Plain
+# literals: the build reads them without importing the package. A kind added here is a kind the
+# programs must read (tests/test_guards.py fails until redirect/bpf/ and redirect.plan.evaluate do).
+PORT_KINDS = (
+    ("out_exclude", 1, "outbound-exclude"),  # outbound_exclude_ports: never captured
+    ("out_include", 2, "outbound-include"),  # outbound_ports: captured whatever the destination
+    ("in_include", 3, "inbound-include"),  # inbound_ports (not "*"): captured
+    ("in_exclude", 4, "inbound-exclude"),  # inbound_exclude_ports (inbound_ports "*"): not captured
+)
+CIDR_KINDS = (
+    ("out_exclude4", 1, "addr4", "outbound-exclude"),  # outbound_exclude_cidrs
+    ("out_include4", 2, "addr4", "outbound-include"),  # outbound_cidrs (not "*")
+    ("dns4", 3, "addr4", "dns-server"),  # dns_servers (without capture_all_dns)
+    ("out_exclude6", 4, "addr6", "outbound-exclude"),
+    ("out_include6", 5, "addr6", "outbound-include"),
+    ("dns6", 6, "addr6", "dns-server"),
+    ("local4", 7, "addr4", "local"),  # the pod's own addresses: a connect to them leaves over lo
+    ("local6", 8, "addr6", "local"),
+    ("uid", 9, "id", "proxy-uid"),  # proxy_uids past the first range
+    ("gid", 10, "id", "proxy-gid"),  # proxy_gids past the first range
+    ("group", 11, "id", "owner-group"),  # owner_groups / owner_groups_exclude past the first range
+    ("iface_exclude", 12, "ifindex", "excluded-interface"),  # exclude_interfaces, resolved in the pod
+    ("via_exclude4", 13, "addr4", "via-excluded-interface"),  # destinations routed through one
+    ("via_exclude6", 14, "addr6", "via-excluded-interface"),
+    ("probe4", 15, "addr4", "probe-source"),  # ambient: probe_snat_ipv4
+    ("probe6", 16, "addr6", "probe-source"),  # ambient: probe_snat_ipv6
+    ("iface_reroute", 17, "ifindex", "reroute-interface"),  # reroute_interfaces, resolved in the pod
+)
+#: Kind name -> its number in the maps, and back; its display name; a CIDR kind's shape.
+PORT_KIND: dict[PortKind, int] = {n: i for n, i, _d in PORT_KINDS}  # type: ignore[misc]
+CIDR_KIND: dict[CidrKind, int] = {n: i for n, i, _s, _d in CIDR_KINDS}  # type: ignore[misc]
+PORT_KIND_NAME: dict[int, PortKind] = {i: n for n, i in PORT_KIND.items()}
+CIDR_KIND_NAME: dict[int, CidrKind] = {i: n for n, i in CIDR_KIND.items()}
+KIND_DISPLAY: dict[str, str] = {n: d for n, _i, d in PORT_KINDS} | {n: d for n, _i, _s, d in CIDR_KINDS}
+CIDR_SHAPE: dict[CidrKind, Shape] = {n: s for n, _i, s, _d in CIDR_KINDS}  # type: ignore[misc]
 IdRange = tuple[int, int]
 #: (family, address, ifindex) of one of the pod's own addresses; lo is ifindex 1 in every netns.
 LocalAddr = tuple[int, str, int]
@@ -43,22 +89,28 @@ LOOPBACK_IFINDEX = 1
 
 @dataclass(frozen=True)
 class EbpfPolicy:
-    """The ``pods`` map's value for a pod (``struct pod_policy``, inventory fields aside)."""
+    """The ``pods`` map's value for a pod (``struct pod_policy``, inventory and sources aside).
+
+    Packed by name (``redirect.backends.ebpf.entries``): a boolean is the flag ``RDR_F_<NAME>``,
+    anything else the ``struct pod_policy`` field of its name (``loopback4`` is ``lo4_addr`` and
+    ``lo4_mask``; ``groups_mode`` is ``RDR_GROUPS_<MODE>``); tests/test_guards.py checks that
+    every one is packed and read by the programs."""
 
     proxy_port: int
     inbound_port: int
     tunnel_port: int
     dns_port: int
-    #: ``RDR_F_*``: every destination captured; DNS capture; to every server; an included CIDR is
-    #: loopback; inbound capture; of every port; IPv6 captured too.
+    #: Flags: every destination captured; DNS capture; to every server; others' lo traffic returns
+    #: at the proxy owners' rules (sparing DNS); inbound capture; of every port; IPv6 captured too.
     out_all: bool
     dns: bool
     dns_all: bool
-    incl_loopback: bool
+    lo_return: bool
+    lo_return_spares_dns: bool
     inbound: bool
     inbound_all: bool
     v6: bool
-    #: The IPv4 loopback range never captured (``ipv4_loopback_cidr``).
+    #: The IPv4 loopback range never captured (``ipv4_loopback_cidr``; ambient: 127.0.0.1/32).
     loopback4: str
     #: Per owner kind (proxy uids, proxy gids, owner groups): the first range and how many there
     #: are; the others are ``cidrs`` entries of kind ``uid``/``gid``/``group`` (any number).
@@ -75,6 +127,19 @@ class EbpfPolicy:
     tproxy_mark: int
     #: ``exclude_interfaces`` is not empty: the pod's ``iface_exclude``/``via_exclude*`` entries count.
     excl_if: bool
+    #: The port DNS capture takes traffic to.
+    resolver_port: int
+    #: Per owner kind, the ports its hairpin to inbound capture leaves alone (``HAIRPIN_SKIP_MAX``,
+    #: a shorter list repeating its first).
+    hairpin_uid_skip: tuple[int, ...]
+    hairpin_gid_skip: tuple[int, ...]
+    #: The source addresses of the proxy's inbound passthrough.
+    passthrough4: str
+    passthrough6: str
+    #: The mark (under ``route_mask``) of sockets the plan's policy route delivers over lo, whatever
+    #: their destination; ``route_mask`` 0: no such route.
+    route_mark: int
+    route_mask: int
     #: ``reroute_interfaces`` is not empty: inbound arriving on an ``iface_reroute`` interface goes to
     #: the outbound port (to an ``out_include*`` CIDR unless ``out_all``).
     reroute_if: bool = False
@@ -84,6 +149,10 @@ class EbpfPolicy:
     proxy_mark: int = 0
     mark_mask: int = 0
     conn_mark: int = 0
+
+
+#: Room for the ports one owner kind's hairpin leaves alone (``RDR_HAIRPIN_SKIP_MAX``, abi.h).
+HAIRPIN_SKIP_MAX = 2
 
 
 @dataclass(frozen=True)
@@ -118,29 +187,54 @@ def _cidr_spec(cidr: str, kind4: CidrKind, kind6: CidrKind) -> tuple[int, CidrKi
     return net.prefixlen, kind4 if net.version == 4 else kind6, net.network_address.packed.ljust(16, b"\0")
 
 
-def lower_ebpf(it: Intent | AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
+def _hairpin_skip(ports: tuple[int, ...]) -> tuple[int, ...]:
+    if not 1 <= len(ports) <= HAIRPIN_SKIP_MAX:
+        raise ValueError(f"eBPF lowering: a hairpin leaves {len(ports)} ports alone; the policy has room for"
+                         f" 1 to {HAIRPIN_SKIP_MAX}")
+    return ports + (ports[0],) * (HAIRPIN_SKIP_MAX - len(ports))
+
+
+def _host(cidr: str, bits: int) -> str:
+    net = ipaddress.ip_network(cidr)
+    if net.prefixlen != bits:
+        raise ValueError(f"eBPF lowering: {cidr} is not one address")
+    return str(net.network_address)
+
+
+def _route_mark(routes: tuple[PolicyRoute, ...]) -> tuple[int, int]:
+    """(mark, mask) of the intent's policy routes (all by one mark), (0, 0) without any."""
+    marks = {(r.fwmark, r.mask) for r in routes}
+    if len(marks) > 1:
+        raise ValueError(f"eBPF lowering: policy routes by {len(marks)} marks; the policy has room for one")
+    return marks.pop() if marks else (0, 0)
+
+
+def lower_ebpf(it: AnyIntent, families: tuple[int, ...]) -> EbpfEntries:
     """The map entries of ``it`` for a pod captured in ``families`` (``(4,)`` or ``(4, 6)``).
 
-    ``ValueError`` if the entries cannot say it: the programs leave the same ports alone in the
-    hairpin of proxy uids and gids (the backend refuses such configs by name first).
+    Options a backend refuses (``redirect.plan.intent.refusals``: ``drop_invalid``) have no place
+    here; ``ValueError`` only for an intent past the policy's room (none ``intent_of`` makes).
     """
     if isinstance(it, AmbientIntent):
         return lower_ambient(it, families)
-    if it.owners_of("gid") and it.hairpin_exclude_of("gid") != it.hairpin_exclude_of("uid"):
-        raise ValueError(f"eBPF lowering: the proxy gids' hairpin leaves {it.hairpin_exclude_of('gid')} alone, "
-                         f"the uids' {it.hairpin_exclude_of('uid')}: the programs treat both alike")
     uids = [_range(i) for i in it.owners_of("uid")]
     gids = [_range(i) for i in it.owners_of("gid")]
     groups = [_range(g) for g in it.groups]
+    route_mark, route_mask = _route_mark(it.routes)
     policy = EbpfPolicy(
         proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
-        out_all=it.outbound_all, dns=it.dns, dns_all=it.dns_all, incl_loopback=it.include_has_loopback,
+        out_all=it.outbound_all, dns=it.dns, dns_all=it.dns_all, lo_return=it.lo_return,
+        lo_return_spares_dns=it.lo_return_spares_dns,
         inbound=it.inbound, inbound_all=it.inbound and it.inbound_all, v6=6 in families,
         loopback4=it.loopback_of(4),
         uid0=uids[0] if uids else (0, 0), n_uids=len(uids), gid0=gids[0] if gids else (0, 0), n_gids=len(gids),
         groups_mode=it.groups_mode, group0=groups[0] if groups else (0, 0), n_groups=len(groups),
         tproxy=it.interception == "TPROXY", tproxy_mark=it.tproxy_mark if it.interception == "TPROXY" else 0,
-        excl_if=bool(it.exclude_interfaces), reroute_if=bool(it.reroute_interfaces),
+        excl_if=bool(it.exclude_interfaces), resolver_port=it.resolver_port,
+        hairpin_uid_skip=_hairpin_skip(it.hairpin_exclude_of("uid")),
+        hairpin_gid_skip=_hairpin_skip(it.hairpin_exclude_of("gid")),
+        passthrough4=_host(it.passthrough_of(4), 32), passthrough6=_host(it.passthrough_of(6), 128),
+        route_mark=route_mark, route_mask=route_mask, reroute_if=bool(it.reroute_interfaces),
     )
     ports: dict[tuple[PortKind, int], None] = {}
     for p in it.outbound_exclude_ports:
@@ -177,11 +271,15 @@ def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
     """The map entries of an ambient intent: the ports, DNS and inbound capture, the marks, and
     the probe addresses (``probe4``/``probe6``); ``reroute_interfaces`` as for a sidecar (each pod's
     ``iface_reroute`` entries, ``pod_interfaces``: all their inbound TCP to the outbound port)."""
+    route_mark, route_mask = _route_mark(it.routes)
     policy = EbpfPolicy(
         proxy_port=it.proxy_port, inbound_port=it.inbound_port, tunnel_port=it.tunnel_port, dns_port=it.dns_port,
-        out_all=False, dns=it.dns, dns_all=False, incl_loopback=False, inbound=it.inbound, inbound_all=False,
-        v6=6 in families, loopback4=it.loopback_of(4), uid0=(0, 0), n_uids=0, gid0=(0, 0), n_gids=0,
-        groups_mode="all", group0=(0, 0), n_groups=0, tproxy=False, tproxy_mark=0, excl_if=False,
+        out_all=False, dns=it.dns, dns_all=False, lo_return=False, lo_return_spares_dns=False, inbound=it.inbound,
+        inbound_all=False, v6=6 in families, loopback4=it.loopback_of(4), uid0=(0, 0), n_uids=0, gid0=(0, 0),
+        n_gids=0, groups_mode="all", group0=(0, 0), n_groups=0, tproxy=False, tproxy_mark=0, excl_if=False,
+        resolver_port=it.resolver_port, hairpin_uid_skip=(0,) * HAIRPIN_SKIP_MAX,
+        hairpin_gid_skip=(0,) * HAIRPIN_SKIP_MAX, passthrough4="0.0.0.0", passthrough6="::",
+        route_mark=route_mark, route_mask=route_mask,
         reroute_if=bool(it.reroute_interfaces), ambient=True, proxy_mark=it.proxy_mark, mark_mask=it.mark_mask,
         conn_mark=it.conn_mark,
     )
@@ -195,31 +293,6 @@ def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tu
     return tuple((32 if f == 4 else 128, "local4" if f == 4 else "local6",
                   ipaddress.ip_address(ip).packed.ljust(16, b"\0"))
                  for f, ip, _index in local if f in families)
-
-
-def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[int, str]:
-    """Per family, the source an unbound socket's connect gets for a destination off the pod: its
-    first address of the family not on lo (the address of its one interface, in a pod with one;
-    with several, the kernel's choice per route may be another). The connect and sendmsg hooks
-    give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``). The
-    choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
-    from ..native import load
-
-    native = load()
-    ffi, lib = native.ffi, native.lib
-
-    addrs = [(f, ipaddress.ip_address(ip).packed, index) for f, ip, index in local if f in (4, 6)]
-    a = ffi.new("struct rdr_scan_addr[]", max(1, len(addrs)))
-    for i, (f, raw, index) in enumerate(addrs):
-        a[i].family, a[i].ifindex, a[i].addr = f, index, raw.ljust(16, b"\0")
-    src4, src6 = ffi.new("uint8_t[4]"), ffi.new("uint8_t[16]")
-    lib.rdr_pod_sources(a, len(addrs), ffi.new("int[2]", [4 in families, 6 in families]), src4, src6)
-    out: dict[int, str] = {}
-    for f, buf, size in ((4, src4, 4), (6, src6, 16)):
-        raw = bytes(ffi.buffer(buf, size))
-        if any(raw):
-            out[f] = str(ipaddress.ip_address(raw))
-    return out
 
 
 def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Iterable[tuple[str, int]],
@@ -268,7 +341,8 @@ def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Itera
     return tuple(dict.fromkeys(out))
 
 
-__all__ = ["pod_interfaces", "pod_sources", "Route",
+__all__ = ["pod_interfaces", "Route", "HAIRPIN_SKIP_MAX", "PORT_KINDS", "CIDR_KINDS", "PORT_KIND", "CIDR_KIND",
+           "PORT_KIND_NAME", "CIDR_KIND_NAME", "KIND_DISPLAY", "CIDR_SHAPE", "Shape",
            "EbpfPolicy", "EbpfEntries", "PortKind", "CidrKind", "IdRange", "LocalAddr", "lower_ebpf", "lower_ambient",
            "pod_local",
            "LOOPBACK_IFINDEX"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import IdSpec
-from .intent import DNS_PORT, FAMILIES, Family, Intent, OwnerKind
+from .intent import FAMILIES, Family, Intent, OwnerKind
 from .vocabulary import (
     DNS_ZONE_APP,
     DNS_ZONE_PROXY,
@@ -24,7 +24,6 @@ from .vocabulary import (
     Match,
     Owner,
     Plan,
-    PolicyRoute,
     Port,
     Proto,
     Redirect,
@@ -143,10 +142,10 @@ def sidecar_plan(it: Intent) -> Plan:
                       [Iface("out", "lo"), Addr("dst", lo, neg=True), TCP,
                        Port("dst", it.hairpin_exclude_of(kind), neg=True), Owner(kind, i)],  # type: ignore[arg-type]
                       Jump("IN_REDIRECT"), f"proxy {kind} {_id(i)} hairpin over lo", family=fam)
-            if not it.include_has_loopback:
+            if it.lo_return:
                 m: list[Match] = [Iface("out", "lo")]
-                if dns:
-                    m += [TCP, Port("dst", (DNS_PORT,), neg=True)]
+                if it.lo_return_spares_dns:
+                    m += [TCP, Port("dst", (it.resolver_port,), neg=True)]
                 m.append(Owner(kind, i, neg=True))  # type: ignore[arg-type]
                 b.add("nat", "OUTBOUND", m, Return(), f"app traffic over lo (not {kind} {_id(i)})")
             b.add("nat", "OUTBOUND", [Owner(kind, i)], Return(), f"proxy {kind} {_id(i)}")  # type: ignore[arg-type]
@@ -174,7 +173,6 @@ def sidecar_plan(it: Intent) -> Plan:
         for cidr in it.outbound_include_cidrs:
             b.add("nat", "OUTBOUND", [Addr("dst", cidr)], Jump("REDIRECT"), f"included CIDR {cidr}")
 
-    routes: list[PolicyRoute] = []
     if tproxy and it.inbound:
         b.add("mangle", "PREROUTING", [TCP, Mark(it.tproxy_mark)], SaveMark(), "remember the divert mark")
         b.add("mangle", "OUTPUT", [TCP, Iface("out", "lo"), Mark(it.tproxy_mark)], Return(), "proxy to app, marked")
@@ -185,17 +183,15 @@ def sidecar_plan(it: Intent) -> Plan:
                           [Addr("dst", lo, neg=True), TCP, Iface("out", "lo"), Owner(kind, i)],  # type: ignore[arg-type]
                           SetMark(OUTBOUND_MARK), f"proxy {kind} {_id(i)} to app over lo", family=fam)
         b.add("mangle", "OUTPUT", [TCP, ConnMark(it.tproxy_mark)], RestoreMark(), "replies follow the policy route")
-        for fam in FAMILIES:
-            routes.append(PolicyRoute(fam, it.tproxy_mark, 0xFFFFFFFF, it.tproxy_route_table))
 
-    return Plan("sidecar", b.build(), tuple(routes), it.local_addresses, it.ipv6, it)
+    return Plan("sidecar", b.build(), it.routes, it.local_addresses, it.ipv6)
 
 
 def _sidecar_dns(b: ChainBuilder, it: Intent) -> None:
     """DNS to port 53 goes to the DNS proxy, with conntrack zones splitting the flows."""
     owners: list[tuple[OwnerKind, IdSpec]] = [("uid", i) for i in it.owners_of("uid")]
     owners += [("gid", i) for i in it.owners_of("gid")]
-    dns53 = Port("dst", (DNS_PORT,))
+    dns53 = Port("dst", (it.resolver_port,))
     # nat: TCP and UDP to 53 -> dns_port, except the proxy's own queries.
     b.chain("nat", "DNS")
     for fam in FAMILIES:
@@ -217,20 +213,20 @@ def _sidecar_dns(b: ChainBuilder, it: Intent) -> None:
     if it.dns_all:
         b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones")
         b.add("raw", "DNS", [UDP, dns53], CtZone(DNS_ZONE_APP), "app queries")
-        b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,))], CtZone(DNS_ZONE_PROXY), "resolver answers")
+        b.add("raw", "DNS_IN", [UDP, Port("src", (it.resolver_port,))], CtZone(DNS_ZONE_PROXY), "resolver answers")
     else:
         for fam in FAMILIES:
             if it.dns_servers_of(fam):
                 b.add("raw", "PREROUTING", [], Jump("DNS_IN"), "DNS conntrack zones", family=fam)
             for s in it.dns_servers_of(fam):
                 b.add("raw", "DNS", [UDP, dns53, Addr("dst", s)], CtZone(DNS_ZONE_APP), f"app queries to {s}")
-                b.add("raw", "DNS_IN", [UDP, Port("src", (DNS_PORT,)), Addr("src", s)], CtZone(DNS_ZONE_PROXY),
+                b.add("raw", "DNS_IN", [UDP, Port("src", (it.resolver_port,)), Addr("src", s)], CtZone(DNS_ZONE_PROXY),
                       f"answers from {s}")
 
 
 def _dns_to_proxy(b: ChainBuilder, it: Intent, proto: Proto) -> None:
-    """``proto`` to port 53 (of every resolver, or of the pod's DNS servers) -> the DNS proxy."""
-    dns53 = Port("dst", (DNS_PORT,))
+    """``proto`` to the resolver port (of every resolver, or of the pod's DNS servers) -> the DNS proxy."""
+    dns53 = Port("dst", (it.resolver_port,))
     name = proto.name.upper()
     if it.dns_all:
         b.add("nat", "DNS", [proto, dns53], Redirect(it.dns_port), f"{name} DNS to the DNS proxy")

@@ -4,8 +4,8 @@ A ``Plan`` says, per netfilter-style table and hook, which ordered rules to run
 (matches + one action), which policy routes and local addresses come with them,
 and for which address families; the iptables and nftables backends render it. A
 sidecar plan (``redirect.plan.sidecar``) is the netfilter lowering of the config's
-``Intent`` (``redirect.plan.intent``), which it carries: the eBPF backend lowers the
-same intent to map entries (``redirect.plan.lower_ebpf``). The ambient plan
+``Intent`` (``redirect.plan.intent``); the eBPF backend lowers the same intent to map
+entries (``redirect.plan.lower_ebpf``), and is given the intent, not a plan. The ambient plan
 (``redirect.plan.ambient``) and the node rules (``redirect.ambient.node``) are built with
 the same vocabulary. Nothing here touches a kernel, so a plan is unit-testable without
 root (``redirect.plan.evaluate`` interprets it), and each behaviour is written once
@@ -30,10 +30,10 @@ from .intent import (
     INBOUND_PASSTHROUGH_V4,
     INBOUND_PASSTHROUGH_V6,
     LOOPBACK_V6,
-    AmbientIntent,
     Family,
     Intent,
     LocalAddress,
+    PolicyRoute,
 )
 
 Table = Literal["raw", "mangle", "nat"]
@@ -235,16 +235,6 @@ class Chain:
 
 
 @dataclass(frozen=True)
-class PolicyRoute:
-    """``ip rule fwmark MARK/MASK lookup TABLE`` + ``local default dev lo table TABLE``."""
-
-    family: Family
-    fwmark: int
-    mask: int
-    table: int
-
-
-@dataclass(frozen=True)
 class Plan:
     mode: str
     chains: tuple[Chain, ...]
@@ -252,8 +242,6 @@ class Plan:
     addresses: tuple[LocalAddress, ...] = ()
     #: Families the plan wants; ``None`` entries are resolved by the backend (auto IPv6).
     ipv6: bool | None = None
-    #: What the rules were lowered from (a sidecar plan's the eBPF backend lowers to map entries too).
-    intent: Intent | AmbientIntent | None = None
 
     def chains_for(self, family: Family) -> tuple[Chain, ...]:
         """The chains with only the rules of ``family``; empty non-hook chains are kept

@@ -83,13 +83,13 @@ def rendered(name: str, backend: str) -> str | None:
     from redirect.backends.ebpf import EbpfBackend
     from redirect.backends.iptables import IptablesBackend
     from redirect.backends.nftables import NftablesBackend
-    from redirect.plan import build_plan
+    from redirect.plan.intent import intent_for
 
     cfg = config(name)
-    impl = {"iptables": IptablesBackend(), "nftables": NftablesBackend(), "ebpf": EbpfBackend(cfg)}[backend]
+    impl = {"iptables": IptablesBackend(), "nftables": NftablesBackend(), "ebpf": EbpfBackend()}[backend]
     families = (4,) if cfg.ipv6 is False else (4, 6)
     try:
-        return str(impl.render(build_plan(cfg), families))
+        return str(impl.render(intent_for(cfg), families))
     except BackendUnavailable:
         return None
 

@@ -23,7 +23,7 @@ ports, CIDRs, the pod's own addresses as ``local`` CIDRs, the proxy's inbound li
 ``inventory`` of exactly those keys, one ``sk_lookup`` link on the pod netns
 pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
 detaches it when the netns dies, which is how ``collect_garbage`` finds pods
-whose netns went without a teardown), and ``::6`` on lo (the plan's address for the proxy's
+whose netns went without a teardown), and ``::6`` on lo (the intent's address for the proxy's
 inbound passthrough). The link runs a program of the pod's own, from a pool loaded ahead
 (``.pool``; ``native/redirect_native.c: rdr_ebpf_pool_prog``): it holds a slot number, and the
 slot, claimed at the pod's setup, holds the netns cookie, which an sk_lookup program can't ask
@@ -39,23 +39,24 @@ cgroup links) or reloaded (no pod registered) by the next setup, else setup rais
 ``SetupError`` saying what is missing. Fault points for the atomicity
 tests: ``ebpf.before_entries``, ``ebpf.after_claim``, ``ebpf.before_policy``.
 
-The policy comes from the same intent as the netfilter plan (``redirect.plan.intent``):
-``redirect.plan.lower_ebpf`` lowers it to typed map entries, which ``entries._intent_entries``
-packs; the programs implement Istio's rule order over map lookups
+The backend is given the intent (``redirect.plan.intent``), the one the netfilter plan is lowered
+from, never the config: ``redirect.plan.lower_ebpf`` lowers it to typed map entries, which
+``entries._intent_entries`` packs; the programs implement Istio's rule order over map lookups
 (``redirect/bpf/policy.h: outbound_target``). ``redirect.plan.evaluate`` models them, and a
 property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
 
 Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient``), decided by
 ``redirect/bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
-ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_accept`` on
+ambient pod has the intent's policy route by the connection mark and ``tcp_fwmark_accept`` on
 (``backend``), through which the node proxy's transparent connections to the app get their replies
 (``redirect/bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
-(the plan's route by ``tproxy_mark``).
+(the intent's route by ``tproxy_mark``).
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
-the option): ``drop_invalid`` (conntrack tracks nothing in a netns without
-netfilter rules, so there is no INVALID verdict for a program to read; docs/backends.md).
+the option, as ``redirect.plan.intent.refusals`` decides): ``drop_invalid`` (conntrack tracks
+nothing in a netns without netfilter rules, so there is no INVALID verdict for a program to read;
+docs/backends.md).
 
 The maps' keys and values are laid out once, in ``redirect/bpf/abi.h``: the programs and ``native/``
 include it, and the struct formats here are derived from cffi's declarations of it
@@ -96,7 +97,7 @@ How the iptables semantics are met without packets:
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``redirect/bpf/policy.h: outbound_target``); a proxy connecting to the
   app from the client's address (transparent, ``tproxy_mark``) is left alone by
-  sk_lookup and gets the replies by the plan's policy route, as in ambient mode
+  sk_lookup and gets the replies by the intent's policy route, as in ambient mode
   (docs/backends.md);
 - owner matches use the calling task's uid and primary gid, like iptables'
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids
@@ -117,29 +118,25 @@ How the iptables semantics are met without packets:
 
 from __future__ import annotations
 
-from ...config import RedirectConfig
 from ...errors import BackendUnavailable, RedirectError
+from ...plan.intent import AnyIntent
 from .abi import (
     AF,
     CIDR_KEY,
-    CIDR_LOCAL4,
-    CIDR_LOCAL6,
-    CIDR_OUT_EXCL4,
     CIDR_PREFIX_BASE,
-    F_V6,
     GEN_BIT,
     MAPS,
     P_FLAGS,
     P_N_INV,
     POLICY,
     PORT_KEY,
-    PORT_OUT_EXCL,
     PROGRAMS,
     SK_LOOKUP_ATTACH,
     U64,
+    flag,
 )
 from .backend import EbpfBackend
-from .entries import _policy_core, _unsupported, pod_entries
+from .entries import _policy_core, pod_entries, refuse
 from .fresh import setup_fresh
 from .host import (
     DEFAULT_CGROUP,
@@ -160,14 +157,14 @@ from .pods import _pod_link, read_pod
 from .syscalls import _link_target, _native, current_netns_cookie, link_info, obj_get, prog_id
 
 
-def refusal(cfg: RedirectConfig) -> str | None:
-    """Why ``backend="auto"`` would not choose eBPF for ``cfg`` here (None: it would): what this
-    host lacks, else the first option of ``cfg`` the backend refuses."""
+def refusal(it: AnyIntent | None) -> str | None:
+    """Why ``backend="auto"`` would not choose eBPF for intent ``it`` here (None: it would): what
+    this host lacks, else the first option of ``it`` the backend cannot lower (``refuse``)."""
     why = host_refusal(_root(None), _cgroup(None))
-    if why is not None:
+    if why is not None or it is None:
         return why
     try:
-        _unsupported(cfg)
+        refuse(it)
     except BackendUnavailable as e:
         return str(e)
     return None
@@ -177,7 +174,7 @@ __all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_h
            "probe_kernel", "refusal", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id",
            "missing_pins", "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF",
            "CIDR_KEY",
-           "CIDR_LOCAL4", "CIDR_LOCAL6", "CIDR_OUT_EXCL4", "CIDR_PREFIX_BASE", "F_V6", "MAPS", "P_FLAGS", "P_N_INV",
-           "POLICY", "PORT_KEY", "PORT_OUT_EXCL", "PROGRAMS", "SK_LOOKUP_ATTACH", "U64", "GEN_BIT", "_policy_core",
-           "_unsupported", "_cgroup_progs", "count_pods", "_root", "_unpin_all", "_pod_link", "_link_target",
+           "CIDR_PREFIX_BASE", "MAPS", "P_FLAGS", "P_N_INV",
+           "POLICY", "PORT_KEY", "PROGRAMS", "flag", "SK_LOOKUP_ATTACH", "U64", "GEN_BIT", "_policy_core",
+           "refuse", "_cgroup_progs", "count_pods", "_root", "_unpin_all", "_pod_link", "_link_target",
            "_native", "link_info", "obj_get", "prog_id"]

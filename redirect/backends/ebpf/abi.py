@@ -33,6 +33,26 @@ class Layout:
     struct: struct.Struct
     index: dict[str, int]
     offset: dict[str, int]
+    #: How many packed values each top-level field is (a struct or an array of numbers: several).
+    count: dict[str, int]
+    #: The zero value of each packed value (0, or zero bytes).
+    zeros: tuple[Any, ...]
+
+    def pack(self, values: dict[str, Any]) -> bytes:
+        """The struct with ``values`` (top-level field -> a value, or a sequence of them for a
+        field of several) and every other field zero. ``KeyError`` names a field the struct lacks."""
+        out = list(self.zeros)
+        for name, v in values.items():
+            if name not in self.index:
+                raise KeyError(f"redirect/bpf/abi.h has no field {name!r} here: {', '.join(self.index)}")
+            i, n = self.index[name], self.count[name]
+            if n == 1:
+                out[i] = v
+            else:
+                if len(v) != n:
+                    raise ValueError(f"field {name!r} is {n} values, given {len(v)}")
+                out[i : i + n] = v
+        return self.struct.pack(*out)
 
 
 def _fields(ctype: Any, base: int, raw: frozenset[str]) -> list[tuple[str, int, str]]:
@@ -64,6 +84,8 @@ def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
     fmt, pos = "=", 0
     index: dict[str, int] = {}
     offset: dict[str, int] = {}
+    count: dict[str, int] = {}
+    zeros: list[Any] = []
     for i, (field, off, f) in enumerate(_fields(ctype, 0, frozenset(raw))):
         if off < pos:
             raise TypeError(f"redirect/bpf/abi.h: struct {name} field {field} overlaps the one before")
@@ -72,17 +94,20 @@ def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
         pos = off + struct.calcsize("=" + f)
         index.setdefault(field, i)
         offset.setdefault(field, off)
+        count[field] = count.get(field, 0) + 1
+        zeros.append(bytes(struct.calcsize("=" + f)) if f.endswith("s") else 0)
     size = ffi.sizeof(ctype)
     if size > pos:
         fmt += f"{size - pos}x"
     s = struct.Struct(fmt)
     if s.size != size:
         raise TypeError(f"redirect/bpf/abi.h: struct {name} is {size} bytes, its derived format {fmt!r} {s.size}")
-    return Layout(s, index, offset)
+    return Layout(s, index, offset, count, tuple(zeros))
 
 
 def const(name: str) -> int:
-    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type."""
+    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type.
+    (The entry kinds are not here: ``redirect.plan.lower_ebpf`` numbers them, ``PORT_KIND``, ``CIDR_KIND``.)"""
     return int(getattr(lib, name))
 
 
@@ -113,6 +138,7 @@ MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple"
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
+HAIRPIN_SKIP_MAX = const("RDR_HAIRPIN_SKIP_MAX")
 POLICY = POLICY_LAYOUT.struct
 P_FLAGS, P_INV_BASE, P_N_INV, P_SRC4, P_SRC6 = (POLICY_LAYOUT.index[f] for f in ("flags", "inv_base", "n_inv",
                                                                                    "src4", "src6"))
@@ -133,21 +159,16 @@ GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 
-F_EXCL_IF, F_REROUTE, F_AMBIENT, F_FWMARK_ACCEPT_OURS = (
-    const(f"RDR_F_{n}") for n in ("EXCL_IF", "REROUTE", "AMBIENT", "FWMARK_ACCEPT_OURS"))
-F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6, F_TPROXY = (
-    const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6",
-                                  "TPROXY"))
-PORT_OUT_EXCL, PORT_OUT_INCL, PORT_IN_INCL, PORT_IN_EXCL = (
-    const(f"RDR_PORT_{n}") for n in ("OUT_EXCL", "OUT_INCL", "IN_INCL", "IN_EXCL"))
-CIDR_OUT_EXCL4, CIDR_OUT_INCL4, CIDR_DNS4, CIDR_OUT_EXCL6, CIDR_OUT_INCL6, CIDR_DNS6 = (
-    const(f"RDR_CIDR_{n}") for n in ("OUT_EXCL4", "OUT_INCL4", "DNS4", "OUT_EXCL6", "OUT_INCL6", "DNS6"))
-CIDR_LOCAL4, CIDR_LOCAL6 = const("RDR_CIDR_LOCAL4"), const("RDR_CIDR_LOCAL6")
-CIDR_UID, CIDR_GID, CIDR_GROUP = const("RDR_CIDR_UID"), const("RDR_CIDR_GID"), const("RDR_CIDR_GROUP")
-CIDR_IF_EXCL, CIDR_VIA_EXCL4, CIDR_VIA_EXCL6, CIDR_IF_REROUTE = (
-    const(f"RDR_CIDR_{n}") for n in ("IF_EXCL", "VIA_EXCL4", "VIA_EXCL6", "IF_REROUTE"))
+F_AMBIENT, F_TPROXY, F_INBOUND, F_FWMARK_ACCEPT_OURS = (
+    const(f"RDR_F_{n}") for n in ("AMBIENT", "TPROXY", "INBOUND", "FWMARK_ACCEPT_OURS"))
+
+
+def flag(name: str) -> int:
+    """``RDR_F_<NAME>``: the policy flag of ``EbpfPolicy``'s boolean ``name``."""
+    return const(f"RDR_F_{name.upper()}")
+
+
 LISTENER_INBOUND, LISTENER_OUTBOUND = const("RDR_LISTENER_INBOUND"), const("RDR_LISTENER_OUTBOUND")
-CIDR_PROBE4, CIDR_PROBE6 = const("RDR_CIDR_PROBE4"), const("RDR_CIDR_PROBE6")
 CIDR_PREFIX_BASE = const("RDR_CIDR_PREFIX_BASE")  # cidr_key.prefixlen = this + the CIDR's own
 GROUPS_ALL, GROUPS_ONLY, GROUPS_EXCLUDE = (const(f"RDR_GROUPS_{n}") for n in ("ALL", "ONLY", "EXCLUDE"))
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}

@@ -11,18 +11,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ...config import RedirectConfig
 from ...errors import RedirectError, SetupError
 from ...kernel import netns as _netns
-from ...plan.intent import AmbientIntent, Intent
-from ...plan.vocabulary import LocalAddress, Plan
+from ...plan.intent import AnyIntent
+from ...plan.lower_ebpf import CIDR_KIND
+from ...plan.vocabulary import LocalAddress
 from ..base import CheckResult, Installed
 from . import tc
 from .abi import (
     AF,
     CIDR_KEY,
-    CIDR_LOCAL4,
-    CIDR_LOCAL6,
     F_AMBIENT,
     F_FWMARK_ACCEPT_OURS,
     F_TPROXY,
@@ -42,12 +40,11 @@ from .entries import (
     _fmt_policy,
     _fmt_port,
     _policy_core,
-    _unsupported,
     _with_flag,
-    config_intent,
     intent_entries,
     pod_entries,
     pod_keys,
+    refuse,
     replies_by_mark,
 )
 from .fresh import _detail
@@ -58,8 +55,8 @@ from .podnet import (
     LOOPBACK_IFINDEX,
     NetnsScan,
     _add_address,
+    _intent_addresses,
     _our_addresses,
-    _plan_addresses,
     _remove_our_addresses,
     _unserved,
     families_for,
@@ -90,19 +87,17 @@ class EbpfBackend:
 
     name = "ebpf"
 
-    def __init__(self, cfg: RedirectConfig | None = None, root: str | None = None, cgroup: str | None = None) -> None:
-        #: The config (``render`` refuses what this backend cannot do; it lowers the plan's intent).
-        self.cfg = cfg
+    def __init__(self, root: str | None = None, cgroup: str | None = None) -> None:
         self.root = _root(root)
         self.cgroup = _cgroup(cgroup)
         self._scan: NetnsScan | None = None
 
-    def detect_families(self, cfg: RedirectConfig) -> tuple[int, ...]:
-        """The families ``cfg`` captures here (``redirect.setup``/``check`` ask the backend when it
+    def detect_families(self, it: AnyIntent) -> tuple[int, ...]:
+        """The families ``it`` captures here (``redirect.setup``/``check`` ask the backend when it
         has this): IPv6 is on when the netns has an IPv6 address. Read in the dump that ``apply``
         and ``check`` need anyway (kept for them), so a pod costs no IPv6 sysctl read."""
         self._scan = scan_netns()
-        return families_for(cfg, self._scan.v6_on)
+        return families_for(it, self._scan.v6_on)
 
     def _take_scan(self) -> NetnsScan:
         """The scan ``detect_families`` made, if it was of this thread's current netns; else a new one."""
@@ -120,8 +115,8 @@ class EbpfBackend:
             return h is not None and h.pods.lookup(U64.pack(current_netns_cookie())) is not None
 
     # --- apply / remove ------------------------------------------------------------
-    def apply(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> Installed:
-        _unsupported(cfg)
+    def apply(self, it: AnyIntent, families: tuple[int, ...]) -> Installed:
+        refuse(it)
         t0 = time.perf_counter()
         h = host(self.root, self.cgroup)
         assert h is not None
@@ -129,15 +124,15 @@ class EbpfBackend:
         sc = self._take_scan()
         cookie, local = sc.cookie, sc.local
         old = read_pod(h, cookie)
-        plan_addrs = _plan_addresses(plan, families, sc.own_v6)
-        # A config without the plan's addresses (or a pod without an IPv6 address of its own): ours
+        plan_addrs = _intent_addresses(it, families, sc.own_v6)
+        # A config without the intent's addresses (or a pod without an IPv6 address of its own): ours
         # (::6) go at the end, so they are not the pod's own.
         dropping = (_our_addresses() if not plan_addrs and (old.policy is not None or _V6_ON_LO in local)
                     else ())
         if dropping:
             gone = {(a.family, a.cidr.split("/")[0]) for a in dropping}
             local = tuple(x for x in local if (x[0], x[1]) not in gone)
-        # The plan's local addresses (::6 on lo for the proxy's inbound passthrough), as the
+        # The intent's local addresses (::6 on lo for the proxy's inbound passthrough), as the
         # netfilter backends add them; read from the same listing, no netlink dump per pod.
         on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
         add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
@@ -145,7 +140,7 @@ class EbpfBackend:
         local = (*local, *((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in add_addrs))
         # Keyed as the live generation to compare; a change is written in the other one.
         old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
-        want = pod_entries(cfg, families, pod_keys(cookie, old_base), local)
+        want = pod_entries(it, families, pod_keys(cookie, old_base), local)
         inbound = want.inbound
         link_path = self._pod_link_path(cookie)
         # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
@@ -156,13 +151,13 @@ class EbpfBackend:
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
         unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
-        scan = inbound and listener_maybe(sc, cfg.inbound_port, unserved)
+        scan = inbound and listener_maybe(sc, it.inbound_port, unserved)
         # With reroute_interfaces, the proxy's outbound listener too (registered here, in the
         # sockhash, before the policy that makes sk_lookup look for it).
-        reroute = bool(cfg.reroute_interfaces)
+        reroute = bool(it.reroute_interfaces)
         out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
-        oscan = reroute and listener_maybe(sc, cfg.proxy_port, out_unserved)
+        oscan = reroute and listener_maybe(sc, it.proxy_port, out_unserved)
         # Our tc filters on the interfaces the pod forwards on (what it forwards is captured as
         # netfilter's inbound capture takes it: redirect/bpf/tc_forward.c, .tc), with the pod's pool slot.
         want_tc = tc.wanted(want)
@@ -171,13 +166,13 @@ class EbpfBackend:
         slot_now = _link_slot(link_path) if have_link else None  # (None: a slot is claimed with the link)
         tc_attach = tc.to_attach(want_tc, have_tc, progs_tc, slot_now)
         tc_same = not tc_attach and set(have_tc) == want_tc
-        # The plan's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
+        # The intent's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
         # connections, by mark), as the netfilter backends add them, and tcp_fwmark_accept (see
         # _fwmark_state). Our routes are read for any config: a setup killed between them and the
         # policy leaves the routes of a config the policy does not name, which this one then adds
         # or removes.
         old_flags = POLICY.unpack(old.policy)[P_FLAGS] if old.policy is not None else 0
-        rtx = _route_txn(plan, families)
+        rtx = _route_txn(it, families)
         fw_ours, fw_set = _fwmark_state(want.policy, old_flags)
         policy = _with_flag(want.policy, F_FWMARK_ACCEPT_OURS, fw_ours)
         unchanged = (not scan and not oscan and old.policy is not None and _policy_core(old.policy) == want.policy
@@ -194,12 +189,12 @@ class EbpfBackend:
         if old.leftover_inv:
             drop_leftovers(h, old)
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
-            proxy_listeners(cfg.inbound_port) if scan else contextlib.nullcontext({})
+            proxy_listeners(it.inbound_port) if scan else contextlib.nullcontext({})
         )
         from ...kernel import routes as rt
 
         out_cm: contextlib.AbstractContextManager[dict[int, int]] = (
-            proxy_listeners(cfg.proxy_port) if oscan else contextlib.nullcontext({})
+            proxy_listeners(it.proxy_port) if oscan else contextlib.nullcontext({})
         )
         with listeners_cm as lfds, out_cm as ofds:
             added: list[LocalAddress] = []
@@ -292,22 +287,21 @@ class EbpfBackend:
         return removed
 
     # --- check / show / render ----------------------------------------------------
-    def check(self, plan: Plan, cfg: RedirectConfig, families: tuple[int, ...]) -> CheckResult:
-        """Compare the maps, read back entry by entry, and the link with what ``cfg`` wants here."""
-        _unsupported(cfg)
+    def check(self, it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
+        """Compare the maps, read back entry by entry, and the link with what ``it`` wants here."""
+        refuse(it)
         with reading_host(self.root) as h:
             host_diffs = host_problems(self.root, self.cgroup, h)
             if h is None:
                 return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}", *host_diffs))
-            return self._check(h, host_diffs, plan, cfg, families)
+            return self._check(h, host_diffs, it, families)
 
-    def _check(self, h: HostPrograms, diffs: list[str], plan: Plan, cfg: RedirectConfig,
-               families: tuple[int, ...]) -> CheckResult:
+    def _check(self, h: HostPrograms, diffs: list[str], it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
         sc = self._take_scan()
         cookie = sc.cookie
         st = read_pod(h, cookie)
         live_base = POLICY.unpack(st.policy)[P_INV_BASE] if st.policy is not None else 0
-        want = pod_entries(cfg, families, pod_keys(cookie, live_base), sc.local)
+        want = pod_entries(it, families, pod_keys(cookie, live_base), sc.local)
         if st.policy is None:
             diffs.append(f"no policy entry for netns cookie {cookie}")
         elif _policy_core(st.policy) != want.policy:
@@ -335,7 +329,7 @@ class EbpfBackend:
                 diffs.append("sk_lookup link runs another program than this pod's")
         from ...kernel import routes as rt
 
-        diffs += rt.differences(plan, families)
+        diffs += rt.differences(it, families)
         diffs += tc.differences(tc.wanted(want), tc.ours(), tc.host_progs(h), _link_slot(link))
         if replies_by_mark(policy_flags(want.policy)) and fwmark_accept() != 1:
             diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the proxy's transparent"
@@ -361,7 +355,7 @@ class EbpfBackend:
             "policy": _fmt_policy(st.policy) if st.policy else None,
             "ports": sorted(_fmt_port(k) for k in st.ports), "cidrs": sorted(_fmt_cidr(k) for k in st.cidrs),
             "addresses": sorted(_fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
-                                if CIDR_KEY.unpack(k)[1] in (CIDR_LOCAL4, CIDR_LOCAL6)),
+                                if CIDR_KEY.unpack(k)[1] in (CIDR_KIND["local4"], CIDR_KIND["local6"])),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
             "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & _ROUTED else [],
@@ -370,42 +364,30 @@ class EbpfBackend:
             "missing_host_pins": missing_pins(self.root),
         }
 
-    def render(self, plan: Plan, families: tuple[int, ...]) -> str:
-        """What ``apply`` would write for ``plan``: the eBPF lowering of its intent."""
-        if self.cfg is not None:
-            _unsupported(self.cfg)
-        if not isinstance(plan.intent, (Intent, AmbientIntent)):  # a plan made without one
-            return self.render_config(self.cfg or RedirectConfig(), families)
-        return _render(plan.intent, families, plan)
-
-    def render_config(self, cfg: RedirectConfig, families: tuple[int, ...]) -> str:
-        """The map entries ``apply`` would write for ``cfg``, as text (netns cookie shown as <netns>)."""
-        _unsupported(cfg)
-        from ...plan import build_plan
-
-        return _render(config_intent(cfg), families, build_plan(cfg))
-
-
-def _render(it: Intent | AmbientIntent, families: tuple[int, ...], plan: Plan) -> str:
-    e = intent_entries(it, families, 0)
-    lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
-    lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
-    lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
-    lines.append("cidrs[local <each pod address>]")
-    lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
-    if e.inbound:
-        lines.append(f"listeners[<netns>, family] = proxy socket listening on {it.inbound_port}")
-    if it.reroute_interfaces:
-        lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
-        lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
-    if tc.takes_forwarded(e):
-        lines.append("tc filters (ingress, egress; classid: the pod's pool slot + 1) on each interface the pod"
-                     " forwards on, but excluded ones (forwarded TCP to the proxy, redirect/bpf/tc_forward.c)")
-    lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
-              f" table {r.table}" for r in plan.routes if r.family in families]
-    if replies_by_mark(policy_flags(e.policy)):
-        lines.append("sysctl net.ipv4.tcp_fwmark_accept = 1")
-    return "\n".join(lines) + "\n"
+    def render(self, it: AnyIntent, families: tuple[int, ...]) -> str:
+        """What ``apply`` would write for ``it``: its eBPF lowering, as text (netns cookie shown as <netns>)."""
+        refuse(it)
+        e = intent_entries(it, families, 0)
+        lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
+        lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
+        lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
+        lines.append("cidrs[local <each pod address>]")
+        lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
+        if e.inbound:
+            lines.append(f"listeners[<netns>, family] = proxy socket listening on {it.inbound_port}")
+        if it.reroute_interfaces:
+            lines.append(f"cidrs[reroute-interface <ifindex of each of {', '.join(it.reroute_interfaces)}>]")
+            lines.append(f"listeners[<netns>, family, outbound] = proxy socket listening on {it.proxy_port}")
+        if tc.takes_forwarded(e):
+            lines.append("tc filters (ingress, egress; classid: the pod's pool slot + 1) on each interface the pod"
+                         " forwards on, but excluded ones (forwarded TCP to the proxy, redirect/bpf/tc_forward.c)")
+        lines += [f"IPv{r.family} rule fwmark {r.fwmark:#x}/{r.mask:#x} lookup {r.table}; route local default dev lo"
+                  f" table {r.table}" for r in it.routes if r.family in families]
+        lines += [f"address {a.cidr} on {a.dev} (in a pod with an IPv{a.family} address of its own)"
+                  for a in it.local_addresses if a.family in families]
+        if replies_by_mark(policy_flags(e.policy)):
+            lines.append("sysctl net.ipv4.tcp_fwmark_accept = 1")
+        return "\n".join(lines) + "\n"
 
 
 def _routes_text() -> list[str]:
@@ -474,13 +456,13 @@ def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, _FwmarkWrite | Non
     return ours, _FwmarkWrite(f, value)
 
 
-def _route_txn(plan: Plan, families: tuple[int, ...]) -> RouteTxn:
-    """The plan's policy routes as a transaction; our addresses are left as they are (the backend
+def _route_txn(it: AnyIntent, families: tuple[int, ...]) -> RouteTxn:
+    """The intent's policy routes as a transaction; our addresses are left as they are (the backend
     manages ``::6`` itself)."""
     from ...kernel import routes as rt
 
     state = rt.read_ours()
-    return rt.RouteTxn(tuple(r for r in plan.routes if r.family in families), tuple(state.addresses), families, state)
+    return rt.RouteTxn(tuple(r for r in it.routes if r.family in families), tuple(state.addresses), families, state)
 
 
 def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:

@@ -16,17 +16,15 @@ import threading
 import time
 from typing import Any
 
-from ...config import RedirectConfig
 from ...errors import SetupError
 from ...kernel import netns as _netns
 from ...kernel.netns import NetnsRef
-from ...plan.intent import intent_of
-from ...plan.vocabulary import Plan
+from ...plan.intent import AnyIntent, Intent
 from ..base import Installed
-from .entries import _unsupported, intent_entries, local_key_templates
+from .entries import intent_entries, local_key_templates, refuse
 from .host import DEFAULT_ROOT, HostPrograms
 from .lifetime import _host_cache, host
-from .podnet import LOOPBACK_IFINDEX, _plan_addresses, families_for
+from .podnet import LOOPBACK_IFINDEX, _intent_addresses, families_for
 from .pool import refill
 from .syscalls import _native, _native_module
 from .tc import takes_forwarded
@@ -35,23 +33,22 @@ log = logging.getLogger("redirect.ebpf")
 
 #: Per thread: ``call``, the ``struct rdr_pod_call`` its fresh-pod setups fill in turn.
 _tls = threading.local()
-#: The last fresh-pod setup's config, host handle and request: the next pod with the same config
+#: The last fresh-pod setup's intent, host handle and request: the next pod with the same intent
 #: object reuses them without look-ups while the handle is ok (a closed one is not; the native
 #: call backs off if the environment names another root, and then this is forgotten).
 _last_fresh: tuple[Any, Any, Any] = (None, None, None)
 
 
 class FreshPodTemplate:
-    """What ``cfg`` writes in any fresh pod, for ``rdr_ebpf_pod_add`` (native/pod_setup.c): per kind
-    of pod (IPv6 on in its netns or not, an IPv6 address of its own or not: what decides its
-    families and the plan's addresses), the ``struct rdr_pod_set``: the entries of
-    ``entries.intent_entries`` with netns 0, the plan's address (``::6``) it adds with its key, and
+    """What intent ``it`` writes in any fresh pod, for ``rdr_ebpf_pod_add`` (native/pod_setup.c): per
+    kind of pod (IPv6 on in its netns or not, an IPv6 address of its own or not: what decides its
+    families and the intent's addresses), the ``struct rdr_pod_set``: the entries of
+    ``entries.intent_entries`` with netns 0, the intent's address (``::6``) it adds with its key, and
     the key of one of the pod's own addresses per family (``local_key_templates``). Made once per
-    config; the cffi buffers live as long as this object."""
+    intent; the cffi buffers live as long as this object."""
 
-    def __init__(self, cfg: RedirectConfig, plan: Plan) -> None:
+    def __init__(self, it: Intent) -> None:
         ffi = _native().ffi
-        it = intent_of(cfg)
         self.inbound_port = 0
         #: Its capture takes what a pod forwards: our tc filters on the interfaces a pod forwards on.
         self.tc_forwarded = False
@@ -59,13 +56,13 @@ class FreshPodTemplate:
         self.sets: list[list[tuple[Any, Any, int, Any, int, dict[int, bytes], bool, bytes | None]]] = []
         for v6_on in (False, True):
             row = []
-            families = families_for(cfg, v6_on)
+            families = families_for(it, v6_on)
             for own_v6 in (False, True):
-                adds = _plan_addresses(plan, families, own_v6)
+                adds = _intent_addresses(it, families, own_v6)
                 e = intent_entries(it, families, 0,
                                    tuple((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in adds))
                 if e.inbound:
-                    self.inbound_port = cfg.inbound_port
+                    self.inbound_port = it.inbound_port
                 self.tc_forwarded |= takes_forwarded(e)
                 ports, cidrs = b"".join(sorted(e.ports)), b"".join(sorted(e.cidrs))
                 bufs = [ffi.new(t, max(n, 1)) for t, n in (("struct pod_policy[]", 1), ("struct port_key[]",
@@ -79,23 +76,21 @@ class FreshPodTemplate:
 
 
 @functools.lru_cache(maxsize=64)
-def fresh_pod_template(cfg: RedirectConfig) -> FreshPodTemplate | None:
-    """The template for ``cfg`` (cached), or None when its pods need the general path (the plan
-    adds an address other than one IPv6 /128 on lo, or policy routes; ``exclude_interfaces`` or
-    ``reroute_interfaces``). Raises
-    ``BackendUnavailable`` as ``apply`` would."""
-    from ...plan import build_plan
-
-    _unsupported(cfg)
-    if cfg.exclude_interfaces or cfg.reroute_interfaces:
+def fresh_pod_template(it: AnyIntent) -> FreshPodTemplate | None:
+    """The template for ``it`` (cached), or None when its pods need the general path (ambient; the
+    intent adds an address other than one IPv6 /128 on lo, or policy routes; ``exclude_interfaces``
+    or ``reroute_interfaces``). Raises ``BackendUnavailable`` as ``apply`` would."""
+    refuse(it)
+    if not isinstance(it, Intent):
+        return None  # (ambient: policy routes and a sysctl besides the entries)
+    if it.exclude_interfaces or it.reroute_interfaces:
         return None  # its entries depend on the pod's links and routes: the general path reads them
-    plan = build_plan(cfg)
-    if plan.routes:  # (ambient; TPROXY) policy routes and a sysctl besides the entries: the general path sets them
+    if it.routes:  # (TPROXY) policy routes and a sysctl besides the entries: the general path sets them
         return None
-    if len(plan.addresses) > 1 or any(not (a.family == 6 and a.dev == "lo" and a.cidr.endswith("/128"))
-                                      for a in plan.addresses):
+    if len(it.local_addresses) > 1 or any(not (a.family == 6 and a.dev == "lo" and a.cidr.endswith("/128"))
+                                          for a in it.local_addresses):
         return None
-    return FreshPodTemplate(cfg, plan)
+    return FreshPodTemplate(it)
 
 
 def _detail(h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_path: str,
@@ -108,7 +103,7 @@ def _detail(h: HostPrograms, cookie: int, host_ms: float, pod_ms: float, link_pa
             "sk_lookup_link": link_path, "path": path}
 
 
-def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -> Installed | None:
+def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Installed | None:
     """``EbpfBackend.apply`` for a pod with nothing of ours yet, on the default root (or
     ``REDIRECT_BPF_ROOT``), in one native call (native/pod_setup.c): what
     ``redirect.setup(..., backend="ebpf")`` tries first. From outside the netns, it opens
@@ -117,13 +112,13 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
 
     None when the pod is not fresh, the lock is held, or anything looks unusual (the namespace
     too: the general path reports it): nothing was changed and the caller takes the general
-    path. Per pod this is the hot path, so it stays short: with the last pod's config, no look-up
+    path. Per pod this is the hot path, so it stays short: with the last pod's intent, no look-up
     at all (not even of the environment, which the native call reads), one call."""
     global _last_fresh
     host_ms = 0.0
-    cfg0, h, req = _last_fresh
-    if cfg0 is not cfg or not h.ok:  # else the last pod's config and handle: its request (the native
-        tmpl = fresh_pod_template(cfg)  # call checks the root is still the one the environment names)
+    it0, h, req = _last_fresh
+    if it0 is not it or not h.ok:  # else the last pod's intent and handle: its request (the native
+        tmpl = fresh_pod_template(it)  # call checks the root is still the one the environment names)
         if tmpl is None:
             return None
         h = _host_cache.get(os.environ.get("REDIRECT_BPF_ROOT") or DEFAULT_ROOT)
@@ -133,7 +128,7 @@ def setup_fresh(cfg: RedirectConfig, netns: NetnsRef, name: str, lock_fd: int) -
             assert h is not None
             host_ms = round((time.perf_counter() - t0) * 1e3, 3)
         req = h.fresh_request(tmpl)
-        _last_fresh = (cfg, h, req)
+        _last_fresh = (it, h, req)
     nat = _native_module
     c = _tls.__dict__.get("call")
     if c is None:

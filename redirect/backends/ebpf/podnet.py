@@ -1,6 +1,6 @@
 """What a pod's own netns holds, as its setup needs it: its cookie and addresses (``scan_netns``, one
 netlink dump), the proxy's inbound listeners (a bind probe, a sock_diag dump, their fds), and the
-plan's local addresses (``::6`` on lo) added and removed.
+intent's local addresses (``::6`` on lo) added and removed.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...config import RedirectConfig
 from ...errors import SetupError
 from ...kernel import netns as _netns
-from ...plan.vocabulary import INBOUND_PASSTHROUGH_V6, LocalAddress, Plan
+from ...plan.intent import INBOUND_PASSTHROUGH_V6, AnyIntent, LocalAddress
 from .abi import AF, LISTENER_KEY
 from .syscalls import _check, _native, _tcp_diag_ok
 
@@ -42,7 +41,7 @@ class NetnsScan:
     local: tuple[tuple[int, str, int], ...]
     #: IPv6 is on: it has an IPv6 address (``::1`` at least; disable_ipv6 removes them all).
     v6_on: bool
-    #: It has an IPv6 address of its own (``routes.own_ipv6``): the plan's ``::6`` is wanted.
+    #: It has an IPv6 address of its own (``routes.own_ipv6``): the intent's ``::6`` is wanted.
     own_v6: bool
     #: The ``struct rdr_netns_scan`` it was read from (for ``listener_maybe``).
     native: Any = field(default=None, compare=False, repr=False)
@@ -68,11 +67,11 @@ def scan_netns() -> NetnsScan:
     return NetnsScan(_netns.current_inode(), threading.get_ident(), int(sc.cookie), out, bool(sc.v6_on), own_v6, sc)
 
 
-def families_for(cfg: RedirectConfig, v6_on: bool) -> tuple[int, ...]:
-    """The families ``cfg`` captures in a netns where IPv6 is on (``NetnsScan.v6_on``) or not."""
-    if cfg.ipv6 is None:
+def families_for(it: AnyIntent, v6_on: bool) -> tuple[int, ...]:
+    """The families ``it`` captures in a netns where IPv6 is on (``NetnsScan.v6_on``) or not."""
+    if it.ipv6 is None:
         return (4, 6) if v6_on else (4,)
-    return (4, 6) if cfg.ipv6 else (4,)
+    return (4, 6) if it.ipv6 else (4,)
 
 
 def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...], kind: int = 0) -> tuple[int, ...]:
@@ -94,7 +93,8 @@ def _listener_inodes(port: int) -> dict[int, int]:
     """Socket inode -> family of TCP listeners on ``port`` in the current netns.
 
     Asked over NETLINK_SOCK_DIAG for listeners only: reading /proc/net/tcp walks
-    every socket of the host (about 12 ms here), a listener dump about 50 us.
+    every socket of the host (it grows with the host's connections), a listener dump only the
+    listening hash (docs/kernel-facts.md, ``SOCK_DIAG_BY_FAMILY``).
     """
     out: dict[int, int] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as nl:  # NETLINK_SOCK_DIAG
@@ -176,10 +176,10 @@ def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
             os.close(ofd)
 
 
-def _plan_addresses(plan: Plan, families: tuple[int, ...], own_v6: bool) -> tuple[LocalAddress, ...]:
-    """The plan's addresses wanted here (as ``routes.usable_addresses``: IPv6 ones when the pod has
+def _intent_addresses(it: AnyIntent, families: tuple[int, ...], own_v6: bool) -> tuple[LocalAddress, ...]:
+    """The intent's addresses wanted here (as ``routes.usable_addresses``: IPv6 ones when the pod has
     an IPv6 address of its own)."""
-    return tuple(a for a in plan.addresses if a.family in families and (a.family == 4 or own_v6))
+    return tuple(a for a in it.local_addresses if a.family in families and (a.family == 4 or own_v6))
 
 
 def _add_address(a: LocalAddress) -> None:
@@ -199,7 +199,7 @@ def _add_address(a: LocalAddress) -> None:
 
 
 def _our_addresses() -> tuple[LocalAddress, ...]:
-    """The addresses we added here (routing protocol ours; the plan only ever adds IPv6 ones, ::6)."""
+    """The addresses we added here (routing protocol ours; an intent only ever adds IPv6 ones, ::6)."""
     from ...kernel import routes as rt
 
     return tuple(rt.read_ours((6,)).addresses)

@@ -25,7 +25,8 @@ import os
 import socket
 from typing import Any
 
-from .abi import CIDR_IF_EXCL, CIDR_IF_REROUTE, CIDR_KEY
+from ...plan.lower_ebpf import CIDR_KIND
+from .abi import CIDR_KEY
 from .entries import PodEntries
 from .syscalls import _native
 
@@ -36,14 +37,14 @@ _MAX = 256
 def takes_forwarded(want: PodEntries) -> bool:
     """Whether the pod's capture takes anything inbound (its inbound capture, or a reroute
     interface): only then can it take what the pod forwards."""
-    return want.inbound or any(CIDR_KEY.unpack(k)[1] == CIDR_IF_REROUTE for k in want.cidrs)
+    return want.inbound or any(CIDR_KEY.unpack(k)[1] == CIDR_KIND["iface_reroute"] for k in want.cidrs)
 
 
 def _excluded(cidrs: frozenset[bytes]) -> set[int]:
     out = set()
     for k in cidrs:
         _plen, kind, _netns, addr = CIDR_KEY.unpack(k)
-        if kind == CIDR_IF_EXCL:
+        if kind == CIDR_KIND["iface_exclude"]:
             out.add(int.from_bytes(addr[:4], "big"))
     return out
 
