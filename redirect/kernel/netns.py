@@ -25,6 +25,7 @@ import fcntl
 import functools
 import os
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -105,8 +106,36 @@ def describe(ref: NetnsRef) -> str:
     return path
 
 
+#: How a namespace file is opened once it is known to be one: ``O_NONBLOCK`` and ``O_NOCTTY`` so
+#: that, should the path be swapped for a FIFO or a device between the check and the open, the
+#: open neither blocks nor takes a terminal (what was opened is checked again before any use).
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+
+
+@functools.lru_cache(maxsize=1)
+def _nsfs_dev() -> int:
+    """The device of the kernel's namespace filesystem (nsfs): every namespace file is on it."""
+    return os.stat("/proc/thread-self/ns/net").st_dev
+
+
+def _kind_of(st: os.stat_result) -> str:
+    mode = st.st_mode
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return what
+    return "a regular file"
+
+
 def open_netns(ref: NetnsRef) -> int:
-    """Open a namespace reference; the caller owns (and closes) the returned fd."""
+    """Open a namespace reference; the caller owns (and closes) the returned fd.
+
+    Nothing but a network namespace is ever opened: a path is looked at first (a namespace file
+    is a regular file on nsfs), so a FIFO, a device or a plain file is refused without being
+    opened, and what the open then gave is checked again (the same inode, of a network
+    namespace). Every path to a netns goes through here (``enter``, the inode, the cookie, the
+    fds handed to node proxies)."""
     path = path_of(ref)
     if path is None:
         fd = int(ref)  # type: ignore[arg-type]
@@ -114,12 +143,16 @@ def open_netns(ref: NetnsRef) -> int:
             raise NetnsError(f"netns=fd {fd}: not an open network namespace fd")
         return os.dup(fd)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != _nsfs_dev():
+            raise NetnsError(f"netns={describe(ref)!r}: {path} is {_kind_of(st)}, not a network namespace")
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise NetnsError(f"netns={describe(ref)!r}: no such namespace ({path} does not exist)") from None
     except OSError as e:
         raise NetnsError(f"netns={describe(ref)!r}: cannot open {path}: {e.strerror}") from None
-    if not _is_netns_fd(fd):
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not _is_netns_fd(fd):
         os.close(fd)
         raise NetnsError(f"netns={describe(ref)!r}: {path} is not a network namespace")
     return fd
