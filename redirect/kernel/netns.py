@@ -28,7 +28,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Union
 
 from ..errors import NetnsError
@@ -237,6 +237,37 @@ def enter(ref: NetnsRef) -> Iterator[int]:
     finally:
         os.close(home)
         os.close(target)
+
+
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start a daemon thread that runs ``target`` in the calling thread's own network namespace:
+    the one it was in before its outermost ``enter``, never one it entered.
+
+    A new thread starts in its creator's namespace, and a thread holds its namespace alive: a
+    long-lived thread started inside ``enter(pod)`` would keep that pod's netns (its interfaces,
+    its addresses) alive after the pod is gone. Every thread the library starts lazily, whoever
+    happens to be the first caller, starts here. (Outside any ``enter`` it is a plain thread.)"""
+    homes: list[int] | None = getattr(_entered, "homes", None)
+    home = os.dup(homes[0]) if homes else None
+
+    def run() -> None:
+        if home is not None:
+            try:
+                _setns(home)
+            except OSError as e:  # pragma: no cover - kernel out of memory
+                raise SystemError(f"thread {name}: could not leave the creator's netns: {e}") from e
+            finally:
+                os.close(home)
+        target()
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    try:
+        t.start()
+    except BaseException:
+        if home is not None:
+            os.close(home)
+        raise
+    return t
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,154 @@
+"""What no single pod or request may do to a long-lived process of ours: keep a pod's netns alive
+after it is gone (a thread left inside it), or hold the agent's workers, its proxy socket or its
+ops port (a FIFO named as a netns, clients that never read, never say hello, or send headers a
+byte at a time). Real agents, real namespaces, real sockets; every wait is bounded and polled."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests import netkit
+from tests.netkit import Pod
+from tests.test_agent import cni
+from tests.test_cni_thin import PREV, Thin, agent_node, installed, netconf
+
+pytestmark = pytest.mark.timeout(240)
+
+BACKENDS = ["iptables", "nftables", "ebpf"]
+
+
+@pytest.fixture(scope="module")
+def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from redirect.cni import install as inst
+
+    d = str(tmp_path_factory.mktemp("cni-bin"))
+    inst.install_binary(d)
+    return d
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+# --- no thread of ours stays in a pod's netns ------------------------------------------------
+
+
+def threads_in(pid: int, inode: int) -> list[str]:
+    """Names of the threads of ``pid`` whose netns is ``inode``."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}/task/{tid}/ns/net").st_ino == inode:
+                out.append(Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip())
+    return out
+
+
+def fds_of(pid: int, inode: int) -> int:
+    """How many fds of ``pid`` are that netns."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/{pid}/fd/{fd}") == f"net:[{inode}]"
+    return n
+
+
+def assert_freed_once_removed(pod: Pod) -> None:
+    """Remove the pod's netns (its /run/netns pin): the kernel frees it, and its veth pair with it,
+    so the peer's end goes too (what a kept netns leaves on a node's bridge)."""
+    netkit.remove_netns(pod.name)
+
+    def peer_end_gone() -> bool:
+        p = subprocess.run(["ip", "-n", pod.peer_name, "link", "show", pod.peer_if], capture_output=True, text=True)
+        return p.returncode != 0
+
+    until(peer_end_gone, f"freed: {pod.name}'s veth peer {pod.peer_if} still exists, so its netns lives on")
+
+
+SETUP_TEARDOWN = """
+import json, os, sys
+import redirect
+ns, backend, mode = sys.argv[1:4]
+ino = os.stat("/run/netns/" + ns).st_ino
+cfg = redirect.RedirectConfig(mode=mode, inbound_ports=() if backend == "ebpf" else "*")
+redirect.setup(ns, cfg, backend)
+redirect.teardown(ns)
+held = []
+for t in os.listdir("/proc/self/task"):
+    if os.stat(f"/proc/self/task/{t}/ns/net").st_ino == ino:
+        held.append(open(f"/proc/self/task/{t}/comm").read().strip())
+print(json.dumps({"held": held, "threads": len(os.listdir("/proc/self/task"))}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["sidecar", "ambient"])
+def test_setup_and_teardown_leave_no_thread_in_the_pod_netns_and_it_is_freed(
+        make_pod: Callable[..., Pod], backend: str, mode: str, request: pytest.FixtureRequest) -> None:
+    """``redirect.setup(ns); redirect.teardown(ns)`` in a fresh process: no thread of that process is
+    in the pod's netns afterwards (a lazily started helper thread inherits the netns of the thread
+    that starts it), and once the pod's pin goes, the kernel frees the netns while the process lives."""
+    if backend == "ebpf":
+        request.getfixturevalue("ebpf_root")
+    pod = make_pod()
+    inode = os.stat(pod.path).st_ino
+    p = subprocess.Popen([sys.executable, "-c", SETUP_TEARDOWN, pod.name, backend, mode], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line, p.communicate(timeout=30)[1][-3000:]
+        got = json.loads(line)
+        assert got["held"] == [], got
+        assert threads_in(p.pid, inode) == [] and fds_of(p.pid, inode) == 0
+        assert_freed_once_removed(pod)
+        assert p.poll() is None  # the process was alive all along
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_del_through_the_agent_leaves_nothing_of_ours_holding_the_pod_netns(
+        bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        backend: str) -> None:
+    """Sidecar pods through the thin plugin (``--no-host-rules``) and an ambient pod: after each
+    DEL, no thread or fd of the agent is in the pod's netns, and removing its pin frees it while
+    the agent runs on."""
+    with agent_node(tmp_path, backend, monkeypatch) as n:
+        agent = n.start_agent("--no-host-rules")
+        thin = Thin(bin_dir, n)
+        capture = {"inbound_ports": []} if backend == "ebpf" else {}
+        for _ in range(2):  # the first pod of an agent process, and one after it
+            pod = make_pod()
+            inode = os.stat(pod.path).st_ino
+            conf = netconf(n.events, backend=backend, capture=capture)
+            assert thin("ADD", conf, pod.path) == (0, PREV)
+            assert installed(pod, backend)
+            assert thin("DEL", conf, pod.path) == (0, None)
+            assert not installed(pod, backend)
+            assert threads_in(agent.proc.pid, inode) == [] and fds_of(agent.proc.pid, inode) == 0
+            assert_freed_once_removed(pod)
+        n.start_proxy()
+        pod = make_pod()
+        inode = os.stat(pod.path).st_ino
+        assert cni("ADD", pod, "uid-held", n.events, backend)[0] == 0
+        assert cni("DEL", pod, "uid-held", n.events, backend)[0] == 0
+        assert threads_in(agent.proc.pid, inode) == [] and fds_of(agent.proc.pid, inode) == 0
+        assert n.proxy is not None
+        until(lambda: fds_of(n.proxy.pid, inode) == 0, "the node proxy let go of the pod")  # type: ignore[union-attr]
+        assert_freed_once_removed(pod)
+        assert agent.proc.poll() is None
