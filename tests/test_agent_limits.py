@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from redirect.ambient.agent import protocol
 from tests import netkit
 from tests.netkit import Pod
 from tests.test_agent import cni
@@ -152,3 +154,70 @@ def test_a_del_through_the_agent_leaves_nothing_of_ours_holding_the_pod_netns(
         until(lambda: fds_of(n.proxy.pid, inode) == 0, "the node proxy let go of the pod")  # type: ignore[union-attr]
         assert_freed_once_removed(pod)
         assert agent.proc.poll() is None
+
+
+# --- one request, or one client, cannot stop the agent ---------------------------------------
+
+
+def _unread_replies(sock: socket.socket) -> int:
+    """Bytes of replies waiting in ``sock``'s receive queue (SIOCINQ sums a seqpacket socket's queue)."""
+    import array
+    import fcntl
+    import termios
+
+    buf = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+    return buf[0]
+
+
+class Hoarder:
+    """A client of the events socket that sends ``status`` requests as fast as the agent takes them
+    and never reads a reply."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(5)
+        self.sock.connect(path)
+        self.sock.setblocking(False)
+        self.msg = json.dumps({"v": 1, "type": "status"}).encode()
+
+    def top_up(self) -> int:
+        """Send until the socket is full; how many requests went out (0: the agent takes none)."""
+        n = 0
+        while n < 10_000:
+            try:
+                self.sock.send(self.msg)
+            except BlockingIOError:
+                break
+            n += 1
+        return n
+
+
+def test_clients_that_never_read_their_replies_hold_no_worker(
+        bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 clients (twice the agent's 16 workers) send requests and never read the replies, until
+    their answers fill their sockets and the agent reads no more of their requests. The workers are
+    free all the while: a sidecar ADD, CHECK and DEL through the thin plugin and ``status`` are
+    answered (the clients' connections would have to wait for ``--idle-timeout``, 120 s here)."""
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent("--idle-timeout", "120", "--no-host-rules")
+        hoarders = [Hoarder(n.events) for _ in range(32)]
+        try:
+            quiet = 0
+            deadline = time.monotonic() + 60
+            while quiet < 3:  # the agent took none of their requests for three rounds running
+                assert time.monotonic() < deadline, "the hoarders' requests were still being read after 60 s"
+                quiet = quiet + 1 if sum(h.top_up() for h in hoarders) == 0 else 0
+                time.sleep(0.2)
+            assert all(_unread_replies(h.sock) > 0 for h in hoarders)
+            pod = make_pod()
+            thin = Thin(bin_dir, n)
+            conf = netconf(n.events, agentTimeout=20)
+            assert thin("ADD", conf, pod.path) == (0, PREV)
+            assert thin("CHECK", conf, pod.path) == (0, None)
+            assert thin("DEL", conf, pod.path) == (0, None)
+            for _ in range(20):
+                assert protocol.request(n.events, {"type": "status"}, 20)["ready"] is True
+        finally:
+            for h in hoarders:
+                h.sock.close()
