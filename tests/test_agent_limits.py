@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from redirect.ambient.agent import protocol
 from tests import netkit
 from tests.netkit import Pod
-from tests.test_agent import cni
+from tests.test_agent import Node, cni
 from tests.test_cni_thin import PREV, Thin, agent_node, installed, netconf
 
 pytestmark = pytest.mark.timeout(240)
@@ -221,3 +222,84 @@ def test_clients_that_never_read_their_replies_hold_no_worker(
         finally:
             for h in hoarders:
                 h.sock.close()
+
+
+class SilentCrowd:
+    """``count`` connections to a socket that never say a word, each opened again as soon as the
+    agent closes it (on a thread, until ``close``; bounded in time)."""
+
+    def __init__(self, path: str, count: int, max_seconds: float = 120.0) -> None:
+        self.path, self.count, self.max_seconds = path, count, max_seconds
+        self.stop = threading.Event()
+        self.reconnects = 0
+        self._t = threading.Thread(target=self._run, name="silent-crowd", daemon=True)
+
+    def _connect(self) -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(2)
+        try:
+            s.connect(self.path)
+        except OSError:
+            s.close()
+            return None
+        s.setblocking(False)
+        return s
+
+    def _run(self) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        deadline = time.monotonic() + self.max_seconds
+        live = 0
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                while live < self.count and not self.stop.is_set():
+                    s = self._connect()
+                    if s is None:
+                        break
+                    sel.register(s, selectors.EVENT_READ)
+                    live += 1
+                for key, _ in sel.select(timeout=0.05):  # closed by the agent (an error, then EOF)
+                    s = key.fileobj
+                    try:
+                        data = s.recv(65536)  # type: ignore[union-attr]
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(s)
+                        s.close()  # type: ignore[union-attr]
+                        live -= 1
+                        self.reconnects += 1
+        finally:
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            sel.close()
+
+    def __enter__(self) -> SilentCrowd:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._t.join(10)
+
+
+def test_silent_connections_to_the_proxy_socket_never_keep_the_node_proxy_out(
+        tmp_path: Path, make_pod: Callable[..., Pod]) -> None:
+    """100 connections to the proxy socket that never say hello, reopened as soon as they are
+    closed: the node proxy still connects and gets its snapshot, and ambient ADDs succeed (no
+    ``no_proxy``)."""
+    n = Node(tmp_path)
+    try:
+        agent = n.start_agent()
+        with SilentCrowd(n.proxy_sock, 100) as crowd:
+            until(lambda: crowd.reconnects > 0, "the agent closing silent connections", 30)
+            n.start_proxy()  # returns once the proxy got its snapshot
+            for i in range(3):
+                pod = make_pod()
+                rc, out = cni("ADD", pod, f"uid-crowd{i}", n.events)
+                assert rc == 0, out
+                assert cni("DEL", pod, f"uid-crowd{i}", n.events)[0] == 0
+        assert agent.proc.poll() is None and 'reason="no_proxy"' not in agent.get("/metrics")[1]
+    finally:
+        n.close()

@@ -357,10 +357,10 @@ def test_the_events_answers() -> None:
     assert t.metrics.failures == {"bad_request": 1, "internal": 1} and t.metrics.events == {"add": 1}
 
 
-def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_path: Any) -> None:
-    """Idle connections to the proxy socket (each awaits its hello for 5 s on a thread) are
-    bounded: one beyond ``MAX_HELLOS`` gets an error at once, and once they go, a proxy is served."""
-    import contextlib
+def test_silent_connections_to_the_proxy_socket_never_keep_a_proxy_out(tmp_path: Any) -> None:
+    """Connections that never say hello hold no thread and wait ``MAX_HELLOS`` at a time (a newcomer
+    closes the one waiting the longest, with an error); a proxy that says hello is served however
+    many silent ones come before and after it."""
     import socket
 
     from redirect.ambient.agent import hub as hub_mod
@@ -371,7 +371,7 @@ def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_pa
     path = str(tmp_path / "proxy.sock")
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     lsock.bind(path)
-    lsock.listen(128)
+    lsock.listen(512)
     stopping = threading.Event()
     t = threading.Thread(target=hub.accept, args=(lsock, stopping), daemon=True)
     t.start()
@@ -382,33 +382,29 @@ def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_pa
         s.connect(path)
         return s
 
-    idle = []
+    silent: list[socket.socket] = []
     try:
-        idle = [connect() for _ in range(hub_mod.MAX_HELLOS)]
-        extra = connect()
-        got = protocol.recv(extra, max_fds=0)
-        assert got is not None and got[0]["type"] == "error" and "too many" in got[0]["error"], got
-        extra.close()
-        for s in idle:
-            s.close()
-        idle = []
-        pause = threading.Event()
-        for _ in range(100):  # the hello threads see their peers gone and give their places back
-            p = connect()
-            idle.append(p)
-            with contextlib.suppress(OSError):  # refused: closed after its error
-                protocol.send(p, {"type": "hello", "proxy": "p1"})
-            got = protocol.recv(p, max_fds=0)  # the (empty) snapshot, or "too many" still
-            assert got is not None
-            if got[0]["type"] == "snapshot_done":
-                break
-            pause.wait(0.05)
-        assert got[0]["type"] == "snapshot_done", got
+        threads = threading.active_count()
+        silent = [connect() for _ in range(hub_mod.MAX_HELLOS)]
+        silent.append(connect())  # one too many: the first is closed, told why
+        got = protocol.recv(silent[0], max_fds=0)
+        assert got is not None and got[0]["type"] == "error" and "waiting the longest" in got[0]["error"], got
+        assert silent[0].recv(100) == b""
+        silent += [connect() for _ in range(100)]
+        proxy = connect()
+        protocol.send(proxy, {"type": "hello", "proxy": "p1"})
+        silent += [connect() for _ in range(100)]
+        got = protocol.recv(proxy, max_fds=0)
+        assert got is not None and got[0]["type"] == "snapshot_done", got
+        silent.append(proxy)
+        # the proxy's reader, writer and snapshot wait; nothing for the silent ones
+        assert threading.active_count() <= threads + 3, threading.enumerate()
     finally:
         stopping.set()
-        for s in idle:
+        for s in silent:
             s.close()
         lsock.shutdown(socket.SHUT_RDWR)
         lsock.close()
         hub.close_all()
         t.join(5)
+    assert not t.is_alive()
