@@ -303,3 +303,105 @@ def test_silent_connections_to_the_proxy_socket_never_keep_the_node_proxy_out(
         assert agent.proc.poll() is None and 'reason="no_proxy"' not in agent.get("/metrics")[1]
     finally:
         n.close()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS line")
+
+
+def _closed_by_peer(s: socket.socket, timeout: float) -> bool:
+    """Whether the peer closes ``s`` within ``timeout`` seconds (what it sent before is read and dropped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            if s.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+    return False
+
+
+def test_the_ops_port_bounds_a_requests_time_size_and_lines(tmp_path: Path) -> None:
+    """A client sending its request a byte at a time, each byte well within ``--idle-timeout``,
+    is dropped once that time has passed since the request began; a header line over the size
+    bound, or too many lines, are answered 431 and closed; the agent serves on."""
+    n = Node(tmp_path)
+    try:
+        agent = n.start_agent("--idle-timeout", "3")
+        with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as c:
+            c.sendall(b"GET /healthz HTTP/1.0\r\nX-Drip: ")
+            closed = False
+            for _ in range(60):  # a byte a second: each read alone is within the timeout
+                try:
+                    c.sendall(b"x")
+                except OSError:
+                    closed = True
+                    break
+                if _closed_by_peer(c, 1.0):
+                    closed = True
+                    break
+            assert closed, "a request dripping a byte a second was still open after 60 s (--idle-timeout 3)"
+        for head in (b"GET /healthz HTTP/1.0\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n",
+                     b"GET /healthz HTTP/1.0\r\n" + b"X-A: 1\r\n" * 80 + b"\r\n"):
+            with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as c:
+                with contextlib.suppress(OSError):
+                    c.sendall(head)
+                c.settimeout(5)
+                got = b""
+                with contextlib.suppress(OSError):
+                    while chunk := c.recv(4096):
+                        got += chunk
+                assert got.startswith(b"HTTP/1.0 431 "), got[:200]
+        assert agent.get("/healthz") == (200, "ok\n")
+    finally:
+        n.close()
+
+
+def test_the_ops_port_buffers_little_for_many_connections_with_huge_headers(tmp_path: Path) -> None:
+    """128 connections each sending header lines of 65 KB (up to 100 of them): the agent's memory
+    grows by a small bound (it reads at most a few KB of a request), and it serves on."""
+    n = Node(tmp_path)
+    try:
+        agent = n.start_agent("--idle-timeout", "60")
+        assert agent.get("/healthz")[0] == 200
+        before = _rss_kib(agent.proc.pid)
+        payload = memoryview(b"GET /metrics HTTP/1.0\r\n" + (b"X-Big: " + b"h" * 65_000 + b"\r\n") * 100)
+        conns: list[tuple[socket.socket, list[int]]] = []  # (socket, [bytes of the payload sent])
+        try:
+            for _ in range(128):
+                s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+                s.setblocking(False)
+                conns.append((s, [0]))
+            peak = before
+            stalled = 0
+            deadline = time.monotonic() + 120
+            while stalled < 10 and time.monotonic() < deadline:  # until no bytes are taken, 10 rounds running
+                moved = 0
+                for s, sent in conns:
+                    while sent[0] < len(payload):
+                        try:
+                            k = s.send(payload[sent[0]:sent[0] + 65536])
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError:  # closed by the agent
+                            sent[0] = len(payload)
+                            break
+                        sent[0] += k
+                        moved += k
+                stalled = stalled + 1 if moved == 0 else 0
+                peak = max(peak, _rss_kib(agent.proc.pid))
+                time.sleep(0.05)
+            peak = max(peak, _rss_kib(agent.proc.pid))
+            assert peak - before < 64 * 1024, f"the agent's memory grew from {before} KiB to {peak} KiB"
+            assert agent.get("/healthz") == (200, "ok\n")
+        finally:
+            for s, _ in conns:
+                s.close()
+    finally:
+        n.close()
