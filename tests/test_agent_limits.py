@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -405,3 +406,41 @@ def test_the_ops_port_buffers_little_for_many_connections_with_huge_headers(tmp_
                 s.close()
     finally:
         n.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fifo_named_as_the_netns_is_refused_at_once_and_holds_no_worker(
+        bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        backend: str) -> None:
+    """``CNI_NETNS`` naming a FIFO (opening one waits for a writer), and events-socket adds and dels
+    naming one: each is answered at once, more of them at a time than the agent has workers, and
+    the agent serves real pods afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from redirect.ambient.agent import client
+
+    fifo = str(tmp_path / "netns-fifo")
+    os.mkfifo(fifo)
+    with agent_node(tmp_path, backend, monkeypatch) as n:
+        n.start_agent("--workers", "2", "--no-host-rules")
+        thin = Thin(bin_dir, n)
+        capture = {"inbound_ports": []} if backend == "ebpf" else {}
+        conf = netconf(n.events, backend=backend, capture=capture, agentTimeout=20)
+
+        def add(_: int) -> tuple[int, dict[str, Any] | None]:
+            return thin("ADD", conf, fifo)
+
+        with ThreadPoolExecutor(6) as ex:
+            for rc, out in ex.map(add, range(6)):
+                assert rc == 1 and out is not None and out["code"] == 7, out
+                assert f"{fifo} is a FIFO, not a network namespace" in out["msg"], out
+        rc, out = thin("CHECK", conf, fifo)
+        assert rc == 1 and out is not None and "a FIFO" in out["msg"], out
+        assert thin("DEL", conf, fifo) == (0, None)  # nothing of ours can be in a FIFO
+        with pytest.raises(client.AgentError, match="a FIFO, not a network namespace") as ei:
+            client.add_pod(n.events, uid="uid-fifo", netns=fifo, timeout=20)
+        assert ei.value.reason == "netns"
+        assert client.del_pod(n.events, uid="uid-fifo", netns=fifo, timeout=20)["removed"] is False
+        pod = make_pod()
+        assert thin("ADD", conf, pod.path) == (0, PREV)
+        assert thin("DEL", conf, pod.path) == (0, None)
