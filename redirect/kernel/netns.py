@@ -326,16 +326,31 @@ def _host_reason(st: os.stat_result, home: os.stat_result | None) -> str | None:
     return None
 
 
-def netns_cookie(ref: NetnsRef) -> int:
-    """The kernel's 64-bit cookie for a namespace (what BPF programs see)."""
+def _cookie_of(fd: int, ref: NetnsRef) -> int:
     from .._native import ffi, lib
 
+    out = ffi.new("uint64_t *")
+    rc = lib.rdr_netns_cookie(fd, out)
+    if rc < 0:
+        raise NetnsError(f"netns={describe(ref)!r}: reading the cookie failed: {os.strerror(-rc)}")
+    return int(out[0])
+
+
+def netns_cookie(ref: NetnsRef) -> int:
+    """The kernel's 64-bit cookie for a namespace (what BPF programs see)."""
     fd = open_netns(ref)
     try:
-        out = ffi.new("uint64_t *")
-        rc = lib.rdr_netns_cookie(fd, out)
-        if rc < 0:
-            raise NetnsError(f"netns={describe(ref)!r}: reading the cookie failed: {os.strerror(-rc)}")
-        return int(out[0])
+        return _cookie_of(fd, ref)
+    finally:
+        os.close(fd)
+
+
+def netns_key(ref: NetnsRef) -> tuple[int, int]:
+    """(inode, cookie) of a namespace, from one open: what the kernel says it is. An inode is
+    reused once its namespace is gone; a cookie never is while the host is up, so the two name
+    one namespace for good (the node agent keys its records by them)."""
+    fd = open_netns(ref)
+    try:
+        return os.fstat(fd).st_ino, _cookie_of(fd, ref)
     finally:
         os.close(fd)
