@@ -1096,6 +1096,29 @@ def test_a_record_is_taken_only_for_the_netns_it_names(test_node: Node) -> None:
         netkit.remove_netns(name)
 
 
+def test_an_agent_does_not_start_on_a_store_others_could_write(tmp_path: Path) -> None:
+    """The run directory's ``agent-pods`` open to others (or a symlink): the agent refuses to
+    start, naming it, and changes nothing there."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    other = tmp_path / "elsewhere"
+    other.mkdir(mode=0o700)
+    for make, why in ((lambda d: (d.mkdir(), d.chmod(0o777)), "agent-pods: has mode 0777"),
+                      (lambda d: d.symlink_to(other), "agent-pods: is a symlink or not a directory")):
+        d = run / store.DIR
+        make(d)
+        p = subprocess.run([sys.executable, "-m", "redirect.ambient.agent.daemon", "--events-socket",
+                            str(tmp_path / "a.sock"), "--proxy-socket", str(tmp_path / "p.sock"), "--http-port", "0",
+                            "--no-host-rules", "--no-proc-scan"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "REDIRECT_RUN_DIR": str(run)})
+        assert p.returncode == 1 and why in p.stderr and "agent failed to start" in p.stderr, p.stderr[-2000:]
+        assert os.listdir(other) == []
+        if d.is_symlink():
+            d.unlink()
+        else:
+            d.rmdir()
+
+
 def _idle_seqpackets(path: str, count: int) -> list[socket.socket]:
     out = []
     for _ in range(count):
