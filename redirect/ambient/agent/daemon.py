@@ -217,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the node proxy's ack of a pod (%(default)s)")
     p.add_argument("--capture", default="{}",
                    help="JSON object of RedirectConfig fields: the pods' base config before annotations")
-    p.add_argument("--no-proc-scan", action="store_true", help="at start, look for pods under /run/netns only")
+    p.add_argument("--no-proc-scan", action="store_true",
+                   help="at start, look for a recorded pod's netns that left its path under /run/netns only "
+                        "(not /proc/*/ns/net)")
     p.add_argument("--resync-seconds", type=seconds_arg(0, 86400), default=30.0,
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")

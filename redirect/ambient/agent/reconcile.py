@@ -36,7 +36,7 @@ class Reconciler:
         self.workers = workers
 
     def reconcile(self) -> None:
-        """At start: the pods the kernel holds become the agent's, repaired (see above)."""
+        """At start: the pods the agent's records name become its own, repaired (see above)."""
         t0 = time.monotonic()
         if self.host_rules:
             self.ops.setup_node()
