@@ -1267,11 +1267,18 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
     assert n.agent is not None
     n.agent.proc.send_signal(signal.SIGKILL)
     n.agent.proc.wait(5)
+    in_netns(pod.name, subprocess.run, ["ipset", "restore"], check=True,  # an earlier release's in-pod record
+             input=in_pod_record_text({"node": n.name, "uid": "uid-owner", "phase": "enrolled"}).encode())
     assert cni("DEL", pod, "uid-intruder", n.events, timeout=2)[0] == 0
     assert (record_of(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    assert legacy.exists(pod.name)
+    # The owner's DEL while the agent is down: the rules, the agent's record and the in-pod one go;
+    # the restarted agent drops the node-set entries of the pod it no longer has a record of.
+    assert cni("DEL", pod, "uid-owner", n.events, timeout=2)[0] == 0
+    assert record_of(pod.name) is None and not legacy.exists(pod.name)
+    assert not redirect.show(pod.name)["installed"]
     n.start_agent()
-    assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
-    assert cni("DEL", pod, "uid-owner", n.events)[0] == 0
+    assert client.list_pods(n.events) == []
     nothing_left(pod.name, n.ns, "uid-owner")
     # Adds of two pods naming one netns at once: one enrols it, the other is refused.
     n.wait_synced(2)
