@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")
     p.add_argument("--idle-timeout", type=seconds_arg(0.001, 3600), default=10.0,
-                   help="seconds an events-socket or ops-port client may stay idle, and may take to read an "
-                        "answer, before it is disconnected (%(default)s)")
+                   help="seconds an events-socket client may stay idle, or take to read an answer, and an "
+                        "ops-port connection may take for its whole request and answer, before it is "
+                        "disconnected (%(default)s)")
     p.add_argument("--max-clients", type=int_arg(1, 65536), default=256,
                    help="open connections on the events socket, and on the ops port, at most; a new client "
                         "beyond that disconnects the one idle the longest (%(default)s)")
