@@ -891,11 +891,21 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	if (lock_fd < 0)
 		return RDR_POD_SLOW;
 	/* Anything wrong with the namespace (no such file, not a netns) is for the general path
-	 * to report. */
-	nsfd = netns_path ? open(netns_path, O_RDONLY | O_CLOEXEC) : netns_fd;
+	 * to report (redirect/kernel/netns.py). Only a regular file is opened (a namespace file is
+	 * one), and without blocking: a FIFO or a device named as the netns is never opened, and
+	 * one swapped in meanwhile does not block the open; setns() below takes nothing but a
+	 * network namespace. */
+	if (netns_path) {
+		if (stat(netns_path, &st) < 0 || !S_ISREG(st.st_mode))
+			return RDR_POD_SLOW;
+		nsfd = open(netns_path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+	} else {
+		nsfd = netns_fd;
+	}
 	if (nsfd < 0)
 		return RDR_POD_SLOW;
-	if (fstat(nsfd, &st) < 0 || st.st_ino == r->host_netns_ino[0] || st.st_ino == r->host_netns_ino[1]) {
+	if (fstat(nsfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_ino == r->host_netns_ino[0] ||
+	    st.st_ino == r->host_netns_ino[1]) {
 		ret = RDR_POD_SLOW;
 		goto out;
 	}

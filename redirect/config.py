@@ -166,8 +166,7 @@ class RedirectConfig:
 
         path = os.fspath(path)
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_CONFIG_BYTES + 1)
+            raw = read_regular_file(path, MAX_CONFIG_BYTES + 1)
         except OSError as e:
             raise ConfigError("config", path, f"cannot read: {e.strerror or e}") from None
         if len(raw) > MAX_CONFIG_BYTES:
@@ -204,6 +203,44 @@ class RedirectConfig:
     def dns_effective(self) -> bool:
         """Istio turns DNS capture off when neither all DNS nor any server is named."""
         return self.dns_capture and (self.capture_all_dns or bool(self.dns_servers))
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file at ``path``; ``OSError`` for anything else.
+
+    Only a regular file is read: the path is looked at first, so a FIFO or a device is refused
+    without being opened (a FIFO's open would wait for a writer), and the open itself does not
+    block (``O_NONBLOCK``, should the path be swapped meanwhile), then what it opened is checked
+    again. Used for every file a user names (config files, the CLI's and the installer's inputs)."""
+    import errno
+    import os
+    import stat
+
+    def refuse(st: os.stat_result) -> OSError:
+        kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+        what = next((w for test, w in kinds if test(st.st_mode)), "something else")
+        return OSError(errno.EINVAL, f"{path} is {what}, not a regular file")
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse(st)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise refuse(opened)
+        chunks: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = os.read(fd, limit - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _decode(text: str, kind: str, field: str, source: object) -> Any:

@@ -30,8 +30,9 @@ import pytest
 
 import redirect
 from redirect.ambient import node
-from redirect.ambient.agent import client, discovery, identity, protocol
+from redirect.ambient.agent import client, legacy, protocol, store
 from redirect.cni.netconf import convert_result
+from redirect.kernel import netns as rnetns
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
     Containerd,
@@ -73,6 +74,17 @@ def read_log(path: Path) -> list[dict[str, Any]]:
         with contextlib.suppress(ValueError):
             out.append(json.loads(line))
     return out
+
+
+def record_of(netns: str) -> dict[str, Any] | None:
+    """The agent's record of ``netns`` (in its store on the node), or None."""
+    return store.read(rnetns.netns_key(netns))
+
+
+def records_of(node_name: str) -> dict[str, tuple[store.Key, str]]:
+    """The records in the agent's store of the pods of ``node_name``: uid -> (netns key, phase)."""
+    return {str(r["uid"]): (k, str(r["phase"])) for k, r in store.records()
+            if isinstance(r, dict) and r.get("node") == node_name}
 
 
 def wait_log(path: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0,
@@ -180,6 +192,8 @@ class Node:
             node.teardown_node(self.ns)
         finally:
             netkit.remove_netns(self.name)
+            for key, _ in records_of(self.name).values():  # (what a failed test left in the store)
+                store.remove(key)
 
 
 @pytest.fixture
@@ -211,10 +225,11 @@ def cni(command: str, pod: Pod, uid: str, sock: str, backend: str = "iptables",
 
 
 def nothing_left(pod_ns: str, node_ns: str, uid: str, backend: str = "iptables") -> None:
-    """No rules, routes, identity or node-set entry of the pod remain."""
+    """No rules, routes, record or node-set entry of the pod remain (nor an earlier release's in-pod record)."""
     shown = redirect.show(pod_ns, backend=backend)
     assert not shown["installed"] and not shown["routes"], shown
-    assert identity.read(pod_ns) is None
+    assert record_of(pod_ns) is None and uid not in records_of(node_ns)
+    assert not legacy.exists(pod_ns)
     assert uid not in node.list_pods(node_ns).values()
 
 
@@ -281,7 +296,7 @@ def test_cni_add_enrols_the_pod_for_the_node_proxy_and_del_leaves_nothing(
                 rc, out = cni("ADD", pod, uid, n.events, backend)
                 assert rc == 0, out
                 assert redirect.check(pod.name, redirect.RedirectConfig(mode="ambient"), backend=backend).ok
-                assert identity.read(pod.name)["uid"] == uid  # type: ignore[index]
+                assert record_of(pod.name)["uid"] == uid  # type: ignore[index]
                 assert node.list_pods(n.ns)[pod.pod_ip4] == uid
             sent = []
             for pod in pods:
@@ -315,7 +330,7 @@ def test_cni_add_enrols_the_pod_for_the_node_proxy_and_del_leaves_nothing(
             got = in_netns(pods[0].peer_name, tunnel)
             assert got.startswith(b"HTTP/1.1 200") and b"app4" in got, got
 
-            # DEL: the proxy lets go, the rules, routes, identity and node-set entries are gone.
+            # DEL: the proxy lets go, the rules, routes, record and node-set entries are gone.
             rc, out = cni("DEL", pods[0], uids[0], n.events, backend)
             assert rc == 0, out
             nothing_left(pods[0].name, n.ns, uids[0], backend)
@@ -592,7 +607,7 @@ def _connect_once(ns: str, dst: str, port: int) -> tuple[str, int]:
 @pytest.mark.parametrize("backend_node", BACKENDS, indirect=True)
 def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node) -> None:
     """100 concurrent adds (straight to the events socket; the CNI path is covered above): all
-    enrolled, each in its own netns with its own identity, no cross-talk; /healthz, /readyz,
+    enrolled, each in its own netns with its own record, no cross-talk; /healthz, /readyz,
     /metrics; SIGTERM leaves every pod captured; a restart finds all 100; 100 concurrent deletes."""
     n = backend_node
     agent = n.start_agent("--workers", "16")
@@ -627,7 +642,7 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         listed = {p["uid"]: p["netns_inode"] for p in client.list_pods(n.events)}
         assert listed == inodes
         for i in range(count):
-            rec = identity.read(pods[i][0])
+            rec = record_of(pods[i][0])
             assert rec is not None and rec["uid"] == uids[i] and rec["name"] == f"pod-{i}", rec
         assert {e["pod"]: e["netns_inode"] for e in n.proxy_events("pod_added")} == inodes
         assert node.list_pods(n.ns) == {pods[i][1]: uids[i] for i in range(count)}
@@ -687,7 +702,7 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         assert agent.metric("redirect_agent_pods_enrolled") == 0
         for i in range(0, count, 10):
             nothing_left(pods[i][0], n.ns, uids[i], n.backend)
-        assert all(identity.read(ns) is None for ns, _, _ in pods)
+        assert all(record_of(ns) is None for ns, _, _ in pods)
         assert len(n.proxy_events("pod_removed")) >= count
         # Nothing of the pods stays pinned: the proxy holds no more netns fds than before.
         deadline = time.monotonic() + 10
@@ -826,136 +841,286 @@ def test_containerd_pod_enrolled_through_the_agent_and_cleaned_up(
             inst.uninstall(net.net_d, net.bin_d)
 
 
-# --- the trust boundary: what an unprivileged user or a bad peer can send -------------------------
+# --- the trust boundary: what a pod, an unprivileged user or a bad peer can write ----------------
+
+
+def in_pod_record_text(rec: dict[str, Any]) -> str:
+    """``ipset restore`` input for a record inside a netns as earlier releases wrote it (a
+    ``rdr-pod-identity`` set whose entries' comments carry base64url JSON): what a forger writes."""
+    import base64
+
+    raw = json.dumps({"rv": 1, **rec}, separators=(",", ":"), sort_keys=True).encode()
+    text = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    lines = [f"create {legacy.SET} bitmap:port range 0-63 comment"]
+    lines += [f'add {legacy.SET} {i} comment "{text[o:o + 240]}"' for i, o in enumerate(range(0, len(text), 240))]
+    return "\n".join(lines) + "\n"
+
+
+class UserPod:
+    """A network namespace a user namespace of ``nobody`` owns (``unshare -Urn`` as 65534), as a
+    runtime makes a ``hostUsers: false`` pod's, held by a process inside (whose root has
+    CAP_NET_ADMIN there and nowhere else). ``pin=True`` bind-mounts it under /run/netns as runtimes
+    pin sandboxes (``path`` is then that pin, else ``/proc/<pid>/ns/net``). ``as_pod_root(script,
+    stdin)`` runs a shell script as that root, in that netns."""
+
+    def __init__(self, pin: bool) -> None:
+        self.proc = subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "unshare", "-Urn", "sh", "-c",
+             "ip link set lo up && echo ready && exec sleep 300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline() == b"ready\n", self.proc.stderr.read() if self.proc.stderr else b""
+        self.pid = self.proc.pid
+        self.pin: str | None = None
+        self.path = f"/proc/{self.pid}/ns/net"
+        if pin:
+            self.pin = f"{netkit.NETNS_DIR}/rdrt-userpod-{os.urandom(3).hex()}"
+            Path(self.pin).touch()
+            subprocess.run(["mount", "--bind", self.path, self.pin], check=True)
+            self.path = self.pin
+
+    def as_pod_root(self, script: str, stdin: str = "") -> None:
+        """``script`` as the pod's root: in its user and network namespaces, as its uid 0."""
+        p = subprocess.run(["nsenter", f"--target={self.pid}", "--user", "--net", "--", "sh", "-c", script],
+                           input=stdin.encode(), capture_output=True, timeout=30)
+        assert p.returncode == 0, p.stderr.decode()
+
+    def stop_process(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(5)
+
+    def close(self) -> None:
+        self.stop_process()
+        if self.pin is not None:
+            subprocess.run(["umount", self.pin], check=False, capture_output=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.pin)
 
 
 @contextlib.contextmanager
-def user_netns_with_record(records: list[dict[str, Any]]) -> Iterator[list[str]]:
-    """Network namespaces made by an unprivileged user (``unshare -Urn`` as nobody), each holding an
-    ``rdr-pod-identity`` set with a forged record, as the agent itself would write one. Yields their
-    /proc paths; the holder processes are killed on the way out (their netns go with them)."""
-    procs: list[subprocess.Popen[bytes]] = []
+def user_pods(*pins: bool) -> Iterator[list[UserPod]]:
+    pods: list[UserPod] = []
     try:
-        for rec in records:
-            lines = [f"create {identity.SET} bitmap:port range 0-63 comment"]
-            lines += [f'add {identity.SET} {i} comment "{c}"' for i, c in enumerate(identity._chunks(rec))]
-            p = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
-                                  "unshare", "-Urn", "sh", "-c", "ipset restore && exec sleep 60"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            procs.append(p)
-            assert p.stdin is not None
-            p.stdin.write(("\n".join(lines) + "\n").encode())
-            p.stdin.close()
-        deadline = time.monotonic() + 10
-        for p in procs:
-            while Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep":  # the set is made
-                assert p.poll() is None, p.stderr.read() if p.stderr else p.returncode
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            assert os.stat(f"/proc/{p.pid}/status").st_uid == 65534
-        yield [f"/proc/{p.pid}/ns/net" for p in procs]
+        for pin in pins:
+            pods.append(UserPod(pin))
+        yield pods
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(5)
+        for p in pods:
+            p.close()
 
 
-def test_forged_pod_records_are_never_adopted_and_a_bad_record_never_stops_the_agent(
+@contextlib.contextmanager
+def server_behind_node(node_ns: str, ip: str, node_ip: str) -> Iterator[TcpListener]:
+    """A netns holding ``ip`` with a listener on port 8080, reached from ``node_ns`` (which gets
+    ``node_ip`` on the same /24) over a veth pair: somewhere the node's own TCP goes."""
+    name = netkit.create_netns(f"rdrt-srv-{os.urandom(3).hex()}")
+    try:
+        for argv in (["ip", "-n", node_ns, "link", "add", "rdrt-srv0", "type", "veth", "peer", "name", "eth0",
+                      "netns", name],
+                     ["ip", "-n", node_ns, "addr", "add", f"{node_ip}/24", "dev", "rdrt-srv0"],
+                     ["ip", "-n", node_ns, "link", "set", "rdrt-srv0", "up"],
+                     ["ip", "-n", name, "addr", "add", f"{ip}/24", "dev", "eth0"],
+                     ["ip", "-n", name, "link", "set", "eth0", "up"],
+                     ["ip", "-n", name, "link", "set", "lo", "up"]):
+            subprocess.run(argv, check=True, capture_output=True)
+        with TcpListener(name, APP, label="server") as srv:
+            yield srv
+    finally:
+        netkit.remove_netns(name)  # (the node's end of the veth goes with it)
+
+
+def test_a_record_forged_inside_a_netns_is_never_adopted_pinned_or_not(
         test_node: Node, make_pod: Callable[..., Pod]) -> None:
-    """A plain user's own netns (``unshare -Urn``) holding our identity set with a forged record:
-    one taking over an enrolled pod's uid, one putting a service IP in the node's probe-SNAT set,
-    one with a non-IP (which stopped every start). A restarted agent ignores them all, saying why,
-    and a record in a root-made netns that is not one the agent writes is ignored too."""
+    """The attack on a node agent that believed records kept in pods' netns: ``nobody`` makes a
+    netns of its own (``unshare -Urn``), writes a record there as the agent's earlier releases
+    wrote theirs (this node, enrolled, addresses 192.0.2.88 and 198.51.100.1), and pins it under
+    /run/netns as a runtime pins a ``hostUsers: false`` pod; another is left unpinned; a root-made
+    netns gets one as a pod with NET_ADMIN could write it, and an enrolled pod gets one naming more
+    addresses. A restarted agent adopts none of them and logs each: no pod is listed, no address
+    enters the node's probe set, and the node's own TCP to 198.51.100.1 is answered as before (not
+    SNATed to the probe address). The enrolled pod keeps its record (on the node) and loses the
+    forged one. Its store is out of the pods' reach: neither ``nobody`` nor the root of its user
+    namespace can list it or write a record there."""
     n = test_node
     agent = n.start_agent()
     n.start_proxy()
     real = make_pod()
     assert cni("ADD", real, "uid-real", n.events)[0] == 0
     sets_before = node.list_pods(n.ns)
-    base = {"node": n.name, "name": "x", "namespace": "ns", "container_id": "c", "backend": "iptables",
-            "config": {"mode": "ambient"}, "phase": "enrolled", "netns": ""}
-    forged = [{**base, "uid": "uid-real", "ips": [real.pod_ip4]},          # takes over the real pod
-              {**base, "uid": "uid-svc", "ips": ["10.96.0.10"]},           # a service IP in the SNAT set
-              {**base, "uid": "uid-bad", "ips": ["not-an-ip"]}]            # stopped every start
-    bad_root = netkit.create_netns(f"rdrt-badrec-{os.urandom(3).hex()}")
-    dup_root = netkit.create_netns(f"rdrt-duprec-{os.urandom(3).hex()}")  # a copy of the real pod's record
+    forged = {"node": n.name, "uid": "uid-forged", "name": "x", "namespace": "ns", "netns": "", "container_id": "c",
+              "backend": "iptables", "config": {"mode": "ambient"}, "phase": "enrolled",
+              "ips": ["192.0.2.88", "198.51.100.1"]}
+    takeover = {**forged, "uid": "uid-real", "ips": [real.pod_ip4, "198.51.100.1"]}
+    root_made = netkit.create_netns(f"rdrt-forged-{os.urandom(3).hex()}")
     try:
-        identity.write(bad_root, {**base, "uid": "uid-root-bad", "ips": ["not-an-ip"], "netns": ""})
-        real_rec = identity.read(real.name)
-        assert real_rec is not None
-        identity.write(dup_root, real_rec)
-        with user_netns_with_record(forged) as paths:
-            link = f"{netkit.NETNS_DIR}/rdrt-link-{os.urandom(3).hex()}"  # a symlink pins nothing
-            os.symlink(paths[0], link)
-            try:
-                agent.proc.send_signal(signal.SIGKILL)
-                agent.proc.wait(5)
-                agent = n.start_agent()
-            finally:
-                os.unlink(link)
+        in_netns(root_made, subprocess.run, ["ipset", "restore"], input=in_pod_record_text(forged).encode(),
+                 check=True)
+        in_netns(real.name, subprocess.run, ["ipset", "restore"], input=in_pod_record_text(takeover).encode(),
+                 check=True)
+        with user_pods(True, False) as (pinned, unpinned):
+            pinned.as_pod_root("ipset restore", in_pod_record_text(forged))
+            unpinned.as_pod_root("ipset restore", in_pod_record_text(takeover))
+            agent.proc.send_signal(signal.SIGKILL)
+            agent.proc.wait(5)
+            agent = n.start_agent()
             rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
-            assert (rec["pods"], rec["ignored"]) == (1, 4), rec
-            why = [e for e in read_log(agent.log) if e.get("msg", "").startswith("pod record ignored")]
-            assert sorted(e["netns"] for e in why if "another user namespace" in e["msg"]) == sorted([link, *paths[1:]])
-            assert any(e["netns"].endswith(bad_root) and "record.ips" in e["error"] for e in why), why
-            dup = [e for e in read_log(agent.log) if e.get("msg", "").startswith("two namespaces hold a record")]
-            assert [(e["adopted"], e["ignored"]) for e in dup] == [(real.path, f"/run/netns/{dup_root}")], dup
+            assert rec["pods"] == 1 and rec["ignored"] >= 3, rec
+            ignored = "pod record ignored: a record inside a netns"
+            why = {e["netns"] for e in read_log(agent.log) if e.get("msg", "").startswith(ignored)}
+            assert {pinned.path, f"{netkit.NETNS_DIR}/{root_made}"} <= why, why
+            assert unpinned.path in why or any(os.stat(p).st_ino == os.stat(unpinned.path).st_ino for p in why), why
             (pod,) = client.list_pods(n.events)
-            assert pod["uid"] == "uid-real" and pod["netns_inode"] == os.stat(real.path).st_ino, pod
+            assert pod["uid"] == "uid-real" and pod["ips"] == [real.pod_ip4, real.pod_ip6], pod
             assert node.list_pods(n.ns) == sets_before
-            # The real pod keeps its proxy: nothing replaced it, its traffic goes through the proxy.
+            assert {"uid-real"} == set(records_of(n.name))
+            # what the forger wrote is left where it is, but the enrolled pod's netns is repaired
+            assert all(legacy.exists(p) for p in (pinned.path, unpinned.path, root_made))
+            assert not legacy.exists(real.name)
+            with server_behind_node(n.ns, "198.51.100.1", "198.51.100.2") as srv:
+                r = tcp_probe_detail(n.ns, "198.51.100.1", APP, timeout=5)
+                assert r.ok and r.label == "server", r
+                seen = srv.conn_for(r.token)
+                assert seen is not None and seen.peer[0] == "198.51.100.2", seen
             n.wait_synced(2)
-            assert not n.proxy_events("pod_removed")
             with servers_for([real]) as servers:
                 s = send(real, "out")
                 assert s.label == "server4", s
                 assert_all_through_proxy(n, [s], servers)
-            assert agent.get("/readyz")[0] == 200
+            # the store: root's alone, out of reach of the pod's root and of nobody
+            d = os.path.join(store.locks.run_dir_path(), store.DIR)
+            st = os.stat(d)
+            assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700)
+            forged_file = os.path.join(d, store.name_of(rnetns.netns_key(pinned.path)))
+            for who in (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"],
+                        ["nsenter", f"--target={pinned.pid}", "--user", "--"]):
+                for script in (f"ls {d}", f"echo '{{}}' > {forged_file}"):
+                    p = subprocess.run([*who, "sh", "-c", script], capture_output=True, text=True, timeout=10)
+                    assert p.returncode != 0 and "Permission denied" in p.stderr, (who, script, p.stderr)
+            assert not os.path.exists(forged_file)
     finally:
-        netkit.remove_netns(bad_root)
-        netkit.remove_netns(dup_root)
+        netkit.remove_netns(root_made)
     assert cni("DEL", real, "uid-real", n.events)[0] == 0
+    nothing_left(real.name, n.ns, "uid-real")
 
 
-def test_a_pod_whose_netns_another_user_namespace_owns_is_adopted_when_pinned_under_run_netns(
+def test_user_namespaced_pods_pinned_or_not_are_adopted_from_the_node_record_and_repaired(
         test_node: Node) -> None:
-    """A runtime may give a pod a netns owned by the pod's own user namespace; pinned under
-    /run/netns (a bind mount only root can make) it is the runtime's, and is adopted after a restart."""
+    """Pods whose netns a user namespace of ``nobody`` owns (``hostUsers: false``), one pinned under
+    /run/netns and one known by its process only, are enrolled; their root then writes a record in
+    each netns naming other addresses and flushes our rules. A restarted agent adopts both from its
+    own records (their addresses, not the forged ones), re-installs the rules and removes the
+    forged records. A pod whose netns has no path left (its process gone; the node proxy's fd
+    still holds the netns) is found gone at the next start: its record, its node-set entry and the
+    proxy's hold on it go."""
     n = test_node
     agent = n.start_agent()
     n.start_proxy()
-    name = f"rdrt-userns-{os.urandom(3).hex()}"
-    path = f"{netkit.NETNS_DIR}/{name}"
-    holder = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--", "sh", "-c",
-                               "ip link set lo up && exec sleep 60"])
-    try:
-        deadline = time.monotonic() + 5
-        while Path(f"/proc/{holder.pid}/comm").read_text().strip() != "sleep":
-            assert time.monotonic() < deadline and holder.poll() is None
-            time.sleep(0.01)
-        Path(path).touch()
-        subprocess.run(["mount", "--bind", f"/proc/{holder.pid}/ns/net", path], check=True)
-    finally:
-        holder.kill()
-        holder.wait(5)
-    try:
-        own = os.stat("/proc/self/ns/user")
-        assert discovery.userns_of(path) not in (None, (own.st_dev, own.st_ino))  # another user namespace's
-        assert client.add_pod(n.events, uid="uid-userns", netns=path, ips=["10.250.8.8"])["enrolled"]
+    amb = redirect.RedirectConfig(mode="ambient")
+    with user_pods(True, False) as (pinned, unpinned):
+        ips = {"uid-pinned": "10.250.8.8", "uid-unpinned": "10.250.8.9"}
+        for uid, p in (("uid-pinned", pinned), ("uid-unpinned", unpinned)):
+            assert client.add_pod(n.events, uid=uid, netns=p.path, ips=[ips[uid]])["enrolled"]
+            forged = {"node": n.name, "uid": uid, "name": "x", "namespace": "ns", "netns": p.path,
+                      "container_id": "c", "backend": "iptables", "config": {"mode": "ambient"},
+                      "phase": "enrolled", "ips": ["198.51.100.1"]}
+            p.as_pod_root("ipset restore && iptables -t nat -F RDR_OUTPUT", in_pod_record_text(forged))
+            assert legacy.exists(p.path) and not redirect.check(p.path, amb).ok
         agent.proc.send_signal(signal.SIGKILL)
         agent.proc.wait(5)
         agent = n.start_agent()
         rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
-        assert (rec["pods"], rec["intact"], rec["ignored"]) == (1, 1, 0), rec
-        assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-userns"]
-        assert node.list_pods(n.ns) == {"10.250.8.8": "uid-userns"}
-        assert client.del_pod(n.events, uid="uid-userns", netns=path)["removed"]
-        nothing_left(path, n.ns, "uid-userns")
+        assert (rec["pods"], rec["repaired"], rec["failed"], rec["gone"]) == (2, 2, 0, 0), rec
+        assert sorted(p["uid"] for p in client.list_pods(n.events)) == ["uid-pinned", "uid-unpinned"]
+        assert node.list_pods(n.ns) == {ip: uid for uid, ip in ips.items()}
+        for p in (pinned, unpinned):
+            assert redirect.check(p.path, amb).ok and not legacy.exists(p.path)
+        # The unpinned pod's process goes: its netns has no path left (the proxy's fd keeps it).
+        n.wait_synced(2)
+        unpinned_key = rnetns.netns_key(unpinned.path)
+        unpinned.stop_process()
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait(5)
+        agent = n.start_agent()
+        rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
+        assert (rec["pods"], rec["gone"]) == (1, 1), rec
+        assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-pinned"]
+        assert node.list_pods(n.ns) == {"10.250.8.8": "uid-pinned"}
+        assert store.read(unpinned_key) is None and set(records_of(n.name)) == {"uid-pinned"}
+        wait_log(n.proxy_log, lambda e: e["event"] == "pod_removed" and e["pod"] == "uid-unpinned", 10)
+        assert client.del_pod(n.events, uid="uid-pinned", netns=pinned.path)["removed"]
+        nothing_left(pinned.path, n.ns, "uid-pinned")
+
+
+def test_a_record_is_taken_only_for_the_netns_it_names(test_node: Node) -> None:
+    """A pod's netns pin is removed and a new netns pinned under the same name while the agent is
+    down: the record is not taken for the new netns (its cookie is another), the old one has no
+    path left, so the pod is gone and nothing is installed in the new netns. A pod enrolled by its
+    process's path, pinned too, whose process went: found by its pin (inode and cookie)."""
+    n = test_node
+    agent = n.start_agent()
+    n.start_proxy()
+    name = netkit.create_netns(f"rdrt-reused-{os.urandom(3).hex()}")
+    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+    holder = subprocess.Popen(["unshare", "--net", "--", "sh", "-c",
+                               "ip link set lo up && echo ready && exec sleep 300"], stdout=subprocess.PIPE)
+    pin = f"{netkit.NETNS_DIR}/rdrt-pinned-{os.urandom(3).hex()}"
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"ready\n"
+        by_proc = f"/proc/{holder.pid}/ns/net"
+        assert client.add_pod(n.events, uid="uid-reused", netns=f"{netkit.NETNS_DIR}/{name}",
+                              ips=["10.250.7.7"])["enrolled"]
+        assert client.add_pod(n.events, uid="uid-byproc", netns=by_proc, ips=["10.250.7.8"])["enrolled"]
+        byproc_key = rnetns.netns_key(by_proc)
+        Path(pin).touch()
+        subprocess.run(["mount", "--bind", by_proc, pin], check=True)
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait(5)
+        netkit.remove_netns(name)
+        netkit.create_netns(name)  # the same name, another netns
+        holder.kill()
+        holder.wait(5)
+        agent = n.start_agent()
+        rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
+        assert (rec["pods"], rec["gone"]) == (1, 1), rec
+        (pod,) = client.list_pods(n.events)
+        assert (pod["uid"], pod["netns"]) == ("uid-byproc", pin) and rnetns.netns_key(pin) == byproc_key
+        shown = redirect.show(name, backend="iptables")
+        assert not shown["installed"] and not shown["routes"], shown
+        assert node.list_pods(n.ns) == {"10.250.7.8": "uid-byproc"}
+        assert set(records_of(n.name)) == {"uid-byproc"}
+        assert client.del_pod(n.events, uid="uid-byproc", netns=pin)["removed"]
+        nothing_left(pin, n.ns, "uid-byproc")
     finally:
-        subprocess.run(["umount", path], check=False)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(5)
+        subprocess.run(["umount", pin], check=False, capture_output=True)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            os.unlink(pin)
+        netkit.remove_netns(name)
+
+
+def test_an_agent_does_not_start_on_a_store_others_could_write(tmp_path: Path) -> None:
+    """The run directory's ``agent-pods`` open to others (or a symlink): the agent refuses to
+    start, naming it, and changes nothing there."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    other = tmp_path / "elsewhere"
+    other.mkdir(mode=0o700)
+    for make, why in ((lambda d: (d.mkdir(), d.chmod(0o777)), "agent-pods: has mode 0777"),
+                      (lambda d: d.symlink_to(other), "agent-pods: is a symlink or not a directory")):
+        d = run / store.DIR
+        make(d)
+        p = subprocess.run([sys.executable, "-m", "redirect.ambient.agent.daemon", "--events-socket",
+                            str(tmp_path / "a.sock"), "--proxy-socket", str(tmp_path / "p.sock"), "--http-port", "0",
+                            "--no-host-rules", "--no-proc-scan"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "REDIRECT_RUN_DIR": str(run)})
+        assert p.returncode == 1 and why in p.stderr and "agent failed to start" in p.stderr, p.stderr[-2000:]
+        assert os.listdir(other) == []
+        if d.is_symlink():
+            d.unlink()
+        else:
+            d.rmdir()
 
 
 def _idle_seqpackets(path: str, count: int) -> list[socket.socket]:
@@ -1094,10 +1259,10 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
     n.start_agent()
     n.start_proxy()
     assert cni("ADD", pod, "uid-owner", n.events)[0] == 0
-    before = (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name))
+    before = (record_of(pod.name), node.list_pods(n.ns), redirect.show(pod.name))
     with pytest.raises(client.AgentError) as ei:
         client.add_pod(n.events, uid="uid-intruder", netns=pod.path, ips=["10.250.1.1"], backend="ebpf")
-    assert (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    assert (record_of(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
     assert ei.value.reason == "netns" and "uid-owner" in str(ei.value), ei.value
     assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
     assert cni("CHECK", pod, "uid-owner", n.events) == (0, None)
@@ -1106,11 +1271,18 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
     assert n.agent is not None
     n.agent.proc.send_signal(signal.SIGKILL)
     n.agent.proc.wait(5)
+    in_netns(pod.name, subprocess.run, ["ipset", "restore"], check=True,  # an earlier release's in-pod record
+             input=in_pod_record_text({"node": n.name, "uid": "uid-owner", "phase": "enrolled"}).encode())
     assert cni("DEL", pod, "uid-intruder", n.events, timeout=2)[0] == 0
-    assert (identity.read(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    assert (record_of(pod.name), node.list_pods(n.ns), redirect.show(pod.name)) == before
+    assert legacy.exists(pod.name)
+    # The owner's DEL while the agent is down: the rules, the agent's record and the in-pod one go;
+    # the restarted agent drops the node-set entries of the pod it no longer has a record of.
+    assert cni("DEL", pod, "uid-owner", n.events, timeout=2)[0] == 0
+    assert record_of(pod.name) is None and not legacy.exists(pod.name)
+    assert not redirect.show(pod.name)["installed"]
     n.start_agent()
-    assert [p["uid"] for p in client.list_pods(n.events)] == ["uid-owner"]
-    assert cni("DEL", pod, "uid-owner", n.events)[0] == 0
+    assert client.list_pods(n.events) == []
     nothing_left(pod.name, n.ns, "uid-owner")
     # Adds of two pods naming one netns at once: one enrols it, the other is refused.
     n.wait_synced(2)
@@ -1129,7 +1301,7 @@ def test_a_failed_add_naming_another_pods_netns_changes_nothing_of_that_pod(
         t.join(20)
     (winner,) = [u for u, r in results.items() if isinstance(r, dict) and r["enrolled"]]
     assert all(r.reason == "netns" for u, r in results.items() if u != winner), results
-    rec = identity.read(pod.name)
+    rec = record_of(pod.name)
     assert rec is not None and (rec["uid"], rec["phase"]) == (winner, "enrolled"), rec
     assert [p["uid"] for p in client.list_pods(n.events)] == [winner]
     assert node.list_pods(n.ns) == {pod.pod_ip4: winner}
@@ -1230,7 +1402,7 @@ def test_an_add_killed_at_any_step_leaves_nothing_after_the_runtimes_del_and_a_r
             rc, out = cni("ADD", victim, uid, n.events, n.backend)
             assert rc == 1 and out is not None and out["code"] == 103, (env, out)
             assert agent.proc.wait(5) == -signal.SIGKILL, (env, agent.log.read_text()[-2000:])
-            rec = identity.read(victim.name)
+            rec = record_of(victim.name)
             if i == 0:
                 assert rec is None and not pod_leftovers(victim, uid, n, ask_agent=False), env
             else:  # there is something to clean up, and it says whether it was committed

@@ -23,20 +23,27 @@ from redirect.ambient.agent.reconcile import Reconciler
 from redirect.ambient.agent.registry import Registry
 from redirect.backends.base import CheckResult
 from redirect.config import RedirectConfig
-from redirect.errors import SetupError
+from redirect.errors import NetnsError, SetupError
 
 pytestmark = pytest.mark.noroot
 
 NODE = "node-a"
 
 
+def key(inode: int) -> tuple[int, int]:
+    """The (inode, cookie) of the fake netns ``inode``."""
+    return inode, 1000 + inode
+
+
 class FakeOps:
-    """The kernel as the agent sees it, in memory: netns paths -> inodes, records, installed rules,
-    node-set entries (ip -> owner uid). ``calls`` lists every change in order."""
+    """The kernel and the agent's store as the agent sees them, in memory: netns paths -> keys,
+    records by netns key, installed rules, node-set entries (ip -> owner uid), netns holding an
+    earlier release's in-pod record. ``calls`` lists every change in order."""
 
     def __init__(self) -> None:
-        self.inodes: dict[str, int] = {}
-        self.records: dict[str, dict[str, Any]] = {}
+        self.keys: dict[str, tuple[int, int]] = {}
+        self.records: dict[tuple[int, int], dict[str, Any]] = {}
+        self.legacy: set[str] = set()
         self.rules: dict[str, RedirectConfig] = {}
         self.node: dict[str, str | None] = {}
         self.calls: list[tuple[Any, ...]] = []
@@ -44,7 +51,7 @@ class FakeOps:
         self.found = Found()
 
     def netns(self, path: str, inode: int) -> str:
-        self.inodes[path] = inode
+        self.keys[path] = key(inode)
         return path
 
     def _maybe_fail(self, op: str) -> None:
@@ -52,28 +59,34 @@ class FakeOps:
         if e is not None:
             raise e
 
-    def netns_inode(self, path: str) -> int:
-        return self.inodes[path]
+    def netns_key(self, path: str) -> tuple[int, int]:
+        if path not in self.keys:
+            raise NetnsError(f"netns={path!r}: no such namespace")
+        return self.keys[path]
 
     def host_netns_reason(self, path: str) -> str | None:
         return "the host's network namespace" if path == "/proc/1/ns/net" else None
 
-    def same_inode(self, path: str, inode: int) -> bool:
-        return self.inodes.get(path) == inode
+    def same_netns(self, path: str, k: tuple[int, int]) -> bool:
+        return self.keys.get(path) == k
 
-    def read_record(self, netns: str) -> dict[str, Any] | None:
-        return self.records.get(netns)
+    def read_record(self, k: tuple[int, int]) -> dict[str, Any] | None:
+        return self.records.get(k)
 
-    def scan_record(self, netns: str) -> dict[str, Any] | None:
-        return self.records.get(netns)
+    def write_record(self, k: tuple[int, int], record: dict[str, Any]) -> None:
+        self.calls.append(("record", k, record["phase"]))
+        self.records[k] = record
 
-    def write_record(self, netns: str, record: dict[str, Any]) -> None:
-        self.calls.append(("record", netns, record["phase"]))
-        self.records[netns] = record
+    def clear_record(self, k: tuple[int, int]) -> None:
+        self.calls.append(("clear", k))
+        self.records.pop(k, None)
 
-    def clear_record(self, netns: str) -> None:
-        self.calls.append(("clear", netns))
-        self.records.pop(netns, None)
+    def clear_legacy(self, netns: str) -> bool:
+        if netns not in self.legacy:
+            return False
+        self.calls.append(("legacy-", netns))
+        self.legacy.discard(netns)
+        return True
 
     def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
         self._maybe_fail("setup_rules")
@@ -173,8 +186,8 @@ def test_an_add_writes_intent_rules_node_set_proxies_then_the_commit_record_last
     peer = t.peer()
     out = t.enroller.add(t.event("a", 7))
     assert out == {"enrolled": True, "pod": "a", "proxies": 1}
-    assert t.ops.calls == [("record", "/run/netns/a", INTENT), ("setup", "/run/netns/a", "iptables"),
-                           ("node+", ("10.1.0.7",), "a"), ("record", "/run/netns/a", ENROLLED)]
+    assert t.ops.calls == [("record", key(7), INTENT), ("setup", "/run/netns/a", "iptables"),
+                           ("node+", ("10.1.0.7",), "a"), ("record", key(7), ENROLLED)]
     assert peer.kinds() == [("snapshot_done", ""), ("add", "a")]
     assert set(t.registry.pods) == {"a"} and not t.registry.enrolling and not t.registry.claims
     assert t.metrics.pods_enrolled == 1
@@ -187,7 +200,7 @@ def test_a_pod_no_proxy_takes_is_rolled_back_and_leaves_nothing() -> None:
         t.enroller.add(t.event("a", 7))
     assert ei.value.reason == "proxy" and "ztunnel#1: no listener" in str(ei.value)
     assert t.ops.records == {} and t.ops.rules == {} and t.ops.node == {}
-    assert t.ops.calls[-3:] == [("teardown", "/run/netns/a"), ("node-", ("10.1.0.7",), "a"), ("clear", "/run/netns/a")]
+    assert t.ops.calls[-3:] == [("teardown", "/run/netns/a"), ("node-", ("10.1.0.7",), "a"), ("clear", key(7))]
     assert peer.kinds()[-1] == ("del", "a")  # the proxy drops what it may have opened
     assert not t.registry.pods and not t.registry.enrolling and not t.registry.claims
 
@@ -236,8 +249,9 @@ def test_a_netns_held_by_another_pod_is_refused_with_nothing_changed() -> None:
     with pytest.raises(EventError) as ei:
         t.enroller.add(ev)
     assert ei.value.reason == "netns" and "pod a's" in str(ei.value)
-    # a record of another pod in the netns refuses too (an agent that restarted and lost it)
-    t.ops.records[t.ops.netns("/run/netns/c", 9)] = {"uid": "x", "phase": "enrolled"}
+    # a record of another pod for the netns refuses too (an agent that restarted and lost it)
+    t.ops.netns("/run/netns/c", 9)
+    t.ops.records[key(9)] = {"uid": "x", "phase": "enrolled"}
     with pytest.raises(EventError) as ei:
         t.enroller.add(t.event("c", 9))
     assert "pod x's" in str(ei.value)
@@ -265,7 +279,7 @@ def test_bad_events_name_the_field_and_change_nothing() -> None:
         ({**t.event("a", 7), "netns": "/proc/1/ns/net"}, "netns", "refused"),
     ]:
         if isinstance(ev, dict) and ev.get("netns") == "/proc/1/ns/net":
-            t.ops.inodes["/proc/1/ns/net"] = 1
+            t.ops.keys["/proc/1/ns/net"] = key(1)
         reply = t.dispatcher.handle({"type": "add", "pod": ev})
         assert reply["ok"] is False and reply["reason"] == reason and text in reply["error"], reply
     assert t.ops.calls == [] and not t.registry.pods
@@ -278,7 +292,7 @@ def test_a_del_tells_the_proxies_and_removes_rules_record_and_node_entries() -> 
     t.ops.calls.clear()
     assert t.enroller.delete({"uid": "a", "netns": "/run/netns/a"}) == {"removed": True, "pod": "a"}
     assert peer.kinds()[-1] == ("del", "a")
-    assert t.ops.calls == [("teardown", "/run/netns/a"), ("clear", "/run/netns/a"), ("node-", ("10.1.0.7",), "a")]
+    assert t.ops.calls == [("teardown", "/run/netns/a"), ("clear", key(7)), ("node-", ("10.1.0.7",), "a")]
     assert not t.registry.pods and t.ops.node == {}
     assert t.enroller.delete({"container_id": "c-unknown"}) == {"removed": False}
 
@@ -318,13 +332,13 @@ def test_reconcile_removes_unfinished_enrolments_repairs_rules_and_drops_stale_n
     drifted = t.enroller.parse_pod(t.event("b", 8))
     cut = t.enroller.parse_pod(t.event("c", 9))
     ops.rules[good.netns] = good.config
-    ops.records[cut.netns] = cut.record(INTENT)
+    ops.records[cut.key] = cut.record(INTENT)
     ops.node = {"10.1.0.9": "c", "10.9.9.9": "gone-pod"}
     ops.found = Found(enrolled={"a": good, "b": drifted}, unfinished=[cut])
     t.reconciler.reconcile()
     assert set(t.registry.pods) == {"a", "b"}
     assert ops.rules[drifted.netns] == drifted.config  # re-installed
-    assert cut.netns not in ops.records and cut.netns not in ops.rules
+    assert cut.key not in ops.records and cut.netns not in ops.rules
     assert ops.node == {"10.1.0.7": "a", "10.1.0.8": "b"}
     assert t.metrics.pods_enrolled == 2 and t.metrics.reconciled == {"intact": 1, "repaired": 1, "removed": 1}
 
@@ -334,11 +348,54 @@ def test_resync_drops_a_pod_whose_netns_is_gone_and_repairs_the_others() -> None
     peer = t.peer()
     t.enroller.add(t.event("a", 7))
     t.enroller.add(t.event("b", 8))
-    del t.ops.inodes["/run/netns/a"]  # the netns went away without a del
+    del t.ops.keys["/run/netns/a"]  # the netns went away without a del
     t.ops.rules.pop("/run/netns/b")  # someone flushed b's rules
     assert t.reconciler.resync() == {"gone": 1, "repaired": 1}
     assert set(t.registry.pods) == {"b"} and ("del", "a") in peer.kinds()
     assert "10.1.0.7" not in t.ops.node and t.ops.rules["/run/netns/b"] == t.registry.pods["b"].config
+    assert key(7) not in t.ops.records and key(8) in t.ops.records  # the gone pod's record goes with it
+
+
+def test_what_a_pods_netns_holds_is_repaired_to_the_record_never_believed() -> None:
+    """At start an adopted pod's netns loses an earlier release's in-pod record; a del and an undo
+    remove one too; a del whose netns the agent recorded for another pod leaves it alone; an undo
+    never tears down rules at a path that names another netns by now."""
+    t = Parts()
+    t.peer()
+    good = t.enroller.parse_pod(t.event("a", 7))
+    t.ops.rules[good.netns] = good.config
+    t.ops.legacy = {good.netns}
+    t.ops.found = Found(enrolled={"a": good})
+    t.reconciler.reconcile()
+    assert t.ops.legacy == set() and ("legacy-", good.netns) in t.ops.calls
+    # a del of a pod the agent does not know, naming a netns recorded for another pod
+    t.ops.netns("/run/netns/other", 9)
+    t.ops.records[key(9)] = {"uid": "owner", "phase": "enrolled"}
+    t.ops.rules["/run/netns/other"] = good.config
+    t.ops.legacy.add("/run/netns/other")
+    assert t.enroller.delete({"uid": "intruder", "netns": "/run/netns/other"}) == {"removed": False, "pod": "intruder"}
+    assert key(9) in t.ops.records and "/run/netns/other" in t.ops.rules and "/run/netns/other" in t.ops.legacy
+    # a del of the pod: its in-pod leftovers go with its rules and record
+    t.ops.legacy.add(good.netns)
+    t.ops.records[good.key] = good.record()
+    assert t.enroller.delete({"uid": "a", "netns": good.netns})["removed"]
+    assert good.netns not in t.ops.legacy and good.key not in t.ops.records and good.netns not in t.ops.rules
+    # an undo of a pod whose path names another netns by now: only what is keyed by the pod goes
+    cut = t.enroller.parse_pod(t.event("c", 11))
+    t.ops.records[cut.key] = cut.record(INTENT)
+    t.ops.netns(cut.netns, 12)  # the path was given to a new netns since
+    t.ops.rules[cut.netns] = good.config
+    t.enroller.undo(cut, "test")
+    assert cut.key not in t.ops.records and t.ops.rules[cut.netns] == good.config
+
+
+def test_a_del_after_the_netns_went_removes_the_record_of_the_pods_netns() -> None:
+    t = Parts()
+    t.peer()
+    t.enroller.add(t.event("a", 7))
+    del t.ops.keys["/run/netns/a"]
+    assert t.enroller.delete({"uid": "a", "netns": "/run/netns/a"}) == {"removed": True, "pod": "a"}
+    assert t.ops.records == {} and t.ops.node == {}
 
 
 def test_the_events_answers() -> None:
@@ -353,14 +410,14 @@ def test_the_events_answers() -> None:
     t.ops.fail["setup_rules"] = RuntimeError("boom")
     internal = t.dispatcher.handle({"type": "add", "pod": t.event("b", 8)})
     assert internal == {"type": "result", "ok": False, "reason": "internal", "error": "RuntimeError: boom"}
-    assert "b" not in t.registry.pods and "/run/netns/b" not in t.ops.records
+    assert "b" not in t.registry.pods and key(8) not in t.ops.records
     assert t.metrics.failures == {"bad_request": 1, "internal": 1} and t.metrics.events == {"add": 1}
 
 
-def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_path: Any) -> None:
-    """Idle connections to the proxy socket (each awaits its hello for 5 s on a thread) are
-    bounded: one beyond ``MAX_HELLOS`` gets an error at once, and once they go, a proxy is served."""
-    import contextlib
+def test_silent_connections_to_the_proxy_socket_never_keep_a_proxy_out(tmp_path: Any) -> None:
+    """Connections that never say hello hold no thread and wait ``MAX_HELLOS`` at a time (a newcomer
+    closes the one waiting the longest, with an error); a proxy that says hello is served however
+    many silent ones come before and after it."""
     import socket
 
     from redirect.ambient.agent import hub as hub_mod
@@ -371,7 +428,7 @@ def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_pa
     path = str(tmp_path / "proxy.sock")
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     lsock.bind(path)
-    lsock.listen(128)
+    lsock.listen(512)
     stopping = threading.Event()
     t = threading.Thread(target=hub.accept, args=(lsock, stopping), daemon=True)
     t.start()
@@ -382,33 +439,29 @@ def test_the_proxy_socket_refuses_connections_beyond_the_hellos_it_awaits(tmp_pa
         s.connect(path)
         return s
 
-    idle = []
+    silent: list[socket.socket] = []
     try:
-        idle = [connect() for _ in range(hub_mod.MAX_HELLOS)]
-        extra = connect()
-        got = protocol.recv(extra, max_fds=0)
-        assert got is not None and got[0]["type"] == "error" and "too many" in got[0]["error"], got
-        extra.close()
-        for s in idle:
-            s.close()
-        idle = []
-        pause = threading.Event()
-        for _ in range(100):  # the hello threads see their peers gone and give their places back
-            p = connect()
-            idle.append(p)
-            with contextlib.suppress(OSError):  # refused: closed after its error
-                protocol.send(p, {"type": "hello", "proxy": "p1"})
-            got = protocol.recv(p, max_fds=0)  # the (empty) snapshot, or "too many" still
-            assert got is not None
-            if got[0]["type"] == "snapshot_done":
-                break
-            pause.wait(0.05)
-        assert got[0]["type"] == "snapshot_done", got
+        threads = threading.active_count()
+        silent = [connect() for _ in range(hub_mod.MAX_HELLOS)]
+        silent.append(connect())  # one too many: the first is closed, told why
+        got = protocol.recv(silent[0], max_fds=0)
+        assert got is not None and got[0]["type"] == "error" and "waiting the longest" in got[0]["error"], got
+        assert silent[0].recv(100) == b""
+        silent += [connect() for _ in range(100)]
+        proxy = connect()
+        protocol.send(proxy, {"type": "hello", "proxy": "p1"})
+        silent += [connect() for _ in range(100)]
+        got = protocol.recv(proxy, max_fds=0)
+        assert got is not None and got[0]["type"] == "snapshot_done", got
+        silent.append(proxy)
+        # the proxy's reader, writer and snapshot wait; nothing for the silent ones
+        assert threading.active_count() <= threads + 3, threading.enumerate()
     finally:
         stopping.set()
-        for s in idle:
+        for s in silent:
             s.close()
         lsock.shutdown(socket.SHUT_RDWR)
         lsock.close()
         hub.close_all()
         t.join(5)
+    assert not t.is_alive()

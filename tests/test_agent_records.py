@@ -1,18 +1,21 @@
-"""What the agent accepts from the outside, without root: pod records read back from a netns,
+"""What the agent accepts from the outside, without root: pod records read back from its store,
 node proxies' acks, and the framing of both sockets. (The same checks on live sockets and
 namespaces: tests/test_agent.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from redirect.ambient.agent import identity, protocol
+from redirect.ambient.agent import protocol, store
 from redirect.ambient.agent.pods import BadPod, PodRecord, from_record
 from redirect.ambient.agent.proxies import parse_ack, proxy_name
 from redirect.config import RedirectConfig
+from redirect.errors import SetupError
 
 NODE = "node-a"
 GOOD: dict[str, Any] = {"node": NODE, "uid": "6b7c5d1e-0001", "name": "web-0", "namespace": "default",
@@ -20,18 +23,54 @@ GOOD: dict[str, Any] = {"node": NODE, "uid": "6b7c5d1e-0001", "name": "web-0", "
                         "backend": "iptables", "config": {"mode": "ambient"}, "phase": "enrolled"}
 
 
-def test_a_record_the_agent_writes_reads_back_as_the_same_pod() -> None:
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv("REDIRECT_RUN_DIR", str(d))
+    return d
+
+
+def test_a_record_the_agent_writes_reads_back_as_the_same_pod(run_dir: Path) -> None:
     pod = PodRecord(uid="6b7c5d1e-0001", name="web-0", namespace="default", netns="/run/netns/cni-1", inode=7,
-                    ips=("10.244.1.7", "fd00::7"), container_id="3f9a", backend="nftables",
+                    cookie=4096, ips=("10.244.1.7", "fd00::7"), container_id="3f9a", backend="nftables",
                     config=RedirectConfig(mode="ambient", dns_capture=True), node=NODE)
     for phase in ("intent", "enrolled"):
-        save = "\n".join(f'add {identity.SET} {i} comment "{c}"'
-                         for i, c in enumerate(identity._chunks(pod.record(phase))))
-        rec = identity.parse(save)
-        assert rec is not None
-        assert from_record(rec, "/run/netns/cni-1", 7, NODE) == (pod, phase)
-    legacy = {k: v for k, v in GOOD.items() if k != "phase"}  # written before the intent record existed
-    assert from_record(legacy, "/x", 1, NODE)[1] == "enrolled"
+        store.write(pod.key, pod.record(phase))
+        rec = store.read(pod.key)
+        assert rec is not None and rec["boot"] == store.boot_id()
+        assert from_record(rec, "/run/netns/cni-1", pod.key, NODE) == (pod, phase)
+    assert [k for k, _ in store.records()] == [pod.key]
+    d = run_dir / store.DIR
+    assert (d.stat().st_mode & 0o777, (d / store.name_of(pod.key)).stat().st_mode & 0o777) == (0o700, 0o600)
+    assert sorted(os.listdir(d)) == [store.name_of(pod.key)]  # no scratch file left
+    assert store.remove(pod.key) and store.read(pod.key) is None and not store.remove(pod.key)
+    with pytest.raises(BadPod, match="record.phase"):  # a record says whether its add committed
+        from_record({k: v for k, v in GOOD.items() if k != "phase"}, "/x", (1, 2), NODE)
+
+
+def test_the_store_takes_nothing_it_did_not_write(run_dir: Path) -> None:
+    """A file under a record's name that is a symlink, open to others, not JSON, of another version,
+    or naming another netns than its name says, is no record (each says why); a store directory
+    others may enter is refused altogether."""
+    d = run_dir / store.DIR
+    store.write((5, 6), {**GOOD, "netns_inode": 5, "netns_cookie": 6})
+    (d / store.name_of((1, 1))).symlink_to(d / store.name_of((5, 6)))
+    for k, content, mode in (((2, 2), b"not json", 0o600), ((3, 3), json.dumps({"rv": 1}).encode(), 0o600),
+                             ((4, 4), json.dumps({"rv": 2, "netns_inode": 9, "netns_cookie": 9}).encode(), 0o600),
+                             ((7, 7), json.dumps({"rv": 2, "netns_inode": 7, "netns_cookie": 7}).encode(), 0o644)):
+        p = d / store.name_of(k)
+        p.write_bytes(content)
+        p.chmod(mode)
+    got = dict(store.records())
+    assert isinstance(got.pop((5, 6)), dict)
+    why = {k: str(v) for k, v in got.items()}
+    assert all(isinstance(v, store.BadRecord) for v in got.values()), got
+    assert "symlink" in why[(1, 1)] and "not a JSON record" in why[(2, 2)] and "version 2" in why[(3, 3)]
+    assert "another netns" in why[(4, 4)] and "mode 0644" in why[(7, 7)], why
+    d.chmod(0o755)
+    with pytest.raises(SetupError, match="agent-pods: has mode 0755"):
+        store.read((5, 6))
 
 
 @pytest.mark.parametrize(("change", "field"), [
@@ -58,13 +97,13 @@ def test_a_record_the_agent_writes_reads_back_as_the_same_pod() -> None:
 ])
 def test_every_field_of_a_record_is_checked_and_named(change: dict[str, Any], field: str) -> None:
     with pytest.raises(BadPod) as ei:
-        from_record({**GOOD, **change}, "/run/netns/cni-1", 7, NODE)
+        from_record({**GOOD, **change}, "/run/netns/cni-1", (7, 4096), NODE)
     assert ei.value.field == field, ei.value
     assert len(str(ei.value)) < 300  # a bounded message, whatever the value
 
 
 def test_ips_are_normalized_and_deduplicated() -> None:
-    pod, _ = from_record({**GOOD, "ips": [" 10.0.0.1", "10.0.0.1", "FD00::7"]}, "/x", 1, NODE)
+    pod, _ = from_record({**GOOD, "ips": [" 10.0.0.1", "10.0.0.1", "FD00::7"]}, "/x", (1, 2), NODE)
     assert pod.ips == ("10.0.0.1", "fd00::7")
 
 

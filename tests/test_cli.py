@@ -97,9 +97,12 @@ def test_hostile_input_exits_2_naming_the_field_and_value_and_installs_nothing(p
     bomb.write_text(alias_bomb())
     latin1 = tmp_path / "latin1.yaml"
     latin1.write_bytes(b"proxy_port: 15001\n# caf\xe9\n")
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (300 * 1024))
     cases: list[tuple[list[str], list[str]]] = [
         (["--config", str(bomb)], ["outbound_ports", "'lol'"]),
-        (["--config", "/dev/zero"], ["config='/dev/zero'", "larger than"]),
+        (["--config", "/dev/zero"], ["config='/dev/zero'", "a character device, not a regular file"]),
+        (["--config", str(big)], [f"config='{big}'", "larger than"]),
         (["--config", str(latin1)], [f"config='{latin1}'", "not UTF-8"]),
         (["--set", "proxy_port=\u0661\u0665\u0660\u0660\u0662"], ["proxy_port", "'\u0661\u0665\u0660\u0660\u0662'"]),
         (["--mode", "ambient", "--set", "proxy_mark=1_3_3_7"], ["proxy_mark", "'1_3_3_7'"]),
@@ -115,6 +118,25 @@ def test_hostile_input_exits_2_naming_the_field_and_value_and_installs_nothing(p
                         ("-p", "\u0661\u0665\u0660\u0660\u0662"), ("--iptables-probe-port", "\u0661\u0665")):
         p = run("init", "--netns", pod.name, *INJECTOR, f"{flag}={value}")
         assert p.returncode == 2 and repr(value) in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert installed_state(pod.name) == before
+
+
+def test_a_fifo_named_as_a_config_file_or_a_netns_is_refused_without_waiting_for_a_writer(
+        pod: Pod, tmp_path: Any) -> None:
+    """Opening a FIFO waits for a writer: nothing but a regular file is read as a config (or an
+    input), and nothing but a network namespace is opened as one; each is refused at once."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    before = installed_state(pod.name)
+    p = run("setup", pod.name, "--config", str(fifo))
+    assert p.returncode == 2 and f"config='{fifo}'" in p.stderr and "a FIFO, not a regular file" in p.stderr, p.stderr
+    p = run("inject", "-f", str(fifo))
+    assert p.returncode == 2 and "--filename" in p.stderr and "a FIFO" in p.stderr, p.stderr
+    for cmd in ("setup", "check", "show", "teardown"):
+        p = run(cmd, str(fifo))
+        assert p.returncode == 1 and f"{fifo} is a FIFO, not a network namespace" in p.stderr, (cmd, p.stderr)
+    p = run("setup", "/dev/null")
+    assert p.returncode == 1 and "a character device, not a network namespace" in p.stderr, p.stderr
     assert installed_state(pod.name) == before
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -337,8 +338,17 @@ def test_documents_are_size_limited_and_every_decode_failure_is_a_config_error(t
         RedirectConfig.from_file(str(latin1))
     assert ei.value.value == str(latin1) and "not UTF-8" in str(ei.value)
     with pytest.raises(ConfigError) as ei:
-        RedirectConfig.from_file("/dev/zero")
-    assert ei.value.value == "/dev/zero" and "larger than" in str(ei.value)
+        RedirectConfig.from_file("/dev/zero")  # never opened: only a regular file is read
+    assert ei.value.value == "/dev/zero" and "a character device, not a regular file" in str(ei.value)
+    fifo = tmp_path / "fifo.yaml"  # (opening one would wait for a writer)
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="a FIFO, not a regular file"):
+        RedirectConfig.from_file(str(fifo))
+    huge = tmp_path / "huge.yaml"
+    huge.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError) as ei:
+        RedirectConfig.from_file(str(huge))
+    assert ei.value.value == str(huge) and "larger than" in str(ei.value)
     broken = tmp_path / "c.json"
     broken.write_text('{"proxy_port": ')
     with pytest.raises(ConfigError) as ei:

@@ -101,8 +101,8 @@ def test_cni_add_naming_the_host_netns_fails_with_bad_environment() -> None:
 
 
 def test_agent_refuses_an_event_naming_the_host_netns(tmp_path: Path) -> None:
-    from redirect.ambient.agent import client, identity
-    from tests.test_agent import Node
+    from redirect.ambient.agent import client
+    from tests.test_agent import Node, record_of
 
     n = Node(tmp_path)
     try:
@@ -113,7 +113,7 @@ def test_agent_refuses_an_event_naming_the_host_netns(tmp_path: Path) -> None:
             with pytest.raises(client.AgentError, match="network namespace") as e:
                 client.add_pod(n.events, uid="u-host", netns=ref, config={"mode": "ambient"})
             assert e.value.reason == "netns"
-        assert host_capture() == before and identity.read("/proc/self/ns/net") is None
+        assert host_capture() == before and record_of("/proc/self/ns/net") is None
     finally:
         n.close()
 

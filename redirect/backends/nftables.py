@@ -89,6 +89,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import BackendUnavailable, SetupError
+from ..kernel import netns as _netns
 from ..kernel import routes as rt
 from ..plan import netfilter_plan
 from ..plan.intent import AnyIntent
@@ -190,9 +191,9 @@ class _Reaper:
 
     def put(self, ctx: Any) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._main, name="redirect-nft-reaper", daemon=True)
-                self._thread.start()
+            if self._thread is None:  # (the first caller is often inside a pod's netns: the
+                # thread must not stay there, or it keeps that netns alive for good)
+                self._thread = _netns.start_thread(self._main, "redirect-nft-reaper")
         self._q.put(ctx)
 
 

@@ -376,6 +376,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
+    from ..config import read_regular_file
     from ..errors import ConfigError
     from ..k8s import inject
 
@@ -387,10 +388,12 @@ def cmd_inject(args: argparse.Namespace) -> int:
         if args.filename == "-":
             text = sys.stdin.read(inject.MAX_INPUT + 1)
         else:
-            with open(args.filename, encoding="utf-8") as f:
-                text = f.read(inject.MAX_INPUT + 1)
+            raw = read_regular_file(args.filename, inject.MAX_INPUT + 1)
+            # (too long: decoded leniently, so that the size check below names the problem)
+            text = raw.decode("utf-8", "strict" if len(raw) <= inject.MAX_INPUT else "replace")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("--filename", args.filename, f"cannot be read: {e}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ConfigError("--filename", args.filename, f"cannot be read: {why}") from None
     notes: list[str] = []
     out = inject.inject_text(text, opts, notes)
     for note in notes:

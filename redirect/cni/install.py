@@ -455,9 +455,10 @@ def _json_arg(text: str | None, what: str) -> Any:
         return None
     if text.startswith("@"):
         path = text[1:]
+        from ..config import read_regular_file
+
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_JSON_ARG + 1)
+            raw = read_regular_file(path, MAX_JSON_ARG + 1)
         except OSError as e:
             raise InstallError(f"{what}: cannot read {path}: {e.strerror or e}") from None
         if len(raw) > MAX_JSON_ARG:

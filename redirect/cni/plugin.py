@@ -296,9 +296,10 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
 def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     """Tell the node agent the pod is gone. If the agent can't be reached, remove what is in
     the pod netns here (DEL must not fail on a missing agent): the in-pod rules and routes
-    (the normal teardown) and the pod's record, unless the record names another pod. The
-    rest (node-set entries, the node proxy's listeners) is the agent's: when it starts, it
-    drops what belongs to no pod it has a commit record of."""
+    (the normal teardown), and the agent's record of that netns on the node, unless the record
+    names another pod (then nothing is touched). The rest (node-set entries, the node proxy's
+    listeners) is the agent's: when it starts, it drops what belongs to no pod it has a commit
+    record of."""
     from ..ambient.agent.client import AgentError, del_pod
 
     container = env.get("CNI_CONTAINERID", "")
@@ -313,16 +314,22 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     if _netns_gone(netns):
         return
     from .. import api
-    from ..ambient.agent import identity
+    from ..ambient.agent import legacy, store
+    from ..kernel.netns import netns_key
 
     try:
-        rec = _redirect_errors(identity.read, netns, code=E_TEARDOWN)
+        key = _redirect_errors(netns_key, netns, code=E_TEARDOWN)
+        try:
+            rec = _redirect_errors(store.read, key, code=E_TEARDOWN)
+        except store.BadRecord as e:
+            raise CniError(E_TEARDOWN, f"the node agent's record of this netns: {e}") from None
         if rec is not None and rec.get("uid") != uid:
-            log.warning("DEL container=%s netns=%r: the netns holds pod %r's record, not %r's: left alone",
-                        container, netns, str(rec.get("uid"))[:128], uid)
+            log.warning("DEL container=%s netns=%r: the agent's record of this netns is pod %r's, not %r's: left "
+                        "alone", container, netns, str(rec.get("uid"))[:128], uid)
             return
         _redirect_errors(api.teardown, netns, None, code=E_TEARDOWN)  # ours, whichever backend
-        _redirect_errors(identity.clear, netns, code=E_TEARDOWN)
+        _redirect_errors(legacy.clear, netns, code=E_TEARDOWN)  # an earlier release's in-pod record
+        _redirect_errors(store.remove, key, code=E_TEARDOWN)
     except CniError as e:
         if e.code != E_ENV:
             raise

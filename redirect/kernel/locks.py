@@ -65,9 +65,9 @@ def _owners() -> tuple[int, ...]:
 
 
 def _refuse(path: str, what: str) -> SetupError:
-    return SetupError(f"{path}: {what}; redirect keeps its locks there and needs it owned by root and writable by"
-                      f" root alone (a directory of mode 0700, files of mode 0600, no symlinks). Remove or fix it"
-                      f" (or name another directory with REDIRECT_RUN_DIR)")
+    return SetupError(f"{path}: {what}; redirect keeps its locks and records there and needs them owned by root"
+                      f" and writable by root alone (a directory of mode 0700, files of mode 0600, no symlinks)."
+                      f" Remove or fix it (or name another directory with REDIRECT_RUN_DIR)")
 
 
 def _vetted(fd: int, path: str, regular: bool, mode_mask: int, mode_text: str) -> int:
@@ -125,6 +125,37 @@ def open_private(name: str) -> int:
             raise _refuse(path, what) from None
     finally:
         os.close(dfd)
+    return _vetted(fd, path, regular=True, mode_mask=0o077, mode_text="open to group or others")
+
+
+def open_private_dir(name: str) -> int:
+    """An fd of the directory ``name`` in the run directory, made ``0700`` if missing, after
+    checking the run directory and it: a real directory (not a symlink) of the run directory's
+    owners that no one else may read, write or enter. ``SetupError`` naming it otherwise."""
+    dfd = open_run_dir()
+    path = os.path.join(run_dir_path(), name)
+    try:
+        for attempt in range(2):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                break
+            except FileNotFoundError:
+                if attempt:
+                    raise _refuse(path, "vanished while being created") from None
+                with contextlib.suppress(FileExistsError):  # (made meanwhile: checked like any other)
+                    os.mkdir(name, 0o700, dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refuse(path, "is a symlink or not a directory") from None
+                raise _refuse(path, f"cannot be opened: {e.strerror}") from None
+    finally:
+        os.close(dfd)
+    return _vetted(fd, path, regular=False, mode_mask=0o077, mode_text="open to group or others")
+
+
+def check_private_file(fd: int, path: str) -> int:
+    """``fd`` if the file it opened (``path``) is a regular file of the run directory's owners that
+    no one else may read or write; else ``fd`` is closed and ``SetupError`` raised."""
     return _vetted(fd, path, regular=True, mode_mask=0o077, mode_text="open to group or others")
 
 

@@ -26,9 +26,10 @@ import fcntl
 import functools
 import os
 import socket
+import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Union
 
 from ..errors import NetnsError
@@ -106,8 +107,36 @@ def describe(ref: NetnsRef) -> str:
     return path
 
 
+#: How a namespace file is opened once it is known to be one: ``O_NONBLOCK`` and ``O_NOCTTY`` so
+#: that, should the path be swapped for a FIFO or a device between the check and the open, the
+#: open neither blocks nor takes a terminal (what was opened is checked again before any use).
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+
+
+@functools.lru_cache(maxsize=1)
+def _nsfs_dev() -> int:
+    """The device of the kernel's namespace filesystem (nsfs): every namespace file is on it."""
+    return os.stat("/proc/thread-self/ns/net").st_dev
+
+
+def _kind_of(st: os.stat_result) -> str:
+    mode = st.st_mode
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return what
+    return "a regular file"
+
+
 def open_netns(ref: NetnsRef) -> int:
-    """Open a namespace reference; the caller owns (and closes) the returned fd."""
+    """Open a namespace reference; the caller owns (and closes) the returned fd.
+
+    Nothing but a network namespace is ever opened: a path is looked at first (a namespace file
+    is a regular file on nsfs), so a FIFO, a device or a plain file is refused without being
+    opened, and what the open then gave is checked again (the same inode, of a network
+    namespace). Every path to a netns goes through here (``enter``, the inode, the cookie, the
+    fds handed to node proxies)."""
     path = path_of(ref)
     if path is None:
         fd = int(ref)  # type: ignore[arg-type]
@@ -115,12 +144,16 @@ def open_netns(ref: NetnsRef) -> int:
             raise NetnsError(f"netns=fd {fd}: not an open network namespace fd")
         return os.dup(fd)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != _nsfs_dev():
+            raise NetnsError(f"netns={describe(ref)!r}: {path} is {_kind_of(st)}, not a network namespace")
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise NetnsError(f"netns={describe(ref)!r}: no such namespace ({path} does not exist)") from None
     except OSError as e:
         raise NetnsError(f"netns={describe(ref)!r}: cannot open {path}: {e.strerror}") from None
-    if not _is_netns_fd(fd):
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not _is_netns_fd(fd):
         os.close(fd)
         raise NetnsError(f"netns={describe(ref)!r}: {path} is not a network namespace")
     return fd
@@ -228,6 +261,37 @@ def enter(ref: NetnsRef) -> Iterator[int]:
         os.close(target)
 
 
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start a daemon thread that runs ``target`` in the calling thread's own network namespace:
+    the one it was in before its outermost ``enter``, never one it entered.
+
+    A new thread starts in its creator's namespace, and a thread holds its namespace alive: a
+    long-lived thread started inside ``enter(pod)`` would keep that pod's netns (its interfaces,
+    its addresses) alive after the pod is gone. Every thread the library starts lazily, whoever
+    happens to be the first caller, starts here. (Outside any ``enter`` it is a plain thread.)"""
+    homes: list[int] | None = getattr(_entered, "homes", None)
+    home = os.dup(homes[0]) if homes else None
+
+    def run() -> None:
+        if home is not None:
+            try:
+                _setns(home)
+            except OSError as e:  # pragma: no cover - kernel out of memory
+                raise SystemError(f"thread {name}: could not leave the creator's netns: {e}") from e
+            finally:
+                os.close(home)
+        target()
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    try:
+        t.start()
+    except BaseException:
+        if home is not None:
+            os.close(home)
+        raise
+    return t
+
+
 @functools.lru_cache(maxsize=1)
 def _pid1_netns() -> tuple[int, int] | None:
     """(dev, inode) of pid 1's netns when this process is in the initial pid namespace (there pid
@@ -284,18 +348,34 @@ def _host_reason(st: os.stat_result, home: os.stat_result | None) -> str | None:
     return None
 
 
-def netns_cookie(ref: NetnsRef) -> int:
-    """The kernel's 64-bit cookie for a namespace (what BPF programs see)."""
+def _cookie_of(fd: int, ref: NetnsRef) -> int:
     from ..native import load
 
     native = load()
     ffi, lib = native.ffi, native.lib
+
+    out = ffi.new("uint64_t *")
+    rc = lib.rdr_netns_cookie(fd, out)
+    if rc < 0:
+        raise NetnsError(f"netns={describe(ref)!r}: reading the cookie failed: {os.strerror(-rc)}")
+    return int(out[0])
+
+
+def netns_cookie(ref: NetnsRef) -> int:
+    """The kernel's 64-bit cookie for a namespace (what BPF programs see)."""
     fd = open_netns(ref)
     try:
-        out = ffi.new("uint64_t *")
-        rc = lib.rdr_netns_cookie(fd, out)
-        if rc < 0:
-            raise NetnsError(f"netns={describe(ref)!r}: reading the cookie failed: {os.strerror(-rc)}")
-        return int(out[0])
+        return _cookie_of(fd, ref)
+    finally:
+        os.close(fd)
+
+
+def netns_key(ref: NetnsRef) -> tuple[int, int]:
+    """(inode, cookie) of a namespace, from one open: what the kernel says it is. An inode is
+    reused once its namespace is gone; a cookie never is while the host is up, so the two name
+    one namespace for good (the node agent keys its records by them)."""
+    fd = open_netns(ref)
+    try:
+        return os.fstat(fd).st_ino, _cookie_of(fd, ref)
     finally:
         os.close(fd)

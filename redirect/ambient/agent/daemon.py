@@ -6,7 +6,8 @@ node proxy (like istio-cni's node agent for ztunnel). The CNI plugin sends a pod
 event over the events socket, and the agent enrols the pod as a transaction whose commit
 record is written last (``enroller.Enroller.add``):
 
-1. an *intent* record in the pod netns (``redirect.ambient.agent.identity``, ``phase: intent``);
+1. an *intent* record in the agent's store on the node (``redirect.ambient.agent.store``,
+   ``phase: intent``), keyed by the pod netns's inode and cookie;
 2. the in-pod ambient routes and rules (``redirect.setup``);
 3. the pod's IPs, owned by its uid, in the node's probe sets (``redirect.ambient.node``);
 4. the pod's netns fd handed to every connected node proxy, and all their acks;
@@ -16,26 +17,30 @@ record is written last (``enroller.Enroller.add``):
 Any failure undoes every step and fails the ADD (fail closed). ``del`` tells the proxies,
 removes the rules, the record and the pod's set entries.
 
-Restart safety: the agent keeps nothing the kernel does not hold. At start it finds its pods
-by reading the record in every namespace under ``/run/netns`` and ``/proc/*/ns/net`` that the
-node's user namespace owns (deduplicated by inode, filtered by ``--node-name``, each record
-validated like an event: ``redirect.ambient.agent.pods``). It adopts the pods with a commit record
-and removes every piece of those with only an intent (an add cut short by a crash); it
-re-installs rules that drifted, re-asserts the node's probe rules and pod sets (dropping
-entries of uids it did not adopt), and sends each connecting proxy a full snapshot (a proxy
-drops the pods not in it); while running it repeats the repairs every ``--resync-seconds``.
-In-pod rules never depend on the agent's process, so a killed agent leaves every pod
-captured. SIGTERM stops it and leaves redirection in place.
+Restart safety: what the agent must believe after a restart is on the node, where only root
+writes: its records (``store``, under the run directory, ``0700``). At start it reads them,
+finds each one's netns (at the path its add named, else by inode among ``/run/netns`` and
+``/proc/*/ns/net``, taken only if its cookie is the record's; a record whose netns is gone is
+removed), validates each record like an event (``redirect.ambient.agent.pods``) and keeps those
+of its ``--node-name``. It adopts the pods with a commit record and removes every piece of those
+with only an intent (an add cut short by a crash); it re-installs rules that drifted from the
+recorded config, re-asserts the node's probe rules and pod sets (dropping entries of uids it did
+not adopt), and sends each connecting proxy a full snapshot (a proxy drops the pods not in it);
+while running it repeats the repairs every ``--resync-seconds``. Nothing inside a pod's netns is
+believed: it is compared with the record and repaired. In-pod rules never depend on the agent's
+process, so a killed agent leaves every pod captured. SIGTERM stops it and leaves redirection in
+place.
 
 Parts: ``enroller`` (the enrolment transaction, ``del``, ``check``), ``reconcile`` (the start's
 read-back and the resync), ``hub`` (the node proxies: snapshots, hand-outs, acks), ``registry``
 (the pods held, the lock that orders them against the proxies), ``ops`` (what is changed in the
-kernel), ``dispatch`` and ``events`` (the events socket's answers and its server), ``proxies``
-(one node proxy connection, its acks validated), ``discovery`` (the records found at start),
-``pods`` (a pod's fields, validated once for events and records), ``identity`` (the record),
-``metrics`` (/healthz /readyz /metrics), ``warmup`` (the default backend's warm-up; /readyz says
-ready only once that backend is usable: for eBPF, its host programs loaded and pinned). This
-module wires them to the sockets and holds the command line.
+kernel and the store), ``dispatch`` and ``events`` (the events socket's answers and its server),
+``proxies`` (one node proxy connection, its acks validated), ``discovery`` (the records read back
+at start), ``pods`` (a pod's fields, validated once for events and records), ``store`` (the
+records), ``legacy`` (an earlier release's in-pod record), ``metrics`` (/healthz /readyz
+/metrics), ``warmup`` (the default backend's warm-up; /readyz says ready only once that backend
+is usable: for eBPF, its host programs loaded and pinned). This module wires them to the sockets
+and holds the command line.
 
 Wire formats: ``redirect.ambient.agent.protocol`` and docs/agent-protocol.md.
 """
@@ -197,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="redirect-agent",
         description="Node agent: serves the thin redirect-cni plugin's requests (sidecar and ambient pods), "
                     "enrols ambient pods (in-pod rules, node probe sets) and hands their network namespaces to "
-                    "the node proxy. Restart-safe: state is read back from the kernel. SIGTERM stops it and "
-                    "leaves redirection in place.")
+                    "the node proxy. Restart-safe: its records of the pods are on the node (in the run directory, "
+                    "root's alone) and read back at start. SIGTERM stops it and leaves redirection in place.")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--events-socket", default=protocol.DEFAULT_EVENTS_SOCKET,
                    help="unix SOCK_SEQPACKET socket for pod events from the CNI plugin (default %(default)s)")
@@ -220,13 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the node proxy's ack of a pod (%(default)s)")
     p.add_argument("--capture", default="{}",
                    help="JSON object of RedirectConfig fields: the pods' base config before annotations")
-    p.add_argument("--no-proc-scan", action="store_true", help="at start, look for pods under /run/netns only")
+    p.add_argument("--no-proc-scan", action="store_true",
+                   help="at start, look for a recorded pod's netns that left its path under /run/netns only "
+                        "(not /proc/*/ns/net)")
     p.add_argument("--resync-seconds", type=seconds_arg(0, 86400), default=30.0,
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")
     p.add_argument("--idle-timeout", type=seconds_arg(0.001, 3600), default=10.0,
-                   help="seconds an events-socket or ops-port client may stay idle, and may take to read an "
-                        "answer, before it is disconnected (%(default)s)")
+                   help="seconds an events-socket client may stay idle, or take to read an answer, and an "
+                        "ops-port connection may take for its whole request and answer, before it is "
+                        "disconnected (%(default)s)")
     p.add_argument("--max-clients", type=int_arg(1, 65536), default=256,
                    help="open connections on the events socket, and on the ops port, at most; a new client "
                         "beyond that disconnects the one idle the longest (%(default)s)")

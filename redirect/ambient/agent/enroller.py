@@ -2,7 +2,8 @@
 
 ``add`` enrols a pod as a transaction whose commit record is written last:
 
-1. an *intent* record in the pod netns (what to remove if the agent dies before 5.);
+1. an *intent* record in the agent's store on the node (``store``: what to remove if the agent
+   dies before 5.);
 2. the in-pod routes and rules (``redirect.setup``);
 3. the pod's IPs in the node probe sets, owned by its uid;
 4. the netns handed to every connected node proxy, and all their acks;
@@ -92,15 +93,16 @@ class Enroller:
         backend = backend_of(pod.get("backend"), "pod.backend", self.backend)
         cfg = self._pod_config(pod)
         try:
-            inode = self.ops.netns_inode(path)
+            inode, cookie = self.ops.netns_key(path)
             host = self.ops.host_netns_reason(path)  # (before anything is written there)
         except RedirectError as e:
             raise EventError("netns", str(e)) from None
         if host is not None:
             raise EventError("netns", f"pod.netns={path!r}: {host}: refused")
         return PodRecord(uid=uid, name=text(pod, "name", "pod"), namespace=text(pod, "namespace", "pod", limit=63),
-                         netns=path, inode=inode, ips=ips, container_id=text(pod, "container_id", "pod", limit=128),
-                         backend=backend, config=cfg, node=self.node_name)
+                         netns=path, inode=inode, cookie=cookie, ips=ips,
+                         container_id=text(pod, "container_id", "pod", limit=128), backend=backend, config=cfg,
+                         node=self.node_name)
 
     def _pod_config(self, pod: dict[str, Any]) -> RedirectConfig:
         from ...istio.annotations import config_from_annotations
@@ -122,12 +124,17 @@ class Enroller:
 
     def _claim(self, pod: PodRecord) -> None:
         """Claim ``pod``'s netns for this add, or refuse (``netns``) if another pod holds it: enrolled,
-        being enrolled (claimed), or recorded there. Nothing is changed by a refusal."""
-        other = self.registry.claim(pod, self.ops.same_inode)
+        being enrolled (claimed), or recorded there (in the agent's store). Nothing is changed by a
+        refusal."""
+        other = self.registry.claim(pod, self.ops.same_netns)
         if other is None:
-            rec = self.ops.scan_record(pod.netns)
-            if rec is not None and isinstance(rec.get("uid"), str) and rec["uid"] != pod.uid:
-                other = str(rec["uid"])[:128]
+            try:
+                rec = self.ops.read_record(pod.key)
+            except (RedirectError, ValueError) as e:  # (the store, or the record, is not as it must be)
+                self.registry.release(pod)
+                raise EventError("setup", str(e)) from None
+            if rec is not None and rec.get("uid") != pod.uid:
+                other = str(rec.get("uid"))[:128]
                 self.registry.release(pod)
         if other is not None:
             raise EventError("netns", f"pod.netns={pod.netns!r}: that netns is pod {other}'s; nothing was changed")
@@ -141,8 +148,8 @@ class Enroller:
             cur = reg.pods.get(pod.uid)
         try:
             fault("add.start")
-            if cur is None or cur.inode != pod.inode:  # a repeated add keeps its commit record
-                self.ops.write_record(pod.netns, pod.record(INTENT))
+            if cur is None or cur.key != pod.key:  # a repeated add keeps its commit record
+                self.ops.write_record(pod.key, pod.record(INTENT))
                 fault("add.intent")
             self.ops.setup_rules(pod.netns, pod.config, pod.backend)
             fault("add.rules")
@@ -162,7 +169,7 @@ class Enroller:
             if errors:
                 raise EventError("proxy", "node proxy did not take the pod: " + "; ".join(errors))
             fault("add.proxy_acked")
-            self.ops.write_record(pod.netns, pod.record(ENROLLED))
+            self.ops.write_record(pod.key, pod.record(ENROLLED))
             fault("add.committed")
             reg.commit(pod)
             return len(waiters)
@@ -185,9 +192,13 @@ class Enroller:
         self.undo(pod, "failed add rolled back")
 
     def undo(self, pod: PodRecord, why: str) -> None:
-        """Remove every piece of ``pod`` the kernel may hold (rules, routes, node-set entries it
-        owns, its record last), each step on its own so one failure does not stop the others."""
-        steps: list[tuple[str, Callable[[], object]]] = [("rules", lambda: self.ops.teardown_rules(pod.netns))]
+        """Remove every piece of ``pod`` the kernel may hold (rules, routes and an earlier release's
+        in-pod record while its netns is still at its path; node-set entries it owns; its record
+        last), each step on its own so one failure does not stop the others."""
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if self.ops.same_netns(pod.netns, pod.key):
+            steps += [("rules", lambda: self.ops.teardown_rules(pod.netns)),
+                      ("in-pod record", lambda: self.ops.clear_legacy(pod.netns))]
         if self.host_rules and pod.ips:
             steps.append(("node set", lambda: self.ops.remove_node_ips(pod.ips, pod.uid)))
         steps.append(("record", lambda: self._clear_record(pod)))
@@ -199,12 +210,10 @@ class Enroller:
         jlog(logging.WARNING, why, pod=pod.uid, netns=pod.netns)
 
     def _clear_record(self, pod: PodRecord) -> None:
-        """Remove the record in ``pod``'s netns if it is this pod's (another pod's is never touched)."""
-        if not self.ops.same_inode(pod.netns, pod.inode):
-            return
-        rec = self.ops.scan_record(pod.netns)
-        if rec is None or rec.get("uid") == pod.uid:
-            self.ops.clear_record(pod.netns)
+        """Remove the record of ``pod``'s netns if it is this pod's (another pod's is never touched)."""
+        rec = self.ops.read_record(pod.key)
+        if rec is not None and rec.get("uid") == pod.uid:
+            self.ops.clear_record(pod.key)
 
     # -- check and del
 
@@ -219,7 +228,7 @@ class Enroller:
             proxies = self.hub.synced_locked()
         if rec is None:
             raise EventError("check", f"pod {uid} is not enrolled on this node")
-        if path and not self.ops.same_inode(path, rec.inode):
+        if path and not self.ops.same_netns(path, rec.key):
             raise EventError("check", f"pod {uid} is enrolled in another netns than {path}")
         try:
             res = self.ops.check_rules(rec.netns, rec.config, rec.backend)
@@ -248,15 +257,15 @@ class Enroller:
             if not uid:
                 return {"removed": False}
         with reg.uid_lock(uid):
-            target_inode = None
-            if path and os.path.exists(path):
+            target = None  # the netns the del names, if it is one
+            if path:
                 try:
-                    target_inode = self.ops.netns_inode(path)
+                    target = self.ops.netns_key(path)
                 except (RedirectError, OSError):
-                    pass
+                    pass  # gone (the runtime may call DEL after the netns went), or not a netns
             with reg.lock:
                 rec = reg.pods.get(uid)
-                same = rec is not None and (target_inode is None or target_inode == rec.inode)
+                same = rec is not None and (target is None or target == rec.key)
                 waiters = []
                 if same:
                     del reg.pods[uid]
@@ -265,18 +274,21 @@ class Enroller:
             errors = self.hub.wait_all(waiters)
             if errors:
                 jlog(logging.WARNING, "node proxy did not ack a delete", pod=uid, errors=errors)
-            netns_path = path if target_inode is not None else None
-            if netns_path is None and same and rec is not None and self.ops.same_inode(rec.netns, rec.inode):
-                netns_path = rec.netns
-            if netns_path is not None:
+            key = target if target is not None else (rec.key if same and rec is not None else None)
+            where = path if target is not None else None
+            if where is None and same and rec is not None and self.ops.same_netns(rec.netns, rec.key):
+                where = rec.netns
+            if key is not None:
                 backend = rec.backend if rec is not None else self.backend
-                found = self.ops.read_record(netns_path)
-                if found is None or found.get("uid") == uid:
-                    try:
-                        self.ops.teardown_rules(netns_path, backend)
-                        self.ops.clear_record(netns_path)
-                    except RedirectError as e:
-                        raise EventError("teardown", str(e)) from None
+                try:
+                    found = self.ops.read_record(key)
+                    if found is None or found.get("uid") == uid:  # another pod's netns is left alone
+                        if where is not None:
+                            self.ops.teardown_rules(where, backend)
+                            self.ops.clear_legacy(where)
+                        self.ops.clear_record(key)
+                except (RedirectError, ValueError) as e:
+                    raise EventError("teardown", str(e)) from None
             if self.host_rules:
                 mine = [ip for ip, owner in self.ops.node_ips().items() if owner == uid]
                 if mine and (same or rec is None):

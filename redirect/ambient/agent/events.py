@@ -9,13 +9,17 @@ client costs a file descriptor, never a worker:
 - at most ``max_clients`` connections are open; a new client beyond that closes the one
   idle the longest (only when every connection is busy with a request is a newcomer turned
   away), so a crowd of idle clients never starves a new one;
-- a reply must be taken within ``idle_timeout`` seconds, or the connection is closed;
+- a worker never waits for a client to take its reply: the reply is sent without blocking, and
+  one that does not fit (a client that sends requests and never reads the answers) is left to
+  this thread, which sends it once the client reads, or closes the connection if it has not
+  within ``idle_timeout`` seconds; meanwhile that connection's next request is not read;
 - a request that is not a message of the protocol (not JSON, nested too deep, wrong
   version) is answered ``bad_request``; a handler that raises is answered ``internal``.
 """
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
 import contextlib
 import logging
@@ -38,13 +42,36 @@ FdHandler = Callable[[dict[str, Any], list[int]], tuple[dict[str, Any], list[int
 
 
 
+class _Reply:
+    """A reply a client has not taken yet: its bytes, the fds sent with it (owned here until
+    sent), and until when it may wait."""
+
+    __slots__ = ("data", "fds", "deadline")
+
+    def __init__(self, data: bytes, fds: list[int], deadline: float) -> None:
+        self.data, self.fds, self.deadline = data, fds, deadline
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
 class _Client:
-    __slots__ = ("sock", "last", "busy")
+    __slots__ = ("sock", "last", "busy", "pending")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.last = time.monotonic()
         self.busy = False
+        self.pending: _Reply | None = None  # a reply waiting for the client to read (the loop's)
+
+
+def _send_now(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send one message without blocking (``BlockingIOError`` if the client's queue is full)."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([data], anc, socket.MSG_DONTWAIT)
 
 
 class EventServer:
@@ -60,7 +87,8 @@ class EventServer:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agent-ev")
         self.sel = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}  # by fd; only the loop thread touches it
-        self._done: queue.Queue[tuple[_Client, bool]] = queue.Queue()  # (client, keep) from the workers
+        #: (client, keep, a reply it has not taken yet) from the workers
+        self._done: queue.Queue[tuple[_Client, bool, _Reply | None]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="agent-events", daemon=True)
@@ -77,6 +105,8 @@ class EventServer:
         self._thread.join(5)
         self.pool.shutdown(wait=True, cancel_futures=False)
         for c in list(self.clients.values()):
+            if c.pending is not None:
+                c.pending.close()
             c.sock.close()
         self.clients.clear()
         os.close(self._wake_r)
@@ -103,6 +133,8 @@ class EventServer:
             elif key.data == "wake":
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
+            elif key.data.pending is not None:
+                self._writable(key.data)
             else:
                 self._readable(key.data)
         self._returned()
@@ -142,7 +174,26 @@ class EventServer:
         if not c.busy:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(c.sock)
+        if c.pending is not None:
+            c.pending.close()
+            c.pending = None
         c.sock.close()
+
+    def _writable(self, c: _Client) -> None:
+        """The client of a reply it had not taken can take more: send it, then read its next request."""
+        reply = c.pending
+        assert reply is not None
+        try:
+            _send_now(c.sock, reply.data, reply.fds)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(c)
+            return
+        reply.close()
+        c.pending = None
+        c.last = time.monotonic()
+        self.sel.modify(c.sock, selectors.EVENT_READ, c)
 
     def _readable(self, c: _Client) -> None:
         try:
@@ -168,20 +219,27 @@ class EventServer:
     def _returned(self) -> None:
         while True:
             try:
-                c, keep = self._done.get_nowait()
+                c, keep, pending = self._done.get_nowait()
             except queue.Empty:
                 return
             c.busy = False
             c.last = time.monotonic()
             if keep and not self.stopping.is_set() and self.clients.get(c.sock.fileno()) is c:
-                c.sock.setblocking(False)
-                self.sel.register(c.sock, selectors.EVENT_READ, c)
+                c.pending = pending
+                self.sel.register(c.sock, selectors.EVENT_WRITE if pending is not None else selectors.EVENT_READ, c)
             else:
+                if pending is not None:
+                    pending.close()
                 self._close(c)
 
     def _expire(self) -> None:
-        deadline = time.monotonic() - self.idle_timeout
-        for c in [c for c in self.clients.values() if not c.busy and c.last < deadline]:
+        now = time.monotonic()
+        deadline = now - self.idle_timeout
+        for c in [c for c in self.clients.values()
+                  if not c.busy and (c.pending.deadline < now if c.pending is not None else c.last < deadline)]:
+            if c.pending is not None:
+                jlog(logging.WARNING, "events socket: a client did not take its reply in time; disconnected",
+                     idle_timeout_s=self.idle_timeout)
             self._close(c)
 
     # -- the workers
@@ -189,6 +247,7 @@ class EventServer:
     def _serve(self, c: _Client, got: tuple[dict[str, Any], list[int]] | protocol.ProtocolError) -> None:
         keep = True
         out_fds: list[int] = []
+        pending: _Reply | None = None
         try:
             if isinstance(got, protocol.ProtocolError):  # framing: answered, not counted as a pod failure
                 reply = {"type": "result", "ok": False, "reason": "bad_request", "error": str(got)}
@@ -205,11 +264,17 @@ class EventServer:
                     log.exception("event handler failed")
                     self.on_bad("internal")
                     reply = {"type": "result", "ok": False, "reason": "internal", "error": f"{type(e).__name__}: {e}"}
-            c.sock.settimeout(self.idle_timeout)  # a reply not taken in time closes the connection
             try:
-                protocol.send(c.sock, reply, tuple(out_fds))
+                data = protocol.encode(reply)
             except protocol.ProtocolError as e:  # a reply over the size limit: say so instead
-                protocol.send(c.sock, {"type": "result", "ok": False, "reason": "internal", "error": str(e)})
+                data = protocol.encode({"type": "result", "ok": False, "reason": "internal", "error": str(e)})
+                for fd in out_fds:
+                    os.close(fd)
+                out_fds = []
+            try:
+                _send_now(c.sock, data, out_fds)
+            except (BlockingIOError, InterruptedError):  # the client is not reading: the loop sends it
+                pending, out_fds = _Reply(data, out_fds, time.monotonic() + self.idle_timeout), []
         except OSError:
             keep = False
         except Exception:  # noqa: BLE001 - never lose a connection's slot
@@ -218,7 +283,7 @@ class EventServer:
         finally:
             for fd in out_fds:
                 os.close(fd)
-            self._done.put((c, keep))
+            self._done.put((c, keep, pending))
             self._wake()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -25,8 +26,11 @@ from .pods import PodRecord
 from .proxies import ProxyConn, Waiter, proxy_name
 from .registry import Registry
 
-#: Connections to the proxy socket that may be awaiting their hello (5 s each) at once.
+#: Connections to the proxy socket that may be awaiting their hello at once; a newcomer beyond
+#: them closes the one waiting the longest.
 MAX_HELLOS = 32
+#: Seconds a connection to the proxy socket has to say hello.
+HELLO_S = 5.0
 
 
 class Peer(Protocol):
@@ -48,7 +52,6 @@ class ProxyHub:
         self.metrics = metrics
         self.timeout = timeout  # seconds a proxy has to ack (a snapshot: a little more per pod)
         self.conns: list[Peer] = []  # under registry.lock
-        self._hellos = threading.BoundedSemaphore(MAX_HELLOS)
 
     # -- a proxy comes and goes
 
@@ -120,42 +123,96 @@ class ProxyHub:
     # -- the proxy socket
 
     def accept(self, lsock: socket.socket, stopping: threading.Event) -> None:
-        """Accept proxies on ``lsock`` until it is closed (each hello on a thread of its own, at
-        most ``MAX_HELLOS`` at once: a connection beyond them is refused at once)."""
+        """Accept proxies on ``lsock`` until it is closed or ``stopping``. One thread waits for the
+        hello of every new connection: at most ``HELLO_S`` seconds each, at most ``MAX_HELLOS`` at
+        once (a newcomer beyond them closes the one waiting the longest), and a hello already sent
+        is read as the connection is accepted. So silent connections hold no thread and cannot
+        keep out a proxy that says hello; a proxy that did is attached on a thread of its own."""
+        lsock.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(lsock, selectors.EVENT_READ, None)
+        waiting: dict[socket.socket, tuple[float, int]] = {}  # by age: (accepted at, connection number)
         n = 0
-        while not stopping.is_set():
-            try:
-                s, _ = lsock.accept()
-            except OSError:
-                return
-            n += 1
-            if not self._hellos.acquire(blocking=False):
-                jlog(logging.WARNING, "node proxy rejected", error=f"{MAX_HELLOS} connections are saying hello")
-                with contextlib.suppress(OSError, protocol.ProtocolError):
-                    s.settimeout(0.5)
-                    protocol.send(s, {"type": "error", "error": "too many connections saying hello: try again"})
-                s.close()
-                continue
-            threading.Thread(target=self._hello, args=(s, n), name="proxy-hello", daemon=True).start()
-
-    def _hello(self, s: socket.socket, n: int) -> None:
+        dropped, logged_at = 0, 0.0  # silent connections closed, and when that was last logged
         try:
-            self._await_hello(s, n)
+            while not stopping.is_set():
+                try:
+                    ready = sel.select(timeout=min(HELLO_S / 4, 0.5))
+                except OSError:
+                    return
+                newcomers = False
+                for key, _ in ready:  # hellos before newcomers: no newcomer evicts a hello that came
+                    if key.data is None:
+                        newcomers = True
+                    elif key.fileobj in waiting and self._try_hello(key.fileobj, key.data):  # type: ignore[arg-type]
+                        sel.unregister(key.fileobj)
+                        del waiting[key.fileobj]  # type: ignore[arg-type]
+                for _ in range(MAX_HELLOS // 2 if newcomers else 0):  # a bounded batch a turn
+                    try:
+                        s, _ = lsock.accept()
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        return  # the listener was closed (stopping)
+                    n += 1
+                    s.setblocking(False)
+                    if self._try_hello(s, n):
+                        continue
+                    if len(waiting) >= MAX_HELLOS:
+                        oldest = next(iter(waiting))
+                        sel.unregister(oldest)
+                        del waiting[oldest]
+                        self._refuse(oldest, f"{MAX_HELLOS} connections are waiting to say hello: "
+                                             "the one waiting the longest is closed", log=False)
+                        dropped += 1
+                    waiting[s] = (time.monotonic(), n)
+                    sel.register(s, selectors.EVENT_READ, n)
+                expired = time.monotonic() - HELLO_S
+                for s, (t, _) in list(waiting.items()):
+                    if t >= expired:
+                        break
+                    sel.unregister(s)
+                    del waiting[s]
+                    self._refuse(s, f"no hello within {HELLO_S:g} s", log=False)
+                    dropped += 1
+                if dropped and time.monotonic() - logged_at >= 10:  # (a crowd of them: one line a while)
+                    jlog(logging.WARNING, "node proxy socket: connections closed without a hello", count=dropped,
+                         waiting=len(waiting))
+                    dropped, logged_at = 0, time.monotonic()
         finally:
-            self._hellos.release()
+            for s in waiting:
+                s.close()
+            sel.close()
 
-    def _await_hello(self, s: socket.socket, n: int) -> None:
+    def _try_hello(self, s: socket.socket, n: int) -> bool:
+        """Read ``s``'s hello if it has come: False while it has not; else True, ``s`` being now a
+        proxy's (attached on a thread of its own) or refused and closed."""
         try:
-            s.settimeout(5.0)
             got = protocol.recv(s, max_fds=0)
-            if got is None or got[0]["type"] != "hello":
-                raise protocol.ProtocolError("expected a hello first")
-            s.settimeout(None)
-        except (OSError, protocol.ProtocolError) as e:
-            jlog(logging.WARNING, "node proxy rejected", error=str(e))
-            with contextlib.suppress(OSError, protocol.ProtocolError):
-                protocol.send(s, {"type": "error", "error": str(e)})
+        except (BlockingIOError, InterruptedError):
+            return False
+        except protocol.ProtocolError as e:
+            self._refuse(s, str(e))
+            return True
+        except OSError as e:
+            self._refuse(s, str(e))
+            return True
+        if got is None:
             s.close()
-            return
+            return True
+        if got[0]["type"] != "hello":
+            self._refuse(s, "expected a hello first")
+            return True
+        s.setblocking(True)
         conn = ProxyConn(s, proxy_name(got[0], n), self.gone)
-        self.await_snapshot(conn, *self.attach(conn))
+        threading.Thread(target=lambda: self.await_snapshot(conn, *self.attach(conn)), name="proxy-sync",
+                         daemon=True).start()
+        return True
+
+    @staticmethod
+    def _refuse(s: socket.socket, why: str, log: bool = True) -> None:
+        if log:
+            jlog(logging.WARNING, "node proxy rejected", error=why)
+        with contextlib.suppress(OSError, protocol.ProtocolError):
+            protocol.send(s, {"type": "error", "error": why})
+        s.close()

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import io
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 #: Setup latency buckets (seconds).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: The most the ops port reads of a request (its line and headers), and the most lines it may have.
+MAX_REQUEST_HEAD = 8 * 1024
+MAX_REQUEST_LINES = 64
 
 
 class Metrics:
@@ -86,6 +91,39 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+class _Refused(Exception):
+    """A request over the ops port's bounds (answered 431, then the connection is closed)."""
+
+
+class _RequestHead(io.RawIOBase):
+    """What a handler reads of its connection: at most ``MAX_REQUEST_HEAD`` bytes in at most
+    ``MAX_REQUEST_LINES`` lines, all before ``deadline`` (``time.monotonic()``), however slowly
+    they come (each read waits only for what is left of the time)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.deadline = sock, deadline
+        self.taken = self.lines = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        if self.taken >= MAX_REQUEST_HEAD:
+            raise _Refused(f"a request head of more than {MAX_REQUEST_HEAD} bytes")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no whole request in time")
+        self.sock.settimeout(left)
+        view = memoryview(buf)[: MAX_REQUEST_HEAD - self.taken]
+        n = self.sock.recv_into(view)
+        self.taken += n
+        self.lines += view[:n].tobytes().count(b"\n")
+        if self.lines > MAX_REQUEST_LINES:
+            raise _Refused(f"a request of more than {MAX_REQUEST_LINES} lines")
+        return n
+
+
 class OpsServer(http.server.ThreadingHTTPServer):
     """``ThreadingHTTPServer`` with a bound on open connections: at ``max_clients``, a new
     connection closes the oldest one (so idle clients never starve a probe); with the
@@ -126,11 +164,32 @@ def serve_http(host: str, port: int, metrics: Metrics, ready: Callable[[], tuple
                idle_timeout: float = 10.0, max_clients: int = 256) -> OpsServer:
     """Start the ops server on ``host:port`` (0: any free port) in a daemon thread; returns it.
 
-    One request per connection (HTTP/1.0); a connection that sends no complete request within
-    ``idle_timeout`` seconds is closed; at most ``max_clients`` are open at once."""
+    One request per connection (HTTP/1.0); a connection that has not sent a whole request and
+    taken its answer within ``idle_timeout`` seconds of its start is closed, however slowly its
+    bytes come; a request head over ``MAX_REQUEST_HEAD`` bytes or ``MAX_REQUEST_LINES`` lines is
+    answered 431 and closed (so a connection costs at most that much memory); at most
+    ``max_clients`` are open at once."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        timeout = idle_timeout  # per read and write of the connection
+        timeout = idle_timeout  # (the first read's; each is bounded by the deadline below)
+
+        def setup(self) -> None:
+            super().setup()
+            self.deadline = time.monotonic() + idle_timeout
+            self.rfile = io.BufferedReader(_RequestHead(self.connection, self.deadline))
+
+        def handle_one_request(self) -> None:
+            try:
+                super().handle_one_request()
+            except _Refused as e:
+                self.close_connection = True
+                with contextlib.suppress(OSError):
+                    self.connection.settimeout(max(self.deadline - time.monotonic(), 0.001))
+                    body = f"request refused: {e}\n".encode()
+                    self.wfile.write(b"HTTP/1.0 431 Request Header Fields Too Large\r\nConnection: close\r\n"
+                                     b"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:  # the client went away, or took too long to read the answer
+                self.close_connection = True
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0]

@@ -1,7 +1,7 @@
-"""What the agent changes in the kernel, in one place: a pod's rules, its record, the node's
-probe sets, and the scan for records at start.
+"""What the agent changes in the kernel and on the node, in one place: a pod's rules, its record
+in the agent's store, the node's probe sets, and the scan for records at start.
 
-``KernelOps`` does it for real (``redirect.api``, ``identity``, ``redirect.ambient.node``,
+``KernelOps`` does it for real (``redirect.api``, ``store``, ``legacy``, ``redirect.ambient.node``,
 ``discovery``). The enrolment transaction and the reconcile take an ``Ops``, so that their
 order, their rollback and their bookkeeping can also be unit-tested with an in-memory
 stand-in (tests/test_agent_parts.py); the kernel tests (tests/test_agent.py) run them on
@@ -18,20 +18,23 @@ from ...backends.base import CheckResult
 from ...config import RedirectConfig
 from ...kernel import netns as _netns
 from .. import node
-from . import identity
-from .discovery import Found, discover, same_inode
+from . import legacy, store
+from .discovery import Found, discover, key_at
+
+Key = store.Key
 
 
 class Ops(Protocol):
     # a pod's netns
-    def netns_inode(self, path: str) -> int: ...
+    def netns_key(self, path: str) -> Key: ...
     def host_netns_reason(self, path: str) -> str | None: ...
-    def same_inode(self, path: str, inode: int) -> bool: ...
-    # the pod's record (``identity``)
-    def read_record(self, netns: str) -> dict[str, Any] | None: ...
-    def scan_record(self, netns: str) -> dict[str, Any] | None: ...
-    def write_record(self, netns: str, record: dict[str, Any]) -> None: ...
-    def clear_record(self, netns: str) -> None: ...
+    def same_netns(self, path: str, key: Key) -> bool: ...
+    # the pod's record (``store``, on the node), by its netns
+    def read_record(self, key: Key) -> dict[str, Any] | None: ...
+    def write_record(self, key: Key, record: dict[str, Any]) -> None: ...
+    def clear_record(self, key: Key) -> None: ...
+    # an earlier release's record inside the pod's netns (``legacy``): removed, never read
+    def clear_legacy(self, netns: str) -> bool: ...
     # the pod's rules (``redirect.api``)
     def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None: ...
     def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult: ...
@@ -53,26 +56,26 @@ class KernelOps:
         self.node_name = node_name
         self.scan_proc = scan_proc
 
-    def netns_inode(self, path: str) -> int:
-        return _netns.netns_inode(path)
+    def netns_key(self, path: str) -> Key:
+        return _netns.netns_key(path)
 
     def host_netns_reason(self, path: str) -> str | None:
         return _netns.host_netns_reason_of(path)
 
-    def same_inode(self, path: str, inode: int) -> bool:
-        return same_inode(path, inode)
+    def same_netns(self, path: str, key: Key) -> bool:
+        return key_at(path) == key
 
-    def read_record(self, netns: str) -> dict[str, Any] | None:
-        return identity.read(netns)
+    def read_record(self, key: Key) -> dict[str, Any] | None:
+        return store.read(key)
 
-    def scan_record(self, netns: str) -> dict[str, Any] | None:
-        return identity.scan(netns)
+    def write_record(self, key: Key, record: dict[str, Any]) -> None:
+        store.write(key, record)
 
-    def write_record(self, netns: str, record: dict[str, Any]) -> None:
-        identity.write(netns, record)
+    def clear_record(self, key: Key) -> None:
+        store.remove(key)
 
-    def clear_record(self, netns: str) -> None:
-        identity.clear(netns)
+    def clear_legacy(self, netns: str) -> bool:
+        return legacy.clear(netns)
 
     def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
         api.setup(netns, cfg, backend)

@@ -1,11 +1,11 @@
 """A pod as the agent knows it, and the one validation of a pod's fields.
 
-The same fields reach the agent two ways: in a CNI ``add`` event, and in the record
-it reads back from a pod netns after a restart (``redirect.ambient.agent.identity``). Neither
-is trusted: an event comes from whoever can open the events socket, and a record from
-whatever a namespace holds. Both go through ``validate`` (bounded sizes, printable
-text, a uid of the protocol's form, real IP addresses, a known backend, a config that
-parses and is ambient), so a record can never give the agent a pod an event could not.
+The same fields reach the agent two ways: in a CNI ``add`` event, and in the record it reads
+back from its store on the node after a restart (``redirect.ambient.agent.store``). An event
+comes from whoever can open the events socket; a record only root can write, and it is checked
+all the same. Both go through the same checks (bounded sizes, printable text, a uid of the
+protocol's form, real IP addresses, a known backend, a config that parses and is ambient), so a
+record can never give the agent a pod an event could not.
 """
 
 from __future__ import annotations
@@ -103,38 +103,45 @@ class PodRecord:
     namespace: str
     netns: str
     inode: int
+    cookie: int
     ips: tuple[str, ...]
     container_id: str
     backend: str
     config: RedirectConfig
     node: str
 
+    @property
+    def key(self) -> tuple[int, int]:
+        """Its netns as the kernel names it: (inode, cookie)."""
+        return self.inode, self.cookie
+
     def record(self, phase: str = ENROLLED) -> dict[str, Any]:
-        """What is stored in the pod netns (``identity``): ``phase`` ``intent`` before the first
-        piece of the enrolment is installed, ``enrolled`` (the commit record) after the last."""
+        """What the agent's store on the node holds of it (``store``): ``phase`` ``intent`` before
+        the first piece of the enrolment is installed, ``enrolled`` (the commit record) after the last."""
         cfg = {k: v for k, v in self.config.to_dict().items() if k == "mode" or _DEFAULT_CFG.get(k) != v}
         return {"node": self.node, "uid": self.uid, "name": self.name, "namespace": self.namespace,
-                "netns": self.netns, "ips": list(self.ips), "container_id": self.container_id,
-                "backend": self.backend, "config": cfg, "phase": phase}
+                "netns": self.netns, "netns_inode": self.inode, "netns_cookie": self.cookie, "ips": list(self.ips),
+                "container_id": self.container_id, "backend": self.backend, "config": cfg, "phase": phase}
 
     def for_proxy(self) -> dict[str, Any]:
         return {"uid": self.uid, "name": self.name, "namespace": self.namespace, "ips": list(self.ips),
                 "netns": self.netns, "netns_inode": self.inode}
 
 
-def from_record(rec: dict[str, Any], netns: str, inode: int, node: str) -> tuple[PodRecord, str]:
-    """The pod a record read from ``netns`` describes, and its phase; ``BadPod`` if any field is
-    not what the agent itself writes (the checks of an ``add`` event, plus ``node`` and ``phase``)."""
+def from_record(rec: dict[str, Any], netns: str, key: tuple[int, int], node: str) -> tuple[PodRecord, str]:
+    """The pod a record of the netns ``key`` (found at ``netns``) describes, and its phase;
+    ``BadPod`` if any field is not what the agent itself writes (the checks of an ``add`` event,
+    plus ``node`` and ``phase``)."""
     where = "record"
     if rec.get("node") != node:
         raise BadPod(f"{where}.node", rec.get("node"), f"not this node ({node})")
-    phase = rec.get("phase", ENROLLED)  # records without a phase predate the intent record
+    phase = rec.get("phase")
     if phase not in (INTENT, ENROLLED):
         raise BadPod(f"{where}.phase", phase, f"expected {INTENT!r} or {ENROLLED!r}")
     text(rec, "netns", where, limit=4096)
     pod = PodRecord(uid=uid_of(rec, where), name=text(rec, "name", where),
                     namespace=text(rec, "namespace", where, limit=63),
-                    netns=netns, inode=inode, ips=ips_of(rec.get("ips"), f"{where}.ips"),
+                    netns=netns, inode=key[0], cookie=key[1], ips=ips_of(rec.get("ips"), f"{where}.ips"),
                     container_id=text(rec, "container_id", where, limit=128),
                     backend=backend_of(rec.get("backend"), f"{where}.backend", "iptables"),
                     config=ambient_config(rec.get("config", {"mode": "ambient"}), f"{where}.config"), node=node)

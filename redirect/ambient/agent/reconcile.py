@@ -1,11 +1,13 @@
-"""Restart safety: the pods read back from the kernel at start, and the repairs while running.
+"""Restart safety: the pods read back from the agent's records at start, and the repairs while running.
 
 At start (``reconcile``) the agent re-asserts the node's probe rules, removes every piece of
 an enrolment cut short (an intent record without its commit), re-installs drifted rules of
-the committed pods, puts their IPs back in the node sets and drops set entries of uids it
-did not adopt; the committed pods become its own. While running (``resync``, every
-``--resync-seconds``) it repeats the repairs for the pods enrolled now and drops a pod whose
-netns is gone without a ``del``. What it changes in the kernel goes through an ``ops.Ops``.
+the committed pods (and removes an earlier release's in-pod record from their netns), puts
+their IPs back in the node sets and drops set entries of uids it did not adopt; the committed
+pods become its own. Whatever a pod's netns holds is compared with the record and repaired,
+never believed. While running (``resync``, every ``--resync-seconds``) it repeats the repairs
+for the pods enrolled now and drops a pod whose netns is gone without a ``del`` (its record
+too). What it changes in the kernel and the store goes through an ``ops.Ops``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Reconciler:
         self.workers = workers
 
     def reconcile(self) -> None:
-        """At start: the pods the kernel holds become the agent's, repaired (see above)."""
+        """At start: the pods the agent's records name become its own, repaired (see above)."""
         t0 = time.monotonic()
         if self.host_rules:
             self.ops.setup_node()
@@ -44,8 +46,12 @@ class Reconciler:
             self.metrics.inc("reconciled", "removed")
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.workers) as ex:
             results = list(ex.map(self.fix_rules, found.enrolled.values()))
+            for pod in found.enrolled.values():
+                ex.submit(self.clear_legacy, pod)
         for r in results:
             self.metrics.inc("reconciled", r)
+        for _ in range(found.gone):
+            self.metrics.inc("reconciled", "gone")
         if self.host_rules:
             for pod in found.enrolled.values():
                 if pod.ips:
@@ -65,7 +71,7 @@ class Reconciler:
                     jlog(logging.ERROR, "stale node set entries could not be removed", pod=owner, error=str(e))
         self.registry.replace(found.enrolled)
         jlog(logging.INFO, "reconciled", pods=len(found.enrolled), ms=round((time.monotonic() - t0) * 1e3, 1),
-             removed=len(found.unfinished), ignored=found.ignored,
+             removed=len(found.unfinished), gone=found.gone, ignored=found.ignored,
              **{r: results.count(r) for r in ("intact", "repaired", "failed")})
 
     def fix_rules(self, pod: PodRecord) -> str:
@@ -79,6 +85,16 @@ class Reconciler:
         except Exception as e:  # noqa: BLE001 - one pod never stops the agent
             jlog(logging.ERROR, "pod rules could not be repaired", pod=pod.uid, netns=pod.netns, error=str(e))
             return "failed"
+
+    def clear_legacy(self, pod: PodRecord) -> None:
+        """Remove an earlier release's record from the pod's netns (the record is on the node now)."""
+        try:
+            if self.ops.clear_legacy(pod.netns):
+                jlog(logging.INFO, "an earlier release's record inside the pod's netns removed", pod=pod.uid,
+                     netns=pod.netns)
+        except Exception as e:  # noqa: BLE001 - one pod never stops the agent
+            jlog(logging.WARNING, "an earlier release's in-pod record could not be removed", pod=pod.uid,
+                 netns=pod.netns, error=str(e))
 
     def resync(self, stopping: threading.Event | None = None) -> dict[str, int]:
         """While running: the start's repairs for the pods enrolled now (drifted rules, node probe
@@ -101,7 +117,7 @@ class Reconciler:
                 with reg.lock:
                     if reg.pods.get(pod.uid) is not pod:
                         continue  # added again or deleted meanwhile
-                if not self.ops.same_inode(pod.netns, pod.inode):
+                if not self.ops.same_netns(pod.netns, pod.key):
                     self.forget(pod)
                     r = "gone"
                 else:
@@ -116,7 +132,7 @@ class Reconciler:
         return counts
 
     def forget(self, pod: PodRecord) -> None:
-        """Drop a pod whose netns is gone: the proxies told, its node-set entries removed."""
+        """Drop a pod whose netns is gone: the proxies told, its node-set entries and record removed."""
         reg = self.registry
         with reg.lock:
             if reg.pods.get(pod.uid) is pod:
@@ -127,6 +143,13 @@ class Reconciler:
         if self.host_rules and pod.ips:
             with contextlib.suppress(RedirectError):
                 self.ops.remove_node_ips(pod.ips, pod.uid)
+        try:
+            rec = self.ops.read_record(pod.key)
+            if rec is not None and rec.get("uid") == pod.uid:
+                self.ops.clear_record(pod.key)
+        except (RedirectError, OSError, ValueError) as e:
+            jlog(logging.ERROR, "the record of a pod whose netns is gone could not be removed", pod=pod.uid,
+                 error=str(e))
         jlog(logging.WARNING, "pod netns is gone without a del: pod dropped", pod=pod.uid, netns=pod.netns)
 
     def loop(self, every: float, stopping: threading.Event) -> None:

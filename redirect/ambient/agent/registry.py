@@ -3,7 +3,8 @@
 ``pods`` are enrolled (their commit record written); ``enrolling`` ones have been handed to
 the proxies but not committed yet (a proxy that connects meanwhile gets them in its
 snapshot); ``claims`` says which add works in which netns (by inode). Everything here is
-memory: the kernel holds the truth, and a restarted agent reads it back (``reconcile``).
+memory: the records are in the agent's store on the node (``store``), the rest in the kernel,
+and a restarted agent reads them back (``reconcile``).
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ class Registry:
             self.pods[pod.uid] = pod
             self.counted()
 
-    def claim(self, pod: PodRecord, inode_now: Callable[[str, int], bool]) -> str | None:
+    def claim(self, pod: PodRecord, same_netns: Callable[[str, tuple[int, int]], bool]) -> str | None:
         """Claim ``pod``'s netns for its add: None, or the uid of the pod that holds it (enrolled,
-        being enrolled, or claimed). ``inode_now(path, inode)`` says whether a pod's netns is
+        being enrolled, or claimed). ``same_netns(path, key)`` says whether a pod's netns is
         still the one it was enrolled in (a pod whose netns is gone holds nothing)."""
         with self.lock:
             other = self.claims.get(pod.inode)
             for p in (*self.pods.values(), *self.enrolling.values()):
-                if other is None and p.uid != pod.uid and p.inode == pod.inode and inode_now(p.netns, p.inode):
+                if other is None and p.uid != pod.uid and p.key == pod.key and same_netns(p.netns, p.key):
                     other = p.uid
             if other is None or other == pod.uid:
                 self.claims[pod.inode] = pod.uid
