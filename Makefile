@@ -3,13 +3,18 @@
 #   make test   installs what it needs, then runs lint, types and the whole test suite
 PY := .venv/bin/python
 
-.PHONY: bootstrap demo test lint bench bench-quick clean
+.PHONY: bootstrap demo test lint image bench bench-quick clean
 
 bootstrap:
 	bash scripts/bootstrap.sh
 
 demo: bootstrap
 	$(PY) -m demo $(DEMO_ARGS)
+
+# The node image (redirect:<version>) as an OCI archive: build/redirect-image.tar (deploy/build-image.sh;
+# rebuilt only when what goes into it changed). Load it with: ctr -n k8s.io images import build/redirect-image.tar
+image: bootstrap
+	bash deploy/build-image.sh
 
 lint: bootstrap
 	.venv/bin/ruff check .

@@ -131,16 +131,21 @@ def test_the_daemonset_has_what_a_node_needs() -> None:
 
 
 def test_the_image_recipe_provides_what_the_manifests_run() -> None:
-    text = (DEPLOY / "Containerfile").read_text()
-    for line in text.splitlines():
-        if line.startswith("COPY "):
-            for src in line.split()[1:-1]:
-                assert (ROOT / src).exists(), f"Containerfile copies {src}, which is not in the tree"
+    """The image the manifests and ``redirect inject`` name is the one ``deploy/build-image.sh`` builds
+    (``redirect:<the package's version>``), and each container's executable is a console script of the
+    wheel, on the image's PATH. (tests/test_cri.py builds the image and runs these containers from it.)"""
+    from redirect.k8s import inject
+
+    text = (DEPLOY / "build-image.sh").read_text()
     setup = (ROOT / "setup.py").read_text()
-    path = re.search(r"^ENV PATH=(\S+)", text, re.M)
-    assert path is not None and "/opt/redirect/venv/bin" in path.group(1).split(":")
+    version = re.search(r'version="([^"]+)"', setup)
+    assert version is not None and "NAME=redirect:$version" in text
+    venv = re.search(r"^VENV=(\S+)", text, re.M)
+    path = re.search(r"^IMAGE_PATH=(\S+)", text, re.M)
+    assert venv is not None and path is not None and "$VENV/bin" in path.group(1).split(":")
+    image = f"redirect:{version.group(1)}"
     images = {c["image"] for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]}
-    assert images == {"redirect:0.1.0"} and 'version="0.1.0"' in setup and "redirect:0.1.0" in text
+    assert images == {image} and inject.DEFAULT_IMAGE == image
     for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]:
         exe = argv_of(c, {})[0]
         assert f'"{exe}=' in setup, f"{c['name']} runs {exe}, which setup.py does not install"
