@@ -44,6 +44,7 @@ from tests.ctrkit import (  # the containerd kit
     needs_containerd,
     wait_task,
 )
+from tests.kit import kubelet
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -70,30 +71,15 @@ def container(name: str) -> dict[str, Any]:
     return c
 
 
-_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def expand(arg: str, env: dict[str, str]) -> str:
-    """The kubelet's ``$(VAR)`` expansion of a command argument (``$$`` is a literal ``$``)."""
-    return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), arg)
-
-
 def container_env(c: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
-    """The container's environment: literal values, downward-API fields, ConfigMap keys."""
-    data = the("ConfigMap")["data"]
-    out: dict[str, str] = {}
-    for e in c.get("env", []):
-        if "value" in e:
-            out[e["name"]] = expand(e["value"], out)
-        elif "fieldRef" in e.get("valueFrom", {}):
-            out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            out[e["name"]] = data[e["valueFrom"]["configMapKeyRef"]["key"]]
-    return out
+    """The container's environment, with the manifest's ConfigMap (``tests.kit.kubelet.container_env``)."""
+    cm = the("ConfigMap")
+    return kubelet.container_env(c, fields, {cm["metadata"]["name"]: cm["data"]})
 
 
 def argv_of(c: dict[str, Any], env: dict[str, str]) -> list[str]:
-    return [expand(a, env) for a in [*c.get("command", []), *c.get("args", [])]]
+    command, args = kubelet.argv_of(c, env)
+    return [*command, *args]
 
 
 # --- offline: schemas and consistency -----------------------------------------------------------
