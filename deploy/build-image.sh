@@ -17,7 +17,7 @@
 #   2. the redirect wheel installed into that venv (its console scripts on PATH).
 # The archive is rebuilt only when what goes into it changed: build/redirect-image.tar.key holds
 # the hash of this file and of the tree's files that make the wheel (redirect/, native/,
-# setup.py, pyproject.toml).
+# setup.py, pyproject.toml, README.md), which are copied aside and built from there.
 #
 # Environment: REDIRECT_IMAGE_OUT (default build/redirect-image.tar), PYTHON (a Python with pip
 # to build the wheel; default .venv/bin/python, else python3), APT_SOURCES (a sources file for
@@ -47,12 +47,15 @@ exec 9>"$WORK/.lock"
 flock 9
 
 # --- what goes into the image, hashed ----------------------------------------------------------
+# The tree's files the wheel is made of: tracked or new, not ignored (never a build product of the
+# tree: a stale native module, a plugin binary, setuptools' build/lib).
+SOURCES=(redirect native setup.py pyproject.toml MANIFEST.in README.md)
 wheel_inputs() {
   if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-    git ls-files -co --exclude-standard -- redirect native setup.py pyproject.toml MANIFEST.in
+    git ls-files -co --exclude-standard -- "${SOURCES[@]}"
   else
-    find redirect native setup.py pyproject.toml -type f ! -path '*/__pycache__/*' ! -name '*.pyc' \
-      ! -name '_native*' ! -name '*.o' ! -name 'redirect-cni-thin'
+    find "${SOURCES[@]}" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '_native*' ! -name '*.o' \
+      ! -name 'redirect-cni-thin' 2>/dev/null
   fi | LC_ALL=C sort | while read -r f; do [ -f "$f" ] && printf '%s\n' "$f"; done
 }
 digest() { sha256sum "$@" | sha256sum | cut -c1-16; }
@@ -65,11 +68,14 @@ if [ -f "$OUT" ] && [ "$(cat "$OUT.key" 2>/dev/null)" = "$key" ]; then
 fi
 t0=$SECONDS
 
-# --- the wheel of this tree --------------------------------------------------------------------
-rm -rf "$WORK/wheel"
+# --- the wheel of this tree, built from a clean copy of those files (as from an sdist) ---------
+rm -rf "$WORK/wheel" "$WORK/src"
+mkdir -p "$WORK/src"
 log "building the wheel of this tree"
-"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WORK/wheel" . \
+cp --parents -a "${inputs[@]}" "$WORK/src/"
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WORK/wheel" "$WORK/src" \
   2> >(grep -v 'is ignored: it is neither' >&2)
+rm -rf "$WORK/src"
 wheel=$(ls "$WORK"/wheel/redirect-*.whl)
 version=$(basename "$wheel" | cut -d- -f2)
 NAME=redirect:$version
