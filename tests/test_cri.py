@@ -168,18 +168,26 @@ class Cluster:
         return [e for e in json_events(self.kubelet.logs(self.ds, "node-proxy"))
                 if e.get("event") == "accept" and e.get("pod") == uid]
 
-    def nothing_of_ours(self, uid: str) -> list[str]:
-        """What is left on the node of the pod ``uid``: agent enrolments, node-set entries, eBPF
-        registrations, netns pins the CRI plugin made, CNI results."""
-        left = []
+    def ours(self, run: PodRun) -> list[str]:
+        """What of ours the node holds for the pod: its agent enrolment, node-set entries, eBPF
+        registrations (every registered pod: the DaemonSet's pod has none)."""
+        out = []
         if os.path.exists(self.agent_socket):
-            left += [f"agent: {p}" for p in agent_client.list_pods(self.agent_socket) if uid in str(p.get("uid"))]
-        left += [f"node set: {ip}" for ip, owner in node_rules.list_pods(self.node.name).items() if uid in str(owner)]
+            out += [f"agent: {p}" for p in agent_client.list_pods(self.agent_socket) if run.uid in str(p.get("uid"))]
+        out += [f"node set: {ip}" for ip, owner in node_rules.list_pods(self.node.name).items()
+                if run.uid in str(owner) or ip == run.ip]
         if self.backend == "ebpf":
             from redirect.backends import ebpf
 
-            left += [f"ebpf pod {c}" for c in ebpf.registered_pods(self.node.bpf_root)]
-        return left
+            out += [f"ebpf pod {c}" for c in ebpf.registered_pods(self.node.bpf_root)]
+        return out
+
+    def left_behind(self, run: PodRun) -> list[str]:
+        """What is left of a removed pod: the above, its netns pin, the CNI results cached for it."""
+        results = self.node.view("/var/lib/cni/results")
+        cached = [f.name for f in results.iterdir() if run.sandbox_id in f.name] if results.is_dir() else []
+        pin = [run.pin] if run.pin and self.node.view(run.pin).exists() else []
+        return [*self.ours(run), *pin, *cached]
 
 
 @pytest.fixture(scope="module")
@@ -370,8 +378,7 @@ def test_a_pod_on_the_node_is_captured_and_leaves_nothing_when_removed(cluster: 
         assert accept["orig_dst"] == [node.gateway, 7070], accept
         k.remove(run)
         removed = True
-        assert cluster.nothing_of_ours(run.uid) == []
-        assert run.pin and not node.view(run.pin).exists()
+        assert run.pin and cluster.left_behind(run) == []
     finally:
         for lst in listeners:
             lst.close()
@@ -385,7 +392,7 @@ def test_a_kube_system_pod_is_left_alone(cluster: Cluster, backend: str) -> None
     run = k.run_pod(cluster.app_pod(f"dns-{os.urandom(2).hex()}", "kube-system"))
     listeners = cluster.listeners()
     try:
-        assert cluster.nothing_of_ours(run.uid) == []
+        assert cluster.ours(run) == []
         assert nc(k, run, node.gateway, 7070) == "node-7070"
         assert listeners[2].wait_for(1)[-1].peer[0] == run.ip
         assert cluster.accepts(run.uid) == []  # straight to the node, not through the node proxy
@@ -402,6 +409,7 @@ def test_a_bad_annotation_fails_run_pod_sandbox_naming_it_and_leaves_nothing(clu
     k, node = cluster.kubelet, cluster.node
     pins = set(os.listdir(node.view("/run/netns")))
     leases = set(os.listdir(node.view("/var/lib/cni/networks/rdrt-pods")))
+    cached = set(os.listdir(node.view("/var/lib/cni/results")))
     pod = cluster.app_pod(f"bad-{os.urandom(2).hex()}", annotations={T + "excludeOutboundPorts": "22,ssh"})
     with pytest.raises(Exception) as e:
         k.sandbox(pod)
@@ -411,6 +419,7 @@ def test_a_bad_annotation_fails_run_pod_sandbox_naming_it_and_leaves_nothing(clu
     assert pod["metadata"]["name"] not in names
     assert set(os.listdir(node.view("/run/netns"))) == pins
     assert set(os.listdir(node.view("/var/lib/cni/networks/rdrt-pods"))) == leases
+    assert set(os.listdir(node.view("/var/lib/cni/results"))) == cached
     assert [p for p in agent_client.list_pods(cluster.agent_socket) if p.get("name") == pod["metadata"]["name"]] == []
     assert node_rules.list_pods(node.name) == {}
     if backend == "ebpf":
