@@ -3,13 +3,24 @@
 #   make test   installs what it needs, then runs lint, types and the whole test suite
 PY := .venv/bin/python
 
-.PHONY: bootstrap demo test lint wheel bench bench-quick clean
+.PHONY: bootstrap demo test lint wheel image image-background bench bench-quick clean
 
 bootstrap:
 	bash scripts/bootstrap.sh
 
 demo: bootstrap
 	$(PY) -m demo $(DEMO_ARGS)
+
+# The node image (redirect:<version>) as an OCI archive: build/redirect-image.tar (deploy/build-image.sh;
+# rebuilt only when what goes into it changed). Load it with: ctr -n k8s.io images import build/redirect-image.tar
+image: bootstrap
+	bash deploy/build-image.sh
+
+# make test starts it in the background, so that the build overlaps lint and the first tests;
+# tests/test_cri.py waits for it (the recipe's lock) and builds it itself if it is still missing.
+image-background: bootstrap
+	@mkdir -p build
+	@setsid bash deploy/build-image.sh > build/image-build.log 2>&1 < /dev/null &
 
 lint: bootstrap
 	.venv/bin/ruff check .
@@ -19,7 +30,7 @@ lint: bootstrap
 # then the kernel tests; each test runs once. Exit 5 is pytest's "nothing selected" (PYTEST_ARGS
 # may select only one kind).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
-test: lint
+test: image-background lint
 	$(PYTEST) -m noroot $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 	$(PYTEST) -m "not noroot" $(PYTEST_ARGS) tests || [ $$? -eq 5 ]
 

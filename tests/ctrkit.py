@@ -93,7 +93,7 @@ def running_containerd() -> Iterator[Containerd]:
             proc.wait(5)
         log.close()
         # shims outlive containerd by design; ours exit once their task is gone, but be sure
-        for pid in _shims_of(ctd.sock):
+        for pid in shims_of(ctd.sock):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for m in reversed(open("/proc/self/mounts").read().split("\n")):
@@ -109,7 +109,7 @@ def containerd() -> Iterator[Containerd]:
         yield ctd
 
 
-def _shims_of(sock: str) -> list[int]:
+def shims_of(sock: str) -> list[int]:
     """Pids of containerd shims started for the containerd at ``sock`` (only those)."""
     out = []
     for d in os.listdir("/proc"):

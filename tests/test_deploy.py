@@ -48,7 +48,7 @@ from tests.ctrkit import (  # the containerd kit
     needs_containerd,
     wait_task,
 )
-from tests.kit import secctx
+from tests.kit import kubelet, secctx
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -75,30 +75,15 @@ def container(name: str) -> dict[str, Any]:
     return c
 
 
-_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def expand(arg: str, env: dict[str, str]) -> str:
-    """The kubelet's ``$(VAR)`` expansion of a command argument (``$$`` is a literal ``$``)."""
-    return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), arg)
-
-
 def container_env(c: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
-    """The container's environment: literal values, downward-API fields, ConfigMap keys."""
-    data = the("ConfigMap")["data"]
-    out: dict[str, str] = {}
-    for e in c.get("env", []):
-        if "value" in e:
-            out[e["name"]] = expand(e["value"], out)
-        elif "fieldRef" in e.get("valueFrom", {}):
-            out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            out[e["name"]] = data[e["valueFrom"]["configMapKeyRef"]["key"]]
-    return out
+    """The container's environment, with the manifest's ConfigMap (``tests.kit.kubelet.container_env``)."""
+    cm = the("ConfigMap")
+    return kubelet.container_env(c, fields, {cm["metadata"]["name"]: cm["data"]})
 
 
 def argv_of(c: dict[str, Any], env: dict[str, str]) -> list[str]:
-    return [expand(a, env) for a in [*c.get("command", []), *c.get("args", [])]]
+    command, args = kubelet.argv_of(c, env)
+    return [*command, *args]
 
 
 # --- offline: schemas and consistency -----------------------------------------------------------
@@ -136,17 +121,21 @@ def test_the_daemonset_has_what_a_node_needs() -> None:
 
 
 def test_the_image_recipe_provides_what_the_manifests_run() -> None:
-    text = (DEPLOY / "Containerfile").read_text()
-    for line in text.splitlines():
-        if line.startswith("COPY "):
-            for src in line.split()[1:-1]:
-                assert (ROOT / src).exists(), f"Containerfile copies {src}, which is not in the tree"
+    """The image the manifests and ``redirect inject`` name is the one ``deploy/build-image.sh`` builds
+    (``redirect:<the package's version>``), and each container's executable is a console script of the
+    wheel, on the image's PATH. (tests/test_cri.py builds the image and runs these containers from it.)"""
+    from redirect.k8s import inject
+
+    text = (DEPLOY / "build-image.sh").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    path = re.search(r"^ENV PATH=(\S+)", text, re.M)
-    assert path is not None and "/opt/redirect/venv/bin" in path.group(1).split(":")
+    version = project["version"]
+    assert "NAME=redirect:$version" in text
+    venv = re.search(r"^VENV=(\S+)", text, re.M)
+    path = re.search(r"^IMAGE_PATH=(\S+)", text, re.M)
+    assert venv is not None and path is not None and "$VENV/bin" in path.group(1).split(":")
+    image = f"redirect:{version}"
     images = {c["image"] for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]}
-    tag = f"redirect:{project['version']}"
-    assert images == {tag} and tag in text
+    assert images == {image} and inject.DEFAULT_IMAGE == image
     for c in the("DaemonSet")["spec"]["template"]["spec"]["containers"]:
         exe = argv_of(c, {})[0]
         assert exe in project["scripts"], f"{c['name']} runs {exe}, which the package does not install"
