@@ -487,6 +487,28 @@ def test_annotations_from_runtime_config_apply(pod: Pod) -> None:
         assert cni("DEL", conf, pod.path)[0] == 0
 
 
+def test_null_annotations_are_none_as_containerd_sends_them(pod: Pod) -> None:
+    """containerd's CRI passes ``null`` as the pod annotations of a pod that has none: captured
+    with the entry's config, like a pod with ``{}``."""
+    conf = netconf(runtimeConfig={"io.kubernetes.cri.pod-annotations": None})
+    with TcpListener(pod.name, 15001, label="proxy") as proxy, \
+            TcpListener(pod.peer_name, 8080, label="app") as app, TcpListener(pod.peer_name, 8081, label="db") as db:
+        assert cni("ADD", conf, pod.path, args="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web")[0] == 0
+        assert where(pod, 8080, proxy, app, db)[0] == "proxy"
+        assert cni("DEL", conf, pod.path)[0] == 0
+    assert not ours_installed(pod.name)
+
+
+def test_a_pod_redirect_inject_gave_its_init_container_is_left_to_it(pod: Pod) -> None:
+    """A pod carrying ``redirect/inject-status`` gets its capture from its own init container: the
+    plugin installs nothing, in either mode (ambient capture would stack on the sidecar's)."""
+    status = {"redirect/inject-status": '{"initContainers":["redirect-init"]}'}
+    for mode in ("sidecar", "ambient"):
+        conf = netconf(mode=mode, runtimeConfig={"io.kubernetes.cri.pod-annotations": status})
+        rc, out = cni("ADD", conf, pod.path, args="K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web")
+        assert rc == 0 and out == PREV and not ours_installed(pod.name), (mode, out)
+
+
 def test_excluded_namespace_and_opt_out_are_not_captured(pod: Pod) -> None:
     kube_system = "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=dns"
     for conf in (netconf(), netconf(excludeNamespaces=["kube-system"])):  # kube-system by default, as Istio's CNI

@@ -122,6 +122,8 @@ def encode_annotations(annotations: Mapping[str, str]) -> str:
 
 
 def _annotation_map(source: str, value: object) -> dict[str, str]:
+    if value is None:  # (containerd's CRI sends null for a pod without annotations)
+        return {}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise CniError(E_ANNOTATION, f"{source}: pod annotations must be a JSON object of strings to strings",
                        brief(value))

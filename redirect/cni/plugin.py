@@ -221,7 +221,7 @@ def _env(name: str, env: Mapping[str, str], required: bool = True) -> str:
 def _pod_config(pc: PluginConf, env: Mapping[str, str], log: Any) -> Any | None:
     """The pod's RedirectConfig, or None when the pod is not to be captured."""
     from ..errors import ConfigError
-    from ..istio.annotations import config_from_annotations, wants_capture
+    from ..istio.annotations import config_from_annotations, injected, wants_capture
 
     cni_args = parse_cni_args(env.get("CNI_ARGS", ""))
     pod_ns = cni_args.get("K8S_POD_NAMESPACE", "")
@@ -234,6 +234,9 @@ def _pod_config(pc: PluginConf, env: Mapping[str, str], log: Any) -> Any | None:
     try:
         if not wants_capture(annotations):
             log.info("pod %s: opted out by annotation, not captured", pod)
+            return None
+        if injected(annotations):
+            log.info("pod %s: injected by redirect inject (its init container captures it), not captured here", pod)
             return None
         return config_from_annotations(annotations, base)
     except ConfigError as e:

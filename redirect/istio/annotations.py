@@ -50,6 +50,8 @@ PROXY_UID = "sidecar.istio.io/proxyUID"
 PROXY_GID = "sidecar.istio.io/proxyGID"
 REROUTE = "istio.io/reroute-virtual-interfaces"
 KUBEVIRT = "traffic.sidecar.istio.io/kubevirtInterfaces"
+#: Ours: what ``redirect inject`` added to the pod (its init container installs the pod's capture).
+INJECTED = "redirect/inject-status"
 
 _T = "traffic.sidecar.istio.io/"
 #: Annotation -> RedirectConfig field, for the ones that map one to one.
@@ -85,6 +87,13 @@ def wants_capture(annotations: Mapping[str, Any]) -> bool:
         return False
     mode = annotations.get(INTERCEPTION_MODE)
     return not (mode is not None and _text(INTERCEPTION_MODE, mode).upper() == "NONE")
+
+
+def injected(annotations: Mapping[str, Any]) -> bool:
+    """True when ``redirect inject`` gave the pod its init container (``redirect/inject-status``):
+    that container installs the pod's capture, so the CNI plugin leaves the pod alone (as Istio's
+    CNI plugin leaves alone the pods its injector gave an init container)."""
+    return INJECTED in annotations
 
 
 def config_from_annotations(

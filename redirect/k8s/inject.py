@@ -45,13 +45,13 @@ from typing import Any
 
 from ..config import RedirectConfig
 from ..errors import ConfigError
-from ..istio.annotations import PROXY_GID, PROXY_UID, config_from_annotations, wants_capture
+from ..istio.annotations import INJECTED, PROXY_GID, PROXY_UID, config_from_annotations, wants_capture
 from ..istio.flags import BOOL_FLAGS, STRING_FLAGS, config_from_istio_args
 
 DEFAULT_IMAGE = "redirect:0.1.0"
 INIT_NAME = "redirect-init"
 PROXY_NAME = "redirect-proxy"
-STATUS = "redirect/inject-status"
+STATUS = INJECTED
 READY_URL = "http://localhost:15020/healthz/ready"
 #: Backends ``redirect init`` can be told to use from its istio-iptables flags.
 BACKENDS = {"iptables": [], "iptables-legacy": ["--force-iptables-binary", "iptables-legacy"],

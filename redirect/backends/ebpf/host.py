@@ -77,7 +77,16 @@ def _root(root: str | None) -> str:
 
 
 def _cgroup(cgroup: str | None) -> str:
-    return cgroup or os.environ.get("REDIRECT_BPF_CGROUP") or DEFAULT_CGROUP
+    """The cgroup v2 directory the host programs attach to: ``cgroup``, else ``$REDIRECT_BPF_CGROUP``,
+    else the cgroup v2 root of the host (``/sys/fs/cgroup/unified`` on a hybrid host, else
+    ``/sys/fs/cgroup``). A directory given that is not cgroup v2 but has it as ``unified`` (a hybrid
+    host's ``/sys/fs/cgroup``) stands for that child: a container given the node's
+    ``/sys/fs/cgroup`` finds the node's cgroup v2 root whatever the node's layout."""
+    given = cgroup or os.environ.get("REDIRECT_BPF_CGROUP")
+    for c in ((given, os.path.join(given, "unified")) if given else (DEFAULT_CGROUP, "/sys/fs/cgroup")):
+        if os.path.isfile(os.path.join(c, "cgroup.controllers")):  # (only cgroup v2 directories have it)
+            return c
+    return given or DEFAULT_CGROUP
 
 
 def _is_bpffs(path: str) -> bool:
