@@ -78,8 +78,19 @@ def choose_auto(cfg: RedirectConfig | None) -> str:
     return choice
 
 
+def _netfilter_refusal(name: str, cfg: RedirectConfig | None) -> None:
+    """``BackendUnavailable`` naming the option of ``cfg`` that only the eBPF backend implements
+    (the mirror of the eBPF backend's ``entries._unsupported``); nothing is installed."""
+    if cfg is not None and cfg.sockmap:
+        raise BackendUnavailable(
+            f"backend={name}: sockmap=True is not available with {kind_of(name)} (it pairs the two ends of a"
+            " connection in a BPF sockmap, which only the eBPF backend installs); use backend=ebpf")
+
+
 def get_backend(name: str, cfg: RedirectConfig | None) -> Backend:
     """The backend object for ``name``; ``BackendUnavailable`` names what is missing."""
+    if name in ("iptables", "iptables-legacy", "iptables-nft", "nftables"):
+        _netfilter_refusal(name, cfg)
     if name == "iptables":
         from .iptables import IptablesBackend
 

@@ -71,6 +71,8 @@ class Intent:
     exclude_interfaces: tuple[str, ...]
     reroute_interfaces: tuple[str, ...]
     drop_invalid: bool
+    #: The app <-> proxy connections are paired in a sockmap (eBPF only).
+    sockmap: bool
     # --- inbound ---
     #: Inbound TCP is captured at all (``inbound_ports`` not empty).
     inbound: bool
@@ -150,6 +152,8 @@ class AmbientIntent:
     dns: bool
     #: Interfaces whose inbound TCP goes to the outbound port.
     reroute_interfaces: tuple[str, ...]
+    #: The app <-> node proxy connections are paired in a sockmap (eBPF only).
+    sockmap: bool
     #: Per family, the host address kubelet probes come from: they reach the app directly.
     probe_sources: tuple[tuple[Family, str], ...]
     #: Per family, loopback: never captured.
@@ -170,7 +174,7 @@ def ambient_intent_of(cfg: RedirectConfig) -> AmbientIntent:
         proxy_port=cfg.proxy_port, inbound_port=cfg.inbound_port, tunnel_port=cfg.tunnel_port,
         dns_port=cfg.dns_port, proxy_mark=cfg.proxy_mark, mark_mask=cfg.proxy_mark_mask, conn_mark=cfg.conn_mark,
         route_table=cfg.route_table, inbound=not cfg.bypass_inbound_capture, dns=cfg.dns_capture,
-        reroute_interfaces=cfg.reroute_interfaces,
+        reroute_interfaces=cfg.reroute_interfaces, sockmap=cfg.sockmap,
         probe_sources=((4, f"{cfg.probe_snat_ipv4}/32"), (6, f"{cfg.probe_snat_ipv6}/128")),
         loopback=((4, "127.0.0.1/32"), (6, LOOPBACK_V6)), ipv6=cfg.ipv6,
     )
@@ -212,6 +216,7 @@ def intent_of(cfg: RedirectConfig) -> Intent:
         exclude_interfaces=cfg.exclude_interfaces,
         reroute_interfaces=cfg.reroute_interfaces,
         drop_invalid=cfg.drop_invalid,
+        sockmap=cfg.sockmap,
         inbound=inbound,
         inbound_all=inbound_all,
         inbound_exclude_ports=cfg.inbound_exclude_ports if inbound_all else (),

@@ -78,6 +78,8 @@ class EbpfPolicy:
     #: ``reroute_interfaces`` is not empty: inbound arriving on an ``iface_reroute`` interface goes to
     #: the outbound port (to an ``out_include*`` CIDR unless ``out_all``).
     reroute_if: bool = False
+    #: ``sockmap``: the pod's app <-> proxy connections are paired (``redirect/bpf/sockmap.c``).
+    sockmap: bool = False
     #: Ambient mode: the node proxy's sockets carry ``proxy_mark`` under ``mark_mask``; its
     #: transparent connections to the app carry ``conn_mark`` (the owner fields are unused).
     ambient: bool = False
@@ -140,7 +142,7 @@ def lower_ebpf(it: Intent | AmbientIntent, families: tuple[int, ...]) -> EbpfEnt
         uid0=uids[0] if uids else (0, 0), n_uids=len(uids), gid0=gids[0] if gids else (0, 0), n_gids=len(gids),
         groups_mode=it.groups_mode, group0=groups[0] if groups else (0, 0), n_groups=len(groups),
         tproxy=it.interception == "TPROXY", tproxy_mark=it.tproxy_mark if it.interception == "TPROXY" else 0,
-        excl_if=bool(it.exclude_interfaces), reroute_if=bool(it.reroute_interfaces),
+        excl_if=bool(it.exclude_interfaces), reroute_if=bool(it.reroute_interfaces), sockmap=it.sockmap,
     )
     ports: dict[tuple[PortKind, int], None] = {}
     for p in it.outbound_exclude_ports:
@@ -182,7 +184,7 @@ def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
         out_all=False, dns=it.dns, dns_all=False, incl_loopback=False, inbound=it.inbound, inbound_all=False,
         v6=6 in families, loopback4=it.loopback_of(4), uid0=(0, 0), n_uids=0, gid0=(0, 0), n_gids=0,
         groups_mode="all", group0=(0, 0), n_groups=0, tproxy=False, tproxy_mark=0, excl_if=False,
-        reroute_if=bool(it.reroute_interfaces), ambient=True, proxy_mark=it.proxy_mark, mark_mask=it.mark_mask,
+        reroute_if=bool(it.reroute_interfaces), sockmap=it.sockmap, ambient=True, proxy_mark=it.proxy_mark, mark_mask=it.mark_mask,
         conn_mark=it.conn_mark,
     )
     cidrs = tuple(_cidr_spec(c, "probe4", "probe6") for f, c in it.probe_sources if f in families)

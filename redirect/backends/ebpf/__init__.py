@@ -48,7 +48,7 @@ Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient
 ``redirect/bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
 ambient pod has the plan's policy route by the connection mark and ``tcp_fwmark_accept`` on
 (``backend``), through which the node proxy's transparent connections to the app get their replies
-(``redirect/bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
+(``redirect/bpf/sockopt.c: local_connect``); a sidecar with TPROXY has the same for its proxy's
 (the plan's route by ``tproxy_mark``).
 
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming

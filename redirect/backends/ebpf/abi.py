@@ -103,10 +103,15 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
     # The filters on the interfaces of pods that forward (``.tc``): no attach type of their own.
     "rdr_tc_ingress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
     "rdr_tc_egress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
+    # Every send of a socket in ``pairs`` (sockmap: ``redirect/bpf/sockmap.c``), attached to that map.
+    "rdr_sk_msg": (const("BPF_PROG_TYPE_SK_MSG"), const("BPF_SK_MSG_VERDICT"), False),
 }
+#: Programs attached to a map of ours at load (the map holds them; no link): program -> map.
+MAP_ATTACHED = {"rdr_sk_msg": "pairs"}
 SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
 MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool")
+        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool",
+        "pairs", "pair_state", "pair_tcp")
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
@@ -118,6 +123,8 @@ CIDR_KEY = layout("cidr_key").struct
 ORIG = layout("orig_dst", raw=("port_be",)).struct
 TUPLE_KEY = layout("tuple_key", raw=("port_be",)).struct
 LISTENER_KEY = layout("listener_key").struct
+PAIR_KEY = layout("pair_key", raw=("lport_be", "rport_be")).struct
+PAIR_STATE = layout("pair_state").struct
 INV_KEY = layout("inv_key").struct
 INV_VAL = layout("inv_val").struct
 INV_CHUNK = const("RDR_INV_CHUNK")  # keys per inventory entry
@@ -130,8 +137,8 @@ GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys
 U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
 
-F_EXCL_IF, F_REROUTE, F_AMBIENT, F_FWMARK_ACCEPT_OURS = (
-    const(f"RDR_F_{n}") for n in ("EXCL_IF", "REROUTE", "AMBIENT", "FWMARK_ACCEPT_OURS"))
+F_EXCL_IF, F_REROUTE, F_AMBIENT, F_FWMARK_ACCEPT_OURS, F_SOCKMAP = (
+    const(f"RDR_F_{n}") for n in ("EXCL_IF", "REROUTE", "AMBIENT", "FWMARK_ACCEPT_OURS", "SOCKMAP"))
 F_OUT_ALL, F_DNS, F_DNS_ALL, F_INCL_LOOPBACK, F_INBOUND, F_INBOUND_ALL, F_V6, F_TPROXY = (
     const(f"RDR_F_{n}") for n in ("OUT_ALL", "DNS", "DNS_ALL", "INCL_LOOPBACK", "INBOUND", "INBOUND_ALL", "V6",
                                   "TPROXY"))

@@ -48,6 +48,7 @@ from .abi import (
     F_INCL_LOOPBACK,
     F_OUT_ALL,
     F_REROUTE,
+    F_SOCKMAP,
     F_TPROXY,
     F_V6,
     GEN_BIT,
@@ -132,7 +133,7 @@ def _policy_core(policy: bytes) -> bytes:
 
 def replies_by_mark(flags: int) -> bool:
     """Whether a pod with policy ``flags`` has a proxy's transparent connections to the app answered
-    by the mark of their SYN (``redirect/bpf/sockopt.c``, ``transparent_connect``): inbound capture in ambient
+    by the mark of their SYN (``redirect/bpf/sockopt.c``, ``local_connect``): inbound capture in ambient
     mode (the node proxy) or with TPROXY (a sidecar's ``original_src``). The app's side then takes
     the plan's policy route by that mark, which needs ``net.ipv4.tcp_fwmark_accept`` on in the pod."""
     return bool(flags & F_INBOUND and flags & (F_AMBIENT | F_TPROXY))
@@ -177,7 +178,8 @@ def _intent_entries(it: Intent | AmbientIntent, families: tuple[int, ...]) -> tu
     flags = sum(bit for on, bit in ((p.out_all, F_OUT_ALL), (p.dns, F_DNS), (p.dns_all, F_DNS_ALL),
                                      (p.incl_loopback, F_INCL_LOOPBACK), (p.inbound, F_INBOUND),
                                      (p.inbound_all, F_INBOUND_ALL), (p.v6, F_V6), (p.tproxy, F_TPROXY),
-                                     (p.excl_if, F_EXCL_IF), (p.reroute_if, F_REROUTE), (p.ambient, F_AMBIENT)) if on)
+                                     (p.excl_if, F_EXCL_IF), (p.reroute_if, F_REROUTE), (p.ambient, F_AMBIENT),
+                                     (p.sockmap, F_SOCKMAP)) if on)
     lo = ipaddress.ip_network(p.loopback4)
     groups_mode = {"all": GROUPS_ALL, "only": GROUPS_ONLY, "exclude": GROUPS_EXCLUDE}[p.groups_mode]
     policy = POLICY.pack(
@@ -274,7 +276,7 @@ def _fmt_policy(raw: bytes) -> str:
     flags = v[P_FLAGS]
     names = {F_OUT_ALL: "out_all", F_DNS: "dns", F_DNS_ALL: "dns_all", F_INCL_LOOPBACK: "incl_loopback",
              F_INBOUND: "inbound", F_INBOUND_ALL: "inbound_all", F_V6: "v6", F_TPROXY: "tproxy", F_EXCL_IF: "excl_if",
-             F_REROUTE: "reroute_if", F_AMBIENT: "ambient"}
+             F_REROUTE: "reroute_if", F_AMBIENT: "ambient", F_SOCKMAP: "sockmap"}
     on = [n for bit, n in names.items() if flags & bit]
     f = {name: v[i] for name, i in POLICY_LAYOUT.index.items()}
 

@@ -27,8 +27,11 @@ from .abi import (
     INV_KEY,
     INV_VAL,
     LISTENER_KEY,
+    MAP_ATTACHED,
     MAPS,
     ORIG,
+    PAIR_KEY,
+    PAIR_STATE,
     POLICY,
     PORT_KEY,
     PROGRAMS,
@@ -61,7 +64,7 @@ DEFAULT_CGROUP = "/sys/fs/cgroup/unified"
 BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
-SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
+SOURCES = ("policy.h", "sock_addr.c", "sockmap.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
 
 
 def _root(root: str | None) -> str:
@@ -417,6 +420,7 @@ def _map_sizes() -> dict[str, tuple[int, int]]:
         "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
         "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
         "lookup_free": (0, 4), "lookup_pool": (4, 4),
+        "pairs": (PAIR_KEY.size, 4), "pair_state": (PAIR_KEY.size, PAIR_STATE.size), "pair_tcp": (4, 8),
     }
 
 
@@ -501,6 +505,12 @@ def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
 
         _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
                                                 0), "update lookup_prog")
+        # sk_msg programs go on their map (the map holds them: a paired socket keeps both).
+        for name, mname in MAP_ATTACHED.items():
+            try:
+                BPF.attach_func(fns[name], table(mname), PROGRAMS[name][1])
+            except Exception as e:
+                raise BackendUnavailable(f"ebpf: attaching {name} to map {mname} failed: {e}") from None
         # The first batch of the pods' own sk_lookup programs (``.pool``).
         hint = fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
                     table("lookup_free"), 0, keep=(kept, n_kept))

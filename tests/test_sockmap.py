@@ -1,0 +1,143 @@
+"""``sockmap=True`` on the eBPF backend: the pod's app <-> proxy connections paired in a sockmap.
+
+Every case runs with the field on and off, on real sockets in a real pod: the app's captured
+connection and the proxy's accepted end (``tests/kit/sockprobe.c`` for what an application sees
+call by call; Python sockets where a test looks at the map). What the kernel does differently
+for paired sockets (``docs/kernel-facts.md``, "Sockmap") is asserted as such, so a kernel that
+changes it fails here and the documentation gets updated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import redirect
+from redirect.config import RedirectConfig
+from redirect.errors import BackendUnavailable
+from tests import netkit
+from tests.netkit import Pod, TcpListener
+
+PROXY_UID = 1337
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def sockprobe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``tests/kit/sockprobe.c``, compiled for this run."""
+    exe = str(tmp_path_factory.mktemp("sockprobe") / "sockprobe")
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", exe, os.path.join(HERE, "kit", "sockprobe.c"), "-lpthread"],
+                   check=True, capture_output=True, timeout=120)
+    return exe
+
+
+@pytest.fixture(params=[False, True], ids=["tcp", "sockmap"])
+def sockmap(request: pytest.FixtureRequest, ebpf_root: str) -> bool:
+    return bool(request.param)
+
+
+@contextlib.contextmanager
+def captured(pod: Pod, cfg: RedirectConfig) -> Iterator[None]:
+    redirect.setup(pod.name, cfg, backend="ebpf")
+    try:
+        yield
+    finally:
+        redirect.teardown(pod.name, backend="ebpf")
+
+
+def probe(exe: str, pod: Pod, *cases: str, timeout: float = 300) -> dict[str, dict[str, object]]:
+    """Run sockprobe's ``cases`` in the pod: its listener on the proxy's outbound port, its app
+    connecting to the peer's address (captured to that listener)."""
+    r = subprocess.run(["ip", "netns", "exec", pod.name, exe, "15001", pod.peer_ip4, "8080", *cases],
+                       capture_output=True, text=True, timeout=timeout)
+    out: dict[str, dict[str, object]] = {}
+    for line in r.stdout.splitlines():
+        rec = json.loads(line)
+        assert "error" not in rec, rec
+        out[str(rec["case"])] = rec
+    assert r.returncode == 0 and set(out) == set(cases), (r.returncode, r.stdout, r.stderr)
+    return out
+
+
+def pairs_of(root: str, cookie: int) -> set[tuple[str, int, str, int]]:
+    """The connection ends of netns ``cookie`` in the ``pairs`` sockhash: (local, port, remote, port)."""
+    from redirect.backends.ebpf.abi import PAIR_KEY
+    from redirect.backends.ebpf.syscalls import Map, obj_get
+
+    fd = obj_get(os.path.join(root, "maps", "pairs"))
+    try:
+        out = set()
+        for raw in Map("pairs", fd, PAIR_KEY.size, 4).keys():
+            netns, family, lport, rport, laddr, raddr = PAIR_KEY.unpack(raw)
+            if netns != cookie:
+                continue
+            n = 4 if family == socket.AF_INET else 16
+            af = socket.AF_INET if n == 4 else socket.AF_INET6
+            out.add((socket.inet_ntop(af, laddr[:n]), int.from_bytes(lport, "big"),
+                     socket.inet_ntop(af, raddr[:n]), int.from_bytes(rport, "big")))
+        return out
+    finally:
+        os.close(fd)
+
+
+def cookie_of(pod: Pod) -> int:
+    from redirect.backends.ebpf import current_netns_cookie
+
+    return int(netkit.in_netns(pod.name, current_netns_cookie))
+
+
+# --------------------------------------------------------------------------------- what apps see
+
+
+def test_writes_of_every_size_sendfile_and_splice_into_the_socket_arrive_intact(pod: Pod, sockmap: bool,
+                                                                                sockprobe: str) -> None:
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        res = probe(sockprobe, pod, "sizes", "sendfile", "splice_send")
+    assert res["sizes"]["intact"] == 1 and res["sizes"]["werr"] == 0, res["sizes"]
+    assert res["sendfile"]["intact"] == 1, res["sendfile"]
+    assert res["splice_send"]["intact"] == 1, res["splice_send"]
+
+
+def test_peek_fionread_half_close_and_epoll_behave_as_over_tcp(pod: Pod, sockmap: bool, sockprobe: str) -> None:
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        res = probe(sockprobe, pod, "peek", "fionread", "halfclose", "epoll", "blocking_read")
+    assert (res["peek"]["peeked"], res["peek"]["peek"], res["peek"]["read"]) == (5, "hello", 11), res["peek"]
+    assert (res["fionread"]["before"], res["fionread"]["after"]) == (11, 0), res["fionread"]
+    h = res["halfclose"]
+    assert (h["request"], h["rdhup"], h["response"], h["eof"]) == (7, 1, 8, 0), h
+    e = res["epoll"]
+    assert (e["empty"], e["first"], e["no_new_edge"], e["second"], e["read"], e["readable_after"], e["writable"]) == (
+        0, 1, 0, 1, 2, 0, 1), e
+    assert (res["blocking_read"]["eagain"], res["blocking_read"]["read"]) == (0, 2), res["blocking_read"]
+
+
+def test_what_the_kernel_does_differently_for_paired_sockets(pod: Pod, sockmap: bool, sockprobe: str) -> None:
+    """The receive side of a paired socket is the kernel's ``tcp_bpf``: splice from it never sees
+    the bytes, ``MSG_WAITALL`` returns what is there, a close with unread data sends a FIN, and a
+    writer to a reader that does not read never blocks. Off: TCP's answers."""
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        res = probe(sockprobe, pod, "splice_recv", "waitall", "close_unread", "slow_reader")
+    assert res["splice_recv"]["intact"] == (0 if sockmap else 1), res["splice_recv"]
+    assert res["waitall"]["got"] == (3 if sockmap else 7), res["waitall"]
+    c = res["close_unread"]
+    assert (c["read"], c["errno"]) == ((0, "") if sockmap else (-1, "ECONNRESET")), c
+    s = res["slow_reader"]
+    assert s["got"] == s["queued"], s  # nothing lost either way
+    if sockmap:
+        assert (s["writer_blocked"], s["queued"]) == (0, 64 << 20), s  # never blocked: the cap stopped it
+    else:
+        assert s["writer_blocked"] == 1 and s["queued"] < 64 << 20, s
+
+
+def test_a_thousand_concurrent_connections_of_random_sizes_arrive_intact(pod: Pod, sockmap: bool,
+                                                                        sockprobe: str) -> None:
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        res = probe(sockprobe, pod, "stress")["stress"]
+    assert res.get("hung") is None and (res["unfinished"], res["corrupt"]) == (0, 0), res
