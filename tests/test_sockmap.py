@@ -141,3 +141,144 @@ def test_a_thousand_concurrent_connections_of_random_sizes_arrive_intact(pod: Po
     with captured(pod, RedirectConfig(sockmap=sockmap)):
         res = probe(sockprobe, pod, "stress")["stress"]
     assert res.get("hung") is None and (res["unfinished"], res["corrupt"]) == (0, 0), res
+
+
+# ------------------------------------------------------------------------- which connections pair
+
+SO_ORIGINAL_DST = 80
+APP_UID = 1000
+
+
+def _listen(pod: Pod, port: int, family: int | None = None) -> socket.socket:
+    """A listener in the pod: dual-stack ``[::]`` (``family`` None, as squid or Envoy listen), or
+    on the family's wildcard."""
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_INET6 if family != 4 else socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family is None:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(("::" if family != 4 else "0.0.0.0", port))
+        s.listen(64)
+        s.settimeout(5)
+        return s
+    return netkit.in_netns(pod.name, make)  # type: ignore[no-any-return]
+
+
+def _connect(pod: Pod, dst: str, port: int, uid: int, src: str | None = None) -> socket.socket:
+    """A connection made in the pod by a task of ``uid`` (only its thread changes credentials)."""
+    from tests.kit.probes import _in_thread_as
+
+    def go() -> dict[str, object]:
+        s = socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(5)
+        if src is not None:
+            s.bind((src, 0))
+        s.connect((dst, port))
+        return {"sock": s}
+    res = _in_thread_as(pod.name, uid, uid, 5.0, go)
+    assert "sock" in res, res
+    return res["sock"]  # type: ignore[return-value]
+
+
+def _name(s: socket.socket) -> tuple[str, int]:
+    host, port = s.getsockname()[:2]
+    return (host.removeprefix("::ffff:"), port)
+
+
+def _peer(s: socket.socket) -> tuple[str, int]:
+    host, port = s.getpeername()[:2]
+    return (host.removeprefix("::ffff:"), port)
+
+
+def _exchange(a: socket.socket, b: socket.socket, n: int = 1 << 20) -> None:
+    """``n`` bytes each way, checked (a thread writes while this one reads)."""
+    for x, y in ((a, b), (b, a)):
+        data = os.urandom(n)
+        t = threading.Thread(target=x.sendall, args=(data,), daemon=True)
+        t.start()
+        got = bytearray()
+        while len(got) < n:
+            chunk = y.recv(n - len(got))
+            assert chunk, "EOF before all the bytes"
+            got += chunk
+        t.join(5)
+        assert bytes(got) == data
+
+
+def _ends(c: socket.socket, s: socket.socket) -> set[tuple[str, int, str, int]]:
+    """Both ends as the kernel has them (the app's ``getpeername`` names the original destination)."""
+    return {(*_name(c), *_name(s)), (*_name(s), *_peer(s))}
+
+
+@pytest.mark.parametrize("fam", [4, 6])
+def test_the_apps_captured_connection_and_the_proxys_end_of_it_are_paired(pod: Pod, sockmap: bool,
+                                                                          ebpf_root: str, fam: int) -> None:
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        lst = _listen(pod, 15001)
+        c = _connect(pod, pod.peer_ip(fam), 8080, APP_UID)
+        s, _ = lst.accept()
+        try:
+            level = socket.IPPROTO_IP if fam == 4 else socket.IPPROTO_IPV6
+            raw = s.getsockopt(level, SO_ORIGINAL_DST, 128)
+            port = int.from_bytes(raw[2:4], "big")
+            addr = socket.inet_ntop(socket.AF_INET, raw[4:8]) if fam == 4 else socket.inet_ntop(socket.AF_INET6,
+                                                                                                    raw[8:24])
+            assert (addr, port) == (pod.peer_ip(fam), 8080)
+            paired = pairs_of(ebpf_root, cookie_of(pod))
+            assert paired == (_ends(c, s) if sockmap else set())
+            _exchange(c, s)
+        finally:
+            for x in (c, s, lst):
+                x.close()
+
+
+def test_the_proxys_connection_to_the_app_is_paired_an_apps_own_local_one_is_not(pod: Pod, sockmap: bool,
+                                                                                 ebpf_root: str) -> None:
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        app = _listen(pod, 9090, 4)
+        cookie = cookie_of(pod)
+        try:
+            # The proxy's inbound hand-off, from the passthrough address as Envoy's is.
+            p = _connect(pod, pod.pod_ip4, 9090, PROXY_UID, src="127.0.0.6")
+            a, _ = app.accept()
+            assert pairs_of(ebpf_root, cookie) == (_ends(p, a) if sockmap else set())
+            _exchange(p, a)
+            # The app calling itself over lo: no proxy there, nothing paired.
+            c = _connect(pod, "127.0.0.1", 9090, APP_UID)
+            b, _ = app.accept()
+            assert pairs_of(ebpf_root, cookie) == (_ends(p, a) if sockmap else set())
+            _exchange(c, b, 4096)
+            for x in (p, a, c, b):
+                x.close()
+        finally:
+            app.close()
+
+
+def test_a_paired_connection_goes_on_intact_through_teardown(pod: Pod, sockmap: bool, ebpf_root: str) -> None:
+    """Teardown (and a setup without the field) leaves paired connections alone: taking a socket
+    out of the map would discard what is queued for it."""
+    lst = _listen(pod, 15001, 4)
+    with captured(pod, RedirectConfig(sockmap=sockmap)):
+        c = _connect(pod, pod.peer_ip4, 8080, APP_UID)
+        s, _ = lst.accept()
+        c.sendall(b"before|")  # queued, unread
+    try:
+        c.sendall(b"after")
+        got = b""
+        while len(got) < len(b"before|after"):
+            chunk = s.recv(64)
+            assert chunk
+            got += chunk
+        assert got == b"before|after"
+        assert pairs_of(ebpf_root, cookie_of(pod)) == (_ends(c, s) if sockmap else set())
+        _exchange(c, s)
+    finally:
+        for x in (c, s, lst):
+            x.close()
+
+
+@pytest.mark.parametrize("backend", ["iptables", "nftables"])
+def test_the_netfilter_backends_refuse_the_field_by_name_and_install_nothing(pod: Pod, backend: str) -> None:
+    with pytest.raises(BackendUnavailable, match=r"sockmap=True is not available"):
+        redirect.setup(pod.name, RedirectConfig(sockmap=True), backend=backend)
+    assert redirect.show(pod.name)["installed"] is False
