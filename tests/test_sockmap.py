@@ -87,6 +87,24 @@ def pairs_of(root: str, cookie: int) -> set[tuple[str, int, str, int]]:
         os.close(fd)
 
 
+def pair_state(root: str, cookie: int, local: tuple[str, int], remote: tuple[str, int]) -> str | None:
+    """The ``pair_state`` of the connection whose connecting end is ``local`` -> ``remote`` (IPv4)."""
+    from redirect.backends.ebpf.abi import PAIR_KEY, PAIR_STATE, const
+    from redirect.backends.ebpf.syscalls import Map, obj_get
+
+    key = PAIR_KEY.pack(cookie, socket.AF_INET, local[1].to_bytes(2, "big"), remote[1].to_bytes(2, "big"),
+                        socket.inet_aton(local[0]).ljust(16, b"\0"), socket.inet_aton(remote[0]).ljust(16, b"\0"))
+    fd = obj_get(os.path.join(root, "maps", "pair_state"))
+    try:
+        raw = Map("pair_state", fd, PAIR_KEY.size, PAIR_STATE.size).lookup(key)
+    finally:
+        os.close(fd)
+    if raw is None:
+        return None
+    names = {const(f"RDR_PAIR_{n}"): n for n in ("PENDING", "OPEN", "JOINED", "TCP", "LEFT")}
+    return names[PAIR_STATE.unpack(raw)[0]]
+
+
 def cookie_of(pod: Pod) -> int:
     from redirect.backends.ebpf import current_netns_cookie
 
@@ -226,6 +244,8 @@ def test_the_apps_captured_connection_and_the_proxys_end_of_it_are_paired(pod: P
             assert (addr, port) == (pod.peer_ip(fam), 8080)
             paired = pairs_of(ebpf_root, cookie_of(pod))
             assert paired == (_ends(c, s) if sockmap else set())
+            if fam == 4:
+                assert pair_state(ebpf_root, cookie_of(pod), _name(c), _name(s)) == ("JOINED" if sockmap else None)
             _exchange(c, s)
         finally:
             for x in (c, s, lst):
@@ -282,3 +302,39 @@ def test_the_netfilter_backends_refuse_the_field_by_name_and_install_nothing(pod
     with pytest.raises(BackendUnavailable, match=r"sockmap=True is not available"):
         redirect.setup(pod.name, RedirectConfig(sockmap=True), backend=backend)
     assert redirect.show(pod.name)["installed"] is False
+
+
+def test_a_send_before_the_accepted_end_joined_takes_the_whole_connection_to_tcp(pod: Pod, ebpf_root: str) -> None:
+    """The handshake's last ACK is dropped once (a table of the test's own in the pod), so the app's
+    first write comes before the proxy's end exists: that write goes over TCP, the proxy's end
+    never joins, the app's leaves the map, and the bytes arrive in order over plain TCP."""
+    rules = ("table inet rdrt_sockmap_test {\n chain out {\n  type filter hook output priority 0;\n"
+             "  tcp dport 15001 tcp flags == ack ip length 52 quota until 52 bytes drop\n }\n}\n")
+    subprocess.run(["ip", "netns", "exec", pod.name, "nft", "-f", "-"], input=rules, text=True, check=True)
+    try:
+        with captured(pod, RedirectConfig(sockmap=True)):
+            lst = _listen(pod, 15001, 4)
+            c = _connect(pod, pod.peer_ip4, 8080, APP_UID)
+            try:
+                first = os.urandom(100_000)
+                c.sendall(first)  # (the proxy's end is made by this data's ACK)
+                s, _ = lst.accept()
+                got = bytearray()
+                while len(got) < len(first):
+                    chunk = s.recv(len(first) - len(got))
+                    assert chunk
+                    got += chunk
+                assert bytes(got) == first
+                _exchange(c, s)
+                assert pairs_of(ebpf_root, cookie_of(pod)) == set()
+                # The app's end joined, found no peer at its first send, took the connection to TCP
+                # and left the map.
+                assert pair_state(ebpf_root, cookie_of(pod), _name(c), _name(s)) == "LEFT"
+            finally:
+                for x in (c, lst):
+                    x.close()
+                with contextlib.suppress(NameError):
+                    s.close()
+    finally:
+        subprocess.run(["ip", "netns", "exec", pod.name, "nft", "delete", "table", "inet", "rdrt_sockmap_test"],
+                       check=False)
