@@ -338,3 +338,83 @@ def test_a_send_before_the_accepted_end_joined_takes_the_whole_connection_to_tcp
     finally:
         subprocess.run(["ip", "netns", "exec", pod.name, "nft", "delete", "table", "inet", "rdrt_sockmap_test"],
                        check=False)
+
+
+def test_ambient_the_apps_connection_to_the_node_proxy_and_the_node_proxys_to_the_app_are_paired(
+        pod: Pod, sockmap: bool, ebpf_root: str) -> None:
+    """Ambient: the node proxy's sockets live in the pod's netns with its mark (0x539): the app's
+    outbound connection to it, and its own connection to the app, pair as a sidecar's do."""
+    mark = 0x539
+
+    def marked_listener() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, 36, mark)  # SO_MARK
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 15001))
+        s.listen(16)
+        s.settimeout(5)
+        return s
+
+    def marked_connect() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, 36, mark)
+        s.settimeout(5)
+        s.connect((pod.pod_ip4, 9090))
+        return s
+
+    with captured(pod, RedirectConfig(mode="ambient", sockmap=sockmap)):
+        proxy: socket.socket = netkit.in_netns(pod.name, marked_listener)
+        app = _listen(pod, 9090, 4)
+        try:
+            c = _connect(pod, pod.peer_ip4, 8080, APP_UID)
+            s, _ = proxy.accept()
+            p: socket.socket = netkit.in_netns(pod.name, marked_connect)
+            a, _ = app.accept()
+            assert pairs_of(ebpf_root, cookie_of(pod)) == (_ends(c, s) | _ends(p, a) if sockmap else set())
+            _exchange(c, s)
+            _exchange(p, a)
+            for x in (c, s, p, a):
+                x.close()
+        finally:
+            proxy.close()
+            app.close()
+
+
+def test_unloading_the_host_programs_leaves_paired_connections_going(pod: Pod, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each paired socket holds the sk_msg program, which holds the map: unpinning everything
+    (``force_unload_host``) keeps them redirected, bytes intact, until they close."""
+    from redirect.backends import ebpf
+
+    root = f"/sys/fs/bpf/rdrt-sockmap-unload-{os.getpid()}"
+    monkeypatch.setenv("REDIRECT_BPF_ROOT", root)
+    try:
+        lst = _listen(pod, 15001, 4)
+        redirect.setup(pod.name, RedirectConfig(sockmap=True), backend="ebpf")
+        c = _connect(pod, pod.peer_ip4, 8080, APP_UID)
+        s, _ = lst.accept()
+        assert pairs_of(root, cookie_of(pod)) == _ends(c, s)
+        c.sendall(b"queued|")
+        redirect.teardown(pod.name, backend="ebpf")
+        ebpf.force_unload_host(root)
+        assert not os.path.exists(root)
+        c.sendall(b"after")
+        got = b""
+        while len(got) < len(b"queued|after"):
+            chunk = s.recv(64)
+            assert chunk
+            got += chunk
+        assert got == b"queued|after"
+        s.settimeout(5)
+        _exchange(c, s)
+        _exchange(s, c)
+        # Still paired: a blocking MSG_WAITALL gives what is there (over TCP it waits for all 8).
+        s.setblocking(True)
+        c.sendall(b"abc")
+        rest = threading.Timer(1.0, c.sendall, (b"defgh",))
+        rest.start()
+        assert s.recv(8, socket.MSG_WAITALL) == b"abc"
+        rest.join()
+        for x in (c, s, lst):
+            x.close()
+    finally:
+        ebpf.force_unload_host(root)
