@@ -23,7 +23,7 @@ import redirect
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable
 from tests import netkit
-from tests.netkit import Pod, TcpListener
+from tests.netkit import Pod
 
 PROXY_UID = 1337
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -184,8 +184,8 @@ def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
         out_all=False, dns=it.dns, dns_all=False, incl_loopback=False, inbound=it.inbound, inbound_all=False,
         v6=6 in families, loopback4=it.loopback_of(4), uid0=(0, 0), n_uids=0, gid0=(0, 0), n_gids=0,
         groups_mode="all", group0=(0, 0), n_groups=0, tproxy=False, tproxy_mark=0, excl_if=False,
-        reroute_if=bool(it.reroute_interfaces), sockmap=it.sockmap, ambient=True, proxy_mark=it.proxy_mark, mark_mask=it.mark_mask,
-        conn_mark=it.conn_mark,
+        reroute_if=bool(it.reroute_interfaces), sockmap=it.sockmap, ambient=True, proxy_mark=it.proxy_mark,
+        mark_mask=it.mark_mask, conn_mark=it.conn_mark,
     )
     cidrs = tuple(_cidr_spec(c, "probe4", "probe6") for f, c in it.probe_sources if f in families)
     return EbpfEntries(policy, (), cidrs, (), it.reroute_interfaces)

@@ -22,23 +22,8 @@ from typing import TYPE_CHECKING, Any
 from ...errors import BackendUnavailable, SetupError
 from ...kernel import netns as _netns
 from ..base import EBPF_DEFAULT_ROOT
-from .abi import (
-    CIDR_KEY,
-    INV_KEY,
-    INV_VAL,
-    LISTENER_KEY,
-    MAP_ATTACHED,
-    MAPS,
-    ORIG,
-    PAIR_KEY,
-    PAIR_STATE,
-    POLICY,
-    PORT_KEY,
-    PROGRAMS,
-    TUPLE_KEY,
-    U32,
-)
-from .pool import POOL_SLOT, close_kept, fill, kept_programs
+from .abi import MAP_ATTACHED, MAP_SIZES, MAPS, POLICY, PROGRAMS, U32
+from .pool import close_kept, fill, kept_programs
 from .syscalls import (
     Map,
     _check,
@@ -235,7 +220,7 @@ class HostPrograms:
 
         maps: dict[str, Map] = {}
         progs: dict[str, int] = {}
-        sizes = _map_sizes()
+        sizes = MAP_SIZES
         try:
             for m in MAPS:
                 fd = obj_get(os.path.join(root, "maps", m))
@@ -412,18 +397,6 @@ def _map_fdinfo(fd: int) -> dict[str, int]:
     return out
 
 
-def _map_sizes() -> dict[str, tuple[int, int]]:
-    return {
-        "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
-        "cidrs": (CIDR_KEY.size, 1),
-        "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
-        "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
-        "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
-        "lookup_free": (0, 4), "lookup_pool": (4, 4),
-        "pairs": (PAIR_KEY.size, 4), "pair_state": (PAIR_KEY.size, PAIR_STATE.size), "pair_tcp": (4, 8),
-    }
-
-
 def probe_kernel() -> None:
     """What the backend needs from this host; ``BackendUnavailable`` names what is missing."""
     rel = os.uname().release
@@ -507,10 +480,8 @@ def _load_and_pin(root: str, cgroup: str) -> tuple[Any, Any, int]:
                                                 0), "update lookup_prog")
         # sk_msg programs go on their map (the map holds them: a paired socket keeps both).
         for name, mname in MAP_ATTACHED.items():
-            try:
-                BPF.attach_func(fns[name], table(mname), PROGRAMS[name][1])
-            except Exception as e:
-                raise BackendUnavailable(f"ebpf: attaching {name} to map {mname} failed: {e}") from None
+            if libbcc.lib.bpf_prog_attach(fns[name].fd, table(mname), PROGRAMS[name][1], 0) < 0:
+                raise BackendUnavailable(f"ebpf: attaching {name} to map {mname} failed")
         # The first batch of the pods' own sk_lookup programs (``.pool``).
         hint = fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
                     table("lookup_free"), 0, keep=(kept, n_kept))
@@ -558,7 +529,7 @@ def recover_host(root: str) -> HostPrograms | None:
     progs: dict[str, int] = {}
     seeds: list[int] = []
     maps: dict[str, Map] = {}
-    sizes = _map_sizes()
+    sizes = MAP_SIZES
 
     def add_map(name: str, fd: int) -> bool:
         if name in maps or name not in sizes:
