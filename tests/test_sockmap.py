@@ -138,14 +138,17 @@ def test_peek_fionread_half_close_and_epoll_behave_as_over_tcp(pod: Pod, sockmap
 
 def test_what_the_kernel_does_differently_for_paired_sockets(pod: Pod, sockmap: bool, sockprobe: str) -> None:
     """The receive side of a paired socket is the kernel's ``tcp_bpf``: splice from it never sees
-    the bytes, ``MSG_WAITALL`` returns what is there, a close with unread data sends a FIN, and a
-    writer to a reader that does not read never blocks. Off: TCP's answers."""
+    the bytes, ``MSG_WAITALL`` returns what is there, a close with unread data sends a FIN, a
+    blocking read woken by its own socket's state change (its write side shut) returns EAGAIN,
+    and a writer to a reader that does not read never blocks. Off: TCP's answers."""
     with captured(pod, RedirectConfig(sockmap=sockmap)):
-        res = probe(sockprobe, pod, "splice_recv", "waitall", "close_unread", "slow_reader")
+        res = probe(sockprobe, pod, "splice_recv", "waitall", "close_unread", "slow_reader", "blocking_read_halfclose")
     assert res["splice_recv"]["intact"] == (0 if sockmap else 1), res["splice_recv"]
     assert res["waitall"]["got"] == (3 if sockmap else 7), res["waitall"]
     c = res["close_unread"]
     assert (c["read"], c["errno"]) == ((0, "") if sockmap else (-1, "ECONNRESET")), c
+    b = res["blocking_read_halfclose"]
+    assert b["read"] == 2 and (b["eagain"] > 0 if sockmap else b["eagain"] == 0), b
     s = res["slow_reader"]
     assert s["got"] == s["queued"], s  # nothing lost either way
     if sockmap:

@@ -7,7 +7,7 @@
  * connecting socket stands for the app, the accepted one for the proxy. Each case prints one
  * JSON object of what it observed; the caller judges it. Cases: sizes, sendfile, splice_send,
  * splice_recv, peek, fionread, waitall, halfclose, close_unread, epoll, slow_reader,
- * blocking_read, stress (1000 concurrent connections of random sizes, checksummed). Every wait
+ * blocking_read, blocking_read_halfclose, stress (1000 concurrent connections of random sizes, checksummed). Every wait
  * is bounded (alarm per case); a hung case is reported by the parent as {"case": ..., "hung": 1}.
  */
 #define _GNU_SOURCE
@@ -415,6 +415,38 @@ static void c_blocking_read(void) {
     close(c); close(s);
 }
 
+/* A blocking read while the same socket's write side is shut (another thread, 0.1 s in): the
+ * FIN's ACK changes the socket's state, which wakes the reader; it must go on waiting for the
+ * answer (sent 1 s in), never return EAGAIN. */
+struct shut { int fd; };
+static void *shut_later(void *a) {
+    usleep(100000);
+    shutdown(((struct shut *)a)->fd, SHUT_WR);
+    return NULL;
+}
+
+static void c_blocking_read_halfclose(void) {
+    int c, s;
+    pair(&c, &s);
+    struct shut x = {c};
+    struct later z = {s};
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, shut_later, &x);
+    pthread_create(&t2, NULL, answer_later, &z);
+    long eagain = 0;
+    ssize_t r;
+    char b[16];
+    for (;;) {
+        r = read(c, b, sizeof b);
+        if (r < 0 && errno == EAGAIN && eagain < 1000000) { eagain++; continue; }
+        break;
+    }
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    printf("{\"case\": \"blocking_read_halfclose\", \"eagain\": %ld, \"read\": %zd}\n", eagain, r);
+    close(c); close(s);
+}
+
 /* 1000 connections at once, each sending a random size (log-uniform, 1 byte to 16 MB) that the
  * proxy side echoes back; the app side checks every byte. At most 64 KB per connection is ahead
  * of what came back, so the whole stays within a few tens of MB whatever the transport. */
@@ -521,7 +553,8 @@ static const struct { const char *name; void (*fn)(void); } CASES[] = {
     {"sizes", c_sizes}, {"sendfile", c_sendfile}, {"splice_send", c_splice_send}, {"splice_recv", c_splice_recv},
     {"peek", c_peek}, {"fionread", c_fionread}, {"waitall", c_waitall}, {"halfclose", c_halfclose},
     {"close_unread", c_close_unread}, {"epoll", c_epoll}, {"slow_reader", c_slow_reader},
-    {"blocking_read", c_blocking_read}, {"stress", c_stress},
+    {"blocking_read", c_blocking_read}, {"blocking_read_halfclose", c_blocking_read_halfclose},
+    {"stress", c_stress},
 };
 
 int main(int argc, char **argv) {
