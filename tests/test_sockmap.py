@@ -591,3 +591,107 @@ def test_envoy_as_istios_sidecar_works_and_its_app_hops_are_paired(pod: Pod, soc
         stop.set()
         for s in servers:
             s.close()
+
+
+SQUID_CONF = """
+http_port 15001 intercept
+http_port 127.0.0.1:3128
+http_access allow all
+cache deny all
+access_log none
+cache_log {dir}/cache.log
+pid_filename {dir}/squid.pid
+coredump_dir {dir}
+cache_effective_user proxy
+shutdown_lifetime 0 seconds
+"""
+
+
+def _http_server(ns: str, ip: str, port: int, body: bytes, stop: threading.Event) -> socket.socket:
+    """A one-page HTTP server in ``ns`` (a thread per connection), until ``stop``."""
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((ip, port))
+        s.listen(16)
+        s.settimeout(0.2)
+        return s
+    lst: socket.socket = netkit.in_netns(ns, make)
+
+    def answer(c: socket.socket) -> None:
+        with c, contextlib.suppress(OSError):
+            c.settimeout(10)
+            req = b""
+            while b"\r\n\r\n" not in req and (chunk := c.recv(4096)):
+                req += chunk
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nContent-Type: application/octet-stream\r\n"
+                      b"Connection: close\r\n\r\n" % len(body) + body)
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                c, _ = lst.accept()
+            except (TimeoutError, OSError):
+                continue
+            threading.Thread(target=answer, args=(c,), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return lst
+
+
+def test_an_intercepting_squid_works_and_its_app_hop_is_paired(pod: Pod, sockmap: bool, ebpf_root: str) -> None:
+    """squid with ``http_port 15001 intercept`` (it reads SO_ORIGINAL_DST on its dual-stack socket
+    and checks the Host header against it), as user proxy: the app's plain HTTP request to the
+    peer's server comes back whole through it; with the field on, the app's connection and
+    squid's accepted end are the pod's pairs."""
+    import pwd
+    import shutil
+    import tempfile
+
+    squid_uid = pwd.getpwnam("proxy").pw_uid
+    body = os.urandom(2 << 20)
+    stop = threading.Event()
+    server = _http_server(pod.peer_name, pod.peer_ip4, 8080, body, stop)
+    tmp = tempfile.mkdtemp(prefix="rdrt-squid-")
+    os.chown(tmp, squid_uid, -1)
+    conf = os.path.join(tmp, "squid.conf")
+    with open(conf, "w") as f:
+        f.write(SQUID_CONF.format(dir=tmp))
+    p = subprocess.Popen(["nsenter", f"--net={pod.path}", "squid", "-N", "-f", conf],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", 3128)) == 0
+        for _ in range(300):
+            assert p.poll() is None, f"squid exited {p.returncode}"
+            if netkit.in_netns(pod.name, listening):
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError("squid did not listen within 15 s")
+        with captured(pod, RedirectConfig(sockmap=sockmap, proxy_uids=(squid_uid,), proxy_gids=())):
+            c = _connect(pod, pod.peer_ip4, 8080, APP_UID)
+            try:
+                c.sendall(b"GET /page HTTP/1.1\r\nHost: %s:8080\r\nConnection: close\r\n\r\n" % pod.peer_ip4.encode())
+                answer = bytearray()
+                while chunk := c.recv(1 << 16):
+                    answer += chunk
+                head, _, got = bytes(answer).partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200"), head[:200]
+                assert got == body
+                app_end = _name(c)
+                # (squid may have closed its end by now: the app's end is paired until it closes)
+                paired = pairs_of(ebpf_root, cookie_of(pod))
+                assert ((*app_end, "127.0.0.1", 15001) in paired) == sockmap, paired
+            finally:
+                c.close()
+    finally:
+        p.terminate()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        stop.set()
+        server.close()
+        shutil.rmtree(tmp, ignore_errors=True)
