@@ -695,3 +695,31 @@ def test_an_intercepting_squid_works_and_its_app_hop_is_paired(pod: Pod, sockmap
         stop.set()
         server.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_tproxy_the_proxys_transparent_connection_to_the_app_is_paired(pod: Pod, sockmap: bool,
+                                                                       ebpf_root: str) -> None:
+    """TPROXY (Envoy's ``original_src``): the proxy's transparent socket, bound to the client's
+    address and carrying the TPROXY mark, connects to the app; with the field on both ends pair,
+    and bytes flow both ways as without it."""
+    def transparent_connect() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT
+        s.setsockopt(socket.SOL_SOCKET, 36, 1337)  # SO_MARK: the TPROXY mark
+        s.settimeout(5)
+        s.bind((pod.peer_ip4, 0))
+        s.connect((pod.pod_ip4, 8000))
+        return s
+
+    with captured(pod, RedirectConfig(inbound_interception="TPROXY", sockmap=sockmap)):
+        app = _listen(pod, 8000, 4)
+        try:
+            p: socket.socket = netkit.in_netns(pod.name, transparent_connect)
+            a, peer = app.accept()
+            assert peer[0] == pod.peer_ip4
+            assert pairs_of(ebpf_root, cookie_of(pod)) == (_ends(p, a) if sockmap else set())
+            _exchange(p, a)
+            p.close()
+            a.close()
+        finally:
+            app.close()
