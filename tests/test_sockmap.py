@@ -723,3 +723,13 @@ def test_tproxy_the_proxys_transparent_connection_to_the_app_is_paired(pod: Pod,
             a.close()
         finally:
             app.close()
+
+
+def test_check_tells_a_pod_set_up_with_the_field_from_one_without(pod: Pod, ebpf_root: str) -> None:
+    on, off = RedirectConfig(sockmap=True), RedirectConfig()
+    with captured(pod, on):
+        assert redirect.check(pod.name, on, backend="ebpf").ok
+        res = redirect.check(pod.name, off, backend="ebpf")
+        assert not res.ok and any("sockmap" in d for d in res.differences), res.differences
+        redirect.setup(pod.name, off, backend="ebpf")  # a new config without it: new connections stay on TCP
+        assert redirect.check(pod.name, off, backend="ebpf").ok
