@@ -2,17 +2,23 @@
 
 Cases: ``direct`` (the app connects to the proxy at 127.0.0.1:15001: no capture, the physical
 floor), ``reference`` (Istio's rules, see ``reference.py``) and each backend (sidecar mode; eBPF
-in ambient mode too, ``ebpf/ambient``, where the proxy stands for the node proxy): the app connects
+in ambient mode too, ``ebpf/ambient``, where the proxy stands for the node proxy; and with
+``sockmap=True``, ``ebpf/sockmap``, the app's connection paired with the proxy's): the app connects
 to 192.0.2.2:8080 (the peer end of the pod's eth0, where nothing listens) and capture delivers
 the connection to the proxy on 15001. The proxy starts before capture is set up, as in a pod (the
 eBPF backend needs its listeners then); an inbound listener on 15006 is held for eBPF. The proxy
 (``rdrt_echo``) echoes and never connects onward: the figure is the cost of reaching the proxy,
 which is what capture changes. A captured case is checked first: one request must come back,
 else nothing listens there and the case is reported as not captured.
+
+Three measures per case, the cases taking turns: ``crr`` (connect + 64-byte request/response +
+close: the connection rate), ``rr`` (64-byte request/response on one established connection:
+p50/p99 latency) and ``bulk`` (one connection streaming 128 KB writes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -87,6 +93,7 @@ class Case:
         self.echo: subprocess.Popen[bytes] | None = None
         self.addr = "127.0.0.1" if install is None else PEER_ADDR
         self.crr: list[dict[str, Any]] = []
+        self.rr: list[dict[str, Any]] = []
         self.bulk: list[dict[str, Any]] = []
 
 
@@ -97,9 +104,10 @@ def _install_reference(pod: str) -> None:
         reference.setup()
 
 
-def _install_backend(backend: str, mode: str = "sidecar") -> Callable[[str], None]:
+def _install_backend(backend: str, mode: str = "sidecar", sockmap: bool = False) -> Callable[[str], None]:
     def install(pod: str) -> None:
-        redirect.setup(pod, config_for(mode), backend=backend)
+        cfg = config_for(mode)
+        redirect.setup(pod, dataclasses.replace(cfg, sockmap=True) if sockmap else cfg, backend=backend)
     return install
 
 
@@ -119,7 +127,10 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
     cases += [Case(b, _install_backend(b), listen_for(b, "sidecar"), _remove_backend(b)) for b in backends]
     cases += [Case(f"{b}/ambient", _install_backend(b, "ambient"), listen_for(b, "ambient"), _remove_backend(b))
               for b in ambient]
-    lifetime = int(rounds * len(cases) * (seconds + bulk_seconds + 5) + 60)
+    if "ebpf" in backends:  # the app <-> proxy hop over a sockmap (sockmap=True)
+        cases.append(Case("ebpf/sockmap", _install_backend("ebpf", sockmap=True), listen_for("ebpf", "sidecar"),
+                          _remove_backend("ebpf")))
+    lifetime = int(rounds * len(cases) * (2 * seconds + bulk_seconds + 5) + 60)
     results: dict[str, Any] = {"msg_bytes": 64, "rounds": rounds, "seconds_per_run": seconds,
                                "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "cases": {}}
     live: list[Case] = []
@@ -151,6 +162,8 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                                         seconds / slices, 64))
                 turn += 1
             for c in live[i % len(live):] + live[:i % len(live)] if live else []:
+                c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
+            for c in live[i % len(live):] + live[:i % len(live)] if live else []:
                 c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
     finally:
@@ -168,7 +181,8 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
         results["cases"][c.name] = {
             "target": f"{c.addr}:{APP_PORT if c.install else PROXY_PORT}",
             "conn_per_s": med("conn_per_s", c.crr), "p50_us": med("p50_us", c.crr), "p99_us": med("p99_us", c.crr),
-            "bulk_gbit_per_s": med("gbit_per_s", c.bulk), "runs": {"crr": c.crr, "bulk": c.bulk},
+            "rr_p50_us": med("p50_us", c.rr), "rr_p99_us": med("p99_us", c.rr),
+            "bulk_gbit_per_s": med("gbit_per_s", c.bulk), "runs": {"crr": c.crr, "rr": c.rr, "bulk": c.bulk},
         }
     return results
 

@@ -11,7 +11,11 @@ from typing import Any
 #: The eBPF backend's per-pod setup against the iptables backend's, in the same run.
 EBPF_VS_IPTABLES = 1 / 50
 SETUP_TARGETS = {"nftables": 1 / 5, "ebpf": 1 / 100, "iptables": 1.0, "iptables-legacy": 1.0, "iptables-nft": 1.0}
-RATE_VS_DIRECT = {"ebpf": 0.95, "ebpf/ambient": 0.95}
+RATE_VS_DIRECT = {"ebpf": 0.95, "ebpf/ambient": 0.95, "ebpf/sockmap": 0.95}
+#: ``ebpf/sockmap`` (the app <-> proxy hop over a sockmap) against plain loopback TCP (``direct``), in
+#: the same run: 64-byte request/response p50 and p99 on an established connection (at most), bulk
+#: throughput (at least).
+SOCKMAP_VS_DIRECT = {"rr_p50_us": ("<=", 0.85), "rr_p99_us": ("<=", 1.0), "bulk_gbit_per_s": (">=", 1.0)}
 RATE_VS_REFERENCE = ("iptables", "iptables-legacy", "iptables-nft", "nftables")
 RATE_NOISE = 0.03  # "no worse than Istio's rules" allows run-to-run noise of 3%
 #: CNI ADD through the thin plugin and the agent (median, as the runtime sees it): at most this many
@@ -44,10 +48,18 @@ def _rate_ratio(case: dict[str, Any], base: dict[str, Any]) -> float | None:
     return None
 
 
+def _paired_ratio(case: dict[str, Any], base: dict[str, Any], runs: str, key: str) -> float | None:
+    """The median of the ratios of ``key`` in the paired runs (``runs``: rr, bulk) of two cases."""
+    a, b = case.get("runs", {}).get(runs, []), base.get("runs", {}).get(runs, [])
+    if a and len(a) == len(b) and all(y.get(key) for y in b):
+        return round(statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True)), 4)
+    return None
+
+
 def ratios(res: dict[str, Any]) -> dict[str, Any]:
     per_pod = res.get("per_pod", {})
     out: dict[str, Any] = {"setup_vs_reference": {}, "teardown_vs_reference": {}, "conn_rate_vs_direct": {},
-                           "conn_rate_vs_reference": {}, "nth_vs_first": {}}
+                           "conn_rate_vs_reference": {}, "nth_vs_first": {}, "sockmap_vs_direct": {}}
     for phase in ("setup", "teardown"):
         ref = _median(per_pod, REFERENCE_KEY, phase)
         for key in per_pod:
@@ -62,6 +74,13 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
             out["conn_rate_vs_direct"][name] = v
         if name not in ("direct", "reference") and (v := _rate_ratio(c, cases.get("reference", {}))) is not None:
             out["conn_rate_vs_reference"][name] = v
+    sm, direct, ebpf = cases.get("ebpf/sockmap", {}), cases.get("direct", {}), cases.get("ebpf", {})
+    if "conn_per_s" in sm and "conn_per_s" in direct:
+        for key, runs, field in (("rr_p50_us", "rr", "p50_us"), ("rr_p99_us", "rr", "p99_us"),
+                                 ("bulk_gbit_per_s", "bulk", "gbit_per_s")):
+            out["sockmap_vs_direct"][key] = _paired_ratio(sm, direct, runs, field)
+        # What pairing costs at connect: the rate with sockmap against the same capture without.
+        out["sockmap_vs_direct"]["conn_rate_vs_ebpf"] = _rate_ratio(sm, ebpf) if "conn_per_s" in ebpf else None
     for key, sc in res.get("scale", {}).items():
         levels = sc.get("levels", {})
         if "1" not in levels or len(levels) < 2:
@@ -120,6 +139,17 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
         v = r["conn_rate_vs_direct"].get(b)
         add(f"{b}: connection rate vs direct", f">= {limit:g}", v, None if v is None else v >= limit,
             skipped.get(b, "" if v is not None else "not measured in this run"))
+    sm = r.get("sockmap_vs_direct", {})
+    for key, (op, limit) in SOCKMAP_VS_DIRECT.items():
+        v = sm.get(key)
+        what = {"rr_p50_us": "64 B request/response p50", "rr_p99_us": "64 B request/response p99",
+                "bulk_gbit_per_s": "bulk throughput"}[key]
+        add(f"ebpf/sockmap: {what} vs direct (plain loopback TCP)", f"{op} {limit:g}", v,
+            None if v is None else (v <= limit if op == "<=" else v >= limit),
+            "" if v is not None else skipped.get("ebpf", "not measured in this run"))
+    if sm.get("conn_rate_vs_ebpf") is not None:
+        add("ebpf/sockmap: connection rate vs ebpf without sockmap (what pairing costs at connect)", "reported",
+            sm["conn_rate_vs_ebpf"], None)
     for b in RATE_VS_REFERENCE:
         v = r["conn_rate_vs_reference"].get(b)
         if v is None and b not in skipped and b not in ("iptables", "nftables"):
@@ -256,16 +286,18 @@ def markdown(res: dict[str, Any]) -> str:
               "The proxy listens on 15001 in the pod and echoes; it does not connect onward (the figure is "
               "the cost of reaching the proxy). Rate ratios are medians of the ratios of paired runs (the "
               "cases take turns in ~0.25 s slices, so each pair is a fraction of a second apart).", "",
-              "| case | target | conn/s | vs direct | vs Istio's rules | p50 (us) | p99 (us) | bulk (Gbit/s) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| case | target | conn/s | vs direct | vs Istio's rules | p50 (us) | p99 (us) | rr p50 (us) |"
+              " rr p99 (us) | bulk (Gbit/s) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for name, c in dp["cases"].items():
             if "error" in c:
-                L.append(f"| {name} | {c['error']} | | | | | | |")
+                L.append(f"| {name} | {c['error']} | | | | | | | | |")
                 continue
             L.append(f"| {name} | {c.get('target', '')} | {_fmt(c.get('conn_per_s'))} | "
                      f"{_fmt(r['conn_rate_vs_direct'].get(name, 1.0 if name == 'direct' else None))} | "
                      f"{_fmt(r['conn_rate_vs_reference'].get(name, 1.0 if name == 'reference' else None))} | "
-                     f"{_fmt(c.get('p50_us'))} | {_fmt(c.get('p99_us'))} | {_fmt(c.get('bulk_gbit_per_s'))} |")
+                     f"{_fmt(c.get('p50_us'))} | {_fmt(c.get('p99_us'))} | {_fmt(c.get('rr_p50_us'))} | "
+                     f"{_fmt(c.get('rr_p99_us'))} | {_fmt(c.get('bulk_gbit_per_s'))} |")
     if res.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
     return "\n".join(L) + "\n"

@@ -101,6 +101,10 @@ class RedirectConfig:
     gid_hairpin_skips_dns: bool = True
     #: Drop packets conntrack deems INVALID (out-of-window) instead of letting them reset.
     drop_invalid: bool = False
+    #: eBPF only: the app <-> proxy connections of the pod have each send moved to the peer socket's
+    #: receive queue (a sockmap) instead of going through loopback TCP. Off by default: see
+    #: docs/backends.md for what it changes that applications can see.
+    sockmap: bool = False
     #: The loopback range that is never captured (Istio's ``ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR``).
     ipv4_loopback_cidr: str = "127.0.0.1/32"
     #: IPv6 rules: True, False, or None = whenever the namespace has IPv6.
@@ -529,7 +533,8 @@ def _validate(cfg: RedirectConfig) -> None:
         bad = "exclude_interfaces" if "lo" in cfg.exclude_interfaces else "reroute_interfaces"
         raise ConfigError(bad, getattr(cfg, bad), '"lo" carries the proxy hand-off and cannot be listed')
 
-    for name in ("dns_capture", "capture_all_dns", "gid_hairpin_skips_dns", "drop_invalid", "bypass_inbound_capture"):
+    for name in ("dns_capture", "capture_all_dns", "gid_hairpin_skips_dns", "drop_invalid", "bypass_inbound_capture",
+                 "sockmap"):
         _set(cfg, name, _bool(name, getattr(cfg, name)))
     _set(cfg, "ipv6", _bool("ipv6", cfg.ipv6, allow_none=True))
     try:

@@ -13,7 +13,7 @@ log() { printf 'bootstrap: %s\n' "$*" >&2; }
 PKGS=(iptables nftables python3-nftables bpfcc-tools python3-bpfcc libbpfcc-dev bpftool
       clang llvm ipset containernetworking-plugins containerd runc
       busybox-static conntrack iperf3 wrk iproute2 kmod python3-venv python3-dev
-      libffi-dev gcc make procps psmisc mmdebstrap umoci)
+      libffi-dev gcc make procps psmisc mmdebstrap umoci squid)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

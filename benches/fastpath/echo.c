@@ -35,18 +35,27 @@ static int write_all(int fd, const char *p, size_t n) {
     return 0;
 }
 
+/* A blocking read; EAGAIN (which a socket paired in a sockmap may return when woken without data,
+ * docs/kernel-facts.md) is retried. */
+static ssize_t read_some(int c) {
+    ssize_t n;
+    do n = read(c, buf, sizeof buf);
+    while (n < 0 && (errno == EAGAIN || errno == EINTR));
+    return n;
+}
+
 static void serve(int c) {
-    ssize_t n = read(c, buf, sizeof buf);
+    ssize_t n = read_some(c);
     if (n <= 0) return;
     if (buf[0] == 'S') {
         uint64_t total = (uint64_t)n;
-        while ((n = read(c, buf, sizeof buf)) > 0) total += (uint64_t)n;
+        while ((n = read_some(c)) > 0) total += (uint64_t)n;
         (void)write_all(c, (const char *)&total, sizeof total);
         return;
     }
     do {
         if (write_all(c, buf, (size_t)n) < 0) return;
-    } while ((n = read(c, buf, sizeof buf)) > 0);
+    } while ((n = read_some(c)) > 0);
 }
 
 int main(int argc, char **argv) {

@@ -12,16 +12,16 @@ import os
 
 from ..errors import BackendUnavailable
 from ..plan.intent import AnyIntent
-from .base import Backend, ebpf_root
+from .base import Backend, ebpf_root, kind_of, refuse
+
+__all__ = ["BACKENDS", "KINDS", "Backend", "kind_of", "refuse", "get_backend", "choose_auto", "ebpf_failed",
+           "ebpf_caps_refusal", "ebpf_root"]
 
 log = logging.getLogger("redirect.backends")
 
 BACKENDS = ("iptables", "iptables-legacy", "iptables-nft", "nftables", "ebpf", "auto")
 #: Every kind of capture a netns may hold (a netns holds one: ``redirect.setup`` replaces another).
 KINDS = ("iptables", "nftables", "ebpf")
-def kind_of(backend_name: str) -> str:
-    """The kind of capture a backend installs: ``iptables`` (either variant), ``nftables``, ``ebpf``."""
-    return "iptables" if backend_name.startswith("iptables") else backend_name
 
 
 #: Per eBPF pin root: why eBPF could not load or attach in this process although the host probe
@@ -113,6 +113,8 @@ def choose_auto(it: AnyIntent | None) -> str:
 def get_backend(name: str, it: AnyIntent | None = None) -> Backend:
     """The backend object for ``name`` (``auto``: the one it stands for with intent ``it``);
     ``BackendUnavailable`` names what is missing."""
+    if it is not None and name != "auto":
+        refuse(it, name)
     if name == "iptables":
         from .iptables import IptablesBackend
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from ..plan.intent import AnyIntent
+from ..errors import BackendUnavailable
+from ..plan.intent import AnyIntent, refusals
 
 _T = TypeVar("_T")
 
@@ -25,6 +26,21 @@ POD_CHAINS = frozenset({"PREROUTING", "OUTPUT", "INBOUND", "OUTBOUND", "REDIRECT
 #: The eBPF backend's pin root unless ``REDIRECT_BPF_ROOT`` names another (here, not in the eBPF
 #: package: ``redirect.api`` and the CLI look for pins there without loading the backend).
 EBPF_DEFAULT_ROOT = "/sys/fs/bpf/redirect"
+
+
+def kind_of(backend_name: str) -> str:
+    """The kind of capture a backend installs: ``iptables`` (either variant), ``nftables``, ``ebpf``."""
+    return "iptables" if backend_name.startswith("iptables") else backend_name
+
+
+def refuse(it: AnyIntent, name: str) -> None:
+    """``BackendUnavailable`` naming the first option of ``it`` backend ``name`` cannot lower
+    (``redirect.plan.intent.refusals``), and why; nothing is installed."""
+    kind = kind_of(name)
+    for r in refusals(it, kind):  # type: ignore[arg-type]
+        other = "iptables" if kind == "ebpf" else "ebpf"
+        raise BackendUnavailable(f"backend={name}: {r.option} is not available with {kind} ({r.why});"
+                                 f" use backend={other}")
 
 
 def ebpf_root() -> str:

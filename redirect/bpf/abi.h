@@ -29,6 +29,8 @@
 #define RDR_F_AMBIENT 0x200      /* mode = ambient: the node proxy's marks (proxy_mark...), not owners */
 #define RDR_F_REROUTE_IF 0x400   /* reroute_interfaces: RDR_CIDR_IFACE_REROUTE entries count */
 #define RDR_F_LO_RETURN_SPARES_DNS 0x800 /* that lo return leaves DNS (UDP, TCP to resolver_port) alone */
+#define RDR_F_SOCKMAP 0x1000     /* sockmap: the two ends of the pod's app <-> proxy connections are
+				  * paired in the `pairs` sockhash (redirect/bpf/sockmap.c) */
 /* Bookkeeping of user space only (no program reads it): this pod's setup turned the netns's
  * net.ipv4.tcp_fwmark_accept on (ambient, TPROXY), so its teardown turns it off again. */
 #define RDR_F_FWMARK_ACCEPT_OURS 0x80000000
@@ -85,7 +87,7 @@ struct pod_policy {
 	__u8 src6[16];
 	/* With RDR_F_AMBIENT: a socket whose mark & mark_mask is proxy_mark is the node proxy's;
 	 * conn_mark (under mark_mask) is what its transparent connections to the app carry
-	 * (redirect/bpf/sockopt.c, transparent_connect), routed back to it by the policy route. */
+	 * (redirect/bpf/sockopt.c, local_connect), routed back to it by the policy route. */
 	__u32 proxy_mark;
 	__u32 mark_mask;
 	__u32 conn_mark;
@@ -137,6 +139,8 @@ struct orig_dst {
 /* orig_dst.flags: the proxy's side of the connection is established, and its close (not the
  * app's) removes the orig_by_tuple entry (redirect/bpf/sockopt.c). */
 #define RDR_ORIG_ACCEPTED 0x1
+/* The pod had sockmap on when its connect4/6 took the connection to the proxy: a pair candidate. */
+#define RDR_ORIG_PAIR 0x2
 
 /* The client end of a connection to the proxy, as the proxy's accepted
  * socket sees its peer (an IPv4-mapped address as IPv4). */
@@ -146,6 +150,36 @@ struct tuple_key {
 	__u16 port_be;
 	__u16 _pad;
 	__u8 addr[16];
+};
+
+/* sockmap (redirect/bpf/sockmap.c): one end of a TCP connection inside a pod, as its own socket
+ * sees it (an IPv4-mapped address as IPv4; ports in network order). The key of the `pairs`
+ * sockhash, and of `pair_state` under the connecting end's view. */
+struct pair_key {
+	__u64 netns;
+	__u32 family;
+	__u16 lport_be;
+	__u16 rport_be;
+	__u8 laddr[16];
+	__u8 raddr[16];
+};
+
+/* pair_state.state: how far the pairing of one connection went. */
+#define RDR_PAIR_PENDING 1 /* the connecting end is a candidate (sock_ops TCP_CONNECT_CB) */
+#define RDR_PAIR_OPEN 2    /* it joined `pairs` at ACTIVE_ESTABLISHED_CB: the accepted end may join */
+#define RDR_PAIR_JOINED 3  /* the accepted end joined too: both ends are paired for good */
+#define RDR_PAIR_TCP 4     /* a send of the connecting end found no peer and went over TCP: the
+			    * accepted end stays out and the connecting end leaves `pairs` */
+#define RDR_PAIR_LEFT 5    /* ... which it did */
+
+/* The connection's pairing, keyed by the connecting end's pair_key. The accepted end joins only
+ * if the handshake's sequence numbers match (an entry of an earlier connection with the same
+ * addresses never counts); the two ends settle OPEN -> JOINED or OPEN -> TCP by one atomic
+ * compare-and-swap on state (64 bits: what bcc compiles). */
+struct pair_state {
+	__u64 state;  /* RDR_PAIR_* */
+	__u32 isn_c;  /* the connecting end's snd_nxt at ACTIVE_ESTABLISHED_CB: its ISN + 1 */
+	__u32 isn_a;  /* its rcv_nxt then: the accepted end's ISN + 1 */
 };
 
 /* listener_key.kind: which of the proxy's listeners sk_lookup hands connections to */

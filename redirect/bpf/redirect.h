@@ -82,5 +82,14 @@ struct listeners_table_t {
 };
 __attribute__((section("maps/sockhash"))) struct listeners_table_t listeners = {.max_entries = 8192};
 BPF_ANNOTATE_KV_PAIR(listeners, struct listener_key, __u64);
+/* sockmap (redirect/bpf/sockmap.c): both ends of the pods' app <-> proxy connections, each under
+ * its own pair_key; rdr_sk_msg runs on every send of a socket in it. A socket leaves when it
+ * closes (the kernel removes it) or, never having been sent anything, when its own sends went
+ * over TCP first. */
+BPF_SOCKHASH(pairs, struct pair_key, 65536);
+BPF_TABLE("lru_hash", struct pair_key, struct pair_state, pair_state, 65536);
+/* A socket whose send went over TCP never redirects again (the peer would read the redirected
+ * bytes first): socket-local storage, made only then, so the check is a NULL pointer otherwise. */
+BPF_SK_STORAGE(pair_tcp, __u64);
 
 #endif

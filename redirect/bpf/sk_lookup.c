@@ -60,7 +60,7 @@ static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct 
 
 /* Whether the connection was made inside the pod, from a source that is not the pod's (a proxy's
  * transparent connection to the app from the client's address): its client end is in local_conns
- * (redirect/bpf/sockopt.c, transparent_connect). Netfilter's nat PREROUTING never sees such a connection
+ * (redirect/bpf/sockopt.c, local_connect). Netfilter's nat PREROUTING never sees such a connection
  * (TPROXY's mangle rules return it), so it is never captured. */
 static __always_inline int made_here(struct bpf_sk_lookup *ctx, __u64 netns)
 {

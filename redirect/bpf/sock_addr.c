@@ -13,9 +13,10 @@
  * is what REDIRECT does in OUTPUT; the proxy listens on 127.0.0.1 / ::1
  * (or a wildcard). */
 static __always_inline void remember(void *map_is_dns, __u64 key, __u64 netns, __u32 family, __u16 port_be,
-				     const __u8 *addr, __u16 via)
+				     const __u8 *addr, __u16 via, const struct pod_policy *p)
 {
-	struct orig_dst o = {.netns = netns, .family = family, .port_be = port_be, .via_port = via};
+	struct orig_dst o = {.netns = netns, .family = family, .port_be = port_be, .via_port = via,
+			     .flags = p->flags & RDR_F_SOCKMAP ? RDR_ORIG_PAIR : 0};
 
 	__builtin_memcpy(o.addr, addr, 16);
 	if (map_is_dns)
@@ -144,7 +145,7 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 	/* TCP: keyed by this socket's cookie until sock_ops learns its port.
 	 * UDP: keyed by cookie for as long as the socket lives (recvmsg). */
 	__builtin_memcpy(addr, &dst, 4);
-	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port, addr, to);
+	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port, addr, to, p);
 	give_source4(ctx, source4(p, dst, out_lo), from_sendmsg);
 	ctx->user_ip4 = bpf_htonl(0x7f000001);
 	ctx->user_port = bpf_htons(to);
@@ -191,7 +192,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 			return SYS_PROCEED;
 		__builtin_memcpy(addr, &dst[3], 4);
 		remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET, (__u16)ctx->user_port,
-			 addr, to);
+			 addr, to, p);
 		if (!from_sendmsg) { /* (a datagram's source is given in the IPv4 hook's terms: left alone) */
 			src[0] = 0;
 			src[1] = 0;
@@ -223,7 +224,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	if (to == RDR_PASS)
 		return SYS_PROCEED;
 	remember(tcp ? NULL : (void *)1, bpf_get_socket_cookie(ctx), netns, AF_INET6, (__u16)ctx->user_port,
-		 (const __u8 *)dst, to);
+		 (const __u8 *)dst, to, p);
 	give_source6(ctx, source6(p, dst, out_lo), from_sendmsg);
 	ctx->user_ip6[0] = 0;
 	ctx->user_ip6[1] = 0;

@@ -84,7 +84,8 @@ static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
 	return own_address(keys, k->addr, k->family == AF_INET6);
 }
 
-/* A TCP connection made in the pod to the pod itself from a source that is not the pod's: a
+/* A TCP connection made in the pod to the pod itself (not one we sent to the proxy). With sockmap
+ * on, the proxy's is paired (redirect/bpf/sockmap.c). From a source that is not the pod's: a
  * proxy's transparent connection to the app from the original client's address (ambient's node
  * proxy; a sidecar's with TPROXY, Envoy's original_src).
  *
@@ -107,7 +108,7 @@ static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
  * connmark either). The socket keeps conn_mark for its life (restoring proxy_mark after the
  * handshake would break a connection whose app socket is made from a SYN cookie, which takes the
  * mark of the handshake's last ACK). */
-static __always_inline void transparent_connect(struct bpf_sock_ops *ctx)
+static __always_inline void local_connect(struct bpf_sock_ops *ctx)
 {
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_policy *p = pod_of(netns);
@@ -127,10 +128,18 @@ static __always_inline void transparent_connect(struct bpf_sock_ops *ctx)
 	there.netns = netns;
 	tuple_addr(&there, ctx->family, ip, ctx->remote_ip4);
 	keys = pod_keys(p, netns);
-	if (!local_end(&there, keys) || local_end(&here, keys))
+	if (!local_end(&there, keys))
 		return;
+	if (local_end(&here, keys)) {
+		/* An ordinary connection inside the pod: the proxy's to the app is paired (sockmap). */
+		if ((p->flags & RDR_F_SOCKMAP) && pair_proxy_owned(ctx, p, keys))
+			pair_candidate(ctx, netns);
+		return;
+	}
 	local_conns.update(&here, &one);
 	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	if (p->flags & RDR_F_SOCKMAP)
+		pair_candidate(ctx, netns);
 	sk = ctx->sk;
 	if (!sk || !(p->flags & RDR_F_AMBIENT) || !(p->flags & RDR_F_INBOUND))
 		return;
@@ -144,6 +153,7 @@ static __always_inline void transparent_connect(struct bpf_sock_ops *ctx)
 int rdr_sockops(struct bpf_sock_ops *ctx)
 {
 	struct tuple_key k = {}, r = {};
+	struct pod_policy *p;
 	struct orig_dst *o;
 	__u64 cookie;
 
@@ -153,7 +163,7 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		cookie = bpf_get_socket_cookie(ctx);
 		o = orig_by_cookie.lookup(&cookie);
 		if (!o) {
-			transparent_connect(ctx); /* not a socket we redirected */
+			local_connect(ctx); /* not a socket we redirected */
 			return 1;
 		}
 		tuple_of_local(ctx, &k, o->netns);
@@ -162,16 +172,29 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		/* Ask for state changes so the entry goes when the socket closes;
 		 * keep whatever flags another program set. */
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+		if (o->flags & RDR_ORIG_PAIR)
+			pair_candidate(ctx, o->netns);
+	} else if (ctx->op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB) {
+		pair_active(ctx);
+	} else if (ctx->op == BPF_SOCK_OPS_RTT_CB) {
+		pair_rtt(ctx);
 	} else if (ctx->op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
 		register_listener(ctx);
 	} else if (ctx->op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
 		/* The proxy's side of a connection we redirected takes its entry over. */
-		tuple_of_remote(ctx, &k, bpf_get_netns_cookie(ctx));
+		cookie = bpf_get_netns_cookie(ctx);
+		tuple_of_remote(ctx, &k, cookie);
 		o = orig_by_tuple.lookup(&k);
-		if (!o)
+		if (!o) {
+			p = pod_of(cookie);
+			if (p && (p->flags & RDR_F_SOCKMAP))
+				pair_passive(ctx, cookie); /* the app's end of the proxy's connection */
 			return 1;
+		}
 		o->flags |= RDR_ORIG_ACCEPTED;
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+		if (o->flags & RDR_ORIG_PAIR)
+			pair_passive(ctx, cookie);
 	} else if (ctx->op == BPF_SOCK_OPS_STATE_CB && ctx->args[1] == BPF_TCP_CLOSE) {
 		/* Only sockets we flagged above get here (the netns is ours), each for one reason; the
 		 * first lookup that finds its entry says which, and the others would find nothing (a

@@ -110,6 +110,8 @@ class Intent:
     reroute_interfaces: tuple[str, ...]
     #: Drop what conntrack deems INVALID (netfilter only: ``refusals``).
     drop_invalid: bool
+    #: The app <-> proxy connections are paired in a sockmap (eBPF only).
+    sockmap: bool
     # --- inbound ---
     #: Inbound TCP is captured at all (``inbound_ports`` not empty).
     inbound: bool
@@ -198,6 +200,8 @@ class AmbientIntent:
     resolver_port: int
     #: Interfaces whose inbound TCP goes to the outbound port.
     reroute_interfaces: tuple[str, ...]
+    #: The app <-> node proxy connections are paired in a sockmap (eBPF only).
+    sockmap: bool
     #: Per family, the host address kubelet probes come from: they reach the app directly.
     probe_sources: tuple[tuple[Family, str], ...]
     #: Per family, loopback: never captured.
@@ -223,7 +227,7 @@ def ambient_intent_of(cfg: RedirectConfig) -> AmbientIntent:
         proxy_port=cfg.proxy_port, inbound_port=cfg.inbound_port, tunnel_port=cfg.tunnel_port,
         dns_port=cfg.dns_port, proxy_mark=cfg.proxy_mark, mark_mask=cfg.proxy_mark_mask, conn_mark=cfg.conn_mark,
         inbound=not cfg.bypass_inbound_capture, dns=cfg.dns_capture, resolver_port=DNS_PORT,
-        reroute_interfaces=cfg.reroute_interfaces,
+        reroute_interfaces=cfg.reroute_interfaces, sockmap=cfg.sockmap,
         probe_sources=((4, f"{cfg.probe_snat_ipv4}/32"), (6, f"{cfg.probe_snat_ipv6}/128")),
         loopback=((4, "127.0.0.1/32"), (6, LOOPBACK_V6)),
         routes=tuple(PolicyRoute(fam, cfg.conn_mark, cfg.proxy_mark_mask, cfg.route_table) for fam in FAMILIES),
@@ -267,6 +271,7 @@ def intent_of(cfg: RedirectConfig) -> Intent:
         exclude_interfaces=cfg.exclude_interfaces,
         reroute_interfaces=cfg.reroute_interfaces,
         drop_invalid=cfg.drop_invalid,
+        sockmap=cfg.sockmap,
         inbound=inbound,
         inbound_all=inbound_all,
         inbound_exclude_ports=cfg.inbound_exclude_ports if inbound_all else (),
@@ -318,7 +323,7 @@ BackendKind = Literal["iptables", "nftables", "ebpf"]
 def refusals(it: AnyIntent, kind: BackendKind) -> tuple[Refusal, ...]:
     """The options of ``it`` that backends of ``kind`` cannot lower, and why: every such decision,
     here once (setup with that backend raises ``BackendUnavailable`` naming the first; ``auto``
-    chooses another). The netfilter backends lower everything."""
+    chooses another)."""
     out: list[Refusal] = []
     if kind == "ebpf" and isinstance(it, Intent) and it.drop_invalid:
         out.append(Refusal(
@@ -326,6 +331,11 @@ def refusals(it: AnyIntent, kind: BackendKind) -> tuple[Refusal, ...]:
             "conntrack's INVALID verdict exists only for packets conntrack tracks, and it tracks none in a"
             " netns without netfilter rules that use it: bpf_skb_ct_lookup finds no entry there and BPF cannot"
             " run conntrack on a packet"))
+    if kind != "ebpf" and it.sockmap:
+        out.append(Refusal(
+            "sockmap=True",
+            "it pairs the two ends of the app's connections with its proxy in a BPF sockmap, which only the"
+            " eBPF backend installs"))
     return tuple(out)
 
 

@@ -143,6 +143,8 @@ class EbpfPolicy:
     #: ``reroute_interfaces`` is not empty: inbound arriving on an ``iface_reroute`` interface goes to
     #: the outbound port (to an ``out_include*`` CIDR unless ``out_all``).
     reroute_if: bool = False
+    #: ``sockmap``: the pod's app <-> proxy connections are paired (``redirect/bpf/sockmap.c``).
+    sockmap: bool = False
     #: Ambient mode: the node proxy's sockets carry ``proxy_mark`` under ``mark_mask``; its
     #: transparent connections to the app carry ``conn_mark`` (the owner fields are unused).
     ambient: bool = False
@@ -234,7 +236,7 @@ def lower_ebpf(it: AnyIntent, families: tuple[int, ...]) -> EbpfEntries:
         hairpin_uid_skip=_hairpin_skip(it.hairpin_exclude_of("uid")),
         hairpin_gid_skip=_hairpin_skip(it.hairpin_exclude_of("gid")),
         passthrough4=_host(it.passthrough_of(4), 32), passthrough6=_host(it.passthrough_of(6), 128),
-        route_mark=route_mark, route_mask=route_mask, reroute_if=bool(it.reroute_interfaces),
+        route_mark=route_mark, route_mask=route_mask, reroute_if=bool(it.reroute_interfaces), sockmap=it.sockmap,
     )
     ports: dict[tuple[PortKind, int], None] = {}
     for p in it.outbound_exclude_ports:
@@ -280,8 +282,8 @@ def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
         resolver_port=it.resolver_port, hairpin_uid_skip=(0,) * HAIRPIN_SKIP_MAX,
         hairpin_gid_skip=(0,) * HAIRPIN_SKIP_MAX, passthrough4="0.0.0.0", passthrough6="::",
         route_mark=route_mark, route_mask=route_mask,
-        reroute_if=bool(it.reroute_interfaces), ambient=True, proxy_mark=it.proxy_mark, mark_mask=it.mark_mask,
-        conn_mark=it.conn_mark,
+        reroute_if=bool(it.reroute_interfaces), sockmap=it.sockmap, ambient=True, proxy_mark=it.proxy_mark,
+        mark_mask=it.mark_mask, conn_mark=it.conn_mark,
     )
     cidrs = tuple(_cidr_spec(c, "probe4", "probe6") for f, c in it.probe_sources if f in families)
     return EbpfEntries(policy, (), cidrs, (), it.reroute_interfaces)

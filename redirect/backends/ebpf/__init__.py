@@ -53,6 +53,11 @@ ambient pod has the intent's policy route by the connection mark and ``tcp_fwmar
 (``redirect/bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
 (the intent's route by ``tproxy_mark``).
 
+With ``sockmap`` (this backend's alone), the pod's app <-> proxy connections are paired in the
+``pairs`` sockhash at establishment and each send goes to the peer's receive queue
+(``redirect/bpf/sockmap.c``; the host loads the ``sk_msg`` program with the others and attaches it
+to that map); paired connections stay paired through teardown and unload until they close.
+
 Not available with this backend (``apply`` raises ``BackendUnavailable`` naming
 the option, as ``redirect.plan.intent.refusals`` decides): ``drop_invalid`` (conntrack tracks
 nothing in a netns without netfilter rules, so there is no INVALID verdict for a program to read;

@@ -131,10 +131,15 @@ PROGRAMS: dict[str, tuple[int, int, bool]] = {
     # The filters on the interfaces of pods that forward (``.tc``): no attach type of their own.
     "rdr_tc_ingress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
     "rdr_tc_egress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
+    # Every send of a socket in ``pairs`` (sockmap: ``redirect/bpf/sockmap.c``), attached to that map.
+    "rdr_sk_msg": (const("BPF_PROG_TYPE_SK_MSG"), const("BPF_SK_MSG_VERDICT"), False),
 }
+#: Programs attached to a map of ours at load (the map holds them; no link): program -> map.
+MAP_ATTACHED = {"rdr_sk_msg": "pairs"}
 SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
 MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool")
+        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool",
+        "pairs", "pair_state", "pair_tcp")
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
@@ -147,8 +152,11 @@ CIDR_KEY = layout("cidr_key").struct
 ORIG = layout("orig_dst", raw=("port_be",)).struct
 TUPLE_KEY = layout("tuple_key", raw=("port_be",)).struct
 LISTENER_KEY = layout("listener_key").struct
+PAIR_KEY = layout("pair_key", raw=("lport_be", "rport_be")).struct
+PAIR_STATE = layout("pair_state").struct
 INV_KEY = layout("inv_key").struct
 INV_VAL = layout("inv_val").struct
+U32 = struct.Struct("=I")
 INV_CHUNK = const("RDR_INV_CHUNK")  # keys per inventory entry
 INV_KEY_MAX = const("RDR_INV_KEY_MAX")  # room for one key in an entry
 INV_PORTS, INV_CIDRS = const("RDR_INV_PORTS"), const("RDR_INV_CIDRS")
@@ -156,8 +164,17 @@ INV_MAPS = {INV_PORTS: "ports", INV_CIDRS: "cidrs"}
 INV_KEY_SIZE = {INV_PORTS: PORT_KEY.size, INV_CIDRS: CIDR_KEY.size}
 U64 = struct.Struct("=Q")
 GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys (redirect/bpf/policy.h, pod_keys)
-U32 = struct.Struct("=I")
 U8 = struct.Struct("=B")
+#: (key size, value size) of every map in ``MAPS``: a pinned map of another layout is another
+#: build's (``HostPrograms.open_pinned`` checks them against ``/proc/self/fdinfo``).
+MAP_SIZES = {
+    "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
+    "cidrs": (CIDR_KEY.size, 1), "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
+    "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
+    "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, layout("pool_slot").struct.size),
+    "lookup_free": (0, 4), "lookup_pool": (4, 4), "pairs": (PAIR_KEY.size, 4),
+    "pair_state": (PAIR_KEY.size, PAIR_STATE.size), "pair_tcp": (4, 8),
+}
 
 F_AMBIENT, F_TPROXY, F_INBOUND, F_FWMARK_ACCEPT_OURS = (
     const(f"RDR_F_{n}") for n in ("AMBIENT", "TPROXY", "INBOUND", "FWMARK_ACCEPT_OURS"))

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import BackendUnavailable, SetupError
-from ...plan.intent import AnyIntent, refusals
+from ...errors import SetupError
+from ...plan.intent import AnyIntent
 from ...plan.lower_ebpf import (
     CIDR_KIND,
     CIDR_KIND_NAME,
@@ -33,6 +33,7 @@ from ...plan.lower_ebpf import (
     pod_interfaces,
     pod_local,
 )
+from ..base import refuse as refuse_for
 from .abi import (
     CIDR_KEY,
     CIDR_PREFIX_BASE,
@@ -61,9 +62,8 @@ from .abi import (
 
 def refuse(it: AnyIntent) -> None:
     """``BackendUnavailable`` naming the first option of ``it`` this backend cannot lower
-    (``redirect.plan.intent.refusals``), and why."""
-    for r in refusals(it, "ebpf"):
-        raise BackendUnavailable(f"backend=ebpf: {r.option} is not available with eBPF ({r.why}); use backend=iptables")
+    (``redirect.backends.base.refuse``)."""
+    refuse_for(it, "ebpf")
 
 
 def _addr16(ip: str) -> bytes:
@@ -114,7 +114,7 @@ def _policy_core(policy: bytes) -> bytes:
 
 def replies_by_mark(flags: int) -> bool:
     """Whether a pod with policy ``flags`` has a proxy's transparent connections to the app answered
-    by the mark of their SYN (``redirect/bpf/sockopt.c``, ``transparent_connect``): inbound capture in ambient
+    by the mark of their SYN (``redirect/bpf/sockopt.c``, ``local_connect``): inbound capture in ambient
     mode (the node proxy) or with TPROXY (a sidecar's ``original_src``). The app's side then takes
     the intent's policy route by that mark, which needs ``net.ipv4.tcp_fwmark_accept`` on in the pod."""
     return bool(flags & F_INBOUND and flags & (F_AMBIENT | F_TPROXY))

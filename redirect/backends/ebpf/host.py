@@ -25,20 +25,8 @@ from typing import TYPE_CHECKING, Any
 from ...errors import BackendUnavailable, SetupError
 from ...kernel import netns as _netns
 from ..base import EBPF_DEFAULT_ROOT
-from .abi import (
-    CIDR_KEY,
-    INV_KEY,
-    INV_VAL,
-    LISTENER_KEY,
-    MAPS,
-    ORIG,
-    POLICY,
-    PORT_KEY,
-    PROGRAMS,
-    TUPLE_KEY,
-    U32,
-)
-from .pool import POOL_SLOT, close_kept, kept_programs
+from .abi import MAP_SIZES, MAPS, POLICY, PROGRAMS, U32
+from .pool import close_kept, kept_programs
 from .syscalls import (
     Map,
     _fd_by_id,
@@ -69,7 +57,7 @@ HEADERS_DIR = os.path.join(BPF_DIR, "headers")
 HEADER_ARCHES = {"x86_64": "x86"}
 #: Sources in compile order. bcc only rewrites map calls (``pods.lookup``) in
 #: its main text, so the helper header is inlined there rather than #included.
-SOURCES = ("policy.h", "sock_addr.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
+SOURCES = ("policy.h", "sock_addr.c", "sockmap.c", "sockopt.c", "sk_lookup.c", "tc_forward.c")
 
 
 def _root(root: str | None) -> str:
@@ -248,7 +236,7 @@ class HostPrograms:
     def open_pinned(cls, root: str, compiled: bool = False, load_ms: float = 0.0) -> HostPrograms:
         maps: dict[str, Map] = {}
         progs: dict[str, int] = {}
-        sizes = _map_sizes()
+        sizes = MAP_SIZES
         try:
             for m in MAPS:
                 fd = obj_get(os.path.join(root, "maps", m))
@@ -437,17 +425,6 @@ def _map_fdinfo(fd: int) -> dict[str, int]:
     return out
 
 
-def _map_sizes() -> dict[str, tuple[int, int]]:
-    return {
-        "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
-        "cidrs": (CIDR_KEY.size, 1),
-        "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
-        "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
-        "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
-        "lookup_free": (0, 4), "lookup_pool": (4, 4),
-    }
-
-
 def probe_kernel() -> None:
     """What the backend needs from this host; ``BackendUnavailable`` names what is missing."""
     rel = os.uname().release
@@ -533,7 +510,7 @@ def recover_host(root: str) -> HostPrograms | None:
     progs: dict[str, int] = {}
     seeds: list[int] = []
     maps: dict[str, Map] = {}
-    sizes = _map_sizes()
+    sizes = MAP_SIZES
 
     def add_map(name: str, fd: int) -> bool:
         if name in maps or name not in sizes:

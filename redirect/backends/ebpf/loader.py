@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from ...errors import BackendUnavailable, SetupError
-from .abi import MAPS, PROGRAMS, U32
+from .abi import MAP_ATTACHED, MAPS, PROGRAMS, U32
 from .host import (
     BPF_DIR,
     HEADERS_DIR,
@@ -85,6 +85,10 @@ def compile_load_pin(root: str, cgroup: str) -> int:
         # The pods' sk_lookup programs tail-call this one (redirect/bpf/redirect.h, lookup_prog).
         _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
                                                 0), "update lookup_prog")
+        # sk_msg programs go on their map (the map holds them: a paired socket keeps both).
+        for name, mname in MAP_ATTACHED.items():
+            if libbcc.lib.bpf_prog_attach(fns[name].fd, table(mname), PROGRAMS[name][1], 0) < 0:
+                raise BackendUnavailable(f"ebpf: attaching {name} to map {mname} failed")
         # The first batch of the pods' own sk_lookup programs (``.pool``).
         hint = fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
                     table("lookup_free"), 0)

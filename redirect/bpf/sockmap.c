@@ -1,0 +1,190 @@
+/* sockmap: the two ends of a pod's app <-> proxy connection, paired, so that each send is
+ * moved to the peer's receive queue instead of going down one TCP/IP stack and up the other.
+ *
+ * Which connections (pods with RDR_F_SOCKMAP, decided at the connecting end's TCP_CONNECT_CB,
+ * where the connecting task is current): the app's connection that connect4/6 sent to the proxy
+ * (outbound: its orig_dst carries RDR_ORIG_PAIR), the proxy's transparent connection to the app
+ * (local_conns), and a connection of the proxy's (its uid or gid; ambient: its mark) to one of
+ * the pod's own addresses or loopback (inbound, passthrough, hairpin). Nothing else of the pod.
+ *
+ * The kernel's rules that shape this (docs/kernel-facts.md, "Sockmap"):
+ * - the receiver reads redirected bytes before any in its TCP receive queue, so a direction that
+ *   sent anything over TCP must never redirect after (rdr_sk_msg: pair_tcp);
+ * - a paired socket that receives over TCP misreads (FIONREAD, a blocking read's EAGAIN), so a
+ *   connection is either paired at both ends or at neither: the accepted end joins only while
+ *   the connecting end's state is OPEN, and the connecting end, whose first send found no peer
+ *   (it may write before the accepted end's PASSIVE_ESTABLISHED_CB ran), takes the state to TCP
+ *   first: one compare-and-swap decides, and the loser stays out (or leaves);
+ * - removing a socket from the map discards the bytes queued for it: a socket leaves only when
+ *   nothing can have been redirected to it (the connecting end that won TCP: the accepted end
+ *   never stayed in the map), or by closing. Teardown and unload leave paired connections alone.
+ */
+#include "policy.h"
+
+/* One end's key from a sock_ops or sk_msg context (the same field names): its own view (peer 0),
+ * or its peer's (peer 1: local and remote swapped). remote_port holds the port in network order
+ * in its upper 16 bits on little-endian machines (both context types), local_port in host order. */
+static __always_inline void pair_addr(__u8 *dst, __u32 family, const __u32 *ip6, __u32 ip4)
+{
+	if (family == AF_INET6 && !is_v4_mapped(ip6)) {
+		__builtin_memcpy(dst, ip6, 16);
+	} else {
+		if (family == AF_INET6)
+			ip4 = ip6[3];
+		__builtin_memcpy(dst, &ip4, 4);
+	}
+}
+
+static __always_inline void pair_key_of(struct pair_key *k, __u64 netns, __u32 family, const __u32 *l6, __u32 l4,
+					const __u32 *r6, __u32 r4, __u16 lport_be, __u16 rport_be, int peer)
+{
+	k->netns = netns;
+	k->family = family == AF_INET6 && !is_v4_mapped(l6) ? AF_INET6 : AF_INET;
+	if (peer) {
+		pair_addr(k->laddr, family, r6, r4);
+		pair_addr(k->raddr, family, l6, l4);
+		k->lport_be = rport_be;
+		k->rport_be = lport_be;
+	} else {
+		pair_addr(k->laddr, family, l6, l4);
+		pair_addr(k->raddr, family, r6, r4);
+		k->lport_be = lport_be;
+		k->rport_be = rport_be;
+	}
+}
+
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define PAIR_RPORT(c) ((__u16)((c)->remote_port >> 16))
+#else
+#define PAIR_RPORT(c) ((__u16)(c)->remote_port)
+#endif
+
+#define PAIR_KEY(k, c, netns, peer)                                                                       \
+	do {                                                                                              \
+		__u32 l6_[4] = {(c)->local_ip6[0], (c)->local_ip6[1], (c)->local_ip6[2], (c)->local_ip6[3]}; \
+		__u32 r6_[4] = {(c)->remote_ip6[0], (c)->remote_ip6[1], (c)->remote_ip6[2],                \
+				(c)->remote_ip6[3]};                                                       \
+		pair_key_of((k), (netns), (c)->family, l6_, (c)->local_ip4, r6_, (c)->remote_ip4,          \
+			    bpf_htons((__u16)(c)->local_port), PAIR_RPORT(c), (peer));                     \
+	} while (0)
+
+/* The proxy's own socket: its uid or gid (sidecar; the connecting task is current at
+ * TCP_CONNECT_CB) or its mark (ambient's node proxy). */
+static __always_inline int pair_proxy_owned(struct bpf_sock_ops *ctx, const struct pod_policy *p, __u64 keys)
+{
+	struct bpf_sock *sk = ctx->sk;
+	__u64 ugid;
+
+	if (p->flags & RDR_F_AMBIENT)
+		return sk && proxy_marked(p, sk->mark);
+	ugid = bpf_get_current_uid_gid();
+	return id_listed(keys, RDR_CIDR_UID, &p->uid0, p->n_uids, (__u32)ugid) ||
+	       id_listed(keys, RDR_CIDR_GID, &p->gid0, p->n_gids, (__u32)(ugid >> 32));
+}
+
+/* TCP_CONNECT_CB of a candidate (see the top): its state PENDING, and RTT callbacks asked for
+ * (the handshake's own first; then only if its sends go over TCP, to leave the map). */
+static __always_inline void pair_candidate(struct bpf_sock_ops *ctx, __u64 netns)
+{
+	struct pair_key k = {};
+	struct pair_state st = {.state = RDR_PAIR_PENDING};
+
+	PAIR_KEY(&k, ctx, netns, 0);
+	pair_state.update(&k, &st);
+	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_RTT_CB_FLAG);
+}
+
+/* ACTIVE_ESTABLISHED_CB: a candidate joins (connect() has not returned yet: nothing was sent),
+ * unless data went with the SYN (fast open). */
+static __always_inline void pair_active(struct bpf_sock_ops *ctx)
+{
+	struct pair_key k = {};
+	struct pair_state *st;
+	int err;
+
+	if (!(ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_RTT_CB_FLAG))
+		return; /* not a candidate (the flag is set for them alone, before any map look-up) */
+	PAIR_KEY(&k, ctx, bpf_get_netns_cookie(ctx), 0);
+	st = pair_state.lookup(&k);
+	if (!st || st->state != RDR_PAIR_PENDING)
+		return;
+	if (ctx->data_segs_out || ctx->bytes_received) {
+		st->state = RDR_PAIR_TCP;
+		return;
+	}
+	st->isn_c = ctx->snd_nxt;
+	st->isn_a = ctx->rcv_nxt;
+	err = pairs.sock_hash_update(ctx, &k, BPF_NOEXIST);
+	st->state = err ? RDR_PAIR_TCP : RDR_PAIR_OPEN;
+}
+
+/* PASSIVE_ESTABLISHED_CB: the accepted end joins if the connecting end is OPEN for this very
+ * handshake (before accept(): nothing was sent yet). In first, then the state: a connecting end
+ * that sees JOINED finds it in the map. */
+static __always_inline void pair_passive(struct bpf_sock_ops *ctx, __u64 netns)
+{
+	struct pair_key k = {}, own = {};
+	struct pair_state *st;
+	int err;
+
+	PAIR_KEY(&k, ctx, netns, 1);
+	st = pair_state.lookup(&k);
+	if (!st || st->state != RDR_PAIR_OPEN || st->isn_c != ctx->rcv_nxt || st->isn_a != ctx->snd_nxt)
+		return;
+	PAIR_KEY(&own, ctx, netns, 0);
+	err = pairs.sock_hash_update(ctx, &own, BPF_NOEXIST);
+	if (err)
+		return; /* the connecting end finds no peer and goes over TCP */
+	if (__sync_val_compare_and_swap(&st->state, RDR_PAIR_OPEN, RDR_PAIR_JOINED) != RDR_PAIR_OPEN)
+		pairs.delete(&own); /* it sent over TCP meanwhile: out again, before accept() */
+}
+
+/* RTT_CB of a candidate: after the handshake's, only when its sends went over TCP. If it won
+ * TCP (the accepted end never stayed in the map, so nothing was ever redirected to it), it
+ * leaves the map and the connection is plain TCP at both ends. */
+static __always_inline void pair_rtt(struct bpf_sock_ops *ctx)
+{
+	struct pair_key k = {};
+	struct pair_state *st;
+
+	PAIR_KEY(&k, ctx, bpf_get_netns_cookie(ctx), 0);
+	st = pair_state.lookup(&k);
+	if (!st || st->state != RDR_PAIR_TCP)
+		return;
+	st->state = RDR_PAIR_LEFT;
+	pairs.delete(&k);
+}
+
+/* Every send of a paired socket: to the peer's receive queue, or over TCP for good. */
+int rdr_sk_msg(struct sk_msg_md *msg)
+{
+	struct pair_key peer = {}, own = {};
+	struct bpf_sock *sk = msg->sk;
+	struct pair_state *st;
+	__u64 netns, *tcp;
+	long r;
+
+	if (!sk)
+		return SK_PASS;
+	if (pair_tcp.sk_storage_get(sk, 0, 0))
+		return SK_PASS; /* this direction sent over TCP before */
+	netns = bpf_get_netns_cookie(msg);
+	PAIR_KEY(&peer, msg, netns, 1);
+	r = pairs.msg_redirect_hash(msg, &peer, BPF_F_INGRESS);
+	if (r == SK_PASS)
+		return SK_PASS;
+	/* No peer: the connecting end before the accepted end joined (then this end takes the
+	 * connection to TCP, unless the accepted end has just joined: it is in the map), or a peer
+	 * that closed. */
+	PAIR_KEY(&own, msg, netns, 0);
+	st = pair_state.lookup(&own);
+	if (st && __sync_val_compare_and_swap(&st->state, RDR_PAIR_OPEN, RDR_PAIR_TCP) == RDR_PAIR_JOINED) {
+		r = pairs.msg_redirect_hash(msg, &peer, BPF_F_INGRESS);
+		if (r == SK_PASS)
+			return SK_PASS;
+	}
+	tcp = pair_tcp.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (tcp)
+		*tcp = 1;
+	return SK_PASS;
+}
