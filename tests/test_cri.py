@@ -50,6 +50,7 @@ from tests.crikit import (
     rpc_error,
     running_node,
 )
+from tests.kit import secctx
 from tests.kit.kubelet import Kubelet, PodFailed, PodRun
 from tests.test_deploy import json_lines, the
 
@@ -59,13 +60,6 @@ BACKENDS = ["iptables", "nftables", "ebpf"]
 PROXY_IMAGE = "rdrt-proxy:1"
 T = "traffic.sidecar.istio.io/"
 NODE_PORTS = (80, 22, 7070)  # node listeners: app traffic that is not captured lands on them
-
-
-def _caps(status: str) -> dict[str, int]:
-    return {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines() if line.startswith("Cap"))}
-
-
-CAP = {"NET_ADMIN": 12, "NET_RAW": 13, "SYS_ADMIN": 21}
 
 
 class Cluster:
@@ -327,7 +321,6 @@ def test_the_daemonsets_containers_run_from_the_image_as_the_manifest_says(clust
     run = cluster.daemonset(backend)
     k = cluster.kubelet
     image = k.image_id("redirect:0.1.0")
-    ours = _caps(Path("/proc/self/status").read_text())
     for c in run.spec["containers"]:
         name = c["name"]
         st = k.cri.runtime.ContainerStatus(k.pb.ContainerStatusRequest(container_id=run.containers[name], verbose=True),
@@ -337,20 +330,9 @@ def test_the_daemonsets_containers_run_from_the_image_as_the_manifest_says(clust
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
         argv = [a.replace("$(NODE_NAME)", cluster.node.name) for a in c["command"]]
         assert [a.decode() for a in cmdline[-len(argv) + 1:]] == argv[1:] and cmdline[1].decode().endswith(argv[0])
-        status = Path(f"/proc/{pid}/status").read_text()
-        caps = _caps(status)
-        sc = c["securityContext"]
-        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
-        assert uid == sc.get("runAsUser", 0)
-        no_new_privs = next(line for line in status.splitlines() if line.startswith("NoNewPrivs:")).split()[1]
-        assert no_new_privs == ("1" if sc.get("allowPrivilegeEscalation") is False else "0"), name
-        if sc.get("privileged"):
-            assert caps["CapEff"] == ours["CapEff"], name
-        elif "capabilities" in sc:
-            want = sum(1 << CAP[n] for n in sc["capabilities"].get("add", []))
-            assert sc["capabilities"]["drop"] == ["ALL"] and caps["CapEff"] == caps["CapBnd"] == want, name
-        else:  # the runtime's default set: no NET_ADMIN, no SYS_ADMIN
-            assert not caps["CapEff"] & (1 << CAP["NET_ADMIN"] | 1 << CAP["SYS_ADMIN"]), name
+        got, want = secctx.read_status(pid), secctx.creds_of(c, run.spec)
+        assert (got.uid, got.gid, got.bounding, got.effective, got.no_new_privs) == \
+            (want.uid, want.gid, want.bounding, want.effective, want.no_new_privs), (name, got, want)
         json_lines(k.logs(run, name))  # --log-json: every line a JSON record
     for probe in ("livenessProbe", "readinessProbe"):
         assert k.probe(run, "agent", probe) == 200
