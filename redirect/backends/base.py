@@ -39,7 +39,8 @@ def refuse(it: AnyIntent, name: str) -> None:
     kind = kind_of(name)
     for r in refusals(it, kind):  # type: ignore[arg-type]
         other = "iptables" if kind == "ebpf" else "ebpf"
-        raise BackendUnavailable(f"backend={name}: {r.option} is not available with {kind} ({r.why});"
+        shown = "eBPF" if kind == "ebpf" else kind
+        raise BackendUnavailable(f"backend={name}: {r.option} is not available with {shown} ({r.why});"
                                  f" use backend={other}")
 
 

@@ -275,7 +275,14 @@ def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
     def run() -> None:
         if home is not None:
             try:
-                _setns(home)
+                # (the creator may never have left its own netns: then the thread is there already,
+                # and setns, which needs CAP_SYS_ADMIN even into the thread's own, is not made)
+                here = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    if not _same_file(here, home):
+                        _setns(home)
+                finally:
+                    os.close(here)
             except OSError as e:  # pragma: no cover - kernel out of memory
                 raise SystemError(f"thread {name}: could not leave the creator's netns: {e}") from e
             finally:
