@@ -19,7 +19,7 @@ from .backends import KINDS, choose_auto, ebpf_failed, ebpf_root, get_backend, k
 from .backends.base import Backend, CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
-from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
+from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError, SetupError
 from .kernel import netns as _netns
 from .kernel.locks import mark_netfilter, netns_lock, thread_lock_fd, unmark_netfilter
 from .plan import build_plan
@@ -154,12 +154,26 @@ def _setup_general(impl: Backend, cfg: RedirectConfig, plan: Plan, netns: _netns
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
             # refill of libnftables' cache of our new table after it.
             others = _installed(skip=kind_of(impl.name), strict=False)
+            if others:
+                _refuse_switch_over_foreign(impl.name, others)
             if kind_of(impl.name) != "ebpf":  # (before it may hold any: see locks.mark_netfilter)
                 mark_netfilter(_netns.current_inode(), _netns.current_cookie())
             res = impl.apply(plan, cfg, families)
             if others and _retire(impl.name, others, plan, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
     return res
+
+
+def _refuse_switch_over_foreign(backend_name: str, olds: list[Backend]) -> None:
+    """``SetupError`` before anything changes if capture of ours by another backend, which a
+    switch to ``backend_name`` would remove, holds rules that are not ours (they go with it)."""
+    for old in olds:
+        ask = getattr(old, "foreign_in_ours", None)
+        foreign = ask() if ask is not None else []
+        if foreign:
+            raise SetupError(f"{old.name}: our capture there holds what is not ours: {'; '.join(foreign)}. A switch to"
+                             f" {backend_name} removes ours, and theirs would go with it: setup refused, nothing"
+                             " changed; remove them, then run setup again")
 
 
 def _netfilter_present() -> bool:
