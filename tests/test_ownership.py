@@ -253,6 +253,7 @@ def test_an_upgrade_killed_midway_keeps_the_previous_rules_whole_until_repaired(
 # --------------------------------------------------------------------------- look-alikes of the previous release
 
 
+@pytest.mark.noroot
 def test_the_previous_releases_rules_are_exactly_ours_unmarked_and_nothing_else() -> None:
     """What the previous-release recognition accepts, rule by rule: a rule our renderer writes,
     with the purpose as its whole comment (every rule of every golden file, so unmarked); not
