@@ -207,27 +207,29 @@ def desired_state(plan: Plan, family: int, gen: int = 0) -> State:
 _TARGETS: dict[str, Any] = {"RETURN": Return, "ACCEPT": Accept, "DROP": Drop}
 
 
+def _mark_of(text: str) -> tuple[int, int]:
+    value, _, mask = text.partition("/")
+    return int(value, 16), int(mask, 16) if mask else FULL
+
+
+def _idspec_of(text: str) -> Any:
+    lo, _, hi = text.partition("-")
+    return (int(lo), int(hi)) if hi else int(lo)
+
+
 def _rule_of(tokens: list[str], prefix: str) -> tuple[str, Rule] | None:
     """(chain, rule) read from the tokens of one ``-A`` line, in the forms ``render_rule``
     writes; None for anything else. Lenient on purpose: what decides is whether ``render_rule``
     writes the rule back token for token (``_previous_release_rule``)."""
     if len(tokens) < 2 or tokens[0] != "-A":
         return None
-    chain, comment, action = tokens[1], "", None
+    chain, comment, action, module = tokens[1], "", None, ""
     matches: list[Match] = []
     i, neg = 2, False
-
-    def mark_of(text: str) -> tuple[int, int]:
-        value, _, mask = text.partition("/")
-        return int(value, 16), int(mask, 16) if mask else FULL
-
-    def idspec(text: str) -> Any:
-        lo, _, hi = text.partition("-")
-        return (int(lo), int(hi)) if hi else int(lo)
-
     while i < len(tokens):
         t = tokens[i]
         arg = tokens[i + 1] if i + 1 < len(tokens) else ""
+        step = 2  # an option and its argument
         if t == "!":
             neg, i = True, i + 1
             continue
@@ -237,42 +239,43 @@ def _rule_of(tokens: list[str], prefix: str) -> tuple[str, Rule] | None:
             matches.append(Iface("in" if t == "-i" else "out", arg, neg))
         elif t == "-p" and arg in ("tcp", "udp"):
             matches.append(Proto(arg))  # type: ignore[arg-type]
+        elif t == "-m":
+            module = arg
+            if arg == "socket":
+                flags = tokens[i + 2:i + 4]
+                matches.append(Socket("--transparent" in flags, "--nowildcard" in flags))
+                step += ("--transparent" in flags) + ("--nowildcard" in flags)
         elif t in ("--sport", "--dport"):
             matches.append(Port("src" if t == "--sport" else "dst", (int(arg),), neg))
         elif t in ("--sports", "--dports"):
             matches.append(Port("src" if t == "--sports" else "dst", tuple(int(p) for p in arg.split(",")), neg))
         elif t in ("--uid-owner", "--gid-owner"):
-            matches.append(Owner("uid" if t == "--uid-owner" else "gid", idspec(arg), neg))
+            matches.append(Owner("uid" if t == "--uid-owner" else "gid", _idspec_of(arg), neg))
         elif t == "--socket-exists":
             matches.append(SocketExists())
-            i -= 1
-        elif t == "--mark" and tokens[i - 1 - neg] in ("mark", "connmark"):
-            kind = Mark if tokens[i - 1 - neg] == "mark" else ConnMark
-            matches.append(kind(*mark_of(arg), neg))
+            step = 1
+        elif t == "--mark" and module in ("mark", "connmark"):
+            matches.append((Mark if module == "mark" else ConnMark)(*_mark_of(arg), neg))
         elif t == "--ctstate":
             matches.append(CtState(tuple(arg.split(","))))  # type: ignore[arg-type]
         elif t == "--match-set" and i + 2 < len(tokens):
             matches.append(InSet(arg, tokens[i + 2]))  # type: ignore[arg-type]
-            i += 1
-        elif t == "-m" and arg == "socket":
-            transparent = "--transparent" in tokens[i + 2:i + 4]
-            nowildcard = "--nowildcard" in tokens[i + 2:i + 4]
-            matches.append(Socket(transparent, nowildcard))
-            i += transparent + nowildcard
-        elif t == "-m" or (t == "--comment" and not comment):
-            comment = arg if t == "--comment" else comment
+            step = 3
+        elif t == "--comment" and not comment:
+            comment = arg
         elif t == "-j":
-            action = _action_of(arg, tokens[i + 2:], prefix, mark_of)
+            action = _action_of(arg, tokens[i + 2:], prefix)
             break
         else:
             return None
-        neg, i = False, i + 2
+        neg, i = False, i + step
     if action is None:
         return None
     return chain, Rule(tuple(matches), action, None, comment)
 
 
-def _action_of(target: str, args: list[str], prefix: str, mark_of: Any) -> Any:
+def _action_of(target: str, args: list[str], prefix: str) -> Any:
+    """The action of a ``-j TARGET ARGS...`` as ``_render_action`` writes it, or None."""
     opts = dict(zip(args[::2], args[1::2], strict=False))
     if target in _TARGETS and not args:
         return _TARGETS[target]()
@@ -281,9 +284,9 @@ def _action_of(target: str, args: list[str], prefix: str, mark_of: Any) -> Any:
     if target == "REDIRECT":
         return Redirect(int(opts["--to-ports"]))
     if target == "TPROXY":
-        return TProxy(int(opts["--on-port"]), *mark_of(opts["--tproxy-mark"]))
+        return TProxy(int(opts["--on-port"]), *_mark_of(opts["--tproxy-mark"]))
     if target in ("MARK", "CONNMARK") and "--set-xmark" in opts:
-        return (SetMark if target == "MARK" else SetConnMark)(*mark_of(opts["--set-xmark"]))
+        return (SetMark if target == "MARK" else SetConnMark)(*_mark_of(opts["--set-xmark"]))
     if target == "CONNMARK" and args[:1] in (["--save-mark"], ["--restore-mark"]):
         return (SaveMark if args[0] == "--save-mark" else RestoreMark)(int(args[2], 16))
     if target == "CT":
@@ -308,7 +311,6 @@ def _previous_release_rule(line: str, family: int) -> bool:
         return False
     at = marked.index("--comment") + 1
     return marked[:at] + [rule.comment] + marked[at + 1:] == tokens
-
 
 
 _COMMENT_RE = re.compile(r' -m comment --comment "((?:[^"\\]|\\.)*)"')
