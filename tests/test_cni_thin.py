@@ -642,6 +642,8 @@ def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path
 
     with agent_node(tmp_path, backend, monkeypatch) as n:
         agent = n.start_agent()
+        if backend == "ebpf":  # else its first pod waits for the host programs' compile (bounded by agentTimeout)
+            wait_log(agent.log, lambda e: e.get("msg") == "eBPF host programs ready", 300, agent.proc)
         if mode == "ambient":
             n.start_proxy()
         with bridge_net(containerd.base, "rdrt-thin", 246) as net:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -346,9 +347,11 @@ def cni_in_node(node: str, exe: str, command: str, conf: dict[str, object],
 
 
 def capture_in(ns: str) -> str:
-    """Our capture in ``ns`` as the kernel lists it (what a refused entry point must leave)."""
-    return subprocess.run(["ip", "netns", "exec", ns, "iptables-save"], capture_output=True, text=True,
-                          check=True).stdout.replace("\n", "|")
+    """Our capture in ``ns`` as the kernel lists it (what a refused entry point must leave): the
+    rules and chains of ``iptables-save``, without its comment lines (a timestamp) and counters."""
+    text = subprocess.run(["ip", "netns", "exec", ns, "iptables-save"], capture_output=True, text=True,
+                          check=True).stdout
+    return "|".join(re.sub(r"\[\d+:\d+\]", "", ln) for ln in text.splitlines() if not ln.startswith("#"))
 
 
 def test_teardown_refuses_the_host_netns_in_every_form(monkeypatch: pytest.MonkeyPatch) -> None:
