@@ -296,7 +296,7 @@ def not_ours(items: list[dict[str, Any]]) -> str | None:
     """Why the table listed as ``items`` is not ours at all, or None if it is.
 
     Ours: a rule in it carries our comment (``redirect: <purpose>``); what else it holds is
-    someone else's inside ours (``foreign_in_ours``). A table without a rule of ours is ours
+    someone else's inside ours (``_split``). A table without a rule of ours is ours
     only in the layout earlier versions wrote: nothing but chains named
     ``<raw|mangle|nat>_<pod chain>``, base chains exactly where ``BASE_CHAINS`` puts them with an
     accept policy, and rules each with a plain comment (the previous release's purposes), or no
