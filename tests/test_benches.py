@@ -4,6 +4,7 @@ a timing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,6 +50,28 @@ def _left_behind(pid: int) -> list[str]:
     left = [f"netns {n}" for n in _ours(pid)] + [f"process {p}" for p in _procs(pid)]
     root = f"/sys/fs/bpf/rdrt-bench-{pid}"
     return left + ([f"bpf pins {root}"] if os.path.exists(root) else [])
+
+
+def _stop_and_sweep(proc: subprocess.Popen[bytes]) -> None:
+    """After a failed test: the run stopped the way that cleans up (SIGTERM, bounded), only then
+    killed, and whatever of it is still left removed (its namespaces, processes, BPF pins)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+    for p in _procs(proc.pid):
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+    for name in _ours(proc.pid):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    root = f"/sys/fs/bpf/rdrt-bench-{proc.pid}"
+    if os.path.exists(root):
+        from redirect.backends import ebpf
+
+        ebpf.force_unload_host(root)
 
 
 def _bench(out: Path, *extra: str, backends: str = "iptables") -> subprocess.Popen[bytes]:
@@ -217,12 +240,10 @@ def test_ctrl_c_with_ebpf_pods_registered_removes_the_scratch_bpf_root(tmp_path:
         assert os.path.isdir(root) and len([n for n in _ours(proc.pid) if "-f" in n]) >= 3, _ours(proc.pid)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err.decode()[-2000:]
+        assert not _left_behind(proc.pid), "left after Ctrl-C"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err.decode()[-2000:]
-    assert not _left_behind(proc.pid), "left after Ctrl-C"
+        _stop_and_sweep(proc)
     res = json.loads((tmp_path / "latest.json").read_text())
     assert "interrupted: partial results" in res["notes"], res["notes"]
 
