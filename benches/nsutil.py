@@ -196,6 +196,9 @@ def install_handlers() -> None:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
+    # Ctrl-C too, even when this process was started with SIGINT ignored (as a shell starts a
+    # background job, and so everything under it): Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def live_count() -> int:

@@ -38,6 +38,8 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 #: Variants of the iptables backend: in focused runs they get the in-process per-pod figure only.
 VARIANTS = ("iptables-legacy", "iptables-nft")
+#: How long ``--pause-at`` waits for a signal before the run goes on.
+PAUSE_MAX_S = 600
 PHASES = ("per_pod", "cli", "cni", "cni_thin", "cni_concurrent", "pod_start", "scale", "memory", "agent_memory",
           "datapath")
 
@@ -59,7 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory (default: %(default)s)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--pause-at", metavar="PHASE:N", help="stop once a phase whose name starts with PHASE (as the "
+                   "progress bar names it, e.g. 'scale ebpf/sidecar') has done N steps, write OUT/paused and wait "
+                   f"for a signal (at most {PAUSE_MAX_S} s): to interrupt a run at a known point")
+    args = p.parse_args(argv)
+    if args.pause_at is not None:
+        phase, _, n = args.pause_at.rpartition(":")
+        if not phase or not n.isdigit():
+            p.error(f"--pause-at={args.pause_at!r}: expected PHASE:N")
+        args.pause_at = (phase, int(n))
+    return args
 
 
 def _host() -> dict[str, Any]:
@@ -69,8 +80,16 @@ def _host() -> dict[str, Any]:
 
 
 class Bar:
-    def __init__(self, total: int, enabled: bool) -> None:
+    """The progress bar, and the run's phase: its name and the steps done in it. ``pause_at``
+    (``(phase prefix, steps)``, ``--pause-at``) stops the run once a phase of that prefix has done
+    that many steps: ``<out>/paused`` says where, and the run waits for a signal (at most
+    ``PAUSE_MAX_S``), so a test can interrupt it at a known point, whatever the machine's speed."""
+
+    def __init__(self, total: int, enabled: bool, pause_at: tuple[str, int] | None = None,
+                 out: str = ".") -> None:
         self.bar: Any = None
+        self.name, self.done = "", 0
+        self.pause_at, self.out = pause_at, out
         if enabled:
             from tqdm import tqdm  # type: ignore[import-untyped]
 
@@ -79,8 +98,25 @@ class Bar:
     def __call__(self, n: int) -> None:
         if self.bar is not None:
             self.bar.update(n)
+        self.done += n
+        if self.pause_at is not None and self.name.startswith(self.pause_at[0]) and self.done >= self.pause_at[1]:
+            self.pause_at = None  # once
+            self._pause()
+
+    def _pause(self) -> None:
+        os.makedirs(self.out, exist_ok=True)
+        marker = os.path.join(self.out, "paused")
+        with open(marker + ".tmp", "w") as f:
+            f.write(f"{self.name}: {self.done}\n")
+        os.replace(marker + ".tmp", marker)
+        print(f"benches: paused in {self.name!r} after {self.done} steps (--pause-at); waiting for a signal",
+              file=sys.stderr)
+        deadline = time.monotonic() + PAUSE_MAX_S
+        while time.monotonic() < deadline:  # a signal (SIGINT: KeyboardInterrupt) ends it
+            time.sleep(0.05)
 
     def phase(self, name: str) -> None:
+        self.name, self.done = name, 0
         if self.bar is not None:
             self.bar.set_description(name)
 
@@ -266,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_backends = ([b for b in (agentmem.REFERENCE, *agentmem.TARGET_MIB) if b in backends and b not in skipped]
                           if "agent_memory" not in skip else [])
         total += len(agent_backends)
-        bar = Bar(total, not args.no_progress)
+        bar = Bar(total, not args.no_progress, args.pause_at, args.out)
         failed: dict[str, str] = {}
         if "per_pod" not in skip:
             bar.phase("per-pod")

@@ -16,13 +16,21 @@
  *               "plugin not available", so the runtime starts no pods meanwhile);
  *   "inProcess" exec redirect-cni-python from this binary's directory (the Python plugin,
  *               written there by `redirect-cni install`) with the same env and stdin.
+ * No agent listens when the socket does not exist, refuses connections, or is not the agent's
+ * kind of socket (a stream socket: EPROTOTYPE).
  * A DEL when no agent listens execs redirect-cni-python whatever agentDown says (it removes the
  * in-pod rules, as the Python plugin's DEL does without an agent), and succeeds if that can't
  * be started: a DEL never fails for want of an agent.
+ * agentTimeout bounds the whole exchange (connect, send, answer, reading the output), rounded
+ * up to a microsecond, never down to "no timeout"; the output copied to stdout is the agent's
+ * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails.
  * An agent that goes away mid-request (closes without answering, a restart) or does not
  * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
  * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
- * undoes it. Never a success without the agent's.
+ * undoes it. Never a success without the agent's. An ADD whose agent went away runs the
+ * Python plugin's DEL of the pod first (as when no agent runs: it removes what the pod's netns
+ * holds of ours; bounded by agentTimeout + CLEANUP_EXTRA_S, then killed) and says whether that
+ * worked; one that timed out leaves the pod to the agent, which is still at it.
  *
  * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (scanned
  * without recursion, nesting bounded by MAX_DEPTH) or not an object gets error 6, a bad or
@@ -33,6 +41,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -43,17 +52,20 @@
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #define MAX_STDIN (1 << 20)        /* redirect.cni.netconf.MAX_STDIN */
 #define MAX_MESSAGE (64 * 1024)    /* redirect.ambient.agent.protocol.MAX_MESSAGE */
 #define MAX_ENV_VALUE (32 * 1024)  /* redirect.ambient.agent.cni_requests.MAX_ENV_VALUE */
+#define MAX_OUTPUT (2 * MAX_STDIN) /* the plugin's stdout the agent answers with: a result, at most */
 #define MAX_DEPTH 512
 #define LATEST "1.1.0"
 #define DEFAULT_SOCKET "/run/redirect/agent.sock"
 #define DEFAULT_TIMEOUT_S 10.0
 #define PYTHON_PLUGIN "redirect-cni-python"
+#define CLEANUP_EXTRA_S 20.0 /* an ADD's cleanup DEL (the agent went away) may take agentTimeout + this */
 
 enum { E_INCOMPATIBLE = 1, E_INVALID_CONFIG = 4, E_DECODE = 6, E_ENV = 7, E_TRY_AGAIN = 11, E_NOT_AVAILABLE = 50,
        E_SETUP = 100 };
@@ -539,10 +551,76 @@ static void exec_python(const char *data, size_t n, char *details, size_t cap) {
     snprintf(details, cap, "%s: %s", path, strerror(errno));
 }
 
+static double now_s(void);
+
+/* The Python plugin's DEL of this request's pod (same env and stdin, CNI_COMMAND=DEL), run to
+ * the end or killed at `deadline`: what removes the pod's netns's capture of ours when the agent
+ * went away in the middle of an ADD (the same DEL as when no agent runs). Its stdout is not ours
+ * to print; its stderr is the runtime's. 0 when it succeeded, else why not in `why`. */
+static int del_in_process(const char *data, size_t n, double deadline, char *why, size_t cap) {
+    pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(why, cap, "fork: %s", strerror(errno));
+        return -1;
+    }
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (null < 0 || dup2(null, 1) < 0 || setenv("CNI_COMMAND", "DEL", 1) < 0) _exit(126);
+        char details[PATH_MAX + 300];
+        exec_python(data, n, details, sizeof details);
+        fprintf(stderr, "redirect-cni: %s\n", details);
+        _exit(127);
+    }
+    int status = 0;
+    for (;;) { /* bounded: at most (deadline - now) / 10 ms turns */
+        pid_t w = waitpid(pid, &status, WNOHANG);
+        if (w == pid) break;
+        if (w < 0 && errno != EINTR) {
+            snprintf(why, cap, "waitpid: %s", strerror(errno));
+            return -1;
+        }
+        if (now_s() > deadline) {
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+            snprintf(why, cap, "%s DEL did not finish in time (killed)", PYTHON_PLUGIN);
+            return -1;
+        }
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;
+    if (WIFEXITED(status))
+        snprintf(why, cap, "%s DEL exited with %d", PYTHON_PLUGIN, WEXITSTATUS(status));
+    else
+        snprintf(why, cap, "%s DEL was killed by signal %d", PYTHON_PLUGIN, WTERMSIG(status));
+    return -1;
+}
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* SO_SNDTIMEO of `s` to the time left until `deadline`, rounded up to whole microseconds and
+ * never to zero: a timeval of {0,0} means no timeout at all. Bounds connect() (a listener whose
+ * backlog is full) and sendmsg(). */
+static void send_timeout(int s, double deadline) {
+    double left = deadline - now_s();
+    long long us = left > 0 ? (long long)(left * 1e6) : 0;
+    if ((double)us < left * 1e6) us++;
+    if (us < 1) us = 1;
+    struct timeval tv = {(time_t)(us / 1000000), (suseconds_t)(us % 1000000)};
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+/* Milliseconds left until `deadline` for poll(), rounded up (0 once it has passed). */
+static int ms_left(double deadline) {
+    double left = (deadline - now_s()) * 1000;
+    if (left <= 0) return 0;
+    if (left > INT_MAX - 1) return INT_MAX - 1;
+    int ms = (int)left;
+    return (double)ms < left ? ms + 1 : ms;
 }
 
 int main(int argc, char **argv) {
@@ -664,15 +742,17 @@ int main(int argc, char **argv) {
 
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0) fail(E_TRY_AGAIN, strerror(errno), "socket() failed");
-    struct timeval tv = {(time_t)timeout, (suseconds_t)((timeout - (double)(time_t)timeout) * 1e6)};
-    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    double deadline = now_s() + timeout; /* the whole exchange: connect, send, answer, output */
+    send_timeout(s, deadline);
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     memcpy(addr.sun_path, sock_path, strlen(sock_path) + 1);
     if (connect(s, (struct sockaddr *)&addr, sizeof addr) < 0) {
         int err = errno;
         char why[600];
         snprintf(why, sizeof why, "%s: %s", sock_path, strerror(err));
-        if (err == ENOENT || err == ECONNREFUSED) {
+        /* No agent there: nothing listens (ENOENT, ECONNREFUSED), or what listens is no agent
+         * (EPROTOTYPE: a stream socket, which the agent's never is). */
+        if (err == ENOENT || err == ECONNREFUSED || err == EPROTOTYPE) {
             int is_del = strcmp(command, "DEL") == 0;
             if (in_process || is_del) {
                 char details[PATH_MAX + 300];
@@ -700,7 +780,7 @@ int main(int argc, char **argv) {
     cm->cmsg_type = SCM_RIGHTS;
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-    double deadline = now_s() + timeout;
+    send_timeout(s, deadline);
     ssize_t sent;
     do sent = sendmsg(s, &mh, MSG_NOSIGNAL);
     while (sent < 0 && errno == EINTR);
@@ -712,7 +792,7 @@ int main(int argc, char **argv) {
     char rbuf[CMSG_SPACE(sizeof(int) * 4)];
     ssize_t got;
     for (;;) {
-        int left = (int)((deadline - now_s()) * 1000);
+        int left = ms_left(deadline);
         struct pollfd pfd = {s, POLLIN, 0};
         int pr = left > 0 ? poll(&pfd, 1, left) : 0;
         if (pr < 0 && errno == EINTR) continue;
@@ -729,9 +809,24 @@ int main(int argc, char **argv) {
         if (got < 0 && errno == EINTR) continue;
         break;
     }
-    if (got <= 0)
-        fail(E_TRY_AGAIN, got < 0 ? strerror(errno) : "connection closed",
-             "the node agent at %s went away without answering (restarting?)", sock_path);
+    if (got == 0 || (got < 0 && errno == ECONNRESET)) {
+        /* The agent went away (killed, restarting) in the middle of the request. An ADD may have
+         * been half done there: remove what the pod's netns holds of ours now, as a DEL without an
+         * agent does, before answering "try again"; the agent removes what it keeps elsewhere
+         * (node sets, the proxy's listeners) when it starts. */
+        const char *closed = got == 0 ? "connection closed" : strerror(errno);
+        if (strcmp(command, "ADD") == 0) {
+            char why[PATH_MAX + 400] = "";
+            if (del_in_process(data, len, now_s() + timeout + CLEANUP_EXTRA_S, why, sizeof why) == 0)
+                fail(E_TRY_AGAIN, closed, "the node agent at %s went away without answering (restarting?); what "
+                                          "the pod's netns held of ours was removed", sock_path);
+            fail(E_TRY_AGAIN, why, "the node agent at %s went away without answering (restarting?); removing what "
+                                   "the pod's netns holds of ours failed", sock_path);
+        }
+        fail(E_TRY_AGAIN, closed, "the node agent at %s went away without answering (restarting?)", sock_path);
+    }
+    if (got < 0)
+        fail(E_TRY_AGAIN, strerror(errno), "reading the node agent's answer at %s failed", sock_path);
     int outfd = -1;
     for (cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
         if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
@@ -758,14 +853,23 @@ int main(int argc, char **argv) {
     }
     int rc = r[2].p && r[2].n == 1 && r[2].p[0] >= '0' && r[2].p[0] <= '9' ? r[2].p[0] - '0' : -1;
     if (rc < 0 || outfd < 0) fail(E_SETUP, "", "the node agent's answer has no exit code or output");
-    char out[65536];
-    off_t off = 0;
-    for (;;) {
-        ssize_t n = pread(outfd, out, sizeof out, off);
+    /* The output: a regular file (the agent's memfd) of at most MAX_OUTPUT bytes, read in full
+     * before anything is printed, within agentTimeout; anything else (a device such as
+     * /dev/zero, a pipe, a huge file) is not an answer. */
+    struct stat st;
+    if (fstat(outfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size < 0 || st.st_size > MAX_OUTPUT)
+        fail(E_SETUP, "", "the node agent's output is not a file of at most %d bytes", MAX_OUTPUT);
+    char *out = malloc((size_t)st.st_size + 1);
+    if (!out) die_oom();
+    size_t have = 0;
+    while (have < (size_t)st.st_size) {
+        if (now_s() > deadline)
+            fail(E_TRY_AGAIN, sock_path, "the node agent's output was not read within %g s (agentTimeout)", timeout);
+        ssize_t n = pread(outfd, out + have, (size_t)st.st_size - have, (off_t)have);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;
-        write_all(1, out, (size_t)n);
-        off += n;
+        have += (size_t)n;
     }
+    write_all(1, out, have);
     return rc;
 }

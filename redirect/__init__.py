@@ -8,7 +8,8 @@
 
 ``netns`` is ``"pid:N"`` (process N's), a path (it has a ``/``), else a name under
 /run/netns (``"1"`` too); or ``redirect.Pid(n)``, ``redirect.Fd(n)``, or an int (an open
-netns fd, else a pid). ``setup`` refuses the host's own netns unless ``allow_host_netns=True``.
+netns fd, else a pid). ``setup`` and ``teardown`` refuse the host's own netns unless
+``allow_host_netns=True``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A netns holds the capture of one backend at a time: ``setup`` with another backend than the
 one installed puts the new capture in first and then removes the old (capture never lapses);
 ``teardown``, ``check`` and ``show`` without a backend act on whatever of ours is installed,
-whichever backend put it there. ``setup`` refuses the host's own network namespace unless
-``allow_host_netns=True``. Every change of a netns holds its lock (``redirect.kernel.locks``).
+whichever backend put it there. ``setup`` and ``teardown`` refuse the host's own network namespace
+unless ``allow_host_netns=True``. Every change of a netns holds its lock (``redirect.kernel.locks``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .backends import KINDS, choose_auto, ebpf_caps_refusal, ebpf_failed, ebpf_r
 from .backends.base import Backend, CheckResult, Installed
 from .backends.nftables import one_context as one_nft_context
 from .config import RedirectConfig
-from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError
+from .errors import BackendUnavailable, ConfigError, HostNetnsError, RedirectError, SetupError
 from .kernel import netns as _netns
 from .kernel.locks import mark_netfilter, netns_lock, thread_lock_fd, unmark_netfilter
 from .plan.intent import AnyIntent, intent_for
@@ -147,13 +147,15 @@ def _setup_with(backend: str, it: AnyIntent, netns: _netns.NetnsRef, name: str,
     return res, fresh
 
 
-def _refuse_host_netns(name: str) -> None:
-    """``HostNetnsError`` if the netns the thread entered is the host's (``netns.host_netns_reason``)."""
+def _refuse_host_netns(name: str, what: str = "setup") -> None:
+    """``HostNetnsError`` if the netns the thread entered is the host's (``netns.host_netns_reason``):
+    the one check of every entry point that changes a netns (``what``: setup or teardown)."""
     why = _netns.host_netns_reason()
     if why is not None:
-        raise HostNetnsError(f"netns={name!r}: {why}; capture there would take the node's own traffic."
-                             " Refused: name a pod's netns, or pass --allow-host-netns (allow_host_netns=True)"
-                             " if the host is really meant")
+        harm = ("capture there would take the node's own traffic" if what == "setup" else
+                "removing capture there changes the node's own traffic")
+        raise HostNetnsError(f"netns={name!r}: {why}; {harm}. {what.capitalize()} refused: name a pod's netns, or"
+                             " pass --allow-host-netns (allow_host_netns=True) if the host is really meant")
 
 
 def _setup_general(impl: Backend, it: AnyIntent, netns: _netns.NetnsRef, name: str,
@@ -167,12 +169,26 @@ def _setup_general(impl: Backend, it: AnyIntent, netns: _netns.NetnsRef, name: s
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
             # refill of libnftables' cache of our new table after it.
             others = _installed(skip=kind_of(impl.name), strict=False)
+            if others:
+                _refuse_switch_over_foreign(impl.name, others)
             if kind_of(impl.name) != "ebpf":  # (before it may hold any: see locks.mark_netfilter)
                 mark_netfilter(_netns.current_inode(), _netns.current_cookie())
             res = impl.apply(it, families)
             if others and _retire(impl.name, others, it, families):
                 res = Installed(res.backend, res.netns, res.families, True, res.detail)
     return res
+
+
+def _refuse_switch_over_foreign(backend_name: str, olds: list[Backend]) -> None:
+    """``SetupError`` before anything changes if capture of ours by another backend, which a
+    switch to ``backend_name`` would remove, holds rules that are not ours (they go with it)."""
+    for old in olds:
+        ask = getattr(old, "foreign_in_ours", None)
+        foreign = ask() if ask is not None else []
+        if foreign:
+            raise SetupError(f"{old.name}: our capture there holds what is not ours: {'; '.join(foreign)}. A switch to"
+                             f" {backend_name} removes ours, and theirs would go with it: setup refused, nothing"
+                             " changed; remove them, then run setup again")
 
 
 def _netfilter_present() -> bool:
@@ -260,13 +276,17 @@ def _any(backend: str | None) -> bool:
     return backend is None or backend == "auto"
 
 
-def teardown(netns: _netns.NetnsRef, backend: str | None = None) -> bool:
+def teardown(netns: _netns.NetnsRef, backend: str | None = None, *, allow_host_netns: bool = False) -> bool:
     """Remove our redirection from ``netns`` (nothing else). True if anything was removed.
 
     ``backend`` None (or ``auto``): all of ours, whichever backend installed it; a backend
-    name: that backend's capture only."""
+    name: that backend's capture only. The host's network namespace is refused with
+    ``HostNetnsError`` unless ``allow_host_netns``, as by ``setup``. Someone else's rules inside
+    ours (``check`` names them) make it refuse with ``SetupError``, nothing changed."""
     name = _netns.describe(netns)
     with _netns.enter(netns), one_nft_context():
+        if not allow_host_netns:
+            _refuse_host_netns(name, "teardown")
         with netns_lock(_netns.current_inode()):
             if not _any(backend):
                 impls = [get_backend(backend, None)]  # type: ignore[arg-type]

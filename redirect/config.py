@@ -257,18 +257,76 @@ def _decode(text: str, kind: str, field: str, source: object) -> Any:
     load: Callable[[str], Any]
     errors: tuple[type[Exception], ...]
     if kind == "JSON":
-        load, errors = json.loads, (ValueError,)
+        load, errors = _json_unique, (ValueError,)
     else:
         import yaml
 
-        load, errors = yaml.safe_load, (ValueError, yaml.YAMLError)
+        load, errors = _yaml_unique, (ValueError, yaml.YAMLError)
     try:
         data = load(text)
+    except _DuplicateKey as e:
+        raise ConfigError(field, source, f"duplicate key {brief(e.key, 60)}{e.where}: a key may appear once in"
+                          " an object (else the last would silently win)") from None
     except RecursionError:
         raise ConfigError(field, source, f"not valid {kind}: nested too deeply") from None
     except errors as e:  # also ValueError: an integer too long for Python to convert
         raise ConfigError(field, source, f"not valid {kind}: {brief_text(str(e))}") from None
     return {} if data is None and kind == "YAML" else data  # an empty YAML document: the defaults
+
+
+class _DuplicateKey(Exception):
+    """A key given twice in one object of a config document (``where``: its place, if known)."""
+
+    def __init__(self, key: object, where: str = "") -> None:
+        super().__init__(key)
+        self.key, self.where = key, where
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _json_unique(text: str) -> Any:
+    """``json.loads``, refusing an object with a key given twice (``_DuplicateKey``)."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)
+
+
+_yaml_loader: Any = None
+
+
+def _yaml_unique(text: str) -> Any:
+    """``yaml.safe_load``, refusing a mapping with a key given twice (``_DuplicateKey``). Keys a
+    merge (``<<``) brings in may be given again: in YAML the mapping's own keys win over merged
+    ones on purpose."""
+    global _yaml_loader
+    if _yaml_loader is None:
+        import yaml
+
+        class UniqueKeyLoader(yaml.SafeLoader):
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+                if isinstance(node, yaml.MappingNode):
+                    seen: set[Any] = set()
+                    for key_node, _ in node.value:
+                        if key_node.tag == "tag:yaml.org,2002:merge":
+                            continue
+                        key = self.construct_object(key_node, deep=deep)
+                        try:
+                            if key in seen:
+                                raise _DuplicateKey(key, f" (line {key_node.start_mark.line + 1})")
+                            seen.add(key)
+                        except TypeError:  # unhashable: the base constructor says so
+                            pass
+                return super().construct_mapping(node, deep)
+
+        _yaml_loader = UniqueKeyLoader
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader)  # noqa: S506 - a SafeLoader
 
 
 # --- validation ----------------------------------------------------------------------

@@ -96,7 +96,7 @@ class NetnsError(RedirectError):
 
 
 class HostNetnsError(NetnsError):
-    """``setup`` was pointed at the host's own network namespace and not told that is meant."""
+    """``setup`` or ``teardown`` was pointed at the host's own network namespace and not told that is meant."""
 
 
 class NotBuilt(RedirectError, ImportError):

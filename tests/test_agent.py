@@ -140,11 +140,15 @@ class Node:
         self.proxy_log = tmp / "proxy.log"
         self._n = 0
 
-    def start_agent(self, *extra: str, wait_ready: bool = True, env: dict[str, str] | None = None) -> Agent:
+    def start_agent(self, *extra: str, wait_ready: bool = True, env: dict[str, str] | None = None,
+                    inside: bool = False) -> Agent:
+        """``inside``: the agent runs in the node's netns (as a hostNetwork pod on a node: its own
+        netns is the node's); else in this process's, with the node's sets in ``--host-netns``."""
         self._n += 1
         log = self.tmp / f"agent-{self._n}.log"
+        enter = ["nsenter", f"--net={rnetns.path_of(self.ns)}", "--"] if inside else []
         with open(log, "wb") as f:
-            p = subprocess.Popen([*self.agent_command, "--events-socket", self.events,
+            p = subprocess.Popen([*enter, *self.agent_command, "--events-socket", self.events,
                                   "--proxy-socket", self.proxy_sock, "--http-port", "0", "--host-netns", self.ns,
                                   "--node-name", self.name, "--backend", self.backend, "--proxy-timeout", "5",
                                   *extra], stderr=f, stdout=subprocess.DEVNULL,

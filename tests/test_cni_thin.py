@@ -202,6 +202,122 @@ def test_agent_down_tries_again_or_falls_back_to_the_python_plugin(bin_dir: str,
     assert run_plugin(str(alone / "redirect-cni"), "DEL", netconf(sock), pod.path) == (0, None)
 
 
+# --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
+
+
+def _plugin_bounded(exe: str, conf: dict[str, Any], netns: str, command: str = "ADD", limit: int = 8 << 20,
+                    seconds: float = 30) -> tuple[int | None, bytes]:
+    """Run the plugin, reading at most ``limit`` bytes of its stdout and waiting at most ``seconds``
+    (then it is killed: None as its code), whatever it does."""
+    env = {"PATH": os.environ.get("PATH", ""), "CNI_COMMAND": command, "CNI_CONTAINERID": "c1", "CNI_NETNS": netns,
+           "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni", "CNI_ARGS": ""}
+    p = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(json.dumps(conf).encode())
+    p.stdin.close()
+    got = bytearray()
+    timer = threading.Timer(seconds, p.kill)
+    timer.start()
+    try:
+        while len(got) <= limit:
+            chunk = p.stdout.read1(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        p.kill()  # (no-op once it exited)
+        rc = p.wait()
+        timer.cancel()
+    return (None if rc == -signal.SIGKILL else rc), bytes(got)
+
+
+def test_the_tiniest_agent_timeout_is_still_a_timeout(bin_dir: str, tmp_path: Path) -> None:
+    """agentTimeout 1e-9 against an agent socket whose backlog is full: not SO_SNDTIMEO {0,0} (no
+    timeout: connect would wait forever) but a timeout rounded up: code 11 at once."""
+    import socket
+
+    exe = os.path.join(bin_dir, "redirect-cni")
+    path = str(tmp_path / "busy.sock")
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+        srv.bind(path)
+        srv.listen(0)
+        for _ in range(64):  # pending connections until one more would wait
+            c = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            c.setblocking(False)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                break
+        else:
+            pytest.fail("the listener's backlog never filled")
+        rc, out = _plugin_bounded(exe, netconf(path, agentTimeout=1e-9), "/run/netns/rdrt-none", seconds=20)
+        assert rc == 1, (rc, out)
+        res = json.loads(out)
+        assert res["code"] == 11 and "node agent" in res["msg"], res
+
+
+@pytest.mark.parametrize("what", ["dev-zero", "huge-file"])
+def test_the_agents_output_fd_is_bounded(bin_dir: str, tmp_path: Path, what: str) -> None:
+    """An answer whose output fd is /dev/zero (endless) or a file over the bound: refused (100)
+    at once, never copied."""
+    import socket
+
+    exe = os.path.join(bin_dir, "redirect-cni")
+    path = str(tmp_path / "odd-agent.sock")
+    if what == "dev-zero":
+        out_fd = os.open("/dev/zero", os.O_RDONLY)
+    else:
+        out_fd = os.open(tmp_path / "huge", os.O_RDWR | os.O_CREAT, 0o600)
+        os.truncate(out_fd, 1 << 30)  # sparse: 1 GiB of zeros
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(4)
+    srv.settimeout(20)
+
+    def agent() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = srv.accept()
+            with conn:
+                _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+                for fd in fds:
+                    os.close(fd)
+                socket.send_fds(conn, [b'{"v":1,"type":"result","ok":true,"rc":0}'], [out_fd])
+                conn.settimeout(20)
+                conn.recv(1)  # until the plugin is done
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    try:
+        rc, out = _plugin_bounded(exe, netconf(path, agentTimeout=10), "/run/netns/rdrt-none", seconds=20)
+        assert rc == 1 and len(out) < 4096, (rc, len(out), out[:200])
+        res = json.loads(out)
+        assert res["code"] == 100 and "output" in res["msg"], res
+    finally:
+        srv.close()
+        t.join(25)
+        os.close(out_fd)
+
+
+def test_a_stream_socket_at_agent_socket_is_no_agent(bin_dir: str, pod: Pod, tmp_path: Path) -> None:
+    """agentSocket names a stream socket (connect: EPROTOTYPE): as when no agent listens, a DEL
+    falls back to the Python plugin (which removes the pod's capture), an ADD tries again or, with
+    agentDown inProcess, is done by the Python plugin."""
+    import socket
+
+    exe = os.path.join(bin_dir, "redirect-cni")
+    path = str(tmp_path / "stream.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(path)
+        srv.listen(4)
+        rc, out = run_plugin(exe, "ADD", netconf(path), pod.path)
+        assert rc == 1 and out is not None and out["code"] == 11 and "not running" in out["msg"], out
+        assert run_plugin(exe, "ADD", netconf(path, agentDown="inProcess"), pod.path) == (0, PREV)
+        assert installed(pod, "iptables")
+        assert run_plugin(exe, "DEL", netconf(path), pod.path) == (0, None)
+        assert not installed(pod, "iptables")
+
+
 # --- with the agent --------------------------------------------------------------------------
 
 
@@ -375,14 +491,20 @@ def test_hundred_concurrent_adds(bin_dir: str, tmp_path: Path, monkeypatch: pyte
             assert all(d == (0, None) for d in dels), [d for d in dels if d != (0, None)][:3]
             assert not any(redirect.show(name, backend="nftables")["installed"] for name in names)
             # 200 requests, each with a memfd in and one out: none kept (a worker thread opens the
-            # netns lock file once, so at most --workers more). The nftables contexts of the last
-            # requests may still wait for the thread that frees them (each holds a netlink socket).
-            fd_dir = f"/proc/{agent.proc.pid}/fd"
+            # netns lock file once, so at most --workers more). Some go a moment after the answer
+            # (a client's connection once its EOF is read, a libnftables context freed off the
+            # request's path): polled for, bounded.
+            def fds() -> list[str]:
+                out = []
+                for f in os.listdir(f"/proc/{agent.proc.pid}/fd"):
+                    with contextlib.suppress(OSError):  # (closed meanwhile)
+                        out.append(os.readlink(f"/proc/{agent.proc.pid}/fd/{f}"))
+                return out
+
             deadline = time.monotonic() + 30
-            while len(os.listdir(fd_dir)) > fds_before + 16 + 4 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            fds = sorted(os.readlink(f"{fd_dir}/{fd}") for fd in os.listdir(fd_dir))
-            assert len(fds) <= fds_before + 16 + 4, fds
+            while len(fds()) > fds_before + 16 + 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(fds()) <= fds_before + 16 + 4, sorted(fds())
         finally:
             for name in names:
                 netkit.remove_netns(name)
@@ -508,6 +630,36 @@ def test_ambient_pod_through_the_thin_plugin(bin_dir: str, make_pod: Callable[..
         assert record_of(pod.name) is None and not installed(pod, "iptables")
 
 
+def test_an_add_cut_by_an_agent_kill_leaves_nothing_of_ours_in_the_pod_netns(
+        bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL of the agent while it waits for the node proxy's ack of an ambient ADD: the ADD fails
+    (11), and before the plugin answered, what the pod's netns held of ours (rules, routes, the
+    pod's record) was removed, with the agent still down (the DEL without an agent). The node-set
+    entry and the node proxy's listeners are the agent's: its restart removes them."""
+    from redirect.ambient import node as rnode
+    from tests.test_agent import pod_leftovers
+
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        agent = n.start_agent(env={"REDIRECT_AGENT_FAULT": "add.proxy_sent"})
+        n.start_proxy()
+        thin = Thin(bin_dir, n)
+        pod = make_pod()
+        uid = "uid-cut-1"
+        prev = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": pod.path}],
+                "ips": [{"address": f"{pod.pod_ip4}/24", "interface": 0}]}
+        conf = netconf(n.events, prev=prev, mode="ambient")
+        rc, out = thin("ADD", conf, pod.path, args=f"K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;K8S_POD_UID={uid}")
+        assert agent.proc.wait(5) == -signal.SIGKILL, agent.log.read_text()[-2000:]
+        assert rc == 1 and out is not None and out["code"] == 11, out
+        left = [x for x in pod_leftovers(pod, uid, n, ask_agent=False) if not x.startswith(("node set", "listener"))]
+        assert not left, left
+        assert "went away" in out["msg"] and "was removed" in out["msg"], out
+        assert rnode.list_pods(n.ns) == {pod.pod_ip4: uid}  # the agent's, while it is down
+        n.start_agent()
+        n.wait_synced(2)
+        assert not pod_leftovers(pod, uid, n)
+
+
 # --- a real runtime: containerd + ctr run --cni through the thin plugin --------------------------
 
 @needs_containerd
@@ -523,6 +675,8 @@ def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path
 
     with agent_node(tmp_path, backend, monkeypatch) as n:
         agent = n.start_agent()
+        if backend == "ebpf":  # else its first pod waits for the host programs' compile (bounded by agentTimeout)
+            wait_log(agent.log, lambda e: e.get("msg") == "eBPF host programs ready", 300, agent.proc)
         if mode == "ambient":
             n.start_proxy()
         with bridge_net(containerd.base, "rdrt-thin", 246) as net:

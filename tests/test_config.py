@@ -110,6 +110,30 @@ def test_builders_reject_unknown_fields_and_bad_documents() -> None:
         RedirectConfig.from_yaml("- a\n- b\n")
 
 
+def test_a_key_given_twice_is_refused_naming_it(tmp_path: Any) -> None:
+    """YAML and JSON alike: a config with a key twice is an error naming the key (not the last one
+    silently winning), from text, from a file and through the CLI (exit 2, nothing installed)."""
+    yaml_text = "mode: sidecar\noutbound_exclude_ports: [22]\nmode: ambient\n"
+    json_text = '{"mode": "sidecar", "outbound_exclude_ports": [22], "mode": "ambient"}'
+    for builder, text in ((RedirectConfig.from_yaml, yaml_text), (RedirectConfig.from_json, json_text)):
+        with pytest.raises(ConfigError, match="duplicate key 'mode'"):
+            builder(text)
+    with pytest.raises(ConfigError, match="duplicate key 'mode' \\(line 3\\)"):
+        RedirectConfig.from_yaml(yaml_text)
+    with pytest.raises(ConfigError, match="duplicate key 'dup'"):  # nested objects too
+        RedirectConfig.from_json('{"mode": "sidecar", "x": {"dup": 1, "dup": 2}}')
+    for name, text in (("dup.yaml", yaml_text), ("dup.json", json_text)):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ConfigError, match="duplicate key 'mode'"):
+            RedirectConfig.from_file(str(path))
+        p = subprocess.run([sys.executable, "-m", "redirect.cli", "setup", "--dry-run", "--config", str(path),
+                            "rdrt-none"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and "duplicate key 'mode'" in p.stderr and not p.stdout, (p.stdout, p.stderr)
+    # What YAML means by a merge is not a duplicate: a mapping's own key wins over a merged one.
+    assert RedirectConfig.from_yaml("<<: {mode: sidecar}\nmode: ambient\n").mode == "ambient"
+
+
 _hostile = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-2**40, max_value=2**40), st.floats(allow_nan=True),
     st.text(max_size=40), st.lists(st.one_of(st.integers(-5, 70000), st.text(max_size=12)), max_size=4),

@@ -7,8 +7,10 @@ from a process whose own netns is a test pod's), torn down in ``finally``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -321,3 +323,111 @@ def test_cni_log_file_is_private_and_a_container_id_cannot_forge_a_line(shared_t
     assert p.returncode == 0 and b"cannot use the logFile" in p.stderr, p.stderr
     with open(victim) as f:
         assert f.read() == "untouched\n"
+
+
+# --- every entry point that changes a netns, on a node -----------------------------------------
+#
+# A netns stands for the node: sidecar capture of ours is put there from outside (where it is a
+# pod's), then each entry point runs *inside* it, where it is the caller's own netns (the host's,
+# as on a node), and must leave that capture alone.
+
+
+def in_node(node: str, *argv: str, env: dict[str, str] | None = None,
+            stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["nsenter", f"--net=/run/netns/{node}", "--", *argv], input=stdin, capture_output=True,
+                          timeout=60, env=env)
+
+
+def cni_in_node(node: str, exe: str, command: str, conf: dict[str, object],
+                netns: str) -> tuple[int, dict[str, object]]:
+    env = {"PATH": os.environ.get("PATH", ""), "CNI_COMMAND": command, "CNI_CONTAINERID": "c-host",
+           "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni", "CNI_ARGS": "K8S_POD_UID=u-host"}
+    p = in_node(node, exe, env=env, stdin=json.dumps(conf).encode())
+    return p.returncode, json.loads(p.stdout)
+
+
+def capture_in(ns: str) -> str:
+    """Our capture in ``ns`` as the kernel lists it (what a refused entry point must leave): the
+    rules and chains of ``iptables-save``, without its comment lines (a timestamp) and counters."""
+    text = subprocess.run(["ip", "netns", "exec", ns, "iptables-save"], capture_output=True, text=True,
+                          check=True).stdout
+    return "|".join(re.sub(r"\[\d+:\d+\]", "", ln) for ln in text.splitlines() if not ln.startswith("#"))
+
+
+def test_teardown_refuses_the_host_netns_in_every_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir("/")
+    before = host_capture()
+    for form in HOST_FORMS:
+        ref = form.replace("SELF", str(os.getpid()))
+        with pytest.raises(NetnsError) as e:
+            redirect.teardown(ref)
+        if os.access(rnetns.path_of(ref) or "", os.R_OK):
+            assert isinstance(e.value, HostNetnsError) and "--allow-host-netns" in str(e.value), (ref, e.value)
+    assert host_capture() == before
+    p = run([*CLI, "init", "--cleanup-only"])  # its own netns, the host's here
+    assert p.returncode == 1 and "host" in p.stderr and "removed" not in p.stdout, (p.stdout, p.stderr)
+
+
+def test_cli_teardown_and_init_cleanup_refuse_their_own_netns_on_a_node(pod: Pod) -> None:
+    node = pod.name
+    redirect.setup(node, RedirectConfig())
+    ours = capture_in(node)
+    assert "RDR_OUTPUT" in ours
+    for argv in (["teardown", "/proc/self/ns/net"], ["teardown", "/proc/self/ns/net", "--backend", "iptables"],
+                 ["init", "--cleanup-only", "--network-namespace", "/proc/self/ns/net"]):
+        p = in_node(node, *CLI, *argv)
+        assert p.returncode == 1 and b"caller's own" in p.stderr and b"--allow-host-netns" in p.stderr, (argv, p)
+        assert capture_in(node) == ours
+    p = in_node(node, sys.executable, "-c", "import redirect; redirect.teardown('/proc/self/ns/net')")
+    assert p.returncode == 1 and b"HostNetnsError" in p.stderr, p.stderr
+    assert capture_in(node) == ours
+    p = in_node(node, *CLI, "teardown", "/proc/self/ns/net", "--allow-host-netns")  # the escape, as for setup
+    assert p.returncode == 0 and b"removed" in p.stdout, p
+    assert not redirect.show(node)["installed"]
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "ambient"])
+def test_python_cni_del_of_its_own_netns_on_a_node_fails_7_and_removes_nothing(pod: Pod, tmp_path: Path,
+                                                                               mode: str) -> None:
+    node = pod.name
+    redirect.setup(node, RedirectConfig())
+    ours = capture_in(node)
+    conf: dict[str, object] = {"cniVersion": "1.0.0", "name": "rdrt-test", "type": "redirect-cni", "mode": mode,
+                               "agentSocket": str(tmp_path / "no-agent.sock")}  # ambient: falls back in-process
+    plugin = os.path.join(os.path.dirname(sys.executable), "redirect-cni")
+    rc, out = cni_in_node(node, plugin, "DEL", conf, "/proc/self/ns/net")
+    assert rc == 1 and out["code"] == 7 and "network namespace" in str(out["msg"]), out
+    assert capture_in(node) == ours
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "ambient"])
+def test_the_agent_refuses_a_del_of_its_own_netns_on_a_node(pod: Pod, tmp_path: Path, mode: str) -> None:
+    """The agent runs in the node's netns (hostNetwork): an events ``del`` and a thin plugin DEL
+    naming that netns (``/proc/self/ns/net`` resolves in the agent) are refused, 7 for the DEL."""
+    from redirect.ambient.agent import client
+    from redirect.cni import install as inst
+    from tests.test_agent import Node
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    inst.install_binary(str(bin_dir))
+    n = Node(tmp_path)
+    try:
+        redirect.setup(n.ns, RedirectConfig())
+        ours = capture_in(n.ns)
+        agent = n.start_agent("--no-host-rules", inside=True)
+        for ref in ("/proc/self/ns/net", f"/proc/{agent.proc.pid}/ns/net"):
+            with pytest.raises(client.AgentError, match="network namespace") as e:
+                client.del_pod(n.events, uid="u-host", netns=ref)
+            assert e.value.reason == "netns"
+            assert capture_in(n.ns) == ours
+        conf: dict[str, object] = {"cniVersion": "1.0.0", "name": "rdrt-test", "type": "redirect-cni", "mode": mode,
+                                   "agentSocket": n.events}
+        rc, out = cni_in_node(n.name, str(bin_dir / "redirect-cni"), "DEL", conf, "/proc/self/ns/net")
+        assert rc == 1 and out["code"] == 7 and "network namespace" in str(out["msg"]), out
+        assert capture_in(n.ns) == ours
+        assert agent.proc.poll() is None
+    finally:
+        with contextlib.suppress(Exception):
+            redirect.teardown(n.ns)
+        n.close()

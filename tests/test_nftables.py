@@ -336,14 +336,24 @@ def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> 
 
 
 def test_check_reports_drift_readably(pod: Pod) -> None:
+    """A rule of ours changed is drift (setup repairs it); a rule that is not ours (no comment of
+    ours) is named as not ours, and setup refuses rather than drop it."""
     cfg = RedirectConfig()
     redirect.setup(pod.name, cfg, backend="nftables")
-    sh(pod.name, "nft", "add", "rule", "inet", nr.TABLE, "nat_OUTBOUND", "tcp", "dport", "7777", "return")
+    sh(pod.name, "nft", "add", "rule", "inet", nr.TABLE, "nat_OUTBOUND", "tcp", "dport", "7777", "return",
+       "comment", '"redirect: loopback"')
     res = redirect.check(pod.name, cfg, backend="nftables")
     assert not res.ok
-    assert res.differences == ("chain nat_OUTBOUND: unexpected rule: tcp dport 7777 return",)
+    assert res.differences == (
+        'chain nat_OUTBOUND: unexpected rule: tcp dport 7777 return comment "redirect: loopback"',)
     assert redirect.setup(pod.name, cfg, backend="nftables").changed
     assert redirect.check(pod.name, cfg, backend="nftables").ok
+    sh(pod.name, "nft", "add", "rule", "inet", nr.TABLE, "nat_OUTBOUND", "tcp", "dport", "7777", "return")
+    res = redirect.check(pod.name, cfg, backend="nftables")
+    assert res.differences == ("not ours, in our table (setup and teardown refuse until it is removed): rule in chain"
+                               " nat_OUTBOUND: tcp dport 7777 return",), res.differences
+    with pytest.raises(redirect.SetupError, match="rule in chain nat_OUTBOUND: tcp dport 7777 return"):
+        redirect.setup(pod.name, cfg, backend="nftables")
 
 
 def test_changed_config_replaces_ours(pod: Pod, proxy: dict[str, TcpListener]) -> None:

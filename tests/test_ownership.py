@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,141 @@ def test_an_upgrade_killed_midway_keeps_the_previous_rules_whole_until_repaired(
     assert not any("RDR_" in x[2] for x in ours())  # only the new generation
     assert redirect.teardown(pod.name, backend=backend)
     assert full_ruleset(pod.name) == before
+
+
+# --------------------------------------------------------------------------- look-alikes of the previous release
+
+
+@pytest.mark.noroot
+def test_the_previous_releases_rules_are_exactly_ours_unmarked_and_nothing_else() -> None:
+    """What the previous-release recognition accepts, rule by rule: a rule our renderer writes,
+    with the purpose as its whole comment (every rule of every golden file, so unmarked); not
+    the same rule marked, without a comment, with another target or an extra match."""
+    from redirect.backends.iptables_rules import _previous_release_rule
+
+    lines = 0
+    for path in sorted((Path(__file__).parent / "golden").glob("*.iptables.golden")):
+        fam = 4
+        for ln in path.read_text().splitlines():
+            fam = 6 if ln.startswith("# IPv6") else 4 if ln.startswith("# IPv4") else fam
+            if ln.startswith("-A RDR_"):
+                unmarked = re.sub(r'"redirect: ([^"]*)"', r'"\1"', ln)
+                assert _previous_release_rule(unmarked, fam), (path.name, unmarked)
+                assert not _previous_release_rule(ln, fam), ln  # ours now: marked
+                lines += 1
+    assert lines > 500
+    for near in ['-A RDR_OUTBOUND -p tcp -j RETURN',  # no comment
+                 '-A RDR_PREROUTING -p tcp -m tcp --dport 80 -m comment --comment web'
+                 ' -j DNAT --to-destination 192.0.2.9',
+                 '-A RDR_OUTBOUND -m comment --comment loopback -j RETURN --extra',
+                 '-A RDR_OUTBOUND -m comment --comment loopback -j MYCHAIN',
+                 '-A RDR_OUTBOUND -m comment --comment loopback -m comment --comment again -j RETURN',
+                 '-A RDR_OUTBOUND -p sctp -m comment --comment loopback -j RETURN',
+                 '-A RDR_OUTBOUND -m limit --limit 3/min -m comment --comment loopback -j RETURN']:
+        assert not _previous_release_rule(near, 4), near
+
+
+LOOK_ALIKES = {
+    # someone's port forward in a chain named like the previous release's, reached by a bare jump
+    "dnat": "*nat\n:RDR_PREROUTING - [0:0]\n-A PREROUTING -j RDR_PREROUTING\n"
+            "-A RDR_PREROUTING -p tcp -m tcp --dport 80 -j DNAT --to-destination 192.0.2.1:8080\nCOMMIT\n",
+    # a rule of the previous release's form beside one of theirs: all or nothing
+    "mixed": "*nat\n:RDR_OUTPUT - [0:0]\n-A OUTPUT -j RDR_OUTPUT\n"
+             "-A RDR_OUTPUT -d 127.0.0.1/32 -m comment --comment loopback -j RETURN\n"
+             "-A RDR_OUTPUT -p tcp -m tcp --dport 25 -j RETURN\nCOMMIT\n",
+    # nothing but empty chains behind bare jumps
+    "empty": "*mangle\n:RDR_OUTPUT - [0:0]\n:RDR_PREROUTING - [0:0]\n-A OUTPUT -j RDR_OUTPUT\n"
+             "-A PREROUTING -j RDR_PREROUTING\nCOMMIT\n",
+}
+
+
+@pytest.mark.parametrize("backend", ["iptables-nft", "iptables-legacy"])
+@pytest.mark.parametrize("form", list(LOOK_ALIKES))
+def test_a_foreign_chain_named_like_the_previous_releases_is_never_taken_for_ours(
+        pod: Pod, backend: str, form: str) -> None:
+    """Named exactly like ours, jumped to bare as the previous release did, but not what it
+    wrote: ``show`` does not call it ours, ``teardown`` and a backend switch leave it, ``setup``
+    refuses naming it (our chain would need its name)."""
+    variant = backend.split("-")[1]
+    sh(pod.name, f"iptables-{variant}-restore", "--noflush", stdin=LOOK_ALIKES[form])
+    before = full_ruleset(pod.name)
+    chain = re.search(r":(RDR_\w+)", LOOK_ALIKES[form]).group(1)  # type: ignore[union-attr]
+    assert redirect.show(pod.name, backend=backend)["installed"] is False
+    assert redirect.show(pod.name)["installed"] is False
+    assert redirect.teardown(pod.name, backend=backend) is False
+    assert redirect.teardown(pod.name) is False
+    assert full_ruleset(pod.name) == before
+    with pytest.raises(redirect.SetupError, match=f"chain {chain}"):
+        redirect.setup(pod.name, None, backend=backend)
+    assert full_ruleset(pod.name) == before
+    res = redirect.check(pod.name, None, backend=backend)
+    assert any("not ours" in d and chain in d for d in res.differences), res.differences
+    # A switch to nftables: ours goes in; theirs, not being ours, is not "the old capture".
+    assert redirect.setup(pod.name, None, backend="nftables").changed
+    assert redirect.show(pod.name)["backends"] == ["nftables"]
+    assert redirect.teardown(pod.name)
+    assert full_ruleset(pod.name) == before
+
+
+# --------------------------------------------------------------------------- theirs inside ours
+
+
+INTRUDERS = {  # (what is added after our setup, how it is named in the refusal)
+    "iptables-nft": [(["iptables-nft", "-t", "nat", "-I", "RDR_OUTBOUND", "-p", "tcp", "--dport", "25", "-j", "RETURN"],
+                      "-A RDR_OUTBOUND -p tcp -m tcp --dport 25 -j RETURN"),
+                     (["iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "-j", "RDR_OUTBOUND"],
+                      "-A OUTPUT -p udp -j RDR_OUTBOUND")],
+    "iptables-legacy": [(["iptables-legacy", "-t", "nat", "-I", "RDR_OUTBOUND", "-p", "tcp", "--dport", "25", "-j",
+                          "RETURN"], "-A RDR_OUTBOUND -p tcp -m tcp --dport 25 -j RETURN"),
+                        (["iptables-legacy", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "-j", "RDR_OUTBOUND"],
+                         "-A OUTPUT -p udp -j RDR_OUTBOUND")],
+    "nftables": [(["nft", "insert", "rule", "inet", "rdr_redirect", "nat_OUTBOUND", "tcp", "dport", "25", "return"],
+                  "rule in chain nat_OUTBOUND: tcp dport 25 return"),
+                 (["nft", "add", "chain", "inet", "rdr_redirect", "myfw"], "chain 'myfw'")],
+}
+
+
+@pytest.mark.parametrize("backend", NETFILTER)
+@pytest.mark.parametrize("which", [0, 1], ids=["rule-in-ours", "other"])
+def test_what_is_not_ours_inside_ours_is_named_and_never_removed(pod: Pod, backend: str, which: int) -> None:
+    """Someone's rule in one of our chains (or jumping into one, or their chain in our nftables
+    table): ``check`` names it, ``setup`` (a changed config, a backend switch) and ``teardown``
+    refuse naming it and change nothing, ``show`` still shows ours installed; once it is gone,
+    teardown gives the ruleset back as it was."""
+    add_foreign(pod.name)
+    before = full_ruleset(pod.name)
+    redirect.setup(pod.name, CONFIGS["default"], backend=backend)
+    argv, named = INTRUDERS[backend][which]
+    sh(pod.name, *argv)
+    during = full_ruleset(pod.name)
+    res = redirect.check(pod.name, CONFIGS["default"], backend=backend)
+    assert not res.ok and any(named in d and "not ours" in d for d in res.differences), res.differences
+    assert redirect.show(pod.name)["installed"] and redirect.show(pod.name, backend=backend)["installed"]
+    other = "nftables" if backend != "nftables" else "iptables-nft"
+    for attempt in (lambda: redirect.setup(pod.name, CONFIGS["tproxy-dns-invalid"], backend=backend),
+                    lambda: redirect.setup(pod.name, CONFIGS["default"], backend=other),
+                    lambda: redirect.teardown(pod.name, backend=backend),
+                    lambda: redirect.teardown(pod.name)):
+        with pytest.raises(redirect.SetupError, match="not ours") as e:
+            attempt()
+        assert named in str(e.value), e.value
+        assert full_ruleset(pod.name) == during
+    p = subprocess.run([sys.executable, "-m", "redirect.cli", "teardown", pod.name], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and named in p.stderr and "nothing of ours" not in p.stdout, (p.stdout, p.stderr)
+    assert full_ruleset(pod.name) == during
+    undo(pod.name, argv)
+    assert redirect.teardown(pod.name)
+    assert full_ruleset(pod.name) == before
+
+
+def undo(ns: str, argv: list[str]) -> None:
+    """Take out what ``argv`` (of ``INTRUDERS``) added."""
+    if argv[:2] == ["nft", "add"]:
+        sh(ns, "nft", "delete", *argv[2:])
+    elif argv[0] == "nft":  # the rule without a comment in that chain, by its handle
+        items = json.loads(sh(ns, "nft", "-a", "-j", "list", "chain", "inet", "rdr_redirect", argv[5]))["nftables"]
+        (handle,) = [i["rule"]["handle"] for i in items if "rule" in i and "comment" not in i["rule"]]
+        sh(ns, "nft", "delete", "rule", "inet", "rdr_redirect", argv[5], "handle", str(handle))
+    else:
+        sh(ns, *[a if a not in ("-I", "-A") else "-D" for a in argv])

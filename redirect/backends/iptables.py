@@ -4,13 +4,16 @@ What is ours. Our chains have exact names: a generation prefix (``RDR_`` or ``RD
 one of the plan's chain names (``POD_CHAINS``); every rule of ours, and each jump from a
 built-in chain into ours, carries the comment ``redirect: <purpose>``. A chain with one of
 our names that holds no rule of ours and that no rule of ours jumps to is someone else's:
-setup refuses, naming it, and nothing touches it. Other ``RDR_*`` chains (the node's
+setup refuses, naming it, and nothing touches it. A rule without our comment in a chain of
+ours, or one jumping into ours that is not our jump, is someone else's inside ours: setup and
+teardown refuse, naming it, and change nothing. Other ``RDR_*`` chains (the node's
 ``RDR_NODE_POSTRT``, a firewall's ``RDR_MYFW``) are never looked at. Rules are rendered in
 exactly the form ``iptables-save`` prints them, so what is installed is read back and compared
 line by line (``check``), and a setup whose rules are already in place changes nothing. The
-previous release's layout (no comments; bare ``-A OUTPUT -j RDR_OUTPUT`` and ``-A PREROUTING
--j RDR_PREROUTING`` jumps in raw, mangle or nat, and our chains reached from them) is
-recognised as ours, and the next setup replaces it.
+previous release's layout (bare ``-A OUTPUT -j RDR_OUTPUT`` and ``-A PREROUTING -j
+RDR_PREROUTING`` jumps in raw, mangle or nat, and our chains reached from them, each rule
+exactly as we render it but with the purpose as its whole comment) is recognised as ours,
+and the next setup replaces it (``iptables_rules.parse_save``).
 
 Order of a change (see ``IptablesBackend``): the new config goes in under the other
 generation's names beside the old one, then the old one is removed, IPv4's nat table marking
@@ -237,6 +240,18 @@ def _complete(cur: Read, g: int) -> bool:
     return anchor(GENERATIONS[g]) in jumps or (g == 0 and f"-A OUTPUT -j {GENERATIONS[0]}OUTPUT" in jumps)
 
 
+def _refuse_intruders(name: str, what: str, cur: Read) -> None:
+    """``SetupError`` naming the rules not ours that are in or jump into chains of ours: ours can't
+    be replaced or removed without touching them, and they are never touched."""
+    intruders = [x for f in cur.values() for x in f.intruders]
+    if intruders:
+        raise SetupError(
+            f"{name}: rules that are not ours (no comment {MARK!r}) are in or jump into chains of ours: "
+            f"{'; '.join(intruders)}. {what} refused, nothing changed: they are never touched; remove them, then"
+            f" run {what} again"
+        )
+
+
 class IptablesBackend:
     """Renders plans with ``iptables-restore``; ``variant`` forces legacy or nft.
 
@@ -322,6 +337,7 @@ class IptablesBackend:
                 f" and setup refused: {'; '.join(foreign)}. Rename or remove them (a chain of ours emptied by a"
                 " flush looks like this too: delete it with -X)"
             )
+        _refuse_intruders(self.name, "setup", cur)
         want = {g: {fam: desired_state(plan, fam, g) if fam in families else {} for fam in (4, 6)} for g in (0, 1)}
 
         def same(g: int) -> bool:
@@ -392,14 +408,28 @@ class IptablesBackend:
         if isinstance(e, Exception) and not isinstance(e, (SetupError, BackendUnavailable)):
             raise SetupError(f"setup failed and was rolled back: {e}") from e
 
-    def remove(self, keep_routes: bool = False) -> bool:
-        changed = False
+    def _read_all(self) -> dict[str, Read]:
+        """What each variant holds of ours (a variant without tables of ours is not read)."""
+        out: dict[str, Read] = {}
         for variant in VARIANTS:
             present = self._has_variant_state(variant) if variant == "legacy" else _nft_chains_of_ours()
             try:
-                cur = self.read(variant) if present else {}
+                out[variant] = self.read(variant) if present else {}
             except BackendUnavailable:
                 continue
+        return out
+
+    def foreign_in_ours(self) -> list[str]:
+        """Rules not ours inside or jumping into chains of ours, in either variant (``remove``
+        refuses then)."""
+        return [x for cur in self._read_all().values() for f in cur.values() for x in f.intruders]
+
+    def remove(self, keep_routes: bool = False) -> bool:
+        changed = False
+        reads = self._read_all()
+        for cur in reads.values():  # before anything is removed: all or nothing
+            _refuse_intruders(self.name, "teardown", cur)
+        for variant, cur in reads.items():
             hooked: Hooked = set()
             for g in (0, 1):
                 if cur and _gen_present(cur, g):
@@ -439,6 +469,7 @@ class IptablesBackend:
         cur = self.read(variant)
         for f in cur.values():
             diffs += [f"not ours, named like ours: {x}" for x in f.foreign]
+            diffs += [f"not ours, in ours (setup and teardown refuse until it is removed): {x}" for x in f.intruders]
         present = [g for g in (0, 1) if _gen_present(cur, g)]
         if len(present) == 2:
             diffs.append(f"interrupted setup: two generations of our chains are installed ({GENERATIONS[0]}* and"
@@ -457,6 +488,9 @@ class IptablesBackend:
                 continue
             cur = self.read(variant)
             shown = {}
+            for f in cur.values():
+                if f.foreign or f.intruders:
+                    out.setdefault("not_ours", []).extend(f.foreign + f.intruders)
             for fam, f in cur.items():
                 merged: dict[str, Any] = {}
                 for st in f.gens:

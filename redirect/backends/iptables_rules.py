@@ -7,7 +7,9 @@ it is tested without root; the backend (``redirect.backends.iptables``) reads, w
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import IdSpec
 from ..plan.vocabulary import (
@@ -22,6 +24,7 @@ from ..plan.vocabulary import (
     InSet,
     Jump,
     Mark,
+    Match,
     Owner,
     Plan,
     Port,
@@ -201,6 +204,115 @@ def desired_state(plan: Plan, family: int, gen: int = 0) -> State:
 
 # --- reading back: what of an iptables-save dump is ours ------------------------------
 
+_TARGETS: dict[str, Any] = {"RETURN": Return, "ACCEPT": Accept, "DROP": Drop}
+
+
+def _mark_of(text: str) -> tuple[int, int]:
+    value, _, mask = text.partition("/")
+    return int(value, 16), int(mask, 16) if mask else FULL
+
+
+def _idspec_of(text: str) -> Any:
+    lo, _, hi = text.partition("-")
+    return (int(lo), int(hi)) if hi else int(lo)
+
+
+def _rule_of(tokens: list[str], prefix: str) -> tuple[str, Rule] | None:
+    """(chain, rule) read from the tokens of one ``-A`` line, in the forms ``render_rule``
+    writes; None for anything else. Lenient on purpose: what decides is whether ``render_rule``
+    writes the rule back token for token (``_previous_release_rule``)."""
+    if len(tokens) < 2 or tokens[0] != "-A":
+        return None
+    chain, comment, action, module = tokens[1], "", None, ""
+    matches: list[Match] = []
+    i, neg = 2, False
+    while i < len(tokens):
+        t = tokens[i]
+        arg = tokens[i + 1] if i + 1 < len(tokens) else ""
+        step = 2  # an option and its argument
+        if t == "!":
+            neg, i = True, i + 1
+            continue
+        if t in ("-s", "-d"):
+            matches.append(Addr("src" if t == "-s" else "dst", arg, neg))
+        elif t in ("-i", "-o"):
+            matches.append(Iface("in" if t == "-i" else "out", arg, neg))
+        elif t == "-p" and arg in ("tcp", "udp"):
+            matches.append(Proto(arg))  # type: ignore[arg-type]
+        elif t == "-m":
+            module = arg
+            if arg == "socket":
+                flags = tokens[i + 2:i + 4]
+                matches.append(Socket("--transparent" in flags, "--nowildcard" in flags))
+                step += ("--transparent" in flags) + ("--nowildcard" in flags)
+        elif t in ("--sport", "--dport"):
+            matches.append(Port("src" if t == "--sport" else "dst", (int(arg),), neg))
+        elif t in ("--sports", "--dports"):
+            matches.append(Port("src" if t == "--sports" else "dst", tuple(int(p) for p in arg.split(",")), neg))
+        elif t in ("--uid-owner", "--gid-owner"):
+            matches.append(Owner("uid" if t == "--uid-owner" else "gid", _idspec_of(arg), neg))
+        elif t == "--socket-exists":
+            matches.append(SocketExists())
+            step = 1
+        elif t == "--mark" and module in ("mark", "connmark"):
+            matches.append((Mark if module == "mark" else ConnMark)(*_mark_of(arg), neg))
+        elif t == "--ctstate":
+            matches.append(CtState(tuple(arg.split(","))))  # type: ignore[arg-type]
+        elif t == "--match-set" and i + 2 < len(tokens):
+            matches.append(InSet(arg, tokens[i + 2]))  # type: ignore[arg-type]
+            step = 3
+        elif t == "--comment" and not comment:
+            comment = arg
+        elif t == "-j":
+            action = _action_of(arg, tokens[i + 2:], prefix)
+            break
+        else:
+            return None
+        neg, i = False, i + step
+    if action is None:
+        return None
+    return chain, Rule(tuple(matches), action, None, comment)
+
+
+def _action_of(target: str, args: list[str], prefix: str) -> Any:
+    """The action of a ``-j TARGET ARGS...`` as ``_render_action`` writes it, or None."""
+    opts = dict(zip(args[::2], args[1::2], strict=False))
+    if target in _TARGETS and not args:
+        return _TARGETS[target]()
+    if target.startswith(prefix) and target[len(prefix):] in POD_CHAINS and not args:
+        return Jump(target[len(prefix):])
+    if target == "REDIRECT":
+        return Redirect(int(opts["--to-ports"]))
+    if target == "TPROXY":
+        return TProxy(int(opts["--on-port"]), *_mark_of(opts["--tproxy-mark"]))
+    if target in ("MARK", "CONNMARK") and "--set-xmark" in opts:
+        return (SetMark if target == "MARK" else SetConnMark)(*_mark_of(opts["--set-xmark"]))
+    if target == "CONNMARK" and args[:1] in (["--save-mark"], ["--restore-mark"]):
+        return (SaveMark if args[0] == "--save-mark" else RestoreMark)(int(args[2], 16))
+    if target == "CT":
+        return CtZone(int(opts["--zone"]))
+    if target == "SNAT":
+        return Snat(opts["--to-source"])
+    return None
+
+
+def _previous_release_rule(line: str, family: int) -> bool:
+    """Whether ``line`` is a rule exactly as the previous release wrote it: what ``render_rule``
+    writes, with the rule's purpose as the whole comment instead of ``redirect: <purpose>``
+    (the previous release's only difference), its jumps to chains of generation 0."""
+    try:
+        tokens = shlex.split(line)
+        parsed = _rule_of(tokens, PREFIX)
+        if parsed is None or not parsed[1].comment or is_owned_comment(parsed[1].comment):
+            return False
+        chain, rule = parsed
+        marked = shlex.split(render_rule(chain, rule).replace("{ANY}", "0.0.0.0" if family == 4 else "::"))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return False
+    at = marked.index("--comment") + 1
+    return marked[:at] + [rule.comment] + marked[at + 1:] == tokens
+
+
 _COMMENT_RE = re.compile(r' -m comment --comment "((?:[^"\\]|\\.)*)"')
 _TARGET_RE = re.compile(r" -j (\S+)")
 
@@ -231,6 +343,9 @@ class Found:
     gens: tuple[State, State] = field(default_factory=lambda: ({}, {}))
     #: Objects named like ours that nothing marks as ours (refused by setup, never touched).
     foreign: list[str] = field(default_factory=list)
+    #: Rules not ours inside chains of ours, or jumping into them: ours cannot be changed or
+    #: removed without touching them, so setup and teardown refuse, naming them.
+    intruders: list[str] = field(default_factory=list)
 
 
 def _parse_tables(text: str) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
@@ -252,15 +367,52 @@ def _parse_tables(text: str) -> dict[str, tuple[list[str], dict[str, list[str]]]
     return out
 
 
+def _previous_release(table: str, declared: list[str], rules: dict[str, list[str]],
+                      family: int) -> tuple[set[str], list[str]]:
+    """The previous release's chains in one table (and its bare hook jumps into them), or
+    nothing. It wrote no mark: bare ``-A OUTPUT -j RDR_OUTPUT`` / ``-A PREROUTING -j
+    RDR_PREROUTING`` jumps in raw, mangle or nat, and generation-0 chains reached from them,
+    every rule of which is exactly as it rendered rules (``_previous_release_rule``). All of
+    them or none: one chain reached with any other rule (a DNAT of someone's ``RDR_PREROUTING``,
+    a rule without a comment) makes all of it not ours, and so does a set of chains without
+    a single rule."""
+    if table not in TABLE_ORDER:
+        return set(), []
+    chains: set[str] = set()
+    jumps: list[str] = []
+    todo = []
+    for builtin in HOOK_CHAIN.values():
+        line = f"-A {builtin} -j {GENERATIONS[0]}{builtin}"
+        if line in rules.get(builtin, []) and GENERATIONS[0] + builtin in declared:
+            jumps.append(line)
+            todo.append(GENERATIONS[0] + builtin)
+    while todo:
+        name = todo.pop()
+        if name in chains:
+            continue
+        chains.add(name)
+        for ln in rules.get(name, []):
+            if not _previous_release_rule(ln, family):
+                return set(), []
+            t = _target(ln)
+            if t is not None and gen_of(t) == 0:
+                if t not in declared:
+                    return set(), []
+                todo.append(t)
+    if not any(rules.get(name) for name in chains):
+        return set(), []
+    return chains, jumps
+
+
 def parse_save(text: str, family: int = 4) -> Found:
     """Our chains and jumps from ``iptables-save`` output, by generation.
 
     Ours: a chain with one of our exact names (a generation prefix + a pod chain name) that
     holds a rule with our comment or that a rule with our comment jumps to, and the rules
-    with our comment in built-in chains that jump to one of ours. The layout of earlier
-    versions (no comments: ``-A OUTPUT -j RDR_OUTPUT`` and ``-A PREROUTING -j RDR_PREROUTING``
-    in raw, mangle or nat, and the chains of ours reached from them) is recognised as
-    generation 0. A chain named like ours with nothing of that is listed in ``foreign``.
+    with our comment in built-in chains that jump to one of ours. The previous release's
+    layout (no mark; ``_previous_release``) is recognised as generation 0. A chain named like
+    ours with nothing of that is listed in ``foreign``; a rule without our mark in a chain of
+    ours, or one of someone else's jumping into ours, in ``intruders``.
     """
     found = Found()
     for table, (declared, rules) in _parse_tables(text).items():
@@ -271,46 +423,34 @@ def parse_save(text: str, family: int = 4) -> Found:
                 t = _target(ln)
                 if t is not None and gen_of(t) is not None and _marked(ln):
                     jumped.add(t)
-        # Earlier versions: unmarked exact hook jumps, and what they reach.
-        legacy: set[str] = set()
-        legacy_jumps: list[str] = []
-        if table in TABLE_ORDER:
-            todo = []
-            for builtin in HOOK_CHAIN.values():
-                line = f"-A {builtin} -j {GENERATIONS[0]}{builtin}"
-                if line in rules.get(builtin, []) and GENERATIONS[0] + builtin in declared:
-                    legacy_jumps.append(line)
-                    todo.append(GENERATIONS[0] + builtin)
-            while todo:
-                name = todo.pop()
-                if name in legacy:
-                    continue
-                legacy.add(name)
-                for ln in rules.get(name, []):
-                    t = _target(ln)
-                    if t is not None and gen_of(t) == 0 and t in declared:
-                        todo.append(t)
+        legacy, legacy_jumps = _previous_release(table, declared, rules, family)
         for name in ours_chains:
             g = gen_of(name)
             assert g is not None
-            mine = name in jumped or name in legacy or any(_marked(ln) for ln in rules.get(name, []))
-            if not mine:
+            lines = rules.get(name, [])
+            if name in legacy:
+                mine = lines
+            elif name in jumped or any(_marked(ln) for ln in lines):
+                mine = [ln for ln in lines if _marked(ln)]
+                found.intruders += [f"IPv{family} {table} rule {ln!r} in our chain {name} (no comment {MARK!r})"
+                                    for ln in lines if not _marked(ln)]
+            else:
                 found.foreign.append(f"IPv{family} {table} chain {name}")
                 continue
             ts = found.gens[g].setdefault(table, TableState())
-            ts.chains[name] = list(rules.get(name, []))
-        for builtin in BUILTIN:
-            for ln in rules.get(builtin, []):
+            ts.chains[name] = mine
+        for chain, lines in rules.items():
+            if any(chain in st.get(table, TableState()).chains for st in found.gens):
+                continue  # (ours: above)
+            for ln in lines:
                 t = _target(ln)
                 g = gen_of(t) if t is not None else None
-                if g is None:
-                    continue
-                if t not in found.gens[g].get(table, TableState()).chains:
-                    continue  # a jump to someone else's chain of that name: theirs
-                if (_marked(ln) and ln == _hook_jump(builtin, t)) or ln in legacy_jumps:
+                if g is None or t not in found.gens[g].get(table, TableState()).chains:
+                    continue  # not a jump into one of ours (a look-alike of that name is theirs)
+                if chain in BUILTIN and ((_marked(ln) and ln == _hook_jump(chain, t)) or ln in legacy_jumps):
                     found.gens[g].setdefault(table, TableState()).jumps.append(ln)
                 else:
-                    found.foreign.append(f"IPv{family} {table} rule {ln!r} (jumps to our chain {t})")
+                    found.intruders.append(f"IPv{family} {table} rule {ln!r} (jumps to our chain {t})")
     for st in found.gens:
         for s in st.values():
             s.jumps.sort()

@@ -1,11 +1,13 @@
 """The nftables backend: one libnftables JSON transaction over one table of ours.
 
 Layout. Everything lives in one table, ``inet rdr_redirect``; nothing else is ever
-read for writing or touched. A table of that name is ours only if it holds nothing but
-chains named as below, base chains exactly where ``BASE_CHAINS`` puts them with an accept
-policy, and rules (ours carry the comment ``redirect: <purpose>``; the previous release's
-carried plain comments and are taken as ours). Anything else (someone's firewall of that
-name) is refused by setup, naming it, and never changed or deleted (``not_ours``).
+read for writing or touched. A table of that name is ours if a rule in it carries our
+comment ``redirect: <purpose>``, or if it is the previous release's: nothing but chains named
+as below, base chains exactly where ``BASE_CHAINS`` puts them with an accept policy, and rules
+with plain comments. Anything else (someone's firewall of that name) is refused by setup,
+naming it, and never changed or deleted (``not_ours``). In a table of ours, a chain, rule or
+other object that is not ours (``_split``) makes setup and teardown refuse, naming it
+(``ForeignInOurs``): ours cannot be replaced or deleted without it.
 
 Each plan chain ``(table, NAME)`` becomes the chain ``<table>_<NAME>`` in our table
 (``nat_OUTBOUND``, ``mangle_DIVERT``...). A plan chain with a hook becomes a base chain at
@@ -96,7 +98,7 @@ from ..plan.intent import AnyIntent
 from ..plan.vocabulary import (
     Plan,
 )
-from .base import POD_CHAINS, CheckResult, Installed, fault_point
+from .base import POD_CHAINS, CheckResult, Installed, fault_point, is_owned_comment
 from .nftables_rules import (
     BASE_CHAINS,
     FAMILY,
@@ -266,40 +268,92 @@ def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
     return out
 
 
-def not_ours(items: list[dict[str, Any]]) -> str | None:
-    """Why the table listed as ``items`` is not ours, or None if it is.
-
-    Ours holds only chains named ``<raw|mangle|nat>_<pod chain>``, base chains exactly where
-    ``BASE_CHAINS`` puts them with an accept policy, and rules; its rules carry our comment.
-    A table of the same name with anything else (someone's firewall) is not ours. A table of
-    that layout whose rules carry no comment of ours at all is what earlier versions wrote
-    (plain comments): it is taken as ours and replaced by the next setup.
-    """
-    chains = [i["chain"] for i in items if "chain" in i]
-    other = sorted({k for i in items for k in i if k not in ("metainfo", "table", "chain", "rule")})
-    if other:
-        return f"it holds {', '.join(other)} objects"
-    if not chains:
-        return "it has no chain"
-    for c in chains:
-        table, _, name = str(c.get("name", "")).partition("_")
-        if table not in ("raw", "mangle", "nat") or name not in POD_CHAINS:
-            return f"chain {c.get('name')!r} is not one of ours"
-        if "hook" in c:
-            typ, prio = BASE_CHAINS.get((table, c["hook"]), (None, None))
-            if (c.get("type"), c.get("prio"), c.get("policy")) != (typ, prio, "accept"):
-                return (f"base chain {c['name']!r} is type {c.get('type')} hook {c['hook']} priority {c.get('prio')}"
-                        f" policy {c.get('policy')}, not ours")
+def _chain_not_ours(c: dict[str, Any]) -> str | None:
+    """Why chain ``c`` (a listing's chain object) is not of our layout, or None: ours is named
+    ``<raw|mangle|nat>_<pod chain>``, and a base chain of ours is exactly where ``BASE_CHAINS``
+    puts it, with an accept policy."""
+    table, _, name = str(c.get("name", "")).partition("_")
+    if table not in ("raw", "mangle", "nat") or name not in POD_CHAINS:
+        return f"chain {c.get('name')!r}"
+    if "hook" in c:
+        typ, prio = BASE_CHAINS.get((table, c["hook"]), (None, None))
+        if (c.get("type"), c.get("prio"), c.get("policy")) != (typ, prio, "accept"):
+            return (f"base chain {c['name']!r} (type {c.get('type')} hook {c['hook']} priority {c.get('prio')}"
+                    f" policy {c.get('policy')})")
     return None
+
+
+def _layout_not_ours(items: list[dict[str, Any]]) -> list[str]:
+    """What in the table listed as ``items`` is not of our layout (each named, for a message):
+    objects other than chains and rules, chains not of ours (``_chain_not_ours``)."""
+    out = [f"{k} {i[k].get('name', '')!r}" if isinstance(i[k], dict) else k for i in items for k in i
+           if k not in ("metainfo", "table", "chain", "rule")]
+    return out + [why for i in items if "chain" in i and (why := _chain_not_ours(i["chain"])) is not None]
+
+
+def _owned(rule: dict[str, Any]) -> bool:
+    return is_owned_comment(str(rule.get("comment", "")))
+
+
+def not_ours(items: list[dict[str, Any]]) -> str | None:
+    """Why the table listed as ``items`` is not ours at all, or None if it is.
+
+    Ours: a rule in it carries our comment (``redirect: <purpose>``); what else it holds is
+    someone else's inside ours (``_split``). A table without a rule of ours is ours
+    only in the layout earlier versions wrote: nothing but chains named
+    ``<raw|mangle|nat>_<pod chain>``, base chains exactly where ``BASE_CHAINS`` puts them with an
+    accept policy, and rules each with a plain comment (the previous release's purposes), or no
+    rules at all (a flushed table of ours). Anything else (someone's firewall of that name) is
+    not ours.
+    """
+    rules = [i["rule"] for i in items if "rule" in i]
+    if any(_owned(r) for r in rules):
+        return None
+    layout = _layout_not_ours(items)
+    if layout:
+        return f"it holds {', '.join(layout)}"
+    if not any("chain" in i for i in items):
+        return "it has no chain"
+    plain = [r for r in rules if not r.get("comment")]
+    if plain:
+        return f"its rule {expr_text(plain[0].get('expr', []))!r} in chain {plain[0].get('chain')} has no comment"
+    return None
+
+
+def _split(items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A table of ours (one with a rule of ours) split into its objects of ours (a listing) and
+    what is not ours in it, each named: objects other than chains and rules, chains not of our
+    layout (with their rules), rules without our comment. The previous release's table (no rule
+    of ours; ``not_ours`` said it is ours) is all ours."""
+    rules = [i["rule"] for i in items if "rule" in i]
+    if not any(_owned(r) for r in rules):
+        return items, []
+    theirs = {str(i["chain"].get("name")) for i in items if "chain" in i and _chain_not_ours(i["chain"]) is not None}
+    ours = [i for i in items if ("chain" in i and i["chain"].get("name") not in theirs)
+            or ("rule" in i and i["rule"].get("chain") not in theirs and _owned(i["rule"]))]
+    foreign = _layout_not_ours(items) + [
+        f"rule in chain {r.get('chain')}: {expr_text(r.get('expr', []), str(r.get('comment', '')))}"
+        for r in rules if not _owned(r) and r.get("chain") not in theirs]
+    return ours, foreign
 
 
 class NotOurs(SetupError):
     """A table named like ours that is not ours: never changed or deleted."""
 
 
-def read_table(nft: Any) -> Ruleset | None:
+class ForeignInOurs(SetupError):
+    """Our table holds objects that are not ours: ours is not changed or removed (theirs would go
+    with it); ``ruleset`` is ours in it, ``foreign`` names theirs."""
+
+    def __init__(self, msg: str, ruleset: Ruleset, foreign: list[str]) -> None:
+        super().__init__(msg)
+        self.ruleset = ruleset
+        self.foreign = foreign
+
+
+def read_table(nft: Any, what: str = "setup") -> Ruleset | None:
     """Our table as installed, or None when there is none; ``NotOurs`` if a table of our name is
-    someone else's."""
+    someone else's; ``ForeignInOurs`` (naming them, ``what`` refused) if ours holds anything not ours."""
     if (FAMILY, TABLE) not in table_names(nft):
         return None
     out = _run(nft, [{"list": {"table": dict(TABLE_OBJ)}}])
@@ -308,6 +362,11 @@ def read_table(nft: Any) -> Ruleset | None:
     if why is not None:
         raise NotOurs(f"table {FAMILY} {TABLE} exists and is not ours ({why}): it is left alone and setup refused;"
                       " rename or delete it")
+    ours, foreign = _split(items)
+    if foreign:
+        raise ForeignInOurs(f"table {FAMILY} {TABLE} is ours but holds what is not ours: {'; '.join(foreign)}."
+                            f" {what} refused, nothing changed: they are never touched; remove them, then run"
+                            f" {what} again", parse_listing(ours), foreign)
     return parse_listing(items)
 
 
@@ -403,7 +462,7 @@ class NftablesBackend:
         nft = _context()
         changed = False
         try:
-            if read_table(nft) is not None:
+            if read_table(nft, "teardown") is not None:  # (ForeignInOurs: refused, nothing changed)
                 _run(nft, commands_for({}))
                 changed = True
         except NotOurs as e:
@@ -423,32 +482,54 @@ class NftablesBackend:
             return read_table(nft) is not None
         except NotOurs:
             return False
+        except ForeignInOurs:
+            return True
         finally:
             release(nft)
+
+    def foreign_in_ours(self) -> list[str]:
+        """What in our table is not ours (``remove`` refuses then)."""
+        nft = _context()
+        try:
+            read_table(nft)
+        except NotOurs:
+            pass
+        except ForeignInOurs as e:
+            return e.foreign
+        finally:
+            release(nft)
+        return []
 
     def check(self, it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
         desired = cached_ruleset(netfilter_plan(it), families)
         nft = _context()
+        foreign: list[str] = []
         try:
             current = read_table(nft)
         except NotOurs as e:
             return CheckResult(False, self.name, (str(e),) + tuple(rt.differences(it, families)))
+        except ForeignInOurs as e:
+            current = e.ruleset
+            foreign = [f"not ours, in our table (setup and teardown refuse until it is removed): {x}"
+                       for x in e.foreign]
         finally:
             release(nft)
         if current is None:
             diffs = [f"table {FAMILY} {TABLE} is not installed"]
         else:
-            diffs = diff_rulesets(current, desired)
+            diffs = foreign + diff_rulesets(current, desired)
         diffs += rt.differences(it, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
         nft = _context()
-        foreign = None
+        foreign: str | list[str] | None = None
         try:
             current = read_table(nft)
         except NotOurs as e:
             current, foreign = None, str(e)
+        except ForeignInOurs as e:
+            current, foreign = e.ruleset, e.foreign
         finally:
             release(nft)
         out: dict[str, Any] = {"backend": self.name, "table": f"{FAMILY} {TABLE}", "installed": current is not None}

@@ -1,7 +1,7 @@
 """The ``redirect`` command line.
 
     redirect setup NETNS [--config FILE] [--set FIELD=VALUE ...] [--backend B] [--dry-run] [--allow-host-netns]
-    redirect teardown NETNS [--backend B]          (no --backend: whatever of ours is installed)
+    redirect teardown NETNS [--backend B] [--allow-host-netns]   (no --backend: whatever of ours is installed)
     redirect check NETNS [--config FILE] [--set ...] [--backend B] [--json]
     redirect show NETNS [--backend B] [--json]
     redirect init [istio-iptables flags]      (drop-in for istio-iptables)
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("teardown", help="remove our redirection from a netns, by any backend (nothing else)")
     _netns_arg(t)
     _any_backend_arg(t)
+    _host_arg(t)
     t.set_defaults(func=cmd_teardown)
 
     c = sub.add_parser("check", help="compare what is installed (by any backend) with a config; exit 1 on drift")
@@ -235,7 +236,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
 def cmd_teardown(args: argparse.Namespace) -> int:
     import redirect
 
-    removed = redirect.teardown(args.netns, backend=args.backend)
+    removed = redirect.teardown(args.netns, backend=args.backend, allow_host_netns=args.allow_host_netns)
     print(f"{args.netns}: {'removed' if removed else 'nothing of ours was installed'}")
     return EXIT_OK
 
@@ -310,8 +311,12 @@ def cmd_init(args: argparse.Namespace) -> int:
     if opts.dry_run:
         sys.stdout.write(redirect.render(opts.config, backend=opts.backend))
         return EXIT_OK
+    allow_host = args.allow_host_netns
+    if not opts.netns and not allow_host and (opts.cleanup_only or not opts.skip_rule_apply):
+        _refuse_init_on_host(target)
+        allow_host = True  # its own netns: what istio-iptables works in (inside the pod)
     if opts.cleanup_only:
-        removed = redirect.teardown(target, backend=opts.backend)
+        removed = redirect.teardown(target, backend=opts.backend, allow_host_netns=allow_host)
         print("removed redirect rules" if removed else "nothing of ours was installed")
         return EXIT_OK
     if opts.run_validation:
@@ -322,10 +327,6 @@ def cmd_init(args: argparse.Namespace) -> int:
         if why is not None:  # said before anything is installed
             raise SetupError(why)
     if not opts.skip_rule_apply:
-        allow_host = args.allow_host_netns
-        if not opts.netns and not allow_host:
-            _refuse_init_on_host(target)
-            allow_host = True  # its own netns: what istio-iptables installs in (inside the pod)
         res = redirect.setup(target, opts.config, backend=opts.backend, allow_host_netns=allow_host)
         print(f"{'installed' if res.changed else 'already in place'}: sidecar capture ({res.backend}, "
               f"{'+'.join(f'IPv{f}' for f in res.families)})")
@@ -340,15 +341,16 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def _refuse_init_on_host(target: str) -> None:
-    """``redirect init`` without a netns installs in its own, as istio-iptables does inside the
-    pod; that own netns must still not be the host's (initial or pid 1's)."""
+    """``redirect init`` without a netns installs in (or, ``--cleanup-only``, removes from) its own,
+    as istio-iptables does inside the pod; that own netns must still not be the host's (initial
+    or pid 1's)."""
     from ..errors import HostNetnsError
     from ..kernel.netns import enter, host_netns_reason
 
     with enter(target):
         why = host_netns_reason(own_ok=True)
     if why is not None:
-        raise HostNetnsError(f"redirect init without --network-namespace installs in its own netns, and {why}."
+        raise HostNetnsError(f"redirect init without --network-namespace works in its own netns, and {why}."
                              " Refused: run it inside the pod, name the pod's netns, or pass --allow-host-netns")
 
 

@@ -21,8 +21,9 @@ Commands
              which installs the rules and hands the netns to the node proxy; no confirmation
              within ``agentTimeout`` s -> error 103 (docs/agent-protocol.md).
 ``DEL``      ``redirect.teardown`` in ``CNI_NETNS`` (ours by any backend); succeeds when ``CNI_NETNS`` is empty
-             or the namespace is already gone; idempotent. Ambient with ``agentSocket``: the
-             agent removes the pod (if it can't be reached, the in-pod rules are removed here).
+             or the namespace is already gone; idempotent; the host's own netns is refused (7), as
+             by ADD. Ambient with ``agentSocket``: the agent removes the pod (if it can't be
+             reached, the in-pod rules are removed here).
 ``CHECK``    ``redirect.check`` against the same config ADD used; differences -> error 104.
              Ambient with ``agentSocket``: asks the node agent (enrolled in this netns, rules as
              recorded, a node proxy connected), else 104 (103 if the agent can't be reached).
@@ -72,7 +73,8 @@ not UTF-8 JSON, or one nested too deeply is error 6. ``CNI_NETNS`` is resolved t
 every command (a bare name is one under ``/run/netns``).
 
 Error codes: 1 incompatible cniVersion, 4 invalid network config (a malformed ``prevResult``
-included), 6 undecodable stdin, 7 invalid environment variables, 11 try again later (backend busy),
+included), 6 undecodable stdin, 7 invalid environment variables (a ``CNI_NETNS`` naming the host's
+own network namespace included, for ADD and DEL), 11 try again later (backend busy),
 50 plugin not available (STATUS); ours: 100 setup failed, 101 bad pod annotation,
 102 backend unavailable, 103 the node agent did not enrol the ambient pod (unreachable, timed out, refused),
 104 CHECK found differences, 105 teardown failed.
@@ -278,7 +280,8 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
     The agent installs the in-pod rules, adds the pod to the node's probe sets and
     hands the netns to the node proxy; it answers once the proxy has acked. No answer
     within ``agentTimeout`` seconds, or a refusal, fails the ADD with code 103 (fail
-    closed: the pod does not start); the agent undoes what it did.
+    closed: the pod does not start); the agent undoes what it did. A refused ``CNI_NETNS``
+    (the host's, another pod's) is code 7, as for a sidecar pod.
     """
     from ..ambient.agent.client import AgentError, add_pod
 
@@ -288,6 +291,8 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
                       ips=_prev_ips(pc), annotations=pod_annotations(pc.raw, cni_args), container_id=container_id,
                       config=cfg.to_dict(), backend=pc.backend, timeout=pc.agent_timeout)
     except AgentError as e:
+        if e.reason == "netns":  # the host's, another pod's, not a namespace: as a sidecar ADD answers
+            raise NetnsRefused(f"CNI_NETNS: the node agent refused it: {e}") from None
         raise CniError(E_AMBIENT, f"node agent did not enrol the pod ({e.reason}): {e}",
                        f"agentSocket={pc.agent_socket}") from None
     import logging
@@ -313,6 +318,8 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
         log.info("DEL container=%s netns=%r ambient: removed by the node agent", container, netns)
         return
     except AgentError as e:
+        if e.reason == "netns":  # refused (the host's netns): not for want of an agent
+            raise NetnsRefused(f"CNI_NETNS: the node agent refused it: {e}") from None
         log.warning("DEL container=%s: node agent unavailable (%s); removing in-pod rules directly", container, e)
     if _netns_gone(netns):
         return
@@ -334,17 +341,27 @@ def _ambient_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
         _redirect_errors(legacy.clear, netns, code=E_TEARDOWN)  # an earlier release's in-pod record
         _redirect_errors(store.remove, key, code=E_TEARDOWN)
     except CniError as e:
-        if e.code != E_ENV:
+        if e.code != E_ENV or isinstance(e, NetnsRefused):
             raise
 
 
+class NetnsRefused(CniError):
+    """``CNI_NETNS`` is refused (code 7) by every command, DEL included, unlike a namespace that is
+    gone: the host's own network namespace, or one the node agent refuses (another pod's)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(E_ENV, msg, "CNI_NETNS refused")
+
+
 def _redirect_errors(fn: Any, *args: Any, code: int = E_SETUP) -> Any:
-    from ..errors import BackendUnavailable, ConfigError, NetnsError, SetupError
+    from ..errors import BackendUnavailable, ConfigError, HostNetnsError, NetnsError, SetupError
 
     try:
         return fn(*args)
     except BackendUnavailable as e:
         raise CniError(E_BACKEND, str(e)) from None
+    except HostNetnsError as e:
+        raise NetnsRefused(f"CNI_NETNS: {e}") from None
     except NetnsError as e:
         raise CniError(E_ENV, f"CNI_NETNS: {e}") from None
     except ConfigError as e:
@@ -390,7 +407,7 @@ def cmd_del(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
         # Whichever backend put it there (the config's may have changed since the ADD).
         removed = _redirect_errors(api.teardown, netns, None, code=E_TEARDOWN)
     except CniError as e:
-        if e.code == E_ENV:  # vanished between the exists() and the open
+        if e.code == E_ENV and not isinstance(e, NetnsRefused):  # vanished between the exists() and the open
             log.info("DEL container=%s netns=%r: %s", container, netns, e.msg)
             return
         raise

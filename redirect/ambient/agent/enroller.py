@@ -240,6 +240,19 @@ class Enroller:
             raise EventError("check", f"pod {uid}: no node proxy is connected")
         return {"pod": uid, "proxies": proxies}
 
+    def _refuse_host(self, path: str) -> None:
+        """``EventError`` (``netns``) if ``path`` names the host's network namespace (the agent's own,
+        the initial one, pid 1's): a del there changes nothing. A path that names no namespace (any
+        more) is no refusal: the pod's netns may be gone."""
+        if not path:
+            return
+        try:
+            host = self.ops.host_netns_reason(path)
+        except (RedirectError, OSError):
+            return
+        if host is not None:
+            raise EventError("netns", f"pod.netns={path!r}: {host}: refused; nothing was changed")
+
     def delete(self, raw: Any) -> dict[str, Any]:
         """Remove a pod: the proxies told, its rules and record (if the netns is still its), its
         node-set entries. A pod this agent does not know is cleaned up as far as it is found."""
@@ -250,6 +263,7 @@ class Enroller:
         cid = text(raw, "container_id", "pod", limit=128)
         if not uid and not cid:
             raise EventError("bad_request", "pod: a del needs uid or container_id")
+        self._refuse_host(path)
         reg = self.registry
         if not uid:
             with reg.lock:
