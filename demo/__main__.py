@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
@@ -49,7 +48,7 @@ def _link(net: int, pod_if: str = "eth0", peer_if: str = "eth0") -> podkit.Link:
 @contextmanager
 def demo_namespaces(net: int) -> Iterator[tuple[str, str]]:
     """A pod netns and a peer netns joined by a veth: 10.<net>.0.2 / fd00:<net>::2 in the pod."""
-    tag = uuid.uuid4().hex[:6]
+    tag = f"{os.getpid()}-{net}"  # (the pid: whoever runs the demo can tell its namespaces from others')
     pod, peer = f"rdr-demo-pod-{tag}", f"rdr-demo-peer-{tag}"
     with podkit.make_pod(pod, peer, [_link(net)], peer_routes_back=False):
         yield pod, peer
@@ -58,7 +57,7 @@ def demo_namespaces(net: int) -> Iterator[tuple[str, str]]:
 @contextmanager
 def remote_behind(node: str, net: int) -> Iterator[str]:
     """A netns routed through ``node`` (10.<net>.0.2 / fd00:<net>::2): a workload elsewhere."""
-    remote = f"rdr-demo-remote-{uuid.uuid4().hex[:6]}"
+    remote = f"rdr-demo-remote-{os.getpid()}-{net}"
     with podkit.make_pod(remote, node, [_link(net, peer_if="eth1")], make_peer=False, peer_routes_back=False):
         for key in ("net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"):
             subprocess.run(["ip", "netns", "exec", node, "sysctl", "-qw", f"{key}=1"], check=True,

@@ -34,8 +34,13 @@ def test_demo_shows_sidecar_and_ambient_capture_through_the_agent(backend: str) 
     before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
     pins_before = set(os.listdir("/sys/fs/bpf"))
     env = {k: v for k, v in os.environ.items() if k != "REDIRECT_BPF_ROOT"}
-    p = subprocess.run([sys.executable, "-m", "demo", "--backend", backend], capture_output=True,
-                       text=True, timeout=120, check=False, env=env, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "demo", "--backend", backend], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [re.split(r"\s{2,}", ln.strip()) for ln in p.stdout.splitlines() if re.match(r"(sidecar|ambient)  ", ln)]
     assert len(rows) == 13, p.stdout
@@ -45,6 +50,6 @@ def test_demo_shows_sidecar_and_ambient_capture_through_the_agent(backend: str) 
             f"no row {pod} | {label} | {caught} | {answer}\n{p.stdout}")
     assert not any("error" in r[4] for r in rows), p.stdout
     left = (set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()) - before
-    assert not {n for n in left if n.startswith("rdr-demo-")}, left
+    assert not {n for n in left if n.startswith("rdr-demo-") and f"-{proc.pid}-" in n}, left  # (its own: pid in name)
     pins = set(os.listdir("/sys/fs/bpf")) - pins_before
     assert not {n for n in pins if n.startswith("rdr-demo-")}, f"the demo left pins in /sys/fs/bpf: {sorted(pins)}"
