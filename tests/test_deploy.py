@@ -26,8 +26,6 @@ import subprocess
 import sys
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -214,19 +212,7 @@ class NodeUnderTest:
         return (self.base / f"{name}.log").read_text()
 
     def probe(self, probe: dict[str, Any]) -> int:
-        g = probe["httpGet"]
-        url = f"http://{g.get('host', '127.0.0.1')}:{g['port']}{g['path']}"
-
-        def get() -> int:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    return int(r.status)
-            except urllib.error.HTTPError as e:
-                return int(e.code)
-            except OSError:
-                return 0
-
-        return netkit.in_netns(self.name, get)
+        return kubelet.http_probe(self.name, probe, "127.0.0.1")  # (hostNetwork: the pod's IP is the node's)
 
     def close(self) -> None:
         for p in self.procs.values():

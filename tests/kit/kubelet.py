@@ -75,6 +75,24 @@ def argv_of(c: dict[str, Any], env: dict[str, str]) -> tuple[list[str], list[str
     return [expand(a, env) for a in c.get("command", [])], [expand(a, env) for a in c.get("args", [])]
 
 
+def http_probe(netns: str, probe: dict[str, Any], pod_ip: str) -> int:
+    """A probe's ``httpGet``, sent from ``netns`` as the kubelet's prober sends it (to ``host``, else
+    the pod's IP); the HTTP status (0: no answer)."""
+    g = probe["httpGet"]
+    url = f"{g.get('scheme', 'HTTP').lower()}://{g.get('host') or pod_ip}:{g['port']}{g['path']}"
+
+    def get() -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except OSError:
+            return 0
+
+    return netkit.in_netns(netns, get)
+
+
 class PodFailed(AssertionError):
     """The pod did not start as a kubelet would have it (init container failed, hook failed, ...)."""
 
@@ -358,20 +376,7 @@ class Kubelet:
     def probe(self, run: PodRun, name: str, kind: str) -> int:
         """A container's ``httpGet`` probe (``kind``: livenessProbe, readinessProbe, startupProbe), sent
         from the node's netns as the kubelet's prober sends it; the HTTP status (0: no answer)."""
-        g = run.container(name)[kind]["httpGet"]
-        host = g.get("host") or run.ip
-        url = f"{g.get('scheme', 'HTTP').lower()}://{host}:{g['port']}{g['path']}"
-
-        def get() -> int:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    return int(r.status)
-            except urllib.error.HTTPError as e:
-                return int(e.code)
-            except OSError:
-                return 0
-
-        return netkit.in_netns(self.node.name, get)
+        return http_probe(self.node.name, run.container(name)[kind], run.ip)
 
     def wait_ready(self, run: PodRun, name: str, timeout: float = 60) -> None:
         """Until the container's readiness probe succeeds (200-399); fails if the container exits."""
