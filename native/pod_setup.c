@@ -123,21 +123,14 @@ static int on_address(void *arg, const struct nlmsghdr *h)
  * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
  * path than the slab caches (docs/kernel-facts.md), paid for the NLMSG_DONE alone; a first batch
  * is at most a page less its overhead on 4 KB pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
-static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
+static int scan_addresses(int s, struct rdr_netns_scan *sc)
 {
-	struct {
-		struct nlmsghdr h;
-		struct ifaddrmsg m;
-	} req;
+	struct ifaddrmsg m = {.ifa_family = AF_UNSPEC};
+	struct rdr_nlreq req;
 	char buf[2][4096] __attribute__((aligned(8)));
 
-	memset(&req, 0, sizeof(req));
-	req.h.nlmsg_len = sizeof(req);
-	req.h.nlmsg_type = RTM_GETADDR;
-	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-	req.h.nlmsg_seq = seq;
-	req.m.ifa_family = AF_UNSPEC;
-	return rdr_nl_dump(s, &req, sizeof(req), seq, buf[0], sizeof(buf[0]), on_address, sc);
+	rdr_nl_start(&req, RTM_GETADDR, 0, &m, sizeof(m));
+	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, sc);
 }
 
 int rdr_scan_netns(struct rdr_netns_scan *sc)
@@ -145,68 +138,31 @@ int rdr_scan_netns(struct rdr_netns_scan *sc)
 	int s, ret;
 
 	memset(sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	s = rdr_nl_socket(NETLINK_ROUTE);
 	if (s < 0)
-		return -errno;
+		return s;
 	ret = rdr_sock_netns_cookie(s, &sc->cookie);
 	if (ret >= 0)
-		ret = scan_addresses(s, sc, 1);
+		ret = scan_addresses(s, sc);
 	close(s);
 	return ret < 0 ? ret : 0;
 }
 
 /* RTM_NEWADDR / RTM_DELADDR of addr/128 on lo, with our routing protocol; waits for the ack. */
-static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uint32_t flags, uint32_t seq)
+static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uint32_t flags)
 {
-	struct {
-		struct nlmsghdr h;
-		struct ifaddrmsg m;
-		char attrs[128];
-	} req;
-	char buf[1024] __attribute__((aligned(8)));
-	struct rtattr *rta;
-	int len, rounds;
+	struct ifaddrmsg m = {.ifa_family = AF_INET6, .ifa_prefixlen = 128, .ifa_flags = (uint8_t)(flags & 0xff),
+			      .ifa_index = 1}; /* lo, in every netns */
+	struct rdr_nlreq req;
 
-	memset(&req, 0, sizeof(req));
-	req.h.nlmsg_type = add ? RTM_NEWADDR : RTM_DELADDR;
-	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK | (add ? NLM_F_CREATE | NLM_F_EXCL : 0);
-	req.h.nlmsg_seq = seq;
-	req.m.ifa_family = AF_INET6;
-	req.m.ifa_prefixlen = 128;
-	req.m.ifa_flags = (uint8_t)(flags & 0xff);
-	req.m.ifa_index = 1; /* lo, in every netns */
-	req.h.nlmsg_len = NLMSG_LENGTH(sizeof(req.m));
-#define PUT(type, data, n)                                                                 \
-	do {                                                                               \
-		rta = (struct rtattr *)((char *)&req + NLMSG_ALIGN(req.h.nlmsg_len));      \
-		rta->rta_type = (type);                                                    \
-		rta->rta_len = RTA_LENGTH(n);                                              \
-		memcpy(RTA_DATA(rta), (data), (n));                                        \
-		req.h.nlmsg_len = NLMSG_ALIGN(req.h.nlmsg_len) + RTA_ALIGN(rta->rta_len);  \
-	} while (0)
-	PUT(IFA_LOCAL, addr, 16);
-	PUT(IFA_ADDRESS, addr, 16);
+	rdr_nl_start(&req, add ? RTM_NEWADDR : RTM_DELADDR, add ? NLM_F_CREATE | NLM_F_EXCL : 0, &m, sizeof(m));
+	rdr_nl_attr(&req, IFA_LOCAL, addr, 16);
+	rdr_nl_attr(&req, IFA_ADDRESS, addr, 16);
 	if (add) {
-		PUT(IFA_FLAGS, &flags, 4);
-		PUT(IFA_PROTO, &proto, 1);
+		rdr_nl_attr(&req, IFA_FLAGS, &flags, 4);
+		rdr_nl_attr(&req, IFA_PROTO, &proto, 1);
 	}
-#undef PUT
-	if (send(s, &req, req.h.nlmsg_len, 0) < 0)
-		return -errno;
-	for (rounds = 0; rounds < 64; rounds++) {
-		struct nlmsghdr *h;
-		int got = rdr_nl_recv(s, buf, sizeof(buf), 1, &len);
-
-		if (got < 0)
-			return got;
-		if (len < 0)
-			return len;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			if (h->nlmsg_seq == seq && h->nlmsg_type == NLMSG_ERROR)
-				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-		}
-	}
-	return -EPROTO;
+	return rdr_nl_talk(s, &req.h, NULL, 0);
 }
 
 /* --- the pod ----------------------------------------------------------------- */
@@ -249,7 +205,8 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		struct inet_diag_req_v2 r;
 	} q[2 + RDR_SCAN_MAX];
 	char buf[RDR_NL_RECV_MAX][1024] __attribute__((aligned(8)));
-	int s, n = 0, got = 0, found = 0;
+	int answers[2 + RDR_SCAN_MAX];
+	int s, n = 0, ret;
 
 	for (int i = -2; i < sc->n; i++) {
 		int fam = i == -2 ? 4 : i == -1 ? 6 : sc->a[i].family;
@@ -260,7 +217,6 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		q[n].h.nlmsg_len = sizeof(q[0]);
 		q[n].h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
 		q[n].h.nlmsg_flags = NLM_F_REQUEST;
-		q[n].h.nlmsg_seq = (uint32_t)n + 1;
 		q[n].r.sdiag_family = fam == 4 ? AF_INET : AF_INET6;
 		q[n].r.sdiag_protocol = IPPROTO_TCP;
 		q[n].r.idiag_states = LISTEN_STATE;
@@ -278,66 +234,43 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		}
 		n++;
 	}
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+	s = rdr_nl_socket(NETLINK_SOCK_DIAG);
 	if (s < 0)
 		return 0;
-	if (send(s, q, sizeof(q[0]) * (size_t)n, 0) < 0) {
-		close(s);
-		return 0;
-	}
-	/* One answer a question (a datagram each, all there once the send returns): the socket
-	 * found, or ENOENT. */
-	for (int rounds = 0; got < n && rounds < 64; rounds++) {
-		int lens[RDR_NL_RECV_MAX], m = rdr_nl_recv(s, buf[0], sizeof(buf[0]), RDR_NL_RECV_MAX, lens);
-
-		if (m < 0)
-			break;
-		for (int i = 0; i < m; i++) {
-			int len = lens[i];
-			struct nlmsghdr *h;
-
-			if (len < 0) { /* (an answer too large for "none") */
-				got++;
-				found = 1;
-				continue;
-			}
-			for (h = (struct nlmsghdr *)buf[i]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-				got++;
-				if (h->nlmsg_type != NLMSG_ERROR ||
-				    ((struct nlmsgerr *)NLMSG_DATA(h))->error != -ENOENT)
-					found = 1; /* a listener, or an answer we can't read as "none" */
-			}
-		}
-	}
+	/* One answer a question (a datagram each): the socket found, or ENOENT. An answer too large
+	 * for "none", or one missing, is not "none". */
+	ret = rdr_nl_batch(s, q, sizeof(q[0]) * (size_t)n, n, answers, buf[0], sizeof(buf[0]));
 	close(s);
-	return got == n && !found;
+	for (int i = 0; ret == 0 && i < n; i++)
+		if (answers[i] != -ENOENT)
+			return 0; /* a listener, or an answer we can't read as "none" */
+	return ret == 0;
 }
 
 /* ENOENT is also what sock_diag answers when it has no TCP handler (tcp_diag not built or
  * loaded): an empty dump tells the two apart, once per process. */
+static int on_any(void *arg, const struct nlmsghdr *h)
+{
+	(void)arg;
+	(void)h;
+	return 1;
+}
+
 int rdr_tcp_diag_ok(void)
 {
-	struct {
-		struct nlmsghdr h;
-		struct inet_diag_req_v2 r;
-	} q;
-	char buf[4096] __attribute__((aligned(8)));
-	int s, len, ok = 0;
+	struct inet_diag_req_v2 r = {.sdiag_family = AF_INET, .sdiag_protocol = IPPROTO_TCP,
+				     .idiag_states = 0}; /* no state: nothing to walk, just DONE */
+	struct rdr_nlreq req;
+	char buf[2][4096] __attribute__((aligned(8)));
+	int s, ret;
 
-	memset(&q, 0, sizeof(q));
-	q.h.nlmsg_len = sizeof(q);
-	q.h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
-	q.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-	q.r.sdiag_family = AF_INET;
-	q.r.sdiag_protocol = IPPROTO_TCP;
-	q.r.idiag_states = 0; /* no state: nothing to walk, just DONE */
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+	s = rdr_nl_socket(NETLINK_SOCK_DIAG);
 	if (s < 0)
 		return 0;
-	if (send(s, &q, sizeof(q), 0) == (ssize_t)sizeof(q) && rdr_nl_recv(s, buf, sizeof(buf), 1, &len) == 1)
-		ok = len >= (int)sizeof(struct nlmsghdr) && ((struct nlmsghdr *)buf)->nlmsg_type == NLMSG_DONE;
+	rdr_nl_start(&req, SOCK_DIAG_BY_FAMILY, 0, &r, sizeof(r));
+	ret = rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_any, NULL);
 	close(s);
-	return ok;
+	return ret == 0;
 }
 
 /* Is TCP `port` free in this netns for the families asked (RDR_FAM4, RDR_FAM6)? 1 free, 0 held
@@ -727,13 +660,12 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	uint8_t cookie_v[8];
 	int s, ret, n = 0, addr_added = 0, pin_name, own_v6 = 0;
 	int tc_ifs[RDR_FWD_MAX];
-	uint32_t seq = 1;
 
 	memset(&sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	s = rdr_nl_socket(NETLINK_ROUTE);
 	if (s < 0)
 		return RDR_POD_SLOW;
-	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc, seq++) < 0) {
+	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc) < 0) {
 		close(s);
 		return RDR_POD_SLOW;
 	}
@@ -802,7 +734,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 
 	/* From here on, changes: each is undone if a later one fails. */
 	if (set->n_add) {
-		ret = v6_lo_addr(s, 1, set->add, r->addr_proto, r->addr_flags, seq++);
+		ret = v6_lo_addr(s, 1, set->add, r->addr_proto, r->addr_flags);
 		if (ret < 0 && ret != -EEXIST)
 			goto undo;
 		addr_added = ret == 0;
@@ -855,7 +787,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 
 undo:
 	if (addr_added)
-		v6_lo_addr(s, 0, set->add, 0, 0, seq++);
+		v6_lo_addr(s, 0, set->add, 0, 0);
 	close(s);
 	/* Something of an earlier attempt was in the way (see above): not fresh. */
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
