@@ -224,7 +224,7 @@ def test_every_ebpf_policy_field_is_packed_and_read_by_the_programs_and_their_mo
     import re
 
     from redirect.backends.ebpf.abi import POLICY_LAYOUT
-    from redirect.backends.ebpf.entries import pack_policy
+    from redirect.backends.ebpf.pod.entries import pack_policy
 
     bpf, model = _bpf_text(), (ROOT / "redirect" / "plan" / "evaluate.py").read_text()
     policy = lower_ebpf.lower_ebpf(_intents()[0], (4, 6)).policy

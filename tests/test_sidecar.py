@@ -835,13 +835,14 @@ def _flush_outbound_chain(ns: str, backend: str) -> None:
     which makes its lo traffic return)."""
     if backend == "ebpf":
         from redirect.backends import ebpf
+        from redirect.backends.ebpf.abi import CIDR_KEY
 
         with rnetns.enter(ns):
             h = ebpf.host(load=False)
             assert h is not None
             cookie = ebpf.current_netns_cookie()
             for k in list(h.maps["cidrs"].keys()):
-                if ebpf.CIDR_KEY.unpack(k)[1:3] == (CIDR_KIND["local4"], cookie):
+                if CIDR_KEY.unpack(k)[1:3] == (CIDR_KIND["local4"], cookie):
                     assert h.maps["cidrs"].delete(k)
         return
     if backend == "nftables":

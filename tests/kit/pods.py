@@ -53,10 +53,10 @@ def create_netns(name: str) -> str:
 def wait_link_detached(root: str, cookie: int, timeout: float = 15.0) -> None:
     """Until the kernel has cleaned a removed netns up (asynchronously) and detached the eBPF
     backend's link of the pod ``cookie`` under ``root``; fails the test after ``timeout`` s."""
-    from redirect.backends import ebpf
+    from redirect.backends.ebpf.host import pod_link, syscalls
 
     deadline = time.monotonic() + timeout
-    while ebpf._link_target(ebpf._pod_link(root, cookie)) != 0:
+    while syscalls.link_target(pod_link(root, cookie)) != 0:
         assert time.monotonic() < deadline, f"link of netns cookie {cookie} still attached after {timeout} s"
         time.sleep(0.05)
 
