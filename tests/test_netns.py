@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
-from redirect.kernel import rtnl
 from tests.netkit import Pod
 
 
@@ -84,18 +84,18 @@ def test_current_fd_is_cleared_when_the_body_raises(pod: Pod) -> None:
 
 def test_one_rtnetlink_socket_serves_dumps_and_changes_in_turn(pod: Pod) -> None:
     """A shared socket matches replies by sequence number: an error reply (EEXIST) leaves it usable."""
-    with rnetns.enter(pod.name), rtnl.open_socket() as s:
-        before = rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)
-        assert any(m.attrs.get(rtnl.IFA_ADDRESS) == socket.inet_pton(socket.AF_INET6, "::1") for m in before)
-        rtnl.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)  # IFA_F_NODAD
+    with rnetns.enter(pod.name), netlink.open_socket() as s:
+        before = netlink.dump(netlink.RTM_GETADDR, socket.AF_INET6, sock=s)
+        assert any(m.attrs.get(netlink.IFA_ADDRESS) == socket.inet_pton(socket.AF_INET6, "::1") for m in before)
+        netlink.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)  # IFA_F_NODAD
         with pytest.raises(OSError) as ei:
-            rtnl.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)
+            netlink.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)
         assert ei.value.errno == errno.EEXIST
-        after = rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)
+        after = netlink.dump(netlink.RTM_GETADDR, socket.AF_INET6, sock=s)
         assert len(after) == len(before) + 1
         assert "fd00::77" in _v6_addrs_on_lo(pod.name)
-        rtnl.addr("del", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, sock=s)
-        assert len(rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)) == len(before)
+        netlink.addr("del", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, sock=s)
+        assert len(netlink.dump(netlink.RTM_GETADDR, socket.AF_INET6, sock=s)) == len(before)
     assert "fd00::77" not in _v6_addrs_on_lo(pod.name)
 
 

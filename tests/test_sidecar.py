@@ -23,9 +23,9 @@ import pytest
 
 import redirect
 from redirect import RedirectConfig
+from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
-from redirect.kernel import rtnl
 from redirect.plan.lower_ebpf import CIDR_KIND
 from tests.netkit import (
     OUR_TC,
@@ -940,7 +940,7 @@ def test_passthrough_address_comes_with_the_pods_own_ipv6(pod: Pod, backend: str
     redirect.teardown(pod.name, backend=backend)
     # A ::6 of ours (our routing protocol) that is not wanted goes at setup; someone else's stays.
     for proto, stays in ((rt.RT_PROTO, False), (0, True)):
-        pod.run(rtnl.addr, "add", socket.AF_INET6, 1, "::6", 128, proto, rt.IFA_F_NODAD)
+        pod.run(netlink.addr, "add", socket.AF_INET6, 1, "::6", 128, proto, rt.IFA_F_NODAD)
         redirect.setup(pod.name, None, backend=backend)
         assert _passthrough_on_lo(pod.name) == stays
         redirect.teardown(pod.name, backend=backend)

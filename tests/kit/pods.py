@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from redirect.kernel import netns as rnetns
 from redirect.kernel import podkit
-from redirect.kernel.podkit import NETNS_DIR, Link, iproute_in, live_namespaces, remove_netns
+from redirect.kernel.podkit import NETNS_DIR, Link, live_namespaces, netlink_in, remove_netns
 
 T = TypeVar("T")
 Addr = tuple[str, int]
@@ -274,5 +274,5 @@ def set_forwarding(ns: str, on: bool) -> None:
 OUR_TC = {"ingress": ["rdr_tc_ingress"], "egress": ["rdr_tc_egress"]}
 
 __all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
-           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "iproute_in",
+           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "netlink_in",
            "link_for", "make_pod", "vm_behind", "VM_NET", "tc_filters", "qdisc_kinds", "set_forwarding", "OUR_TC"]

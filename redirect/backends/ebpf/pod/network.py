@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ....errors import SetupError
+from ....kernel import netlink
 from ....kernel import netns as _netns
 from ....kernel import routes as rt
-from ....kernel import rtnl
 from ....plan.intent import INBOUND_PASSTHROUGH_V6, AnyIntent, LocalAddress
 from ..abi import AF, LISTENER_INBOUND
 from ..host import NATIVE, PodStore, check
@@ -86,45 +86,14 @@ def listener_maybe(sc: NetnsScan, port: int, families: tuple[int, ...], tcp_diag
     return bool(lib.rdr_inbound_listener_maybe(port, fams, sc.native, int(tcp_diag)))
 
 
-def listener_inodes(port: int) -> dict[int, int]:
-    """Socket inode -> family of TCP listeners on ``port`` in the current netns.
-
-    Asked over NETLINK_SOCK_DIAG for listeners only: reading /proc/net/tcp walks
-    every socket of the host (it grows with the host's connections), a listener dump only the
-    listening hash (docs/kernel-facts.md, ``SOCK_DIAG_BY_FAMILY``).
-    """
-    out: dict[int, int] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as nl:  # NETLINK_SOCK_DIAG
-        nl.settimeout(2.0)
-        for fam in (4, 6):
-            req = struct.pack("=BBBBI48x", AF[fam], socket.IPPROTO_TCP, 0, 0, 1 << 10)  # TCP_LISTEN
-            nl.send(struct.pack("=IHHII", 16 + len(req), 20, 0x301, fam, 0) + req)  # SOCK_DIAG_BY_FAMILY, DUMP
-            done = False
-            for _ in range(10_000):
-                if done:
-                    break
-                data = nl.recv(65536)
-                off = 0
-                while off + 16 <= len(data):
-                    ln, typ = struct.unpack_from("=IH", data, off)
-                    if typ == 3 or typ == 2:  # NLMSG_DONE, NLMSG_ERROR
-                        done = True
-                        break
-                    sport = struct.unpack_from("!H", data, off + 16 + 4)[0]
-                    inode = struct.unpack_from("=I", data, off + 16 + 68)[0]
-                    if sport == port:
-                        out[inode] = fam
-                    off += (ln + 3) & ~3
-    return out
-
-
 @contextlib.contextmanager
 def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
     """family -> an fd of the proxy's listening socket(s) on ``port`` in this netns (closed on exit).
 
-    Looks in this process first, then in every process (``pidfd_getfd`` dups it).
+    Its listeners are found by inode over sock_diag (``netlink.tcp_listeners``); their fds in this
+    process first, then in every process (``pidfd_getfd`` dups it).
     """
-    want = listener_inodes(port)
+    want = netlink.tcp_listeners(port)
     found: dict[int, int] = {}
     owned: list[int] = []
     try:
@@ -207,17 +176,17 @@ _RTA_MULTIPATH, _RTN_UNICAST, _RT_TABLE_MAIN = 9, 1, 254
 def links_and_routes() -> tuple[list[tuple[str, int]], list[tuple[int, str, tuple[str, ...]]]]:
     """The calling thread's netns: its links (name, ifindex) and the unicast routes of its main
     table (family, destination CIDR, the interfaces of the next hops), in the kernel's order."""
-    names = rtnl.link_names()
+    names = netlink.link_names()
     routes: list[tuple[int, str, tuple[str, ...]]] = []
     for fam in (socket.AF_INET, socket.AF_INET6):
-        for m in rtnl.dump(rtnl.RTM_GETROUTE, fam):
+        for m in netlink.dump(netlink.RTM_GETROUTE, fam):
             dst_len, _src_len, _tos, table, _proto, _scope, rtype, _flags = m.fields
-            table = m.u32(rtnl.RTA_TABLE) or table
+            table = m.u32(netlink.RTA_TABLE) or table
             if table != _RT_TABLE_MAIN or rtype != _RTN_UNICAST:
                 continue
-            raw = m.attrs.get(rtnl.RTA_DST, bytes(4 if fam == socket.AF_INET else 16))
+            raw = m.attrs.get(netlink.RTA_DST, bytes(4 if fam == socket.AF_INET else 16))
             dst = socket.inet_ntop(fam, raw)
-            oif = m.u32(rtnl.RTA_OIF)
+            oif = m.u32(netlink.RTA_OIF)
             devs: list[str] = [names.get(oif, str(oif))] if oif else []
             mp = m.attrs.get(_RTA_MULTIPATH, b"")
             off = 0
