@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from ....errors import SetupError
 from ..abi import (
@@ -52,31 +52,6 @@ from .syscalls import (
 
 #: Bounds a walk of a generation written without a count (a pod's entries are far fewer).
 _MAX_CHUNKS = 1 << 16
-
-_T = TypeVar("_T")
-
-
-class Memo:
-    """What the per-pod side computed for an intent, kept (intents are frozen; many pods share a
-    few): at most ``size`` values, all forgotten when full."""
-
-    def __init__(self, size: int = 512) -> None:
-        self.size = size
-        self._values: dict[Hashable, Any] = {}
-
-    def get(self, key: Hashable) -> Any:
-        """The value kept for ``key``, None if none."""
-        return self._values.get(key)
-
-    def of(self, key: Hashable, make: Callable[[], _T]) -> _T:
-        """The value kept for ``key``, else ``make()`` (then kept)."""
-        hit = self._values.get(key)
-        if hit is None:
-            if len(self._values) >= self.size:
-                self._values.clear()
-            hit = self._values[key] = make()
-        return hit  # type: ignore[no-any-return]
-
 
 @dataclass
 class PodState:
@@ -125,7 +100,8 @@ class PodStore:
         self.pods_dir = os.path.join(root, "pods")
         self._maps, self._progs = maps, progs
         self._tc_ids: tuple[int, int] | None = None
-        self.memo = Memo()
+        #: What the per-pod side computed for an intent on these maps (``pod.entries.remembered``).
+        self.memo: dict[Hashable, Any] = {}
         self._tcp_diag: bool | None = None
         #: The root's inotify fd on the host pin dirs (not ours to close), -1 without one.
         self.watch = -1
@@ -379,4 +355,4 @@ def program_ids(progs: dict[str, int]) -> dict[str, int]:
     return out
 
 
-__all__ = ["Memo", "PodState", "PodWrite", "PodStore", "pod_link", "program_ids"]
+__all__ = ["PodState", "PodWrite", "PodStore", "pod_link", "program_ids"]

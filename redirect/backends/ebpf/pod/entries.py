@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ....errors import BackendUnavailable, SetupError
 from ....plan.intent import AnyIntent, refusals
@@ -57,7 +57,7 @@ from ..abi import (
     const,
     flag,
 )
-from ..host import NATIVE, Memo, PodWrite
+from ..host import NATIVE, PodWrite
 from .network import links_and_routes
 
 
@@ -155,11 +155,28 @@ def pack_policy(p: EbpfPolicy) -> bytes:
     return POLICY_LAYOUT.pack(values)
 
 
+#: A handle's memo (``PodStore.memo``) keeps at most this many values; all are forgotten when it is full.
+MEMO_MAX = 512
+_T = TypeVar("_T")
+Memo = dict[Hashable, Any]
+
+
+def remembered(memo: Memo | None, key: Hashable, make: Callable[[], _T]) -> _T:
+    """The value ``memo`` keeps for ``key``, else ``make()``, then kept (intents are frozen, and many
+    pods share a few); without a memo, ``make()``."""
+    if memo is None:
+        return make()
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) >= MEMO_MAX:
+            memo.clear()
+        hit = memo[key] = make()
+    return hit  # type: ignore[no-any-return]
+
+
 def lowered(it: AnyIntent, families: tuple[int, ...], memo: Memo | None = None) -> EbpfEntries:
     """``lower_ebpf(it, families)``, kept in ``memo`` (a handle's, ``PodStore.memo``) when given."""
-    if memo is None:
-        return lower_ebpf(it, families)
-    return memo.of(("lowered", it, families), lambda: lower_ebpf(it, families))
+    return remembered(memo, ("lowered", it, families), lambda: lower_ebpf(it, families))
 
 
 Packed = tuple[bytes, tuple[tuple[int, int], ...], tuple[tuple[int, int, bytes], ...]]
@@ -177,7 +194,7 @@ def packed(it: AnyIntent, families: tuple[int, ...], memo: Memo | None = None) -
         return (pack_policy(e.policy), tuple(sorted((PORT_KIND[k], port) for k, port in e.ports)),
                 tuple(sorted((CIDR_PREFIX_BASE + plen, CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
 
-    return pack() if memo is None else memo.of(("packed", it, families), pack)
+    return remembered(memo, ("packed", it, families), pack)
 
 
 def pod_entries(it: AnyIntent, families: tuple[int, ...], cookie: int,

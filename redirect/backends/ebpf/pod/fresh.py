@@ -23,7 +23,7 @@ from ....kernel.netns import NetnsRef
 from ....plan.intent import AnyIntent, Intent
 from ...base import Installed, ebpf_root
 from ..host import NATIVE, PROCESS, PodStore
-from .entries import intent_entries, local_key_templates, refuse
+from .entries import intent_entries, local_key_templates, refuse, remembered
 from .network import LOOPBACK_IFINDEX, families_for, intent_addresses
 from .tc import takes_forwarded
 
@@ -111,7 +111,7 @@ def fresh_pods(it: AnyIntent) -> bool:
 
 def fresh_pod_template(it: Intent, store: PodStore) -> FreshPodTemplate:
     """The template for ``it`` (``fresh_pods``) on ``store``, kept in its memo."""
-    return store.memo.of(("fresh", it), lambda: FreshPodTemplate(it, store))
+    return remembered(store.memo, ("fresh", it), lambda: FreshPodTemplate(it, store))
 
 
 def detail(store: PodStore, cookie: int, host_ms: float, pod_ms: float, path: str = "general") -> dict[str, Any]:
