@@ -257,7 +257,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w);
 #define RDR_POD_STALE 5    /* a host pin changed (watch_fd), *alive is 0, or the root is another: nothing
                             * changed, look again */
 
-/* What the eBPF lowering wants in a pod of one kind (redirect/backends/ebpf/fresh.py): the
+/* What the eBPF lowering wants in a pod of one kind (redirect/backends/ebpf/pod/fresh.py): the
  * entries keyed with netns 0, for the call to put the pod's cookie in. */
 struct rdr_pod_set {
 	const struct pod_policy *policy;  /* inventory fields zero */

@@ -125,7 +125,7 @@ NETFILTER_ONLY: dict[str, str] = {
 }
 #: Intent fields neither lowering reads, and who does.
 NOT_LOWERED: dict[str, str] = {
-    "local_addresses": "every backend adds them itself (redirect.kernel.routes; the eBPF backend's podnet)",
+    "local_addresses": "every backend adds them itself (redirect.kernel.routes; the eBPF backend's native writer)",
     "ipv6": "every backend decides the families from it (detect_families); the lowerings are given those",
 }
 #: Intent fields only the eBPF lowering reads, and why (none today: the netfilter plan takes them all).

@@ -89,12 +89,9 @@ class HostPrograms:
         pool.close_kept(self.prog_fds, self.n_prog_fds)
 
     def close(self) -> None:
-        for m in self.maps.values():
-            with contextlib.suppress(OSError):
-                os.close(m.fd)
-        for fd in [*self.progs.values(), self.pods_dir_fd]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close(self.maps, self.progs)
+        if self.pods_dir_fd >= 0:
+            os.close(self.pods_dir_fd)
         self.forget_programs()
         self.maps, self.progs, self.pods_dir_fd = {}, {}, -1
         self.store.ok = False
@@ -124,10 +121,7 @@ class HostPrograms:
             for p in PROGRAMS:
                 progs[p] = obj_get(os.path.join(root, "progs", p))
         except (OSError, SetupError):
-            for mm in maps.values():
-                os.close(mm.fd)
-            for fd in progs.values():
-                os.close(fd)
+            _close(maps, progs)
             raise
         return cls(root, maps, progs, compiled, load_ms)
 
@@ -248,12 +242,15 @@ class HostPrograms:
             for fd in seeds:
                 os.close(fd)
         if "pods" not in maps:
-            for m in maps.values():
-                os.close(m.fd)
-            for fd in progs.values():
-                os.close(fd)
+            _close(maps, progs)
             return None
         return cls(root, maps, progs)
+
+
+def _close(maps: dict[str, Map], progs: dict[str, int]) -> None:
+    for fd in [*(m.fd for m in maps.values()), *progs.values()]:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def count_pods(root: str) -> int | None:
