@@ -51,6 +51,9 @@ with n.enter("/proc/self/ns/net") as fd:
     with n.enter(f"pid:{os.getpid()}"):
         assert n.current_inode() == own and os.fstat(fd).st_ino == own
         print(n.host_netns_reason(), "|", n.host_netns_reason(own_ok=True))
+        ran = []
+        n.start_thread(lambda: ran.append(os.stat("/proc/thread-self/ns/net").st_ino), "t").join(10)
+        assert ran == [own], "a thread started there runs (no setns into its own netns)"
 try:
     with n.enter(sys.argv[1]):
         pass
@@ -62,9 +65,9 @@ assert os.stat("/proc/thread-self/ns/net").st_ino == own
 
 def test_entering_the_threads_own_netns_makes_no_setns(pod: Pod) -> None:
     """Without CAP_SYS_ADMIN (an init container's capabilities) a process enters its own netns, in
-    any form and nested, since that takes no setns; the host guard judges it all the same (the
-    caller's own; not the host's with ``own_ok``); entering another netns fails naming the
-    capability it lacks."""
+    any form and nested, and starts the library's threads there, since that takes no setns; the
+    host guard judges it all the same (the caller's own; not the host's with ``own_ok``); entering
+    another netns fails naming the capability it lacks."""
     p = subprocess.run(["nsenter", f"--net={pod.path}", "--", "setpriv", "--bounding-set=-all,+net_admin,+net_raw",
                         "--inh-caps=-all", "--ambient-caps=-all", "--", sys.executable, "-c", _ENTER_OWN,
                         f"/run/netns/{pod.peer_name}"], capture_output=True, text=True, timeout=30)
