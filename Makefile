@@ -41,12 +41,15 @@ WHEEL_DIR := build/dist
 wheel: bootstrap
 	$(PY) -m build --outdir $(WHEEL_DIR) .
 
-# make bench [ARGS=--quick]: results in benches/results/ (JSON, summary.md, PNG plots)
+# make bench [ARGS=--quick]: results in benches/results/ (JSON, summary.md, PNG plots), and the
+# published figures, docs/benchmarks-results.md, rendered from that run's results file
 bench: bootstrap
-	$(PY) -m benches $(BENCH_ARGS) $(ARGS)
+	REDIRECT_BENCH_COMMAND="make bench$(if $(strip $(BENCH_ARGS) $(ARGS)), ARGS='$(strip $(BENCH_ARGS) $(ARGS))')" \
+		$(PY) -m benches $(BENCH_ARGS) $(ARGS)
+	$(PY) -m benches.publish benches/results/latest.json docs/benchmarks-results.md
 
 bench-quick: bootstrap
-	$(PY) -m benches --quick $(BENCH_ARGS) $(ARGS)
+	$(MAKE) bench ARGS="--quick $(ARGS)"
 
 clean:
 	rm -rf .venv build *.egg-info redirect/_native* redirect/cni/redirect-cni-thin .pytest_cache .mypy_cache .ruff_cache

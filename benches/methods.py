@@ -100,11 +100,11 @@ def api_method(backend: str, mode: str) -> Method:
 def _forwarding_pod(ns: str) -> None:
     """``fwd0`` (a veth kept in the namespace) up, and IPv4 forwarding on: a pod that forwards, as
     every pod of a Kubernetes node does (its netns takes the node's ``ip_forward``)."""
-    from pyroute2 import IPRoute
+    from redirect.kernel import netlink
 
-    with rnetns.enter(ns), IPRoute() as ipr:
-        ipr.link("add", ifname="fwd0", kind="veth", peer="fwd0-peer")
-        ipr.link("set", index=ipr.link_lookup(ifname="fwd0")[0], state="up")
+    with rnetns.enter(ns):
+        netlink.add_veth("fwd0", "fwd0-peer")
+        netlink.set_up(netlink.link_index("fwd0"))
         with open("/proc/sys/net/ipv4/ip_forward", "w", encoding="ascii") as f:
             f.write("1\n")
 

@@ -15,10 +15,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from redirect.kernel import netlink, podkit
 from redirect.kernel import netns as rnetns
-from redirect.kernel import podkit
 
 PREFIX = f"rdrt-b{os.getpid()}-"
 _live: set[str] = set()
@@ -70,33 +69,31 @@ def create(n: int, tag: str = "p", listen: tuple[int, ...] = ()) -> list[str]:
 
     ``listen``: ports on which a listener per family is held open in each namespace until it is
     deleted (the eBPF backend hands the proxy's inbound socket to sk_lookup at setup)."""
-    from pyroute2 import IPRoute  # (its import is slow: only the processes that make pods pay it)
-
     names = new_names(n, tag)
     with _lock:
         _live.update(names)
     podkit.create_netns_many(names)
     for name in names:
         if pod_addresses != "none":
-            with rnetns.enter(name), IPRoute() as ipr:
-                _give_addresses(ipr)
+            with rnetns.enter(name):
+                _give_addresses()
         if listen:
             hold(name, listen)
     return names
 
 
-def _give_addresses(ipr: Any) -> None:
+def _give_addresses() -> None:
     """``eth0`` (one end of a veth pair kept inside the namespace) with an address of its own,
     unique in the run (the eBPF backend registers pod addresses host-wide): from 10.200.0.0/13, and
     for "dual" also from fd00:4d0::/96."""
     i = next(_addr_counter)
-    ipr.link("add", ifname="eth0", kind="veth", peer="eth0-peer")
-    idx = ipr.link_lookup(ifname="eth0")[0]
-    ipr.link("set", index=idx, state="up")
-    ipr.addr("add", index=idx, address=f"10.{200 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}", prefixlen=32)
-    if pod_addresses == "dual":
-        ipr.addr("add", index=idx, address=f"fd00:4d0::{i >> 16:x}:{i & 0xFFFF:x}", prefixlen=128,
-                 family=socket.AF_INET6, flags=0x02)  # IFA_F_NODAD: usable at once, as after DAD
+    with netlink.NetlinkSocket() as nl:
+        netlink.add_veth("eth0", "eth0-peer", sock=nl)
+        idx = netlink.link_index("eth0", sock=nl)
+        netlink.set_up(idx, sock=nl)
+        netlink.addr("add", socket.AF_INET, idx, f"10.{200 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}", 32, 0, sock=nl)
+        if pod_addresses == "dual":  # (IFA_F_NODAD: usable at once, as after DAD)
+            netlink.addr("add", socket.AF_INET6, idx, f"fd00:4d0::{i >> 16:x}:{i & 0xFFFF:x}", 128, 0, 0x02, sock=nl)
 
 
 def hold(name: str, ports: tuple[int, ...], entered: bool = False) -> None:

@@ -74,9 +74,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _host() -> dict[str, Any]:
+    """The hardware and software a run measures: CPU model and cores, kernel, Python, iptables."""
     ipt = subprocess.run(["iptables", "--version"], capture_output=True, text=True).stdout.strip()
-    return {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "iptables": ipt, "machine": platform.machine()}
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        pass
+    return {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu_model": cpu,
+            "python": platform.python_version(), "iptables": ipt, "machine": platform.machine()}
+
+
+def _command(argv: list[str] | None) -> str:
+    """How this run was started: ``$REDIRECT_BENCH_COMMAND`` (``make bench`` sets it), else the
+    module's command line."""
+    args = sys.argv[1:] if argv is None else argv
+    return os.environ.get("REDIRECT_BENCH_COMMAND") or " ".join(["python -m benches", *args])
 
 
 class Bar:
@@ -270,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"schema": "redirect-bench/1",
                            "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                            "profile": "tiny" if args.tiny else "quick" if args.quick else "full",
-                           "quick": bool(args.quick or args.tiny), "host": _host(), "backends": backends,
+                           "quick": bool(args.quick or args.tiny), "command": _command(argv), "host": _host(),
+                           "backends": backends,
                            "settings": prof, "notes": notes, "skipped_backends": skipped,
                            "per_pod": {}, "cni_concurrent": {}, "pod_start": {}, "scale": {}, "memory": {},
                            "agent_memory": {}, "datapath": {}}

@@ -72,7 +72,8 @@ ffibuilder.cdef("\n".join(f"static const int {n};" for n in BPF_TYPES))
 ffibuilder.set_source(
     "redirect._native",
     '#include <linux/bpf.h>\n#include "abi.h"\n#include "redirect_native.h"',
-    sources=[_rel(HERE / n) for n in ("redirect_native.c", "pod_setup.c", "netfilter_probe.c", "tc_filter.c")],
+    sources=[_rel(HERE / n) for n in ("redirect_native.c", "netlink.c", "pod_setup.c", "netfilter_probe.c",
+                                      "tc_filter.c")],
     include_dirs=[_rel(HERE), _rel(BPF)],
     depends=[_rel(p) for p in (*sorted(HERE.glob("*.h")), BPF / "abi.h")],  # rebuilt when a header changes
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],

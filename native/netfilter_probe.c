@@ -22,61 +22,31 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "netlink.h"
 #include "redirect_native.h"
+
+static int on_table(void *arg, const struct nlmsghdr *h)
+{
+	(void)arg;
+	return h->nlmsg_type == ((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE); /* one is enough */
+}
 
 /* 1 if nf_tables has a table here, 0 if none (or no nf_tables in this kernel), -errno. */
 static int nft_tables(void)
 {
-	struct {
-		struct nlmsghdr nh;
-		struct nfgenmsg g;
-	} req;
-	struct sockaddr_nl sa = {.nl_family = AF_NETLINK};
-	char buf[8192];
-	int s, ret = -EIO;
+	struct nfgenmsg g = {.nfgen_family = AF_UNSPEC, .version = NFNETLINK_V0};
+	struct rdr_nlreq req;
+	char buf[2][4096] __attribute__((aligned(8)));
+	int s, ret;
 
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_NETFILTER);
+	s = rdr_nl_socket(NETLINK_NETFILTER);
 	if (s < 0)
-		return errno == EPROTONOSUPPORT || errno == EAFNOSUPPORT ? 0 : -errno;
-	memset(&req, 0, sizeof(req));
-	req.nh.nlmsg_len = sizeof(req);
-	req.nh.nlmsg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE;
-	req.nh.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-	req.nh.nlmsg_seq = 1;
-	req.g.nfgen_family = AF_UNSPEC;
-	req.g.version = NFNETLINK_V0;
-	if (sendto(s, &req, sizeof(req), 0, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-		ret = -errno;
-		goto out;
-	}
-	for (int rounds = 0; rounds < 64; rounds++) {
-		ssize_t n = recv(s, buf, sizeof(buf), 0);
-
-		if (n < 0) {
-			ret = -errno;
-			goto out;
-		}
-		for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, n); h = NLMSG_NEXT(h, n)) {
-			if (h->nlmsg_type == NLMSG_DONE) {
-				ret = 0;
-				goto out;
-			}
-			if (h->nlmsg_type == NLMSG_ERROR) {
-				int err = ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-
-				/* No nf_tables subsystem: no tables. */
-				ret = err == -EOPNOTSUPP || err == -ENOENT || err == -EPROTONOSUPPORT ? 0 : err ? err : -EIO;
-				goto out;
-			}
-			if (h->nlmsg_type == ((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE)) {
-				ret = 1;
-				goto out;
-			}
-		}
-	}
-out:
+		return s == -EPROTONOSUPPORT || s == -EAFNOSUPPORT ? 0 : s;
+	rdr_nl_start(&req, (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE, 0, &g, sizeof(g));
+	ret = rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_table, NULL);
 	close(s);
-	return ret;
+	/* No nf_tables subsystem: no tables. */
+	return ret == -EOPNOTSUPP || ret == -ENOENT || ret == -EPROTONOSUPPORT ? 0 : ret;
 }
 
 /* 1 if the proc file lists a table, 0 if it is empty or absent, -errno. */

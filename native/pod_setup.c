@@ -1,17 +1,20 @@
 /* The eBPF backend's per-pod writing, and its setup of a fresh pod in one call.
  *
- * rdr_ebpf_pod_write is the one writer of a pod's entries: given what the pod is to have and
- * what it has (its inventory), it writes the difference (the inventory, the new keys, listeners,
- * the sk_lookup link running the program of a pool slot claimed for the pod, pinned at
- * <pin_dir>/<cookie>-sk_lookup, and the policy last: it switches capture on), then deletes what
- * only the old state had; a failure on the way undoes everything written, in reverse. A changed
- * config's keys are in the pod's other generation (redirect/bpf/policy.h, pod_keys), which the old policy
- * does not read: until the policy write the pod captures exactly what the old config does.
- * redirect/backends/ebpf/backend.py: EbpfBackend.apply (any pod, any previous state) computes
- * the difference in Python and calls it; rdr_ebpf_pod_add below does the common case, a pod that
- * has nothing of ours yet (a CNI ADD, a sidecar init), in one call: the writer from an empty
+ * rdr_ebpf_pod_write is the one writer of a pod's state: given what the pod is to have and what
+ * it has (its inventory), it writes the difference (the intent's address on lo, ::6, the
+ * inventory, the new keys, listeners, the sk_lookup link running the program of a pool slot
+ * claimed for the pod, pinned at <pin_dir>/<cookie>-sk_lookup, the tc filters, and the policy
+ * last: it switches capture on), then deletes what only the old state had; a failure on the way
+ * undoes everything written, in reverse. It writes through one host handle's objects, struct
+ * rdr_host_maps: all it knows of the host side. A changed config's keys are in the pod's other
+ * generation (redirect/bpf/policy.h, pod_keys), which the old policy does not read: until the
+ * policy write the pod captures exactly what the old config does.
+ *
+ * Two callers: redirect/backends/ebpf/pod/apply.py (any pod, any previous state) computes the
+ * difference in Python and calls it; rdr_ebpf_pod_add below does the common case, a pod that has
+ * nothing of ours yet (a CNI ADD, a sidecar init), in one call: the writer from an empty
  * inventory, of the entries the eBPF lowering computed once per config in Python
- * (redirect/backends/ebpf/fresh.py, struct rdr_pod_set), with the pod's netns cookie and
+ * (redirect/backends/ebpf/pod/fresh.py, struct rdr_pod_set), with the pod's netns cookie and
  * addresses put in their fields. The Python path spends about as long in the interpreter as in
  * the kernel, and this spends ~nothing there. Both scan the netns with rdr_scan_netns and look
  * for the proxy's listener with rdr_inbound_listener_maybe.
@@ -20,14 +23,13 @@
  * adds there already) rdr_ebpf_pod_add returns RDR_POD_SLOW before changing anything; leftovers
  * of an earlier attempt (entries, a pinned link) are found by the writes themselves (BPF_NOEXIST,
  * EEXIST), which are then undone before it returns RDR_POD_SLOW. Either way the pod is as it was
- * and the caller takes the general path. Before the writer it adds the address the set names
- * (the plan's ::6 on lo, for a pod with an IPv6 address of its own), as apply does.
+ * and the caller takes the general path.
  *
- * Around that it does what redirect.setup's general path does in Python: opens
- * the netns, takes its lock (an OFD lock on the caller thread's own fd of the
- * lock file), enters, and comes back. A pod's setup runs between other work,
- * with cold caches: every distinct kernel path and line of Python on the way
- * is paid in cache and TLB refills, so taking fewer of them is what counts
+ * Around that it does what redirect.setup's general path does in Python: opens the netns, takes
+ * its lock (rdr_netns_lock, on the caller thread's own fd of the lock file: the lock
+ * redirect.kernel.locks takes through the same function), enters, and comes back. A pod's setup
+ * runs between other work, with cold caches: every distinct kernel path and line of Python on the
+ * way is paid in cache and TLB refills, so taking fewer of them is what counts
  * (docs/kernel-facts.md, "Short calls after other work").
  */
 #define _GNU_SOURCE
@@ -123,21 +125,14 @@ static int on_address(void *arg, const struct nlmsghdr *h)
  * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
  * path than the slab caches (docs/kernel-facts.md), paid for the NLMSG_DONE alone; a first batch
  * is at most a page less its overhead on 4 KB pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
-static int scan_addresses(int s, struct rdr_netns_scan *sc, uint32_t seq)
+static int scan_addresses(int s, struct rdr_netns_scan *sc)
 {
-	struct {
-		struct nlmsghdr h;
-		struct ifaddrmsg m;
-	} req;
+	struct ifaddrmsg m = {.ifa_family = AF_UNSPEC};
+	struct rdr_nlreq req;
 	char buf[2][4096] __attribute__((aligned(8)));
 
-	memset(&req, 0, sizeof(req));
-	req.h.nlmsg_len = sizeof(req);
-	req.h.nlmsg_type = RTM_GETADDR;
-	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-	req.h.nlmsg_seq = seq;
-	req.m.ifa_family = AF_UNSPEC;
-	return rdr_nl_dump(s, &req, sizeof(req), seq, buf[0], sizeof(buf[0]), on_address, sc);
+	rdr_nl_start(&req, RTM_GETADDR, 0, &m, sizeof(m));
+	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, sc);
 }
 
 int rdr_scan_netns(struct rdr_netns_scan *sc)
@@ -145,68 +140,31 @@ int rdr_scan_netns(struct rdr_netns_scan *sc)
 	int s, ret;
 
 	memset(sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	s = rdr_nl_socket(NETLINK_ROUTE);
 	if (s < 0)
-		return -errno;
+		return s;
 	ret = rdr_sock_netns_cookie(s, &sc->cookie);
 	if (ret >= 0)
-		ret = scan_addresses(s, sc, 1);
+		ret = scan_addresses(s, sc);
 	close(s);
 	return ret < 0 ? ret : 0;
 }
 
 /* RTM_NEWADDR / RTM_DELADDR of addr/128 on lo, with our routing protocol; waits for the ack. */
-static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uint32_t flags, uint32_t seq)
+static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uint32_t flags)
 {
-	struct {
-		struct nlmsghdr h;
-		struct ifaddrmsg m;
-		char attrs[128];
-	} req;
-	char buf[1024] __attribute__((aligned(8)));
-	struct rtattr *rta;
-	int len, rounds;
+	struct ifaddrmsg m = {.ifa_family = AF_INET6, .ifa_prefixlen = 128, .ifa_flags = (uint8_t)(flags & 0xff),
+			      .ifa_index = 1}; /* lo, in every netns */
+	struct rdr_nlreq req;
 
-	memset(&req, 0, sizeof(req));
-	req.h.nlmsg_type = add ? RTM_NEWADDR : RTM_DELADDR;
-	req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK | (add ? NLM_F_CREATE | NLM_F_EXCL : 0);
-	req.h.nlmsg_seq = seq;
-	req.m.ifa_family = AF_INET6;
-	req.m.ifa_prefixlen = 128;
-	req.m.ifa_flags = (uint8_t)(flags & 0xff);
-	req.m.ifa_index = 1; /* lo, in every netns */
-	req.h.nlmsg_len = NLMSG_LENGTH(sizeof(req.m));
-#define PUT(type, data, n)                                                                 \
-	do {                                                                               \
-		rta = (struct rtattr *)((char *)&req + NLMSG_ALIGN(req.h.nlmsg_len));      \
-		rta->rta_type = (type);                                                    \
-		rta->rta_len = RTA_LENGTH(n);                                              \
-		memcpy(RTA_DATA(rta), (data), (n));                                        \
-		req.h.nlmsg_len = NLMSG_ALIGN(req.h.nlmsg_len) + RTA_ALIGN(rta->rta_len);  \
-	} while (0)
-	PUT(IFA_LOCAL, addr, 16);
-	PUT(IFA_ADDRESS, addr, 16);
+	rdr_nl_start(&req, add ? RTM_NEWADDR : RTM_DELADDR, add ? NLM_F_CREATE | NLM_F_EXCL : 0, &m, sizeof(m));
+	rdr_nl_attr(&req, IFA_LOCAL, addr, 16);
+	rdr_nl_attr(&req, IFA_ADDRESS, addr, 16);
 	if (add) {
-		PUT(IFA_FLAGS, &flags, 4);
-		PUT(IFA_PROTO, &proto, 1);
+		rdr_nl_attr(&req, IFA_FLAGS, &flags, 4);
+		rdr_nl_attr(&req, IFA_PROTO, &proto, 1);
 	}
-#undef PUT
-	if (send(s, &req, req.h.nlmsg_len, 0) < 0)
-		return -errno;
-	for (rounds = 0; rounds < 64; rounds++) {
-		struct nlmsghdr *h;
-		int got = rdr_nl_recv(s, buf, sizeof(buf), 1, &len);
-
-		if (got < 0)
-			return got;
-		if (len < 0)
-			return len;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			if (h->nlmsg_seq == seq && h->nlmsg_type == NLMSG_ERROR)
-				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-		}
-	}
-	return -EPROTO;
+	return rdr_nl_talk(s, &req.h, NULL, 0);
 }
 
 /* --- the pod ----------------------------------------------------------------- */
@@ -249,7 +207,8 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		struct inet_diag_req_v2 r;
 	} q[2 + RDR_SCAN_MAX];
 	char buf[RDR_NL_RECV_MAX][1024] __attribute__((aligned(8)));
-	int s, n = 0, got = 0, found = 0;
+	int answers[2 + RDR_SCAN_MAX];
+	int s, n = 0, ret;
 
 	for (int i = -2; i < sc->n; i++) {
 		int fam = i == -2 ? 4 : i == -1 ? 6 : sc->a[i].family;
@@ -260,7 +219,6 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		q[n].h.nlmsg_len = sizeof(q[0]);
 		q[n].h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
 		q[n].h.nlmsg_flags = NLM_F_REQUEST;
-		q[n].h.nlmsg_seq = (uint32_t)n + 1;
 		q[n].r.sdiag_family = fam == 4 ? AF_INET : AF_INET6;
 		q[n].r.sdiag_protocol = IPPROTO_TCP;
 		q[n].r.idiag_states = LISTEN_STATE;
@@ -278,66 +236,43 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		}
 		n++;
 	}
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+	s = rdr_nl_socket(NETLINK_SOCK_DIAG);
 	if (s < 0)
 		return 0;
-	if (send(s, q, sizeof(q[0]) * (size_t)n, 0) < 0) {
-		close(s);
-		return 0;
-	}
-	/* One answer a question (a datagram each, all there once the send returns): the socket
-	 * found, or ENOENT. */
-	for (int rounds = 0; got < n && rounds < 64; rounds++) {
-		int lens[RDR_NL_RECV_MAX], m = rdr_nl_recv(s, buf[0], sizeof(buf[0]), RDR_NL_RECV_MAX, lens);
-
-		if (m < 0)
-			break;
-		for (int i = 0; i < m; i++) {
-			int len = lens[i];
-			struct nlmsghdr *h;
-
-			if (len < 0) { /* (an answer too large for "none") */
-				got++;
-				found = 1;
-				continue;
-			}
-			for (h = (struct nlmsghdr *)buf[i]; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-				got++;
-				if (h->nlmsg_type != NLMSG_ERROR ||
-				    ((struct nlmsgerr *)NLMSG_DATA(h))->error != -ENOENT)
-					found = 1; /* a listener, or an answer we can't read as "none" */
-			}
-		}
-	}
+	/* One answer a question (a datagram each): the socket found, or ENOENT. An answer too large
+	 * for "none", or one missing, is not "none". */
+	ret = rdr_nl_batch(s, q, sizeof(q[0]) * (size_t)n, n, answers, buf[0], sizeof(buf[0]));
 	close(s);
-	return got == n && !found;
+	for (int i = 0; ret == 0 && i < n; i++)
+		if (answers[i] != -ENOENT)
+			return 0; /* a listener, or an answer we can't read as "none" */
+	return ret == 0;
 }
 
 /* ENOENT is also what sock_diag answers when it has no TCP handler (tcp_diag not built or
  * loaded): an empty dump tells the two apart, once per process. */
+static int on_any(void *arg, const struct nlmsghdr *h)
+{
+	(void)arg;
+	(void)h;
+	return 1;
+}
+
 int rdr_tcp_diag_ok(void)
 {
-	struct {
-		struct nlmsghdr h;
-		struct inet_diag_req_v2 r;
-	} q;
-	char buf[4096] __attribute__((aligned(8)));
-	int s, len, ok = 0;
+	struct inet_diag_req_v2 r = {.sdiag_family = AF_INET, .sdiag_protocol = IPPROTO_TCP,
+				     .idiag_states = 0}; /* no state: nothing to walk, just DONE */
+	struct rdr_nlreq req;
+	char buf[2][4096] __attribute__((aligned(8)));
+	int s, ret;
 
-	memset(&q, 0, sizeof(q));
-	q.h.nlmsg_len = sizeof(q);
-	q.h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
-	q.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-	q.r.sdiag_family = AF_INET;
-	q.r.sdiag_protocol = IPPROTO_TCP;
-	q.r.idiag_states = 0; /* no state: nothing to walk, just DONE */
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+	s = rdr_nl_socket(NETLINK_SOCK_DIAG);
 	if (s < 0)
 		return 0;
-	if (send(s, &q, sizeof(q), 0) == (ssize_t)sizeof(q) && rdr_nl_recv(s, buf, sizeof(buf), 1, &len) == 1)
-		ok = len >= (int)sizeof(struct nlmsghdr) && ((struct nlmsghdr *)buf)->nlmsg_type == NLMSG_DONE;
+	rdr_nl_start(&req, SOCK_DIAG_BY_FAMILY, 0, &r, sizeof(r));
+	ret = rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_any, NULL);
 	close(s);
-	return ok;
+	return ret == 0;
 }
 
 /* Is TCP `port` free in this netns for the families asked (RDR_FAM4, RDR_FAM6)? 1 free, 0 held
@@ -375,17 +310,18 @@ int rdr_inbound_listener_maybe(uint16_t port, int fams, const struct rdr_netns_s
 	return tcp_diag ? !no_listener(port, fams, sc) : !port_free(port, fams);
 }
 
-/* An OFD lock (or unlock) of the byte at off: held by the open file description, so
- * another thread's own open of the file conflicts as another process's does (and so do the
- * POSIX record locks of older versions). */
-static int lock_byte(int fd, uint64_t off, short type)
+/* The netns lock (redirect_native.h): an OFD lock of one byte, held by the open file description,
+ * so another thread's own open of the file conflicts as another process's does (and so do the
+ * POSIX record locks of older versions). The one statement of that lock: redirect.kernel.locks
+ * takes it through here too. */
+int rdr_netns_lock(int fd, uint64_t ino, int lock)
 {
 	struct flock fl;
 
 	memset(&fl, 0, sizeof(fl));
-	fl.l_type = type;
+	fl.l_type = lock ? F_WRLCK : F_UNLCK;
 	fl.l_whence = SEEK_SET;
-	fl.l_start = (off_t)off;
+	fl.l_start = (off_t)ino;
 	fl.l_len = 1;
 	return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : -errno;
 }
@@ -429,9 +365,9 @@ static uint64_t now_ns(void)
 
 /* The program of pool slot s kept open in w's cache (the host handle's: a slot's program never
  * changes while its lookup_pool does), or -1. */
-static int cached_prog(const struct rdr_pod_write *w, uint32_t s)
+static int cached_prog(const struct rdr_host_maps *h, uint32_t s)
 {
-	return w->prog_fds ? __atomic_load_n(&w->prog_fds[s], __ATOMIC_ACQUIRE) : -1;
+	return h->prog_fds ? __atomic_load_n(&h->prog_fds[s], __ATOMIC_ACQUIRE) : -1;
 }
 
 /* The pool's program cache (redirect_native.h). */
@@ -457,31 +393,33 @@ int rdr_prog_cache_put(int *fds, int *n_fds, uint32_t s, int prog)
  * claimed). */
 static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low, int *cached)
 {
+	const struct rdr_host_maps *h = w->host;
 	struct pool_slot v = {.netns = w->cookie, .netns_ino = w->netns_ino};
+	uint32_t hint = h->slot_hint ? *h->slot_hint : 0;
 	uint32_t s = 0, id;
 	int ret, prog, tries;
 
 	*cached = 0;
 	for (tries = 0; tries < 64; tries++) {
-		ret = rdr_bpf_map_pop(w->map_free, &s);
+		ret = rdr_bpf_map_pop(h->free, &s);
 		if (ret == -ENOENT)
 			break;
 		if (ret < 0)
 			return ret;
 		if (s >= RDR_POOL_MAX)
 			continue;
-		ret = rdr_bpf_map_update(w->map_slots, &s, &v, BPF_NOEXIST);
+		ret = rdr_bpf_map_update(h->slots, &s, &v, BPF_NOEXIST);
 		if (ret == 0)
 			goto claimed;
 		if (ret != -EEXIST) {
-			rdr_bpf_map_push(w->map_free, &s); /* still free */
+			rdr_bpf_map_push(h->free, &s); /* still free */
 			return ret;
 		}
 	}
 	*low = 1;
 	for (uint32_t i = 0; i < RDR_POOL_MAX; i++) {
-		s = (w->slot_hint + i) % RDR_POOL_MAX;
-		ret = rdr_bpf_map_update(w->map_slots, &s, &v, BPF_NOEXIST);
+		s = (hint + i) % RDR_POOL_MAX;
+		ret = rdr_bpf_map_update(h->slots, &s, &v, BPF_NOEXIST);
 		if (ret == 0)
 			goto claimed;
 		if (ret != -EEXIST)
@@ -490,36 +428,37 @@ static int pool_claim(const struct rdr_pod_write *w, uint32_t *slot, int *low, i
 	return -ENOSPC;
 claimed:
 	*slot = s;
-	prog = cached_prog(w, s);
+	prog = cached_prog(h, s);
 	if (prog >= 0) {
 		*cached = 1;
 		return prog;
 	}
 	prog = -1;
-	if (rdr_bpf_map_lookup(w->map_pool, &s, &id) == 0) /* a program array answers with the id */
+	if (rdr_bpf_map_lookup(h->pool, &s, &id) == 0) /* a program array answers with the id */
 		prog = rdr_bpf_prog_get_fd_by_id(id);
 	if (prog < 0) {
-		prog = rdr_ebpf_pool_prog(w->map_slots, w->map_lookup_netns, w->map_lookup_prog, s);
+		prog = rdr_ebpf_pool_prog(h->slots, h->lookup_netns, h->lookup_prog, s);
 		if (prog < 0) {
-			rdr_bpf_map_delete(w->map_slots, &s);
+			rdr_bpf_map_delete(h->slots, &s);
 			return prog;
 		}
-		rdr_bpf_map_update(w->map_pool, &s, &prog, BPF_ANY); /* kept for the pods after this one */
+		rdr_bpf_map_update(h->pool, &s, &prog, BPF_ANY); /* kept for the pods after this one */
 	}
-	*cached = rdr_prog_cache_put(w->prog_fds, w->n_prog_fds, s, prog);
+	*cached = rdr_prog_cache_put(h->prog_fds, h->n_prog_fds, s, prog);
 	return prog;
 }
 
 /* Give a claimed slot back: its claim goes, and it is queued free again. */
 static void pool_release(const struct rdr_pod_write *w, uint32_t s)
 {
-	rdr_bpf_map_delete(w->map_slots, &s);
-	rdr_bpf_map_push(w->map_free, &s);
+	rdr_bpf_map_delete(w->host->slots, &s);
+	rdr_bpf_map_push(w->host->free, &s);
 }
 
 /* The eBPF backend's one writer of a pod's entries (redirect_native.h). */
 int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 {
+	const struct rdr_host_maps *h = w->host;
 	uint32_t n = w->n_entries, nchunks = (n + RDR_INV_CHUNK - 1) / RDR_INV_CHUNK;
 	struct written *done = malloc(((size_t)n + nchunks + 1) * sizeof(*done));
 	struct inv_key *iks = malloc(((size_t)nchunks + 1) * sizeof(*iks));
@@ -527,7 +466,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	struct pod_policy policy;
 	uint8_t cookie_v[8], one = 1;
 	uint32_t slot = 0;
-	int nd = 0, ret = 0, link = -1, pinned = 0, claimed = 0, low = 0, at = fault_at();
+	char pin[4096];
+	int nd = 0, ret = 0, link = -1, pinned = 0, claimed = 0, low = 0, at = fault_at(), nl = w->nl, addr_added = 0;
 	uint32_t tc_done = 0;
 	int32_t tc_slot;
 
@@ -540,6 +480,14 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	for (int f = 0; f < 2; f++) {
 		lks[f].netns = w->cookie;
 		lks[f].family = f ? AF_INET6 : AF_INET;
+	}
+	if (w->add_v6) { /* (the intent's address for the proxy's inbound passthrough, ::6) */
+		if (nl < 0)
+			nl = rdr_nl_socket(NETLINK_ROUTE);
+		ret = nl < 0 ? nl : v6_lo_addr(nl, 1, w->add_v6, w->addr_proto, w->addr_flags);
+		if (ret < 0 && ret != -EEXIST)
+			goto undo;
+		addr_added = ret == 0;
 	}
 	if (fault_here(at, 1)) {
 		ret = RDR_POD_FAULT;
@@ -556,15 +504,15 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		memset(&iks[c], 0, sizeof(iks[c]));
 		iks[c].netns = w->cookie;
 		iks[c].idx = w->inv_base + c;
-		ret = rdr_bpf_map_update(w->map_inventory, &iks[c], &v, w->update_flags);
+		ret = rdr_bpf_map_update(h->inventory, &iks[c], &v, w->update_flags);
 		if (ret < 0)
 			goto undo;
-		done[nd].fd = w->map_inventory;
+		done[nd].fd = h->inventory;
 		done[nd++].key = &iks[c];
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		const struct rdr_pod_entry *e = &w->entries[i];
-		int mfd = e->map == RDR_INV_PORTS ? w->map_ports : w->map_cidrs;
+		int mfd = e->map == RDR_INV_PORTS ? h->ports : h->cidrs;
 
 		if (e->have)
 			continue;
@@ -580,12 +528,12 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 
 		if (w->listener_fd[f] < 0)
 			continue;
-		ret = rdr_bpf_map_update(w->map_listeners, &lks[f], &sfd, BPF_ANY);
+		ret = rdr_bpf_map_update(h->listeners, &lks[f], &sfd, BPF_ANY);
 		if (ret < 0)
 			goto undo;
 	}
 	if (w->link_netns >= 0) {
-		int cached, prog = pool_claim(w, &slot, &low, &cached);
+		int cached, name, prog = pool_claim(w, &slot, &low, &cached);
 
 		if (prog < 0) {
 			ret = prog;
@@ -606,9 +554,16 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 			goto undo;
 		}
 		/* Relative to the open pin dir where the kernel can (6.5), else by the whole path. */
-		ret = w->pin_dir_fd >= 0 && w->pin_name ? rdr_bpf_obj_pin_at(link, w->pin_dir_fd, w->pin_name) : -EINVAL;
+		name = snprintf(pin, sizeof(pin), "%s/", h->pin_dir);
+		if (name < 0 || (size_t)name >= sizeof(pin) ||
+		    (size_t)snprintf(pin + name, sizeof(pin) - (size_t)name, "%llu-sk_lookup",
+				     (unsigned long long)w->cookie) >= sizeof(pin) - (size_t)name) {
+			ret = -ENAMETOOLONG;
+			goto undo;
+		}
+		ret = h->pin_dir_fd >= 0 ? rdr_bpf_obj_pin_at(link, h->pin_dir_fd, pin + name) : -EINVAL;
 		if (ret == -EINVAL)
-			ret = rdr_bpf_obj_pin(link, w->pin);
+			ret = rdr_bpf_obj_pin(link, pin);
 		if (ret < 0)
 			goto undo;
 		pinned = 1;
@@ -621,7 +576,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		goto undo;
 	}
 	for (; tc_done < w->n_tc; tc_done++) {
-		ret = rdr_tc_attach(w->tc_ifs[tc_done], w->tc_prog_in, w->tc_prog_out, (uint32_t)tc_slot + 1);
+		ret = rdr_tc_attach(w->tc_ifs[tc_done], h->tc_prog_in, h->tc_prog_out, (uint32_t)tc_slot + 1);
 		if (ret < 0)
 			goto undo;
 	}
@@ -632,19 +587,19 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	policy = *w->policy;
 	policy.inv_base = w->inv_base;
 	policy.n_inv = n;
-	ret = rdr_bpf_map_update(w->map_pods, cookie_v, &policy, w->update_flags);
+	ret = rdr_bpf_map_update(h->pods, cookie_v, &policy, w->update_flags);
 	if (ret < 0)
 		goto undo;
 	if (link >= 0)
 		close(link);
 	/* The previous config's leftovers, now that the new policy is live. */
 	for (uint32_t i = 0; i < w->n_stale; i++)
-		rdr_bpf_map_delete(w->stale[i].map == RDR_INV_PORTS ? w->map_ports : w->map_cidrs, w->stale[i].key);
+		rdr_bpf_map_delete(w->stale[i].map == RDR_INV_PORTS ? h->ports : h->cidrs, w->stale[i].key);
 	for (uint32_t i = 0; i < w->n_old_inv; i++)
-		rdr_bpf_map_delete(w->map_inventory, &w->old_inv[i]);
+		rdr_bpf_map_delete(h->inventory, &w->old_inv[i]);
 	if (w->drop_listeners)
 		for (int f = 0; f < 2; f++)
-			rdr_bpf_map_delete(w->map_listeners, &lks[f]);
+			rdr_bpf_map_delete(h->listeners, &lks[f]);
 	ret = 0;
 	goto out;
 
@@ -654,7 +609,7 @@ undo:
 	if (link >= 0) {
 		rdr_bpf_link_detach(link);
 		if (pinned)
-			unlink(w->pin);
+			unlink(pin);
 		close(link);
 	}
 	if (claimed) /* (after the link is gone: no netns runs the slot's program any more) */
@@ -665,8 +620,12 @@ undo:
 	}
 	if (w->new_pod)
 		for (int f = 0; f < 2; f++)
-			rdr_bpf_map_delete(w->map_listeners, &lks[f]);
+			rdr_bpf_map_delete(h->listeners, &lks[f]);
+	if (addr_added)
+		v6_lo_addr(nl, 0, w->add_v6, 0, 0);
 out:
+	if (nl >= 0 && nl != w->nl)
+		close(nl);
 	if (w->pool_low && low)
 		*w->pool_low = 1;
 	free(done);
@@ -722,18 +681,16 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	struct rdr_pod_write w;
 	struct rdr_netns_scan sc;
 	const struct rdr_pod_set *set;
-	char pin[4096];
 	struct pod_policy policy;
 	uint8_t cookie_v[8];
-	int s, ret, n = 0, addr_added = 0, pin_name, own_v6 = 0;
+	int s, ret, n = 0, own_v6 = 0;
 	int tc_ifs[RDR_FWD_MAX];
-	uint32_t seq = 1;
 
 	memset(&sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
-	s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	s = rdr_nl_socket(NETLINK_ROUTE);
 	if (s < 0)
 		return RDR_POD_SLOW;
-	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc, seq++) < 0) {
+	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc) < 0) {
 		close(s);
 		return RDR_POD_SLOW;
 	}
@@ -756,16 +713,11 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	 * link) show as EEXIST below: every write is
 	 * BPF_NOEXIST (the pin fails on an existing one), so nothing of theirs is overwritten,
 	 * ours is undone, and the general path sorts it out. */
-	ret = rdr_bpf_map_lookup(r->map_pods, cookie_v, &policy);
+	ret = rdr_bpf_map_lookup(r->host->pods, cookie_v, &policy);
 	if (ret != -ENOENT)
 		goto slow;
 	/* Nor netfilter capture of ours (the general path replaces it). */
 	if (netfilter_maybe(r, netns_ino, sc.cookie) && rdr_netfilter_present() != 0)
-		goto slow;
-	pin_name = snprintf(pin, sizeof(pin), "%s/", r->pin_dir);
-	if (pin_name < 0 || (size_t)pin_name >= sizeof(pin) ||
-	    (size_t)snprintf(pin + pin_name, sizeof(pin) - (size_t)pin_name, "%llu-sk_lookup",
-			     (unsigned long long)sc.cookie) >= sizeof(pin) - (size_t)pin_name)
 		goto slow;
 
 	/* The entries: the config's, then the pod's own addresses in the set's key of their family. */
@@ -800,39 +752,24 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto slow;
 	}
 
-	/* From here on, changes: each is undone if a later one fails. */
-	if (set->n_add) {
-		ret = v6_lo_addr(s, 1, set->add, r->addr_proto, r->addr_flags, seq++);
-		if (ret < 0 && ret != -EEXIST)
-			goto undo;
-		addr_added = ret == 0;
-	}
+	/* From here on, changes, by the writer, which undoes its own on failure. */
 	memset(&w, 0, sizeof(w));
-	w.map_pods = r->map_pods;
-	w.map_inventory = r->map_inventory;
-	w.map_ports = r->map_ports;
-	w.map_cidrs = r->map_cidrs;
-	w.map_listeners = -1; /* a fresh pod has no listener: none is written */
-	w.map_lookup_netns = r->map_lookup_netns;
-	w.map_lookup_prog = r->map_lookup_prog;
-	w.map_slots = r->map_slots;
-	w.map_free = r->map_free;
-	w.map_pool = r->map_pool;
+	w.host = r->host;
 	w.cookie = sc.cookie;
 	w.netns_ino = netns_ino;
-	w.slot_hint = r->slot_hint ? *r->slot_hint : 0;
-	w.prog_fds = r->prog_fds;
-	w.n_prog_fds = r->n_prog_fds;
 	c->pool_low = 0;
 	w.pool_low = &c->pool_low;
+	if (set->n_add) {
+		w.add_v6 = set->add;
+		w.addr_proto = r->addr_proto;
+		w.addr_flags = r->addr_flags;
+	}
+	w.nl = s;
 	w.entries = items;
 	w.n_entries = (uint32_t)n;
 	w.inv_base = 0; /* a fresh pod's inventory starts there */
-	w.listener_fd[0] = w.listener_fd[1] = -1;
+	w.listener_fd[0] = w.listener_fd[1] = -1; /* a fresh pod has no listener: none is written */
 	w.link_netns = netns_fd;
-	w.pin = pin;
-	w.pin_dir_fd = r->pin_dir_fd;
-	w.pin_name = pin + pin_name;
 	policy = *set->policy;
 	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6);
 	w.policy = &policy;
@@ -840,22 +777,13 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	if (r->tc_forwarded) {
 		ret = rdr_forwarding_on(s, tc_ifs, RDR_FWD_MAX);
 		if (ret < 0)
-			goto undo;
+			goto out;
 		w.tc_ifs = tc_ifs;
 		w.n_tc = (uint32_t)ret;
-		w.tc_prog_in = r->tc_prog_in;
-		w.tc_prog_out = r->tc_prog_out;
 	}
 	w.slot_now = -1;
 	ret = rdr_ebpf_pod_write(&w);
-	if (ret != 0)
-		goto undo;
-	close(s);
-	return 0;
-
-undo:
-	if (addr_added)
-		v6_lo_addr(s, 0, set->add, 0, 0, seq++);
+out:
 	close(s);
 	/* Something of an earlier attempt was in the way (see above): not fresh. */
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
@@ -877,15 +805,15 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	 * it clears *alive before it reads them. */
 	if (watch_fd >= 0 && rdr_watch_pending(watch_fd) != 0)
 		return RDR_POD_STALE;
-	if (r->alive && !__atomic_load_n(r->alive, __ATOMIC_ACQUIRE))
+	if (r->host->alive && !__atomic_load_n(r->host->alive, __ATOMIC_ACQUIRE))
 		return RDR_POD_STALE;
 	/* The caller took these objects for the root the environment named last time; it is
 	 * asked here (a getenv), not in the interpreter, where reading os.environ is several
 	 * Python frames (key encoding, a mapping look-up, value decoding) on every pod's path. */
-	if (r->root) {
+	if (r->host->root) {
 		const char *root = getenv("REDIRECT_BPF_ROOT");
 
-		if (strcmp(root && *root ? root : r->default_root, r->root) != 0)
+		if (strcmp(root && *root ? root : r->host->default_root, r->host->root) != 0)
 			return RDR_POD_STALE;
 	}
 	if (lock_fd < 0)
@@ -909,7 +837,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		ret = RDR_POD_SLOW;
 		goto out;
 	}
-	ret = lock_byte(lock_fd, (uint64_t)st.st_ino, F_WRLCK);
+	ret = rdr_netns_lock(lock_fd, (uint64_t)st.st_ino, 1);
 	if (ret < 0) {
 		ret = ret == -EAGAIN || ret == -EACCES ? RDR_POD_BUSY : RDR_POD_SLOW;
 		goto out;
@@ -928,7 +856,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 			ret = RDR_POD_STRANDED;
 		close(home);
 	}
-	lock_byte(lock_fd, (uint64_t)st.st_ino, F_UNLCK);
+	rdr_netns_lock(lock_fd, (uint64_t)st.st_ino, 0);
 out:
 	if (netns_path)
 		close(nsfd);

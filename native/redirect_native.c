@@ -12,7 +12,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "netlink.h"
 #include "redirect_native.h"
 
 #ifndef SO_NETNS_COOKIE
@@ -22,68 +21,6 @@
 int rdr_setns(int fd, int nstype)
 {
 	return setns(fd, nstype) == 0 ? 0 : -errno;
-}
-
-int rdr_nl_recv(int s, char *buf, size_t each, int n, int *lens)
-{
-	struct mmsghdr m[RDR_NL_RECV_MAX];
-	struct iovec iov[RDR_NL_RECV_MAX];
-	int got;
-
-	if (n > RDR_NL_RECV_MAX)
-		n = RDR_NL_RECV_MAX;
-	if (n < 1)
-		return -EINVAL;
-	memset(m, 0, sizeof(m[0]) * (size_t)n);
-	for (int i = 0; i < n; i++) {
-		iov[i].iov_base = buf + (size_t)i * each;
-		iov[i].iov_len = each;
-		m[i].msg_hdr.msg_iov = &iov[i];
-		m[i].msg_hdr.msg_iovlen = 1;
-	}
-	do
-		got = recvmmsg(s, m, (unsigned)n, MSG_WAITFORONE, NULL);
-	while (got < 0 && errno == EINTR);
-	if (got < 0)
-		return -errno;
-	for (int i = 0; i < got; i++)
-		lens[i] = m[i].msg_hdr.msg_flags & MSG_TRUNC ? -EMSGSIZE : (int)m[i].msg_len;
-	return got;
-}
-
-int rdr_nl_dump(int s, const void *req, size_t len, uint32_t seq, char *buf, size_t each,
-		int (*on)(void *, const struct nlmsghdr *), void *arg)
-{
-	int lens[2], got = 0, at = 0;
-
-	if (send(s, req, len, 0) < 0)
-		return -errno;
-	for (int rounds = 0; rounds < 4096; rounds++, at++) {
-		const struct nlmsghdr *h;
-		int n, ret;
-
-		if (at == got) { /* (a batch and the dump's end, in one call where they both came) */
-			got = rdr_nl_recv(s, buf, each, 2, lens);
-			if (got < 0)
-				return got;
-			at = 0;
-		}
-		n = lens[at];
-		if (n < 0)
-			return n;
-		for (h = (const struct nlmsghdr *)(buf + (size_t)at * each); NLMSG_OK(h, (unsigned)n); h = NLMSG_NEXT(h, n)) {
-			if (h->nlmsg_seq != seq)
-				continue;
-			if (h->nlmsg_type == NLMSG_DONE)
-				return 0;
-			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((const struct nlmsgerr *)NLMSG_DATA(h))->error;
-			ret = on(arg, h);
-			if (ret < 0)
-				return ret;
-		}
-	}
-	return -EPROTO;
 }
 
 int rdr_sock_netns_cookie(int sockfd, uint64_t *cookie)

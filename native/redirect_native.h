@@ -157,6 +157,33 @@ void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uin
  * look-ups, else a bind probe of the port. */
 int rdr_inbound_listener_maybe(uint16_t port, int fams, const struct rdr_netns_scan *sc, int tcp_diag);
 
+/* --- the per-pod side's view of the host side ------------------------------------- */
+
+/* The host objects a pod's setup writes through, of one handle on the pinned host programs
+ * (redirect/backends/ebpf/host: HostPrograms.native, made once per handle and never written by a
+ * call): the maps by fd, the pool's state, the tc programs, and where the pods' links are pinned.
+ * All a pod's write knows of the host side. */
+struct rdr_host_maps {
+	int pods, inventory, ports, cidrs, listeners;
+	int lookup_netns, lookup_prog;    /* for a pool program loaded on demand (rdr_ebpf_pool_prog) */
+	int slots, free, pool;            /* the pool (redirect/bpf/redirect.h: lookup_slots, _free, _pool) */
+	const uint32_t *slot_hint;        /* where to look for an unclaimed slot when none is queued free
+					   * (where this process's next batch starts), read at each call */
+	int *prog_fds;                    /* RDR_POOL_MAX fds (-1: none) of the pool's programs the handle
+					   * keeps open, at most RDR_PROG_CACHE of them (*n_prog_fds): a claim
+					   * of a slot there needs no look-up; or NULL */
+	int *n_prog_fds;
+	int tc_prog_in, tc_prog_out;      /* the host's rdr_tc_ingress, rdr_tc_egress (-1: none) */
+	const char *pin_dir;              /* <root>/pods: a pod's link is pinned at <pin_dir>/<cookie>-sk_lookup */
+	int pin_dir_fd;                   /* that directory, open (O_PATH): the pin is made relative to it
+					   * where the kernel can (no walk of the root's path); or -1 */
+	const int *alive;                 /* 0 while the handle is looked over again (the fresh-pod call
+					   * backs off); or NULL */
+	const char *root;                 /* the handle's root: the fresh-pod call backs off (RDR_POD_STALE)
+					   * when $REDIRECT_BPF_ROOT (or its default, default_root) names another */
+	const char *default_root;
+};
+
 /* --- one pod's entries written as a difference (pod_setup.c) ----------------- */
 
 /* One key of a pod in ports or cidrs (redirect/bpf/abi.h), as its inventory holds it. */
@@ -167,28 +194,27 @@ struct rdr_pod_entry {
 	uint8_t key[RDR_INV_KEY_MAX]; /* the key, zero-padded */
 };
 
-/* What one pod is to have, and what of its previous state goes, on one set of host maps: the
+/* What one pod is to have, and what of its previous state goes, on one host handle's maps: the
  * difference the eBPF backend writes, whoever computed it (the fresh-pod call below, for a pod
  * with nothing yet; EbpfBackend.apply for any other). */
 struct rdr_pod_write {
-	int map_pods, map_inventory, map_ports, map_cidrs, map_listeners;
-	int map_lookup_netns, map_lookup_prog; /* for a pool program loaded on demand (rdr_ebpf_pool_prog) */
-	int map_slots, map_free, map_pool;     /* the pool (redirect/bpf/redirect.h: lookup_slots, _free, _pool) */
+	const struct rdr_host_maps *host;
 	uint64_t cookie;
 	uint64_t netns_ino;           /* the pod netns's inode: kept with its slot claim (the garbage
 				       * collection tells a claim of a setup under way by its netns lock) */
-	uint32_t slot_hint;           /* where to look for an unclaimed slot when none is free */
 	int *pool_low;                /* if not NULL: set to 1 when no slot was queued free (load a batch) */
+	const uint8_t *add_v6;        /* if not NULL: this IPv6 address (the intent's ::6) goes on lo as a
+				       * /128 of ours first (already there: left, and not removed by an undo) */
+	uint8_t addr_proto;           /* its IFA_PROTO */
+	uint32_t addr_flags;          /* its IFA_FLAGS */
+	int nl;                       /* a NETLINK_ROUTE socket in the pod's netns for that, or -1 (one is
+				       * opened when needed) */
 	const struct rdr_pod_entry *entries; /* every key the pod is to have, in inventory order */
 	uint32_t n_entries;
 	uint32_t inv_base;            /* its inventory goes to idx inv_base.. (never the old one's) */
 	int listener_fd[2];           /* the proxy's inbound listeners already open, IPv4, IPv6; -1: none */
 	int link_netns;               /* >= 0: claim a pool slot for the pod (its sk_lookup program), link it
-				       * on this netns, pinned at pin */
-	const char *pin;
-	int pin_dir_fd;               /* pin's directory, open (O_PATH), and pin's name in it (pin_name):
-				       * the pin is made relative to it where the kernel can; or -1 */
-	const char *pin_name;
+				       * on this netns, pinned at <host->pin_dir>/<cookie>-sk_lookup */
 	const struct pod_policy *policy; /* its inventory fields are set here; written last: it
 					  * switches capture on (or over to the new config) */
 	uint64_t update_flags;        /* BPF_NOEXIST: nothing may be there yet (a leftover fails the call
@@ -204,12 +230,7 @@ struct rdr_pod_write {
 	 * the link and before the policy, with the pod's slot (the one claimed here, else slot_now): */
 	const int *tc_ifs;
 	uint32_t n_tc;
-	int tc_prog_in, tc_prog_out;  /* the host's rdr_tc_ingress, rdr_tc_egress */
 	int32_t slot_now;             /* the slot of the pod's link when it has one (link_netns < 0) */
-	int *prog_fds;                /* RDR_POOL_MAX fds (-1: none) of the pool's programs kept open by the
-				       * host handle, at most RDR_PROG_CACHE of them (*n_prog_fds): a claim
-				       * of a slot there needs no look-up; or NULL */
-	int *n_prog_fds;
 };
 
 #define RDR_PROG_CACHE 256
@@ -219,8 +240,8 @@ struct rdr_pod_write {
  * closes it). Threads may call it at once. */
 int rdr_prog_cache_put(int *fds, int *n_fds, uint32_t s, int prog);
 
-/* Write w: the inventory, the new keys, the listeners, the link, then the policy; then delete the
- * stale keys and the old inventory. A failure before the policy is in undoes everything written,
+/* Write w: the address, the inventory, the new keys, the listeners, the link, then the policy; then
+ * delete the stale keys and the old inventory. A failure before the policy is in undoes everything written,
  * in reverse (listener entries only for a new pod: an existing one's were there before; a claimed
  * slot is released). REDIRECT_FAULT=ebpf.before_entries|ebpf.after_claim|ebpf.before_policy in the environment fails it
  * there (with ":kill" appended: SIGKILL, as a crash would). 0, RDR_POD_FAULT (undone), or -errno
@@ -236,7 +257,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w);
 #define RDR_POD_STALE 5    /* a host pin changed (watch_fd), *alive is 0, or the root is another: nothing
                             * changed, look again */
 
-/* What the eBPF lowering wants in a pod of one kind (redirect/backends/ebpf/fresh.py): the
+/* What the eBPF lowering wants in a pod of one kind (redirect/backends/ebpf/pod/fresh.py): the
  * entries keyed with netns 0, for the call to put the pod's cookie in. */
 struct rdr_pod_set {
 	const struct pod_policy *policy;  /* inventory fields zero */
@@ -254,19 +275,10 @@ struct rdr_pod_set {
 
 #define RDR_OURS_V6_MAX 4
 
-/* What a config writes for any fresh pod on one set of host maps: made once, shared by
+/* What a config writes for any fresh pod on one host handle's maps: made once, shared by
  * threads (never written by the call). */
 struct rdr_pod_req {
-	const int *alive;           /* 0 while the caller looks its host objects over again; or NULL */
-	const char *root;           /* the host objects' root: the call backs off (RDR_POD_STALE) when
-				     * $REDIRECT_BPF_ROOT (or its default, default_root) names another */
-	const char *default_root;
-	int map_pods, map_inventory, map_ports, map_cidrs;
-	int map_lookup_netns, map_lookup_prog, map_slots, map_free, map_pool; /* (rdr_pod_write) */
-	const uint32_t *slot_hint;  /* (rdr_pod_write), read at each call */
-	const char *pin_dir;        /* <root>/pods: the link is pinned at <pin_dir>/<cookie>-sk_lookup */
-	int pin_dir_fd;             /* that directory, open (O_PATH): the pin is made relative to it
-				     * where the kernel can (no walk of the root's path); or -1 */
+	const struct rdr_host_maps *host;
 	uint16_t inbound_port;      /* 0: no inbound capture (no listener check) */
 	uint8_t addr_proto;         /* IFA_PROTO of the address we add */
 	uint32_t addr_flags;        /* its IFA_FLAGS */
@@ -286,9 +298,6 @@ struct rdr_pod_req {
 				     * ours is marked): a netns without a mark holds none; 0: always look */
 	int tc_forwarded;           /* the config's capture takes what the pod forwards: our tc filters go
 				     * on the interfaces it forwards on (rdr_forwarding) */
-	int tc_prog_in, tc_prog_out; /* (rdr_pod_write) */
-	int *prog_fds;              /* (rdr_pod_write) */
-	int *n_prog_fds;
 };
 
 /* What one call found and did. */
@@ -302,10 +311,15 @@ struct rdr_pod_call {
 /* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */
 int rdr_tcp_diag_ok(void);
 
+/* The netns lock (redirect.kernel.locks): an OFD write lock (lock 1) or its release (lock 0) of the
+ * byte at the netns inode ino in the lock file open as fd. Not waiting: -EAGAIN (or -EACCES)
+ * while another open of the file holds it, another thread's as well as another process's. */
+int rdr_netns_lock(int fd, uint64_t ino, int lock);
+
 /* Set up a fresh pod: the netns at netns_path (opened here), or netns_fd when it is NULL.
  * watch_fd: an inotify fd on the host pin dirs (rdr_watch_add), or -1. lock_fd: the calling
- * thread's own open of the netns lock file: an OFD write lock on the byte at the netns inode
- * is held throughout (-1: none, and the call backs off: threads could not be told apart).
+ * thread's own open of the netns lock file: the netns lock (rdr_netns_lock) is held throughout
+ * (-1: none, and the call backs off: threads could not be told apart).
  * A netns that is the host's (r->host_netns_ino, or the caller's own) or that may hold netfilter
  * capture of ours (marked, and with a netfilter table: rdr_netfilter_present) is not a fresh pod.
  * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.

@@ -38,98 +38,13 @@
 #define TC_NAME_IN "rdr_tc_ingress"
 #define TC_NAME_OUT "rdr_tc_egress"
 
-struct nlreq {
-	union {
-		struct {
-			struct nlmsghdr h;
-			union {
-				struct tcmsg t;
-				struct netconfmsg nc;
-			};
-		};
-		char raw[320];
-	};
-} __attribute__((aligned(8)));
-
-/* An attribute appended to r's message (the requests here are far smaller than r). */
-static struct rtattr *add_attr(struct nlreq *r, unsigned short type, const void *data, size_t len)
+static void tc_req(struct rdr_nlreq *r, uint16_t type, uint16_t flags, int ifindex, uint32_t parent,
+		   uint32_t handle, uint32_t info)
 {
-	size_t off = NLMSG_ALIGN(r->h.nlmsg_len);
-	struct rtattr *rta = (struct rtattr *)(r->raw + off);
+	struct tcmsg t = {.tcm_family = AF_UNSPEC, .tcm_ifindex = ifindex, .tcm_parent = parent, .tcm_handle = handle,
+			  .tcm_info = info};
 
-	if (off + RTA_SPACE(len) > sizeof(r->raw))
-		return rta; /* (never: see the callers) */
-	rta->rta_type = type;
-	rta->rta_len = RTA_LENGTH(len);
-	if (len)
-		memcpy(RTA_DATA(rta), data, len);
-	r->h.nlmsg_len = (uint32_t)(off + RTA_ALIGN(rta->rta_len));
-	return rta;
-}
-
-static void end_nest(struct nlreq *r, struct rtattr *nest)
-{
-	nest->rta_len = (unsigned short)(r->raw + r->h.nlmsg_len - (char *)nest);
-}
-
-static int nl_socket(void)
-{
-	int s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
-
-	return s < 0 ? -errno : s;
-}
-
-/* Send one request; with a reply buffer, the first reply message of its sequence is copied there
- * (a get), else its ack is awaited. 0, or -errno (the kernel's answer). */
-static int nl_talk(int s, struct nlmsghdr *req, char *reply, size_t reply_len)
-{
-	static uint32_t seq;
-	char buf[8192] __attribute__((aligned(8)));
-
-	req->nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
-	if (!reply)
-		req->nlmsg_flags |= NLM_F_ACK;
-	if (send(s, req, req->nlmsg_len, 0) < 0)
-		return -errno;
-	for (int rounds = 0; rounds < 64; rounds++) {
-		ssize_t n = recv(s, buf, sizeof(buf), 0);
-		struct nlmsghdr *h;
-		int len;
-
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		len = (int)n;
-		for (h = (struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
-			if (h->nlmsg_seq != req->nlmsg_seq)
-				continue;
-			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-			if (reply && h->nlmsg_len <= reply_len) {
-				memcpy(reply, h, h->nlmsg_len);
-				return 0;
-			}
-			if (reply)
-				return -EMSGSIZE;
-		}
-	}
-	return -EPROTO;
-}
-
-static void tc_req(struct nlreq *r, uint16_t type, uint16_t flags, int ifindex, uint32_t parent, uint32_t handle,
-		   uint32_t info)
-{
-	memset(r, 0, sizeof(*r));
-	r->h.nlmsg_len = NLMSG_LENGTH(sizeof(struct tcmsg));
-	r->h.nlmsg_type = type;
-	r->h.nlmsg_flags = NLM_F_REQUEST | flags;
-	r->t.tcm_family = AF_UNSPEC;
-	r->t.tcm_ifindex = ifindex;
-	r->t.tcm_parent = parent;
-	r->t.tcm_handle = handle;
-	r->t.tcm_info = info;
+	rdr_nl_start(r, type, flags, &t, sizeof(t));
 }
 
 static uint32_t our_info(void)
@@ -146,7 +61,7 @@ static uint32_t parent_of(int egress)
  * and *ours = 1 when it is one of ours, by name), or -ENOENT (no filter there, or no qdisc). */
 static int query(int s, int ifindex, int egress, uint32_t *prog_id, uint32_t *classid, int *ours)
 {
-	struct nlreq r;
+	struct rdr_nlreq r;
 	char reply[4096] __attribute__((aligned(8)));
 	struct nlmsghdr *h = (struct nlmsghdr *)reply;
 	struct rtattr *rta;
@@ -155,8 +70,8 @@ static int query(int s, int ifindex, int egress, uint32_t *prog_id, uint32_t *cl
 	*prog_id = *classid = 0;
 	*ours = 0;
 	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
-	add_attr(&r, TCA_KIND, "bpf", 4);
-	ret = nl_talk(s, &r.h, reply, sizeof(reply));
+	rdr_nl_attr(&r, TCA_KIND, "bpf", 4);
+	ret = rdr_nl_talk(s, &r.h, reply, sizeof(reply));
 	if (ret == -EINVAL) /* no clsact qdisc on the interface */
 		return -ENOENT;
 	if (ret < 0)
@@ -188,26 +103,26 @@ static int query(int s, int ifindex, int egress, uint32_t *prog_id, uint32_t *cl
 	return 0;
 }
 
-static void filter_req(struct nlreq *r, uint16_t flags, int ifindex, int egress, int prog_fd, uint32_t classid)
+static void filter_req(struct rdr_nlreq *r, uint16_t flags, int ifindex, int egress, int prog_fd, uint32_t classid)
 {
 	const char *name = egress ? TC_NAME_OUT : TC_NAME_IN;
 	uint32_t fd = (uint32_t)prog_fd, bpf_flags = TCA_BPF_FLAG_ACT_DIRECT, cls = TC_H_MAKE(1U << 16, classid);
 	struct rtattr *opts;
 
 	tc_req(r, RTM_NEWTFILTER, NLM_F_CREATE | flags, ifindex, parent_of(egress), 1, our_info());
-	add_attr(r, TCA_KIND, "bpf", 4);
-	opts = add_attr(r, TCA_OPTIONS, NULL, 0);
-	add_attr(r, TCA_BPF_FD, &fd, 4);
-	add_attr(r, TCA_BPF_NAME, name, strlen(name) + 1);
-	add_attr(r, TCA_BPF_FLAGS, &bpf_flags, 4);
-	add_attr(r, TCA_BPF_CLASSID, &cls, 4);
-	end_nest(r, opts);
+	rdr_nl_attr(r, TCA_KIND, "bpf", 4);
+	opts = rdr_nl_attr(r, TCA_OPTIONS, NULL, 0);
+	rdr_nl_attr(r, TCA_BPF_FD, &fd, 4);
+	rdr_nl_attr(r, TCA_BPF_NAME, name, strlen(name) + 1);
+	rdr_nl_attr(r, TCA_BPF_FLAGS, &bpf_flags, 4);
+	rdr_nl_attr(r, TCA_BPF_CLASSID, &cls, 4);
+	rdr_nl_nest_end(r, opts);
 }
 
 /* Our filter on one side, where one of ours is (another's there: -EEXIST, left alone): replaced. */
 static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t classid)
 {
-	struct nlreq r;
+	struct rdr_nlreq r;
 	uint32_t id, cid;
 	int ret, ours;
 
@@ -217,18 +132,18 @@ static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t 
 	if (!ours)
 		return -EEXIST;
 	filter_req(&r, 0, ifindex, egress, prog_fd, classid);
-	return nl_talk(s, &r.h, NULL, 0);
+	return rdr_nl_talk(s, &r.h, NULL, 0);
 }
 
 /* Our filter off one side (the caller knows it is ours): 0 (gone, or not there), or -errno. */
 static int del_ours(int s, int ifindex, int egress)
 {
-	struct nlreq r;
+	struct rdr_nlreq r;
 	int ret;
 
 	tc_req(&r, RTM_DELTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
-	add_attr(&r, TCA_KIND, "bpf", 4);
-	ret = nl_talk(s, &r.h, NULL, 0);
+	rdr_nl_attr(&r, TCA_KIND, "bpf", 4);
+	ret = rdr_nl_talk(s, &r.h, NULL, 0);
 	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
 }
 
@@ -248,16 +163,12 @@ static int del_filter(int s, int ifindex, int egress)
 	return ret < 0 ? ret : 1;
 }
 
-/* Send the dump request r and pass each message of its answer to each(arg, message) until the
- * end: 0, the first negative value each returned, or -errno. */
-static int nl_dump(int s, struct nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
+/* rdr_nl_dump of r with a buffer of two datagrams of a page each. */
+static int nl_dump(int s, struct rdr_nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
 {
-	static uint32_t seq = 1u << 29;
 	char buf[2][8192] __attribute__((aligned(8)));
 
-	r->h.nlmsg_flags |= NLM_F_DUMP;
-	r->h.nlmsg_seq = __atomic_add_fetch(&seq, 1, __ATOMIC_RELAXED);
-	return rdr_nl_dump(s, r, r->h.nlmsg_len, r->h.nlmsg_seq, buf[0], sizeof(buf[0]), each, arg);
+	return rdr_nl_dump(s, &r->h, buf[0], sizeof(buf[0]), each, arg);
 }
 
 static int on_filter(void *arg, const struct nlmsghdr *h)
@@ -270,7 +181,7 @@ static int on_filter(void *arg, const struct nlmsghdr *h)
 /* Whether one side of the interface's clsact qdisc has any filter. */
 static int side_used(int s, int ifindex, int egress)
 {
-	struct nlreq r;
+	struct rdr_nlreq r;
 	int used = 0, ret;
 
 	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 0, 0);
@@ -283,7 +194,7 @@ static int side_used(int s, int ifindex, int egress)
 /* The clsact qdisc, when no filter is left on either side of it. */
 static int drop_qdisc_if_empty(int s, int ifindex)
 {
-	struct nlreq r;
+	struct rdr_nlreq r;
 	int in, out, ret;
 
 	in = side_used(s, ifindex, 0);
@@ -293,68 +204,42 @@ static int drop_qdisc_if_empty(int s, int ifindex)
 	if (in || out)
 		return 0;
 	tc_req(&r, RTM_DELQDISC, 0, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
-	add_attr(&r, TCA_KIND, "clsact", 7);
-	ret = nl_talk(s, &r.h, NULL, 0);
+	rdr_nl_attr(&r, TCA_KIND, "clsact", 7);
+	ret = rdr_nl_talk(s, &r.h, NULL, 0);
 	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
 }
 
 /* An ack (the error and the request again) of one of our requests, rounded up to 8 bytes. */
-#define ACK_MAX ((NLMSG_LENGTH(sizeof(struct nlmsgerr)) + sizeof(struct nlreq) + 256 + 7) & ~(size_t)7)
+#define ACK_MAX ((NLMSG_LENGTH(sizeof(struct nlmsgerr)) + sizeof(struct rdr_nlreq) + 256 + 7) & ~(size_t)7)
 
 /* The requests in one send, each acked: the answers (0 or -errno) in order. */
-static int nl_batch(int s, struct nlreq *reqs, int n, int *answers)
+static int nl_batch(int s, struct rdr_nlreq *reqs, int n, int *answers)
 {
-	static uint32_t seq = 1u << 20;
-	char out[3 * sizeof(struct nlreq)] __attribute__((aligned(8)));
+	char out[3 * sizeof(struct rdr_nlreq)] __attribute__((aligned(8)));
 	char buf[3][ACK_MAX] __attribute__((aligned(8)));
 	size_t len = 0;
-	uint32_t first;
-	int got = 0;
 
 	if (n > 3)
 		return -EINVAL;
-	first = __atomic_add_fetch(&seq, (uint32_t)n, __ATOMIC_RELAXED) - (uint32_t)n + 1;
 	for (int i = 0; i < n; i++) {
-		reqs[i].h.nlmsg_seq = first + (uint32_t)i;
 		reqs[i].h.nlmsg_flags |= NLM_F_ACK;
 		memcpy(out + len, &reqs[i], reqs[i].h.nlmsg_len);
 		len += NLMSG_ALIGN(reqs[i].h.nlmsg_len);
-		answers[i] = -EPROTO;
 	}
-	if (send(s, out, len, 0) < 0)
-		return -errno;
-	/* (all the acks are there once the send returns: one call) */
-	for (int rounds = 0; rounds < 64 && got < n; rounds++) {
-		int lens[3], m = rdr_nl_recv(s, buf[0], sizeof(buf[0]), 3, lens);
-
-		if (m < 0)
-			return m;
-		for (int k = 0; k < m; k++) { /* an ack is a datagram of its own; cut short, it still
-						 * starts with its error */
-			const struct nlmsghdr *h = (const struct nlmsghdr *)buf[k];
-			uint32_t i = h->nlmsg_seq - first;
-
-			if ((lens[k] != -EMSGSIZE && lens[k] < (int)NLMSG_LENGTH(sizeof(struct nlmsgerr))) ||
-			    h->nlmsg_type != NLMSG_ERROR || i >= (uint32_t)n)
-				continue;
-			answers[i] = ((const struct nlmsgerr *)NLMSG_DATA(h))->error;
-			got++;
-		}
-	}
-	return got == n ? 0 : -EPROTO;
+	return rdr_nl_batch(s, out, len, n, answers, buf[0], sizeof(buf[0]));
 }
 
 int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid)
 {
-	struct nlreq reqs[3];
-	int s = nl_socket(), ret, made, ans[3];
+	struct rdr_nlreq reqs[3];
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret, made, ans[3];
 
 	if (s < 0)
 		return s;
 	/* The qdisc (made unless there) and both filters (made unless there: a place taken, by ours
 	 * or another's, is looked at below), in one send. */
 	tc_req(&reqs[0], RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
-	add_attr(&reqs[0], TCA_KIND, "clsact", 7);
+	rdr_nl_attr(&reqs[0], TCA_KIND, "clsact", 7);
 	filter_req(&reqs[1], NLM_F_EXCL, ifindex, 0, prog_in, classid);
 	filter_req(&reqs[2], NLM_F_EXCL, ifindex, 1, prog_out, classid);
 	ret = nl_batch(s, reqs, 3, ans);
@@ -380,7 +265,7 @@ out:
 
 int rdr_tc_detach(int ifindex)
 {
-	int s = nl_socket(), ret;
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret;
 
 	if (s < 0)
 		return s;
@@ -424,7 +309,7 @@ static int on_qdisc(void *arg, const struct nlmsghdr *h)
 static int clsact_interfaces(int s, int *idx, int max)
 {
 	struct idx_list l = {.idx = idx, .max = max};
-	struct nlreq r;
+	struct rdr_nlreq r;
 	int ret;
 
 	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0);
@@ -457,7 +342,7 @@ static int list_ours(int s, struct rdr_tc_filter *out, int max)
 
 int rdr_tc_list(struct rdr_tc_filter *out, int max)
 {
-	int s = nl_socket(), ret;
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret;
 
 	if (s < 0)
 		return s;
@@ -469,7 +354,7 @@ int rdr_tc_list(struct rdr_tc_filter *out, int max)
 int rdr_tc_detach_all(void)
 {
 	struct rdr_tc_filter f[RDR_FWD_MAX];
-	int s = nl_socket(), n, ret = 0;
+	int s = rdr_nl_socket(NETLINK_ROUTE), n, ret = 0;
 
 	if (s < 0)
 		return s;
@@ -524,13 +409,10 @@ static int on_netconf(void *arg, const struct nlmsghdr *h)
 static int netconf_dump(int s, void (*on)(void *, int, int, int), void *arg)
 {
 	struct netconf_cb cb = {.on = on, .arg = arg};
-	struct nlreq r;
+	struct netconfmsg nc = {.ncm_family = AF_UNSPEC};
+	struct rdr_nlreq r;
 
-	memset(&r, 0, sizeof(r));
-	r.h.nlmsg_len = NLMSG_LENGTH(sizeof(struct netconfmsg));
-	r.h.nlmsg_type = RTM_GETNETCONF;
-	r.h.nlmsg_flags = NLM_F_REQUEST;
-	r.nc.ncm_family = AF_UNSPEC;
+	rdr_nl_start(&r, RTM_GETNETCONF, 0, &nc, sizeof(nc));
 	return nl_dump(s, &r, on_netconf, &cb);
 }
 
@@ -585,7 +467,7 @@ int rdr_forwarding_on(int s, int *ifindexes, int max)
 
 int rdr_forwarding(int *ifindexes, int max)
 {
-	int s = nl_socket(), ret;
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret;
 
 	if (s < 0)
 		return s;

@@ -1,9 +1,10 @@
 """Print the import cycles between the modules of ``redirect`` (exit 1 if there is one).
 
-Every ``import`` that names a module counts, also one inside a function (a lazy import
-hides a cycle, it does not remove it); ``if TYPE_CHECKING:`` imports do not (they never
-run). A package's ``__init__`` counts as the module it is, importing what it names: that
-Python runs it before a module of the package is no cycle of ours.
+Every ``import`` that names a module counts: one at the top, one inside a function (a lazy import
+hides a cycle, it does not remove it) and one under ``if TYPE_CHECKING:`` (a type-only import is
+still a dependency a reader follows; a cycle through it is a cycle of the design). A package's
+``__init__`` counts as the module it is, importing what it names: that Python runs it before a
+module of the package is no cycle of ours.
 
     .venv/bin/python scripts/import_cycles.py
 """
@@ -20,46 +21,50 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "redirect"
 NATIVE = {"redirect._native"}  # the compiled cffi module: imports nothing of ours
 
 
-def modules() -> dict[str, str]:
+def modules(root: str = ROOT) -> dict[str, str]:
+    """Module name -> file, of every module under ``root`` (a package directory)."""
     out = {}
-    for dirpath, _, files in os.walk(ROOT):
+    top = os.path.dirname(os.path.abspath(root))
+    for dirpath, _, files in os.walk(root):
         for f in files:
             if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(dirpath, f), os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                rel = os.path.relpath(os.path.join(dirpath, f), top)[:-3].replace(os.sep, ".")
                 out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
     return out
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for sub in node.body:
-                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
-    return lines
+def import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, wherever it stands (top level, in a function, under
+    ``if TYPE_CHECKING:``)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def base_of(node: ast.ImportFrom, mod: str, path: str) -> str:
+    """The absolute module ``from <base> import ...`` names, in module ``mod`` (file ``path``)."""
+    base = node.module or ""
+    if node.level:
+        pkg = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        parts = pkg.split(".")
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return base
 
 
 def imports(mod: str, path: str, known: dict[str, str]) -> set[str]:
-    tree = ast.parse(open(path).read())
-    skip = _type_checking_lines(tree)
-    pkg = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+    """The modules of ``known`` that module ``mod`` (file ``path``) imports, anywhere in it."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
     out: set[str] = set()
-    for node in ast.walk(tree):
-        if getattr(node, "lineno", 0) in skip:
-            continue
+    for node in import_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = pkg.split(".")
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            for a in node.names:
-                if f"{base}.{a.name}" in known:
-                    out.add(f"{base}.{a.name}")
-                elif f"{base}.{a.name}" not in NATIVE:
-                    out.add(base)
+            continue
+        base = base_of(node, mod, path)
+        for a in node.names:
+            if f"{base}.{a.name}" in known:
+                out.add(f"{base}.{a.name}")
+            elif f"{base}.{a.name}" not in NATIVE:
+                out.add(base)
     return {m for m in out if m in known and m != mod}
 
 

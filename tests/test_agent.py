@@ -32,6 +32,7 @@ import redirect
 from redirect.ambient import node
 from redirect.ambient.agent import client, legacy, protocol, store
 from redirect.cni.netconf import convert_result
+from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
 from tests import netkit
 from tests.ctrkit import (  # the containerd kit
@@ -570,16 +571,13 @@ def light_pods(count: int) -> Iterator[list[tuple[str, str, str]]]:
         for i in range(count):
             name = netkit.create_netns(f"rdrt-light-{os.urandom(3).hex()}-{i}")
             names.append(name)
-            ipr = netkit.iproute_in(name)
-            try:
-                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
-                ipr.link("add", ifname="eth0", kind="veth", peer={"ifname": "eth0p"})
-                ipr.link("set", index=ipr.link_lookup(ifname="eth0p")[0], state="up")
-                (idx,) = ipr.link_lookup(ifname="eth0")
-                ipr.addr("add", index=idx, address=f"10.77.{i}.2", prefixlen=24)
-                ipr.link("set", index=idx, state="up")
-            finally:
-                ipr.close()
+            with netkit.netlink_in(name) as nl:
+                netlink.set_up(1, sock=nl)  # lo
+                netlink.add_veth("eth0", "eth0p", sock=nl)
+                netlink.set_up(netlink.link_index("eth0p", sock=nl), sock=nl)
+                idx = netlink.link_index("eth0", sock=nl)
+                netlink.addr("add", socket.AF_INET, idx, f"10.77.{i}.2", 24, 0, sock=nl)
+                netlink.set_up(idx, sock=nl)
             out.append((name, f"10.77.{i}.2", f"10.77.{i}.1"))
         yield out
     finally:

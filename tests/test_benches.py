@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benches import podstart, report
+from benches import podstart, publish, report
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the harness creates network namespaces: needs root")
@@ -161,6 +161,16 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
     for png in ("setup.png", "scale.png", "datapath.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
+    # The results file says how it was run and on what; the published page is rendered from it.
+    assert res["command"].startswith("python -m benches --tiny") and res["host"]["cpus"] == os.cpu_count()
+    assert res["host"]["cpu_model"] != "?" and res["host"]["kernel"] == os.uname().release
+    page = publish.markdown(publish.figures(res, str(tmp_path / "latest.json")))
+    assert f"`{res['command']}` (tiny profile)" in page and res["host"]["cpu_model"] in page
+    assert f"{os.cpu_count()} cores" in page and f"kernel {os.uname().release}" in page
+    row = next(line for line in page.splitlines() if line.startswith("| iptables (API) |"))
+    assert row.split(" | ")[1] == report._fmt(api["setup"]["median_ms"]), row
+    assert publish.embedded(page) == publish.figures(res, str(tmp_path / "latest.json"))
+
 
 @needs_root
 def test_interrupt_deletes_every_namespace_and_writes_partial_results(tmp_path: Path) -> None:
@@ -189,6 +199,20 @@ def test_terminate_during_the_data_path_stops_the_proxies_and_deletes_the_pods(t
     assert not _left_behind(proc.pid), "left after SIGTERM"
     res = json.loads((tmp_path / "latest.json").read_text())
     assert "interrupted: partial results" in res["notes"]
+
+
+@pytest.mark.noroot
+def test_the_published_figures_are_a_rendering_of_one_results_file() -> None:
+    """``docs/benchmarks-results.md`` is what ``benches.publish`` wrote from a results file (it says
+    which run: command, hardware), unedited; ``docs/benchmarks.md`` holds no figures of a run."""
+    page = (ROOT / "docs" / "benchmarks-results.md").read_text()
+    fig = publish.embedded(page)
+    assert fig is not None and page == publish.markdown(fig), "edited by hand: run `make bench` again"
+    assert fig["command"].startswith(("make bench", "python -m benches")) and fig["host"]["cores"]
+    assert fig["host"]["cpu"] and fig["host"]["kernel"] and fig["rows"]
+    prose = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "benchmarks-results.md" in prose
+    assert not [line for line in prose.splitlines() if line.startswith("|")], "a table of a run's figures in the prose"
 
 
 def _synthetic(setup_ms: dict[str, float], rates: dict[str, float], nth: dict[str, tuple[float, float]]) -> dict:

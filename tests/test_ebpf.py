@@ -22,6 +22,9 @@ import pytest
 
 from redirect import api
 from redirect.backends import ebpf
+from redirect.backends.ebpf import abi
+from redirect.backends.ebpf.host import objects, pod_link, syscalls
+from redirect.backends.ebpf.pod.entries import policy_core
 from redirect.config import RedirectConfig
 from redirect.errors import BackendUnavailable, SetupError
 from redirect.kernel import netns as rnetns
@@ -237,11 +240,11 @@ def entries_mentioning(root: str, cookie: int) -> dict[str, set[bytes]]:
     Ports and CIDR keys of either generation (``pod_keys``) are shown as the first's."""
     h = ebpf.host(root, load=False)
     assert h is not None
-    c = ebpf.U64.pack(cookie)
+    c = abi.U64.pack(cookie)
     where = {"pods": 0, "inventory": 0, "ports": 0, "cidrs": 8, "listeners": 0}
     out: dict[str, set[bytes]] = {}
     for name, off in where.items():
-        gens = (c, ebpf.U64.pack(cookie | ebpf.GEN_BIT)) if name in ("ports", "cidrs") else (c,)
+        gens = (c, abi.U64.pack(cookie | abi.GEN_BIT)) if name in ("ports", "cidrs") else (c,)
         out[name] = {k[:off] + c + k[off + 8:] for k in h.maps[name].keys() if k[off : off + 8] in gens}
     for name in ("orig_by_cookie", "orig_by_tuple", "dns_by_cookie"):
         m = h.maps[name]
@@ -288,7 +291,7 @@ def _conn_entries(root: str, cookie: int) -> dict[str, int]:
     """How many entries of the netns ``cookie`` the per-connection maps hold (their keys start with it)."""
     h = ebpf.host(root, load=False)
     assert h is not None
-    c = ebpf.U64.pack(cookie)
+    c = abi.U64.pack(cookie)
     return {name: sum(1 for k in h.maps[name].keys() if k[:8] == c) for name in ("orig_by_tuple", "local_conns")}
 
 
@@ -386,7 +389,7 @@ def test_check_reads_the_maps_back_and_setup_repairs(pod: Pod, setup_pod, bpf_ro
         assert landing(pod.name, pod.peer_ip4, 9090, *proxy, *app, uid=APP_UID).listener is app[0]
         h = ebpf.host(bpf_root, load=False)
         assert h is not None
-        key = ebpf.PORT_KEY.pack(_cookie(pod), PORT_KIND["out_exclude"], 9090, 0)
+        key = abi.PORT_KEY.pack(_cookie(pod), PORT_KIND["out_exclude"], 9090, 0)
         assert h.maps["ports"].delete(key)  # someone else's hand
         res = api.check(pod.name, cfg, backend="ebpf")
         assert not res.ok and "missing port entry outbound-exclude 9090" in res.differences, res.differences
@@ -413,7 +416,7 @@ def scratch_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 def test_a_removed_link_pin_is_repaired_by_the_next_setup(pod: Pod, scratch_root: str) -> None:
     h = ebpf.host(scratch_root)
     assert h is not None
-    ids = {n: ebpf.prog_id(fd) for n, fd in h.progs.items()}
+    ids = {n: syscalls.prog_id(fd) for n, fd in h.progs.items()}
     os.unlink(os.path.join(scratch_root, "links", "rdr_connect4"))  # detaches: outbound IPv4 is off
     assert ebpf.missing_pins(scratch_root) == ["links/rdr_connect4"]
     proxy = _proxy_listeners(pod, 15001, "proxy")
@@ -423,7 +426,7 @@ def test_a_removed_link_pin_is_repaired_by_the_next_setup(pod: Pod, scratch_root
         assert res.detail["compiled"] is False
         assert not ebpf.missing_pins(scratch_root)
         h2 = ebpf.host(scratch_root)
-        assert h2 is not None and {n: ebpf.prog_id(fd) for n, fd in h2.progs.items()} == ids
+        assert h2 is not None and {n: syscalls.prog_id(fd) for n, fd in h2.progs.items()} == ids
         assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy
     finally:
         _close(proxy, app)
@@ -476,11 +479,11 @@ def test_check_fails_while_any_host_link_is_missing_or_detached(pod: Pod, scratc
         api.setup(pod.name, OUT_ONLY, backend="ebpf")
         assert api.check(pod.name, OUT_ONLY, backend="ebpf").ok
         assert landing(pod.name, pod.peer_ip4, 8080, *proxy, *app, uid=APP_UID).listener in proxy
-        for name in ebpf._cgroup_progs():
+        for name in objects.CGROUP_PROGRAMS:
             link = os.path.join(scratch_root, "links", name)
-            fd = ebpf.obj_get(link)
+            fd = syscalls.obj_get(link)
             try:  # detached, pin left in place
-                assert ebpf._native().lib.rdr_bpf_link_detach(fd) == 0
+                assert syscalls.NATIVE.lib.rdr_bpf_link_detach(fd) == 0
             finally:
                 os.close(fd)
             res = api.check(pod.name, OUT_ONLY, backend="ebpf")
@@ -537,19 +540,22 @@ sys.path.insert(0, {repo!r})
 t0 = time.perf_counter()
 from redirect import api
 from redirect.backends import ebpf
+from redirect.backends.ebpf import abi
+from redirect.backends.ebpf.host import objects, pod_link, syscalls
+from redirect.backends.ebpf.pod.entries import policy_core
 from redirect.config import RedirectConfig
 res = api.setup({ns!r}, RedirectConfig(inbound_ports=()), backend="ebpf")
 ms = (time.perf_counter() - t0) * 1e3
 h = ebpf.host()
 print(json.dumps({{"compiled": h.compiled, "detail": res.detail, "ms": ms,
-                  "ids": {{n: ebpf.prog_id(fd) for n, fd in h.progs.items()}}}}))
+                  "ids": {{n: syscalls.prog_id(fd) for n, fd in h.progs.items()}}}}))
 """
 
 
 def test_pinned_programs_reused_by_a_second_process(pod: Pod, bpf_root: str) -> None:
     h = ebpf.host(bpf_root)
     assert h is not None
-    ids = {n: ebpf.prog_id(fd) for n, fd in h.progs.items()}
+    ids = {n: syscalls.prog_id(fd) for n, fd in h.progs.items()}
     code = CHILD.format(repo=REPO, ns=pod.name)
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
@@ -566,12 +572,12 @@ def test_pinned_programs_reused_by_a_second_process(pod: Pod, bpf_root: str) -> 
 
 def test_native_bpf_helpers_report_errno(bpf_root: str) -> None:
     with pytest.raises(OSError) as e:
-        ebpf.obj_get(os.path.join(bpf_root, "no-such-pin"))
+        syscalls.obj_get(os.path.join(bpf_root, "no-such-pin"))
     assert e.value.errno == 2
     h = ebpf.host(bpf_root)
     assert h is not None
     m = h.maps["ports"]
-    key = ebpf.PORT_KEY.pack(0xFFFF_FFFF_FFFF_0001, PORT_KIND["out_exclude"], 1, 0)  # a cookie no netns has
+    key = abi.PORT_KEY.pack(0xFFFF_FFFF_FFFF_0001, PORT_KIND["out_exclude"], 1, 0)  # a cookie no netns has
     try:
         m.update(key, b"\x01")
         assert m.lookup(key) == b"\x01"
@@ -746,11 +752,9 @@ def test_a_forced_unload_takes_the_tc_filters_off_a_live_pod_that_forwards(pod: 
 
 def ebpf_prog_id(root: str, name: str) -> int:
     """The id of the host program ``name`` pinned under ``root``."""
-    from redirect.backends.ebpf.syscalls import obj_get, prog_id
-
-    fd = obj_get(os.path.join(root, "progs", name))
+    fd = syscalls.obj_get(os.path.join(root, "progs", name))
     try:
-        return prog_id(fd)
+        return syscalls.prog_id(fd)
     finally:
         os.close(fd)
 
@@ -824,7 +828,7 @@ def test_pods_whose_netns_went_without_teardown_are_collected(make_pod, bpf_root
         for c in cookies[:2]:
             left = entries_mentioning(bpf_root, c)
             assert not any(left.values()), {k: len(v) for k, v in left.items() if v}
-            assert not os.path.exists(ebpf._pod_link(bpf_root, c))
+            assert not os.path.exists(pod_link(bpf_root, c))
         assert entries_mentioning(bpf_root, cookies[2]) == keep
         assert api.check(live.name, RedirectConfig(), backend="ebpf").ok
         assert ebpf.collect_garbage(bpf_root) == []
@@ -976,11 +980,11 @@ def _snapshot(pod: Pod, root: str) -> dict[str, Any]:
     assert h is not None
     with rn.enter(pod.name):
         cookie = ebpf.current_netns_cookie()
-        st = ebpf.read_pod(h, cookie)
+        st = h.store.read(cookie)
         ours = routes.read_ours((6,)).addresses
     return {"keys": entries_mentioning(root, cookie), "entries": st.entries,
-            "policy": None if st.policy is None else ebpf._policy_core(st.policy),
-            "link": os.path.exists(ebpf._pod_link(root, cookie)), "addresses": ours}
+            "policy": None if st.policy is None else policy_core(st.policy),
+            "link": os.path.exists(pod_link(root, cookie)), "addresses": ours}
 
 
 FRESH_CONFIGS = {
@@ -1068,7 +1072,7 @@ def test_v6_passthrough_is_one_of_the_pods_own_addresses_only_while_it_is_there(
     adds it); in one without, there is no ``::6`` and no entry for it. Both the native call and
     the general path (a second setup) write the same."""
     cfg = RedirectConfig() if inbound == "inbound" else OUT_ONLY
-    local6 = ebpf.CIDR_KEY.pack(96 + 128, CIDR_KIND["local6"], _cookie(pod), socket.inet_pton(socket.AF_INET6, "::6"))
+    local6 = abi.CIDR_KEY.pack(96 + 128, CIDR_KIND["local6"], _cookie(pod), socket.inet_pton(socket.AF_INET6, "::6"))
     ip6 = ["ip", "-n", pod.name, "-6", "addr"]
     own = [f"{pod.pod_ip6}/64", "dev", pod.pod_if]
     for has_v6 in (True, False):
@@ -1106,7 +1110,7 @@ def test_a_pod_with_many_addresses_has_them_all_registered_and_one_with_too_many
     finally:
         _close(proxy, app)
     api.teardown(pod.name, backend="ebpf")
-    most = ebpf._native().lib.RDR_SCAN_MAX
+    most = syscalls.NATIVE.lib.RDR_SCAN_MAX
     more = [f"{prefix}:{0x1000 + i:x}" for i in range(most)]
     batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in more)
     subprocess.run(["ip", "-n", pod.name, "-batch", "-"], input=batch, text=True, check=True)
@@ -1170,7 +1174,7 @@ def test_leftovers_of_an_earlier_attempt_send_a_fresh_pod_the_general_way_untouc
     assert h is not None
     with rn.enter(pod.name):
         cookie = ebpf.current_netns_cookie()
-    assert h.pods.delete(ebpf.U64.pack(cookie))  # the policy goes; entries, inventory, link stay
+    assert h.pods.delete(abi.U64.pack(cookie))  # the policy goes; entries, inventory, link stay
     left = _snapshot(pod, bpf_root)
     assert left["policy"] is None and left["link"] and left["keys"]
     fd = rn.open_netns(pod.name)
@@ -1191,6 +1195,9 @@ RELOAD = r"""
 import sys
 sys.path.insert(0, {repo!r})
 from redirect.backends import ebpf
+from redirect.backends.ebpf import abi
+from redirect.backends.ebpf.host import objects, pod_link, syscalls
+from redirect.backends.ebpf.pod.entries import policy_core
 ebpf.force_unload_host({root!r})
 h = ebpf.host({root!r})
 print(h.compiled)
@@ -1202,7 +1209,7 @@ def test_host_programs_reloaded_by_another_process_are_picked_up(make_pod, scrat
     The pin watch tells: the next fresh pod is written into the new maps, not the old ones."""
     a, b = make_pod(), make_pod()
     old = ebpf.host(scratch_root)
-    assert old is not None and old.ok
+    assert old is not None and old.store.ok
     api.setup(a.name, OUT_ONLY, backend="ebpf")
     api.teardown(a.name, backend="ebpf")
     r = subprocess.run([sys.executable, "-c", RELOAD.format(repo=REPO, root=scratch_root)],
@@ -1228,7 +1235,7 @@ def test_thread_netns_fd_names_the_calling_threads_netns(pod: Pod, bpf_root: str
 
     from redirect.kernel import netns as rn
 
-    lib = ebpf._native().lib
+    lib = syscalls.NATIVE.lib
     target = rn.netns_inode(pod.name)
 
     def where() -> int:
@@ -1321,12 +1328,12 @@ def test_the_map_layouts_are_those_of_the_abi_header() -> None:
             assert off == ffi.offsetof(f"struct {name}", field), (name, field)
     # A value packed in Python reads back field by field through the C declaration.
     addr = b"\x0a\x01\x02" + bytes(13)
-    k = ebpf.CIDR_KEY.pack(ebpf.CIDR_PREFIX_BASE + 24, CIDR_KIND["out_exclude4"], 0x1122334455667788, addr)
+    k = abi.CIDR_KEY.pack(abi.CIDR_PREFIX_BASE + 24, CIDR_KIND["out_exclude4"], 0x1122334455667788, addr)
     c = ffi.cast("struct cidr_key *", ffi.from_buffer(k))
     assert (c.prefixlen, c.kind, c.netns, bytes(c.addr)[:3]) == (120, CIDR_KIND["out_exclude4"], 0x1122334455667788,
                                                                   b"\x0a\x01\x02")
-    v = list(ebpf.POLICY.unpack(bytes(ebpf.POLICY.size)))
-    v[ebpf.P_FLAGS], v[ebpf.P_N_INV] = ebpf.flag("v6"), 7
-    p = ffi.cast("struct pod_policy *", ffi.from_buffer(ebpf.POLICY.pack(*v)))
-    assert (p.flags, p.n_inv, p.inv_base) == (ebpf.flag("v6"), 7, 0)
-    assert ebpf.PROGRAMS["rdr_sk_lookup"][1] == ebpf.SK_LOOKUP_ATTACH == 36  # BPF_SK_LOOKUP, by name
+    v = list(abi.POLICY.unpack(bytes(abi.POLICY.size)))
+    v[abi.P_FLAGS], v[abi.P_N_INV] = abi.flag("v6"), 7
+    p = ffi.cast("struct pod_policy *", ffi.from_buffer(abi.POLICY.pack(*v)))
+    assert (p.flags, p.n_inv, p.inv_base) == (abi.flag("v6"), 7, 0)
+    assert objects.PROGRAMS["rdr_sk_lookup"][1] == abi.const("BPF_SK_LOOKUP") == 36  # BPF_SK_LOOKUP, by name

@@ -20,8 +20,8 @@ import pytest
 
 from redirect import api
 from redirect.backends import ebpf
-from redirect.backends.ebpf.host import _host_lock
-from redirect.backends.ebpf.launch import run_loader
+from redirect.backends.ebpf.host.launch import run_loader
+from redirect.backends.ebpf.host.pins import host_lock
 from redirect.config import RedirectConfig
 from tests.netkit import Pod, TcpListener, landing
 from tests.test_agent import Node, cni
@@ -119,7 +119,7 @@ def test_a_loader_that_fails_leaves_nothing_pinned_and_says_why(scratch_root: st
     the programs would be attached), and nothing is left pinned."""
     from redirect.errors import BackendUnavailable
 
-    with _host_lock(scratch_root) as lock_fd, pytest.raises(BackendUnavailable, match="cgroup v2 not mounted at"):
+    with host_lock(scratch_root) as lock_fd, pytest.raises(BackendUnavailable, match="cgroup v2 not mounted at"):
         run_loader(scratch_root, str(tmp_path), lock_fd)
     assert not os.path.exists(scratch_root)
 
@@ -136,7 +136,7 @@ def test_the_ebpf_agent_is_ready_once_its_host_programs_are_pinned_and_keeps_no_
     eBPF ADD the agent has no bcc or LLVM mapped. Pins removed later make it not ready again."""
     n = Node(tmp_path, "ebpf")
     try:
-        with _host_lock(scratch_root):
+        with host_lock(scratch_root):
             agent = n.start_agent()
             assert agent.get("/healthz")[0] == 200
             for _ in range(3):

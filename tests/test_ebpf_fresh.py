@@ -1,4 +1,4 @@
-"""The eBPF backend's one-call setup of a fresh pod (native/pod_setup.c, redirect/backends/ebpf/fresh.py):
+"""The eBPF backend's one-call setup of a fresh pod (native/pod_setup.c, redirect/backends/ebpf/pod/fresh.py):
 it writes what the general path writes, from the lowering's entries, for every kind of pod; and it
 tells a netns that may hold netfilter capture of ours by the run dir's marks (redirect.locks),
 asking the kernel for netfilter tables only then."""
@@ -14,6 +14,8 @@ import pytest
 
 from redirect import api
 from redirect.backends import ebpf
+from redirect.backends.ebpf.host import pod_link
+from redirect.backends.ebpf.pod.entries import policy_core
 from redirect.config import RedirectConfig
 from redirect.kernel import locks, routes
 from redirect.kernel import netns as rnetns
@@ -30,10 +32,10 @@ def _snapshot(ns: str, root: str) -> dict[str, object]:
     assert h is not None
     with rnetns.enter(ns):
         cookie = ebpf.current_netns_cookie()
-        st = ebpf.read_pod(h, cookie)
+        st = h.store.read(cookie)
         ours = routes.read_ours((6,)).addresses
-    return {"entries": st.entries, "policy": None if st.policy is None else ebpf._policy_core(st.policy),
-            "link": os.path.exists(ebpf._pod_link(root, cookie)), "addresses": ours}
+    return {"entries": st.entries, "policy": None if st.policy is None else policy_core(st.policy),
+            "link": os.path.exists(pod_link(root, cookie)), "addresses": ours}
 
 
 @pytest.mark.parametrize("ipv6", ["lo-only", "lo-only-ipv6-off", "own-ipv6"])

@@ -1,4 +1,4 @@
-"""The pool of the pods' sk_lookup programs (redirect/backends/ebpf/pool.py): loaded ahead, a slot
+"""The pool of the pods' sk_lookup programs (redirect/backends/ebpf/host/pool.py): loaded ahead, a slot
 claimed per pod and given back at teardown, grown a batch at a time, loaded on demand when empty,
 reclaimed by the garbage collection after a killed setup, and gone with the host programs."""
 
@@ -13,7 +13,8 @@ import time
 
 from redirect import api
 from redirect.backends import ebpf
-from redirect.backends.ebpf import pool
+from redirect.backends.ebpf.abi import POOL_MAX, POOL_SLOT
+from redirect.backends.ebpf.host import pod_link, pool, syscalls
 from redirect.config import RedirectConfig
 from redirect.kernel import locks
 from redirect.kernel import netns as rnetns
@@ -29,9 +30,9 @@ def _state(root: str) -> tuple[dict[int, tuple[int, int]], set[int], dict[int, i
     h = ebpf.host(root, load=False)
     assert h is not None
     slots, free, progs = h.maps["lookup_slots"], h.maps["lookup_free"], h.maps["lookup_pool"]
-    claimed = {U32.unpack(k)[0]: pool.POOL_SLOT.unpack(slots.lookup(k) or bytes(16)) for k in slots.keys()}
+    claimed = {U32.unpack(k)[0]: POOL_SLOT.unpack(slots.lookup(k) or bytes(16)) for k in slots.keys()}
     loaded = {}
-    for s in range(pool.POOL_MAX):
+    for s in range(POOL_MAX):
         v = progs.lookup(U32.pack(s))
         if v is not None:
             loaded[s] = U32.unpack(v)[0]
@@ -47,9 +48,9 @@ def _cookie(pod: Pod) -> int:
 
 
 def _link_prog(root: str, cookie: int) -> int:
-    fd = ebpf.obj_get(ebpf._pod_link(root, cookie))
+    fd = syscalls.obj_get(pod_link(root, cookie))
     try:
-        return ebpf.link_info(fd)["prog_id"]
+        return syscalls.link_info(fd)["prog_id"]
     finally:
         os.close(fd)
 
@@ -91,7 +92,9 @@ def _reused(make_pod, ebpf_root: str) -> None:
         assert (claimed, free) == (claimed0, free0)
     h = ebpf.host(ebpf_root, load=False)
     assert h is not None
-    assert pool.reclaim(h, lambda c: ebpf._pod_link(ebpf_root, c)) == []  # nothing for the garbage collection
+    m = h.maps
+    assert pool.reclaim(m["lookup_slots"], m["lookup_free"], m["lookup_pool"], int(h.pool_hint[0]),
+                        h.store.link_path) == []  # nothing for the garbage collection
 
 
 def test_a_setup_that_finds_no_slot_queued_free_loads_one_on_demand_and_the_next_batch(
@@ -141,7 +144,7 @@ def test_a_setup_killed_after_its_claim_leaves_a_slot_the_garbage_collection_giv
     assert r.returncode == -9, r.stderr.decode()
     claimed, free, _ = _state(ebpf_root)
     mine = [s for s, (c, _ino) in claimed.items() if c == cookie]
-    assert len(mine) == 1 and not os.path.exists(ebpf._pod_link(ebpf_root, cookie))
+    assert len(mine) == 1 and not os.path.exists(pod_link(ebpf_root, cookie))
     # While a setup of that netns holds its lock (it may be the one claiming), the claim stays.
     held, stop = threading.Event(), threading.Event()
 
@@ -183,7 +186,7 @@ def test_the_pools_programs_go_with_the_host_programs(pod: Pod, monkeypatch) -> 
     finally:
         ebpf.force_unload_host(root)
     assert not os.path.exists(root)
-    lib = ebpf._native().lib
+    lib = syscalls.NATIVE.lib
     deadline = time.monotonic() + 10
     left = progs
     while left and time.monotonic() < deadline:

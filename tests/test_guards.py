@@ -127,7 +127,7 @@ NETFILTER_ONLY: dict[str, str] = {
 }
 #: Intent fields neither lowering reads, and who does.
 NOT_LOWERED: dict[str, str] = {
-    "local_addresses": "every backend adds them itself (redirect.kernel.routes; the eBPF backend's podnet)",
+    "local_addresses": "every backend adds them itself (redirect.kernel.routes; the eBPF backend's native writer)",
     "ipv6": "every backend decides the families from it (detect_families); the lowerings are given those",
 }
 #: Intent fields only the eBPF lowering reads, and why.
@@ -232,7 +232,7 @@ def test_every_ebpf_policy_field_is_packed_and_read_by_the_programs_and_their_mo
     import re
 
     from redirect.backends.ebpf.abi import POLICY_LAYOUT
-    from redirect.backends.ebpf.entries import pack_policy
+    from redirect.backends.ebpf.pod.entries import pack_policy
 
     bpf, model = _bpf_text(), (ROOT / "redirect" / "plan" / "evaluate.py").read_text()
     policy = lower_ebpf.lower_ebpf(_intents()[0], (4, 6)).policy

@@ -270,7 +270,7 @@ def test_a_pods_sources_are_its_first_address_of_each_captured_family_off_lo() -
     """``pod_sources`` (the choice ``rdr_pod_sources`` makes for both setup paths): per family the
     config captures, the first of the pod's addresses not on lo; none for a family it has none of
     or does not capture."""
-    from redirect.backends.ebpf.entries import pod_sources
+    from redirect.backends.ebpf.pod.entries import pod_sources
 
     local = ((6, "::6", 1), (4, "10.0.0.7", 1), (4, "10.1.0.2", 2), (6, "fd00::2", 3), (4, "10.2.0.3", 3),
              (6, "fd00::9", 2))

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 import pytest
-from pyroute2 import IPRoute
 
+from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
 from tests import netkit
 from tests.kit import secctx
@@ -33,12 +33,11 @@ def _links(ns: str) -> dict[str, list[str]]:
     """ifname -> addresses in ``ns``."""
 
     def read() -> dict[str, list[str]]:
-        with IPRoute() as ipr:
-            names = {link["index"]: link.get("ifname") for link in ipr.get_links()}
-            out: dict[str, list[str]] = {n: [] for n in names.values()}
-            for a in ipr.get_addr():
-                out[names[a["index"]]].append(a.get("IFA_ADDRESS"))
-            return out
+        names = netlink.link_names()
+        out: dict[str, list[str]] = {n: [] for n in names.values()}
+        for _family, index, address in netlink.addresses():
+            out[names[index]].append(address)
+        return out
 
     return in_netns(ns, read)
 
@@ -164,7 +163,7 @@ def test_udp_probe_reaches_the_peer_listener(pod: Pod, family: int) -> None:
         c = dns.wait_for(1)[0]
         assert c.proto == "udp" and c.local == (dst, 5353) and c.orig_dst == (dst, 5353)
         assert c.peer[0] == pod.pod_ip(family)
-        peer_if_index = in_netns(pod.peer_name, lambda: IPRoute().link_lookup(ifname=pod.peer_if)[0])
+        peer_if_index = in_netns(pod.peer_name, lambda: netlink.link_index(pod.peer_if))
         assert c.ifindex == peer_if_index
         assert udp_probe(pod.name, dst, 5353, uid=1337, gid=1337) == "dns"
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
-from redirect.kernel import rtnl
 from tests.netkit import Pod
 
 
@@ -51,6 +51,9 @@ with n.enter("/proc/self/ns/net") as fd:
     with n.enter(f"pid:{os.getpid()}"):
         assert n.current_inode() == own and os.fstat(fd).st_ino == own
         print(n.host_netns_reason(), "|", n.host_netns_reason(own_ok=True))
+        ran = []
+        n.start_thread(lambda: ran.append(os.stat("/proc/thread-self/ns/net").st_ino), "t").join(10)
+        assert ran == [own], "a thread started there runs (no setns into its own netns)"
 try:
     with n.enter(sys.argv[1]):
         pass
@@ -62,9 +65,9 @@ assert os.stat("/proc/thread-self/ns/net").st_ino == own
 
 def test_entering_the_threads_own_netns_makes_no_setns(pod: Pod) -> None:
     """Without CAP_SYS_ADMIN (an init container's capabilities) a process enters its own netns, in
-    any form and nested, since that takes no setns; the host guard judges it all the same (the
-    caller's own; not the host's with ``own_ok``); entering another netns fails naming the
-    capability it lacks."""
+    any form and nested, and starts the library's threads there, since that takes no setns; the
+    host guard judges it all the same (the caller's own; not the host's with ``own_ok``); entering
+    another netns fails naming the capability it lacks."""
     p = subprocess.run(["nsenter", f"--net={pod.path}", "--", "setpriv", "--bounding-set=-all,+net_admin,+net_raw",
                         "--inh-caps=-all", "--ambient-caps=-all", "--", sys.executable, "-c", _ENTER_OWN,
                         f"/run/netns/{pod.peer_name}"], capture_output=True, text=True, timeout=30)
@@ -84,18 +87,18 @@ def test_current_fd_is_cleared_when_the_body_raises(pod: Pod) -> None:
 
 def test_one_rtnetlink_socket_serves_dumps_and_changes_in_turn(pod: Pod) -> None:
     """A shared socket matches replies by sequence number: an error reply (EEXIST) leaves it usable."""
-    with rnetns.enter(pod.name), rtnl.open_socket() as s:
-        before = rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)
-        assert any(m.attrs.get(rtnl.IFA_ADDRESS) == socket.inet_pton(socket.AF_INET6, "::1") for m in before)
-        rtnl.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)  # IFA_F_NODAD
+    with rnetns.enter(pod.name), netlink.open_socket() as s:
+        before = netlink.dump(netlink.RTM_GETADDR, socket.AF_INET6, sock=s)
+        assert any(m.attrs.get(netlink.IFA_ADDRESS) == socket.inet_pton(socket.AF_INET6, "::1") for m in before)
+        netlink.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)  # IFA_F_NODAD
         with pytest.raises(OSError) as ei:
-            rtnl.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)
+            netlink.addr("add", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, 0x02, sock=s)
         assert ei.value.errno == errno.EEXIST
-        after = rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)
+        after = netlink.dump(netlink.RTM_GETADDR, socket.AF_INET6, sock=s)
         assert len(after) == len(before) + 1
         assert "fd00::77" in _v6_addrs_on_lo(pod.name)
-        rtnl.addr("del", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, sock=s)
-        assert len(rtnl.dump(rtnl.RTM_GETADDR, socket.AF_INET6, sock=s)) == len(before)
+        netlink.addr("del", socket.AF_INET6, 1, "fd00::77", 128, 0xBC, sock=s)
+        assert len(netlink.dump(netlink.RTM_GETADDR, socket.AF_INET6, sock=s)) == len(before)
     assert "fd00::77" not in _v6_addrs_on_lo(pod.name)
 
 

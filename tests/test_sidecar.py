@@ -23,9 +23,9 @@ import pytest
 
 import redirect
 from redirect import RedirectConfig
+from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
-from redirect.kernel import rtnl
 from redirect.plan.lower_ebpf import CIDR_KIND
 from tests.netkit import (
     OUR_TC,
@@ -835,13 +835,14 @@ def _flush_outbound_chain(ns: str, backend: str) -> None:
     which makes its lo traffic return)."""
     if backend == "ebpf":
         from redirect.backends import ebpf
+        from redirect.backends.ebpf.abi import CIDR_KEY
 
         with rnetns.enter(ns):
             h = ebpf.host(load=False)
             assert h is not None
             cookie = ebpf.current_netns_cookie()
             for k in list(h.maps["cidrs"].keys()):
-                if ebpf.CIDR_KEY.unpack(k)[1:3] == (CIDR_KIND["local4"], cookie):
+                if CIDR_KEY.unpack(k)[1:3] == (CIDR_KIND["local4"], cookie):
                     assert h.maps["cidrs"].delete(k)
         return
     if backend == "nftables":
@@ -939,7 +940,7 @@ def test_passthrough_address_comes_with_the_pods_own_ipv6(pod: Pod, backend: str
     redirect.teardown(pod.name, backend=backend)
     # A ::6 of ours (our routing protocol) that is not wanted goes at setup; someone else's stays.
     for proto, stays in ((rt.RT_PROTO, False), (0, True)):
-        pod.run(rtnl.addr, "add", socket.AF_INET6, 1, "::6", 128, proto, rt.IFA_F_NODAD)
+        pod.run(netlink.addr, "add", socket.AF_INET6, 1, "::6", 128, proto, rt.IFA_F_NODAD)
         redirect.setup(pod.name, None, backend=backend)
         assert _passthrough_on_lo(pod.name) == stays
         redirect.teardown(pod.name, backend=backend)

@@ -69,7 +69,7 @@ def probe(exe: str, pod: Pod, *cases: str, timeout: float = 300) -> dict[str, di
 def pairs_of(root: str, cookie: int) -> set[tuple[str, int, str, int]]:
     """The connection ends of netns ``cookie`` in the ``pairs`` sockhash: (local, port, remote, port)."""
     from redirect.backends.ebpf.abi import PAIR_KEY
-    from redirect.backends.ebpf.syscalls import Map, obj_get
+    from redirect.backends.ebpf.host.syscalls import Map, obj_get
 
     fd = obj_get(os.path.join(root, "maps", "pairs"))
     try:
@@ -90,7 +90,7 @@ def pairs_of(root: str, cookie: int) -> set[tuple[str, int, str, int]]:
 def pair_state(root: str, cookie: int, local: tuple[str, int], remote: tuple[str, int]) -> str | None:
     """The ``pair_state`` of the connection whose connecting end is ``local`` -> ``remote`` (IPv4)."""
     from redirect.backends.ebpf.abi import PAIR_KEY, PAIR_STATE, const
-    from redirect.backends.ebpf.syscalls import Map, obj_get
+    from redirect.backends.ebpf.host.syscalls import Map, obj_get
 
     key = PAIR_KEY.pack(cookie, socket.AF_INET, local[1].to_bytes(2, "big"), remote[1].to_bytes(2, "big"),
                         socket.inet_aton(local[0]).ljust(16, b"\0"), socket.inet_aton(remote[0]).ljust(16, b"\0"))

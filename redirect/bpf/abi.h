@@ -16,7 +16,7 @@
 #include <linux/types.h>
 
 /* pod_policy.flags: each is the boolean of redirect/plan/lower_ebpf.py's EbpfPolicy of its name
- * (RDR_F_<NAME>), which redirect/backends/ebpf/entries.py packs by that name. */
+ * (RDR_F_<NAME>), which redirect/backends/ebpf/pod/entries.py packs by that name. */
 #define RDR_F_OUT_ALL 0x1        /* outbound_cidrs == "*" */
 #define RDR_F_DNS 0x2            /* DNS capture on (dns_effective) */
 #define RDR_F_DNS_ALL 0x4        /* capture_all_dns */

@@ -9,6 +9,16 @@
 
 #define SYS_PROCEED 1
 
+/* An IPv6 address copied to or from a sock_addr context's user_ip6 or msg_src_ip6, one 32-bit word
+ * at a time: narrower or wider loads and stores of those fields are refused by the verifier. */
+#define IP6_COPY(to, from)             \
+	do {                           \
+		(to)[0] = (from)[0];   \
+		(to)[1] = (from)[1];   \
+		(to)[2] = (from)[2];   \
+		(to)[3] = (from)[3];   \
+	} while (0)
+
 /* Rewriting the destination of a locally generated connection to loopback
  * is what REDIRECT does in OUTPUT; the proxy listens on 127.0.0.1 / ::1
  * (or a wildcard). */
@@ -102,10 +112,7 @@ static __always_inline void give_source6(struct bpf_sock_addr *ctx, const __u8 *
 	__builtin_memcpy(ip, src, 16);
 	if (from_sendmsg) {
 		if (!(ctx->msg_src_ip6[0] | ctx->msg_src_ip6[1] | ctx->msg_src_ip6[2] | ctx->msg_src_ip6[3])) {
-			ctx->msg_src_ip6[0] = ip[0];
-			ctx->msg_src_ip6[1] = ip[1];
-			ctx->msg_src_ip6[2] = ip[2];
-			ctx->msg_src_ip6[3] = ip[3];
+			IP6_COPY(ctx->msg_src_ip6, ip);
 		}
 		return;
 	}
@@ -164,17 +171,9 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
-	/* ctx->user_ip6 is read one 32-bit word at a time (narrower or wider
-	 * loads are refused by the verifier). */
-	dst[0] = ctx->user_ip6[0];
-	dst[1] = ctx->user_ip6[1];
-	dst[2] = ctx->user_ip6[2];
-	dst[3] = ctx->user_ip6[3];
+	IP6_COPY(dst, ctx->user_ip6);
 	if (from_sendmsg) {
-		src[0] = ctx->msg_src_ip6[0];
-		src[1] = ctx->msg_src_ip6[1];
-		src[2] = ctx->msg_src_ip6[2];
-		src[3] = ctx->msg_src_ip6[3];
+		IP6_COPY(src, ctx->msg_src_ip6);
 	} else {
 		src[0] = ctx->sk->src_ip6[0];
 		src[1] = ctx->sk->src_ip6[1];
@@ -297,10 +296,7 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx, const struct orig
 	} else {
 		__builtin_memcpy(ip, o->addr, 16);
 	}
-	ctx->user_ip6[0] = ip[0];
-	ctx->user_ip6[1] = ip[1];
-	ctx->user_ip6[2] = ip[2];
-	ctx->user_ip6[3] = ip[3];
+	IP6_COPY(ctx->user_ip6, ip);
 	ctx->user_port = o->port_be;
 	return SYS_PROCEED;
 }
@@ -379,10 +375,7 @@ int rdr_getpeername6(struct bpf_sock_addr *ctx)
 
 	if (!pod_of(netns))
 		return SYS_PROCEED;
-	u[0] = ctx->user_ip6[0];
-	u[1] = ctx->user_ip6[1];
-	u[2] = ctx->user_ip6[2];
-	u[3] = ctx->user_ip6[3];
+	IP6_COPY(u, ctx->user_ip6);
 	if (u[0] || u[1] || !((!u[2] && u[3] == bpf_htonl(1)) || (u[2] == bpf_htonl(0xffff) && u[3] == bpf_htonl(0x7f000001))))
 		return SYS_PROCEED;
 	if (ctx->type == SOCK_STREAM) {

@@ -14,7 +14,7 @@
  * reverse NAT does. Destinations of the pod's own (and loopback) are left to sk_lookup.
  *
  * The programs are attached as cls_bpf filters of a clsact qdisc on each interface the pod
- * forwards on (redirect/backends/ebpf/tc.py), shared by every pod: a filter's classid is the pod's
+ * forwards on (redirect/backends/ebpf/pod/tc.py), shared by every pod: a filter's classid is the pod's
  * pool slot plus one (the slot its sk_lookup program runs in, redirect/bpf/abi.h struct pool_slot), which
  * the kernel hands the program as skb->tc_classid before it runs; lookup_slots names the pod.
  *
@@ -141,14 +141,17 @@ static __always_inline int rdr_has_addr(const __u8 *a, int v6)
 	return (w[0] | w[1] | w[2] | w[3]) != 0;
 }
 
-/* The registered pod whose filter runs the program: lookup_slots[tc_classid - 1]. */
-static __always_inline struct pod_policy *filter_pod(struct __sk_buff *skb, __u64 *netns, __u64 *keys)
+/* A TCP packet (parsed into *k) of the registered pod whose filter runs the program:
+ * lookup_slots[tc_classid - 1]; NULL for any other packet. The parse comes first: no map look-up
+ * for what is not TCP. */
+static __always_inline struct pod_policy *filter_pod(struct __sk_buff *skb, struct rdr_pkt *k, __u64 *netns,
+						     __u64 *keys)
 {
 	struct pod_policy *p;
 	struct pool_slot *ps;
 	__u32 slot = skb->tc_classid;
 
-	if (slot == 0)
+	if (!rdr_parse(skb, k) || slot == 0)
 		return 0;
 	slot--;
 	ps = lookup_slots.lookup(&slot);
@@ -173,9 +176,7 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	int v6, kind, spoofed;
 	__u16 to;
 
-	if (!rdr_parse(skb, &k)) /* (first: no map look-up for what is not TCP) */
-		return RDR_TC_OK;
-	p = filter_pod(skb, &netns, &keys);
+	p = filter_pod(skb, &k, &netns, &keys);
 	if (!p)
 		return RDR_TC_OK;
 	v6 = k.family == AF_INET6;
@@ -236,9 +237,7 @@ int rdr_tc_egress(struct __sk_buff *skb)
 	__u64 netns, keys;
 	__u8 addr[16];
 
-	if (!rdr_parse(skb, &k)) /* (first: no map look-up for what is not TCP) */
-		return RDR_TC_OK;
-	p = filter_pod(skb, &netns, &keys);
+	p = filter_pod(skb, &k, &netns, &keys);
 	if (!p)
 		return RDR_TC_OK;
 	client.netns = netns;

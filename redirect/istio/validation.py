@@ -24,13 +24,11 @@ from ..relay import original_dst
 
 
 def _local_ipv4() -> str | None:
-    from pyroute2 import IPRoute
+    from ..kernel import netlink
 
-    with IPRoute() as ipr:
-        for a in ipr.get_addr(family=socket.AF_INET):
-            ip = a.get_attr("IFA_ADDRESS")
-            if ip and not ipaddress.ip_address(ip).is_loopback:
-                return str(ip)
+    for _f, _i, ip in netlink.addresses(socket.AF_INET):
+        if not ipaddress.ip_address(ip).is_loopback:
+            return ip
     return None
 
 

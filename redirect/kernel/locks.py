@@ -51,7 +51,6 @@ RUN_DIR = "/run/redirect"
 #: The netns lock file, in the run directory.
 NETNS_LOCK = "netns.lock"
 LOCK_WAIT_S = 30.0
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
 
 
 def run_dir_path() -> str:
@@ -276,8 +275,14 @@ def forget_thread_lock_fd() -> None:
     _tls.__dict__.pop("lock_file", None)
 
 
-def _ofd_lock(fd: int, inode: int, kind: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, inode, 1, 0))
+def _ofd_lock(fd: int, inode: int, lock: bool) -> None:
+    """The netns lock of ``inode`` taken (``lock``) or given back on ``fd``, without waiting:
+    ``rdr_netns_lock`` (native/pod_setup.c), the lock the eBPF fresh-pod call takes too."""
+    from ..native import load
+
+    rc = load().lib.rdr_netns_lock(fd, inode, int(lock))
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
 
 
 @contextlib.contextmanager
@@ -289,7 +294,7 @@ def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
     pause = 0.0005
     while True:
         try:
-            _ofd_lock(fd, inode, fcntl.F_WRLCK)
+            _ofd_lock(fd, inode, True)
             break
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another thread or process
@@ -302,4 +307,4 @@ def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
     try:
         yield
     finally:
-        _ofd_lock(fd, inode, fcntl.F_UNLCK)
+        _ofd_lock(fd, inode, False)

@@ -268,21 +268,19 @@ def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
     A new thread starts in its creator's namespace, and a thread holds its namespace alive: a
     long-lived thread started inside ``enter(pod)`` would keep that pod's netns (its interfaces,
     its addresses) alive after the pod is gone. Every thread the library starts lazily, whoever
-    happens to be the first caller, starts here. (Outside any ``enter`` it is a plain thread.)"""
+    happens to be the first caller, starts here. (Outside any ``enter`` it is a plain thread; one
+    started inside an ``enter`` of the caller's own namespace makes no setns, which needs
+    ``CAP_SYS_ADMIN`` even there.)"""
     homes: list[int] | None = getattr(_entered, "homes", None)
     home = os.dup(homes[0]) if homes else None
 
     def run() -> None:
         if home is not None:
             try:
-                # (the creator may never have left its own netns: then the thread is there already,
-                # and setns, which needs CAP_SYS_ADMIN even into the thread's own, is not made)
-                here = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    if not _same_file(here, home):
-                        _setns(home)
-                finally:
-                    os.close(here)
+                here = os.stat("/proc/thread-self/ns/net")
+                st = os.fstat(home)
+                if (st.st_dev, st.st_ino) != (here.st_dev, here.st_ino):  # (as enter: no setns into its own)
+                    _setns(home)
             except OSError as e:  # pragma: no cover - kernel out of memory
                 raise SystemError(f"thread {name}: could not leave the creator's netns: {e}") from e
             finally:

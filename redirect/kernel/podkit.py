@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from . import netlink
 from . import netns as _netns
 
 NETNS_DIR = "/run/netns"
 IFA_F_NODAD = 0x02
+LOOPBACK_IFINDEX = 1
 
 _live: set[str] = set()
 _live_lock = threading.Lock()
@@ -65,82 +67,69 @@ def live_namespaces() -> set[str]:
 
 def create_netns(name: str) -> str:
     """Create ``/run/netns/<name>`` and remember it; returns the name."""
-    from pyroute2 import netns as pr_netns
-
-    pr_netns.create(name)
     with _live_lock:
         _live.add(name)
+    _ip_batch([f"netns add {name}"])
     return name
 
 
 def remove_netns(name: str) -> None:
     """Remove ``/run/netns/<name>`` (its interfaces go with it); quiet if it is already gone."""
-    from pyroute2 import netns as pr_netns
-
     try:
-        pr_netns.remove(name)
-    except FileNotFoundError:
-        pass
+        if os.path.lexists(os.path.join(NETNS_DIR, name)):
+            _ip_batch([f"netns delete {name}"])
     finally:
         with _live_lock:
             _live.discard(name)
 
 
-def iproute_in(ns: str) -> Any:
-    """A pyroute2 ``IPRoute`` whose netlink socket lives in ``ns`` (a socket keeps the netns it
-    was made in); the caller closes it."""
-    from pyroute2 import IPRoute
-
+def netlink_in(ns: str) -> netlink.NetlinkSocket:
+    """A netlink socket that lives in ``ns`` (a socket keeps the netns it was made in); the caller
+    closes it."""
     with _netns.enter(ns):
-        return IPRoute()
+        return netlink.NetlinkSocket()
 
 
 def _prepare(ns: str) -> None:
     """``lo`` up, and new interfaces skip duplicate address detection, link-local included:
     neighbour discovery needs a link-local source, which stays tentative until DAD ends, so
     the first IPv6 connection would wait for it."""
-    from pyroute2 import IPRoute
-
     with _netns.enter(ns):
         for scope in ("all", "default"):
             with open(f"/proc/sys/net/ipv6/conf/{scope}/accept_dad", "w") as f:
                 f.write("0")
-        with IPRoute() as ipr:
-            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        netlink.set_up(LOOPBACK_IFINDEX)
 
 
-def connect(pod_ipr: Any, peer_ipr: Any, peer_ns: str, link: Link) -> None:
-    """Add ``link``'s veth pair between the namespaces of two ``IPRoute``s (the peer's is
+def connect(pod_nl: netlink.NetlinkSocket, peer_nl: netlink.NetlinkSocket, peer_ns: str, link: Link) -> None:
+    """Add ``link``'s veth pair between the namespaces of two netlink sockets (the peer's is
     ``peer_ns``), with its addresses, up, and wait (bounded) until both ends have carrier: a
     neighbour solicitation sent before that is lost, and the first IPv6 connection would wait
     for its retransmit."""
-    p, q = pod_ipr, peer_ipr
-    p.link("add", ifname=link.pod_if, kind="veth", peer={"ifname": link.peer_if, "net_ns_fd": peer_ns})
-    for ipr, ifname, ip4, ip6 in ((p, link.pod_if, link.pod_ip4, link.pod_ip6),
-                                  (q, link.peer_if, link.peer_ip4, link.peer_ip6)):
-        (idx,) = ipr.link_lookup(ifname=ifname)
-        ipr.addr("add", index=idx, address=ip4, prefixlen=link.prefix4)
+    peer_fd = os.open(os.path.join(NETNS_DIR, peer_ns), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        netlink.add_veth(link.pod_if, link.peer_if, peer_fd, sock=pod_nl)
+    finally:
+        os.close(peer_fd)
+    ends = ((pod_nl, link.pod_if, link.pod_ip4, link.pod_ip6), (peer_nl, link.peer_if, link.peer_ip4, link.peer_ip6))
+    up: list[tuple[netlink.NetlinkSocket, int]] = []
+    for nl, ifname, ip4, ip6 in ends:
+        idx = netlink.link_index(ifname, sock=nl)
+        netlink.addr("add", socket.AF_INET, idx, ip4, link.prefix4, 0, sock=nl)
         if ip6:
-            ipr.addr("add", index=idx, address=ip6, prefixlen=link.prefix6, flags=IFA_F_NODAD)
-        ipr.link("set", index=idx, state="up")
+            netlink.addr("add", socket.AF_INET6, idx, ip6, link.prefix6, 0, IFA_F_NODAD, sock=nl)
+        netlink.set_up(idx, sock=nl)
+        up.append((nl, idx))
     deadline = time.monotonic() + 3.0
-    for ipr, ifname in ((p, link.pod_if), (q, link.peer_if)):
-        (idx,) = ipr.link_lookup(ifname=ifname)
-        while time.monotonic() < deadline and ipr.get_links(idx)[0].get_attr("IFLA_OPERSTATE") != "UP":
+    for nl, idx in up:
+        while time.monotonic() < deadline and not netlink.link_up(idx, sock=nl):
             time.sleep(0.005)
 
 
 def connect_netns(pod_ns: str, peer_ns: str, link: Link) -> None:
     """``connect`` between two namespaces by name."""
-    pod_ipr = iproute_in(pod_ns)
-    try:
-        peer_ipr = iproute_in(peer_ns)
-        try:
-            connect(pod_ipr, peer_ipr, peer_ns, link)
-        finally:
-            peer_ipr.close()
-    finally:
-        pod_ipr.close()
+    with netlink_in(pod_ns) as pod_nl, netlink_in(peer_ns) as peer_nl:
+        connect(pod_nl, peer_nl, peer_ns, link)
 
 
 def _ip_batch(lines: Iterable[str], check: bool = True) -> None:
@@ -156,14 +145,12 @@ def create_netns_many(names: Sequence[str]) -> list[str]:
     """Create ``/run/netns/<name>`` for each of ``names`` with one ``ip -batch`` (hundreds at a
     runtime's pace, one process for all), remember them, and bring ``lo`` up in each; returns
     the names. Bare namespaces, as a runtime hands them to CNI: no links, DAD as the kernel's."""
-    from pyroute2 import IPRoute
-
     with _live_lock:
         _live.update(names)
     _ip_batch(f"netns add {name}" for name in names)
     for name in names:
-        with _netns.enter(name), IPRoute() as ipr:
-            ipr.link("set", index=1, state="up")
+        with _netns.enter(name):
+            netlink.set_up(LOOPBACK_IFINDEX)
     return list(names)
 
 
@@ -191,20 +178,15 @@ def make_pod(name: str, peer_name: str, links: Sequence[Link], *, make_peer: boo
         for ns in (name, peer_name) if make_peer else (name,):
             made.append(create_netns(ns))
             _prepare(ns)
-        pod_ipr = iproute_in(name)
-        peer_ipr = iproute_in(peer_name)
-        try:
+        with netlink_in(name) as pod_nl, netlink_in(peer_name) as peer_nl:
             for link in links:
-                connect(pod_ipr, peer_ipr, peer_name, link)
+                connect(pod_nl, peer_nl, peer_name, link)
             m = links[0]
-            pod_ipr.route("add", dst="0.0.0.0/0", gateway=m.peer_ip4)
-            pod_ipr.route("add", dst="::/0", gateway=m.peer_ip6, family=socket.AF_INET6)
+            netlink.default_route(socket.AF_INET, m.peer_ip4, sock=pod_nl)
+            netlink.default_route(socket.AF_INET6, m.peer_ip6, sock=pod_nl)
             if peer_routes_back:
-                peer_ipr.route("add", dst="0.0.0.0/0", gateway=m.pod_ip4)
-                peer_ipr.route("add", dst="::/0", gateway=m.pod_ip6, family=socket.AF_INET6)
-        finally:
-            pod_ipr.close()
-            peer_ipr.close()
+                netlink.default_route(socket.AF_INET, m.pod_ip4, sock=peer_nl)
+                netlink.default_route(socket.AF_INET6, m.pod_ip6, sock=peer_nl)
         yield
     finally:
         _remove_all(made)
@@ -223,5 +205,5 @@ def _remove_all(names: list[str]) -> None:
 
 
 __all__ = ["Link", "make_pod", "connect", "connect_netns", "create_netns", "remove_netns", "create_netns_many",
-           "remove_netns_many", "iproute_in",
+           "remove_netns_many", "netlink_in",
            "live_namespaces", "NETNS_DIR"]

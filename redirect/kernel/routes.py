@@ -1,4 +1,4 @@
-"""Policy routes and local addresses an intent needs, over rtnetlink (``redirect.kernel.rtnl``).
+"""Policy routes and local addresses an intent needs, over rtnetlink (``redirect.kernel.netlink``).
 
 Everything we create carries routing protocol ``RT_PROTO`` (rules: FRA_PROTOCOL,
 routes: rtm_protocol, addresses: IFA_PROTO), so what is ours is found in the kernel
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.intent import AnyIntent, LocalAddress, PolicyRoute
-from . import rtnl
+from . import netlink
 
 #: Our routing protocol number (unassigned in iproute2's rt_protos).
 RT_PROTO = 201
@@ -65,30 +65,30 @@ def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
     routes: set[PolicyRoute] = set()
     addresses: set[LocalAddress] = set()
     tables_with_local = {
-        (m.family, m.u32(rtnl.RTA_TABLE) or m.fields[3]) for m in rtnl.dump(rtnl.RTM_GETROUTE, af)
+        (m.family, m.u32(netlink.RTA_TABLE) or m.fields[3]) for m in netlink.dump(netlink.RTM_GETROUTE, af)
         if m.fields[4] == RT_PROTO and m.family in fam_of  # rtmsg.rtm_protocol
     }
     if tables_with_local:
-        for m in rtnl.dump(rtnl.RTM_GETRULE, af):
-            if m.family not in fam_of or m.u8(rtnl.FRA_PROTOCOL) != RT_PROTO:
+        for m in netlink.dump(netlink.RTM_GETRULE, af):
+            if m.family not in fam_of or m.u8(netlink.FRA_PROTOCOL) != RT_PROTO:
                 continue
-            table = m.u32(rtnl.FRA_TABLE) or m.fields[3]
+            table = m.u32(netlink.FRA_TABLE) or m.fields[3]
             if (m.family, table) not in tables_with_local:
                 continue
-            mask = m.u32(rtnl.FRA_FWMASK)
-            routes.add(PolicyRoute(fam_of[m.family], m.u32(rtnl.FRA_FWMARK) or 0,  # type: ignore[arg-type]
+            mask = m.u32(netlink.FRA_FWMASK)
+            routes.add(PolicyRoute(fam_of[m.family], m.u32(netlink.FRA_FWMARK) or 0,  # type: ignore[arg-type]
                                    0xFFFFFFFF if mask is None else mask, table))
     names: dict[int, str] | None = None
     own_v6 = False
-    for m in rtnl.dump(rtnl.RTM_GETADDR, af):
-        if m.family not in fam_of or rtnl.IFA_ADDRESS not in m.attrs:
+    for m in netlink.dump(netlink.RTM_GETADDR, af):
+        if m.family not in fam_of or netlink.IFA_ADDRESS not in m.attrs:
             continue
-        if m.u8(rtnl.IFA_PROTO) == RT_PROTO:
-            names = rtnl.link_names() if names is None else names
-            addresses.add(LocalAddress(fam_of[m.family], f"{_ip(m.attrs[rtnl.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
+        if m.u8(netlink.IFA_PROTO) == RT_PROTO:
+            names = netlink.link_names() if names is None else names
+            addresses.add(LocalAddress(fam_of[m.family], f"{_ip(m.attrs[netlink.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
                                        names.get(m.fields[3], "?")))
         elif m.family == socket.AF_INET6 and not own_v6:
-            own_v6 = own_ipv6(m.attrs[rtnl.IFA_ADDRESS])
+            own_v6 = own_ipv6(m.attrs[netlink.IFA_ADDRESS])
     return RouteState(frozenset(routes), frozenset(addresses), own_v6)
 
 
@@ -109,28 +109,28 @@ def _ignoring(codes: tuple[int, ...], fn: Any, *args: Any) -> None:
 def add_route(r: PolicyRoute) -> None:
     """The local default route in ``r.table``, then the fwmark rule that leads to it."""
     lo = LOOPBACK_IFINDEX
-    _ignoring((EEXIST,), rtnl.local_default_route, "add", _AF[r.family], r.table, lo, RT_PROTO)
-    _ignoring((EEXIST,), rtnl.fwmark_rule, "add", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY, RT_PROTO)
+    _ignoring((EEXIST,), netlink.local_default_route, "add", _AF[r.family], r.table, lo, RT_PROTO)
+    _ignoring((EEXIST,), netlink.fwmark_rule, "add", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY, RT_PROTO)
 
 
 def remove_route(r: PolicyRoute) -> None:
-    _ignoring((ENOENT, ESRCH), rtnl.fwmark_rule, "del", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY,
+    _ignoring((ENOENT, ESRCH), netlink.fwmark_rule, "del", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY,
               RT_PROTO)
-    _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[r.family], r.table, LOOPBACK_IFINDEX,
+    _ignoring((ENOENT, ESRCH), netlink.local_default_route, "del", _AF[r.family], r.table, LOOPBACK_IFINDEX,
               RT_PROTO)
 
 
 def _address_args(a: LocalAddress) -> tuple[int, int, str, int]:
     address, plen = a.cidr.split("/")
-    return _AF[a.family], rtnl.link_index(a.dev), address, int(plen)
+    return _AF[a.family], netlink.link_index(a.dev), address, int(plen)
 
 
 def add_address(a: LocalAddress) -> None:
-    _ignoring((EEXIST,), rtnl.addr, "add", *_address_args(a), RT_PROTO, IFA_F_NODAD)
+    _ignoring((EEXIST,), netlink.addr, "add", *_address_args(a), RT_PROTO, IFA_F_NODAD)
 
 
 def remove_address(a: LocalAddress) -> None:
-    _ignoring((ENOENT, ENODEV, EADDRNOTAVAIL), rtnl.addr, "del", *_address_args(a), RT_PROTO)
+    _ignoring((ENOENT, ENODEV, EADDRNOTAVAIL), netlink.addr, "del", *_address_args(a), RT_PROTO)
 
 
 def ipv6_enabled() -> bool:
@@ -142,16 +142,16 @@ def ipv6_enabled() -> bool:
     number of pods while this request's does not. False when the kernel has no IPv6 at all.
     """
     try:
-        link = rtnl.get_link(1)  # lo: ifindex 1 in every netns
+        link = netlink.get_link(1)  # lo: ifindex 1 in every netns
     except OSError:
         return False
-    inet6 = rtnl.parse_attrs(link.attrs.get(rtnl.IFLA_AF_SPEC, b"")).get(socket.AF_INET6)
+    inet6 = netlink.parse_attrs(link.attrs.get(netlink.IFLA_AF_SPEC, b"")).get(socket.AF_INET6)
     if inet6 is None:
         return False
-    conf = rtnl.parse_attrs(inet6).get(rtnl.IFLA_INET6_CONF, b"")
-    if len(conf) < 4 * (rtnl.DEVCONF_DISABLE_IPV6 + 1):
+    conf = netlink.parse_attrs(inet6).get(netlink.IFLA_INET6_CONF, b"")
+    if len(conf) < 4 * (netlink.DEVCONF_DISABLE_IPV6 + 1):
         return True  # IPv6 is there; a kernel without this field can't disable it per netns
-    return struct.unpack_from("=i", conf, 4 * rtnl.DEVCONF_DISABLE_IPV6)[0] == 0
+    return struct.unpack_from("=i", conf, 4 * netlink.DEVCONF_DISABLE_IPV6)[0] == 0
 
 
 def usable_addresses(addresses: tuple[LocalAddress, ...] | list[LocalAddress],
@@ -249,17 +249,17 @@ def remove_all_ours() -> bool:
     # Stray halves (a rule without its route or the reverse) are ours too.
     stray = False
     for fam in (4, 6):
-        for m in rtnl.dump(rtnl.RTM_GETRULE, _AF[fam]):
-            if m.u8(rtnl.FRA_PROTOCOL) == RT_PROTO:
+        for m in netlink.dump(netlink.RTM_GETRULE, _AF[fam]):
+            if m.u8(netlink.FRA_PROTOCOL) == RT_PROTO:
                 stray = True
-                _ignoring((ENOENT, ESRCH), rtnl.fwmark_rule, "del", _AF[fam], m.u32(rtnl.FRA_FWMARK) or 0,
-                          m.u32(rtnl.FRA_FWMASK) or 0xFFFFFFFF, m.u32(rtnl.FRA_TABLE) or m.fields[3],
-                          m.u32(rtnl.FRA_PRIORITY) or 0, RT_PROTO)
-        for m in rtnl.dump(rtnl.RTM_GETROUTE, _AF[fam]):
+                _ignoring((ENOENT, ESRCH), netlink.fwmark_rule, "del", _AF[fam], m.u32(netlink.FRA_FWMARK) or 0,
+                          m.u32(netlink.FRA_FWMASK) or 0xFFFFFFFF, m.u32(netlink.FRA_TABLE) or m.fields[3],
+                          m.u32(netlink.FRA_PRIORITY) or 0, RT_PROTO)
+        for m in netlink.dump(netlink.RTM_GETROUTE, _AF[fam]):
             if m.fields[4] == RT_PROTO:
                 stray = True
-                _ignoring((ENOENT, ESRCH), rtnl.local_default_route, "del", _AF[fam],
-                          m.u32(rtnl.RTA_TABLE) or m.fields[3], m.u32(rtnl.RTA_OIF) or 0, RT_PROTO)
+                _ignoring((ENOENT, ESRCH), netlink.local_default_route, "del", _AF[fam],
+                          m.u32(netlink.RTA_TABLE) or m.fields[3], m.u32(netlink.RTA_OIF) or 0, RT_PROTO)
     return bool(state.routes or state.addresses or stray)
 
 

@@ -91,7 +91,7 @@ LOOPBACK_IFINDEX = 1
 class EbpfPolicy:
     """The ``pods`` map's value for a pod (``struct pod_policy``, inventory and sources aside).
 
-    Packed by name (``redirect.backends.ebpf.entries``): a boolean is the flag ``RDR_F_<NAME>``,
+    Packed by name (``redirect.backends.ebpf.pod.entries``): a boolean is the flag ``RDR_F_<NAME>``,
     anything else the ``struct pod_policy`` field of its name (``loopback4`` is ``lo4_addr`` and
     ``lo4_mask``; ``groups_mode`` is ``RDR_GROUPS_<MODE>``); tests/test_guards.py checks that
     every one is packed and read by the programs."""

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from redirect.kernel import netns as rnetns
 from redirect.kernel import podkit
-from redirect.kernel.podkit import NETNS_DIR, Link, iproute_in, live_namespaces, remove_netns
+from redirect.kernel.podkit import NETNS_DIR, Link, live_namespaces, netlink_in, remove_netns
 
 T = TypeVar("T")
 Addr = tuple[str, int]
@@ -53,10 +53,10 @@ def create_netns(name: str) -> str:
 def wait_link_detached(root: str, cookie: int, timeout: float = 15.0) -> None:
     """Until the kernel has cleaned a removed netns up (asynchronously) and detached the eBPF
     backend's link of the pod ``cookie`` under ``root``; fails the test after ``timeout`` s."""
-    from redirect.backends import ebpf
+    from redirect.backends.ebpf.host import pod_link, syscalls
 
     deadline = time.monotonic() + timeout
-    while ebpf._link_target(ebpf._pod_link(root, cookie)) != 0:
+    while syscalls.link_target(pod_link(root, cookie)) != 0:
         assert time.monotonic() < deadline, f"link of netns cookie {cookie} still attached after {timeout} s"
         time.sleep(0.05)
 
@@ -274,5 +274,5 @@ def set_forwarding(ns: str, on: bool) -> None:
 OUR_TC = {"ingress": ["rdr_tc_ingress"], "egress": ["rdr_tc_egress"]}
 
 __all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
-           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "iproute_in",
+           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "netlink_in",
            "link_for", "make_pod", "vm_behind", "VM_NET", "tc_filters", "qdisc_kinds", "set_forwarding", "OUR_TC"]

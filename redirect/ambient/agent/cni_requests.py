@@ -22,12 +22,15 @@ import logging
 import os
 import stat
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from ...cni import netconf, plugin
+from .metrics import Metrics
 
-if TYPE_CHECKING:
-    from .daemon import Agent
+#: The agent's own handler of an ambient pod's request (``Agent.handle``), which the plugin's code
+#: calls in place of the agent's socket.
+NodeAgent = Callable[[dict[str, Any]], dict[str, Any]]
 
 log = logging.getLogger("redirect.agent")
 
@@ -72,8 +75,10 @@ def _env(raw: object) -> dict[str, str]:
     return env
 
 
-def handle(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], bytes]:
-    """One ``cni`` message: (the ``result`` message, the plugin's stdout). Never raises."""
+def handle(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
+           fds: list[int]) -> tuple[dict[str, Any], bytes]:
+    """One ``cni`` message, counted in ``metrics``, its ambient pods enrolled by ``node_agent``:
+    (the ``result`` message, the plugin's stdout). Never raises."""
     t0 = time.perf_counter()
     command = ""
     try:
@@ -84,23 +89,24 @@ def handle(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str,
         command = env.get("CNI_COMMAND", "")
         stdin = _stdin(fds, req.get("stdin_len"))
     except (BadRequest, OSError) as e:
-        agent.metrics.inc("failures", "bad_request")
+        metrics.inc("failures", "bad_request")
         log.error("cni request refused: %s", e, extra={"fields": {"reason": "bad_request"}})
         return {"type": "result", "ok": False, "reason": "bad_request", "error": str(e)}, b""
-    rc, out = plugin.run(env, stdin, node_agent=agent.handle)
-    agent.metrics.inc("events", f"cni_{command.lower()}" if command in netconf.COMMANDS else "cni")
+    rc, out = plugin.run(env, stdin, node_agent=node_agent)
+    metrics.inc("events", f"cni_{command.lower()}" if command in netconf.COMMANDS else "cni")
     if rc != 0:
-        agent.metrics.inc("failures", "cni")
+        metrics.inc("failures", "cni")
     ms = round((time.perf_counter() - t0) * 1e3, 2)
     log.debug("cni %s", command, extra={"fields": {"rc": rc, "ms": ms, "container": env.get("CNI_CONTAINERID", "")}})
     return {"type": "result", "ok": True, "rc": rc, "ms": ms}, (json.dumps(out) + "\n").encode() if out else b""
 
 
-def serve(agent: Agent, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+def serve(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
+          fds: list[int]) -> tuple[dict[str, Any], list[int]]:
     """One ``cni`` message (the events server's handler for it): the reply, and a memfd with the
     plugin's stdout to send with it (the caller closes it once sent). Closes ``fds``."""
     try:
-        reply, out = handle(agent, msg, fds)
+        reply, out = handle(metrics, node_agent, msg, fds)
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):
@@ -120,4 +126,4 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-__all__ = ["CNI_ENV", "BadRequest", "handle", "serve"]
+__all__ = ["CNI_ENV", "NodeAgent", "BadRequest", "handle", "serve"]

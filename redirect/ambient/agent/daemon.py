@@ -134,10 +134,10 @@ class Agent:
         self.reconciler.reconcile()
         threading.Thread(target=self.hub.accept, args=(proxies, self.stopping), name="agent-proxies",
                          daemon=True).start()
+        cni = lambda msg, fds: cni_requests.serve(self.metrics, self.handle, msg, fds)  # noqa: E731
         self.events = EventServer(events, self.handle, lambda reason: self.metrics.inc("failures", reason),
                                   workers=self.opts.workers, max_clients=self.opts.max_clients,
-                                  idle_timeout=self.opts.idle_timeout,
-                                  fd_handlers={"cni": lambda msg, fds: cni_requests.serve(self, msg, fds)})
+                                  idle_timeout=self.opts.idle_timeout, fd_handlers={"cni": cni})
         self.events.start()
         if self.opts.resync_seconds > 0:
             threading.Thread(target=self.reconciler.loop, args=(self.opts.resync_seconds, self.stopping),

@@ -11,6 +11,7 @@ removes, it goes (with the ``del`` and the undo of a failed add, and in the plug
 
 from __future__ import annotations
 
+from ...kernel import netlink
 from ...kernel import netns as _netns
 
 SET = "rdr-pod-identity"
@@ -20,20 +21,16 @@ _SCRATCH = "rdr-pod-identity-new"
 def _sets(netns: _netns.NetnsRef, destroy: bool) -> bool:
     """Whether ``netns`` has a set of that name (by its header: nothing of its content is read);
     with ``destroy``, it goes, and so does an earlier release's scratch copy."""
-    from pyroute2.ipset import IPSet, NoSuchObject
-
     with _netns.enter(netns):
-        sock = IPSet()  # a netlink socket stays in the netns it was made in
+        sock = netlink.NetlinkSocket(netlink.NETLINK_NETFILTER)  # a netlink socket stays in the netns it was made in
     try:
         found = False
         for name in (SET, _SCRATCH):
-            try:
-                list(sock.headers(name))  # (a generator: the answer, or the error, comes as it is read)
-            except NoSuchObject:
+            if not netlink.ipset_exists(name, sock):
                 continue
             found = found or name == SET
             if destroy:
-                sock.destroy(name)
+                netlink.ipset_destroy(name, sock)
         return found
     finally:
         sock.close()

@@ -2,7 +2,7 @@
 
 At start the agent pays its default backend's one-off costs before a pod waits for them: with the
 eBPF backend the host programs are compiled, loaded, pinned and attached (once per node, by the
-short-lived loader process, ``redirect.backends.ebpf.loader``: no compiler stays in the agent);
+short-lived loader process, ``redirect.backends.ebpf.host.loader``: no compiler stays in the agent);
 nftables is probed. ``auto`` warms eBPF up when it would choose eBPF for the default config; if
 eBPF then cannot load or attach here, ``auto`` falls back for this process's pods
 (``backends.ebpf_failed``) and the fallback is the backend in use.
@@ -91,9 +91,9 @@ class Warmup:
         with self._lock:
             effective, error = self.effective, self.error
         if "ebpf" in (self.backend, effective):  # usable once loaded and pinned, whoever loaded them
-            from ...backends import ebpf
+            from ...backends import ebpf, ebpf_root
 
-            root = ebpf._root(None)
+            root = ebpf_root()
             missing = ebpf.missing_pins(root)
             if not missing:
                 return True, {"backend": "ebpf"}

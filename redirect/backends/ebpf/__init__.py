@@ -1,8 +1,15 @@
 """The eBPF backend: capture without netfilter.
 
-Host part, done once per host (``HostPrograms.open_or_load``): ``redirect/bpf/*.c`` is
+The package is in two parts. The host side (``.host``: the programs, their pins, the pool, a
+process's handles, the loader) is done once per host and kept by a process; the per-pod side
+(``.pod``: the entries an intent writes, the pod's network, its tc filters, apply) sets one pod up
+through ``host.PodStore``, the one view of the host side it is given. The host side never imports
+the per-pod side; this module and ``.unload`` are where the two meet. ``.abi`` (the maps' layouts)
+is shared.
+
+Host part, done once per host (``host.HostPrograms.open_or_load``): ``redirect/bpf/*.c`` is
 compiled through bcc, against the UAPI headers the package carries (``redirect/bpf/headers/``;
-no kernel headers needed), by a short-lived loader process (``.loader``: no long-lived process
+no kernel headers needed), by a short-lived loader process (``host.loader``: no long-lived process
 maps bcc or LLVM), every program and map is pinned under a bpffs directory
 (``/sys/fs/bpf/redirect``, or ``$REDIRECT_BPF_ROOT``), and the cgroup programs
 (``connect4/6``, ``sendmsg4/6``, ``recvmsg4/6``, ``getpeername4/6``,
@@ -13,7 +20,7 @@ the pins and reuses them: nothing is compiled again. The host programs act
 only on sockets whose netns cookie is a key of the ``pods`` map; for every
 other socket on the host they are a no-op.
 
-Per pod (``apply``, with the calling thread inside the pod netns, as
+Per pod (``pod.EbpfBackend.apply``, with the calling thread inside the pod netns, as
 ``redirect.api`` does it: it computes the difference between the entries the lowering wants and
 the pod's inventory, and one native call, ``rdr_ebpf_pod_write`` in ``native/pod_setup.c``, writes
 it with undo on failure; for a pod with nothing of ours yet, ``setup_fresh`` does it all in one
@@ -25,7 +32,7 @@ pinned at ``<root>/pods/<cookie>-sk_lookup`` (every pod has one: the kernel
 detaches it when the netns dies, which is how ``collect_garbage`` finds pods
 whose netns went without a teardown), and ``::6`` on lo (the intent's address for the proxy's
 inbound passthrough). The link runs a program of the pod's own, from a pool loaded ahead
-(``.pool``; ``native/redirect_native.c: rdr_ebpf_pool_prog``): it holds a slot number, and the
+(``host.pool``; ``native/redirect_native.c: rdr_ebpf_pool_prog``): it holds a slot number, and the
 slot, claimed at the pod's setup, holds the netns cookie, which an sk_lookup program can't ask
 the kernel for; it tail-calls the shared ``rdr_sk_lookup``: nothing
 is found by address, so pods sharing an IP never see each other's policy. ``remove`` deletes
@@ -34,14 +41,14 @@ Per-socket state (original destinations) is removed with its socket (``sock_rele
 close) and is inert once the pod's policy is gone. ``unload_host`` removes the host part and refuses while any pod is
 registered. A partly pinned host (a pin removed by hand) is reported by ``check``
 (``host_problems``: missing pins, cgroup links detached or running another program),
-read and torn down through what is still attached (``recover_host``), and repaired (missing
+read and torn down through what is still attached (``HostPrograms.recover``), and repaired (missing
 cgroup links) or reloaded (no pod registered) by the next setup, else setup raises
 ``SetupError`` saying what is missing. Fault points for the atomicity
 tests: ``ebpf.before_entries``, ``ebpf.after_claim``, ``ebpf.before_policy``.
 
 The backend is given the intent (``redirect.plan.intent``), the one the netfilter plan is lowered
 from, never the config: ``redirect.plan.lower_ebpf`` lowers it to typed map entries, which
-``entries._intent_entries`` packs; the programs implement Istio's rule order over map lookups
+``pod.entries.packed`` packs; the programs implement Istio's rule order over map lookups
 (``redirect/bpf/policy.h: outbound_target``). ``redirect.plan.evaluate`` models them, and a
 property test (``tests/test_lowerings.py``) checks that they land every drawn
 connection where the netfilter plan does.
@@ -49,7 +56,7 @@ connection where the netfilter plan does.
 Ambient mode lowers the ambient intent (``redirect.plan.lower_ebpf.lower_ambient``), decided by
 ``redirect/bpf/policy.h: ambient_target`` and ``ambient_listener``; besides its map entries and link an
 ambient pod has the intent's policy route by the connection mark and ``tcp_fwmark_accept`` on
-(``backend``), through which the node proxy's transparent connections to the app get their replies
+(``pod.backend``), through which the node proxy's transparent connections to the app get their replies
 (``redirect/bpf/sockopt.c: transparent_connect``); a sidecar with TPROXY has the same for its proxy's
 (the intent's route by ``tproxy_mark``).
 
@@ -67,14 +74,8 @@ The maps' keys and values are laid out once, in ``redirect/bpf/abi.h``: the prog
 include it, and the struct formats here are derived from cffi's declarations of it
 (``.abi``). Program and attach types are taken by the kernel's names.
 
-The package's modules: ``abi`` (layouts, constants), ``syscalls`` (bpf(2) calls, ``Map``, links),
-``host`` (``HostPrograms``: load, pin, repair, recover), ``loader`` (the loader process: compile
-with bcc, load, pin, attach), ``launch`` (starting it, its answer), ``lifetime`` (the per-process handle,
-unload, garbage collection), ``entries`` (what a config writes), ``pods`` (one pod's entries and
-link), ``tc`` (its tc filters where it forwards), ``pool`` (the pods' sk_lookup programs, loaded
-ahead), ``podnet`` (what the pod's netns holds), ``backend`` (``EbpfBackend``: apply, remove, check,
-show, render), ``fresh`` (a fresh pod in one native call, from the entries the lowering computed
-once per config).
+The modules of each part are listed in their package's docstring (``.host``, ``.pod``); the
+layout and how an option travels through it are in docs/development.md.
 
 How the iptables semantics are met without packets:
 
@@ -97,7 +98,7 @@ How the iptables semantics are met without packets:
 - what the pod forwards (a VM behind a reroute interface, a neighbour routing through it) never
   meets sk_lookup: tc programs on the interfaces it forwards on take it by the same decision and
   rewrite it to the proxy's port and back, as netfilter's inbound capture (which matches any
-  destination) takes it (``redirect/bpf/tc_forward.c``, ``.tc``; docs/backends.md);
+  destination) takes it (``redirect/bpf/tc_forward.c``, ``pod.tc``; docs/backends.md);
 - ``inbound_interception="TPROXY"``: inbound is delivered by socket either way;
   the proxy's lo traffic that TPROXY's mangle rules capture goes to the inbound
   port at connect (``redirect/bpf/policy.h: outbound_target``); a proxy connecting to the
@@ -123,49 +124,28 @@ How the iptables semantics are met without packets:
 
 from __future__ import annotations
 
-from ...errors import BackendUnavailable, RedirectError
+from ...errors import BackendUnavailable
+from ...kernel.netns import current_cookie as current_netns_cookie
 from ...plan.intent import AnyIntent
-from .abi import (
-    AF,
-    CIDR_KEY,
-    CIDR_PREFIX_BASE,
-    GEN_BIT,
-    MAPS,
-    P_FLAGS,
-    P_N_INV,
-    POLICY,
-    PORT_KEY,
-    PROGRAMS,
-    SK_LOOKUP_ATTACH,
-    U64,
-    flag,
-)
-from .backend import EbpfBackend
-from .entries import _policy_core, pod_entries, refuse
-from .fresh import setup_fresh
 from .host import (
-    DEFAULT_CGROUP,
-    DEFAULT_ROOT,
+    PROCESS,
     HostPrograms,
-    _cgroup,
-    _cgroup_progs,
-    _root,
-    _unpin_all,
-    build_id,
+    collect_garbage,
     count_pods,
-    host_refusal,
-    missing_pins,
+    host,
     probe_kernel,
+    registered_pods,
+    resolve_cgroup,
+    resolve_root,
 )
-from .lifetime import collect_garbage, force_unload_host, host, registered_pods, unload_host
-from .pods import _pod_link, read_pod
-from .syscalls import _link_target, _native, current_netns_cookie, link_info, obj_get, prog_id
+from .pod import EbpfBackend, refuse, setup_fresh
+from .unload import force_unload_host, unload_host
 
 
 def refusal(it: AnyIntent | None) -> str | None:
     """Why ``backend="auto"`` would not choose eBPF for intent ``it`` here (None: it would): what
     this host lacks, else the first option of ``it`` the backend cannot lower (``refuse``)."""
-    why = host_refusal(_root(None), _cgroup(None))
+    why = PROCESS.host_refusal(resolve_root(None), resolve_cgroup(None))
     if why is not None or it is None:
         return why
     try:
@@ -175,11 +155,17 @@ def refusal(it: AnyIntent | None) -> str | None:
     return None
 
 
-__all__ = ["EbpfBackend", "HostPrograms", "host", "unload_host", "force_unload_host", "registered_pods",
-           "probe_kernel", "refusal", "collect_garbage", "setup_fresh", "current_netns_cookie", "build_id",
-           "missing_pins", "pod_entries", "read_pod", "RedirectError", "DEFAULT_ROOT", "DEFAULT_CGROUP", "AF",
-           "CIDR_KEY",
-           "CIDR_PREFIX_BASE", "MAPS", "P_FLAGS", "P_N_INV",
-           "POLICY", "PORT_KEY", "PROGRAMS", "flag", "SK_LOOKUP_ATTACH", "U64", "GEN_BIT", "_policy_core",
-           "refuse", "_cgroup_progs", "count_pods", "_root", "_unpin_all", "_pod_link", "_link_target",
-           "_native", "link_info", "obj_get", "prog_id"]
+def missing_pins(root: str | None = None) -> list[str]:
+    """The host pins missing under ``root`` (``maps/x``, ``progs/x``, ``links/x``; ``maps/build-<id>``
+    when the pins come from other sources)."""
+    return PROCESS.missing_pins(resolve_root(root))
+
+
+def build_id() -> str:
+    """The digest of ``redirect/bpf/`` the pins record (``maps/build-<id>``)."""
+    return PROCESS.build_id()
+
+
+__all__ = ["EbpfBackend", "setup_fresh", "refusal", "HostPrograms", "host", "unload_host", "force_unload_host",
+           "collect_garbage", "registered_pods", "count_pods", "missing_pins", "build_id", "probe_kernel",
+           "current_netns_cookie"]

@@ -1,5 +1,5 @@
-"""The eBPF maps' keys and values, as ``redirect/bpf/abi.h`` lays them out, and the kernel's program and attach
-types the backend uses, by name.
+"""The eBPF maps' keys and values, as ``redirect/bpf/abi.h`` lays them out, and its constants: what the
+host side and the per-pod side both read.
 
 ``redirect/bpf/abi.h`` is the one description of the layouts: the BPF programs and ``native/`` include it,
 and ``native/build_native.py`` gives it to cffi's cdef, so the compiled ``redirect._native`` knows
@@ -18,10 +18,11 @@ from typing import Any
 
 from ...native import load
 
-_native = load()  # NotBuilt, naming what to do, when the package was not built
-ffi, lib = _native.ffi, _native.lib
+#: ``redirect._native``'s cffi declarations of ``redirect/bpf/abi.h`` (``NotBuilt``, naming what to do,
+#: when the package was not built).
+ffi, lib = load().ffi, load().lib
 
-_FORMATS = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q"}
+FORMATS = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q"}
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,13 @@ def _fields(ctype: Any, base: int, raw: frozenset[str]) -> list[tuple[str, int, 
         if t.kind == "struct":
             out += [(name, o, fm) for _n, o, fm in _fields(t, off, frozenset())]
         elif t.kind == "primitive":
-            out.append((name, off, f"{ffi.sizeof(t)}s" if name in raw else _FORMATS[t.cname]))
+            out.append((name, off, f"{ffi.sizeof(t)}s" if name in raw else FORMATS[t.cname]))
         elif t.kind == "array" and t.item.kind == "struct":
             n = ffi.sizeof(t.item)
             for i in range(t.length):
                 out += [(name, o, fm) for _n, o, fm in _fields(t.item, off + i * n, frozenset())]
         elif t.kind == "array" and t.item.kind == "primitive" and t.item.cname != "uint8_t":
-            out += [(name, off + i * ffi.sizeof(t.item), _FORMATS[t.item.cname]) for i in range(t.length)]
+            out += [(name, off + i * ffi.sizeof(t.item), FORMATS[t.item.cname]) for i in range(t.length)]
         elif t.kind == "array":  # bytes (an address, keys): one value
             out.append((name, off, f"{ffi.sizeof(t)}s"))
         else:
@@ -106,40 +107,13 @@ def layout(name: str, raw: tuple[str, ...] = ()) -> Layout:
 
 
 def const(name: str) -> int:
-    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type.
+    """An integer ``#define`` of ``redirect/bpf/abi.h`` (``RDR_<name>``), or a kernel program/attach type
+    (``BPF_PROG_TYPE_<name>``, ``BPF_<attach type>``: ``native/build_native.py`` names those it knows).
     (The entry kinds are not here: ``redirect.plan.lower_ebpf`` numbers them, ``PORT_KIND``, ``CIDR_KIND``.)"""
     return int(getattr(lib, name))
 
 
 # --------------------------------------------------------------------------- the layouts and names
-
-#: program name -> (prog type, attach type, attached to the cgroup root?), by the kernel's names
-#: (bcc 0.26 lacks some of them; the native module has them from <linux/bpf.h>).
-PROGRAMS: dict[str, tuple[int, int, bool]] = {
-    "rdr_connect4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET4_CONNECT"), True),
-    "rdr_connect6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET6_CONNECT"), True),
-    "rdr_sendmsg4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP4_SENDMSG"), True),
-    "rdr_sendmsg6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP6_SENDMSG"), True),
-    "rdr_recvmsg4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP4_RECVMSG"), True),
-    "rdr_recvmsg6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_UDP6_RECVMSG"), True),
-    "rdr_getpeername4": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET4_GETPEERNAME"), True),
-    "rdr_getpeername6": (const("BPF_PROG_TYPE_CGROUP_SOCK_ADDR"), const("BPF_CGROUP_INET6_GETPEERNAME"), True),
-    "rdr_getsockopt": (const("BPF_PROG_TYPE_CGROUP_SOCKOPT"), const("BPF_CGROUP_GETSOCKOPT"), True),
-    "rdr_sockops": (const("BPF_PROG_TYPE_SOCK_OPS"), const("BPF_CGROUP_SOCK_OPS"), True),
-    "rdr_sock_release": (const("BPF_PROG_TYPE_CGROUP_SOCK"), const("BPF_CGROUP_INET_SOCK_RELEASE"), True),
-    "rdr_sk_lookup": (const("BPF_PROG_TYPE_SK_LOOKUP"), const("BPF_SK_LOOKUP"), False),
-    # The filters on the interfaces of pods that forward (``.tc``): no attach type of their own.
-    "rdr_tc_ingress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
-    "rdr_tc_egress": (const("BPF_PROG_TYPE_SCHED_CLS"), -1, False),
-    # Every send of a socket in ``pairs`` (sockmap: ``redirect/bpf/sockmap.c``), attached to that map.
-    "rdr_sk_msg": (const("BPF_PROG_TYPE_SK_MSG"), const("BPF_SK_MSG_VERDICT"), False),
-}
-#: Programs attached to a map of ours at load (the map holds them; no link): program -> map.
-MAP_ATTACHED = {"rdr_sk_msg": "pairs"}
-SK_LOOKUP_ATTACH = const("BPF_SK_LOOKUP")
-MAPS = ("pods", "inventory", "ports", "cidrs", "orig_by_cookie", "orig_by_tuple", "dns_by_cookie",
-        "listeners", "lookup_netns", "lookup_prog", "local_conns", "lookup_slots", "lookup_free", "lookup_pool",
-        "pairs", "pair_state", "pair_tcp")
 
 # The maps' keys and values (``layout``): addresses and _be ports as raw bytes.
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
@@ -155,6 +129,8 @@ LISTENER_KEY = layout("listener_key").struct
 PAIR_KEY = layout("pair_key", raw=("lport_be", "rport_be")).struct
 PAIR_STATE = layout("pair_state").struct
 INV_KEY = layout("inv_key").struct
+POOL_SLOT = layout("pool_slot").struct  # a pool slot's claim: the pod's netns cookie and inode
+POOL_MAX = const("RDR_POOL_MAX")
 INV_VAL = layout("inv_val").struct
 U32 = struct.Struct("=I")
 INV_CHUNK = const("RDR_INV_CHUNK")  # keys per inventory entry
@@ -167,14 +143,6 @@ GEN_BIT = 1 << 63  # set in the netns field of a pod's second generation of keys
 U8 = struct.Struct("=B")
 #: (key size, value size) of every map in ``MAPS``: a pinned map of another layout is another
 #: build's (``HostPrograms.open_pinned`` checks them against ``/proc/self/fdinfo``).
-MAP_SIZES = {
-    "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
-    "cidrs": (CIDR_KEY.size, 1), "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
-    "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
-    "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, layout("pool_slot").struct.size),
-    "lookup_free": (0, 4), "lookup_pool": (4, 4), "pairs": (PAIR_KEY.size, 4),
-    "pair_state": (PAIR_KEY.size, PAIR_STATE.size), "pair_tcp": (4, 8),
-}
 
 F_AMBIENT, F_TPROXY, F_INBOUND, F_FWMARK_ACCEPT_OURS = (
     const(f"RDR_F_{n}") for n in ("AMBIENT", "TPROXY", "INBOUND", "FWMARK_ACCEPT_OURS"))

@@ -1,40 +1,40 @@
 """What an intent writes into the maps, packed in the ``redirect/bpf/abi.h`` layout, and how entries read.
 
-The eBPF lowering of the intent (``redirect.plan.lower_ebpf``) gives typed entries;
-``_intent_entries`` packs them once per intent (the policy by field name: ``pack_policy``),
+The eBPF lowering of the intent (``redirect.plan.lower_ebpf``) gives typed entries; ``packed``
+packs them (the policy by field name: ``pack_policy``), kept per intent in a handle's memo;
 ``intent_entries`` keys them by a pod's netns cookie and adds the pod's own addresses
 (``lower_ebpf.pod_local``) and sources (``pod_sources``), ``pod_entries`` its interfaces too.
-``refuse`` raises for what the intent's ``refusals`` say this backend cannot lower. The
-``_fmt_*`` functions turn entries into the text of ``check``, ``show`` and ``render``.
+``refuse`` raises for what the intent's ``refusals`` say this backend cannot lower. The ``fmt_*``
+functions turn entries into the text of ``check``, ``show`` and ``render``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import ipaddress
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from ...errors import SetupError
-from ...plan.intent import AnyIntent
-from ...plan.lower_ebpf import (
+from ....errors import SetupError
+from ....plan.intent import AnyIntent
+from ....plan.lower_ebpf import (
     CIDR_KIND,
     CIDR_KIND_NAME,
     CIDR_SHAPE,
     KIND_DISPLAY,
     PORT_KIND,
     PORT_KIND_NAME,
+    EbpfEntries,
     EbpfPolicy,
     LocalAddr,
     lower_ebpf,
     pod_interfaces,
     pod_local,
 )
-from ..base import refuse as refuse_for
-from .abi import (
+from ...base import refuse as refuse_for
+from ..abi import (
     CIDR_KEY,
     CIDR_PREFIX_BASE,
     F_AMBIENT,
@@ -58,6 +58,8 @@ from .abi import (
     const,
     flag,
 )
+from ..host import NATIVE, PodWrite
+from .network import links_and_routes
 
 
 def refuse(it: AnyIntent) -> None:
@@ -88,12 +90,15 @@ class PodEntries:
     def by_map(self) -> dict[int, frozenset[bytes]]:
         return {INV_PORTS: self.ports, INV_CIDRS: self.cidrs}
 
+    def to_write(self) -> PodWrite:
+        """These entries as ``PodStore.write`` takes them."""
+        return PodWrite(self.by_map(), self.policy, self.inbound)
+
     def keyed(self, keys: int) -> PodEntries:
         """These entries keyed under ``keys`` (``pod_keys``: a generation of the pod) instead."""
         kv = U64.pack(keys)
         return PodEntries(self.policy, frozenset(kv + k[8:] for k in self.ports),
                           frozenset(k[:8] + kv + k[16:] for k in self.cidrs))
-
 
 
 def pod_keys(cookie: int, inv_base: int) -> int:
@@ -104,7 +109,7 @@ def pod_keys(cookie: int, inv_base: int) -> int:
     return cookie | GEN_BIT if inv_base >> 31 else cookie
 
 
-def _policy_core(policy: bytes) -> bytes:
+def policy_core(policy: bytes) -> bytes:
     """The policy without its bookkeeping (inventory, ``tcp_fwmark_accept``): what a config decides."""
     v = list(POLICY.unpack(policy))
     v[P_INV_BASE] = v[P_N_INV] = 0
@@ -120,15 +125,9 @@ def replies_by_mark(flags: int) -> bool:
     return bool(flags & F_INBOUND and flags & (F_AMBIENT | F_TPROXY))
 
 
-def _with_flag(policy: bytes, bit: int, on: bool) -> bytes:
+def with_flag(policy: bytes, bit: int, on: bool) -> bytes:
     v = list(POLICY.unpack(policy))
     v[P_FLAGS] = v[P_FLAGS] | bit if on else v[P_FLAGS] & ~bit
-    return POLICY.pack(*v)
-
-
-def _with_inventory(policy: bytes, base: int, n: int) -> bytes:
-    v = list(POLICY.unpack(policy))
-    v[P_INV_BASE], v[P_N_INV] = base, n
     return POLICY.pack(*v)
 
 
@@ -156,42 +155,63 @@ def pack_policy(p: EbpfPolicy) -> bytes:
     return POLICY_LAYOUT.pack(values)
 
 
-#: The lowering of an intent for some families (cached: intents are frozen, pods share a few).
-_lowered = functools.lru_cache(maxsize=256)(lower_ebpf)
+#: A handle's memo (``PodStore.memo``) keeps at most this many values; all are forgotten when it is full.
+MEMO_MAX = 512
+_T = TypeVar("_T")
+Memo = dict[Hashable, Any]
 
 
-@functools.lru_cache(maxsize=256)
-def _intent_entries(it: AnyIntent, families: tuple[int, ...]) -> tuple[bytes, tuple[tuple[int, int], ...],
-                                                                        tuple[tuple[int, int, bytes], ...]]:
-    """What ``it`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s.
+def remembered(memo: Memo | None, key: Hashable, make: Callable[[], _T]) -> _T:
+    """The value ``memo`` keeps for ``key``, else ``make()``, then kept (intents are frozen, and many
+    pods share a few); without a memo, ``make()``."""
+    if memo is None:
+        return make()
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) >= MEMO_MAX:
+            memo.clear()
+        hit = memo[key] = make()
+    return hit  # type: ignore[no-any-return]
 
-    The eBPF lowering of the intent (``redirect.plan.lower_ebpf``), packed. Cached (intents are
-    frozen): many pods share a config, and the lowering parses addresses with ``ipaddress``.
+
+def lowered(it: AnyIntent, families: tuple[int, ...], memo: Memo | None = None) -> EbpfEntries:
+    """``lower_ebpf(it, families)``, kept in ``memo`` (a handle's, ``PodStore.memo``) when given."""
+    return remembered(memo, ("lowered", it, families), lambda: lower_ebpf(it, families))
+
+
+Packed = tuple[bytes, tuple[tuple[int, int], ...], tuple[tuple[int, int, bytes], ...]]
+
+
+def packed(it: AnyIntent, families: tuple[int, ...], memo: Memo | None = None) -> Packed:
+    """What ``it`` writes, whatever the pod: the policy, (kind, port)s and (prefix, kind, addr)s: the
+    eBPF lowering of the intent (``redirect.plan.lower_ebpf``), packed. Kept in ``memo`` when given:
+    many pods share a config, and the lowering parses addresses with ``ipaddress``.
     """
-    e = _lowered(it, families)
-    # (::6 on lo, which the intent adds for the proxy's passthrough to a pod with IPv6 of its own, is
-    # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
-    return (pack_policy(e.policy), tuple(sorted((PORT_KIND[k], port) for k, port in e.ports)),
-            tuple(sorted((CIDR_PREFIX_BASE + plen, CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
+    def pack() -> Packed:
+        e = lowered(it, families, memo)
+        # (::6 on lo, which the intent adds for the proxy's passthrough to a pod with IPv6 of its own, is
+        # one of the pod's addresses once there: pod_entries has it from the scan, or from apply.)
+        return (pack_policy(e.policy), tuple(sorted((PORT_KIND[k], port) for k, port in e.ports)),
+                tuple(sorted((CIDR_PREFIX_BASE + plen, CIDR_KIND[k], raw) for plen, k, raw in e.cidrs)))
+
+    return remembered(memo, ("packed", it, families), pack)
 
 
 def pod_entries(it: AnyIntent, families: tuple[int, ...], cookie: int,
-                local: tuple[LocalAddr, ...] | list[LocalAddr] | None = None) -> PodEntries:
+                local: tuple[LocalAddr, ...] | list[LocalAddr] | None = None, memo: Memo | None = None) -> PodEntries:
     """The map entries for ``it`` in the netns ``cookie`` whose own addresses are ``local``.
 
     ``local`` is (family, address, ifindex), as ``NetnsScan.local`` gives it. Called in the pod's
     netns: with ``exclude_interfaces`` (sidecar) or ``reroute_interfaces``, its links and main
     routing table are read here (``lower_ebpf.pod_interfaces``).
     """
-    e = intent_entries(it, families, cookie, local)
-    lowered = _lowered(it, families)
-    if not lowered.exclude_interfaces and not lowered.reroute_interfaces:
+    e = intent_entries(it, families, cookie, local, memo)
+    low = lowered(it, families, memo)
+    if not low.exclude_interfaces and not low.reroute_interfaces:
         return e
-    from .podnet import links_and_routes
-
     links, routes = links_and_routes()
     try:
-        ifs = pod_interfaces(lowered, families, links, routes)
+        ifs = pod_interfaces(low, families, links, routes)
     except ValueError as err:
         raise SetupError(f"backend=ebpf: {err}") from None
     extra = {CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, CIDR_KIND[k], cookie, raw) for plen, k, raw in ifs}
@@ -204,10 +224,7 @@ def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[i
     with several, the kernel's choice per route may be another). The connect and sendmsg hooks
     give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``). The
     choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
-    from .syscalls import _native
-
-    nat = _native()
-    ffi, lib = nat.ffi, nat.lib
+    ffi, lib = NATIVE.ffi, NATIVE.lib
     addrs = [(f, ipaddress.ip_address(ip).packed, index) for f, ip, index in local if f in (4, 6)]
     a = ffi.new("struct rdr_scan_addr[]", max(1, len(addrs)))
     for i, (f, raw, index) in enumerate(addrs):
@@ -223,11 +240,12 @@ def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[i
 
 
 def intent_entries(it: AnyIntent, families: tuple[int, ...], cookie: int,
-                   local: tuple[LocalAddr, ...] | list[LocalAddr] | None = None) -> PodEntries:
+                   local: tuple[LocalAddr, ...] | list[LocalAddr] | None = None,
+                   memo: Memo | None = None) -> PodEntries:
     """``pod_entries`` of an intent: its lowering, the pod's own addresses as ``local`` CIDRs
     (``lower_ebpf.pod_local``: a connect to them leaves over lo, Istio's "-o lo" rules) and its
     sources in the policy (``lower_ebpf.pod_sources``)."""
-    policy, port_specs, cidr_specs = _intent_entries(it, families)
+    policy, port_specs, cidr_specs = packed(it, families, memo)
     src = pod_sources(families, local or ())
     if src:
         v = list(POLICY.unpack(policy))
@@ -250,13 +268,13 @@ def local_key_templates(families: tuple[int, ...]) -> dict[int, bytes]:
             for f in families for plen, k, raw in pod_local(families, ((f, zero[f], 0),))}
 
 
-def _fmt_port(k: bytes) -> str:
+def fmt_port(k: bytes) -> str:
     _c, kind, port, _ = PORT_KEY.unpack(k)
     name = PORT_KIND_NAME.get(kind)
     return f"{KIND_DISPLAY[name] if name else kind} {port}"
 
 
-def _fmt_cidr(k: bytes) -> str:
+def fmt_cidr(k: bytes) -> str:
     plen, number, _c, raw = CIDR_KEY.unpack(k)
     kind = CIDR_KIND_NAME.get(number)
     if kind is None:
@@ -275,7 +293,7 @@ def _fmt_cidr(k: bytes) -> str:
 _FLAG_NAMES = tuple((flag(f.name), f.name) for f in dataclasses.fields(EbpfPolicy) if f.type in (bool, "bool"))
 
 
-def _fmt_policy(raw: bytes) -> str:
+def fmt_policy(raw: bytes) -> str:
     v = POLICY.unpack(raw)
     flags = v[P_FLAGS]
     on = [n for bit, n in _FLAG_NAMES if flags & bit]

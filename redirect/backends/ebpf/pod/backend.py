@@ -9,75 +9,56 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
-from ...errors import RedirectError, SetupError
-from ...kernel import netns as _netns
-from ...plan.intent import AnyIntent
-from ...plan.lower_ebpf import CIDR_KIND
-from ...plan.vocabulary import LocalAddress
-from ..base import CheckResult, Installed
-from . import tc
-from .abi import (
-    AF,
+from ....errors import RedirectError, SetupError
+from ....kernel import netns as _netns
+from ....kernel import routes as rt
+from ....plan.intent import AnyIntent
+from ....plan.lower_ebpf import CIDR_KIND
+from ...base import CheckResult, Installed
+from ..abi import (
     CIDR_KEY,
     F_AMBIENT,
     F_FWMARK_ACCEPT_OURS,
     F_TPROXY,
     INV_CIDRS,
-    INV_MAPS,
     INV_PORTS,
     LISTENER_INBOUND,
-    LISTENER_KEY,
     LISTENER_OUTBOUND,
     P_FLAGS,
     P_INV_BASE,
     POLICY,
-    U64,
 )
+from ..host import PROCESS, PodStore, detach_pinned, host_problems, pod_link, reading, resolve_cgroup, resolve_root
+from . import tc
 from .entries import (
-    _fmt_cidr,
-    _fmt_policy,
-    _fmt_port,
-    _policy_core,
-    _with_flag,
+    fmt_cidr,
+    fmt_policy,
+    fmt_port,
     intent_entries,
     pod_entries,
     pod_keys,
+    policy_core,
     refuse,
     replies_by_mark,
+    with_flag,
 )
-from .fresh import _detail
-from .host import HostPrograms, _cgroup, _root, host_problems, missing_pins
-from .lifetime import host, reading_host
-from .podnet import (
-    _V6_ON_LO,
+from .fresh import detail
+from .network import (
     LOOPBACK_IFINDEX,
+    V6_ON_LO,
     NetnsScan,
-    _add_address,
-    _intent_addresses,
-    _our_addresses,
-    _remove_our_addresses,
-    _unserved,
     families_for,
+    intent_addresses,
     listener_maybe,
+    lo_v6,
+    our_addresses,
     proxy_listeners,
+    remove_our_addresses,
     scan_netns,
+    unserved,
 )
-from .pods import _pod_link, _remove_pod, drop_leftovers, drop_link, read_pod, write_pod
-from .pool import link_cookie, prog_cookie, prog_slot
-from .syscalls import (
-    _detach_pinned,
-    _link_target,
-    _pinned_link_info,
-    current_netns_cookie,
-    link_info,
-    obj_get,
-    prog_id,
-)
-
-if TYPE_CHECKING:
-    from ...kernel.routes import RouteTxn
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -88,8 +69,8 @@ class EbpfBackend:
     name = "ebpf"
 
     def __init__(self, root: str | None = None, cgroup: str | None = None) -> None:
-        self.root = _root(root)
-        self.cgroup = _cgroup(cgroup)
+        self.root = resolve_root(root)
+        self.cgroup = resolve_cgroup(cgroup)
         self._scan: NetnsScan | None = None
 
     def detect_families(self, it: AnyIntent) -> tuple[int, ...]:
@@ -106,64 +87,63 @@ class EbpfBackend:
             return sc
         return scan_netns()
 
-    def _pod_link_path(self, cookie: int) -> str:
-        return _pod_link(self.root, cookie)
-
     # --- reading what is installed -----------------------------------------------
     def installed(self) -> bool:
-        with reading_host(self.root) as h:
-            return h is not None and h.pods.lookup(U64.pack(current_netns_cookie())) is not None
+        with reading(self.root) as h:
+            return h is not None and h.store.policy(_netns.current_cookie()) is not None
 
     # --- apply / remove ------------------------------------------------------------
     def apply(self, it: AnyIntent, families: tuple[int, ...]) -> Installed:
         refuse(it)
         t0 = time.perf_counter()
-        h = host(self.root, self.cgroup)
+        h = PROCESS.host(self.root, self.cgroup)
         assert h is not None
+        store = h.store
         t_host = time.perf_counter()
         sc = self._take_scan()
         cookie, local = sc.cookie, sc.local
-        old = read_pod(h, cookie)
-        plan_addrs = _intent_addresses(it, families, sc.own_v6)
+        old = store.read(cookie)
+        plan_addrs = intent_addresses(it, families, sc.own_v6)
         # A config without the intent's addresses (or a pod without an IPv6 address of its own): ours
         # (::6) go at the end, so they are not the pod's own.
-        dropping = (_our_addresses() if not plan_addrs and (old.policy is not None or _V6_ON_LO in local)
+        dropping = (our_addresses() if not plan_addrs and (old.policy is not None or V6_ON_LO in local)
                     else ())
         if dropping:
             gone = {(a.family, a.cidr.split("/")[0]) for a in dropping}
             local = tuple(x for x in local if (x[0], x[1]) not in gone)
         # The intent's local addresses (::6 on lo for the proxy's inbound passthrough), as the
-        # netfilter backends add them; read from the same listing, no netlink dump per pod.
+        # netfilter backends add them (the native writer adds it); read from the same listing, no
+        # netlink dump per pod.
         on_lo = {(f, ip) for f, ip, idx in local if idx == LOOPBACK_IFINDEX}
         add_addrs = [a for a in plan_addrs if (a.family, a.cidr.split("/")[0]) not in on_lo]
+        add_v6 = lo_v6(add_addrs)
         # Once added they are the pod's own, as what the scan found.
         local = (*local, *((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in add_addrs))
         # Keyed as the live generation to compare; a change is written in the other one.
         old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
-        want = pod_entries(it, families, pod_keys(cookie, old_base), local)
+        want = pod_entries(it, families, pod_keys(cookie, old_base), local, store.memo)
         inbound = want.inbound
-        link_path = self._pod_link_path(cookie)
         # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
         # collect_garbage() finds pods whose netns went without a teardown.
-        pinned_target = _link_target(link_path)  # None: no pin
-        have_link = pinned_target == sc.inode and link_cookie(h, link_path) == cookie
+        pinned_target = store.link_target(cookie)  # None: no pin
+        have_link = pinned_target == sc.inode and store.link_cookie(cookie) == cookie
         # Listeners the proxy opened before this setup (those opened later the sock_ops program
         # registers as they start listening): looked for only while a family has none.
-        unserved = _unserved(h, cookie, families) if old.policy is not None else families  # a new pod has none
-        scan = inbound and listener_maybe(sc, it.inbound_port, unserved)
+        in_unserved = unserved(store, cookie, families) if old.policy is not None else families  # a new pod: none
+        scan = inbound and listener_maybe(sc, it.inbound_port, in_unserved, store.tcp_diag())
         # With reroute_interfaces, the proxy's outbound listener too (registered here, in the
         # sockhash, before the policy that makes sk_lookup look for it).
         reroute = bool(it.reroute_interfaces)
-        out_unserved = (_unserved(h, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
+        out_unserved = (unserved(store, cookie, families, LISTENER_OUTBOUND) if old.policy is not None else families
                         ) if reroute else ()
-        oscan = reroute and listener_maybe(sc, it.proxy_port, out_unserved)
+        oscan = reroute and listener_maybe(sc, it.proxy_port, out_unserved, store.tcp_diag())
         # Our tc filters on the interfaces the pod forwards on (what it forwards is captured as
         # netfilter's inbound capture takes it: redirect/bpf/tc_forward.c, .tc), with the pod's pool slot.
         want_tc = tc.wanted(want)
         have_tc = tc.ours() if want_tc or old.policy is not None else {}
-        progs_tc = tc.host_progs(h) if want_tc or have_tc else (0, 0)
-        slot_now = _link_slot(link_path) if have_link else None  # (None: a slot is claimed with the link)
+        progs_tc = store.tc_program_ids() if want_tc or have_tc else (0, 0)
+        slot_now = store.link_slot(cookie) if have_link else None  # (None: a slot is claimed with the link)
         tc_attach = tc.to_attach(want_tc, have_tc, progs_tc, slot_now)
         tc_same = not tc_attach and set(have_tc) == want_tc
         # The intent's policy routes (ambient, TPROXY: the app's replies to a proxy's transparent
@@ -174,58 +154,48 @@ class EbpfBackend:
         old_flags = POLICY.unpack(old.policy)[P_FLAGS] if old.policy is not None else 0
         rtx = _route_txn(it, families)
         fw_ours, fw_set = _fwmark_state(want.policy, old_flags)
-        policy = _with_flag(want.policy, F_FWMARK_ACCEPT_OURS, fw_ours)
-        unchanged = (not scan and not oscan and old.policy is not None and _policy_core(old.policy) == want.policy
+        policy = with_flag(want.policy, F_FWMARK_ACCEPT_OURS, fw_ours)
+        unchanged = (not scan and not oscan and old.policy is not None and policy_core(old.policy) == want.policy
                      and not add_addrs and not dropping
                      and not (old_flags ^ policy_flags(policy)) & F_FWMARK_ACCEPT_OURS
                      and fw_set is None and not rtx.changed
                      and all(old.entries[m] == w for m, w in want.by_map().items()) and have_link and tc_same)
         if unchanged:
-            return Installed(self.name, "", families, False, _general_detail(h, cookie, t0, t_host, link_path))
+            return Installed(self.name, "", families, False, _general_detail(store, cookie, t0, t_host))
         # The other generation: old and new inventories and keys never overlap, the old policy
         # reads none of the new entries, and the policy write switches to all of them at once.
         base = old_base ^ (1 << 31)
         want = dataclasses.replace(want.keyed(pod_keys(cookie, base)), policy=policy)
         if old.leftover_inv:
-            drop_leftovers(h, old)
+            store.drop_leftovers(old)
         listeners_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(it.inbound_port) if scan else contextlib.nullcontext({})
         )
-        from ...kernel import routes as rt
-
         out_cm: contextlib.AbstractContextManager[dict[int, int]] = (
             proxy_listeners(it.proxy_port) if oscan else contextlib.nullcontext({})
         )
         with listeners_cm as lfds, out_cm as ofds:
-            added: list[LocalAddress] = []
-            registered: list[bytes] = []
+            registered: list[int] = []
             own_fd = None
             try:
                 rtx.apply()  # before the policy: replies route back once capture is on
                 for fam, fd in ofds.items():
-                    key = LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND)
-                    if h.maps["listeners"].lookup(key) is None:
-                        h.maps["listeners"].update(key, U64.pack(fd))
-                        registered.append(key)
-                for la in add_addrs:
-                    _add_address(la)
-                    added.append(la)
+                    if store.add_listener(cookie, fam, LISTENER_OUTBOUND, fd):
+                        registered.append(fam)
                 link_netns = -1
                 if not have_link:
                     if pinned_target is not None:
-                        drop_link(h, cookie, link_path)  # a detached, foreign or unreadable one
+                        store.drop_link(cookie)  # a detached, foreign or unreadable one
                     nsfd = _netns.current_fd()  # the fd redirect.setup entered the netns with
                     if nsfd is None:
                         nsfd = own_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     link_netns = nsfd
                 # The difference, in one native call that undoes itself on failure.
-                write_pod(h, cookie, want, old, base, lfds, link_netns, link_path, sc.inode, tc_attach, slot_now)
+                store.write(cookie, want.to_write(), old, base, lfds, link_netns, sc.inode, tc_attach, slot_now,
+                            add_v6, (rt.RT_PROTO, rt.IFA_F_NODAD))
             except BaseException as e:
-                for key in registered:
-                    h.maps["listeners"].delete(key)
-                for la in added:
-                    with contextlib.suppress(OSError, RedirectError):
-                        rt.remove_address(la)
+                for fam in registered:
+                    store.drop_listener(cookie, fam, LISTENER_OUTBOUND)
                 with contextlib.suppress(OSError, RedirectError):
                     rtx.rollback()
                 if isinstance(e, OSError):
@@ -238,7 +208,7 @@ class EbpfBackend:
             tc.detach(set(have_tc) - want_tc)
         if not reroute:  # (the outbound listener's entries of an earlier config with reroute_interfaces)
             for fam in (4, 6):
-                h.maps["listeners"].delete(LISTENER_KEY.pack(cookie, AF[fam], LISTENER_OUTBOUND))
+                store.drop_listener(cookie, fam, LISTENER_OUTBOUND)
         # After the policy, which records whether the setting is ours to undo (a kill in between
         # leaves it recorded and not set: check reports it, the next setup sets it).
         if fw_set is not None:
@@ -246,7 +216,7 @@ class EbpfBackend:
         rtx.finish()
         for ours in dropping:
             rt.remove_address(ours)
-        d = _general_detail(h, cookie, t0, t_host, link_path)
+        d = _general_detail(store, cookie, t0, t_host)
         log.debug("ebpf apply cookie=%d pod=%.3f ms", cookie, d["pod_ms"])
         return Installed(self.name, "", families, True, d)
 
@@ -256,22 +226,22 @@ class EbpfBackend:
         Per-socket state (original destinations) goes with the sockets, and is inert once the
         policy is gone: every program looks the pod up first.
         """
-        cookie = current_netns_cookie()
+        cookie = _netns.current_cookie()
         # Our tc filters first: each names the pod's pool slot, which goes with its link below (a
         # slot claimed by another pod later must find no filter of this netns).
         try:
             had_tc = tc.detach_all() > 0
         except OSError as e:
             raise SetupError(f"ebpf: teardown failed, nothing removed: {e}") from e
-        with reading_host(self.root) as h:
+        with reading(self.root) as h:
             if h is None:  # no pods map anywhere: no program of ours can capture; a link pin may be left
-                link = self._pod_link_path(cookie)
+                link = pod_link(self.root, cookie)
                 if os.path.exists(link):
-                    _detach_pinned(link)
+                    detach_pinned(link)
                     return True
                 return had_tc
-            policy = h.pods.lookup(U64.pack(cookie))
-            removed = _remove_pod(h, cookie) or had_tc
+            policy = h.store.policy(cookie)
+            removed = h.store.remove(cookie) or had_tc
         flags = policy_flags(policy) if policy is not None else 0
         if flags & F_FWMARK_ACCEPT_OURS:
             set_fwmark_accept(0)
@@ -280,97 +250,86 @@ class EbpfBackend:
         if policy is None or flags & _ROUTED:
             # The policy routes (ambient; TPROXY), or what a setup killed before its policy left
             # (as the netfilter backends' remove, all of ours).
-            from ...kernel import routes as rt
-
             return rt.remove_all_ours() or removed
-        _remove_our_addresses()
+        remove_our_addresses()
         return removed
 
     # --- check / show / render ----------------------------------------------------
     def check(self, it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
         """Compare the maps, read back entry by entry, and the link with what ``it`` wants here."""
         refuse(it)
-        with reading_host(self.root) as h:
-            host_diffs = host_problems(self.root, self.cgroup, h)
+        with reading(self.root) as h:
+            host_diffs = host_problems(self.root, self.cgroup, PROCESS.build_id(), h)
             if h is None:
                 return CheckResult(False, self.name, (f"host programs are not pinned under {self.root}", *host_diffs))
-            return self._check(h, host_diffs, it, families)
+            return self._check(h.store, host_diffs, it, families)
 
-    def _check(self, h: HostPrograms, diffs: list[str], it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
+    def _check(self, store: PodStore, diffs: list[str], it: AnyIntent, families: tuple[int, ...]) -> CheckResult:
         sc = self._take_scan()
         cookie = sc.cookie
-        st = read_pod(h, cookie)
+        st = store.read(cookie)
         live_base = POLICY.unpack(st.policy)[P_INV_BASE] if st.policy is not None else 0
-        want = pod_entries(it, families, pod_keys(cookie, live_base), sc.local)
+        want = pod_entries(it, families, pod_keys(cookie, live_base), sc.local, store.memo)
         if st.policy is None:
             diffs.append(f"no policy entry for netns cookie {cookie}")
-        elif _policy_core(st.policy) != want.policy:
-            diffs.append("policy entry differs: have " + _fmt_policy(st.policy) + ", want " + _fmt_policy(want.policy))
-        fmt = {INV_PORTS: _fmt_port, INV_CIDRS: _fmt_cidr}
+        elif policy_core(st.policy) != want.policy:
+            diffs.append("policy entry differs: have " + fmt_policy(st.policy) + ", want " + fmt_policy(want.policy))
+        fmt = {INV_PORTS: fmt_port, INV_CIDRS: fmt_cidr}
         what = {INV_PORTS: "port entry", INV_CIDRS: "CIDR entry"}
         for m, w in want.by_map().items():
-            target = h.maps[INV_MAPS[m]]
             # Read back from the maps (not only our inventory): an entry deleted by hand is drift.
-            live = st.entries[m] | {k for k in w if target.lookup(k) is not None}
+            live = st.entries[m] | {k for k in w if store.has_entry(m, k)}
             diffs += [f"missing {what[m]} {fmt[m](k)}" for k in sorted(w - live)]
             diffs += [f"extra {what[m]} {fmt[m](k)}" for k in sorted(live - w)]
-        link = self._pod_link_path(cookie)
-        if not os.path.exists(link):
+        info = store.link_info(cookie, strict=True)
+        if info is None:
             diffs.append("no sk_lookup link on this netns")
         else:
-            fd = obj_get(link)
-            try:
-                info = link_info(fd)
-            finally:
-                os.close(fd)
             if info["target"] != os.stat("/proc/thread-self/ns/net").st_ino:
                 diffs.append("sk_lookup link is not attached to this netns (netns gone or detached)")
-            if prog_cookie(h, info["prog_id"]) != cookie:
+            if store.prog_cookie(info["prog_id"]) != cookie:
                 diffs.append("sk_lookup link runs another program than this pod's")
-        from ...kernel import routes as rt
-
         diffs += rt.differences(it, families)
-        diffs += tc.differences(tc.wanted(want), tc.ours(), tc.host_progs(h), _link_slot(link))
+        diffs += tc.differences(tc.wanted(want), tc.ours(), store.tc_program_ids(), store.link_slot(cookie))
         if replies_by_mark(policy_flags(want.policy)) and fwmark_accept() != 1:
             diffs.append("net.ipv4.tcp_fwmark_accept is 0 here: the app's replies to the proxy's transparent"
                          " connections need it (setup sets it)")
         return CheckResult(not diffs, self.name, tuple(diffs))
 
     def show(self) -> dict[str, Any]:
-        with reading_host(self.root) as h:
+        with reading(self.root) as h:
             if h is None:
                 return {"backend": self.name, "root": self.root, "host_programs": None, "installed": False}
-            return self._show(h)
+            return self._show(h.store)
 
-    def _show(self, h: HostPrograms) -> dict[str, Any]:
-        cookie = current_netns_cookie()
-        st = read_pod(h, cookie)
-        link = self._pod_link_path(cookie)
-        lk = h.maps["listeners"]
-        listening, out_listening = ([f for f in (4, 6) if lk.lookup(LISTENER_KEY.pack(cookie, AF[f], kind))]
+    def _show(self, store: PodStore) -> dict[str, Any]:
+        cookie = _netns.current_cookie()
+        st = store.read(cookie)
+        link = store.link_path(cookie)
+        listening, out_listening = ([f for f in (4, 6) if store.has_listener(cookie, f, kind)]
                                     for kind in (LISTENER_INBOUND, LISTENER_OUTBOUND))
         return {
             "backend": self.name, "root": self.root, "netns_cookie": cookie, "installed": st.policy is not None,
-            "host_programs": {n: prog_id(fd) for n, fd in h.progs.items()},
-            "policy": _fmt_policy(st.policy) if st.policy else None,
-            "ports": sorted(_fmt_port(k) for k in st.ports), "cidrs": sorted(_fmt_cidr(k) for k in st.cidrs),
-            "addresses": sorted(_fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
+            "host_programs": store.program_ids(),
+            "policy": fmt_policy(st.policy) if st.policy else None,
+            "ports": sorted(fmt_port(k) for k in st.ports), "cidrs": sorted(fmt_cidr(k) for k in st.cidrs),
+            "addresses": sorted(fmt_cidr(k).split(" ", 1)[1].rsplit("/", 1)[0] for k in st.cidrs
                                 if CIDR_KEY.unpack(k)[1] in (CIDR_KIND["local4"], CIDR_KIND["local6"])),
             "inbound_listeners": [f"IPv{f}" for f in listening],
             "outbound_listeners": [f"IPv{f}" for f in out_listening],  # with reroute_interfaces
-            "routes": _routes_text() if st.policy is None or POLICY.unpack(st.policy)[P_FLAGS] & _ROUTED else [],
+            "routes": rt.describe_ours()["routes"] if st.policy is None or policy_flags(st.policy) & _ROUTED else [],
             "sk_lookup_link": link if os.path.exists(link) else None,
             "tc_filters": tc.describe(tc.ours()),
-            "missing_host_pins": missing_pins(self.root),
+            "missing_host_pins": PROCESS.missing_pins(self.root),
         }
 
     def render(self, it: AnyIntent, families: tuple[int, ...]) -> str:
         """What ``apply`` would write for ``it``: its eBPF lowering, as text (netns cookie shown as <netns>)."""
         refuse(it)
         e = intent_entries(it, families, 0)
-        lines = [f"pods[<netns>] = {_fmt_policy(e.policy)}"]
-        lines += [f"ports[{_fmt_port(k)}]" for k in sorted(e.ports)]
-        lines += [f"cidrs[{_fmt_cidr(k)}]" for k in sorted(e.cidrs)]
+        lines = [f"pods[<netns>] = {fmt_policy(e.policy)}"]
+        lines += [f"ports[{fmt_port(k)}]" for k in sorted(e.ports)]
+        lines += [f"cidrs[{fmt_cidr(k)}]" for k in sorted(e.cidrs)]
         lines.append("cidrs[local <each pod address>]")
         lines.append("sk_lookup link on the pod netns (its program holds the netns cookie)")
         if e.inbound:
@@ -388,12 +347,6 @@ class EbpfBackend:
         if replies_by_mark(policy_flags(e.policy)):
             lines.append("sysctl net.ipv4.tcp_fwmark_accept = 1")
         return "\n".join(lines) + "\n"
-
-
-def _routes_text() -> list[str]:
-    from ...kernel import routes as rt
-
-    return rt.describe_ours()["routes"]
 
 
 def policy_flags(policy: bytes) -> int:
@@ -456,21 +409,13 @@ def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, _FwmarkWrite | Non
     return ours, _FwmarkWrite(f, value)
 
 
-def _route_txn(it: AnyIntent, families: tuple[int, ...]) -> RouteTxn:
+def _route_txn(it: AnyIntent, families: tuple[int, ...]) -> rt.RouteTxn:
     """The intent's policy routes as a transaction; our addresses are left as they are (the backend
     manages ``::6`` itself)."""
-    from ...kernel import routes as rt
-
     state = rt.read_ours()
     return rt.RouteTxn(tuple(r for r in it.routes if r.family in families), tuple(state.addresses), families, state)
 
 
-def _general_detail(h: HostPrograms, cookie: int, t0: float, t_host: float, link_path: str) -> dict[str, Any]:
-    """``_detail`` of ``apply``, which started at ``t0`` and had the host programs at ``t_host``."""
-    return _detail(h, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3), link_path)
-
-
-def _link_slot(link_path: str) -> int | None:
-    """The pool slot of the pod's sk_lookup link pinned at ``link_path`` (None: none, or not ours)."""
-    info = _pinned_link_info(link_path)
-    return None if info is None else prog_slot(info["prog_id"])
+def _general_detail(store: PodStore, cookie: int, t0: float, t_host: float) -> dict[str, Any]:
+    """``fresh.detail`` of ``apply``, which started at ``t0`` and had the host programs at ``t_host``."""
+    return detail(store, cookie, round((t_host - t0) * 1e3, 3), round((time.perf_counter() - t_host) * 1e3, 3))

@@ -1,6 +1,6 @@
 """What a pod's own netns holds, as its setup needs it: its cookie and addresses (``scan_netns``, one
-netlink dump), the proxy's inbound listeners (a bind probe, a sock_diag dump, their fds), and the
-intent's local addresses (``::6`` on lo) added and removed.
+netlink dump), the proxy's inbound listeners (a bind probe, a sock_diag dump, their fds), its links
+and routes, and the intent's local address (``::6`` on lo: added by the native writer, removed here).
 """
 
 from __future__ import annotations
@@ -13,20 +13,19 @@ import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ...errors import SetupError
-from ...kernel import netns as _netns
-from ...plan.intent import INBOUND_PASSTHROUGH_V6, AnyIntent, LocalAddress
-from .abi import AF, LISTENER_KEY
-from .syscalls import _check, _native, _tcp_diag_ok
-
-if TYPE_CHECKING:
-    from .host import HostPrograms
+from ....errors import SetupError
+from ....kernel import netlink
+from ....kernel import netns as _netns
+from ....kernel import routes as rt
+from ....plan.intent import INBOUND_PASSTHROUGH_V6, AnyIntent, LocalAddress
+from ..abi import AF, LISTENER_INBOUND
+from ..host import NATIVE, PodStore, check
 
 LOOPBACK_IFINDEX = 1  # lo's index in every netns
 #: ``::6`` on lo as ``NetnsScan.local`` lists it.
-_V6_ON_LO = (6, INBOUND_PASSTHROUGH_V6.split("/")[0], LOOPBACK_IFINDEX)
+V6_ON_LO = (6, INBOUND_PASSTHROUGH_V6.split("/")[0], LOOPBACK_IFINDEX)
 
 
 @dataclass(frozen=True)
@@ -50,17 +49,14 @@ class NetnsScan:
 def scan_netns() -> NetnsScan:
     """``NetnsScan`` of the calling thread's netns, from ``rdr_scan_netns`` (native/pod_setup.c: the
     fresh-pod call scans with it too): its cookie and one address dump."""
-    nat = _native()
-    sc = nat.ffi.new("struct rdr_netns_scan *")
-    rc = nat.lib.rdr_scan_netns(sc)
+    sc = NATIVE.ffi.new("struct rdr_netns_scan *")
+    rc = NATIVE.lib.rdr_scan_netns(sc)
     if rc == -errno.E2BIG:
-        raise SetupError(f"backend=ebpf: the netns has more than {nat.lib.RDR_SCAN_MAX} addresses (loopback and"
+        raise SetupError(f"backend=ebpf: the netns has more than {NATIVE.lib.RDR_SCAN_MAX} addresses (loopback and"
                          " IPv6 link-local aside), the most the eBPF backend registers; nftables and iptables"
                          " take any number")
-    _check(rc, "scanning the netns (RTM_GETADDR)")
-    buf = nat.ffi.buffer
-    from ...kernel import routes as rt
-
+    check(rc, "scanning the netns (RTM_GETADDR)")
+    buf = NATIVE.ffi.buffer
     raw = [(a.family, buf(a.addr, 4 if a.family == 4 else 16)[:], a.ifindex) for a in sc.a[0 : sc.n]]
     out = tuple((f, socket.inet_ntop(AF[f], b), i) for f, b, i in raw)
     own_v6 = any(f == 6 and rt.own_ipv6(b) for f, b, _i in raw)
@@ -74,60 +70,30 @@ def families_for(it: AnyIntent, v6_on: bool) -> tuple[int, ...]:
     return (4, 6) if it.ipv6 else (4,)
 
 
-def _unserved(h: HostPrograms, cookie: int, families: tuple[int, ...], kind: int = 0) -> tuple[int, ...]:
+def unserved(store: PodStore, cookie: int, families: tuple[int, ...], kind: int = LISTENER_INBOUND) -> tuple[int, ...]:
     """The families without a registered listener of ``kind`` (``RDR_LISTENER_*``, inbound by
     default; a dual-stack IPv6 one serves IPv4 too)."""
-    have = {f for f in (4, 6) if h.maps["listeners"].lookup(LISTENER_KEY.pack(cookie, AF[f], kind)) is not None}
+    have = {f for f in (4, 6) if store.has_listener(cookie, f, kind)}
     return tuple(f for f in families if f not in have and not (f == 4 and 6 in have))
 
 
-def listener_maybe(sc: NetnsScan, port: int, families: tuple[int, ...]) -> bool:
+def listener_maybe(sc: NetnsScan, port: int, families: tuple[int, ...], tcp_diag: bool) -> bool:
     """Whether a TCP listener may take connections to ``port`` in the scanned netns, for
-    ``families`` (none: False): ``rdr_inbound_listener_maybe``, the fresh-pod call's own check."""
-    lib = _native().lib
+    ``families`` (none: False): ``rdr_inbound_listener_maybe``, the fresh-pod call's own check
+    (``tcp_diag``: ``PodStore.tcp_diag``)."""
+    lib = NATIVE.lib
     fams = (lib.RDR_FAM4 if 4 in families else 0) | (lib.RDR_FAM6 if 6 in families else 0)
-    return bool(lib.rdr_inbound_listener_maybe(port, fams, sc.native, int(_tcp_diag_ok())))
-
-
-def _listener_inodes(port: int) -> dict[int, int]:
-    """Socket inode -> family of TCP listeners on ``port`` in the current netns.
-
-    Asked over NETLINK_SOCK_DIAG for listeners only: reading /proc/net/tcp walks
-    every socket of the host (it grows with the host's connections), a listener dump only the
-    listening hash (docs/kernel-facts.md, ``SOCK_DIAG_BY_FAMILY``).
-    """
-    out: dict[int, int] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4) as nl:  # NETLINK_SOCK_DIAG
-        nl.settimeout(2.0)
-        for fam in (4, 6):
-            req = struct.pack("=BBBBI48x", AF[fam], socket.IPPROTO_TCP, 0, 0, 1 << 10)  # TCP_LISTEN
-            nl.send(struct.pack("=IHHII", 16 + len(req), 20, 0x301, fam, 0) + req)  # SOCK_DIAG_BY_FAMILY, DUMP
-            done = False
-            for _ in range(10_000):
-                if done:
-                    break
-                data = nl.recv(65536)
-                off = 0
-                while off + 16 <= len(data):
-                    ln, typ = struct.unpack_from("=IH", data, off)
-                    if typ == 3 or typ == 2:  # NLMSG_DONE, NLMSG_ERROR
-                        done = True
-                        break
-                    sport = struct.unpack_from("!H", data, off + 16 + 4)[0]
-                    inode = struct.unpack_from("=I", data, off + 16 + 68)[0]
-                    if sport == port:
-                        out[inode] = fam
-                    off += (ln + 3) & ~3
-    return out
+    return bool(lib.rdr_inbound_listener_maybe(port, fams, sc.native, int(tcp_diag)))
 
 
 @contextlib.contextmanager
 def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
     """family -> an fd of the proxy's listening socket(s) on ``port`` in this netns (closed on exit).
 
-    Looks in this process first, then in every process (``pidfd_getfd`` dups it).
+    Its listeners are found by inode over sock_diag (``netlink.tcp_listeners``); their fds in this
+    process first, then in every process (``pidfd_getfd`` dups it).
     """
-    want = _listener_inodes(port)
+    want = netlink.tcp_listeners(port)
     found: dict[int, int] = {}
     owned: list[int] = []
     try:
@@ -163,7 +129,7 @@ def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
                         except OSError:
                             continue
                         try:
-                            dup = _check(_native().lib.rdr_pidfd_getfd(pidfd, int(fd)), "pidfd_getfd")
+                            dup = check(NATIVE.lib.rdr_pidfd_getfd(pidfd, int(fd)), "pidfd_getfd")
                         except OSError:
                             continue
                         finally:
@@ -176,40 +142,31 @@ def proxy_listeners(port: int) -> Iterator[dict[int, int]]:
             os.close(ofd)
 
 
-def _intent_addresses(it: AnyIntent, families: tuple[int, ...], own_v6: bool) -> tuple[LocalAddress, ...]:
+def intent_addresses(it: AnyIntent, families: tuple[int, ...], own_v6: bool) -> tuple[LocalAddress, ...]:
     """The intent's addresses wanted here (as ``routes.usable_addresses``: IPv6 ones when the pod has
     an IPv6 address of its own)."""
     return tuple(a for a in it.local_addresses if a.family in families and (a.family == 4 or own_v6))
 
 
-def _add_address(a: LocalAddress) -> None:
-    """``routes.add_address`` without its link dump when the device is lo (ifindex 1 in every netns)."""
-    from ...kernel import routes as rt
-    from ...kernel import rtnl
-
-    if a.dev != "lo":
-        rt.add_address(a)
-        return
-    address, plen = a.cidr.split("/")
-    try:
-        rtnl.addr("add", AF[a.family], 1, address, int(plen), rt.RT_PROTO, rt.IFA_F_NODAD)
-    except OSError as e:
-        if e.errno != errno.EEXIST:
-            raise
+def lo_v6(adds: tuple[LocalAddress, ...] | list[LocalAddress]) -> bytes | None:
+    """The one address of ``adds`` as the native writer adds it (``rdr_pod_write.add_v6``: an IPv6
+    /128 on lo, what an intent adds, ``::6``); None for none. ``SetupError`` for any other shape."""
+    if not adds:
+        return None
+    a = adds[0]
+    if len(adds) > 1 or a.family != 6 or a.dev != "lo" or not a.cidr.endswith("/128"):
+        raise SetupError(f"backend=ebpf: adds one IPv6 /128 address on lo, not {', '.join(str(x) for x in adds)}")
+    return socket.inet_pton(socket.AF_INET6, a.cidr.split("/")[0])
 
 
-def _our_addresses() -> tuple[LocalAddress, ...]:
+def our_addresses() -> tuple[LocalAddress, ...]:
     """The addresses we added here (routing protocol ours; an intent only ever adds IPv6 ones, ::6)."""
-    from ...kernel import routes as rt
-
     return tuple(rt.read_ours((6,)).addresses)
 
 
-def _remove_our_addresses() -> None:
+def remove_our_addresses() -> None:
     """The addresses we added, removed as the netfilter backends remove them."""
-    from ...kernel import routes as rt
-
-    for a in _our_addresses():
+    for a in our_addresses():
         rt.remove_address(a)
 
 
@@ -219,19 +176,17 @@ _RTA_MULTIPATH, _RTN_UNICAST, _RT_TABLE_MAIN = 9, 1, 254
 def links_and_routes() -> tuple[list[tuple[str, int]], list[tuple[int, str, tuple[str, ...]]]]:
     """The calling thread's netns: its links (name, ifindex) and the unicast routes of its main
     table (family, destination CIDR, the interfaces of the next hops), in the kernel's order."""
-    from ...kernel import rtnl
-
-    names = rtnl.link_names()
+    names = netlink.link_names()
     routes: list[tuple[int, str, tuple[str, ...]]] = []
     for fam in (socket.AF_INET, socket.AF_INET6):
-        for m in rtnl.dump(rtnl.RTM_GETROUTE, fam):
+        for m in netlink.dump(netlink.RTM_GETROUTE, fam):
             dst_len, _src_len, _tos, table, _proto, _scope, rtype, _flags = m.fields
-            table = m.u32(rtnl.RTA_TABLE) or table
+            table = m.u32(netlink.RTA_TABLE) or table
             if table != _RT_TABLE_MAIN or rtype != _RTN_UNICAST:
                 continue
-            raw = m.attrs.get(rtnl.RTA_DST, bytes(4 if fam == socket.AF_INET else 16))
+            raw = m.attrs.get(netlink.RTA_DST, bytes(4 if fam == socket.AF_INET else 16))
             dst = socket.inet_ntop(fam, raw)
-            oif = m.u32(rtnl.RTA_OIF)
+            oif = m.u32(netlink.RTA_OIF)
             devs: list[str] = [names.get(oif, str(oif))] if oif else []
             mp = m.attrs.get(_RTA_MULTIPATH, b"")
             off = 0

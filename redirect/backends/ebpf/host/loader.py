@@ -1,6 +1,6 @@
 """The host programs' compile and load, in a short-lived process of their own.
 
-``python -m redirect.backends.ebpf.loader --root R --cgroup C`` compiles ``redirect/bpf/`` through
+``python -m redirect.backends.ebpf.host.loader --root R --cgroup C`` compiles ``redirect/bpf/`` through
 bcc against the header tree the package carries (``redirect/bpf/headers/``, given to bcc as
 ``BCC_KERNEL_SOURCE``: the kernel's UAPI and a few headers of ours, so no node needs kernel
 headers), loads the programs, pins them and their maps under ``R``, loads the pool's first batch,
@@ -26,28 +26,30 @@ import sys
 import time
 from typing import Any
 
-from ...errors import BackendUnavailable, SetupError
-from .abi import MAP_ATTACHED, MAPS, PROGRAMS, U32
-from .host import (
+from ....errors import BackendUnavailable, SetupError
+from ..abi import U32
+from .objects import (
     BPF_DIR,
+    CGROUP_PROGRAMS,
     HEADERS_DIR,
+    MAP_ATTACHED,
+    MAPS,
+    PROGRAMS,
     SOURCES,
-    _attach_to_cgroup,
-    _build_pin,
-    _cgroup_progs,
-    _require_cgroup,
-    _unpin_all,
-    probe_kernel,
+    build_id,
+    build_pin,
 )
+from .pins import probe_kernel, require_cgroup, unpin_all
 from .pool import fill
-from .syscalls import _check, _native, obj_pin
+from .programs import attach_to_cgroup
+from .syscalls import NATIVE, check, obj_pin
 
 
 def compile_load_pin(root: str, cgroup: str) -> int:
     """Compile, load, pin and attach the host programs under ``root`` (in this process: bcc is
     imported here); where the pool's next batch starts. Unpins everything on failure."""
     probe_kernel()
-    _require_cgroup(cgroup)
+    require_cgroup(cgroup)
     # bcc's loader compiles against $BCC_KERNEL_SOURCE when set (else the node's kernel headers).
     os.environ["BCC_KERNEL_SOURCE"] = HEADERS_DIR
     from bcc import BPF, libbcc
@@ -66,7 +68,7 @@ def compile_load_pin(root: str, cgroup: str) -> int:
             except Exception as e:
                 raise BackendUnavailable(f"ebpf: the kernel refused program {name}: {e}") from None
         # Clear leftovers of a half-done earlier load (ours only: this root).
-        _unpin_all(root)
+        unpin_all(root)
         for d in ("maps", "progs", "links", "pods"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
 
@@ -79,22 +81,24 @@ def compile_load_pin(root: str, cgroup: str) -> int:
 
         for m in MAPS:
             obj_pin(table(m), os.path.join(root, "maps", m))
-        obj_pin(table("build_id"), os.path.join(root, "maps", _build_pin()))
+        obj_pin(table("build_id"), os.path.join(root, "maps", build_pin(build_id())))
         for name, fn in fns.items():
             obj_pin(fn.fd, os.path.join(root, "progs", name))
         # The pods' sk_lookup programs tail-call this one (redirect/bpf/redirect.h, lookup_prog).
-        _check(_native().lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
-                                                0), "update lookup_prog")
+        check(NATIVE.lib.rdr_bpf_map_update(table("lookup_prog"), U32.pack(0), U32.pack(fns["rdr_sk_lookup"].fd),
+                                            0), "update lookup_prog")
         # sk_msg programs go on their map (the map holds them: a paired socket keeps both).
         for name, mname in MAP_ATTACHED.items():
             if libbcc.lib.bpf_prog_attach(fns[name].fd, table(mname), PROGRAMS[name][1], 0) < 0:
                 raise BackendUnavailable(f"ebpf: attaching {name} to map {mname} failed")
-        # The first batch of the pods' own sk_lookup programs (``.pool``).
-        hint = fill(table("lookup_slots"), table("lookup_netns"), table("lookup_prog"), table("lookup_pool"),
-                    table("lookup_free"), 0)
-        _attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in _cgroup_progs()})
+        # The first batch of the pods' own sk_lookup programs (``.pool``; none kept open here).
+        maps = NATIVE.ffi.new("struct rdr_host_maps *")
+        maps.slots, maps.lookup_netns, maps.lookup_prog, maps.pool, maps.free = (
+            table(n) for n in ("lookup_slots", "lookup_netns", "lookup_prog", "lookup_pool", "lookup_free"))
+        hint = fill(maps, 0)
+        attach_to_cgroup(root, cgroup, {name: fns[name].fd for name in CGROUP_PROGRAMS})
     except BaseException:
-        _unpin_all(root)
+        unpin_all(root)
         raise
     finally:
         b.cleanup()
@@ -107,7 +111,7 @@ class _CompileError(BackendUnavailable):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m redirect.backends.ebpf.loader",
+        prog="python -m redirect.backends.ebpf.host.loader",
         description="Compile redirect's eBPF host programs with bcc (against the UAPI headers the package carries), "
                     "load them, pin them under --root and attach the cgroup programs to --cgroup, then exit. "
                     "Run by the eBPF backend under its host lock when the pins are missing; not meant to be run "

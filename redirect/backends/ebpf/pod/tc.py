@@ -23,12 +23,11 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from typing import Any
 
-from ...plan.lower_ebpf import CIDR_KIND
-from .abi import CIDR_KEY
+from ....plan.lower_ebpf import CIDR_KIND
+from ..abi import CIDR_KEY
+from ..host import NATIVE
 from .entries import PodEntries
-from .syscalls import _native
 
 #: Interfaces the native calls list at most (``RDR_FWD_MAX``).
 _MAX = 256
@@ -51,9 +50,8 @@ def _excluded(cidrs: frozenset[bytes]) -> set[int]:
 
 def forwarding() -> frozenset[int]:
     """The calling thread's netns's interfaces (lo aside) on which it forwards what arrives."""
-    nat = _native()
-    buf = nat.ffi.new("int[]", _MAX)
-    n = nat.lib.rdr_forwarding(buf, _MAX)
+    buf = NATIVE.ffi.new("int[]", _MAX)
+    n = NATIVE.lib.rdr_forwarding(buf, _MAX)
     if n < 0:
         raise OSError(-n, f"read the interfaces' forwarding settings: {os.strerror(-n)}")
     return frozenset(buf[i] for i in range(n))
@@ -69,9 +67,8 @@ def wanted(want: PodEntries) -> frozenset[int]:
 def ours() -> dict[int, tuple[int, int, int, int]]:
     """Our filters in the calling thread's netns: ifindex -> (ingress program id, its slot, egress
     program id, its slot); a side without ours has (0, -1)."""
-    nat = _native()
-    buf = nat.ffi.new("struct rdr_tc_filter[]", _MAX)
-    n = nat.lib.rdr_tc_list(buf, _MAX)
+    buf = NATIVE.ffi.new("struct rdr_tc_filter[]", _MAX)
+    n = NATIVE.lib.rdr_tc_list(buf, _MAX)
     if n < 0:
         raise OSError(-n, f"read our tc filters: {os.strerror(-n)}")
 
@@ -94,7 +91,7 @@ def to_attach(want: frozenset[int], have: dict[int, tuple[int, int, int, int]], 
 
 def detach(ifindexes: set[int] | frozenset[int]) -> None:
     """Our filters off ``ifindexes`` (and a clsact qdisc left empty)."""
-    lib = _native().lib
+    lib = NATIVE.lib
     for idx in sorted(ifindexes):
         rc = lib.rdr_tc_detach(idx)
         if rc < 0 and rc != -errno.ENODEV:
@@ -103,7 +100,7 @@ def detach(ifindexes: set[int] | frozenset[int]) -> None:
 
 def detach_all() -> int:
     """Our filters off every interface of the calling thread's netns: how many had ours."""
-    rc = int(_native().lib.rdr_tc_detach_all())
+    rc = int(NATIVE.lib.rdr_tc_detach_all())
     if rc < 0:
         raise OSError(-rc, f"remove our tc filters: {os.strerror(-rc)}")
     return rc
@@ -130,13 +127,5 @@ def describe(have: dict[int, tuple[int, int, int, int]]) -> list[str]:
             for i, v in sorted(have.items())]
 
 
-def host_progs(h: Any) -> tuple[int, int]:
-    """The ids of the host's tc programs (what our filters on a pod's interfaces run; 0: not found)."""
-    from .syscalls import prog_id
-
-    fds = [h.progs.get(n) for n in ("rdr_tc_ingress", "rdr_tc_egress")]
-    return (prog_id(fds[0]) if fds[0] is not None else 0, prog_id(fds[1]) if fds[1] is not None else 0)
-
-
-__all__ = ["describe", "detach", "detach_all", "differences", "forwarding", "host_progs", "ours", "takes_forwarded",
+__all__ = ["describe", "detach", "detach_all", "differences", "forwarding", "ours", "takes_forwarded",
            "to_attach", "wanted"]

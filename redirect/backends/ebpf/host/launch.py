@@ -1,6 +1,6 @@
 """Starting the loader process (``.loader``) and reading its answer, for ``HostPrograms.open_or_load``.
 
-The loader runs as ``python -m redirect.backends.ebpf.loader`` with this package first on its
+The loader runs as ``python -m redirect.backends.ebpf.host.loader`` with this package first on its
 ``sys.path``, the caller's host lock fd inherited (the lock stays held until both are gone), and
 a pipe for its answer: one JSON object, ``{"ok": true, "hint": N}`` or the error's kind and
 message, which ``run_loader`` raises again here. Nothing of bcc is imported in this process.
@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from ...errors import BackendUnavailable, SetupError
+from ....errors import BackendUnavailable, SetupError
 
 
 class LoaderDied(BackendUnavailable):
@@ -73,7 +73,9 @@ def _child_env() -> dict[str, str]:
     this very code) and bcc's arch taken from the machine (``ARCH`` would override it)."""
     env = dict(os.environ)
     env.pop("ARCH", None)
-    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    top = os.path.abspath(__file__)
+    for _ in range(len(__package__.split(".")) + 1):  # (redirect/backends/ebpf/host/launch.py: the tree above)
+        top = os.path.dirname(top)
     env["PYTHONPATH"] = os.pathsep.join([top, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env
 
