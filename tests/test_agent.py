@@ -681,7 +681,8 @@ def test_hundred_pods_at_once_ops_endpoints_and_graceful_stop(backend_node: Node
         # A restart finds all of them in the kernel.
         agent = n.start_agent()
         rec = wait_log(agent.log, lambda e: e.get("msg") == "reconciled")
-        assert (rec["pods"], rec["intact"]) == (count, count), rec
+        assert (rec["pods"], rec["intact"]) == (count, count), (rec, [
+            e for e in read_log(agent.log) if str(e.get("msg", "")).startswith("pod rules")])
         print(f"restart found {count} pods in {rec['ms']} ms")
         n.wait_synced(2)
 
