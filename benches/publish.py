@@ -93,7 +93,7 @@ def figures(res: dict[str, Any], source: str = "") -> dict[str, Any]:
     ebpf_vs_it = next((t["measured"] for t in res.get("targets", [])
                        if t["name"].startswith("api/ebpf/sidecar: per-pod setup vs")), None)
     return {
-        "source": os.path.basename(source) if source else "", "started": res.get("started"),
+        "source": os.path.basename(source) if source else "",
         "profile": res.get("profile"), "command": res.get("command") or "python -m benches",
         "host": {"cpu": h.get("cpu_model", "?"), "cores": h.get("cpus"), "kernel": h.get("kernel"),
                  "machine": h.get("machine"), "iptables": h.get("iptables")},
@@ -117,7 +117,7 @@ def markdown(f: dict[str, Any]) -> str:
         "hand (run the benchmark again). What is measured, how, and the targets are in",
         "[benchmarks.md](benchmarks.md). Absolute times vary with the machine; the ratios are what to compare.",
         "",
-        f"- Run: `{f['command']}` ({f['profile']} profile), started {f['started']}"
+        f"- Run: `{f['command']}` ({f['profile']} profile)"
         + (f", results file `{f['source']}`" if f["source"] else ""),
         f"- Hardware: {h['cpu']}, {h['cores']} cores, {h['machine']}; kernel {h['kernel']}; {h['iptables']}",
         "- Pods: lo only when setup runs" if f["pod_addresses"] == "none" else

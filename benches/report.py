@@ -186,7 +186,7 @@ def _fmt(x: Any, unit: str = "") -> str:
 def markdown(res: dict[str, Any]) -> str:
     r, rows = res["ratios"], res["targets"]
     h = res.get("host", {})
-    L = [f"# redirect benchmark ({res.get('profile', 'full')} run, {res.get('started', '')})", "",
+    L = [f"# redirect benchmark ({res.get('profile', 'full')} run)", "",
          f"Host: kernel {h.get('kernel')}, {h.get('cpus')} CPUs, {h.get('iptables')}. "
          f"Ratios are against references measured in the same run. Elapsed {res.get('elapsed_s')} s.", "",
          "## Targets", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -210,6 +211,7 @@ def test_the_published_figures_are_a_rendering_of_one_results_file() -> None:
     assert fig is not None and page == publish.markdown(fig), "edited by hand: run `make bench` again"
     assert fig["command"].startswith(("make bench", "python -m benches")) and fig["host"]["cores"]
     assert fig["host"]["cpu"] and fig["host"]["kernel"] and fig["rows"]
+    assert not re.search(r"\b20\d\d-\d\d-\d\d", page), "a date of a run in the published page"
     prose = (ROOT / "docs" / "benchmarks.md").read_text()
     assert "benchmarks-results.md" in prose
     assert not [line for line in prose.splitlines() if line.startswith("|")], "a table of a run's figures in the prose"
