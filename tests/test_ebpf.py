@@ -31,6 +31,7 @@ from redirect.kernel import netns as rnetns
 from redirect.plan.intent import intent_for
 from redirect.plan.lower_ebpf import CIDR_KIND, PORT_KIND
 from tests import netkit
+from tests.kit import bpfroot
 from tests.netkit import Pod, TcpListener, UdpListener, landing, wait_link_detached
 
 APP_UID = 1000
@@ -404,13 +405,8 @@ def test_check_reads_the_maps_back_and_setup_repairs(pod: Pod, setup_pod, bpf_ro
 @pytest.fixture
 def scratch_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A root of its own for tests that break the host pins (compiles once more)."""
-    root = f"/sys/fs/bpf/rdrt-ebpf-scratch-{os.getpid()}"
-    monkeypatch.setenv("REDIRECT_BPF_ROOT", root)
-    try:
+    with bpfroot.scratch_root(monkeypatch, "ebpf-scratch") as root:
         yield root
-    finally:
-        ebpf.force_unload_host(root)
-        assert not os.path.exists(root)
 
 
 def test_a_removed_link_pin_is_repaired_by_the_next_setup(pod: Pod, scratch_root: str) -> None:

@@ -23,6 +23,7 @@ from redirect.backends import ebpf
 from redirect.backends.ebpf.host.launch import run_loader
 from redirect.backends.ebpf.host.pins import host_lock
 from redirect.config import RedirectConfig
+from tests.kit import bpfroot
 from tests.netkit import Pod, TcpListener, landing
 from tests.test_agent import Node, cni
 
@@ -35,13 +36,8 @@ COMPILER = re.compile(r"libbcc|libLLVM|libclang")
 
 @pytest.fixture
 def scratch_root(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    root = f"/sys/fs/bpf/rdrt-deploy-{os.getpid()}-{request.node.name[5:25].replace('_', '-')}"
-    monkeypatch.setenv("REDIRECT_BPF_ROOT", root)
-    try:
+    with bpfroot.scratch_root(monkeypatch, f"deploy-{request.node.name[5:25].replace('_', '-')}") as root:
         yield root
-    finally:
-        ebpf.force_unload_host(root)
-        assert not os.path.exists(root), f"left pins under {root}"
 
 
 def compiler_libs(pid: int | str) -> list[str]:

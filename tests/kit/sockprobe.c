@@ -251,10 +251,13 @@ static void c_fionread(void) {
     close(c); close(s);
 }
 
-struct later { int fd; };
+/* Writes data to fd after ms milliseconds, on a thread of its own. */
+struct later { int fd; unsigned ms; const char *data; };
 static void *write_later(void *a) {
-    usleep(100000);
-    writen(((struct later *)a)->fd, "defg", 4);
+    struct later *l = a;
+    struct timespec ts = {l->ms / 1000, (long)(l->ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    writen(l->fd, l->data, strlen(l->data));
     return NULL;
 }
 
@@ -262,7 +265,7 @@ static void c_waitall(void) {
     int c, s;
     pair(&c, &s);
     writen(c, "abc", 3);
-    struct later x = {c};
+    struct later x = {c, 100, "defg"};
     pthread_t th;
     pthread_create(&th, NULL, write_later, &x);
     char b[8] = {0};
@@ -381,22 +384,17 @@ static void *slow_drain(void *a) {
     }
     return NULL;
 }
-static void *answer_later(void *a) {
-    sleep(1);
-    writen(((struct later *)a)->fd, "ok", 2);
-    return NULL;
-}
 
 static void c_blocking_read(void) {
     int c, s;
     pair(&c, &s);
     struct bw x = {c, 0, 0};
     struct dr y = {s, 0};
-    struct later z = {s};
+    struct later z = {s, 1000, "ok"};
     pthread_t t1, t2, t3;
     pthread_create(&t1, NULL, busy_writer, &x);
     pthread_create(&t2, NULL, slow_drain, &y);
-    pthread_create(&t3, NULL, answer_later, &z);
+    pthread_create(&t3, NULL, write_later, &z);
     long eagain = 0;
     ssize_t r;
     char b[16];
@@ -429,10 +427,10 @@ static void c_blocking_read_halfclose(void) {
     int c, s;
     pair(&c, &s);
     struct shut x = {c};
-    struct later z = {s};
+    struct later z = {s, 1000, "ok"};
     pthread_t t1, t2;
     pthread_create(&t1, NULL, shut_later, &x);
-    pthread_create(&t2, NULL, answer_later, &z);
+    pthread_create(&t2, NULL, write_later, &z);
     long eagain = 0;
     ssize_t r;
     char b[16];
