@@ -34,7 +34,10 @@ that has one.
 Handover: listeners use ``SO_REUSEPORT`` and the proxy sets ``net.ipv4.tcp_migrate_req=1``
 in each pod netns, so a new proxy can start beside the old one, and when the old one gets
 SIGTERM (it closes its listeners, then lets relayed connections finish for at most
-``--drain-timeout``) nothing queued for it is reset: no connection is lost.
+``--drain-timeout``) nothing queued for it is reset: no connection is lost. Where it cannot
+set it (a read-only ``/proc/sys``, as a runtime mounts it in an unprivileged container) it
+serves the pod all the same and logs ``no_handover`` with the reason: a handover there may
+reset the connections still queued on the old proxy's listeners.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ PORTS = {"outbound": 15001, "inbound": 15006, "tunnel": 15008}
 
 #: Events logged at level warning (the rest are info).
 WARNING_EVENTS = frozenset({"agent_disconnected", "bad_message", "pod_failed", "no_ipv6_listener", "accept_failed",
-                            "no_original_dst", "rejected", "bad_tunnel_request", "upstream_failed", "relay_error"})
+                            "no_original_dst", "rejected", "bad_tunnel_request", "upstream_failed", "relay_error",
+                            "no_handover"})
 
 
 class JsonLog:
@@ -154,12 +158,17 @@ def _malformed(msg: dict[str, Any]) -> str | None:
     return None
 
 
-def _migrate_on_close() -> None:
+def _migrate_on_close() -> str | None:
     """... when the old one closes its listeners, the connections waiting in their accept queues
     move to the new proxy's (``net.ipv4.tcp_migrate_req``, per netns, TCP over IPv4 and IPv6)
-    instead of being reset. Best effort: without it a handover may reset a few connections."""
-    with contextlib.suppress(OSError), open("/proc/sys/net/ipv4/tcp_migrate_req", "w") as f:
-        f.write("1")
+    instead of being reset. Best effort: None, or why it could not be set (then a handover may
+    reset a few connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_migrate_req", "w") as f:
+            f.write("1")
+    except OSError as e:
+        return f"net.ipv4.tcp_migrate_req: {e.strerror or e}"
+    return None
 
 
 class NodeProxy:
@@ -274,7 +283,7 @@ class NodeProxy:
         st = PodState(uid, str(pod.get("name", "")), str(pod.get("namespace", "")), inode, nsfd)
         try:
             with _netns.enter(_netns.Fd(nsfd)):
-                _migrate_on_close()
+                no_handover = _migrate_on_close()
                 for kind, port in PORTS.items():
                     for fam in (socket.AF_INET, socket.AF_INET6):
                         try:
@@ -292,6 +301,8 @@ class NodeProxy:
         for s, kind, _ in st.listeners:
             self.sel.register(s, selectors.EVENT_READ, ("listener", (st, kind)))
         self.pods[uid] = st
+        if no_handover:
+            self.log("no_handover", pod=uid, error=no_handover)
         self.log("pod_added", pod=uid, name=st.name, namespace=st.namespace, netns_inode=inode,
                  listeners=[f"{'v6' if s.family == socket.AF_INET6 else 'v4'}:{p}" for s, _, p in st.listeners])
         return None
