@@ -16,7 +16,7 @@ from ....kernel import netns as _netns
 from ....kernel import routes as rt
 from ....plan.intent import AnyIntent
 from ....plan.lower_ebpf import CIDR_KIND
-from ...base import CheckResult, Installed
+from ...base import CheckResult, Installed, fault_point
 from ..abi import (
     CIDR_KEY,
     F_AMBIENT,
@@ -40,6 +40,7 @@ from .entries import (
     pod_entries,
     pod_keys,
     policy_core,
+    policy_flags,
     refuse,
     replies_by_mark,
     with_flag,
@@ -349,10 +350,6 @@ class EbpfBackend:
         return "\n".join(lines) + "\n"
 
 
-def policy_flags(policy: bytes) -> int:
-    return int(POLICY.unpack(policy)[P_FLAGS])
-
-
 #: Policy flags of the configs whose plans may have policy routes (ambient: always; TPROXY: with
 #: inbound capture): their setup and teardown look for ours.
 _ROUTED = F_AMBIENT | F_TPROXY
@@ -381,6 +378,7 @@ class _FwmarkWrite:
 
     def write(self) -> None:
         try:
+            fault_point("ebpf.before_fwmark_accept")  # (the fresh-pod call has it too)
             os.pwrite(self.f.fileno(), f"{self.value}\n".encode(), 0)
         finally:
             self.f.close()
