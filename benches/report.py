@@ -104,7 +104,8 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
 
     for b, limit in SETUP_TARGETS.items():
         for mode in SETUP_TARGET_MODES.get(b, ("sidecar",)):
-            key, name = f"api/{b}/{mode}", f"{b}: per-pod setup vs reference" + ("" if mode == "sidecar" else f" ({mode})")
+            key = f"api/{b}/{mode}"
+            name = f"{b}: per-pod setup vs reference" + ("" if mode == "sidecar" else f" ({mode})")
             if b in skipped or key not in r["setup_vs_reference"]:
                 if b in skipped or b in ("nftables", "ebpf", "iptables"):
                     add(name, f"<= {limit:g}", None, None, skipped.get(b, "not measured in this run"))
