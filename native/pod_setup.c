@@ -783,16 +783,16 @@ void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uin
 }
 
 /* net.ipv4.tcp_fwmark_accept of the calling thread's netns, opened to read and write: its fd, with
- * its value in *on, or -errno. It has no netlink interface: this open is a /proc/sys look-up, the
- * one of a setup (its cost grows with the number of network namespaces: docs/kernel-facts.md). */
+ * its value in *on, or -errno. It has no netlink interface: a sysctl look-up (rdr_sysctl_open), the
+ * one of a setup. */
 static int fwmark_accept_open(int *on)
 {
 	char v[16];
-	int fd = open("/proc/sys/net/ipv4/tcp_fwmark_accept", O_RDWR | O_CLOEXEC);
+	int fd = rdr_sysctl_open("net/ipv4/tcp_fwmark_accept", O_RDWR);
 	ssize_t n;
 
 	if (fd < 0)
-		return -errno;
+		return fd;
 	n = pread(fd, v, sizeof(v) - 1, 0);
 	if (n < 0) {
 		n = -errno;

@@ -29,6 +29,16 @@ int rdr_watch_changed(int fd);
 /* 1 if events are waiting (left there for rdr_watch_changed), 0 if not. */
 int rdr_watch_pending(int fd);
 
+/* A file of the calling thread's netns's sysctls, name relative to /proc/sys ("net/ipv4/..."), opened
+ * with flags (close-on-exec added): the fd, or -errno. A /proc/sys/net look-up of a netns walks one
+ * dcache hash chain that holds that directory's entry of each netns looked up through the same
+ * procfs instance (docs/kernel-facts.md), so its cost grows with the number of pods: each thread
+ * looks up through a procfs instance of its own, replaced after RDR_SYSCTL_LOOKUPS look-ups (the
+ * entries of the old one go with it); through /proc/sys where it can't have one (no CAP_SYS_ADMIN,
+ * a read-only or masked /proc/sys: it opens nothing /proc/sys would not). */
+#define RDR_SYSCTL_LOOKUPS 64
+int rdr_sysctl_open(const char *name, int flags);
+
 /* The cookie of the netns behind an open netns fd: enters it on this thread,
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
