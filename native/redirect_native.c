@@ -122,7 +122,8 @@ int rdr_thread_netns(void)
  * only where /proc/sys/net is procfs and writable, so that it opens nothing /proc/sys does not
  * (a runtime mounts /proc/sys read-only in a container, and masks paths with other mounts); -2
  * where there is none to be had (no such capability or system calls, a read-only or masked
- * /proc/sys/net). */
+ * /proc/sys/net). Only /proc/sys/net is looked at: a mount on a file or directory below it would
+ * not be seen (runtimes mask none there). */
 static int procfs_new(void)
 {
 	struct statfs sf;

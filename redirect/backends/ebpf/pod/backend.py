@@ -370,7 +370,8 @@ _FWMARK_ACCEPT = "net/ipv4/tcp_fwmark_accept"
 
 def _fwmark_open(flags: int) -> BinaryIO:
     """``net.ipv4.tcp_fwmark_accept`` of the calling thread's netns, opened as the native setup opens
-    it (``rdr_sysctl_open``: a /proc/sys look-up whose cost does not grow with the pods)."""
+    it (``rdr_sysctl_open``: through a procfs instance of the thread's own where it may mount one, so
+    the look-up's cost does not grow with the pods)."""
     fd = NATIVE.lib.rdr_sysctl_open(_FWMARK_ACCEPT.encode(), flags)
     if fd < 0:
         raise OSError(-fd, os.strerror(-fd), f"/proc/sys/{_FWMARK_ACCEPT}")
