@@ -40,6 +40,7 @@
 #include <linux/netlink.h>
 #include <linux/inet_diag.h>
 #include <linux/rtnetlink.h>
+#include <linux/fib_rules.h>
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <sched.h>
@@ -165,6 +166,112 @@ static int v6_lo_addr(int s, int add, const uint8_t addr[16], uint8_t proto, uin
 		rdr_nl_attr(&req, IFA_PROTO, &proto, 1);
 	}
 	return rdr_nl_talk(s, &req.h, NULL, 0);
+}
+
+/* One op (redirect_native.h) as its request: a rule (struct fib_rule_hdr, whose layout is an rtmsg's)
+ * or a route, their table in the header when it fits (else RT_TABLE_COMPAT) and as an attribute. */
+static void route_op_msg(struct rdr_nlreq *q, const struct rdr_route_op *op)
+{
+	uint16_t flags = op->add ? NLM_F_CREATE | NLM_F_EXCL : 0;
+	uint32_t oif = (uint32_t)op->oif;
+	struct rtmsg *m;
+
+	if (op->kind == RDR_RT_RULE) {
+		m = rdr_nl_start(q, op->add ? RTM_NEWRULE : RTM_DELRULE, flags, NULL, sizeof(struct fib_rule_hdr));
+		((struct fib_rule_hdr *)m)->action = FR_ACT_TO_TBL;
+	} else {
+		m = rdr_nl_start(q, op->add ? RTM_NEWROUTE : RTM_DELROUTE, flags, NULL, sizeof(*m));
+		m->rtm_protocol = op->proto;
+		m->rtm_scope = RT_SCOPE_HOST;
+		m->rtm_type = RTN_LOCAL;
+	}
+	m->rtm_family = op->family == 6 ? AF_INET6 : AF_INET;
+	m->rtm_table = op->table < 256 ? (uint8_t)op->table : RT_TABLE_COMPAT;
+	if (op->kind == RDR_RT_RULE) {
+		rdr_nl_attr(q, FRA_PRIORITY, &op->priority, 4);
+		rdr_nl_attr(q, FRA_FWMARK, &op->fwmark, 4);
+		rdr_nl_attr(q, FRA_FWMASK, &op->mask, 4);
+		rdr_nl_attr(q, FRA_TABLE, &op->table, 4);
+		if (op->add)
+			rdr_nl_attr(q, FRA_PROTOCOL, &op->proto, 1);
+	} else {
+		rdr_nl_attr(q, RTA_TABLE, &op->table, 4);
+		rdr_nl_attr(q, RTA_OIF, &oif, 4);
+	}
+}
+
+int rdr_route_ops(int s, const struct rdr_route_op *ops, uint32_t n, int *errs)
+{
+	struct rdr_nlreq q;
+	char msgs[RDR_ROUTE_OPS_MAX * 96] __attribute__((aligned(8))); /* (a request is at most 76 bytes) */
+	char buf[RDR_NL_RECV_MAX][512] __attribute__((aligned(8)));
+	size_t len = 0;
+	int own = s < 0, ret;
+
+	for (uint32_t i = 0; i < n && i < RDR_ROUTE_OPS_MAX; i++)
+		errs[i] = -EPROTO;
+	if (n > RDR_ROUTE_OPS_MAX)
+		return -E2BIG;
+	if (n == 0)
+		return 0;
+	for (uint32_t i = 0; i < n; i++) {
+		route_op_msg(&q, &ops[i]);
+		q.h.nlmsg_flags |= NLM_F_ACK;
+		if (len + NLMSG_ALIGN(q.h.nlmsg_len) > sizeof(msgs))
+			return -E2BIG;
+		memcpy(msgs + len, &q, q.h.nlmsg_len);
+		len += NLMSG_ALIGN(q.h.nlmsg_len);
+	}
+	if (own) {
+		s = rdr_nl_socket(NETLINK_ROUTE);
+		if (s < 0)
+			return s;
+	}
+	/* (an ack or an error a request: each answer is one datagram) */
+	ret = rdr_nl_batch(s, msgs, len, (int)n, errs, buf[0], sizeof(buf[0]));
+	if (own)
+		close(s);
+	return ret;
+}
+
+/* Add the n ops of a pod's policy routes (adds, in order), all or none: 0, or the first failure's
+ * -errno with the ops that succeeded undone (in reverse). */
+static int routes_add(int s, const struct rdr_route_op *ops, uint32_t n)
+{
+	int errs[RDR_POD_ROUTE_OPS_MAX], ret;
+
+	if (n > RDR_POD_ROUTE_OPS_MAX)
+		return -E2BIG;
+	ret = rdr_route_ops(s, ops, n, errs);
+	for (uint32_t i = 0; ret == 0 && i < n; i++)
+		if (errs[i] != 0)
+			ret = errs[i];
+	if (ret != 0) {
+		struct rdr_route_op undo[RDR_POD_ROUTE_OPS_MAX];
+		int undo_errs[RDR_POD_ROUTE_OPS_MAX];
+		uint32_t k = 0;
+
+		for (uint32_t i = n; i-- > 0;)
+			if (errs[i] == 0) {
+				undo[k] = ops[i];
+				undo[k++].add = 0;
+			}
+		rdr_route_ops(s, undo, k, undo_errs);
+	}
+	return ret;
+}
+
+/* Remove the n ops (adds) routes_add added: in reverse (each rule before its route). */
+static void routes_del(int s, const struct rdr_route_op *ops, uint32_t n)
+{
+	struct rdr_route_op undo[RDR_POD_ROUTE_OPS_MAX];
+	int errs[RDR_POD_ROUTE_OPS_MAX];
+
+	for (uint32_t i = 0; i < n && i < RDR_POD_ROUTE_OPS_MAX; i++) {
+		undo[i] = ops[n - 1 - i];
+		undo[i].add = 0;
+	}
+	rdr_route_ops(s, undo, n < RDR_POD_ROUTE_OPS_MAX ? n : RDR_POD_ROUTE_OPS_MAX, errs);
 }
 
 /* --- the pod ----------------------------------------------------------------- */
@@ -328,15 +435,18 @@ int rdr_netns_lock(int fd, uint64_t ino, int lock)
 
 /* REDIRECT_FAULT (fault injection for the tests, as redirect.backends.base.fault_point reads
  * it): 1 after the address, before the entries; 2 before the policy; 3 once the pod's pool slot
- * is claimed, before its link; 0 none; negative with ":kill" appended (SIGKILL there). */
+ * is claimed, before its link; 4 after the policy, before net.ipv4.tcp_fwmark_accept is turned on
+ * (the fresh-pod call; the general path's is in Python); 0 none; negative with ":kill" appended
+ * (SIGKILL there). */
 static int fault_at(void)
 {
-	static const char *const names[] = {"ebpf.before_entries", "ebpf.before_policy", "ebpf.after_claim"};
+	static const char *const names[] = {"ebpf.before_entries", "ebpf.before_policy", "ebpf.after_claim",
+					    "ebpf.before_fwmark_accept"};
 	const char *f = getenv("REDIRECT_FAULT");
 
 	if (f == NULL)
 		return 0;
-	for (int i = 0; i < 3; i++) {
+	for (int i = 0; i < 4; i++) {
 		size_t n = strlen(names[i]);
 
 		if (strncmp(f, names[i], n) == 0 && (f[n] == 0 || strcmp(f + n, ":kill") == 0))
@@ -345,7 +455,7 @@ static int fault_at(void)
 	return 0;
 }
 
-/* Is fault point `here` (1, 2, 3) the one asked for (at: fault_at())? A ":kill" one kills. */
+/* Is fault point `here` (1, 2, 3, 4) the one asked for (at: fault_at())? A ":kill" one kills. */
 static int fault_here(int at, int here)
 {
 	if (at == -here)
@@ -672,6 +782,28 @@ void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uin
 	}
 }
 
+/* net.ipv4.tcp_fwmark_accept of the calling thread's netns, opened to read and write: its fd, with
+ * its value in *on, or -errno. It has no netlink interface: a sysctl look-up (rdr_sysctl_open), the
+ * one of a setup. */
+static int fwmark_accept_open(int *on)
+{
+	char v[16];
+	int fd = rdr_sysctl_open("net/ipv4/tcp_fwmark_accept", O_RDWR);
+	ssize_t n;
+
+	if (fd < 0)
+		return fd;
+	n = pread(fd, v, sizeof(v) - 1, 0);
+	if (n < 0) {
+		n = -errno;
+		close(fd);
+		return (int)n;
+	}
+	v[n] = 0;
+	*on = atoi(v);
+	return fd;
+}
+
 /* Inside the pod netns (netns_fd), with the lock held. The entries are the lowering's (r->sets,
  * made in Python once per config), with the netns cookie and the pod's addresses put in their
  * fields: what this pod is to have, written as the difference from nothing. */
@@ -683,7 +815,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	const struct rdr_pod_set *set;
 	struct pod_policy policy;
 	uint8_t cookie_v[8];
-	int s, ret, n = 0, own_v6 = 0;
+	int s, ret, n = 0, own_v6 = 0, fw = -1, fw_on = 0, routed = 0;
 	int tc_ifs[RDR_FWD_MAX];
 
 	memset(&sc, 0, offsetof(struct rdr_netns_scan, a)); /* the addresses are written as found */
@@ -752,7 +884,13 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto slow;
 	}
 
-	/* From here on, changes, by the writer, which undoes its own on failure. */
+	/* The sysctl the policy may record as ours, read before anything changes. */
+	if (set->fwmark_accept) {
+		fw = fwmark_accept_open(&fw_on);
+		if (fw < 0)
+			goto slow; /* (the general path reports it) */
+	}
+
 	memset(&w, 0, sizeof(w));
 	w.host = r->host;
 	w.cookie = sc.cookie;
@@ -772,6 +910,8 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.link_netns = netns_fd;
 	policy = *set->policy;
 	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6);
+	if (set->fwmark_accept && fw_on == 0)
+		policy.flags |= RDR_F_FWMARK_ACCEPT_OURS; /* (its teardown turns it off again) */
 	w.policy = &policy;
 	w.update_flags = BPF_NOEXIST;
 	if (r->tc_forwarded) {
@@ -782,12 +922,40 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		w.n_tc = (uint32_t)ret;
 	}
 	w.slot_now = -1;
+
+	/* From here on, changes. First the policy routes (before the policy, as on the general path:
+	 * the app's replies route back once capture is on); one of ours there already (a setup killed
+	 * after them) fails the add (EEXIST): not fresh. Then the writer, which undoes its own on
+	 * failure, and the routes are removed again. */
+	if (set->n_routes) {
+		ret = routes_add(s, set->routes, set->n_routes);
+		if (ret < 0)
+			goto slow; /* (undone; the general path adds them, or says why it can't) */
+		routed = 1;
+	}
 	ret = rdr_ebpf_pod_write(&w);
+	if (ret != 0) {
+		if (routed)
+			routes_del(s, set->routes, set->n_routes);
+		goto out;
+	}
+	/* After the policy, which recorded whether it is ours to undo: a kill in between leaves it
+	 * recorded and off, which check reports and the next setup turns on. */
+	if (set->fwmark_accept && fw_on != 1) {
+		if (fault_here(fault_at(), 4))
+			ret = RDR_POD_FAULT; /* (set up: only the sysctl is not) */
+		else if (pwrite(fw, "1\n", 2, 0) < 0)
+			c->err = -errno, ret = RDR_POD_FWMARK;
+	}
 out:
+	if (fw >= 0)
+		close(fw);
 	close(s);
 	/* Something of an earlier attempt was in the way (see above): not fresh. */
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
 slow:
+	if (fw >= 0)
+		close(fw);
 	close(s);
 	return RDR_POD_SLOW;
 }

@@ -8,7 +8,12 @@
 #include <string.h>
 #include <sys/inotify.h>
 #include <sys/ioctl.h>
+#include <linux/magic.h>
+#include <linux/mount.h>
+#include <stdio.h>
 #include <sys/socket.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -43,52 +48,122 @@ int rdr_sock_netns_cookie(int sockfd, uint64_t *cookie)
 #define PIDFD_GET_NET_NAMESPACE _IO(0xFF, 4) /* 6.11 */
 #endif
 
-/* A pidfd of the calling thread, opened on its first call and closed when it exits
- * (pthread key destructor); after a fork the child's thread opens its own. */
-static __thread int thread_pidfd = -1;
-static __thread pid_t thread_pidfd_tid;
-static pthread_key_t pidfd_key;
-static pthread_once_t pidfd_once = PTHREAD_ONCE_INIT;
-static int pidfd_key_ok;
+/* What a thread keeps open for its later calls: a pidfd of itself, and a procfs instance of its
+ * own (rdr_sysctl_open) with the look-ups made through it. Closed when the thread exits (a pthread
+ * key's destructor), and in a forked child (pthread_atfork: its copies are its parent thread's,
+ * which it does not use). */
+struct thread_fds {
+	int pidfd;
+	int procfs; /* -1: none yet; -2: none to be had, /proc/sys instead */
+	int procfs_uses;
+};
+static __thread struct thread_fds tfd = {-1, -1, 0};
+static pthread_key_t tfd_key;
+static pthread_once_t tfd_once = PTHREAD_ONCE_INIT;
+static int tfd_key_ok;
 
-static void pidfd_close(void *v)
+static void tfd_close(void *v)
 {
-	close((int)(intptr_t)v - 1);
+	struct thread_fds *t = v;
+
+	if (t->pidfd >= 0)
+		close(t->pidfd);
+	if (t->procfs >= 0)
+		close(t->procfs);
+	t->pidfd = t->procfs = -1;
 }
 
-static void pidfd_key_init(void)
+static void tfd_forked(void)
 {
-	pidfd_key_ok = pthread_key_create(&pidfd_key, pidfd_close) == 0;
+	tfd_close(&tfd);
+	tfd.procfs_uses = 0;
+}
+
+static void tfd_key_init(void)
+{
+	tfd_key_ok = pthread_key_create(&tfd_key, tfd_close) == 0 && pthread_atfork(NULL, NULL, tfd_forked) == 0;
+}
+
+/* The calling thread's fds, with their destructor registered: NULL if that can't be (then none is
+ * kept). */
+static struct thread_fds *thread_fds(void)
+{
+	pthread_once(&tfd_once, tfd_key_init);
+	if (!tfd_key_ok)
+		return NULL;
+	if (tfd.pidfd == -1 && tfd.procfs == -1 && pthread_getspecific(tfd_key) == NULL &&
+	    pthread_setspecific(tfd_key, &tfd) != 0)
+		return NULL;
+	return &tfd;
 }
 
 int rdr_thread_netns(void)
 {
-	pid_t tid = gettid();
+	struct thread_fds *t = thread_fds();
 	int fd;
 
-	if (thread_pidfd >= 0 && thread_pidfd_tid != tid) /* a forked child's copy of its parent's: */
-		thread_pidfd = -1; /* not closed (the child may have closed it, and reused the number) */
-	if (thread_pidfd < 0) {
-		pthread_once(&pidfd_once, pidfd_key_init);
-		fd = pidfd_key_ok ? (int)syscall(__NR_pidfd_open, tid, PIDFD_THREAD) : -1;
-		if (fd >= 0 && pthread_setspecific(pidfd_key, (void *)(intptr_t)(fd + 1)) != 0) {
-			close(fd);
-			fd = -1;
-		}
-		if (fd >= 0) {
-			thread_pidfd = fd;
-			thread_pidfd_tid = tid;
-		}
-	}
+	if (t != NULL && t->pidfd < 0)
+		t->pidfd = (int)syscall(__NR_pidfd_open, gettid(), PIDFD_THREAD);
 	/* An ioctl on the pidfd skips the procfs path walk of the open below (a look-up per path
 	 * component, each a cache miss when cold: docs/kernel-facts.md); kernels before 6.11 (no
 	 * such ioctl) or 6.9 (no thread pidfds) open. */
-	if (thread_pidfd >= 0) {
-		fd = ioctl(thread_pidfd, PIDFD_GET_NET_NAMESPACE, 0);
+	if (t != NULL && t->pidfd >= 0) {
+		fd = ioctl(t->pidfd, PIDFD_GET_NET_NAMESPACE, 0);
 		if (fd >= 0)
 			return fd;
 	}
 	fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+	return fd < 0 ? -errno : fd;
+}
+
+/* --- sysctls of the calling thread's netns ------------------------------------- */
+
+/* A procfs instance for rdr_sysctl_open (a detached mount: fsopen and fsmount, CAP_SYS_ADMIN),
+ * only where /proc/sys/net is procfs and writable, so that it opens nothing /proc/sys does not
+ * (a runtime mounts /proc/sys read-only in a container, and masks paths with other mounts); -2
+ * where there is none to be had (no such capability or system calls, a read-only or masked
+ * /proc/sys/net). Only /proc/sys/net is looked at: a mount on a file or directory below it would
+ * not be seen (runtimes mask none there). */
+static int procfs_new(void)
+{
+	struct statfs sf;
+	int fs, m = -1;
+
+	if (statfs("/proc/sys/net", &sf) < 0 || sf.f_type != PROC_SUPER_MAGIC || (sf.f_flags & ST_RDONLY))
+		return -2;
+	fs = (int)syscall(__NR_fsopen, "proc", FSOPEN_CLOEXEC);
+	if (fs < 0)
+		return -2;
+	if (syscall(__NR_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == 0)
+		m = (int)syscall(__NR_fsmount, fs, FSMOUNT_CLOEXEC, 0);
+	close(fs);
+	return m >= 0 ? m : -2;
+}
+
+int rdr_sysctl_open(const char *name, int flags)
+{
+	struct thread_fds *t = thread_fds();
+	char path[128];
+	int fd;
+
+	if (strlen(name) + sizeof("/proc/sys/") > sizeof(path))
+		return -ENAMETOOLONG;
+	if (t != NULL && (t->procfs == -1 || (t->procfs >= 0 && t->procfs_uses >= RDR_SYSCTL_LOOKUPS))) {
+		int m = procfs_new();
+
+		if (t->procfs >= 0)
+			close(t->procfs); /* (its entries go with it) */
+		t->procfs = m;
+		t->procfs_uses = 0;
+	}
+	if (t != NULL && t->procfs >= 0) {
+		t->procfs_uses++;
+		snprintf(path, sizeof(path), "sys/%s", name);
+		fd = openat(t->procfs, path, flags | O_CLOEXEC);
+	} else {
+		snprintf(path, sizeof(path), "/proc/sys/%s", name);
+		fd = open(path, flags | O_CLOEXEC);
+	}
 	return fd < 0 ? -errno : fd;
 }
 

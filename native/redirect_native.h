@@ -29,6 +29,16 @@ int rdr_watch_changed(int fd);
 /* 1 if events are waiting (left there for rdr_watch_changed), 0 if not. */
 int rdr_watch_pending(int fd);
 
+/* A file of the calling thread's netns's sysctls, name relative to /proc/sys ("net/ipv4/..."), opened
+ * with flags (close-on-exec added): the fd, or -errno. A /proc/sys/net look-up of a netns walks one
+ * dcache hash chain that holds that directory's entry of each netns looked up through the same
+ * procfs instance (docs/kernel-facts.md), so its cost grows with the number of pods: each thread
+ * looks up through a procfs instance of its own, replaced after RDR_SYSCTL_LOOKUPS look-ups (the
+ * entries of the old one go with it); through /proc/sys where it can't have one (no CAP_SYS_ADMIN,
+ * a read-only or masked /proc/sys: it opens nothing /proc/sys would not). */
+#define RDR_SYSCTL_LOOKUPS 64
+int rdr_sysctl_open(const char *name, int flags);
+
 /* The cookie of the netns behind an open netns fd: enters it on this thread,
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
@@ -157,6 +167,32 @@ void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uin
  * look-ups, else a bind probe of the port. */
 int rdr_inbound_listener_maybe(uint16_t port, int fams, const struct rdr_netns_scan *sc, int tcp_diag);
 
+/* --- policy routes (pod_setup.c) ------------------------------------------------------- */
+
+#define RDR_RT_ROUTE 0 /* `ip route add local default dev OIF table TABLE` */
+#define RDR_RT_RULE 1  /* `ip rule add fwmark FWMARK/MASK lookup TABLE pref PRIORITY` */
+
+/* One half of a policy route (redirect.kernel.routes: its rule, or the route the rule leads to)
+ * added or deleted, with our routing protocol: the one statement of those messages. */
+struct rdr_route_op {
+	uint8_t kind;      /* RDR_RT_ROUTE or RDR_RT_RULE */
+	uint8_t add;       /* 1: add (none may be there: NLM_F_EXCL), 0: delete */
+	uint8_t family;    /* 4 or 6 */
+	uint8_t proto;     /* our routing protocol: an added rule or route carries it */
+	uint32_t table;
+	uint32_t fwmark;   /* a rule's */
+	uint32_t mask;
+	uint32_t priority;
+	int32_t oif;       /* a route's device */
+};
+
+#define RDR_ROUTE_OPS_MAX 16
+
+/* The n ops (at most RDR_ROUTE_OPS_MAX) in one netlink batch, in order, over the NETLINK_ROUTE
+ * socket s (< 0: one opened in the calling thread's netns): errs[i] is the kernel's answer to the
+ * i-th (0 or -errno). 0 once each is answered, else -errno. */
+int rdr_route_ops(int s, const struct rdr_route_op *ops, uint32_t n, int *errs);
+
 /* --- the per-pod side's view of the host side ------------------------------------- */
 
 /* The host objects a pod's setup writes through, of one handle on the pinned host programs
@@ -252,10 +288,15 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w);
 
 #define RDR_POD_SLOW 1     /* not a fresh pod (or can't tell): nothing changed, take the general path */
 #define RDR_POD_BUSY 2     /* another thread or process holds the netns lock: nothing changed */
-#define RDR_POD_FAULT 3    /* REDIRECT_FAULT reached: everything undone (fault injection for tests) */
+#define RDR_POD_FAULT 3    /* REDIRECT_FAULT reached (fault injection for tests): everything undone, but at
+                            * ebpf.before_fwmark_accept (after the policy) */
 #define RDR_POD_STRANDED 4 /* could not setns back to the thread's own netns */
 #define RDR_POD_STALE 5    /* a host pin changed (watch_fd), *alive is 0, or the root is another: nothing
                             * changed, look again */
+#define RDR_POD_FWMARK 6   /* set up, but net.ipv4.tcp_fwmark_accept could not be turned on (errno in the
+                            * call's err): the policy records it ours, so the next setup does it */
+
+#define RDR_POD_ROUTE_OPS_MAX 8 /* a fresh pod's policy routes (two ops each); more go the general way */
 
 /* What the eBPF lowering wants in a pod of one kind (redirect/backends/ebpf/pod/fresh.py): the
  * entries keyed with netns 0, for the call to put the pod's cookie in. */
@@ -271,6 +312,14 @@ struct rdr_pod_set {
 	int v6;                           /* IPv6 is captured */
 	int n_add;                        /* 1: the plan adds add/128 on lo (::6), 0: nothing */
 	uint8_t add[16];
+	/* The config's policy routes in such a pod, as their adds in order (each route, then its rule):
+	 * added before anything else, removed again (in reverse) if the pod's write fails. */
+	struct rdr_route_op routes[RDR_POD_ROUTE_OPS_MAX];
+	uint32_t n_routes;
+	int fwmark_accept;                /* its proxy's transparent connections are answered by their
+					   * mark: net.ipv4.tcp_fwmark_accept must be on (read before any
+					   * change; turned on after the policy, which records it ours when
+					   * it was off) */
 };
 
 #define RDR_OURS_V6_MAX 4
@@ -306,6 +355,7 @@ struct rdr_pod_call {
 	int v6;                     /* IPv6 is captured */
 	int pool_low;               /* no pool slot was queued free (rdr_pod_write): the caller loads a batch */
 	uint64_t wall_ns;           /* the call's wall time */
+	int err;                    /* RDR_POD_FWMARK: the write's -errno */
 };
 
 /* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */
@@ -322,7 +372,12 @@ int rdr_netns_lock(int fd, uint64_t ino, int lock);
  * (-1: none, and the call backs off: threads could not be told apart).
  * A netns that is the host's (r->host_netns_ino, or the caller's own) or that may hold netfilter
  * capture of ours (marked, and with a netfilter table: rdr_netfilter_present) is not a fresh pod.
- * REDIRECT_FAULT=ebpf.before_entries|ebpf.before_policy in the environment fails it there.
+ * The config's policy routes go in first (fresh: none of ours there yet), removed again if the
+ * write fails; net.ipv4.tcp_fwmark_accept, when the config needs it, is read before any change and
+ * turned on after the policy (RDR_POD_FWMARK if that write fails).
+ * REDIRECT_FAULT=ebpf.before_entries|ebpf.after_claim|ebpf.before_policy in the environment fails it
+ * there, everything undone; ebpf.before_fwmark_accept after the policy (the pod set up, the sysctl
+ * not turned on).
  * 0: the pod is set up (c filled in); RDR_POD_*; or -errno of what failed (everything undone). */
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,
 		     int watch_fd, int lock_fd);

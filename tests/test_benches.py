@@ -244,6 +244,17 @@ def test_targets_pass_and_fail_from_the_ratios_of_one_run() -> None:
     assert status["api/iptables/sidecar: pod 1000 setup vs pod 1"] == "PASS"
     assert status["api/nftables/sidecar: pod 1000 setup vs pod 1"] == "FAIL"
     assert "| **FAIL** |" in report.markdown(dict(res, ratios=r, targets=report.targets(res, r)))
+    # eBPF's setup target holds in ambient mode too (each mode's row against Istio's sequence), and
+    # the 1000th pod's in every mode the scale phase measured.
+    res = _synthetic({report.REFERENCE_KEY: 10.0, "api/ebpf/sidecar": 0.09, "api/ebpf/ambient": 0.12}, {},
+                     {"api/ebpf/sidecar": (0.1, 0.11), "api/ebpf/ambient": (0.1, 0.13)})
+    res["skipped_backends"] = {}
+    r = report.ratios(res)
+    status = {t["name"]: t["status"] for t in report.targets(res, r)}
+    assert status["ebpf: per-pod setup vs reference"] == "PASS"            # 0.009 <= 0.01
+    assert status["ebpf: per-pod setup vs reference (ambient)"] == "FAIL"  # 0.012
+    assert status["api/ebpf/sidecar: pod 1000 setup vs pod 1"] == "PASS"   # 1.1
+    assert status["api/ebpf/ambient: pod 1000 setup vs pod 1"] == "FAIL"   # 1.3
 
 
 @needs_root

@@ -1256,6 +1256,19 @@ def test_thread_netns_fd_names_the_calling_threads_netns(pod: Pod, bpf_root: str
     t.start()
     t.join(10)
     assert seen == [(home, target, home)] * 2
+    # A forked child's thread is not its parent's: it asks for its own (the parent's kept pidfd
+    # names the parent's thread, which stays home).
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            with rn.enter(pod.name):
+                code = 0 if where() == target else 2
+            code = code or (0 if where() == home else 3)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_change_under_the_pin_dirs_sends_the_next_setup_the_general_way_once(make_pod, bpf_root: str) -> None:

@@ -14,9 +14,11 @@ import pytest
 
 from redirect import api
 from redirect.backends import ebpf
+from redirect.backends.ebpf.abi import F_FWMARK_ACCEPT_OURS
 from redirect.backends.ebpf.host import pod_link
-from redirect.backends.ebpf.pod.entries import policy_core
+from redirect.backends.ebpf.pod.entries import policy_core, policy_flags
 from redirect.config import RedirectConfig
+from redirect.errors import SetupError
 from redirect.kernel import locks, routes
 from redirect.kernel import netns as rnetns
 from redirect.plan.intent import intent_for
@@ -26,23 +28,45 @@ from tests.netkit import Pod, TcpListener, landing
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+FWMARK_ACCEPT = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+
+
+def _fwmark_accept() -> int:
+    with open(FWMARK_ACCEPT) as f:
+        return int(f.read())
+
+
 def _snapshot(ns: str, root: str) -> dict[str, object]:
-    """What the netns has of ours: its policy, entries, link and addresses."""
-    h = ebpf.host(root, load=False)
+    """What the netns has of ours: its policy (and whether it records ``tcp_fwmark_accept`` as
+    ours), entries, link, addresses, policy routes, and that sysctl."""
+    h = ebpf.host(root)  # (loaded if it is not yet)
     assert h is not None
     with rnetns.enter(ns):
         cookie = ebpf.current_netns_cookie()
         st = h.store.read(cookie)
-        ours = routes.read_ours((6,)).addresses
+        ours = routes.read_ours()
+        fwmark = _fwmark_accept()
     return {"entries": st.entries, "policy": None if st.policy is None else policy_core(st.policy),
-            "link": os.path.exists(pod_link(root, cookie)), "addresses": ours}
+            "fwmark_ours": st.policy is not None and bool(policy_flags(st.policy) & F_FWMARK_ACCEPT_OURS),
+            "link": os.path.exists(pod_link(root, cookie)), "addresses": ours.addresses, "routes": ours.routes,
+            "fwmark_accept": fwmark}
 
 
+#: Sidecar; ambient (policy routes, tcp_fwmark_accept), also without inbound capture (routes only);
+#: TPROXY (its own policy routes and the sysctl).
+CONFIGS = {"sidecar": RedirectConfig(), "ambient": RedirectConfig(mode="ambient"),
+           "ambient-no-inbound": RedirectConfig(mode="ambient", bypass_inbound_capture=True),
+           "tproxy": RedirectConfig(inbound_interception="TPROXY")}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("ipv6", ["lo-only", "lo-only-ipv6-off", "own-ipv6"])
-def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: str, make_pod, ipv6: str) -> None:
+def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: str, make_pod, ipv6: str,
+                                                                   config: str) -> None:
     """A netns with lo alone (IPv6 on or off: no address of its own, no ``::6``) or with an IPv6
-    address of its own (``::6`` added, and one of its own): the one call and the general path
-    write the same, key for key."""
+    address of its own (``::6`` added, and one of its own), in each mode: the one call and the
+    general path write the same, key for key, route for route (ambient and TPROXY: the policy
+    routes of the families captured, and ``tcp_fwmark_accept`` turned on, recorded as ours)."""
     ebpf.host(ebpf_root)
     if ipv6 == "own-ipv6":
         ns = make_pod().name
@@ -52,7 +76,7 @@ def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: st
         if ipv6 == "lo-only-ipv6-off":
             subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
                            check=True)
-    cfg = RedirectConfig()
+    cfg = CONFIGS[config]
     try:
         before = _snapshot(ns, ebpf_root)
         res = api.setup(ns, cfg, backend="ebpf")
@@ -60,7 +84,11 @@ def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: st
             assert res.detail["path"] == "fresh" and res.changed
             assert res.families == ((4,) if ipv6 == "lo-only-ipv6-off" else (4, 6))
             fresh = _snapshot(ns, ebpf_root)
-            assert bool(fresh["addresses"]) == (ipv6 == "own-ipv6"), fresh["addresses"]
+            sidecar = config in ("sidecar", "tproxy")
+            assert bool(fresh["addresses"]) == (ipv6 == "own-ipv6" and sidecar), fresh["addresses"]
+            routed = set(res.families) if config != "sidecar" else set()
+            assert {r.family for r in fresh["routes"]} == routed, fresh["routes"]  # type: ignore[attr-defined]
+            assert fresh["fwmark_accept"] == fresh["fwmark_ours"] == (config in ("ambient", "tproxy"))
             assert api.check(ns, cfg, backend="ebpf").ok
         finally:
             api.teardown(ns, backend="ebpf")
@@ -174,3 +202,82 @@ def test_a_pod_there_before_the_marks_with_a_netfilter_table_is_not_taken_as_fre
             assert r.stdout.split() == ["True", "True", "general"], r.stdout
         finally:
             api.teardown(pod.name, backend="ebpf")
+
+
+@pytest.mark.parametrize("config", ["ambient", "tproxy"])
+@pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.after_claim", "ebpf.before_policy"])
+def test_a_fresh_pod_with_policy_routes_whose_setup_fails_is_left_as_it_was(
+        ebpf_root: str, pod: Pod, config: str, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one call adds the policy routes first and reads ``tcp_fwmark_accept``; a failure in the
+    pod's write after them (injected at each of its points) removes the routes again and leaves the
+    sysctl off: the netns is as it was, and the next setup takes the one call again."""
+    cfg = CONFIGS[config]
+    before = _snapshot(pod.name, ebpf_root)
+    monkeypatch.setenv("REDIRECT_FAULT", point)
+    with pytest.raises(SetupError, match=f"injected fault at {point}"):
+        api.setup(pod.name, cfg, backend="ebpf")
+    assert _snapshot(pod.name, ebpf_root) == before
+    monkeypatch.delenv("REDIRECT_FAULT")
+    try:
+        assert api.setup(pod.name, cfg, backend="ebpf").detail["path"] == "fresh"
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+    assert _snapshot(pod.name, ebpf_root) == before
+
+
+@pytest.mark.parametrize("path", ["fresh", "general"])
+def test_a_setup_that_fails_before_turning_tcp_fwmark_accept_on_has_it_recorded_and_the_next_one_turns_it_on(
+        ebpf_root: str, pod: Pod, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sysctl is turned on after the policy, which records it as ours: a setup stopped between
+    the two (one call, or the general path's change from a config without inbound capture) leaves
+    capture on, the sysctl off and recorded; check says so, the next setup turns it on, and teardown
+    off again."""
+    cfg = CONFIGS["ambient"]
+    before = _snapshot(pod.name, ebpf_root)
+    if path == "general":
+        api.setup(pod.name, CONFIGS["ambient-no-inbound"], backend="ebpf")
+    monkeypatch.setenv("REDIRECT_FAULT", "ebpf.before_fwmark_accept")
+    try:
+        with pytest.raises(SetupError, match="injected fault at ebpf.before_fwmark_accept"):
+            api.setup(pod.name, cfg, backend="ebpf")
+        monkeypatch.delenv("REDIRECT_FAULT")
+        mid = _snapshot(pod.name, ebpf_root)
+        assert mid["policy"] is not None and mid["fwmark_ours"] and mid["fwmark_accept"] == 0 and mid["routes"]
+        res = api.check(pod.name, cfg, backend="ebpf")
+        assert not res.ok and any("tcp_fwmark_accept" in d for d in res.differences), res.differences
+        again = api.setup(pod.name, cfg, backend="ebpf")
+        assert again.changed and again.detail["path"] == "general"
+        assert api.check(pod.name, cfg, backend="ebpf").ok and _snapshot(pod.name, ebpf_root)["fwmark_accept"] == 1
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+    assert _snapshot(pod.name, ebpf_root) == before
+
+
+def test_a_fresh_pod_with_a_policy_route_of_ours_left_takes_the_general_path(ebpf_root: str, pod: Pod) -> None:
+    """A route of ours already there (a setup killed after adding it) fails the one call's add:
+    nothing of the call is left, the general path sets the pod up, and passes check."""
+    cfg = CONFIGS["ambient"]
+    before = _snapshot(pod.name, ebpf_root)
+    with rnetns.enter(pod.name):
+        routes.add_route(intent_for(cfg).routes[1])  # (the IPv6 one: the call's IPv4 adds are undone)
+    try:
+        res = api.setup(pod.name, cfg, backend="ebpf")
+        assert res.detail["path"] == "general" and res.changed
+        assert api.check(pod.name, cfg, backend="ebpf").ok
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+    assert _snapshot(pod.name, ebpf_root) == before
+
+
+def test_a_fresh_pod_whose_policy_routes_fail_is_left_as_it_was(ebpf_root: str, pod: Pod) -> None:
+    """With lo down the routes cannot be added (their rules can): the one call removes the rules it
+    added and backs off, and the general path fails saying why; nothing is left."""
+    cfg = CONFIGS["ambient"]
+    subprocess.run(["ip", "-n", pod.name, "link", "set", "lo", "down"], check=True)
+    try:
+        before = _snapshot(pod.name, ebpf_root)
+        with pytest.raises(SetupError, match="lo is down"):
+            api.setup(pod.name, cfg, backend="ebpf")
+        assert _snapshot(pod.name, ebpf_root) == before
+    finally:
+        subprocess.run(["ip", "-n", pod.name, "link", "set", "lo", "up"], check=True)

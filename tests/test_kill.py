@@ -398,3 +398,32 @@ def test_an_ebpf_change_to_or_from_ambient_killed_before_its_entries_is_repaired
         assert "lookup 100" in snapshot(pod.name)["rule4"]
         redirect.teardown(pod.name, backend="ebpf")
     assert snapshot(pod.name) == before
+
+
+def test_an_ebpf_ambient_setup_killed_before_turning_tcp_fwmark_accept_on_captures_and_is_repaired(
+        pod: Pod, ebpf_root: str) -> None:
+    """``tcp_fwmark_accept`` is turned on after the policy, which records it as ours: a setup killed
+    between the two (a fresh pod's one call; a change to ambient on the general path) leaves the pod
+    capturing what ambient captures, check names the sysctl, the next setup turns it on, and
+    teardown gives the netns back as it was."""
+    from tests.test_ambient import snapshot
+
+    before = snapshot(pod.name)
+    amb = RedirectConfig(mode="ambient")
+    with probes_for(pod) as probes, subreaper():
+        redirect.setup(pod.name, amb, backend="ebpf")
+        want = probes.captured()
+        assert want and redirect.teardown(pod.name, backend="ebpf")
+        for old in (None, RedirectConfig(mode="ambient", bypass_inbound_capture=True)):
+            if old is not None:
+                redirect.setup(pod.name, old, backend="ebpf")
+            killed_setup(pod.name, amb, "ebpf", 0.0, point="ebpf.before_fwmark_accept")
+            assert want <= probes.captured(), old
+            res = redirect.check(pod.name, amb, backend="ebpf")
+            assert not res.ok and any("tcp_fwmark_accept" in d for d in res.differences), res.differences
+            assert "tcp_fwmark_accept = 0" in snapshot(pod.name)["sysctl"]
+            redirect.setup(pod.name, amb, backend="ebpf")
+            assert redirect.check(pod.name, amb, backend="ebpf").ok
+            assert "tcp_fwmark_accept = 1" in snapshot(pod.name)["sysctl"]
+            assert redirect.teardown(pod.name, backend="ebpf")
+            assert snapshot(pod.name) == before

@@ -226,3 +226,79 @@ def test_setup_waits_for_another_process_changing_the_same_netns(pod: Pod) -> No
         holder.kill()
         holder.wait(10)
         redirect.teardown(pod.name, backend="nftables")
+
+
+# --- sysctls: rdr_sysctl_open -----------------------------------------------------------
+
+_SYSCTL = "net/ipv4/tcp_fwmark_accept"
+
+
+def _sysctl_fd(flags: int) -> int:
+    from redirect.native import load
+
+    return int(load().lib.rdr_sysctl_open(_SYSCTL.encode(), flags))
+
+
+def test_a_sysctl_is_opened_in_the_calling_threads_netns_through_any_number_of_lookups() -> None:
+    """``rdr_sysctl_open`` opens the sysctl of the netns the thread is in when it asks (each thread
+    looks up through a procfs instance of its own, replaced every ``RDR_SYSCTL_LOOKUPS``): written
+    through it in more namespaces than that, each value is the one /proc/sys shows there, in this
+    thread and in another."""
+    from redirect.kernel import podkit
+    from redirect.native import load
+
+    n = 2 * load().lib.RDR_SYSCTL_LOOKUPS + 3
+    names = [f"rdrt-sy{os.getpid()}-{i}" for i in range(n)]
+    podkit.create_netns_many(names)
+    try:
+        def write_all(offset: int) -> None:
+            for i, ns in enumerate(names):
+                with rnetns.enter(ns):
+                    fd = _sysctl_fd(os.O_RDWR)
+                    assert fd >= 0, os.strerror(-fd)
+                    try:
+                        os.pwrite(fd, b"%d\n" % ((i + offset) % 2), 0)
+                    finally:
+                        os.close(fd)
+
+        def read_all() -> list[int]:
+            out = []
+            for ns in names:
+                with rnetns.enter(ns), open(f"/proc/sys/{_SYSCTL}") as f:
+                    out.append(int(f.read()))
+            return out
+
+        write_all(0)
+        assert read_all() == [i % 2 for i in range(n)]
+        t = threading.Thread(target=write_all, args=(1,))
+        t.start()
+        t.join(60)
+        assert read_all() == [(i + 1) % 2 for i in range(n)]
+    finally:
+        podkit.remove_netns_many(names)
+
+
+_SYSCTL_RO = f"""
+import errno, os, sys
+from redirect.native import load
+lib = load().lib
+rw, ro = lib.rdr_sysctl_open(b"{_SYSCTL}", os.O_RDWR), lib.rdr_sysctl_open(b"{_SYSCTL}", os.O_RDONLY)
+print(errno.errorcode.get(-rw, "opened"), errno.errorcode.get(-ro, "opened"))
+"""
+
+
+@pytest.mark.parametrize("how", ["read-only", "masked", "no-sys-admin"])
+def test_a_sysctl_is_opened_no_more_than_proc_sys_allows(pod: Pod, how: str) -> None:
+    """Where /proc/sys is read-only (as a runtime mounts it in a container) or /proc/sys/net is masked,
+    ``rdr_sysctl_open`` opens what /proc/sys allows and no more, even with CAP_SYS_ADMIN (which would
+    let it mount a procfs of its own); without that capability it opens through /proc/sys."""
+    prep = {"read-only": "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys",
+            "masked": "mount -t tmpfs none /proc/sys/net", "no-sys-admin": "true"}[how]
+    run = [sys.executable, "-c", _SYSCTL_RO]
+    if how == "no-sys-admin":
+        run = ["setpriv", "--bounding-set=-all,+net_admin,+net_raw", "--inh-caps=-all", "--ambient-caps=-all", *run]
+    p = subprocess.run(["nsenter", f"--net={pod.path}", "--", "unshare", "--mount", "--propagation", "private", "--",
+                        "sh", "-c", f'{prep} && exec "$@"', "sh", *run], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    want = {"read-only": "EROFS opened", "masked": "ENOENT ENOENT", "no-sys-admin": "opened opened"}[how]
+    assert p.stdout.split() == want.split(), p.stdout

@@ -118,7 +118,9 @@ def fault_point(name: str) -> None:
 
     Points: ``iptables.before_restore_v6``, ``iptables.before_restore_v4`` (IPv6 goes first),
     ``iptables.remove_v4``, ``iptables.remove_v6``, ``iptables.before_routes_finish``,
-    ``nftables.before_transaction``, ``nftables.after_transaction``. ``<name>:kill`` SIGKILLs
+    ``nftables.before_transaction``, ``nftables.after_transaction``, ``ebpf.before_fwmark_accept``
+    (after the policy; the eBPF backend's other points are in its native writer,
+    ``native/pod_setup.c``, which reads the same variable). ``<name>:kill`` SIGKILLs
     the process there instead, as a crash would (the kill tests: nothing runs after it, not
     even a rollback).
     """

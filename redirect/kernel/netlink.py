@@ -276,35 +276,11 @@ def addr(op: str, family: int, index: int, address: str, prefixlen: int, proto: 
             s.request(RTM_DELADDR, 0, body, attrs)
 
 
-def local_default_route(op: str, family: int, table: int, oif: int, proto: int) -> None:
-    """``ip route add local default dev <oif> table <table> proto <proto>`` (or del)."""
-    body = struct.pack("=BBBBBBBBI", family, 0, 0, 0, table if table < 256 else 252, proto, RT_SCOPE_HOST,
-                       RTN_LOCAL, 0)
-    attrs = [attr(RTA_TABLE, _u32(table)), attr(RTA_OIF, _u32(oif))]
-    with NetlinkSocket() as s:
-        if op == "add":
-            s.request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body, attrs)
-        else:
-            s.request(RTM_DELROUTE, 0, body, attrs)
-
-
 def default_route(family: int, gateway: str, sock: NetlinkSocket | None = None) -> None:
     """``ip route add default via <gateway>`` (main table)."""
     body = struct.pack("=BBBBBBBBI", family, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, RT_SCOPE_UNIVERSE, RTN_UNICAST, 0)
     with _using(sock) as s:
         s.request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body, [attr(RTA_GATEWAY, socket.inet_pton(family, gateway))])
-
-
-def fwmark_rule(op: str, family: int, fwmark: int, mask: int, table: int, priority: int, proto: int) -> None:
-    """``ip rule add fwmark MARK/MASK lookup TABLE pref PRIORITY proto PROTO`` (or del)."""
-    body = struct.pack("=BBBBBBBBI", family, 0, 0, 0, table if table < 256 else 252, 0, 0, FR_ACT_TO_TBL, 0)
-    attrs = [attr(FRA_PRIORITY, _u32(priority)), attr(FRA_FWMARK, _u32(fwmark)), attr(FRA_FWMASK, _u32(mask)),
-             attr(FRA_TABLE, _u32(table)), attr(FRA_PROTOCOL, bytes([proto]))]
-    with NetlinkSocket() as s:
-        if op == "add":
-            s.request(RTM_NEWRULE, NLM_F_CREATE | NLM_F_EXCL, body, attrs)
-        else:
-            s.request(RTM_DELRULE, 0, body, attrs[:4])
 
 
 # --- sock_diag -----------------------------------------------------------------------------
@@ -364,6 +340,5 @@ def ipset_destroy(name: str, sock: NetlinkSocket | None = None) -> None:
 
 
 __all__ = ["NetlinkSocket", "Msg", "open_socket", "attr", "nest", "parse_attrs", "dump", "get_link", "link_names",
-           "link_index", "link_up", "set_up", "add_veth", "addresses", "addr", "local_default_route", "default_route",
-           "fwmark_rule",
+           "link_index", "link_up", "set_up", "add_veth", "addresses", "addr", "default_route",
            "tcp_listeners", "ipset_exists", "ipset_destroy"]

@@ -8,6 +8,7 @@ thread.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -106,18 +107,45 @@ def _ignoring(codes: tuple[int, ...], fn: Any, *args: Any) -> None:
             raise
 
 
+#: A policy route's two halves (``native/pod_setup.c``, ``struct rdr_route_op``): the route, and the rule
+#: that leads to it.
+ROUTE, RULE = 0, 1
+
+
+def route_ops(r: PolicyRoute, add: bool = True) -> tuple[tuple[int, ...], ...]:
+    """The halves of ``r`` as ``rdr_route_op`` fields (kind, add, family, proto, table, fwmark, mask,
+    priority, oif), in the order they are made (the route, then its rule: the rule never leads to an
+    empty table) or, for ``add=False``, removed (the rule first)."""
+    ops = ((ROUTE, int(add), r.family, RT_PROTO, r.table, 0, 0, 0, LOOPBACK_IFINDEX),
+           (RULE, int(add), r.family, RT_PROTO, r.table, r.fwmark, r.mask, RULE_PRIORITY, 0))
+    return ops if add else ops[::-1]
+
+
+def _route_op(op: tuple[int, ...]) -> None:
+    """One half of a policy route added or removed, by the native netlink client (the one
+    statement of these messages, which the eBPF backend's fresh-pod call sends too)."""
+    from ..native import load
+
+    native = load()
+    ffi, lib = native.ffi, native.lib
+    c = ffi.new("struct rdr_route_op *")
+    c.kind, c.add, c.family, c.proto, c.table, c.fwmark, c.mask, c.priority, c.oif = op
+    errs = ffi.new("int[1]")
+    ret = lib.rdr_route_ops(-1, c, 1, errs)
+    err = ret if ret < 0 else errs[0]
+    if err < 0:
+        raise OSError(-err, os.strerror(-err))
+
+
 def add_route(r: PolicyRoute) -> None:
     """The local default route in ``r.table``, then the fwmark rule that leads to it."""
-    lo = LOOPBACK_IFINDEX
-    _ignoring((EEXIST,), netlink.local_default_route, "add", _AF[r.family], r.table, lo, RT_PROTO)
-    _ignoring((EEXIST,), netlink.fwmark_rule, "add", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY, RT_PROTO)
+    for op in route_ops(r):
+        _ignoring((EEXIST,), _route_op, op)
 
 
 def remove_route(r: PolicyRoute) -> None:
-    _ignoring((ENOENT, ESRCH), netlink.fwmark_rule, "del", _AF[r.family], r.fwmark, r.mask, r.table, RULE_PRIORITY,
-              RT_PROTO)
-    _ignoring((ENOENT, ESRCH), netlink.local_default_route, "del", _AF[r.family], r.table, LOOPBACK_IFINDEX,
-              RT_PROTO)
+    for op in route_ops(r, add=False):
+        _ignoring((ENOENT, ESRCH), _route_op, op)
 
 
 def _address_args(a: LocalAddress) -> tuple[int, int, str, int]:
@@ -252,14 +280,14 @@ def remove_all_ours() -> bool:
         for m in netlink.dump(netlink.RTM_GETRULE, _AF[fam]):
             if m.u8(netlink.FRA_PROTOCOL) == RT_PROTO:
                 stray = True
-                _ignoring((ENOENT, ESRCH), netlink.fwmark_rule, "del", _AF[fam], m.u32(netlink.FRA_FWMARK) or 0,
-                          m.u32(netlink.FRA_FWMASK) or 0xFFFFFFFF, m.u32(netlink.FRA_TABLE) or m.fields[3],
-                          m.u32(netlink.FRA_PRIORITY) or 0, RT_PROTO)
+                _ignoring((ENOENT, ESRCH), _route_op, (
+                    RULE, 0, fam, RT_PROTO, m.u32(netlink.FRA_TABLE) or m.fields[3], m.u32(netlink.FRA_FWMARK) or 0,
+                    m.u32(netlink.FRA_FWMASK) or 0xFFFFFFFF, m.u32(netlink.FRA_PRIORITY) or 0, 0))
         for m in netlink.dump(netlink.RTM_GETROUTE, _AF[fam]):
             if m.fields[4] == RT_PROTO:
                 stray = True
-                _ignoring((ENOENT, ESRCH), netlink.local_default_route, "del", _AF[fam],
-                          m.u32(netlink.RTA_TABLE) or m.fields[3], m.u32(netlink.RTA_OIF) or 0, RT_PROTO)
+                _ignoring((ENOENT, ESRCH), _route_op, (ROUTE, 0, fam, RT_PROTO, m.u32(netlink.RTA_TABLE) or m.fields[3],
+                                                       0, 0, 0, m.u32(netlink.RTA_OIF) or 0))
     return bool(state.routes or state.addresses or stray)
 
 

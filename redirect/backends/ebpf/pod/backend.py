@@ -16,7 +16,7 @@ from ....kernel import netns as _netns
 from ....kernel import routes as rt
 from ....plan.intent import AnyIntent
 from ....plan.lower_ebpf import CIDR_KIND
-from ...base import CheckResult, Installed
+from ...base import CheckResult, Installed, fault_point
 from ..abi import (
     CIDR_KEY,
     F_AMBIENT,
@@ -30,7 +30,17 @@ from ..abi import (
     P_INV_BASE,
     POLICY,
 )
-from ..host import PROCESS, PodStore, detach_pinned, host_problems, pod_link, reading, resolve_cgroup, resolve_root
+from ..host import (
+    NATIVE,
+    PROCESS,
+    PodStore,
+    detach_pinned,
+    host_problems,
+    pod_link,
+    reading,
+    resolve_cgroup,
+    resolve_root,
+)
 from . import tc
 from .entries import (
     fmt_cidr,
@@ -40,6 +50,7 @@ from .entries import (
     pod_entries,
     pod_keys,
     policy_core,
+    policy_flags,
     refuse,
     replies_by_mark,
     with_flag,
@@ -349,38 +360,45 @@ class EbpfBackend:
         return "\n".join(lines) + "\n"
 
 
-def policy_flags(policy: bytes) -> int:
-    return int(POLICY.unpack(policy)[P_FLAGS])
-
-
 #: Policy flags of the configs whose plans may have policy routes (ambient: always; TPROXY: with
 #: inbound capture): their setup and teardown look for ours.
 _ROUTED = F_AMBIENT | F_TPROXY
 
 
-_FWMARK_ACCEPT = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+_FWMARK_ACCEPT = "net/ipv4/tcp_fwmark_accept"
+
+
+def _fwmark_open(flags: int) -> BinaryIO:
+    """``net.ipv4.tcp_fwmark_accept`` of the calling thread's netns, opened as the native setup opens
+    it (``rdr_sysctl_open``: through a procfs instance of the thread's own where it may mount one, so
+    the look-up's cost does not grow with the pods)."""
+    fd = NATIVE.lib.rdr_sysctl_open(_FWMARK_ACCEPT.encode(), flags)
+    if fd < 0:
+        raise OSError(-fd, os.strerror(-fd), f"/proc/sys/{_FWMARK_ACCEPT}")
+    return open(fd, "r+b" if flags == os.O_RDWR else "rb", buffering=0)
 
 
 def fwmark_accept() -> int:
     """``net.ipv4.tcp_fwmark_accept`` of the calling thread's netns."""
-    with open(_FWMARK_ACCEPT, encoding="ascii") as f:
+    with _fwmark_open(os.O_RDONLY) as f:
         return int(f.read().strip() or 0)
 
 
 def set_fwmark_accept(value: int) -> None:
-    with open(_FWMARK_ACCEPT, "w", encoding="ascii") as f:
-        f.write(f"{value}\n")
+    with _fwmark_open(os.O_RDWR) as f:
+        f.write(f"{value}\n".encode())
 
 
 class _FwmarkWrite:
     """The value of ``net.ipv4.tcp_fwmark_accept`` to write after the policy, on the file read
-    before it: a ``/proc/sys`` path lookup costs more the more namespaces exist, so one per setup."""
+    before it: one sysctl look-up per setup."""
 
     def __init__(self, f: BinaryIO, value: int) -> None:
         self.f, self.value = f, value
 
     def write(self) -> None:
         try:
+            fault_point("ebpf.before_fwmark_accept")  # (the fresh-pod call has it too)
             os.pwrite(self.f.fileno(), f"{self.value}\n".encode(), 0)
         finally:
             self.f.close()
@@ -396,7 +414,7 @@ def _fwmark_state(want: bytes, old_flags: int) -> tuple[bool, _FwmarkWrite | Non
     ours_before = bool(old_flags & F_FWMARK_ACCEPT_OURS)
     if not need and not ours_before:
         return False, None
-    f = open(_FWMARK_ACCEPT, "r+b", buffering=0)  # noqa: SIM115 - closed by _FwmarkWrite.write, or below
+    f = _fwmark_open(os.O_RDWR)  # (closed by _FwmarkWrite.write, or below)
     try:
         now = int(f.read().strip() or 0)
     except BaseException:

@@ -117,6 +117,11 @@ def policy_core(policy: bytes) -> bytes:
     return POLICY.pack(*v)
 
 
+def policy_flags(policy: bytes) -> int:
+    """The flags of a packed policy."""
+    return int(POLICY.unpack(policy)[P_FLAGS])
+
+
 def replies_by_mark(flags: int) -> bool:
     """Whether a pod with policy ``flags`` has a proxy's transparent connections to the app answered
     by the mark of their SYN (``redirect/bpf/sockopt.c``, ``local_connect``): inbound capture in ambient

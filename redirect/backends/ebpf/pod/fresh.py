@@ -23,7 +23,7 @@ from ....kernel.netns import NetnsRef
 from ....plan.intent import AnyIntent, Intent
 from ...base import Installed, ebpf_root
 from ..host import NATIVE, PROCESS, PodStore
-from .entries import intent_entries, local_key_templates, refuse, remembered
+from .entries import intent_entries, local_key_templates, policy_flags, refuse, remembered, replies_by_mark
 from .network import LOOPBACK_IFINDEX, families_for, intent_addresses
 from .tc import takes_forwarded
 
@@ -39,17 +39,22 @@ class FreshPodTemplate:
     intent and handle (``PodStore.memo``); the cffi buffers live as long as this object, and so does
     ``calls``, each thread's ``struct rdr_pod_call``."""
 
-    def __init__(self, it: Intent, store: PodStore) -> None:
+    def __init__(self, it: AnyIntent, store: PodStore) -> None:
         ffi = NATIVE.ffi
         self.inbound_port = 0
         #: Its capture takes what a pod forwards: our tc filters on the interfaces a pod forwards on.
         self.tc_forwarded = False
         #: [v6_on][own_v6]: (policy, ports, cidrs) buffers, and the rest of the set.
         self.sets: list[list[tuple[Any, Any, int, Any, int, dict[int, bytes], bool, bytes | None]]] = []
+        #: [v6_on]: the policy routes' ops (``rt.route_ops``), and whether the pod needs
+        #: ``tcp_fwmark_accept`` on.
+        self.routes: list[tuple[tuple[tuple[int, ...], ...], bool]] = []
         self.calls = threading.local()
         for v6_on in (False, True):
             row = []
             families = families_for(it, v6_on)
+            ops = tuple(op for r in it.routes if r.family in families for op in rt.route_ops(r))
+            fwmark = False
             for own_v6 in (False, True):
                 adds = intent_addresses(it, families, own_v6)
                 e = intent_entries(it, families, 0,
@@ -57,6 +62,7 @@ class FreshPodTemplate:
                 if e.inbound:
                     self.inbound_port = it.inbound_port
                 self.tc_forwarded |= takes_forwarded(e)
+                fwmark |= replies_by_mark(policy_flags(e.policy))
                 ports, cidrs = b"".join(sorted(e.ports)), b"".join(sorted(e.cidrs))
                 bufs = [ffi.new(t, max(n, 1)) for t, n in (("struct pod_policy[]", 1), ("struct port_key[]",
                                                            len(e.ports)), ("struct cidr_key[]", len(e.cidrs)))]
@@ -66,6 +72,7 @@ class FreshPodTemplate:
                 row.append((bufs[0], bufs[1], len(e.ports), bufs[2], len(e.cidrs), local_key_templates(families),
                             6 in families, add))
             self.sets.append(row)
+            self.routes.append((ops, fwmark))
         self.request = self._request(store)
 
     def _request(self, store: PodStore) -> Any:
@@ -91,6 +98,11 @@ class FreshPodTemplate:
                 st.v6, st.n_add = v6, add is not None
                 if add is not None:
                     ffi.memmove(st.add, add, 16)
+                ops, st.fwmark_accept = self.routes[i]
+                st.n_routes = len(ops)
+                for k, op in enumerate(ops):
+                    o = st.routes[k]
+                    o.kind, o.add, o.family, o.proto, o.table, o.fwmark, o.mask, o.priority, o.oif = op
         r.n_ours_v6 = len(rt.PLAN_V6)
         for i, raw in enumerate(rt.PLAN_V6):
             ffi.memmove(r.ours_v6[i], raw, 16)
@@ -98,18 +110,18 @@ class FreshPodTemplate:
 
 
 def fresh_pods(it: AnyIntent) -> bool:
-    """Whether pods of ``it`` can be set up by the fresh-pod call: not ambient (policy routes and a
-    sysctl besides the entries), no policy routes (TPROXY), no ``exclude_interfaces`` or
-    ``reroute_interfaces`` (their entries depend on the pod's links and routes, which the general
-    path reads), no address but one IPv6 /128 on lo. Raises ``BackendUnavailable`` as ``apply``
-    would."""
+    """Whether pods of ``it`` can be set up by the fresh-pod call: sidecar or ambient, with policy
+    routes (ambient, TPROXY: the call adds them, and turns ``tcp_fwmark_accept`` on where the
+    config needs it), but no ``exclude_interfaces`` or ``reroute_interfaces`` (their entries
+    depend on the pod's links and routes, which the general path reads), no address but one IPv6
+    /128 on lo. Raises ``BackendUnavailable`` as ``apply`` would."""
     refuse(it)
-    return (isinstance(it, Intent) and not (it.exclude_interfaces or it.reroute_interfaces or it.routes)
-            and len(it.local_addresses) <= 1
+    return (not it.reroute_interfaces and not (isinstance(it, Intent) and it.exclude_interfaces)
+            and 2 * len(it.routes) <= NATIVE.lib.RDR_POD_ROUTE_OPS_MAX and len(it.local_addresses) <= 1
             and all(a.family == 6 and a.dev == "lo" and a.cidr.endswith("/128") for a in it.local_addresses))
 
 
-def fresh_pod_template(it: Intent, store: PodStore) -> FreshPodTemplate:
+def fresh_pod_template(it: AnyIntent, store: PodStore) -> FreshPodTemplate:
     """The template for ``it`` (``fresh_pods``) on ``store``, kept in its memo."""
     return remembered(store.memo, ("fresh", it), lambda: FreshPodTemplate(it, store))
 
@@ -141,7 +153,6 @@ def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Inst
     if tmpl is None:  # else the last handle: the native call checks its root is the one the environment names
         if not fresh_pods(it):
             return None
-        assert isinstance(it, Intent)
         h = PROCESS.cached(ebpf_root())
         if h is None or not h.store.ok:  # else the native call asks the pin watch itself
             t0 = time.perf_counter()
@@ -169,6 +180,9 @@ def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Inst
             raise SystemError("could not return to the thread's own netns after an eBPF setup")
         if rc == lib.RDR_POD_FAULT:
             raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
+        if rc == lib.RDR_POD_FWMARK:
+            raise SetupError(f"ebpf: capture is in place, but net.ipv4.tcp_fwmark_accept could not be turned on:"
+                             f" {os.strerror(-c.err)}; run setup again")
         raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
     if c.pool_low:
         store.refill()  # it found no sk_lookup program queued free: the next batch, ahead of the next pods
