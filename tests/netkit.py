@@ -64,6 +64,7 @@ from tests.kit.pods import (
 from tests.kit.probes import (
     Landing,
     ProbeResult,
+    connect_as,
     in_child,
     landing,
     tcp_probe,
@@ -78,6 +79,7 @@ __all__ = [
     "original_dst", "DEFAULT_TIMEOUT", "NETNS_DIR", "OUR_TC", "qdisc_kinds", "set_forwarding", "tc_filters",
     "PREFIX", "Addr", "Link", "Pod", "netlink_in", "create_netns",
     "existing_namespaces", "in_netns", "link_for", "live_namespaces", "make_pod", "remove_netns", "require_root",
-    "wait_link_detached", "Landing", "ProbeResult", "in_child", "landing", "tcp_probe", "tcp_probe_detail",
+    "wait_link_detached", "Landing", "ProbeResult", "connect_as", "in_child", "landing", "tcp_probe",
+    "tcp_probe_detail",
     "udp_probe", "udp_probe_detail", "vm_behind", "VM_NET",
 ]

@@ -333,7 +333,8 @@ def test_the_daemonsets_containers_run_from_the_image_as_the_manifest_says(clust
         got, want = secctx.read_status(pid), secctx.creds_of(c, run.spec)
         assert (got.uid, got.gid, got.bounding, got.effective, got.no_new_privs) == \
             (want.uid, want.gid, want.bounding, want.effective, want.no_new_privs), (name, got, want)
-        json_lines(k.logs(run, name))  # --log-json: every line a JSON record
+        # --log-json: every line a JSON record (a container writes its first line in its own time)
+        json_lines(wait_for(f"{name}'s first log line", lambda name=name: k.logs(run, name).strip(), timeout=60))
     for probe in ("livenessProbe", "readinessProbe"):
         assert k.probe(run, "agent", probe) == 200
     # the node has no kernel headers in the image's view, nor mounted into it

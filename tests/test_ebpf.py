@@ -259,15 +259,20 @@ def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setu
     cfg = RedirectConfig(outbound_exclude_ports=(22,), outbound_exclude_cidrs=("10.255.0.0/16", "fd00:ffff::/32"),
                          dns_capture=True)
     ca, cb = _cookie(a), _cookie(b)
+    held: list[socket.socket] = []
     try:
         setup_pod(a, cfg)
         setup_pod(b, cfg)
-        # Some per-connection state too: an outbound connection through the proxy in each pod.
+        # Some per-connection state too: an outbound connection through the proxy in each pod, held
+        # open across the teardown (a closing one drops its entries in its own time).
         for p in (a, b):
-            with TcpListener(p.name, 15001, label="out") as out:
-                assert landing(p.name, p.peer_ip4, 8080, out, uid=APP_UID).listener is out
+            lst = netkit.in_netns(p.name, lambda: socket.create_server(("0.0.0.0", 15001)))
+            held.append(lst)
+            held.append(netkit.connect_as(p.name, p.peer_ip4, 8080, APP_UID))
+            lst.settimeout(10)
+            held.append(lst.accept()[0])
         have_a, have_b = entries_mentioning(bpf_root, ca), entries_mentioning(bpf_root, cb)
-        for name in ("pods", "inventory", "ports", "cidrs", "listeners"):
+        for name in ("pods", "inventory", "ports", "cidrs", "listeners", "orig_by_tuple"):
             assert have_a[name] and have_b[name], name
         before = api.show(b.name, backend="ebpf")
         assert api.teardown(a.name, backend="ebpf")
@@ -285,6 +290,8 @@ def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setu
         assert landing(b.peer_name, b.pod_ip4, 8080, *lists[1]).listener in lists[1]
         assert not api.teardown(a.name, backend="ebpf"), "second teardown removes nothing"
     finally:
+        for x in held:
+            x.close()
         _close(*lists)
 
 

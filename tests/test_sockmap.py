@@ -187,18 +187,7 @@ def _listen(pod: Pod, port: int, family: int | None = None) -> socket.socket:
 
 def _connect(pod: Pod, dst: str, port: int, uid: int, src: str | None = None) -> socket.socket:
     """A connection made in the pod by a task of ``uid`` (only its thread changes credentials)."""
-    from tests.kit.probes import _in_thread_as
-
-    def go() -> dict[str, object]:
-        s = socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_STREAM)
-        s.settimeout(5)
-        if src is not None:
-            s.bind((src, 0))
-        s.connect((dst, port))
-        return {"sock": s}
-    res = _in_thread_as(pod.name, uid, uid, 5.0, go)
-    assert "sock" in res, res
-    return res["sock"]  # type: ignore[return-value]
+    return netkit.connect_as(pod.name, dst, port, uid, src)
 
 
 def _name(s: socket.socket) -> tuple[str, int]:

@@ -188,6 +188,24 @@ def _in_thread_as(
     return box["result"]  # type: ignore[no-any-return]
 
 
+def connect_as(ns: rnetns.NetnsRef, dst: str, port: int, uid: int, src: str | None = None,
+               timeout: float = 5.0) -> socket.socket:
+    """A TCP connection made in ``ns`` by a task of ``uid`` (only its thread changes credentials),
+    left open for the caller (who closes it)."""
+
+    def go() -> dict[str, Any]:
+        s = socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        if src is not None:
+            s.bind((src, 0))
+        s.connect((dst, port))
+        return {"sock": s}
+
+    res = _in_thread_as(ns, uid, uid, timeout, go)
+    assert "sock" in res, res
+    return res["sock"]  # type: ignore[no-any-return]
+
+
 def in_child(
     ns: rnetns.NetnsRef, uid: int | None, gid: int | None, timeout: float, fn: Callable[..., dict[str, Any]], *args: Any
 ) -> dict[str, Any]:
