@@ -263,8 +263,10 @@ def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setu
     try:
         setup_pod(a, cfg)
         setup_pod(b, cfg)
-        # Some per-connection state too: an outbound connection through the proxy in each pod, held
-        # open across the teardown (a closing one drops its entries in its own time).
+        # Some per-connection state too: an outbound connection through the proxy in each pod. The
+        # other pod's stays open across the teardown (a closing one drops its entries in its own
+        # time); this pod's is closed, and its entries gone, before (those of a live connection
+        # stay with it).
         for p in (a, b):
             lst = netkit.in_netns(p.name, lambda: socket.create_server(("0.0.0.0", 15001)))
             held.append(lst)
@@ -274,6 +276,12 @@ def test_teardown_removes_everything_of_that_pod_and_nothing_else(make_pod, setu
         have_a, have_b = entries_mentioning(bpf_root, ca), entries_mentioning(bpf_root, cb)
         for name in ("pods", "inventory", "ports", "cidrs", "listeners", "orig_by_tuple"):
             assert have_a[name] and have_b[name], name
+        for x in held[:3]:
+            x.close()
+        deadline = time.monotonic() + 20
+        while entries_mentioning(bpf_root, ca)["orig_by_tuple"]:
+            assert time.monotonic() < deadline, "a closed connection's entries stayed"
+            time.sleep(0.05)
         before = api.show(b.name, backend="ebpf")
         assert api.teardown(a.name, backend="ebpf")
         left = entries_mentioning(bpf_root, ca)
