@@ -251,6 +251,17 @@ static void c_fionread(void) {
     close(c); close(s);
 }
 
+/* A blocking read of fd that goes on past EAGAIN (which a blocking read must never return),
+ * counting those in *eagain (at most a million): what the read finally returned. */
+static ssize_t read_past_eagain(int fd, char *b, size_t n, long *eagain) {
+    ssize_t r;
+    for (;;) {
+        r = read(fd, b, n);
+        if (r < 0 && errno == EAGAIN && *eagain < 1000000) { (*eagain)++; continue; }
+        return r;
+    }
+}
+
 /* Writes data to fd after ms milliseconds, on a thread of its own. */
 struct later { int fd; unsigned ms; const char *data; };
 static void *write_later(void *a) {
@@ -396,13 +407,8 @@ static void c_blocking_read(void) {
     pthread_create(&t2, NULL, slow_drain, &y);
     pthread_create(&t3, NULL, write_later, &z);
     long eagain = 0;
-    ssize_t r;
     char b[16];
-    for (;;) {
-        r = read(c, b, sizeof b);
-        if (r < 0 && errno == EAGAIN && eagain < 1000000) { eagain++; continue; }
-        break;
-    }
+    ssize_t r = read_past_eagain(c, b, sizeof b, &eagain);
     x.stop = y.stop = 1;
     pthread_join(t3, NULL);
     shutdown(c, SHUT_RDWR);
@@ -432,13 +438,8 @@ static void c_blocking_read_halfclose(void) {
     pthread_create(&t1, NULL, shut_later, &x);
     pthread_create(&t2, NULL, write_later, &z);
     long eagain = 0;
-    ssize_t r;
     char b[16];
-    for (;;) {
-        r = read(c, b, sizeof b);
-        if (r < 0 && errno == EAGAIN && eagain < 1000000) { eagain++; continue; }
-        break;
-    }
+    ssize_t r = read_past_eagain(c, b, sizeof b, &eagain);
     pthread_join(t1, NULL);
     pthread_join(t2, NULL);
     printf("{\"case\": \"blocking_read_halfclose\", \"eagain\": %ld, \"read\": %zd}\n", eagain, r);
