@@ -234,8 +234,24 @@ int rdr_route_ops(int s, const struct rdr_route_op *ops, uint32_t n, int *errs)
 	return ret;
 }
 
+/* Remove what the n ops (adds) added, in reverse (each rule before its route): all of them, or
+ * with errs only those whose errs[i] is 0 (the adds that succeeded). */
+static void routes_undo(int s, const struct rdr_route_op *ops, uint32_t n, const int *errs)
+{
+	struct rdr_route_op undo[RDR_POD_ROUTE_OPS_MAX];
+	int undo_errs[RDR_POD_ROUTE_OPS_MAX];
+	uint32_t k = 0;
+
+	for (uint32_t i = n < RDR_POD_ROUTE_OPS_MAX ? n : RDR_POD_ROUTE_OPS_MAX; i-- > 0;)
+		if (errs == NULL || errs[i] == 0) {
+			undo[k] = ops[i];
+			undo[k++].add = 0;
+		}
+	rdr_route_ops(s, undo, k, undo_errs);
+}
+
 /* Add the n ops of a pod's policy routes (adds, in order), all or none: 0, or the first failure's
- * -errno with the ops that succeeded undone (in reverse). */
+ * -errno with the ops that succeeded undone. */
 static int routes_add(int s, const struct rdr_route_op *ops, uint32_t n)
 {
 	int errs[RDR_POD_ROUTE_OPS_MAX], ret;
@@ -246,32 +262,9 @@ static int routes_add(int s, const struct rdr_route_op *ops, uint32_t n)
 	for (uint32_t i = 0; ret == 0 && i < n; i++)
 		if (errs[i] != 0)
 			ret = errs[i];
-	if (ret != 0) {
-		struct rdr_route_op undo[RDR_POD_ROUTE_OPS_MAX];
-		int undo_errs[RDR_POD_ROUTE_OPS_MAX];
-		uint32_t k = 0;
-
-		for (uint32_t i = n; i-- > 0;)
-			if (errs[i] == 0) {
-				undo[k] = ops[i];
-				undo[k++].add = 0;
-			}
-		rdr_route_ops(s, undo, k, undo_errs);
-	}
+	if (ret != 0)
+		routes_undo(s, ops, n, errs);
 	return ret;
-}
-
-/* Remove the n ops (adds) routes_add added: in reverse (each rule before its route). */
-static void routes_del(int s, const struct rdr_route_op *ops, uint32_t n)
-{
-	struct rdr_route_op undo[RDR_POD_ROUTE_OPS_MAX];
-	int errs[RDR_POD_ROUTE_OPS_MAX];
-
-	for (uint32_t i = 0; i < n && i < RDR_POD_ROUTE_OPS_MAX; i++) {
-		undo[i] = ops[n - 1 - i];
-		undo[i].add = 0;
-	}
-	rdr_route_ops(s, undo, n < RDR_POD_ROUTE_OPS_MAX ? n : RDR_POD_ROUTE_OPS_MAX, errs);
 }
 
 /* --- the pod ----------------------------------------------------------------- */
@@ -936,7 +929,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	ret = rdr_ebpf_pod_write(&w);
 	if (ret != 0) {
 		if (routed)
-			routes_del(s, set->routes, set->n_routes);
+			routes_undo(s, set->routes, set->n_routes, NULL);
 		goto out;
 	}
 	/* After the policy, which recorded whether it is ours to undo: a kill in between leaves it
