@@ -36,7 +36,7 @@ int rdr_watch_pending(int fd);
  * looks up through a procfs instance of its own, replaced after RDR_SYSCTL_LOOKUPS look-ups (the
  * entries of the old one go with it); through /proc/sys where it can't have one (no CAP_SYS_ADMIN,
  * a read-only or masked /proc/sys: it opens nothing /proc/sys would not). */
-#define RDR_SYSCTL_LOOKUPS 64
+#define RDR_SYSCTL_LOOKUPS 16
 int rdr_sysctl_open(const char *name, int flags);
 
 /* The cookie of the netns behind an open netns fd: enters it on this thread,

@@ -106,12 +106,13 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
     hook), nftables, else iptables, with the reason logged, and the process's later ``auto``
     choices skip eBPF.
     """
-    cfg = _config(config)
+    cfg = config if type(config) is RedirectConfig else _config(config)
     c, it = _last_intent  # (_intent, without its call for the config of the last pod)
     if c is not cfg or it is None:
         it = _intent(cfg)
     name = _netns.describe(netns)
-    t0 = time.perf_counter()
+    info = log.isEnabledFor(logging.INFO)
+    t0 = time.perf_counter() if info else 0.0
     if backend != "auto":
         res, fresh = _setup_with(backend, it, netns, name, allow_host_netns)
     else:
@@ -125,7 +126,7 @@ def setup(netns: _netns.NetnsRef, config: RedirectConfig | None = None, backend:
             # (bpffs, the verifier, a missing hook): nothing was installed; the next choice.
             backend = ebpf_failed(str(e))
             res, fresh = _setup_with(backend, it, netns, name, allow_host_netns)
-    if log.isEnabledFor(logging.INFO):
+    if info:
         log.info(
             "setup netns=%s backend=%s mode=%s families=%s changed=%s in %.2f ms%s",
             name, res.backend, cfg.mode, "+".join(f"IPv{f}" for f in res.families), res.changed,

@@ -42,8 +42,17 @@ def ebpf_failed(why: str) -> str:
     return fallback
 
 
-#: (pid, answer) of ``ebpf_caps_refusal``: a process's capabilities stay as they started.
-_ebpf_caps: tuple[int, str | None] = (0, None)
+#: The answer of ``ebpf_caps_refusal`` in a one-item list, once asked: a process's capabilities
+#: stay as they started (forgotten in a forked child, which asks again).
+_ebpf_caps: list[str | None] | None = None
+
+
+def _forget_ebpf_caps() -> None:
+    global _ebpf_caps
+    _ebpf_caps = None
+
+
+os.register_at_fork(after_in_child=_forget_ebpf_caps)
 
 
 def ebpf_caps_refusal() -> str | None:
@@ -53,9 +62,9 @@ def ebpf_caps_refusal() -> str | None:
     too. An init container with ``NET_ADMIN`` and ``NET_RAW`` has neither the first nor the host's
     bpffs: the node agent installs eBPF capture, not a pod. Asked once per process."""
     global _ebpf_caps
-    if _ebpf_caps[0] != os.getpid():
-        _ebpf_caps = (os.getpid(), _ebpf_caps_refusal())
-    return _ebpf_caps[1]
+    if _ebpf_caps is None:
+        _ebpf_caps = [_ebpf_caps_refusal()]
+    return _ebpf_caps[0]
 
 
 def _ebpf_caps_refusal() -> str | None:

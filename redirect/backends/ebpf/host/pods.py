@@ -102,6 +102,9 @@ class PodStore:
         self._tc_ids: tuple[int, int] | None = None
         #: What the per-pod side computed for an intent on these maps (``pod.entries.remembered``).
         self.memo: dict[Hashable, Any] = {}
+        #: (intent, its ``pod.fresh.FreshPodTemplate``) of the last fresh pod set up on these maps: the
+        #: next pod of the same intent finds it without hashing the intent.
+        self.fresh_last: tuple[Any, Any] | None = None
         self._tcp_diag: bool | None = None
         #: The root's inotify fd on the host pin dirs (not ours to close), -1 without one.
         self.watch = -1
@@ -276,7 +279,7 @@ class PodStore:
     # --- the pod's link --------------------------------------------------------------------
     def link_path(self, cookie: int) -> str:
         """Where the pod's sk_lookup link is pinned (native/pod_setup.c pins it there)."""
-        return pod_link(self.root, cookie)
+        return f"{self.pods_dir}/{cookie}-sk_lookup"  # (pod_link, without its path join)
 
     def link_target(self, cookie: int) -> int | None:
         """``syscalls.link_target`` of the pod's link: its netns inode, 0 detached, None no pin."""

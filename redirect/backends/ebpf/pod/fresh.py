@@ -149,8 +149,12 @@ def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Inst
     the native call reads), one call."""
     host_ms = 0.0
     h = PROCESS.last
-    tmpl = h.store.memo.get(("fresh", it)) if h is not None and h.store.ok else None
-    if tmpl is None:  # else the last handle: the native call checks its root is the one the environment names
+    last = h.store.fresh_last if h is not None and h.store.ok else None
+    if last is not None and last[0] is it:  # the last pod's intent and handle: the native call checks
+        tmpl = last[1]  # that its root is still the one the environment names
+    else:
+        tmpl = h.store.memo.get(("fresh", it)) if h is not None and h.store.ok else None
+    if tmpl is None:
         if not fresh_pods(it):
             return None
         h = PROCESS.cached(ebpf_root())
@@ -162,6 +166,8 @@ def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Inst
         tmpl = fresh_pod_template(it, h.store)
     assert h is not None
     store = h.store
+    if last is None or last[1] is not tmpl:
+        store.fresh_last = (it, tmpl)
     c = tmpl.calls.__dict__.get("call")
     if c is None:
         c = tmpl.calls.call = NATIVE.ffi.new("struct rdr_pod_call *")
