@@ -58,6 +58,9 @@ class Method:
     listen: tuple[int, ...] = ()
     #: Run in each fresh namespace before setup, not timed (what the pod has besides lo).
     prepare: Callable[[str], None] | None = None
+    #: After a timed setup, where its time went (step name -> microseconds), if the method can tell
+    #: (the eBPF backend's fresh-pod call: ``ebpf.last_steps``); None when that setup can't.
+    steps: Callable[[], dict[str, float] | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,15 +89,23 @@ def _verify_api(backend: str, mode: str) -> Callable[[str], None]:
 
 def api_method(backend: str, mode: str) -> Method:
     cfg = config_for(mode)
+    last: list[Any] = [None]
 
     def setup(ns: str) -> None:
-        redirect.setup(ns, cfg, backend=backend)
+        last[0] = redirect.setup(ns, cfg, backend=backend)
 
     def teardown(ns: str) -> None:
         redirect.teardown(ns, backend=backend)
 
+    def steps() -> dict[str, float] | None:
+        """The last setup's steps, if it took the fresh-pod call."""
+        from redirect.backends import ebpf
+
+        res, last[0] = last[0], None
+        return ebpf.last_steps() if res is not None and res.detail.get("path") == "fresh" else None
+
     return Method(f"api/{backend}/{mode}", "api", backend, mode, setup, teardown, _verify_api(backend, mode),
-                  listen=NO_LISTENER)
+                  listen=NO_LISTENER, steps=steps if backend == "ebpf" else None)
 
 
 def _forwarding_pod(ns: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -32,6 +33,15 @@ def _timed(fn: Callable[[str], None], ns: str) -> float:
     return (time.perf_counter_ns() - t0) / 1e6
 
 
+def step_medians(samples: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """The median of each step over ``samples`` (step name -> microseconds, ``Method.steps``), in
+    the steps' order, with ``n``, the number of setups they come from."""
+    out: dict[str, Any] = {"n": len(samples)}
+    for name in samples[0]:
+        out[name] = round(statistics.median(s.get(name, 0.0) for s in samples), 2)
+    return out
+
+
 def warm_and_verify(m: Method) -> None:
     """One untimed pod per method: imports, caches and first-link costs out of the way, and proof
     that the method really installs something (``verify``) and removes it."""
@@ -49,7 +59,10 @@ def warm_and_verify(m: Method) -> None:
 def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
             failed: dict[str, str]) -> dict[str, dict[str, Any]]:
     """Setup then teardown of ``samples`` fresh pods per method, interleaved round-robin so that
-    drift on a shared machine hits every method alike."""
+    drift on a shared machine hits every method alike. The order is shuffled from round to round
+    (seeded: the same orders in every run), so that each method follows every other one about
+    equally often: a method that execs processes (the reference, iptables) leaves the caches cold
+    for the one after it, and a fixed order would charge that to one method only."""
     out: dict[str, dict[str, Any]] = {}
     live = [m for m in methods if m.key not in failed]
     names = {m.key: nsutil.create(samples, "s") for m in live}
@@ -59,10 +72,13 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
                 m.prepare(ns)
     setup_t: dict[str, list[float]] = {m.key: [] for m in live}
     down_t: dict[str, list[float]] = {m.key: [] for m in live}
+    steps_t: dict[str, list[dict[str, float]]] = {m.key: [] for m in live}
     try:
         for phase, times in (("setup", setup_t), ("teardown", down_t)):
             for i in range(samples):
-                for m in live:
+                order = list(live)
+                random.Random(i).shuffle(order)
+                for m in order:
                     if m.key in failed:
                         continue
                     fn = m.setup if phase == "setup" else m.teardown
@@ -71,6 +87,9 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
                             nsutil.hold(names[m.key][i], m.listen)  # not timed: the proxy is up
                         times[m.key].append(_timed(fn, names[m.key][i]))
                         nsutil.release(names[m.key][i])
+                        if phase == "setup" and m.steps is not None and (st := m.steps()) is not None:
+                            st["outside"] = times[m.key][-1] * 1e3 - st["call"]  # (the caller's part: Python)
+                            steps_t[m.key].append(st)
                     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                         failed[m.key] = f"{phase} failed: {e}"
                 progress(len(live))
@@ -80,6 +99,8 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
     for m in live:
         out[m.key] = {"kind": m.kind, "backend": m.backend, "mode": m.mode, "how": m.note,
                       "setup": stats(setup_t[m.key]), "teardown": stats(down_t[m.key])}
+        if steps_t[m.key]:
+            out[m.key]["steps_us"] = step_medians(steps_t[m.key])
         if m.key in failed:
             out[m.key]["error"] = failed[m.key]
     return out

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from .report import REFERENCE_KEY, _fmt
+from .report import REFERENCE_KEY, STEPS_TEXT, STEPS_TITLE, _fmt, step_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "latest.json")
@@ -105,6 +105,7 @@ def figures(res: dict[str, Any], source: str = "") -> dict[str, Any]:
         "direct": (f"{_fmt(direct.get('conn_per_s'))} connections/s, p50 {_fmt(direct.get('p50_us'))} us, "
                    f"{_fmt(direct.get('bulk_gbit_per_s'))} Gbit/s bulk") if direct.get("conn_per_s") else "",
         "ebpf_vs_iptables": _fmt(ebpf_vs_it) if ebpf_vs_it is not None else "",
+        "steps": dict(zip(("keys", "rows"), step_rows(res), strict=True)),
     }
 
 
@@ -137,6 +138,10 @@ def markdown(f: dict[str, Any]) -> str:
                          ("A pod's start and stop through containerd (`ctr run --rm --cni`)", f["pod_start"])):
         if items:
             lines += ["", f"{title}:", ""] + [f"- {x}" for x in items]
+    steps = f.get("steps") or {}
+    if steps.get("keys"):
+        lines += ["", f"## {STEPS_TITLE}", "", STEPS_TEXT, "", "| step | " + " | ".join(steps["keys"]) + " |",
+                  "|---|" + "---|" * len(steps["keys"])] + ["| " + " | ".join(r) + " |" for r in steps["rows"]]
     lines += ["", "## Targets", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(t[:3]) + f" | **{t[3]}** | {t[4]} |" for t in f["targets"]]
     lines += ["", f"{MARK} {json.dumps(f, sort_keys=True)} -->", ""]

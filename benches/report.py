@@ -186,6 +186,38 @@ def _fmt(x: Any, unit: str = "") -> str:
     return f"{x}{unit}"
 
 
+STEPS_TITLE = "Where a fresh pod's eBPF setup goes (median µs of each step, per-pod phase)"
+STEPS_TEXT = ("Each step of the fresh-pod call (`RDR_STEP_*` in native/redirect_native.h), timed inside the"
+              " call; `call` is the whole call, `outside` the rest of the setup as timed above (the Python"
+              " around the call), and the last row the call alone against Istio's sequence. Medians of"
+              " steps do not add up to the median of the whole.")
+
+
+def step_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The methods whose steps the per-pod phase recorded, and a row per step (its name, then its
+    median for each method), with a last row of the call's median against the reference's setup."""
+    per_pod = res.get("per_pod", {})
+    stepped = {k: d["steps_us"] for k, d in per_pod.items() if d.get("steps_us")}
+    if not stepped:
+        return [], []
+    keys = list(stepped)
+    names = [n for n in stepped[keys[0]] if n != "n"]
+    rows = [[n] + [_fmt(stepped[k].get(n)) for k in keys] for n in names]
+    ref = _median(per_pod, REFERENCE_KEY)
+    rows.append(["call vs Istio's sequence"] + [_fmt(round(stepped[k]["call"] / 1e3 / ref, 4)) if ref else "-"
+                                                for k in keys])
+    return keys, rows
+
+
+def step_table(res: dict[str, Any]) -> list[str]:
+    """``step_rows`` as a markdown section (no lines when there are none)."""
+    keys, rows = step_rows(res)
+    if not keys:
+        return []
+    return (["", f"## {STEPS_TITLE}", "", STEPS_TEXT, "", "| step | " + " | ".join(keys) + " |",
+             "|---|" + "---|" * len(keys)] + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def markdown(res: dict[str, Any]) -> str:
     r, rows = res["ratios"], res["targets"]
     h = res.get("host", {})
@@ -210,6 +242,7 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{_fmt(s.get('p99_ms'))} | {_fmt(r['setup_vs_reference'].get(key, one))}"
                  f" | {_fmt(t.get('min_ms'))} / {_fmt(t.get('median_ms'))} / {_fmt(t.get('p99_ms'))} | "
                  f"{_fmt(r['teardown_vs_reference'].get(key, one))} |")
+    L += step_table(res)
     if res.get("cni_concurrent"):
         L += ["", "## CNI: pods started at once through the thin plugin and the agent", "",
               "Each ADD (then each DEL) exec'd at once over fresh namespaces, timed as the runtime sees it.", "",

@@ -464,6 +464,26 @@ static uint64_t now_ns(void)
 	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
+const char *const rdr_pod_step_names[RDR_STEPS] = {
+	[RDR_STEP_OPEN] = "open", [RDR_STEP_ENTER] = "enter", [RDR_STEP_SCAN] = "scan", [RDR_STEP_FRESH] = "fresh",
+	[RDR_STEP_LISTENER] = "listener", [RDR_STEP_SYSCTL] = "sysctl", [RDR_STEP_FORWARDING] = "forwarding",
+	[RDR_STEP_ROUTES] = "routes", [RDR_STEP_MAPS] = "maps", [RDR_STEP_LINK] = "link", [RDR_STEP_TC] = "tc", [RDR_STEP_POLICY] = "policy",
+	[RDR_STEP_LEAVE] = "leave",
+};
+_Static_assert(sizeof(((struct rdr_pod_call *)0)->step_ns) == RDR_STEPS * sizeof(uint32_t), "one time per step");
+
+/* The time since the step under way started goes to step i (c may be NULL: not timed). */
+static void step_done(struct rdr_pod_call *c, int i)
+{
+	uint64_t t;
+
+	if (c == NULL)
+		return;
+	t = now_ns();
+	c->step_ns[i] += (uint32_t)(t - c->step_at);
+	c->step_at = t;
+}
+
 /* --- the pods' sk_lookup programs: a pool of slots ---------------------------------------------- */
 
 /* The program of pool slot s kept open in w's cache (the host handle's: a slot's program never
@@ -625,6 +645,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		done[nd].fd = mfd;
 		done[nd++].key = e->key;
 	}
+	step_done(w->call, RDR_STEP_MAPS);
 	/* Listeners already open; the sock_ops program adds those opened later. */
 	for (int f = 0; f < 2; f++) {
 		uint64_t sfd = (uint64_t)w->listener_fd[f];
@@ -670,6 +691,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		if (ret < 0)
 			goto undo;
 		pinned = 1;
+		step_done(w->call, RDR_STEP_LINK);
 	}
 	/* The tc filters of the interfaces the pod forwards on (tc_filter.c), with its slot: before the
 	 * policy, which makes their programs take what it captures. */
@@ -683,6 +705,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		if (ret < 0)
 			goto undo;
 	}
+	if (w->n_tc)
+		step_done(w->call, RDR_STEP_TC);
 	if (fault_here(at, 2)) {
 		ret = RDR_POD_FAULT;
 		goto undo;
@@ -703,6 +727,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	if (w->drop_listeners)
 		for (int f = 0; f < 2; f++)
 			rdr_bpf_map_delete(h->listeners, &lks[f]);
+	step_done(w->call, RDR_STEP_POLICY);
 	ret = 0;
 	goto out;
 
@@ -830,6 +855,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto slow;
 	}
 	set = &r->sets[sc.v6_on ? 1 : 0][own_v6];
+	step_done(c, RDR_STEP_SCAN);
 	c->cookie = sc.cookie;
 	c->v6 = set->v6;
 	memcpy(cookie_v, &sc.cookie, 8);
@@ -844,6 +870,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	/* Nor netfilter capture of ours (the general path replaces it). */
 	if (netfilter_maybe(r, netns_ino, sc.cookie) && rdr_netfilter_present() != 0)
 		goto slow;
+	step_done(c, RDR_STEP_FRESH);
 
 	/* The entries: the config's, then the pod's own addresses in the set's key of their family. */
 	for (uint32_t i = 0; i < set->n_ports; i++) {
@@ -877,11 +904,13 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto slow;
 	}
 
+	step_done(c, RDR_STEP_LISTENER);
 	/* The sysctl the policy may record as ours, read before anything changes. */
 	if (set->fwmark_accept) {
 		fw = fwmark_accept_open(&fw_on);
 		if (fw < 0)
 			goto slow; /* (the general path reports it) */
+		step_done(c, RDR_STEP_SYSCTL);
 	}
 
 	memset(&w, 0, sizeof(w));
@@ -913,8 +942,10 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			goto out;
 		w.tc_ifs = tc_ifs;
 		w.n_tc = (uint32_t)ret;
+		step_done(c, RDR_STEP_FORWARDING);
 	}
 	w.slot_now = -1;
+	w.call = c;
 
 	/* From here on, changes. First the policy routes (before the policy, as on the general path:
 	 * the app's replies route back once capture is on); one of ours there already (a setup killed
@@ -925,6 +956,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		if (ret < 0)
 			goto slow; /* (undone; the general path adds them, or says why it can't) */
 		routed = 1;
+		step_done(c, RDR_STEP_ROUTES);
 	}
 	ret = rdr_ebpf_pod_write(&w);
 	if (ret != 0) {
@@ -939,6 +971,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			ret = RDR_POD_FAULT; /* (set up: only the sysctl is not) */
 		else if (pwrite(fw, "1\n", 2, 0) < 0)
 			c->err = -errno, ret = RDR_POD_FWMARK;
+		step_done(c, RDR_STEP_SYSCTL);
 	}
 out:
 	if (fw >= 0)
@@ -959,6 +992,9 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	uint64_t wall = now_ns();
 	struct stat st, hst;
 	int nsfd, home, ret;
+
+	c->step_at = wall;
+	memset(c->step_ns, 0, sizeof(c->step_ns));
 
 	/* A host pin was added or removed since the caller checked its objects (another process
 	 * unloaded or reloaded them, say), or another thread is checking them again: the fds in r
@@ -1003,6 +1039,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		ret = ret == -EAGAIN || ret == -EACCES ? RDR_POD_BUSY : RDR_POD_SLOW;
 		goto out;
 	}
+	step_done(c, RDR_STEP_OPEN);
 	home = rdr_thread_netns();
 	if (home < 0) {
 		ret = RDR_POD_SLOW;
@@ -1011,6 +1048,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 		ret = RDR_POD_SLOW;
 		close(home);
 	} else {
+		step_done(c, RDR_STEP_ENTER);
 		ret = pod_add(r, c, nsfd, (uint64_t)st.st_ino);
 		/* Coming back can only fail if the kernel is out of memory. */
 		if (setns(home, CLONE_NEWNET) < 0)
@@ -1021,6 +1059,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 out:
 	if (netns_path)
 		close(nsfd);
-	c->wall_ns = now_ns() - wall;
+	step_done(c, RDR_STEP_LEAVE);
+	c->wall_ns = c->step_at - wall;
 	return ret;
 }

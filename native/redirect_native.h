@@ -267,6 +267,7 @@ struct rdr_pod_write {
 	const int *tc_ifs;
 	uint32_t n_tc;
 	int32_t slot_now;             /* the slot of the pod's link when it has one (link_netns < 0) */
+	struct rdr_pod_call *call;    /* a fresh pod's call, whose steps it times (RDR_STEP_*), or NULL */
 };
 
 #define RDR_PROG_CACHE 256
@@ -349,6 +350,24 @@ struct rdr_pod_req {
 				     * on the interfaces it forwards on (rdr_forwarding) */
 };
 
+/* The steps of a fresh pod's setup (rdr_ebpf_pod_add), each timed (rdr_pod_call.step_ns): where the
+ * call's time goes. Their names, in this order: rdr_pod_step_names. */
+#define RDR_STEP_OPEN 0       /* the netns file checked and opened, its lock taken */
+#define RDR_STEP_ENTER 1      /* the thread's own netns kept, the pod's entered */
+#define RDR_STEP_SCAN 2       /* a netlink socket there, the netns cookie, the address dump */
+#define RDR_STEP_FRESH 3      /* no policy of ours for the cookie, no netfilter capture of ours */
+#define RDR_STEP_LISTENER 4   /* the entries made, the proxy's inbound listener looked up */
+#define RDR_STEP_SYSCTL 5     /* net.ipv4.tcp_fwmark_accept opened and read, then written */
+#define RDR_STEP_FORWARDING 6 /* the interfaces the pod forwards on (the netconf dump) */
+#define RDR_STEP_ROUTES 7     /* the policy routes added */
+#define RDR_STEP_MAPS 8       /* the intent's address on lo, the inventory and the entries written */
+#define RDR_STEP_LINK 9       /* a pool slot claimed, the sk_lookup link made and pinned */
+#define RDR_STEP_TC 10        /* our tc filters on the interfaces the pod forwards on */
+#define RDR_STEP_POLICY 11    /* the policy written (capture on) */
+#define RDR_STEP_LEAVE 12     /* sockets closed, the thread back in its own netns, the lock released */
+#define RDR_STEPS 13
+extern const char *const rdr_pod_step_names[13];
+
 /* What one call found and did. */
 struct rdr_pod_call {
 	uint64_t cookie;            /* the netns cookie */
@@ -356,6 +375,8 @@ struct rdr_pod_call {
 	int pool_low;               /* no pool slot was queued free (rdr_pod_write): the caller loads a batch */
 	uint64_t wall_ns;           /* the call's wall time */
 	int err;                    /* RDR_POD_FWMARK: the write's -errno */
+	uint64_t step_at;           /* when the step under way started (CLOCK_MONOTONIC ns) */
+	uint32_t step_ns[13];       /* the time of each step (RDR_STEP_*), 0 for one not taken */
 };
 
 /* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */

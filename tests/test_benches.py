@@ -130,6 +130,10 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
         assert e.get("error") or (e["setup"]["n"] == 2 and "api/ebpf/sidecar" in r["setup_vs_reference"])
         assert mem.get("error") or mem["bpf_map_entries_per_pod"] > 0
         assert "ebpf" in cases, res["notes"]  # measured, or {"error": ...}
+        if not e.get("error"):  # where its setups went, step by step (the fresh-pod call's own times)
+            steps = e["steps_us"]
+            assert steps["n"] == 2 and steps["call"] > 0 and steps["open"] > 0 and "outside" in steps, steps
+            assert "## Where a fresh pod's eBPF setup goes" in (tmp_path / "summary.md").read_text()
     else:
         assert res["skipped_backends"]["ebpf"], res["notes"]
         ebpf_row = next(t for t in res["targets"] if t["name"] == "ebpf: per-pod setup vs reference")

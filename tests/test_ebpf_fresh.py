@@ -107,6 +107,29 @@ def test_a_fresh_pod_of_any_kind_gets_what_the_general_path_writes(ebpf_root: st
             netkit.remove_netns(ns)
 
 
+@pytest.mark.parametrize("config", ["sidecar", "ambient"])
+def test_a_fresh_pods_call_says_where_its_time_went(ebpf_root: str, pod: Pod, config: str) -> None:
+    """``ebpf.last_steps`` (the benchmark's breakdown): each step the call took has a time, the
+    steps it did not take (a sidecar pod's routes and sysctl) none, and together they are the
+    whole call."""
+    ebpf.host(ebpf_root)
+    res = api.setup(pod.name, CONFIGS[config], backend="ebpf")
+    try:
+        assert res.detail["path"] == "fresh"
+        steps = ebpf.last_steps()
+        assert steps is not None
+        call = steps.pop("call")
+        assert call == pytest.approx(res.detail["pod_ms"] * 1e3)
+        taken = {"open", "enter", "scan", "fresh", "listener", "forwarding", "maps", "link", "policy", "leave"}
+        if config == "ambient":
+            taken |= {"sysctl", "routes"}
+        assert {k for k, v in steps.items() if v > 0} - {"tc"} == taken, steps  # (tc: if the pod forwards)
+        assert set(steps) == taken | {"tc"}
+        assert sum(steps.values()) == pytest.approx(call, abs=1e-3)
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+
+
 def test_a_setup_of_a_netfilter_backend_marks_the_netns_first(ebpf_root: str, pod: Pod) -> None:
     _fd, ready = locks.netfilter_marks()
     assert ready

@@ -138,7 +138,7 @@ from .host import (
     resolve_cgroup,
     resolve_root,
 )
-from .pod import EbpfBackend, refuse, setup_fresh
+from .pod import EbpfBackend, last_steps, refuse, setup_fresh
 from .unload import force_unload_host, unload_host
 
 
@@ -166,6 +166,6 @@ def build_id() -> str:
     return PROCESS.build_id()
 
 
-__all__ = ["EbpfBackend", "setup_fresh", "refusal", "HostPrograms", "host", "unload_host", "force_unload_host",
-           "collect_garbage", "registered_pods", "count_pods", "missing_pins", "build_id", "probe_kernel",
-           "current_netns_cookie"]
+__all__ = ["EbpfBackend", "setup_fresh", "last_steps", "refusal", "HostPrograms", "host", "unload_host",
+           "force_unload_host", "collect_garbage", "registered_pods", "count_pods", "missing_pins", "build_id",
+           "probe_kernel",           "current_netns_cookie"]

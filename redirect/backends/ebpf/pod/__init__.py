@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from .backend import EbpfBackend
 from .entries import PodEntries, intent_entries, pod_entries, policy_core, refuse
-from .fresh import setup_fresh
+from .fresh import last_steps, setup_fresh
 from .tc import detach_all
 
 __all__ = ["EbpfBackend", "PodEntries", "intent_entries", "pod_entries", "policy_core", "refuse", "setup_fresh",
-           "detach_all"]
+           "last_steps", "detach_all"]

@@ -197,4 +197,20 @@ def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Inst
                                                                           "fresh"))
 
 
-__all__ = ["FreshPodTemplate", "fresh_pods", "fresh_pod_template", "detail", "setup_fresh"]
+def last_steps() -> dict[str, float] | None:
+    """Where the calling thread's last fresh-pod call (``setup_fresh``, for the intent of the last
+    fresh pod) spent its time: the microseconds of each of its steps by name (``RDR_STEP_*`` in
+    native/redirect_native.h; a step not taken is 0), and ``call``, the whole call's. None before
+    any such call. Nothing on a pod's path reads it: it is for the benchmark's breakdown."""
+    h = PROCESS.last
+    last = h.store.fresh_last if h is not None else None
+    c = last[1].calls.__dict__.get("call") if last is not None else None
+    if c is None or c.wall_ns == 0:
+        return None
+    lib, ffi = NATIVE.lib, NATIVE.ffi
+    out = {ffi.string(lib.rdr_pod_step_names[i]).decode(): c.step_ns[i] / 1e3 for i in range(lib.RDR_STEPS)}
+    out["call"] = c.wall_ns / 1e3
+    return out
+
+
+__all__ = ["FreshPodTemplate", "fresh_pods", "fresh_pod_template", "detail", "setup_fresh", "last_steps"]
