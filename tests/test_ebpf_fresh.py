@@ -124,7 +124,7 @@ def test_a_fresh_pods_call_says_where_its_time_went(ebpf_root: str, pod: Pod, co
         if config == "ambient":
             taken |= {"sysctl", "routes"}
         assert {k for k, v in steps.items() if v > 0} - {"tc"} == taken, steps  # (tc: if the pod forwards)
-        assert set(steps) == taken | {"tc"}
+        assert set(steps) == taken | {"sysctl", "routes", "tc"}
         assert sum(steps.values()) == pytest.approx(call, abs=1e-3)
     finally:
         api.teardown(pod.name, backend="ebpf")
