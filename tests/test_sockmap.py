@@ -244,19 +244,20 @@ def test_the_apps_captured_connection_and_the_proxys_end_of_it_are_paired(pod: P
                 x.close()
 
 
+@pytest.mark.parametrize("fam", [4, 6])
 def test_the_proxys_connection_to_the_app_is_paired_an_apps_own_local_one_is_not(pod: Pod, sockmap: bool,
-                                                                                 ebpf_root: str) -> None:
+                                                                                 ebpf_root: str, fam: int) -> None:
     with captured(pod, RedirectConfig(sockmap=sockmap)):
-        app = _listen(pod, 9090, 4)
+        app = _listen(pod, 9090, fam)
         cookie = cookie_of(pod)
         try:
             # The proxy's inbound hand-off, from the passthrough address as Envoy's is.
-            p = _connect(pod, pod.pod_ip4, 9090, PROXY_UID, src="127.0.0.6")
+            p = _connect(pod, pod.pod_ip(fam), 9090, PROXY_UID, src="127.0.0.6" if fam == 4 else "::6")
             a, _ = app.accept()
             assert pairs_of(ebpf_root, cookie) == (_ends(p, a) if sockmap else set())
             _exchange(p, a)
             # The app calling itself over lo: no proxy there, nothing paired.
-            c = _connect(pod, "127.0.0.1", 9090, APP_UID)
+            c = _connect(pod, "127.0.0.1" if fam == 4 else "::1", 9090, APP_UID)
             b, _ = app.accept()
             assert pairs_of(ebpf_root, cookie) == (_ends(p, a) if sockmap else set())
             _exchange(c, b, 4096)
