@@ -382,6 +382,23 @@ int rdr_bpf_prog_id(int prog_fd, uint32_t *id)
 	return 0;
 }
 
+int rdr_bpf_prog_query(int target_fd, uint32_t attach_type, uint32_t *ids, uint32_t *n)
+{
+	union bpf_attr attr;
+	int ret;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.query.target_fd = (uint32_t)target_fd;
+	attr.query.attach_type = attach_type;
+	attr.query.prog_ids = (uint64_t)(uintptr_t)ids;
+	attr.query.prog_cnt = *n;
+	ret = sys_bpf(BPF_PROG_QUERY, &attr);
+	if (ret < 0 && ret != -ENOSPC)
+		return ret;
+	*n = attr.query.prog_cnt;
+	return 0;
+}
+
 int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_id,
 		      uint32_t *attach_type, uint64_t *target)
 {

@@ -74,6 +74,10 @@ int rdr_bpf_map_push(int map_fd, const void *value);
 /* BPF_OBJ_GET_INFO_BY_FD for a program: its id. */
 int rdr_bpf_prog_id(int prog_fd, uint32_t *id);
 
+/* BPF_PROG_QUERY of target_fd (a map: sockmap and sockhash answer since 5.19) for attach_type: the
+ * ids of the programs attached there (at most *n; *n set to how many there are). */
+int rdr_bpf_prog_query(int target_fd, uint32_t attach_type, uint32_t *ids, uint32_t *n);
+
 /* BPF_OBJ_GET_INFO_BY_FD for a link: its id, type, program id, attach type, and
  * its target (netns inode for netns links, cgroup id for cgroup links). */
 int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_id,

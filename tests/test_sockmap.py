@@ -723,3 +723,21 @@ def test_check_tells_a_pod_set_up_with_the_field_from_one_without(pod: Pod, ebpf
         assert not res.ok and any("sockmap" in d for d in res.differences), res.differences
         redirect.setup(pod.name, off, backend="ebpf")  # a new config without it: new connections stay on TCP
         assert redirect.check(pod.name, off, backend="ebpf").ok
+
+
+def test_check_reports_the_pairs_map_without_its_sk_msg_program(pod: Pod, ebpf_root: str) -> None:
+    """The host part's sk_msg program is attached to its map (``pairs``), not to a link: check says so
+    when it is not (detached by hand), and says nothing once it is attached again."""
+    cfg = RedirectConfig(sockmap=True)
+    prog, pairs = f"{ebpf_root}/progs/rdr_sk_msg", f"{ebpf_root}/maps/pairs"
+    with captured(pod, cfg):
+        assert redirect.check(pod.name, cfg, backend="ebpf").ok
+        subprocess.run(["bpftool", "prog", "detach", "pinned", prog, "msg_verdict", "pinned", pairs], check=True,
+                       timeout=30)
+        try:
+            res = redirect.check(pod.name, cfg, backend="ebpf")
+            assert not res.ok and any("maps/pairs does not run rdr_sk_msg" in d for d in res.differences), res
+        finally:
+            subprocess.run(["bpftool", "prog", "attach", "pinned", prog, "msg_verdict", "pinned", pairs],
+                           check=True, timeout=30)
+        assert redirect.check(pod.name, cfg, backend="ebpf").ok

@@ -21,10 +21,21 @@ from ....errors import BackendUnavailable, SetupError
 from ...base import EBPF_DEFAULT_ROOT
 from ..abi import U32
 from . import pool
-from .objects import CGROUP_PROGRAMS, MAPS, PROGRAMS
+from .objects import CGROUP_PROGRAMS, MAP_ATTACHED, MAPS, PROGRAMS
 from .pins import ensure_bpffs, host_lock, missing_pins, probe_kernel, require_cgroup, unpin_all
 from .pods import PodStore
-from .syscalls import NATIVE, Map, fd_by_id, link_create, link_prog_fd, obj_get, obj_pin, pinned_link_info, prog_id
+from .syscalls import (
+    NATIVE,
+    Map,
+    attached_progs,
+    fd_by_id,
+    link_create,
+    link_prog_fd,
+    obj_get,
+    obj_pin,
+    pinned_link_info,
+    prog_id,
+)
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -328,7 +339,8 @@ def map_fdinfo(fd: int) -> dict[str, int]:
 
 def host_problems(root: str, cgroup: str, build: str, h: HostPrograms | None) -> list[str]:
     """What is wrong with the host part every pod depends on: pins missing, cgroup links detached,
-    attached elsewhere or running another program, ``lookup_prog`` not holding ``rdr_sk_lookup``."""
+    attached elsewhere or running another program, ``lookup_prog`` not holding ``rdr_sk_lookup``,
+    a map's program (``rdr_sk_msg`` on ``pairs``) not attached to it."""
     out: list[str] = []
     for m in missing_pins(root, build):
         if m.startswith("maps/build-"):
@@ -359,6 +371,16 @@ def host_problems(root: str, cgroup: str, build: str, h: HostPrograms | None) ->
         v = h.maps["lookup_prog"].lookup(U32.pack(0))
         if v is None or U32.unpack(v)[0] != prog_id(h.progs["rdr_sk_lookup"]):
             out.append(f"{root}/maps/lookup_prog does not hold rdr_sk_lookup (inbound capture is off)")
+    for name, mname in MAP_ATTACHED.items():
+        if h is None or mname not in h.maps or name not in h.progs:
+            continue
+        try:
+            there = attached_progs(h.maps[mname].fd, PROGRAMS[name][1])
+        except OSError as e:
+            out.append(f"{root}/maps/{mname}: can't tell which program is attached to it ({e.strerror})")
+            continue
+        if prog_id(h.progs[name]) not in there:
+            out.append(f"{root}/maps/{mname} does not run {name} (the sockets paired from now on send over TCP)")
     return out
 
 

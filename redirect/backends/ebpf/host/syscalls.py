@@ -45,6 +45,15 @@ def prog_id(fd: int) -> int:
     return int(out[0])
 
 
+def attached_progs(target_fd: int, attach_type: int) -> list[int]:
+    """The ids of the programs attached to ``target_fd`` (a sockhash: its sk_msg program) for
+    ``attach_type`` (BPF_PROG_QUERY)."""
+    ids = NATIVE.ffi.new("uint32_t[]", 8)
+    n = NATIVE.ffi.new("uint32_t *", 8)
+    check(NATIVE.lib.rdr_bpf_prog_query(target_fd, attach_type, ids, n), "BPF_PROG_QUERY")
+    return [int(ids[i]) for i in range(min(int(n[0]), 8))]
+
+
 def link_info(fd: int) -> dict[str, int]:
     lid, typ, pid, at = (NATIVE.ffi.new("uint32_t *") for _ in range(4))
     tgt = NATIVE.ffi.new("uint64_t *")
@@ -162,5 +171,5 @@ class Map:
             cur = k
 
 
-__all__ = ["NATIVE", "check", "obj_get", "obj_pin", "link_create", "prog_id", "link_info", "fd_by_id",
+__all__ = ["NATIVE", "check", "obj_get", "obj_pin", "link_create", "prog_id", "attached_progs", "link_info", "fd_by_id",
            "pinned_link_info", "link_prog_fd", "link_target", "detach_pinned", "tcp_diag_ok", "Map"]
