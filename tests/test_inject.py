@@ -23,6 +23,7 @@ from redirect.istio.flags import config_from_istio_args
 from redirect.k8s import inject
 from redirect.kernel import netns as rnetns
 from tests.kit import secctx
+from tests import netkit
 from tests.netkit import Pod, TcpListener, UdpListener, landing
 from tests.test_wait import health
 
@@ -180,7 +181,8 @@ def test_istio_annotations_round_trip_through_the_init_flags(annotations: dict[s
     want = config_from_annotations(annotations)
     assert config_from_istio_args(command[2:], env={}) == want
     proxy = pod["spec"]["containers"][-1]["securityContext"]
-    assert (proxy["runAsUser"], proxy["runAsGroup"]) == (want.proxy_uids[0], want.proxy_gids[0])
+    user = 0 if want.inbound_interception == "TPROXY" else want.proxy_uids[0]  # (transparent sockets: root)
+    assert (proxy["runAsUser"], proxy["runAsGroup"]) == (user, want.proxy_gids[0])
 
 
 # --- the injected containers, run as the runtime runs them ---------------------------------------
@@ -198,21 +200,27 @@ def container_env(c: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def as_container(c: dict[str, Any], spec: dict[str, Any], netns: str | None, command: list[str] | None = None,
-                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` (default: the container's own) as a container runtime runs container ``c`` of
-    the pod ``spec``: in the pod's netns (None: this process's), in a mount namespace of its own with
-    a private ``/run`` (a tmpfs, as the runtime mounts it: no lock or file of the node's there) and
-    ``/proc/sys`` read-only (as a runtime makes it for a container that is not privileged), with
-    exactly the credentials its security context gives (``tests.kit.secctx``) and its env."""
+def container_argv(c: dict[str, Any], spec: dict[str, Any], netns: str | None,
+                   command: list[str] | None = None) -> list[str]:
+    """What runs ``command`` (default: the container's own) as a container runtime runs container
+    ``c`` of the pod ``spec``: in the pod's netns (None: this process's), in a mount namespace of its
+    own with a private ``/run`` (a tmpfs, as the runtime mounts it: no lock or file of the node's
+    there) and ``/proc/sys`` read-only (as a runtime makes it for a container that is not
+    privileged), with exactly the credentials its security context gives (``tests.kit.secctx``)."""
     creds = secctx.creds_of(c, spec)
     enter = ["nsenter", f"--net={rnetns.path_of(netns)}", "--"] if netns is not None else []
     mounts = ["mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run", "mount --bind /proc/sys /proc/sys",
               "mount -o remount,bind,ro /proc/sys"]
-    argv = [*enter, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+    return [*enter, "unshare", "--mount", "--propagation", "private", "sh", "-c",
             " && ".join([*mounts, 'exec "$@"']), "sh", *creds.setpriv(),
             *(command if command is not None else c["command"])]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=container_env(c))
+
+
+def as_container(c: dict[str, Any], spec: dict[str, Any], netns: str | None, command: list[str] | None = None,
+                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``container_argv`` run to its end, with the container's env."""
+    return subprocess.run(container_argv(c, spec, netns, command), capture_output=True, text=True, timeout=timeout,
+                          env=container_env(c))
 
 
 def injected_pod(annotations: dict[str, str], **opts: Any) -> dict[str, Any]:
@@ -271,6 +279,66 @@ def test_the_injected_init_container_captures_under_its_own_security_context(
                                  text=True, check=True).stdout + subprocess.run(
             ["ip", "-n", pod.name, "rule"], capture_output=True, text=True, check=True).stdout
         assert "::6/" not in routing and "lookup 133" not in routing, routing
+    finally:
+        redirect.teardown(pod.name)
+
+
+#: A TPROXY proxy's two sockets, run as the injected proxy container: a transparent listener on the
+#: inbound port (it says "ready", takes one connection and prints its local address), then a
+#: connection of its own to argv[1]:9090 (it prints the answer).
+TPROXY_PROXY = """
+import json, socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT: CAP_NET_ADMIN in effect, or EPERM
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 15006))
+s.listen(4)
+s.settimeout(20)
+print("ready", flush=True)
+c, _ = s.accept()
+local = c.getsockname()
+c.close()
+o = socket.create_connection((sys.argv[1], 9090), timeout=10)
+o.settimeout(10)
+o.sendall(b"proxy\n")
+print(json.dumps({"local": list(local), "answer": o.recv(64).decode().strip()}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["iptables", "nftables"])
+def test_the_injected_tproxy_proxy_opens_transparent_sockets_and_its_own_traffic_is_not_captured(
+        pod: Pod, backend: str) -> None:
+    """Under TPROXY the injected proxy container (root in the proxy's group, ``NET_ADMIN`` alone, as
+    Istio's template has it) can open the transparent listener TPROXY delivers to: a connection to
+    the app's port lands there with the app's address as its local one. Its own connection out
+    reaches its destination uncaptured: the capture leaves the proxy's group alone."""
+    spec = injected_pod(TPROXY, backend=backend)
+    init, proxy = spec["initContainers"][0], spec["containers"][-1]
+    creds = secctx.creds_of(proxy, spec)
+    assert (creds.uid, creds.gid, creds.effective) == (0, 1337, frozenset({"NET_ADMIN"}))
+    assert creds.no_new_privs
+    try:
+        p = as_container(init, spec, pod.name)
+        assert p.returncode == 0, p.stderr
+        with TcpListener(pod.name, 15001, label="proxy-out") as out, \
+                TcpListener(pod.peer_name, 9090, label="peer") as peer:
+            proc = subprocess.Popen(container_argv(proxy, spec, pod.name, [sys.executable, "-c", TPROXY_PROXY,
+                                                                             pod.peer_ip4]),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=container_env(proxy))
+            try:
+                assert proc.stdout is not None
+                first = proc.stdout.readline()  # (the script's own accept timeout bounds this)
+                assert first.strip() == "ready", (first, proc.stderr.read() if proc.stderr else "")
+                netkit.connect_as(pod.peer_name, pod.pod_ip4, 8080, 0).close()
+                got, err = proc.communicate(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+            assert proc.returncode == 0, err
+            res = json.loads(got.strip().splitlines()[-1])
+            assert res == {"local": [pod.pod_ip4, 8080], "answer": "peer"}, res
+            assert peer.wait_for(1) and not out.conns, (peer.conns, out.conns)
     finally:
         redirect.teardown(pod.name)
 

@@ -16,8 +16,10 @@ items of a ``List``. Each pod gets:
   app never runs uncaptured;
 - with ``proxy_image``, a proxy container ``redirect-proxy`` running as the proxy
   uid/gid (1337 unless annotated), non-root, no privilege escalation, every capability
-  dropped (under ``TPROXY`` interception it keeps ``NET_ADMIN``, which transparent
-  sockets need, as in Istio's template). Appended after the app's containers; with
+  dropped. Under ``TPROXY`` interception it runs as root in the proxy's group with
+  ``NET_ADMIN`` alone, as Istio's template has it: transparent sockets need that capability
+  in effect, which a runtime gives to root only, and the capture leaves the proxy's traffic
+  alone by its group. Appended after the app's containers; with
   ``hold_application`` it comes first instead, with a ``postStart`` hook ``redirect wait
   --url ...``: the kubelet starts the next container only once the hook returns, so the
   app starts once its proxy is ready (Istio's ``holdApplicationUntilProxyStarts``; the
@@ -248,13 +250,17 @@ def inject_pod(spec: dict[str, Any], meta: dict[str, Any], opts: InjectOptions, 
     added = []
     if opts.proxy_image is not None:
         caps: dict[str, Any] = {"drop": ["ALL"]}
+        user = uid
         if cfg.inbound_interception == "TPROXY":
-            caps["add"] = ["NET_ADMIN"]  # IP_TRANSPARENT sockets
+            # IP_TRANSPARENT sockets need CAP_NET_ADMIN in effect, and a runtime puts added
+            # capabilities in effect for root only: root, in the proxy's group (the capture's -g).
+            caps["add"] = ["NET_ADMIN"]
+            user = 0
         proxy: dict[str, Any] = {
             "name": PROXY_NAME,
             "image": opts.proxy_image,
             "securityContext": {
-                "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0, "privileged": False,
+                "runAsUser": user, "runAsGroup": gid, "runAsNonRoot": user != 0, "privileged": False,
                 "allowPrivilegeEscalation": False, "capabilities": caps,
             },
         }
