@@ -22,8 +22,8 @@ from redirect.istio.annotations import config_from_annotations
 from redirect.istio.flags import config_from_istio_args
 from redirect.k8s import inject
 from redirect.kernel import netns as rnetns
-from tests.kit import secctx
 from tests import netkit
+from tests.kit import secctx
 from tests.netkit import Pod, TcpListener, UdpListener, landing
 from tests.test_wait import health
 
@@ -115,9 +115,10 @@ def test_every_kind_in_a_stream_is_injected_and_validates(hold: bool) -> None:
         assert names == (["redirect-proxy", "app"] if hold else ["app", "redirect-proxy"])
         proxy = spec["containers"][names.index("redirect-proxy")]
         sc = proxy["securityContext"]
+        # TPROXY: transparent sockets, so root (in the proxy's group) with NET_ADMIN alone
         assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"], sc["allowPrivilegeEscalation"]) == \
-            (1337, 1337, True, False)
-        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}  # TPROXY: transparent sockets
+            (0, 1337, False, False)
+        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
         app = spec["containers"][names.index("app")]
         assert "securityContext" not in app  # the app gets nothing
         if hold:
