@@ -287,7 +287,7 @@ def test_the_injected_init_container_captures_under_its_own_security_context(
 #: A TPROXY proxy's two sockets, run as the injected proxy container: a transparent listener on the
 #: inbound port (it says "ready", takes one connection and prints its local address), then a
 #: connection of its own to argv[1]:9090 (it prints the answer).
-TPROXY_PROXY = """
+TPROXY_PROXY = r"""
 import json, socket, sys
 s = socket.socket()
 s.setsockopt(socket.SOL_IP, 19, 1)  # IP_TRANSPARENT: CAP_NET_ADMIN in effect, or EPERM
