@@ -438,6 +438,24 @@ int rdr_pidfd_getfd(int pidfd, int fd)
 
 /* --- the pods' sk_lookup stubs ---------------------------------------------------------------- */
 
+int rdr_reuseport_migrate_prog(void)
+{
+	struct bpf_insn insns[] = {
+		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = 1 /* SK_PASS */},
+		{.code = BPF_JMP | BPF_EXIT},
+	};
+	union bpf_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.prog_type = BPF_PROG_TYPE_SK_REUSEPORT;
+	attr.expected_attach_type = BPF_SK_REUSEPORT_SELECT_OR_MIGRATE;
+	attr.insns = (uint64_t)(uintptr_t)insns;
+	attr.insn_cnt = sizeof(insns) / sizeof(insns[0]);
+	attr.license = (uint64_t)(uintptr_t)"GPL";
+	memcpy(attr.prog_name, "rdr_migrate", sizeof("rdr_migrate"));
+	return sys_bpf(BPF_PROG_LOAD, &attr);
+}
+
 #define STUB_NAME "rdr_pod_lookup"
 #define STUB_SLOT_OFF (-4) /* the stack slot the slot number is stored to, as lookup_slots' key */
 

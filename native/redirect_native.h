@@ -83,6 +83,13 @@ int rdr_bpf_prog_query(int target_fd, uint32_t attach_type, uint32_t *ids, uint3
 int rdr_bpf_link_info(int link_fd, uint32_t *id, uint32_t *type, uint32_t *prog_id,
 		      uint32_t *attach_type, uint64_t *target);
 
+/* A BPF_PROG_TYPE_SK_REUSEPORT program of attach type BPF_SK_REUSEPORT_SELECT_OR_MIGRATE (5.14)
+ * that selects nothing (SK_PASS): attached to a reuseport group (SO_ATTACH_REUSEPORT_EBPF), the
+ * kernel picks a listener by hash as without it, and, when a listener of the group closes, moves
+ * the connections queued on it to another one of the group instead of resetting them, whatever
+ * net.ipv4.tcp_migrate_req says. Its fd, or -errno. */
+int rdr_reuseport_migrate_prog(void);
+
 /* A pods' sk_lookup program for pool slot `slot` (BPF_PROG_LOAD, a new fd): reads its pod's netns
  * cookie from lookup_slots[slot] (slots_map_fd), stores it in lookup_netns (netns_map_fd) and
  * tail-calls rdr_sk_lookup from lookup_prog (prog_map_fd) (redirect/bpf/redirect.h: sk_lookup can't ask for

@@ -31,13 +31,17 @@ timeout.
 There is no DNS listener (15053): pods enrolled with ``dns_capture`` need a node proxy
 that has one.
 
-Handover: listeners use ``SO_REUSEPORT`` and the proxy sets ``net.ipv4.tcp_migrate_req=1``
-in each pod netns, so a new proxy can start beside the old one, and when the old one gets
-SIGTERM (it closes its listeners, then lets relayed connections finish for at most
-``--drain-timeout``) nothing queued for it is reset: no connection is lost. Where it cannot
-set it (a read-only ``/proc/sys``, as a runtime mounts it in an unprivileged container) it
-serves the pod all the same and logs ``no_handover`` with the reason: a handover there may
-reset the connections still queued on the old proxy's listeners.
+Handover: listeners use ``SO_REUSEPORT``, so a new proxy can start beside the old one, and
+each carries a BPF program of type ``SK_REUSEPORT_SELECT_OR_MIGRATE`` that selects nothing
+(``rdr_reuseport_migrate_prog``: the kernel picks a listener by hash as without it), so when
+the old one gets SIGTERM (it closes its listeners, then lets relayed connections finish for at
+most ``--drain-timeout``) the connections queued on its listeners move to the new one's instead
+of being reset: no connection is lost. The program needs CAP_BPF or CAP_SYS_ADMIN (the proxy
+has the latter for setns) and nothing of the pod's: not ``net.ipv4.tcp_migrate_req``, which
+would change every reuseport group of the pod, the app's too, and which a runtime's read-only
+``/proc/sys`` keeps from being set. Where the program can't be had (a seccomp profile that
+refuses ``bpf()``), the proxy serves the pod all the same and logs ``no_handover`` with the
+reason: a handover there may reset the connections still queued on the old proxy's listeners.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .. import logjson
+from .. import logjson, native
 from ..config import int_arg, seconds_arg
+from ..errors import NotBuilt
 from ..kernel import netns as _netns
 from ..relay import SO_MARK, original_dst, pump
 from ..version import VersionAction
@@ -158,17 +163,21 @@ def _malformed(msg: dict[str, Any]) -> str | None:
     return None
 
 
-def _migrate_on_close() -> str | None:
-    """... when the old one closes its listeners, the connections waiting in their accept queues
-    move to the new proxy's (``net.ipv4.tcp_migrate_req``, per netns, TCP over IPv4 and IPv6)
-    instead of being reset. Best effort: None, or why it could not be set (then a handover may
-    reset a few connections)."""
+#: setsockopt(SOL_SOCKET) option that gives a socket's reuseport group a BPF program (asm-generic/socket.h).
+SO_ATTACH_REUSEPORT_EBPF = 52
+
+
+def _migrate_prog() -> tuple[int, str | None]:
+    """The program that makes a closing listener's queued connections move to another listener of
+    its reuseport group (``rdr_reuseport_migrate_prog``, native/redirect_native.c): (its fd, None),
+    or (-1, why it could not be had)."""
     try:
-        with open("/proc/sys/net/ipv4/tcp_migrate_req", "w") as f:
-            f.write("1")
-    except OSError as e:
-        return f"net.ipv4.tcp_migrate_req: {e.strerror or e}"
-    return None
+        fd = int(native.load().lib.rdr_reuseport_migrate_prog())
+    except NotBuilt as e:
+        return -1, str(e)
+    if fd < 0:
+        return -1, f"loading the SK_REUSEPORT migration program: {os.strerror(-fd)}"
+    return fd, None
 
 
 class NodeProxy:
@@ -188,6 +197,8 @@ class NodeProxy:
         self._active_lock = threading.Lock()
         self.drain_timeout = 5.0
         self.stop = threading.Event()
+        #: Attached to every listener: a handover moves their queued connections (``_migrate_prog``).
+        self._migrate_fd, self._no_migrate = _migrate_prog()
         self._wr, self._ww = os.pipe()
         self.sel.register(self._wr, selectors.EVENT_READ, ("wake", None))
 
@@ -282,12 +293,12 @@ class NodeProxy:
             self.remove_pod(uid, "replaced by a new netns")
         st = PodState(uid, str(pod.get("name", "")), str(pod.get("namespace", "")), inode, nsfd)
         try:
+            no_handover: list[str] = [self._no_migrate] if self._no_migrate else []
             with _netns.enter(_netns.Fd(nsfd)):
-                no_handover = _migrate_on_close()
                 for kind, port in PORTS.items():
                     for fam in (socket.AF_INET, socket.AF_INET6):
                         try:
-                            st.listeners.append((self._listen(fam, port), kind, port))
+                            st.listeners.append((self._listen(fam, port, no_handover), kind, port))
                         except OSError as e:
                             if fam == socket.AF_INET:
                                 raise
@@ -302,12 +313,15 @@ class NodeProxy:
             self.sel.register(s, selectors.EVENT_READ, ("listener", (st, kind)))
         self.pods[uid] = st
         if no_handover:
-            self.log("no_handover", pod=uid, error=no_handover)
+            self.log("no_handover", pod=uid, error=no_handover[0])
         self.log("pod_added", pod=uid, name=st.name, namespace=st.namespace, netns_inode=inode,
                  listeners=[f"{'v6' if s.family == socket.AF_INET6 else 'v4'}:{p}" for s, _, p in st.listeners])
         return None
 
-    def _listen(self, fam: int, port: int) -> socket.socket:
+    def _listen(self, fam: int, port: int, no_handover: list[str]) -> socket.socket:
+        """A listener of the pod's on ``port``; why its queued connections would not move to a new
+        proxy's listener at a handover goes to ``no_handover`` (its reuseport group's program could
+        not be attached)."""
         s = socket.socket(fam, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -322,6 +336,11 @@ class NodeProxy:
         except OSError:
             s.close()
             raise
+        if self._migrate_fd >= 0:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, self._migrate_fd)
+            except OSError as e:
+                no_handover.append(f"attaching the SK_REUSEPORT migration program: {e.strerror or e}")
         return s
 
     def remove_pod(self, uid: str, why: str) -> None:
@@ -438,6 +457,9 @@ class NodeProxy:
         deadline = time.monotonic() + self.drain_timeout
         while self.active and time.monotonic() < deadline:
             time.sleep(0.02)
+        if self._migrate_fd >= 0:
+            os.close(self._migrate_fd)  # (the listeners' groups hold the program while they last)
+            self._migrate_fd = -1
         self.log("stopped", unfinished=self.active)
 
     def shutdown(self) -> None:
