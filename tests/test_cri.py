@@ -135,7 +135,9 @@ class Cluster:
                     raise PodFailed(f"DaemonSet container {c['name']} exited {st.exit_code}:"
                                     f" {k.logs(run, c['name'])[-3000:]}")
             installed = plugin.exists() and any('"redirect-cni"' in f.read_text() for f in net_d.glob("*.conflist"))
-            if installed and 200 <= k.probe(run, "agent", "readinessProbe") < 400:
+            # (the agent enrols a pod only while a node proxy is connected: it says when one is)
+            if installed and 200 <= k.probe(run, "agent", "readinessProbe") < 400 and any(
+                    e.get("msg") == "node proxy synced" for e in json_events(k.logs(run, "agent"))):
                 break
             complaints = [e for e in json_events(k.logs(run, "install-cni")) if e.get("level") in ("warning", "error")]
             if not installed and len(complaints) >= 3:  # it retries each second, failing each time
