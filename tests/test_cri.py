@@ -361,6 +361,9 @@ def test_a_pod_on_the_node_is_captured_and_leaves_nothing_when_removed(cluster: 
         assert nc(k, run, node.gateway, 7070) == "node-7070"  # through the node proxy, which connects onwards
         (accept,) = cluster.accepts(run.uid)
         assert accept["orig_dst"] == [node.gateway, 7070], accept
+        # the node proxy's listeners in the pod carry their handover program (its container may load it)
+        events = [e for e in json_events(k.logs(cluster.daemonset(backend), "node-proxy")) if e.get("pod") == run.uid]
+        assert [e["event"] for e in events if e.get("event") in ("pod_added", "no_handover")] == ["pod_added"], events
         k.remove(run)
         removed = True
         assert run.pin and cluster.left_behind(run) == []
