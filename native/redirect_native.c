@@ -438,22 +438,30 @@ int rdr_pidfd_getfd(int pidfd, int fd)
 
 /* --- the pods' sk_lookup stubs ---------------------------------------------------------------- */
 
-int rdr_reuseport_migrate_prog(void)
+/* BPF_PROG_LOAD of n instructions (GPL), named name (at most 15 characters): its fd, or -errno. */
+static int prog_load(uint32_t type, uint32_t attach_type, const struct bpf_insn *insns, uint32_t n, const char *name)
 {
-	struct bpf_insn insns[] = {
-		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = 1 /* SK_PASS */},
-		{.code = BPF_JMP | BPF_EXIT},
-	};
 	union bpf_attr attr;
 
 	memset(&attr, 0, sizeof(attr));
-	attr.prog_type = BPF_PROG_TYPE_SK_REUSEPORT;
-	attr.expected_attach_type = BPF_SK_REUSEPORT_SELECT_OR_MIGRATE;
+	attr.prog_type = type;
+	attr.expected_attach_type = attach_type;
 	attr.insns = (uint64_t)(uintptr_t)insns;
-	attr.insn_cnt = sizeof(insns) / sizeof(insns[0]);
+	attr.insn_cnt = n;
 	attr.license = (uint64_t)(uintptr_t)"GPL";
-	memcpy(attr.prog_name, "rdr_migrate", sizeof("rdr_migrate"));
+	strncpy(attr.prog_name, name, sizeof(attr.prog_name) - 1);
 	return sys_bpf(BPF_PROG_LOAD, &attr);
+}
+
+int rdr_reuseport_migrate_prog(void)
+{
+	static const struct bpf_insn insns[] = {
+		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = 1 /* SK_PASS */},
+		{.code = BPF_JMP | BPF_EXIT},
+	};
+
+	return prog_load(BPF_PROG_TYPE_SK_REUSEPORT, BPF_SK_REUSEPORT_SELECT_OR_MIGRATE, insns,
+			 sizeof(insns) / sizeof(insns[0]), "rdr_migrate");
 }
 
 #define STUB_NAME "rdr_pod_lookup"
@@ -494,16 +502,8 @@ int rdr_ebpf_pool_prog(int slots_map_fd, int netns_map_fd, int prog_map_fd, uint
 		{.code = BPF_ALU64 | BPF_MOV | BPF_K, .dst_reg = 0, .imm = 1 /* SK_PASS */},
 		{.code = BPF_JMP | BPF_EXIT},
 	};
-	union bpf_attr attr;
 
-	memset(&attr, 0, sizeof(attr));
-	attr.prog_type = BPF_PROG_TYPE_SK_LOOKUP;
-	attr.expected_attach_type = BPF_SK_LOOKUP;
-	attr.insns = (uint64_t)(uintptr_t)insns;
-	attr.insn_cnt = sizeof(insns) / sizeof(insns[0]);
-	attr.license = (uint64_t)(uintptr_t)"GPL";
-	memcpy(attr.prog_name, STUB_NAME, sizeof(STUB_NAME));
-	return sys_bpf(BPF_PROG_LOAD, &attr);
+	return prog_load(BPF_PROG_TYPE_SK_LOOKUP, BPF_SK_LOOKUP, insns, sizeof(insns) / sizeof(insns[0]), STUB_NAME);
 }
 
 int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot)
