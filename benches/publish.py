@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from .report import REFERENCE_KEY, STEPS_TEXT, STEPS_TITLE, _fmt, step_rows
+from .report import REFERENCE_KEY, _fmt, step_rows, step_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "latest.json")
@@ -139,9 +139,7 @@ def markdown(f: dict[str, Any]) -> str:
         if items:
             lines += ["", f"{title}:", ""] + [f"- {x}" for x in items]
     steps = f.get("steps") or {}
-    if steps.get("keys"):
-        lines += ["", f"## {STEPS_TITLE}", "", STEPS_TEXT, "", "| step | " + " | ".join(steps["keys"]) + " |",
-                  "|---|" + "---|" * len(steps["keys"])] + ["| " + " | ".join(r) + " |" for r in steps["rows"]]
+    lines += step_section(steps.get("keys") or [], steps.get("rows") or [])
     lines += ["", "## Targets", "", "| target | wanted | measured | status | note |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(t[:3]) + f" | **{t[3]}** | {t[4]} |" for t in f["targets"]]
     lines += ["", f"{MARK} {json.dumps(f, sort_keys=True)} -->", ""]

@@ -209,9 +209,9 @@ def step_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return keys, rows
 
 
-def step_table(res: dict[str, Any]) -> list[str]:
-    """``step_rows`` as a markdown section (no lines when there are none)."""
-    keys, rows = step_rows(res)
+def step_section(keys: list[str], rows: list[list[str]]) -> list[str]:
+    """``step_rows``'s methods and rows as a markdown section (no lines when there are none): the
+    summary's and the published page's."""
     if not keys:
         return []
     return (["", f"## {STEPS_TITLE}", "", STEPS_TEXT, "", "| step | " + " | ".join(keys) + " |",
@@ -242,7 +242,7 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{_fmt(s.get('p99_ms'))} | {_fmt(r['setup_vs_reference'].get(key, one))}"
                  f" | {_fmt(t.get('min_ms'))} / {_fmt(t.get('median_ms'))} / {_fmt(t.get('p99_ms'))} | "
                  f"{_fmt(r['teardown_vs_reference'].get(key, one))} |")
-    L += step_table(res)
+    L += step_section(*step_rows(res))
     if res.get("cni_concurrent"):
         L += ["", "## CNI: pods started at once through the thin plugin and the agent", "",
               "Each ADD (then each DEL) exec'd at once over fresh namespaces, timed as the runtime sees it.", "",

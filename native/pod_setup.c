@@ -467,8 +467,8 @@ static uint64_t now_ns(void)
 const char *const rdr_pod_step_names[RDR_STEPS] = {
 	[RDR_STEP_OPEN] = "open", [RDR_STEP_ENTER] = "enter", [RDR_STEP_SCAN] = "scan", [RDR_STEP_FRESH] = "fresh",
 	[RDR_STEP_LISTENER] = "listener", [RDR_STEP_SYSCTL] = "sysctl", [RDR_STEP_FORWARDING] = "forwarding",
-	[RDR_STEP_ROUTES] = "routes", [RDR_STEP_MAPS] = "maps", [RDR_STEP_LINK] = "link", [RDR_STEP_TC] = "tc", [RDR_STEP_POLICY] = "policy",
-	[RDR_STEP_LEAVE] = "leave",
+	[RDR_STEP_ROUTES] = "routes", [RDR_STEP_MAPS] = "maps", [RDR_STEP_LINK] = "link", [RDR_STEP_TC] = "tc",
+	[RDR_STEP_POLICY] = "policy", [RDR_STEP_LEAVE] = "leave",
 };
 _Static_assert(sizeof(((struct rdr_pod_call *)0)->step_ns) == RDR_STEPS * sizeof(uint32_t), "one time per step");
 
@@ -973,17 +973,15 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 			c->err = -errno, ret = RDR_POD_FWMARK;
 		step_done(c, RDR_STEP_SYSCTL);
 	}
+	goto out;
+slow:
+	ret = RDR_POD_SLOW;
 out:
 	if (fw >= 0)
 		close(fw);
 	close(s);
 	/* Something of an earlier attempt was in the way (see above): not fresh. */
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
-slow:
-	if (fw >= 0)
-		close(fw);
-	close(s);
-	return RDR_POD_SLOW;
 }
 
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,

@@ -168,4 +168,4 @@ def build_id() -> str:
 
 __all__ = ["EbpfBackend", "setup_fresh", "last_steps", "refusal", "HostPrograms", "host", "unload_host",
            "force_unload_host", "collect_garbage", "registered_pods", "count_pods", "missing_pins", "build_id",
-           "probe_kernel",           "current_netns_cookie"]
+           "probe_kernel", "current_netns_cookie"]

@@ -279,7 +279,7 @@ class PodStore:
     # --- the pod's link --------------------------------------------------------------------
     def link_path(self, cookie: int) -> str:
         """Where the pod's sk_lookup link is pinned (native/pod_setup.c pins it there)."""
-        return f"{self.pods_dir}/{cookie}-sk_lookup"  # (pod_link, without its path join)
+        return _link_in(self.pods_dir, cookie)
 
     def link_target(self, cookie: int) -> int | None:
         """``syscalls.link_target`` of the pod's link: its netns inode, 0 detached, None no pin."""
@@ -344,9 +344,14 @@ class PodStore:
         pool.refill(self.native, self.hint)
 
 
+def _link_in(pods_dir: str, cookie: int) -> str:
+    """The pin of the pod ``cookie``'s link in ``pods_dir`` (the name native/pod_setup.c pins it by)."""
+    return f"{pods_dir}/{cookie}-sk_lookup"
+
+
 def pod_link(root: str, cookie: int) -> str:
     """Where the link of the pod ``cookie`` is pinned under ``root`` (``PodStore.link_path``)."""
-    return os.path.join(root, "pods", f"{cookie}-sk_lookup")
+    return _link_in(os.path.join(root, "pods"), cookie)
 
 
 def program_ids(progs: dict[str, int]) -> dict[str, int]:

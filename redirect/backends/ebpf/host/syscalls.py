@@ -48,10 +48,11 @@ def prog_id(fd: int) -> int:
 def attached_progs(target_fd: int, attach_type: int) -> list[int]:
     """The ids of the programs attached to ``target_fd`` (a sockhash: its sk_msg program) for
     ``attach_type`` (BPF_PROG_QUERY)."""
-    ids = NATIVE.ffi.new("uint32_t[]", 8)
-    n = NATIVE.ffi.new("uint32_t *", 8)
+    most = 8
+    ids = NATIVE.ffi.new("uint32_t[]", most)
+    n = NATIVE.ffi.new("uint32_t *", most)
     check(NATIVE.lib.rdr_bpf_prog_query(target_fd, attach_type, ids, n), "BPF_PROG_QUERY")
-    return [int(ids[i]) for i in range(min(int(n[0]), 8))]
+    return [int(ids[i]) for i in range(min(int(n[0]), most))]
 
 
 def link_info(fd: int) -> dict[str, int]:
