@@ -11,9 +11,12 @@ eBPF backend needs its listeners then); an inbound listener on 15006 is held for
 which is what capture changes. A captured case is checked first: one request must come back,
 else nothing listens there and the case is reported as not captured.
 
-Three measures per case, the cases taking turns: ``crr`` (connect + 64-byte request/response +
+Four measures per case, the cases taking turns: ``crr`` (connect + 64-byte request/response +
 close: the connection rate), ``rr`` (64-byte request/response on one established connection:
-p50/p99 latency) and ``bulk`` (one connection streaming 128 KB writes).
+p50/p99 latency), ``rr1`` (the same with the client and the proxy on one CPU: the hop's own
+latency, without the wake-up of a task on another CPU, which both ends pay in every case alike
+and which on a virtual machine can be several times the hop) and ``bulk`` (one connection
+streaming 128 KB writes).
 """
 
 from __future__ import annotations
@@ -72,8 +75,16 @@ def start_echo(exe: str, pod: str, lifetime_s: int) -> subprocess.Popen[bytes]:
     return p
 
 
-def client(exe: str, pod: str, mode: str, addr: str, limit: int, seconds: float, size: int) -> dict[str, Any]:
-    r = nsutil.run_in(pod, [exe, mode, addr, str(APP_PORT if addr != "127.0.0.1" else PROXY_PORT), str(limit),
+def one_cpu() -> int:
+    """The CPU ``rr1`` runs on: the last one this process may use."""
+    return max(os.sched_getaffinity(0))
+
+
+def client(exe: str, pod: str, mode: str, addr: str, limit: int, seconds: float, size: int,
+           cpu: int | None = None) -> dict[str, Any]:
+    """One run of the client in ``pod`` (``cpu``: pinned to that CPU, with ``taskset``)."""
+    pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
+    r = nsutil.run_in(pod, [*pin, exe, mode, addr, str(APP_PORT if addr != "127.0.0.1" else PROXY_PORT), str(limit),
                             str(seconds), str(size)], timeout=seconds + 30)
     try:
         res: dict[str, Any] = json.loads(r.stdout.decode().strip().splitlines()[-1])
@@ -94,6 +105,7 @@ class Case:
         self.addr = "127.0.0.1" if install is None else PEER_ADDR
         self.crr: list[dict[str, Any]] = []
         self.rr: list[dict[str, Any]] = []
+        self.rr1: list[dict[str, Any]] = []
         self.bulk: list[dict[str, Any]] = []
 
 
@@ -130,7 +142,8 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
     if "ebpf" in backends:  # the app <-> proxy hop over a sockmap (sockmap=True)
         cases.append(Case("ebpf/sockmap", _install_backend("ebpf", sockmap=True), listen_for("ebpf", "sidecar"),
                           _remove_backend("ebpf")))
-    lifetime = int(rounds * len(cases) * (2 * seconds + bulk_seconds + 5) + 60)
+    lifetime = int(rounds * len(cases) * (3 * seconds + bulk_seconds + 5) + 60)
+    cpu, cpus = one_cpu(), os.sched_getaffinity(0)
     results: dict[str, Any] = {"msg_bytes": 64, "rounds": rounds, "seconds_per_run": seconds,
                                "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "cases": {}}
     live: list[Case] = []
@@ -164,6 +177,13 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
             for c in live[i % len(live):] + live[:i % len(live)] if live else []:
                 c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
             for c in live[i % len(live):] + live[:i % len(live)] if live else []:
+                assert c.echo is not None  # (`ip netns exec` execs it: its pid is the echo's)
+                os.sched_setaffinity(c.echo.pid, {cpu})
+                try:
+                    c.rr1.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64, cpu))
+                finally:
+                    os.sched_setaffinity(c.echo.pid, cpus)
+            for c in live[i % len(live):] + live[:i % len(live)] if live else []:
                 c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
     finally:
@@ -182,7 +202,9 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
             "target": f"{c.addr}:{APP_PORT if c.install else PROXY_PORT}",
             "conn_per_s": med("conn_per_s", c.crr), "p50_us": med("p50_us", c.crr), "p99_us": med("p99_us", c.crr),
             "rr_p50_us": med("p50_us", c.rr), "rr_p99_us": med("p99_us", c.rr),
-            "bulk_gbit_per_s": med("gbit_per_s", c.bulk), "runs": {"crr": c.crr, "rr": c.rr, "bulk": c.bulk},
+            "rr1_p50_us": med("p50_us", c.rr1), "rr1_p99_us": med("p99_us", c.rr1), "cpu": cpu,
+            "bulk_gbit_per_s": med("gbit_per_s", c.bulk),
+            "runs": {"crr": c.crr, "rr": c.rr, "rr1": c.rr1, "bulk": c.bulk},
         }
     return results
 

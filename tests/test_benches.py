@@ -117,6 +117,8 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
         statistics.median(a["conn_per_s"] / b["conn_per_s"] for a, b in rounds), rel=1e-3)
     assert "iptables" in r["conn_rate_vs_reference"]
     assert "ebpf/ambient" in cases and "ebpf/ambient" in r["conn_rate_vs_direct"], res["notes"]
+    for c in cases.values():  # request/response on any CPU, and on one
+        assert len(c["runs"]["rr1"]) == len(c["runs"]["rr"]) > 0 and c["rr1_p50_us"] > 0, c
     assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
     assert set(res["scale"]["api/iptables/sidecar"]["levels"]) == {"1", "3"}
     mem = res["memory"]["api/iptables/sidecar"]
@@ -302,6 +304,23 @@ def test_connection_rate_ratios_pair_the_rounds_so_drift_cancels() -> None:
     # Without rounds (or with a different count): the ratio of the medians.
     res["datapath"]["cases"]["ebpf"] = {"conn_per_s": 400.0}
     assert report.ratios(res)["conn_rate_vs_direct"]["ebpf"] == pytest.approx(0.8)
+
+
+def test_sockmap_latency_is_judged_on_one_cpu_and_reported_on_two() -> None:
+    def case(rr: float, rr1: float) -> dict:
+        return {"conn_per_s": 1000.0, "runs": {"crr": [{"conn_per_s": 1000.0}], "bulk": [{"gbit_per_s": 2.0}],
+                                               "rr": [{"p50_us": rr, "p99_us": 2 * rr}],
+                                               "rr1": [{"p50_us": rr1, "p99_us": 2 * rr1}]}}
+
+    res = {"datapath": {"cases": {"direct": case(50, 14), "ebpf": case(50, 14), "ebpf/sockmap": case(45, 8)}}}
+    rows = {t["name"]: t for t in report.targets(res, report.ratios(res))}
+    judged = rows["ebpf/sockmap: 64 B request/response p50, one CPU vs direct (plain loopback TCP)"]
+    assert (judged["measured"], judged["status"]) == (pytest.approx(8 / 14, rel=1e-3), "PASS")
+    shown = rows["ebpf/sockmap: 64 B request/response p50, two CPUs vs direct (plain loopback TCP)"]
+    assert (shown["measured"], shown["status"], shown["target"]) == (0.9, "n/a", "reported")
+    res["datapath"]["cases"]["ebpf/sockmap"] = case(30, 13)  # fast on two CPUs, slow on one: FAIL
+    rows = {t["name"]: t for t in report.targets(res, report.ratios(res))}
+    assert rows["ebpf/sockmap: 64 B request/response p50, one CPU vs direct (plain loopback TCP)"]["status"] == "FAIL"
 
 
 @needs_root
