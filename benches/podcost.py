@@ -106,14 +106,30 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
     return out
 
 
+#: Untimed setups and teardowns of a method before its scale levels.
+WARM_UP = 3
+
+
 def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) -> dict[str, Any]:
     """Setup/teardown of the Nth pod while N-1 pods with capture are live, for each N in ``levels``.
 
     The fill pods' own setup times are kept too (``fill_ms``: the k-th value is pod k+1's setup).
+    ``WARM_UP`` setups and teardowns of the method come first, not timed: the first pods of a method
+    pay for what the phases before it left cold (its programs' pages, caches), which would count
+    against the first level only and flatter every other level's ratio to it.
     """
     live: list[str] = []
     fill_ms: list[float] = []
-    res: dict[str, Any] = {"levels": {}, "fill_ms": fill_ms}
+    res: dict[str, Any] = {"levels": {}, "fill_ms": fill_ms, "warm_up": WARM_UP}
+    warm = nsutil.create(WARM_UP, "w")
+    try:
+        for ns in warm:
+            nsutil.hold(ns, m.listen)
+            m.setup(ns)
+            nsutil.release(ns)
+            m.teardown(ns)
+    finally:
+        nsutil.delete(warm)
     try:
         for n in sorted(levels):
             need = n - 1 - len(live)

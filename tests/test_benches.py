@@ -121,6 +121,7 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
         assert len(c["runs"]["rr1"]) == len(c["runs"]["rr"]) > 0 and c["rr1_p50_us"] > 0, c
     assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
     assert set(res["scale"]["api/iptables/sidecar"]["levels"]) == {"1", "3"}
+    assert res["scale"]["api/iptables/sidecar"]["warm_up"] == 3  # untimed, before the first level
     mem = res["memory"]["api/iptables/sidecar"]
     assert mem["kernel_objects_one_pod"]["iptables_nft_rules"] > 0
     assert mem["kmem_source"] is None or isinstance(mem["kmem_kib_per_pod"], float | int), mem
