@@ -72,6 +72,13 @@ def start_echo(exe: str, pod: str, lifetime_s: int) -> subprocess.Popen[bytes]:
     if not ready or b"ready" not in p.stdout.readline():
         nsutil.stop(p)
         raise RuntimeError("echo proxy did not start")
+    try:  # `ip netns exec` execs it (no fork): the pid ``rr1`` pins is the echo's
+        me = os.path.basename(os.readlink(f"/proc/{p.pid}/exe"))
+    except OSError:
+        me = ""
+    if me != os.path.basename(exe):
+        nsutil.stop(p)
+        raise RuntimeError(f"echo proxy: pid {p.pid} runs {me!r}, not {os.path.basename(exe)}: it could not be pinned")
     return p
 
 
@@ -177,7 +184,7 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
             for c in live[i % len(live):] + live[:i % len(live)] if live else []:
                 c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
             for c in live[i % len(live):] + live[:i % len(live)] if live else []:
-                assert c.echo is not None  # (`ip netns exec` execs it: its pid is the echo's)
+                assert c.echo is not None
                 os.sched_setaffinity(c.echo.pid, {cpu})
                 try:
                     c.rr1.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64, cpu))

@@ -359,3 +359,27 @@ def test_a_run_with_dual_stack_pods_says_so(tmp_path: Path) -> None:
     for key in ("api/iptables/sidecar", "api/ebpf/sidecar"):
         assert res["per_pod"][key]["setup"]["n"] == 2, res["per_pod"][key]
     assert "an IPv4 and an IPv6 address" in (tmp_path / "summary.md").read_text()
+
+
+@needs_root
+def test_echo_proxy_must_be_the_process_the_data_path_pins(tmp_path: Path) -> None:
+    """``rr 1 CPU`` pins the echo proxy by the pid it started: a pid that runs something else (as a
+    wrapper would, or an ``ip netns exec`` that forked) is refused and stopped, and the real one
+    is accepted."""
+    from benches import datapath, nsutil
+
+    exe = datapath.build()["rdrt_echo"]
+    wrapper = tmp_path / "rdrt_echo"
+    wrapper.write_text("#!/bin/sh\necho ready\nexec sleep 30\n")  # (the pid then runs sleep)
+    wrapper.chmod(0o755)
+    (pod,) = nsutil.create(1, "e")
+    try:
+        with pytest.raises(RuntimeError, match="could not be pinned"):
+            datapath.start_echo(str(wrapper), pod, 30)
+        p = datapath.start_echo(exe, pod, 30)
+        try:
+            assert os.path.basename(os.readlink(f"/proc/{p.pid}/exe")) == "rdrt_echo"
+        finally:
+            nsutil.stop(p)
+    finally:
+        nsutil.delete([pod])
