@@ -317,9 +317,9 @@ def test_sockmap_latency_is_judged_on_one_cpu_and_reported_on_two() -> None:
     rows = {t["name"]: t for t in report.targets(res, report.ratios(res))}
     judged = rows["ebpf/sockmap: 64 B request/response p50, one CPU vs direct (plain loopback TCP)"]
     assert (judged["measured"], judged["status"]) == (pytest.approx(8 / 14, rel=1e-3), "PASS")
-    shown = rows["ebpf/sockmap: 64 B request/response p50, two CPUs vs direct (plain loopback TCP)"]
+    shown = rows["ebpf/sockmap: 64 B request/response p50, any CPU vs direct (plain loopback TCP)"]
     assert (shown["measured"], shown["status"], shown["target"]) == (0.9, "n/a", "reported")
-    res["datapath"]["cases"]["ebpf/sockmap"] = case(30, 13)  # fast on two CPUs, slow on one: FAIL
+    res["datapath"]["cases"]["ebpf/sockmap"] = case(30, 13)  # fast on any CPU, slow on one: FAIL
     rows = {t["name"]: t for t in report.targets(res, report.ratios(res))}
     assert rows["ebpf/sockmap: 64 B request/response p50, one CPU vs direct (plain loopback TCP)"]["status"] == "FAIL"
 
