@@ -82,11 +82,6 @@ def start_echo(exe: str, pod: str, lifetime_s: int) -> subprocess.Popen[bytes]:
     return p
 
 
-def one_cpu() -> int:
-    """The CPU ``rr1`` runs on: the last one this process may use."""
-    return max(os.sched_getaffinity(0))
-
-
 def client(exe: str, pod: str, mode: str, addr: str, limit: int, seconds: float, size: int,
            cpu: int | None = None) -> dict[str, Any]:
     """One run of the client in ``pod`` (``cpu``: pinned to that CPU, with ``taskset``)."""
@@ -150,9 +145,11 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
         cases.append(Case("ebpf/sockmap", _install_backend("ebpf", sockmap=True), listen_for("ebpf", "sidecar"),
                           _remove_backend("ebpf")))
     lifetime = int(rounds * len(cases) * (3 * seconds + bulk_seconds + 5) + 60)
-    cpu, cpus = one_cpu(), os.sched_getaffinity(0)
+    cpus = os.sched_getaffinity(0)
+    cpu = max(cpus)  # where ``rr1`` runs: the last CPU this process may use
     results: dict[str, Any] = {"msg_bytes": 64, "rounds": rounds, "seconds_per_run": seconds,
-                               "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "cases": {}}
+                               "max_conns_per_run": max_conns, "bulk_seconds": bulk_seconds, "rr1_cpu": cpu,
+                               "cases": {}}
     live: list[Case] = []
     try:
         for c in cases:
@@ -181,16 +178,17 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                     c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max(1, max_conns // slices),
                                         seconds / slices, 64))
                 turn += 1
-            for c in live[i % len(live):] + live[:i % len(live)] if live else []:
+            order = live[i % len(live):] + live[:i % len(live)] if live else []  # (each round one case later)
+            for c in order:
                 c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
-            for c in live[i % len(live):] + live[:i % len(live)] if live else []:
+            for c in order:
                 assert c.echo is not None
                 os.sched_setaffinity(c.echo.pid, {cpu})
                 try:
                     c.rr1.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64, cpu))
                 finally:
                     os.sched_setaffinity(c.echo.pid, cpus)
-            for c in live[i % len(live):] + live[:i % len(live)] if live else []:
+            for c in order:
                 c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
     finally:
@@ -209,7 +207,7 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
             "target": f"{c.addr}:{APP_PORT if c.install else PROXY_PORT}",
             "conn_per_s": med("conn_per_s", c.crr), "p50_us": med("p50_us", c.crr), "p99_us": med("p99_us", c.crr),
             "rr_p50_us": med("p50_us", c.rr), "rr_p99_us": med("p99_us", c.rr),
-            "rr1_p50_us": med("p50_us", c.rr1), "rr1_p99_us": med("p99_us", c.rr1), "cpu": cpu,
+            "rr1_p50_us": med("p50_us", c.rr1), "rr1_p99_us": med("p99_us", c.rr1),
             "bulk_gbit_per_s": med("gbit_per_s", c.bulk),
             "runs": {"crr": c.crr, "rr": c.rr, "rr1": c.rr1, "bulk": c.bulk},
         }

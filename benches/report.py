@@ -15,19 +15,17 @@ SETUP_TARGETS = {"nftables": 1 / 5, "ebpf": 1 / 100, "iptables": 1.0, "iptables-
 SETUP_TARGET_MODES = {"ebpf": ("sidecar", "ambient")}
 RATE_VS_DIRECT = {"ebpf": 0.95, "ebpf/ambient": 0.95, "ebpf/sockmap": 0.95}
 #: ``ebpf/sockmap`` (the app <-> proxy hop over a sockmap) against plain loopback TCP (``direct``), in
-#: the same run: 64-byte request/response p50 and p99 on an established connection, the client and
-#: the proxy on one CPU (``rr1``: the hop's latency; at most), bulk throughput (at least); ``None``:
-#: reported, not judged (``rr``: the same with both free to run on any CPU, where the wake-up of
-#: a task on another CPU, the same for both cases, is most of the figure on a virtual machine).
-SOCKMAP_VS_DIRECT: dict[str, tuple[str, float] | None] = {
-    "rr1_p50_us": ("<=", 0.85), "rr1_p99_us": ("<=", 1.0), "bulk_gbit_per_s": (">=", 1.0),
-    "rr_p50_us": None, "rr_p99_us": None}
-#: Each of those figures: the runs it is read from, that field, and what it is called.
-SOCKMAP_FIGURES = {"rr1_p50_us": ("rr1", "p50_us", "64 B request/response p50, one CPU"),
-                   "rr1_p99_us": ("rr1", "p99_us", "64 B request/response p99, one CPU"),
-                   "bulk_gbit_per_s": ("bulk", "gbit_per_s", "bulk throughput"),
-                   "rr_p50_us": ("rr", "p50_us", "64 B request/response p50, any CPU"),
-                   "rr_p99_us": ("rr", "p99_us", "64 B request/response p99, any CPU")}
+#: the same run, each figure as (the runs it is read from, their field, its name, its goal):
+#: 64-byte request/response p50 and p99 on an established connection, the client and the proxy on
+#: one CPU (``rr1``: the hop's latency; at most), bulk throughput (at least); a goal of ``None``:
+#: reported, not judged (``rr``: the same with both free to run on any CPU, where the wake-up of a
+#: task on another CPU, the same for both cases, is most of the figure on a virtual machine).
+SOCKMAP_VS_DIRECT: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
+    "rr1_p50_us": ("rr1", "p50_us", "64 B request/response p50, one CPU", ("<=", 0.85)),
+    "rr1_p99_us": ("rr1", "p99_us", "64 B request/response p99, one CPU", ("<=", 1.0)),
+    "bulk_gbit_per_s": ("bulk", "gbit_per_s", "bulk throughput", (">=", 1.0)),
+    "rr_p50_us": ("rr", "p50_us", "64 B request/response p50, any CPU", None),
+    "rr_p99_us": ("rr", "p99_us", "64 B request/response p99, any CPU", None)}
 RATE_VS_REFERENCE = ("iptables", "iptables-legacy", "iptables-nft", "nftables")
 RATE_NOISE = 0.03  # "no worse than Istio's rules" allows run-to-run noise of 3%
 #: CNI ADD through the thin plugin and the agent (median, as the runtime sees it): at most this many
@@ -88,7 +86,7 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
             out["conn_rate_vs_reference"][name] = v
     sm, direct, ebpf = cases.get("ebpf/sockmap", {}), cases.get("direct", {}), cases.get("ebpf", {})
     if "conn_per_s" in sm and "conn_per_s" in direct:
-        for key, (runs, field, _) in SOCKMAP_FIGURES.items():
+        for key, (runs, field, _, _) in SOCKMAP_VS_DIRECT.items():
             out["sockmap_vs_direct"][key] = _paired_ratio(sm, direct, runs, field)
         # What pairing costs at connect: the rate with sockmap against the same capture without.
         out["sockmap_vs_direct"]["conn_rate_vs_ebpf"] = _rate_ratio(sm, ebpf) if "conn_per_s" in ebpf else None
@@ -152,9 +150,9 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"{b}: connection rate vs direct", f">= {limit:g}", v, None if v is None else v >= limit,
             skipped.get(b, "" if v is not None else "not measured in this run"))
     sm = r.get("sockmap_vs_direct", {})
-    for key, goal in SOCKMAP_VS_DIRECT.items():
+    for key, (_, _, what, goal) in SOCKMAP_VS_DIRECT.items():
         v = sm.get(key)
-        name = f"ebpf/sockmap: {SOCKMAP_FIGURES[key][2]} vs direct (plain loopback TCP)"
+        name = f"ebpf/sockmap: {what} vs direct (plain loopback TCP)"
         why = "" if v is not None else skipped.get("ebpf", "not measured in this run")
         if goal is None:
             if v is not None:

@@ -307,7 +307,7 @@ def test_connection_rate_ratios_pair_the_rounds_so_drift_cancels() -> None:
     assert report.ratios(res)["conn_rate_vs_direct"]["ebpf"] == pytest.approx(0.8)
 
 
-def test_sockmap_latency_is_judged_on_one_cpu_and_reported_on_two() -> None:
+def test_sockmap_latency_is_judged_on_one_cpu_and_reported_on_any() -> None:
     def case(rr: float, rr1: float) -> dict:
         return {"conn_per_s": 1000.0, "runs": {"crr": [{"conn_per_s": 1000.0}], "bulk": [{"gbit_per_s": 2.0}],
                                                "rr": [{"p50_us": rr, "p99_us": 2 * rr}],
