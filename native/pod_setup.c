@@ -464,6 +464,8 @@ static uint64_t now_ns(void)
 	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
+const char rdr_pod_link_suffix[] = "-sk_lookup";
+
 const char *const rdr_pod_step_names[RDR_STEPS] = {
 	[RDR_STEP_OPEN] = "open", [RDR_STEP_ENTER] = "enter", [RDR_STEP_SCAN] = "scan", [RDR_STEP_FRESH] = "fresh",
 	[RDR_STEP_LISTENER] = "listener", [RDR_STEP_SYSCTL] = "sysctl", [RDR_STEP_FORWARDING] = "forwarding",
@@ -680,8 +682,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		/* Relative to the open pin dir where the kernel can (6.5), else by the whole path. */
 		name = snprintf(pin, sizeof(pin), "%s/", h->pin_dir);
 		if (name < 0 || (size_t)name >= sizeof(pin) ||
-		    (size_t)snprintf(pin + name, sizeof(pin) - (size_t)name, "%llu-sk_lookup",
-				     (unsigned long long)w->cookie) >= sizeof(pin) - (size_t)name) {
+		    (size_t)snprintf(pin + name, sizeof(pin) - (size_t)name, "%llu%s",
+				     (unsigned long long)w->cookie, rdr_pod_link_suffix) >= sizeof(pin) - (size_t)name) {
 			ret = -ENAMETOOLONG;
 			goto undo;
 		}

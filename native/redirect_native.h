@@ -379,6 +379,10 @@ struct rdr_pod_req {
 #define RDR_STEPS 13
 extern const char *const rdr_pod_step_names[13];
 
+/* The name of a pod's sk_lookup link pin in the pods' pin dir: its netns cookie in decimal, then
+ * this. The one statement of it: redirect.backends.ebpf.host.pods reads it from here. */
+extern const char rdr_pod_link_suffix[];
+
 /* What one call found and did. */
 struct rdr_pod_call {
 	uint64_t cookie;            /* the netns cookie */
