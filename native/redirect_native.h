@@ -346,7 +346,7 @@ struct rdr_pod_req {
 	/* What the config writes in a pod by [IPv6 on in its netns][it has an IPv6 address of its own,
 	 * one that is not among ours_v6]: */
 	struct rdr_pod_set sets[2][2];
-	uint8_t ours_v6[RDR_OURS_V6_MAX][16]; /* the IPv6 addresses a plan may add (redirect.routes.own_ipv6:
+	uint8_t ours_v6[RDR_OURS_V6_MAX][16]; /* the IPv6 addresses a plan may add (redirect.kernel.routes.own_ipv6:
 					       * never the pod's own; on lo, maybe ours from before) */
 	uint32_t n_ours_v6;
 	int tcp_diag;               /* rdr_tcp_diag_ok(): look listeners up over sock_diag, not by a

@@ -3,7 +3,7 @@
     import redirect
     redirect.setup("pod1")                              # Istio sidecar defaults
     redirect.setup("pod1", redirect.RedirectConfig(outbound_exclude_ports=(22,)))
-    redirect.check("pod1", cfg)                         # CheckResult(ok, differences)
+    redirect.check("pod1", cfg)                         # CheckResult(ok, backend, differences)
     redirect.teardown("pod1")
 
 ``netns`` is ``"pid:N"`` (process N's), a path (it has a ``/``), else a name under

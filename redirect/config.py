@@ -2,7 +2,7 @@
 
 Build it from Python keywords (``RedirectConfig(outbound_exclude_ports=(22,))``), a
 mapping (``from_dict``), JSON or YAML text (``from_json`` / ``from_yaml``), Istio's
-``istio-iptables`` flags and env vars (``redirect.istio.config_from_istio_args``) or pod
+``istio-iptables`` flags and env vars (``redirect.istio.flags.config_from_istio_args``) or pod
 annotations (``redirect.istio.annotations``). Every value is checked once here; a bad one
 raises ``ConfigError`` naming the field and the value, before anything touches a
 kernel. Nothing downstream re-validates.

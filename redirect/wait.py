@@ -73,8 +73,9 @@ def probe_url(url: str, timeout: float) -> str | None:
         conn.close()
 
 
-def probe_capture(netns: _netns.NetnsRef, cfg: RedirectConfig, backend: str) -> str | None:
-    """None when the capture installed in ``netns`` equals ``cfg`` (``redirect.check``), else why not."""
+def probe_capture(netns: _netns.NetnsRef, cfg: RedirectConfig, backend: str | None = None) -> str | None:
+    """None when the capture installed in ``netns`` equals ``cfg`` (``redirect.check``: ``backend``
+    None compares with whatever backend's capture is installed there), else why not."""
     from . import api
 
     try:
@@ -101,7 +102,7 @@ def wait(
     url: str | None = DEFAULT_URL,
     netns: _netns.NetnsRef | None = None,
     config: RedirectConfig | None = None,
-    backend: str = "iptables",
+    backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     period: float = DEFAULT_PERIOD_MS / 1000,
     validate: bool = False,

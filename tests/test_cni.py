@@ -207,7 +207,9 @@ def test_install_writes_the_entry_in_force_and_the_docs_show_it(tmp_path: Any) -
     before = path.read_bytes()
     for bad, field in (('{"excludeNamespaces": "kube-system"}', "excludeNamespaces"),
                        ('{"capture": {"proxy_port": 0}}', "capture.proxy_port"),
-                       ('{"agentDown": "wait"}', "agentDown")):
+                       ('{"agentDown": "wait"}', "agentDown"),
+                       ('{"backend": "bogus"}', "backend='bogus'"),
+                       ('{"backend": "ebpf", "capture": {"drop_invalid": true}}', "drop_invalid")):
         p = subprocess.run([*exe, "--plugin-config", bad, "--watch"], capture_output=True, text=True, timeout=60,
                            env=env)
         assert p.returncode == 1 and field in p.stderr, (bad, p.stderr)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import redirect
+from redirect import wait
 from redirect.kernel import netns as rnetns
 from tests.netkit import Pod
 
@@ -130,3 +131,17 @@ def test_a_ready_proxy_is_not_enough_while_capture_is_missing_or_differs(pod: Po
             assert p.returncode == 0, p.stderr
         finally:
             redirect.teardown(pod.name)
+
+
+def test_capture_of_any_backend_is_compared_as_check_compares_it(pod: Pod) -> None:
+    # without --backend, the capture installed there by whichever backend; with one, only that backend's
+    redirect.setup(pod.name, backend="nftables")
+    try:
+        p, _ = wait_in(pod, "--url", "", "--netns", pod.name, "--timeout", "5", "--period-ms", "100")
+        assert p.returncode == 0 and "ready: capture in" in p.stdout, p.stderr
+        p, _ = wait_in(pod, "--url", "", "--netns", pod.name, "--backend", "iptables", "--timeout", "0.5",
+                       "--period-ms", "100")
+        assert p.returncode == 1 and "differs" in p.stderr and "iptables" in p.stderr, p.stderr
+        assert wait.wait(url=None, netns=pod.name, timeout=5).ok
+    finally:
+        redirect.teardown(pod.name)

@@ -36,7 +36,8 @@ EXIT_FAIL = 1
 EXIT_CONFIG = 2
 EXIT_VALIDATION = 126  # istio-iptables' validation error code
 
-BACKEND_HELP = "iptables (default), iptables-legacy, iptables-nft, nftables, ebpf or auto"
+BACKEND_HELP = ("iptables, iptables-legacy, iptables-nft, nftables, ebpf or auto "
+                "(default: $REDIRECT_BACKEND, else iptables)")
 
 #: Subcommand groups of their own modules, each with register(subparsers).
 SUBCOMMAND_GROUPS = (node_commands, ebpf_commands)
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default http://localhost:15020/healthz/ready, or none with --netns)")
     wt.add_argument("--netns", default=None, metavar="NETNS", help="also wait for capture in this netns")
     _config_args(wt)
-    _backend_arg(wt)
+    _any_backend_arg(wt)
     wt.add_argument("--validate", action="store_true",
                     help="with --netns, also run init's validation probe (listens on the inbound port: "
                          "before the proxy does)")

@@ -208,9 +208,23 @@ def plugin_entry(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     entry.update(overrides or {})
     entry["type"] = PLUGIN_TYPE
     try:
-        PluginConf({"cniVersion": LATEST, **entry}).base_config()
+        pc = PluginConf({"cniVersion": LATEST, **entry})
+        cfg = pc.base_config()
     except CniError as e:
         raise InstallError(f"the redirect-cni entry: {e.msg}{': ' + e.details if e.details else ''}") from None
+    # What every ADD would refuse: a backend name no backend has, an option the backend cannot lower.
+    from ..backends import BACKENDS, refuse
+    from ..errors import BackendUnavailable
+    from ..plan.intent import intent_for
+
+    if pc.backend not in BACKENDS:
+        raise InstallError(f"the redirect-cni entry: backend={pc.backend!r}: unknown backend; choose one of "
+                           f"{', '.join(BACKENDS)}")
+    if pc.backend != "auto":
+        try:
+            refuse(intent_for(cfg), pc.backend)
+        except BackendUnavailable as e:
+            raise InstallError(f"the redirect-cni entry: {e}") from None
     return entry
 
 
