@@ -5,7 +5,7 @@ socket with ``proxy_mark`` (0x539/0xfff). The rules below send the pod's traffic
 those listeners and keep the proxy's own traffic out of capture. They follow the
 purposes and order of istio/istio ``cni/pkg/iptables/iptables.go``
 (``AppendInpodRules``) as of the change that moved ambient from TPROXY to REDIRECT
-(istio/istio#52622, "various problems have been root-caused to tproxy"):
+(Istio found various problems caused by TPROXY there):
 
 mangle (``PREROUTING`` / ``OUTPUT``)
     Packets carrying the proxy mark get connmark ``conn_mark`` (0x111). That happens
@@ -109,7 +109,7 @@ def ambient_plan(it: AmbientIntent) -> Plan:
         b.add("nat", "OUTPUT", [Addr("dst", loopback[fam], neg=True), TCP, not_mark], Redirect(it.proxy_port),
               "outbound to the proxy outbound port")
 
-    # --- raw: conntrack zone for the proxy's upstream DNS (istio/istio#33469).
+    # --- raw: conntrack zone for the proxy's upstream DNS (apart from the app's redirected queries).
     if dns:
         b.chain("raw", "PREROUTING", "prerouting")
         b.chain("raw", "OUTPUT", "output")
