@@ -142,11 +142,52 @@ def log_fields(logger: logging.Logger, level: int, msg: str, /, **fields: Any) -
 _HANDLER_NAME = "redirect.logjson"
 
 
+def _trusted_dirs(path: str) -> None:
+    """``OSError`` unless nobody but this user (root) can change what ``path``'s directory part
+    leads to: every symlink on the way is this user's, and every directory it ends up in is this
+    user's (or root's) and not writable by others, or sticky (where others may add entries but not replace
+    this user's). So the file is opened where the caller meant, not where another user's
+    symlink or directory sends it, and nothing can be swapped between this check and the open."""
+    me = os.geteuid()
+    parts = [p for p in os.path.abspath(path).split("/")[:-1] if p]
+    cur = "/"
+    for name in parts:
+        nxt = os.path.join(cur, name)
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid != me:
+            raise OSError(f"log file {path!r}: {nxt} is a symlink of uid {st.st_uid}, not of this user")
+        cur = nxt
+    real = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    d = "/"
+    for name in [p for p in real.split("/") if p] + [""]:
+        st = os.stat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"log file {path!r}: {d} is not a directory")
+        if st.st_uid != me and st.st_uid != 0:
+            raise OSError(f"log file {path!r}: directory {d} is owned by uid {st.st_uid}")
+        if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            raise OSError(f"log file {path!r}: directory {d} is writable by others")
+        if name:
+            d = os.path.join(d, name)
+
+
 def open_log_file(path: str) -> IO[str]:
-    """``path`` for appending: created with mode 0600, never through a symlink (root writes
-    logs, often where others may create entries); an existing one must be a regular file of
-    this user's, and loses any access of group and others. ``OSError`` otherwise."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """``path`` for appending: created with mode 0600, never through a symlink of another user or
+    in a directory another user controls (root writes logs, often where others may create
+    entries: ``_trusted_dirs``); an existing one must be a regular file of this user's, and
+    loses any access of group and others. A FIFO or a device is refused without waiting or
+    side effects: looked at first, then opened without blocking and checked again. ``OSError``
+    otherwise."""
+    _trusted_dirs(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"log file {path!r}: not a regular file")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                 | os.O_NOCTTY, 0o600)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -155,6 +196,7 @@ def open_log_file(path: str) -> IO[str]:
             raise OSError(f"log file {path!r}: owned by uid {st.st_uid}, not by this user")
         if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

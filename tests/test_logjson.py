@@ -99,6 +99,56 @@ def test_redirect_cli_logs_json_lines_with_the_pod_fields(pod: Pod) -> None:
     assert p.returncode == 1 and p.stderr.startswith("redirect: ") and "{" not in p.stderr
 
 
+def test_a_log_file_is_opened_only_where_no_other_user_can_redirect_it(tmp_path: Path) -> None:
+    """What another user can put in the way of a log file (in a directory others may write) is
+    refused at once, without waiting on a FIFO or writing where a symlink points."""
+    nobody = 65534
+    ww = tmp_path / "ww"
+    ww.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(ww, 0o1777)  # as /tmp: sticky, anyone may add entries
+    target = tmp_path / "target"
+    target.write_text("root's\n")
+    os.chmod(target, 0o644)
+
+    def refused(path: Path, words: str) -> None:
+        t0 = time.monotonic()
+        try:
+            logjson.open_log_file(str(path)).close()
+        except OSError as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"{path} was opened")
+        assert time.monotonic() - t0 < 5  # (a FIFO's open would wait for a reader for ever)
+
+    fifo = ww / "fifo.log"
+    os.mkfifo(fifo)
+    os.chown(fifo, nobody, nobody)
+    refused(fifo, "not a regular file")
+    refused(Path("/dev/null"), "not a regular file")
+    link = ww / "d"  # another user's symlink to a directory of root's
+    os.symlink(tmp_path, link)
+    os.lchown(link, nobody, nobody)
+    refused(link / "target", "symlink of uid 65534")
+    assert target.read_text() == "root's\n" and stat.S_IMODE(target.stat().st_mode) == 0o644
+    theirs = ww / "theirs"  # another user's directory: they may swap what is in it
+    theirs.mkdir()
+    os.chown(theirs, nobody, nobody)
+    refused(theirs / "x.log", "owned by uid 65534")
+    open_dir = tmp_path / "open"  # anyone may rename what is in it
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    refused(open_dir / "x.log", "writable by others")
+    # in the sticky directory itself, and through a symlink of root's: opened, 0600
+    with logjson.open_log_file(str(ww / "ok.log")) as f:
+        f.write("line\n")
+    assert stat.S_IMODE((ww / "ok.log").stat().st_mode) == 0o600
+    os.symlink(tmp_path, tmp_path / "mine")
+    with logjson.open_log_file(str(tmp_path / "mine" / "ok2.log")) as f:
+        f.write("line\n")
+    assert (tmp_path / "ok2.log").read_text() == "line\n"
+
+
 # --- redirect-cni ------------------------------------------------------------------------------
 
 
