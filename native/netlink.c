@@ -16,11 +16,39 @@ static uint32_t next_seq(uint32_t n)
 	return __atomic_add_fetch(&seq, n, __ATOMIC_RELAXED) - n + 1;
 }
 
+/* Connected to the kernel (port id 0): the kernel then refuses any other sender's datagram to
+ * it (ECONNREFUSED), so whatever is read is the kernel's answer. Unconnected, any process with
+ * CAP_NET_ADMIN in the netns (a pod's root) could send one to our port id and have it read as
+ * an answer. */
 int rdr_nl_socket(int protocol)
 {
+	struct sockaddr_nl kernel = {.nl_family = AF_NETLINK};
 	int s = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, protocol);
 
-	return s < 0 ? -errno : s;
+	if (s < 0)
+		return -errno;
+	if (connect(s, (struct sockaddr *)&kernel, sizeof(kernel)) < 0) {
+		int e = -errno;
+
+		close(s);
+		return e;
+	}
+	return s;
+}
+
+/* NLMSG_OK with the datagram's length left kept signed: NLMSG_NEXT takes the aligned length of a
+ * message off it, which may leave it below zero (a last message of an unaligned length). */
+static int msg_ok(const struct nlmsghdr *h, int left)
+{
+	return left >= (int)sizeof(*h) && h->nlmsg_len >= sizeof(*h) && h->nlmsg_len <= (unsigned)left;
+}
+
+/* An NLMSG_ERROR message's error, or -EPROTO if it is too short to hold one. */
+static int msg_error(const struct nlmsghdr *h)
+{
+	if (h->nlmsg_len < NLMSG_LENGTH(sizeof(struct nlmsgerr)))
+		return -EPROTO;
+	return ((const struct nlmsgerr *)NLMSG_DATA(h))->error;
 }
 
 void *rdr_nl_start(struct rdr_nlreq *r, uint16_t type, uint16_t flags, const void *body, size_t len)
@@ -98,11 +126,11 @@ int rdr_nl_talk(int s, struct nlmsghdr *req, char *reply, size_t reply_len)
 			return got;
 		if (len < 0)
 			return len;
-		for (h = (const struct nlmsghdr *)buf; NLMSG_OK(h, (unsigned)len); h = NLMSG_NEXT(h, len)) {
+		for (h = (const struct nlmsghdr *)buf; msg_ok(h, len); h = NLMSG_NEXT(h, len)) {
 			if (h->nlmsg_seq != req->nlmsg_seq)
 				continue;
 			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((const struct nlmsgerr *)NLMSG_DATA(h))->error;
+				return msg_error(h);
 			if (!reply)
 				continue;
 			if (h->nlmsg_len > reply_len)
@@ -136,13 +164,13 @@ int rdr_nl_dump(int s, struct nlmsghdr *req, char *buf, size_t each,
 		n = lens[at];
 		if (n < 0)
 			return n;
-		for (h = (const struct nlmsghdr *)(buf + (size_t)at * each); NLMSG_OK(h, (unsigned)n); h = NLMSG_NEXT(h, n)) {
+		for (h = (const struct nlmsghdr *)(buf + (size_t)at * each); msg_ok(h, n); h = NLMSG_NEXT(h, n)) {
 			if (h->nlmsg_seq != req->nlmsg_seq)
 				continue;
 			if (h->nlmsg_type == NLMSG_DONE)
 				return 0;
 			if (h->nlmsg_type == NLMSG_ERROR)
-				return ((const struct nlmsgerr *)NLMSG_DATA(h))->error;
+				return msg_error(h);
 			ret = on(arg, h);
 			if (ret != 0)
 				return ret;

@@ -192,8 +192,9 @@ static void route_op_msg(struct rdr_nlreq *q, const struct rdr_route_op *op)
 		rdr_nl_attr(q, FRA_FWMARK, &op->fwmark, 4);
 		rdr_nl_attr(q, FRA_FWMASK, &op->mask, 4);
 		rdr_nl_attr(q, FRA_TABLE, &op->table, 4);
-		if (op->add)
-			rdr_nl_attr(q, FRA_PROTOCOL, &op->proto, 1);
+		/* On a delete too: without it, the kernel deletes the first rule that matches the
+		 * rest, which may be another's with the same selector and table (Istio's own). */
+		rdr_nl_attr(q, FRA_PROTOCOL, &op->proto, 1);
 	} else {
 		rdr_nl_attr(q, RTA_TABLE, &op->table, 4);
 		rdr_nl_attr(q, RTA_OIF, &oif, 4);

@@ -397,6 +397,10 @@ struct rdr_pod_call {
 /* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */
 int rdr_tcp_diag_ok(void);
 
+/* A netlink socket of protocol in the calling thread's netns, connected to the kernel: the one way
+ * the native files make one (netlink.c), so only the kernel's answers reach them. fd or -errno. */
+int rdr_nl_socket(int protocol);
+
 /* The netns lock (redirect.kernel.locks): an OFD write lock (lock 1) or its release (lock 0) of the
  * byte at the netns inode ino in the lock file open as fd. Not waiting: -EAGAIN (or -EACCES)
  * while another open of the file holds it, another thread's as well as another process's. */

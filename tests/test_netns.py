@@ -302,3 +302,32 @@ def test_a_sysctl_is_opened_no_more_than_proc_sys_allows(pod: Pod, how: str) -> 
     assert p.returncode == 0, p.stderr
     want = {"read-only": "EROFS opened", "masked": "ENOENT ENOENT", "no-sys-admin": "opened opened"}[how]
     assert p.stdout.split() == want.split(), p.stdout
+
+
+def test_our_netlink_sockets_take_answers_from_the_kernel_only(pod: Pod) -> None:
+    """A process in a pod's netns (its root has CAP_NET_ADMIN there) cannot send datagrams to the
+    netlink sockets setup opens there, the native ones and the Python ones alike: they would be read
+    as the kernel's answers (a forged address, a forged ack)."""
+    from redirect.native import load
+
+    lib = load().lib
+    with rnetns.enter(pod.name):
+        forger = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, netlink.NETLINK_ROUTE)
+        fd = lib.rdr_nl_socket(netlink.NETLINK_ROUTE)
+        assert fd >= 0, os.strerror(-fd)
+        ours = socket.socket(fileno=fd)
+        py = netlink.NetlinkSocket()
+        try:
+            forger.bind((0, 0))
+            for s in (ours, py.sock):
+                port = s.getsockname()[0]
+                assert port != 0
+                forged = bytes(16)  # (a header: what it says does not matter)
+                with pytest.raises(ConnectionRefusedError):
+                    forger.sendto(forged, (port, 0))
+            # and the kernel still answers them
+            assert netlink.addresses(sock=py)
+        finally:
+            forger.close()
+            ours.close()
+            py.close()

@@ -386,3 +386,24 @@ def undo(ns: str, argv: list[str]) -> None:
         sh(ns, "nft", "delete", "rule", "inet", "rdr_redirect", argv[5], "handle", str(handle))
     else:
         sh(ns, *[a if a not in ("-I", "-A") else "-D" for a in argv])
+
+
+@pytest.mark.parametrize("backend", ["ebpf", "nftables"])
+def test_a_policy_rule_like_ours_but_not_ours_outlives_setup_and_teardown(pod: Pod, backend: str) -> None:
+    """Someone's rule with our ambient rule's selector, priority and table (Istio's own in-pod rule)
+    stays through our setup and teardown: a delete names our routing protocol, so the kernel
+    never takes theirs for ours."""
+    theirs = ("fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
+    for fam in ("-4", "-6"):
+        sh(pod.name, "ip", fam, "rule", "add", *theirs)
+
+    def rules() -> str:
+        return sh(pod.name, "ip", "-4", "rule", "show") + sh(pod.name, "ip", "-6", "rule", "show")
+
+    before = rules()
+    redirect.setup(pod.name, RedirectConfig(mode="ambient"), backend=backend)
+    try:
+        assert rules().count("proto 201") == 2  # ours, besides theirs
+    finally:
+        redirect.teardown(pod.name)
+    assert rules() == before

@@ -83,6 +83,9 @@ class NetlinkSocket:
         try:
             self.sock.settimeout(timeout)
             self.sock.bind((0, 0))
+            # Connected to the kernel: it refuses any other sender's datagram to this socket, so a
+            # process in the netns (a pod's root) cannot pass one off as an answer.
+            self.sock.connect((0, 0))
         except BaseException:
             self.sock.close()
             raise
