@@ -344,15 +344,14 @@ class PodStore:
         pool.refill(self.native, self.hint)
 
 
-def link_suffix() -> str:
-    """What a pod's link pin's name has after its netns cookie (``rdr_pod_link_suffix``, the name
-    native/pod_setup.c pins it by)."""
-    return NATIVE.ffi.string(NATIVE.lib.rdr_pod_link_suffix).decode()
+#: What a pod's link pin's name has after its netns cookie (``rdr_pod_link_suffix``, the name
+#: native/pod_setup.c pins it by).
+LINK_SUFFIX: str = NATIVE.ffi.string(NATIVE.lib.rdr_pod_link_suffix).decode()
 
 
 def _link_in(pods_dir: str, cookie: int) -> str:
     """The pin of the pod ``cookie``'s link in ``pods_dir``."""
-    return f"{pods_dir}/{cookie}{link_suffix()}"
+    return f"{pods_dir}/{cookie}{LINK_SUFFIX}"
 
 
 def pod_link(root: str, cookie: int) -> str:
@@ -369,4 +368,4 @@ def program_ids(progs: dict[str, int]) -> dict[str, int]:
     return out
 
 
-__all__ = ["PodState", "PodWrite", "PodStore", "link_suffix", "pod_link", "program_ids"]
+__all__ = ["PodState", "PodWrite", "PodStore", "LINK_SUFFIX", "pod_link", "program_ids"]

@@ -23,7 +23,7 @@ from ..abi import U32
 from . import pool
 from .objects import CGROUP_PROGRAMS, MAP_ATTACHED, MAPS, PROGRAMS
 from .pins import ensure_bpffs, host_lock, missing_pins, probe_kernel, require_cgroup, unpin_all
-from .pods import PodStore, link_suffix
+from .pods import LINK_SUFFIX, PodStore
 from .syscalls import (
     NATIVE,
     Map,
@@ -281,7 +281,7 @@ def count_pods(root: str) -> int | None:
             finally:
                 r.close()
         try:
-            pod_links = [n for n in os.listdir(os.path.join(root, "pods")) if n.endswith(link_suffix())]
+            pod_links = [n for n in os.listdir(os.path.join(root, "pods")) if n.endswith(LINK_SUFFIX)]
         except FileNotFoundError:
             pod_links = []
         if pod_links:
