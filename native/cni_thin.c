@@ -23,7 +23,8 @@
  * be started: a DEL never fails for want of an agent.
  * agentTimeout bounds the whole exchange (connect, send, answer, reading the output), rounded
  * up to a microsecond, never down to "no timeout"; the output copied to stdout is the agent's
- * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails.
+ * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails (an ADD the agent said
+ * succeeded is then undone as below, by the Python plugin's DEL, before it fails).
  * An agent that goes away mid-request (closes without answering, a restart) or does not
  * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
  * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
@@ -59,7 +60,7 @@
 #define MAX_STDIN (1 << 20)        /* redirect.cni.netconf.MAX_STDIN */
 #define MAX_MESSAGE (64 * 1024)    /* redirect.ambient.agent.protocol.MAX_MESSAGE */
 #define MAX_ENV_VALUE (32 * 1024)  /* redirect.ambient.agent.cni_requests.MAX_ENV_VALUE */
-#define MAX_OUTPUT (2 * MAX_STDIN) /* the plugin's stdout the agent answers with: a result, at most */
+#define MAX_OUTPUT (2 * MAX_STDIN) /* redirect.cni.netconf.MAX_OUTPUT: the plugin's stdout the agent answers with */
 #define MAX_DEPTH 512
 #define LATEST "1.1.0"
 #define DEFAULT_SOCKET "/run/redirect/agent.sock"
@@ -857,8 +858,20 @@ int main(int argc, char **argv) {
      * before anything is printed, within agentTimeout; anything else (a device such as
      * /dev/zero, a pipe, a huge file) is not an answer. */
     struct stat st;
-    if (fstat(outfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size < 0 || st.st_size > MAX_OUTPUT)
+    if (fstat(outfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size < 0 || st.st_size > MAX_OUTPUT) {
+        /* The agent's plugin code refuses, before installing anything, an ADD whose result would be
+         * longer (redirect.cni.netconf.encode_result): an agent that answers so anyway is not
+         * believed, and the capture of a successful ADD is removed before the ADD fails. */
+        if (rc == 0 && strcmp(command, "ADD") == 0) {
+            char why[PATH_MAX + 400] = "";
+            if (del_in_process(data, len, now_s() + timeout + CLEANUP_EXTRA_S, why, sizeof why) == 0)
+                fail(E_SETUP, "", "the node agent's output is not a file of at most %d bytes; what the pod's netns "
+                                  "held of ours was removed", MAX_OUTPUT);
+            fail(E_SETUP, why, "the node agent's output is not a file of at most %d bytes; removing what the pod's "
+                               "netns holds of ours failed", MAX_OUTPUT);
+        }
         fail(E_SETUP, "", "the node agent's output is not a file of at most %d bytes", MAX_OUTPUT);
+    }
     char *out = malloc((size_t)st.st_size + 1);
     if (!out) die_oom();
     size_t have = 0;

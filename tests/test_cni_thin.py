@@ -260,7 +260,7 @@ def test_the_tiniest_agent_timeout_is_still_a_timeout(bin_dir: str, tmp_path: Pa
 @pytest.mark.parametrize("what", ["dev-zero", "huge-file"])
 def test_the_agents_output_fd_is_bounded(bin_dir: str, tmp_path: Path, what: str) -> None:
     """An answer whose output fd is /dev/zero (endless) or a file over the bound: refused (100)
-    at once, never copied."""
+    at once, never copied; the ADD it said succeeded is undone (the Python plugin's DEL) first."""
     import socket
 
     exe = os.path.join(bin_dir, "redirect-cni")
@@ -293,6 +293,8 @@ def test_the_agents_output_fd_is_bounded(bin_dir: str, tmp_path: Path, what: str
         assert rc == 1 and len(out) < 4096, (rc, len(out), out[:200])
         res = json.loads(out)
         assert res["code"] == 100 and "output" in res["msg"], res
+        # it said the ADD succeeded: what it may have installed is removed before the ADD fails
+        assert "was removed" in res["msg"], res
     finally:
         srv.close()
         t.join(25)
@@ -726,3 +728,36 @@ def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path
             finally:
                 inst.uninstall(net.net_d, net.bin_d)
             assert not os.path.exists(os.path.join(net.bin_d, "redirect-cni"))
+
+
+def test_a_result_of_any_size_the_config_allows_is_printed_or_nothing_is_installed(
+        bin_dir: str, pod: Pod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prevResult near the 1 MiB stdin bound, of characters JSON could escape six times over: the
+    agent's answer is the result as it came (UTF-8, not \\u escapes), which fits the thin plugin's
+    bound, so the ADD succeeds with the Python plugin's very output; a result that would not fit
+    fails the ADD in both plugins before anything is installed."""
+    emoji = {**PREV, "dns": {"domain": "\U0001f600" * 250_000}}
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        thin = Thin(bin_dir, n)
+        conf = json.dumps(netconf(n.events, prev=emoji), ensure_ascii=False).encode()
+        assert len(conf) < MAX_STDIN
+        env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": pod.path,
+               "CNI_IFNAME": "eth0", "CNI_ARGS": ""}
+        p = subprocess.run([thin.exe], input=conf, env=env, capture_output=True, timeout=60)
+        assert p.returncode == 0, p.stdout[:500]
+        assert json.loads(p.stdout) == emoji and len(p.stdout) < MAX_STDIN
+        assert installed(pod, "iptables")
+        py = subprocess.run([PYTHON_PLUGIN], input=conf, env=env, capture_output=True, timeout=60)
+        assert (py.returncode, py.stdout) == (0, p.stdout)
+        assert thin("DEL", conf, pod.path) == (0, None)
+        assert not installed(pod, "iptables")
+        # 1e15 prints as 1000000000000000.0: a list of them grows 3.8 times, past the bound
+        big = {**PREV, "dns": {"options": [1e15] * 200_000}}
+        data = json.dumps(netconf(n.events, prev=None, prevResult=big), separators=(",", ":")).replace(
+            "1000000000000000.0", "1e15")
+        assert len(data) < MAX_STDIN
+        for exe in (thin.exe, PYTHON_PLUGIN):
+            rc, out = run_plugin(exe, "ADD", data.encode(), pod.path)
+            assert rc == 1 and out is not None and out["code"] == 4 and "prevResult" in out["msg"], out
+            assert not installed(pod, "iptables")

@@ -38,6 +38,9 @@ E_TEARDOWN = 105
 AGENT_DOWN_POLICIES = ("tryAgain", "inProcess")
 #: The longest network config accepted on stdin, in bytes (the thin plugin has the same bound).
 MAX_STDIN = 1 << 20
+#: The longest output the thin plugin copies from the agent (``native/cni_thin.c`` MAX_OUTPUT): an
+#: ADD whose result would be longer is refused before anything is installed (``encode_result``).
+MAX_OUTPUT = 2 * MAX_STDIN
 
 #: The entry's settings where it does not set them (``redirect-cni install`` writes them all out,
 #: so the node's conflist shows what is in force). Pods in ``excludeNamespaces`` are never captured:
@@ -243,6 +246,29 @@ class PluginConf:
 
 
 # --- results ---------------------------------------------------------------------------
+
+
+def encode_output(out: Mapping[str, Any]) -> bytes:
+    """What the plugin prints, the Python plugin and the agent (for the thin plugin) alike: compact
+    JSON with text as it came (UTF-8, not ``\\u`` escapes, so no string is longer than it was on
+    stdin; a lone surrogate, which UTF-8 cannot carry, as its ``\\u`` escape), and a newline."""
+    text = json.dumps(out, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return (text + "\n").encode("utf-8", "backslashreplace")
+
+
+def encode_result(result: Mapping[str, Any]) -> bytes:
+    """``encode_output(result)``, refused (code 4) when it would be longer than ``MAX_OUTPUT``: ADD
+    encodes its result before it installs anything, so a result the thin plugin could not print
+    fails the ADD with nothing installed. Text never grows (``encode_output``), but numbers may
+    (``1e15`` prints as ``1000000000000000.0``) and an older ``cniVersion`` adds ``ips[].version``."""
+    try:
+        data = encode_output(result)
+    except ValueError as e:  # a number out of range (inf)
+        raise CniError(E_INVALID_CONFIG, f"prevResult: {brief(str(e))}") from None
+    if len(data) > MAX_OUTPUT:
+        raise CniError(E_INVALID_CONFIG, f"prevResult: our result would be {len(data)} bytes, more than "
+                       f"{MAX_OUTPUT}", "numbers such as 1e15 print longer than they were written")
+    return data
 
 
 def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, Any]:

@@ -15,7 +15,9 @@ as to ``logFile``.
 Commands
 --------
 ``ADD``      resolve the pod's capture config, ``redirect.setup`` it in ``CNI_NETNS``,
-             print ``prevResult`` (converted to the config's ``cniVersion``) as our result.
+             print ``prevResult`` (converted to the config's ``cniVersion``) as our result
+             (``netconf.encode_output``; one longer than ``netconf.MAX_OUTPUT`` is error 4, before
+             anything is installed).
              Fails closed: any error -> error JSON, non-zero exit, nothing installed.
              Ambient with ``agentSocket``: the pod goes to the node agent (``redirect-agent``),
              which installs the rules and hands the netns to the node proxy; no confirmation
@@ -111,6 +113,8 @@ from .netconf import (
     CniError,
     PluginConf,
     convert_result,
+    encode_output,
+    encode_result,
     parse_cni_args,
     parse_netconf,
     pod_annotations,
@@ -377,6 +381,7 @@ def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
     netns = _env("CNI_NETNS", env)
     _env("CNI_IFNAME", env)
     result = convert_result(pc.prev_result, pc.cni_version)
+    encode_result(result)  # one the thin plugin could not print fails here, before anything is installed
     cfg = _pod_config(pc, env, log)
     if cfg is None:
         return result
@@ -539,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     stdin = b"" if tty else sys.stdin.buffer.read(MAX_STDIN + 1)
     rc, out = run(os.environ, stdin)
     if out is not None:
-        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.buffer.write(encode_output(out))
         sys.stdout.flush()
     return rc
 
