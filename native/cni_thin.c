@@ -10,7 +10,8 @@
  * plugin, so codes and messages are the same.
  *
  * Read here, from the top level of the config only: cniVersion (VERSION is answered locally,
- * and errors raised here carry it), agentSocket (default /run/redirect/agent.sock),
+ * and errors raised here carry it), agentSocket (default, also for null: /run/redirect/agent.sock;
+ * a path of at most 107 bytes, as redirect.cni.netconf.PluginConf requires),
  * agentTimeout (seconds, default 10) and agentDown, what to do when no agent listens:
  *   "tryAgain"  (default) CNI error 11, so the runtime retries: fail closed (STATUS: error 50,
  *               "plugin not available", so the runtime starts no pods meanwhile);
@@ -698,7 +699,9 @@ int main(int argc, char **argv) {
     if (top == 1) fail(E_DECODE, "", "the network config on stdin must be a JSON object");
 
     char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)] = DEFAULT_SOCKET;
-    if (vals[1].p && !(is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]))
+    int sock_null = vals[1].p && vals[1].n == 4 && memcmp(vals[1].p, "null", 4) == 0; /* as if left out */
+    if (vals[1].p && !sock_null &&
+        !(is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]))
         fail(E_INVALID_CONFIG, "", "agentSocket=%.*s: expected a path of at most %zu bytes",
              (int)(vals[1].n > 200 ? 200 : vals[1].n), vals[1].p, sizeof sock_path - 1);
     double timeout = DEFAULT_TIMEOUT_S;

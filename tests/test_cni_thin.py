@@ -202,6 +202,30 @@ def test_agent_down_tries_again_or_falls_back_to_the_python_plugin(bin_dir: str,
     assert run_plugin(str(alone / "redirect-cni"), "DEL", netconf(sock), pod.path) == (0, None)
 
 
+def test_agent_socket_null_is_the_default_and_a_socket_path_is_bounded(bin_dir: str, tmp_path: Path) -> None:
+    """``"agentSocket": null``, which the Python plugin and ``install`` take for "none given", is
+    the default socket to the thin plugin, as a left-out one (it used to refuse every command,
+    DEL included, with 4); a path longer than a unix socket's is refused by both plugins and by
+    ``install`` alike."""
+    exe = os.path.join(bin_dir, "redirect-cni")
+    for command, netns in (("DEL", "/run/netns/rdrt-does-not-exist"), ("STATUS", ""), ("GC", "")):
+        conf: dict[str, Any] = {"cniVersion": "1.1.0", "name": "n", "type": "redirect-cni"}
+        left_out = run_plugin(exe, command, conf, netns)
+        assert run_plugin(exe, command, {**conf, "agentSocket": None}, netns) == left_out, command
+    assert run_plugin(exe, "DEL", {"cniVersion": "1.1.0", "agentSocket": None}, "/run/netns/rdrt-none") == (0, None)
+    assert inst.plugin_entry({"agentSocket": None})["agentSocket"] is None
+    for path in ("/" + "s" * 107, "/run/" + "\u00e9" * 52, ""):
+        for p in (exe, PYTHON_PLUGIN):
+            rc, out = run_plugin(p, "DEL", {"cniVersion": "1.1.0", "agentSocket": path}, "/run/netns/rdrt-none")
+            assert rc == 1 and out is not None and out["code"] == 4 and "agentSocket" in out["msg"], (p, out)
+        with pytest.raises(inst.InstallError, match="agentSocket"):
+            inst.plugin_entry({"agentSocket": path})
+    ok = str(tmp_path / "a.sock")  # 107 bytes: still a socket path
+    ok = ok + "/" + "s" * (107 - len(ok) - 1)
+    assert len(ok) == 107 and inst.plugin_entry({"agentSocket": ok})["agentSocket"] == ok
+    assert run_plugin(exe, "DEL", {"cniVersion": "1.1.0", "agentSocket": ok}, "/run/netns/rdrt-none") == (0, None)
+
+
 # --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
 
 

@@ -183,6 +183,21 @@ def _check_prev_result(prev: object) -> None:
                            "expected an IP address with its prefix length (CIDR)")
 
 
+#: The longest unix socket path (``sun_path`` less its NUL), in bytes: the thin plugin's bound too.
+MAX_SOCKET_PATH = 107
+
+
+def _socket_path_ok(path: object) -> bool:
+    """``agentSocket`` as the thin plugin takes it: a non-empty path of at most ``MAX_SOCKET_PATH``
+    bytes of UTF-8, without NUL."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        return False
+    try:
+        return len(path.encode("utf-8")) <= MAX_SOCKET_PATH
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+
+
 class PluginConf:
     """Our part of the network config, validated."""
 
@@ -215,8 +230,9 @@ class PluginConf:
         if not isinstance(self.log_json, bool):
             raise CniError(E_INVALID_CONFIG, f"logJson={brief(self.log_json)}: expected true or false")
         self.agent_socket = conf.get("agentSocket", DEFAULTS["agentSocket"])
-        if self.agent_socket is not None and not isinstance(self.agent_socket, str):
-            raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path")
+        if self.agent_socket is not None and not _socket_path_ok(self.agent_socket):
+            raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path of at most "
+                           f"{MAX_SOCKET_PATH} bytes")
         self.agent_timeout = conf.get("agentTimeout", DEFAULTS["agentTimeout"])
         if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
                 or not 0 < self.agent_timeout <= 300:
