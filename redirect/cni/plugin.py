@@ -48,7 +48,8 @@ Config (one entry of the conflist's ``plugins``; a setting left out has the defa
      "logLevel": "info", "logFile": "/var/log/redirect-cni.log",   # (default null: no log file)
      "logJson": false,                              # true: JSON lines (redirect.logjson) with the pod's fields
      "agentSocket": "/run/redirect/agent.sock",     # the node agent: ambient pods go to it; the thin
-                                                    # plugin sends it every request (its default)
+                                                    # plugin sends it every request (its default, also
+                                                    # for null); at most 107 bytes
      "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
      "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
