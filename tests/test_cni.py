@@ -562,6 +562,9 @@ def test_env_errors_status_and_gc(pod: Pod) -> None:
     assert rc == 1 and out is not None and out["code"] == 7
     assert cni("BOGUS", netconf())[1]["code"] == 7  # type: ignore[index]
     assert cni("STATUS", netconf("1.1.0")) == (0, None)
+    for backend in ("iptablesx", "iptables ", "nope"):  # what every ADD would refuse (102): not available
+        rc, out = cni("STATUS", netconf("1.1.0", backend=backend))
+        assert rc == 1 and out is not None and out["code"] == 50 and repr(backend) in out["msg"], out
     rc, out = cni("STATUS", netconf("1.1.0", mode="ambient", agentSocket="/run/rdrt-no-agent.sock"))
     assert rc == 1 and out is not None and out["code"] == 50
     assert cni("GC", netconf("1.1.0")) == (0, None)

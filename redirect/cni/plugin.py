@@ -468,7 +468,9 @@ def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
 def cmd_status(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     import shutil
 
-    if pc.backend.startswith("iptables"):
+    from ..backends import BACKENDS
+
+    if pc.backend in BACKENDS and pc.backend.startswith("iptables"):  # an unknown name: get_backend says why
         missing = [t for t in ("iptables-restore", "iptables-save", "ip6tables-restore", "ip6tables-save")
                    if shutil.which(t) is None]
         if missing:
