@@ -36,7 +36,8 @@
  *
  * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (scanned
  * without recursion, nesting bounded by MAX_DEPTH) or not an object gets error 6, a bad or
- * oversized CNI_* variable error 7, as the Python plugin answers.
+ * oversized CNI_* variable error 7 (a DEL with one succeeds having done nothing: check_env), as
+ * the Python plugin answers, checked in the same order.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -60,7 +61,8 @@
 
 #define MAX_STDIN (1 << 20)        /* redirect.cni.netconf.MAX_STDIN */
 #define MAX_MESSAGE (64 * 1024)    /* redirect.ambient.agent.protocol.MAX_MESSAGE */
-#define MAX_ENV_VALUE (32 * 1024)  /* redirect.ambient.agent.cni_requests.MAX_ENV_VALUE */
+#define MAX_ENV_VALUE (32 * 1024)  /* redirect.cni.netconf.MAX_ENV_VALUE */
+#define MAX_ENV_TOTAL (48 * 1024)  /* redirect.cni.netconf.MAX_ENV_TOTAL: all of them, as JSON */
 #define MAX_OUTPUT (2 * MAX_STDIN) /* redirect.cni.netconf.MAX_OUTPUT: the plugin's stdout the agent answers with */
 #define MAX_DEPTH 512
 #define LATEST "1.1.0"
@@ -555,6 +557,54 @@ static void exec_python(const char *data, size_t n, char *details, size_t cap) {
 
 static double now_s(void);
 
+/* The length of s inside a JSON string as put_json_string writes it. */
+static size_t json_len(const char *s, size_t n) {
+    size_t out = n;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20) out += 5;
+        else if (c == '"' || c == '\\') out += 1;
+    }
+    return out;
+}
+
+/* The CNI_* variables, checked before anything else of the request as the Python plugin checks
+ * them (redirect.cni.netconf.check_env): each at most MAX_ENV_VALUE bytes of UTF-8, all of them at
+ * most MAX_ENV_TOTAL as JSON (so the message fits MAX_MESSAGE), and for ADD, CHECK and DEL a
+ * CNI_NETNS that is absolute or a bare name (a relative path would be resolved in the agent's
+ * working directory). Error 7 names the first bad one; a DEL with it succeeds having done nothing
+ * (no ADD took it, so nothing of ours is there; a DEL that failed would fail forever). */
+static void check_env(const char *command) {
+    char why[128] = "";
+    const char *details = "";
+    size_t total = 0;
+    for (size_t k = 0; k < sizeof ENV_NAMES / sizeof ENV_NAMES[0] && !why[0]; k++) {
+        const char *v = getenv(ENV_NAMES[k]);
+        if (!v) continue;
+        size_t vn = strlen(v);
+        if (vn > MAX_ENV_VALUE)
+            snprintf(why, sizeof why, "%s is longer than %d bytes", ENV_NAMES[k], MAX_ENV_VALUE);
+        else if (utf8_invalid_at((const unsigned char *)v, vn) >= 0)
+            snprintf(why, sizeof why, "%s is not UTF-8", ENV_NAMES[k]);
+        else
+            total += json_len(v, vn);
+    }
+    if (!why[0] && total > MAX_ENV_TOTAL)
+        snprintf(why, sizeof why, "the CNI_* variables are longer than %d bytes in all (as JSON)", MAX_ENV_TOTAL);
+    const char *netns = getenv("CNI_NETNS");
+    int uses_netns = strcmp(command, "ADD") == 0 || strcmp(command, "CHECK") == 0 || strcmp(command, "DEL") == 0;
+    if (!why[0] && uses_netns && netns && netns[0] != '/' && strchr(netns, '/')) {
+        snprintf(why, sizeof why, "CNI_NETNS is a relative path: expected an absolute path, or a name under /run/netns");
+        details = netns;
+    }
+    if (!why[0]) return;
+    if (strcmp(command, "DEL") == 0) {
+        fprintf(stderr, "redirect-cni: DEL: %s: nothing to remove\n", why);
+        exit(0);
+    }
+    fail(E_ENV, details, "%s", why);
+}
+
 /* The Python plugin's DEL of this request's pod (same env and stdin, CNI_COMMAND=DEL), run to
  * the end or killed at `deadline`: what removes the pod's netns's capture of ours when the agent
  * went away in the middle of an ADD (the same DEL as when no agent runs). Its stdout is not ours
@@ -697,6 +747,7 @@ int main(int argc, char **argv) {
         fail(E_DECODE, d, "cannot decode the network config on stdin");
     }
     if (top == 1) fail(E_DECODE, "", "the network config on stdin must be a JSON object");
+    check_env(command);
 
     char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)] = DEFAULT_SOCKET;
     int sock_null = vals[1].p && vals[1].n == 4 && memcmp(vals[1].p, "null", 4) == 0; /* as if left out */
@@ -730,9 +781,7 @@ int main(int argc, char **argv) {
     for (size_t k = 0; k < sizeof ENV_NAMES / sizeof ENV_NAMES[0]; k++) {
         const char *v = getenv(ENV_NAMES[k]);
         if (!v) continue;
-        size_t vn = strlen(v);
-        if (vn > MAX_ENV_VALUE) fail(E_ENV, "", "%s is longer than %d bytes", ENV_NAMES[k], MAX_ENV_VALUE);
-        if (utf8_invalid_at((const unsigned char *)v, vn) >= 0) fail(E_ENV, "", "%s is not UTF-8", ENV_NAMES[k]);
+        size_t vn = strlen(v); /* (checked by check_env) */
         if (!first) puts_(&msg, ",");
         first = 0;
         put_json_string(&msg, ENV_NAMES[k], strlen(ENV_NAMES[k]));
@@ -742,7 +791,7 @@ int main(int argc, char **argv) {
     char tail[64];
     snprintf(tail, sizeof tail, "},\"stdin_len\":%zu}}", len);
     puts_(&msg, tail);
-    if (msg.n > MAX_MESSAGE) fail(E_ENV, "", "the CNI_* environment is larger than %d bytes", MAX_MESSAGE / 2);
+    if (msg.n > MAX_MESSAGE) fail(E_SETUP, "", "the request is larger than %d bytes", MAX_MESSAGE); /* (can't be) */
 
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0) fail(E_TRY_AGAIN, strerror(errno), "socket() failed");

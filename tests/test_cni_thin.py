@@ -226,6 +226,49 @@ def test_agent_socket_null_is_the_default_and_a_socket_path_is_bounded(bin_dir: 
     assert run_plugin(exe, "DEL", {"cniVersion": "1.1.0", "agentSocket": ok}, "/run/netns/rdrt-none") == (0, None)
 
 
+def _both(bin_dir: str, command: str, conf: dict[str, Any], env: dict[str, bytes], cwd: str | None = None) -> list[
+        tuple[int, dict[str, Any] | None]]:
+    """The thin plugin's answer and the Python plugin's, run with ``env`` (bytes: any value) in ``cwd``."""
+    answers = []
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        e = {b"PATH": os.environ["PATH"].encode(), b"CNI_COMMAND": command.encode(), b"CNI_CONTAINERID": b"c1",
+             b"CNI_IFNAME": b"eth0", b"CNI_PATH": b"/usr/lib/cni", b"CNI_ARGS": b"", **env}
+        p = subprocess.run([exe], input=json.dumps(conf).encode(), env=e, capture_output=True, timeout=60, cwd=cwd)
+        assert b"Traceback" not in p.stderr, p.stderr.decode()[-2000:]
+        answers.append((p.returncode, json.loads(p.stdout) if p.stdout.strip() else None))
+    return answers
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("CNI_NETNS", b"/run/netns/\xff", "CNI_NETNS is not UTF-8"),
+    ("CNI_ARGS", b"K8S_POD_NAME=\xc3(", "CNI_ARGS is not UTF-8"),
+    ("CNI_ARGS", b"A=" + b"x" * 40_000, "CNI_ARGS is longer than 32768 bytes"),
+    ("CNI_CONTAINERID", b"c" * 32_768 + b"c", "CNI_CONTAINERID is longer than 32768 bytes"),
+    ("CNI_PATH", b"\x01" * 9_000, "the CNI_* variables are longer than 49152 bytes in all (as JSON)"),
+    ("CNI_NETNS", b"nsdir/p1", "CNI_NETNS is a relative path"),
+])
+def test_a_bad_cni_variable_gets_the_same_answer_from_both_plugins(bin_dir: str, pod: Pod, tmp_path: Path,
+                                                                    name: str, value: bytes, words: str) -> None:
+    """Checked before anything else of the request, in both plugins: ADD and CHECK fail with 7
+    naming the variable, nothing installed; a DEL succeeds having done nothing (no ADD took the
+    value, so nothing of ours is there). A relative CNI_NETNS path is refused even when it names
+    the pod's netns from the plugin's working directory: the thin plugin's agent has another."""
+    (tmp_path / "nsdir").mkdir()
+    (tmp_path / "nsdir" / "p1").symlink_to(pod.path)
+    conf = {"cniVersion": "1.0.0", "name": "n", "type": "redirect-cni", "agentSocket": str(tmp_path / "none.sock"),
+            "agentDown": "inProcess"}
+    env = {b"CNI_NETNS": pod.path.encode(), name.encode(): value}
+    for command in ("ADD", "CHECK"):
+        thin, py = _both(bin_dir, command, conf, env, cwd=str(tmp_path))
+        assert thin == py, (command, thin, py)
+        assert thin[0] == 1 and thin[1] is not None and thin[1]["code"] == 7 and words in thin[1]["msg"], thin
+        assert not installed(pod, "iptables")
+    assert _both(bin_dir, "DEL", conf, env, cwd=str(tmp_path)) == [(0, None)] * 2
+    if name != "CNI_NETNS":  # STATUS and GC take no CNI_NETNS, but the other variables are checked alike
+        thin, py = _both(bin_dir, "STATUS", {**conf, "cniVersion": "1.1.0"}, env)
+        assert thin == py and thin[0] == 1 and thin[1] is not None and thin[1]["code"] == 7, (thin, py)
+
+
 # --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
 
 

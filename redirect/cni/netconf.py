@@ -82,10 +82,15 @@ def version_tuple(v: str) -> tuple[int, ...]:
         return (0,)
 
 
-def parse_netconf(raw: bytes) -> dict[str, Any]:
-    """The network config from stdin, with ``cniVersion`` checked."""
+def check_stdin_size(raw: bytes) -> None:
+    """Stdin larger than ``MAX_STDIN`` is error 6, whatever the command (VERSION included)."""
     if len(raw) > MAX_STDIN:
         raise CniError(E_DECODE, f"the network config on stdin is larger than {MAX_STDIN} bytes")
+
+
+def decode_netconf(raw: bytes) -> dict[str, Any]:
+    """The network config from stdin as a JSON object (else error 6); nothing in it checked yet."""
+    check_stdin_size(raw)
     try:
         conf = json.loads(raw.decode("utf-8") or "{}")
     except RecursionError:
@@ -94,13 +99,79 @@ def parse_netconf(raw: bytes) -> dict[str, Any]:
         raise CniError(E_DECODE, "cannot decode the network config on stdin", brief(str(e))) from None
     if not isinstance(conf, dict):
         raise CniError(E_DECODE, "the network config on stdin must be a JSON object", brief(conf))
+    return conf
+
+
+def check_version(conf: Mapping[str, Any]) -> None:
+    """``cniVersion`` is one we support: else error 4 (not a string) or 1."""
     version = conf.get("cniVersion")
     if not isinstance(version, str):
         raise CniError(E_INVALID_CONFIG, f"cniVersion={brief(version)}: missing or not a string")
     if version not in SUPPORTED_VERSIONS:
         raise CniError(E_INCOMPATIBLE, f"cniVersion={brief(version)}: unsupported",
                        f"supported: {', '.join(SUPPORTED_VERSIONS)}")
+
+
+def parse_netconf(raw: bytes) -> dict[str, Any]:
+    """The network config from stdin, with ``cniVersion`` checked."""
+    conf = decode_netconf(raw)
+    check_version(conf)
     return conf
+
+
+#: The CNI parameters (spec 1.1 "Parameters"): the only variables the plugins read, and all the
+#: thin plugin forwards to the agent.
+CNI_ENV = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
+#: The longest value of one of them, in bytes (the thin plugin has the same bound).
+MAX_ENV_VALUE = 32 * 1024
+#: The longest they may be together, as JSON (a control character counts 6 bytes, ``"`` and
+#: ``\`` 2), so that the thin plugin's message to the agent fits its 64 KiB.
+MAX_ENV_TOTAL = 48 * 1024
+
+
+def _json_len(raw: bytes) -> int:
+    """The length of ``raw`` (UTF-8) inside a JSON string as the thin plugin writes it."""
+    return len(raw) + 5 * sum(1 for b in raw if b < 0x20) + raw.count(b'"') + raw.count(b"\\")
+
+
+class BadEnv(CniError):
+    """A ``CNI_*`` variable no command takes (code 7): not UTF-8, too long, a relative ``CNI_NETNS``
+    path. Nothing with it can have been installed (ADD refuses it), so a DEL with it succeeds."""
+
+    def __init__(self, msg: str, details: str = "") -> None:
+        super().__init__(E_ENV, msg, details)
+
+
+def check_env(env: Mapping[str, str], command: str) -> None:
+    """The ``CNI_*`` variables as both plugins check them before anything else of the request:
+    each at most ``MAX_ENV_VALUE`` bytes of UTF-8, all of them at most ``MAX_ENV_TOTAL`` (as JSON),
+    and for ADD, CHECK and DEL a ``CNI_NETNS`` that is absolute or a bare name (one under
+    /run/netns): a relative path with a ``/`` would be resolved in whichever process serves the
+    request (the thin plugin's agent has another working directory). ``BadEnv`` names the first
+    bad one. ``env`` holds ``str`` as ``os.environ`` does (undecodable bytes as surrogates)."""
+    import os
+
+    total = 0
+    for name in CNI_ENV:
+        value = env.get(name)
+        if value is None:
+            continue
+        try:
+            raw = os.fsencode(value)
+        except UnicodeEncodeError:  # a surrogate that stands for no byte
+            raise BadEnv(f"{name} is not UTF-8") from None
+        if len(raw) > MAX_ENV_VALUE:
+            raise BadEnv(f"{name} is longer than {MAX_ENV_VALUE} bytes")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadEnv(f"{name} is not UTF-8") from None
+        total += _json_len(raw)
+    if total > MAX_ENV_TOTAL:
+        raise BadEnv(f"the CNI_* variables are longer than {MAX_ENV_TOTAL} bytes in all (as JSON)")
+    netns = env.get("CNI_NETNS", "")
+    if command in ("ADD", "CHECK", "DEL") and "/" in netns and not netns.startswith("/"):
+        raise BadEnv("CNI_NETNS is a relative path: expected an absolute path, or a name under /run/netns", netns)
 
 
 def parse_cni_args(text: str) -> dict[str, str]:

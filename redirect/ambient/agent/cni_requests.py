@@ -34,8 +34,8 @@ NodeAgent = Callable[[dict[str, Any]], dict[str, Any]]
 log = logging.getLogger("redirect.agent")
 
 #: the environment the thin plugin forwards (CNI spec 1.1 "Parameters"); nothing else is read
-CNI_ENV = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
-MAX_ENV_VALUE = 32 * 1024
+CNI_ENV = netconf.CNI_ENV
+MAX_ENV_VALUE = netconf.MAX_ENV_VALUE
 
 
 class BadRequest(Exception):
