@@ -128,6 +128,24 @@ def test_version_is_answered_locally(bin_dir: str) -> None:
                                                                           "1.1.0"]}
 
 
+@pytest.mark.parametrize("command", ["ADD", "DEL", "VERSION", "BOGUS"])
+def test_a_closed_or_oversized_stdin_gets_6_from_both_plugins(bin_dir: str, command: str) -> None:
+    """Stdin closed (``<&-``): 6, "cannot read the network config on stdin", not a traceback; over
+    1 MiB: 6, whatever the command (VERSION included), from both plugins."""
+    answers = []
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        env = {"PATH": os.environ["PATH"], "CNI_COMMAND": command, "CNI_NETNS": "/run/netns/rdrt-none"}
+        p = subprocess.run([exe], stdin=subprocess.DEVNULL, env=env, capture_output=True, timeout=30,
+                           preexec_fn=lambda: os.close(0))
+        assert b"Traceback" not in p.stderr, p.stderr.decode()[-2000:]
+        assert p.returncode == 1 and json.loads(p.stdout)["code"] == 6, p.stdout
+        assert json.loads(p.stdout)["msg"] == "cannot read the network config on stdin", p.stdout
+        answers.append(json.loads(p.stdout))
+        rc, out = run_plugin(exe, command, b'{"cniVersion": "0.4.0"}' + b" " * MAX_STDIN)
+        assert rc == 1 and out is not None and out["code"] == 6 and "larger than" in out["msg"], out
+    assert answers[0] == answers[1]
+
+
 HOSTILE = {
     "truncated": b'{"cniVersion": "1.0.0", "name": "x", "plugins": [{"a": ',
     "not-utf8": b'{"cniVersion": "1.0.0", "name": "\xff\xfe"}',

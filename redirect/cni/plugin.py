@@ -71,8 +71,9 @@ The pod namespace comes from ``CNI_ARGS`` ``K8S_POD_NAMESPACE``. Each source mus
 be a mapping of strings to strings; a bad source or a bad value fails ADD (and
 CHECK) with code 101 naming the annotation and the value.
 
-The network config on stdin may be at most ``MAX_STDIN`` (1 MiB); a longer one, one that is
-not UTF-8 JSON, or one nested too deeply is error 6. ``CNI_NETNS`` is resolved the same way by
+The network config on stdin may be at most ``MAX_STDIN`` (1 MiB); a longer one (whatever the
+command, VERSION included), one that is not UTF-8 JSON, one nested too deeply, or a stdin that
+cannot be read (closed) is error 6. ``CNI_NETNS`` is resolved the same way by
 every command (a bare name is one under ``/run/netns``; a relative path with a ``/`` is error 7).
 The ``CNI_*`` variables are checked first (``netconf.check_env``: UTF-8, at most 32 KiB each):
 a bad one is error 7, except for DEL, which then succeeds having done nothing.
@@ -103,6 +104,7 @@ from .netconf import (
     E_ANNOTATION,
     E_BACKEND,
     E_CHECK,
+    E_DECODE,
     E_ENV,
     E_INCOMPATIBLE,
     E_INVALID_CONFIG,
@@ -556,16 +558,40 @@ def run(env: Mapping[str, str], stdin: bytes,
                    "details": ""}
 
 
+def _read_stdin(command: str) -> bytes:
+    """Stdin (fd 0, whatever ``sys.stdin`` is) up to one byte past ``MAX_STDIN``, so that ``run``
+    can tell a config that is too long; nothing for VERSION from a terminal."""
+    if sys.stdin is None:  # fd 0 was closed when Python started (it may be another file by now)
+        import errno
+
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    if command == "VERSION" and os.isatty(0):
+        return b""
+    chunks: list[bytes] = []
+    have = 0
+    while have <= MAX_STDIN:
+        chunk = os.read(0, MAX_STDIN + 1 - have)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: the CNI plugin when ``CNI_COMMAND`` is set, else the installer CLI."""
     if "CNI_COMMAND" not in os.environ:
         from .install import cli_main
 
         return cli_main(sys.argv[1:] if argv is None else argv)
-    # Read one byte past the limit, so parse_netconf can tell a config that is too long.
-    tty = os.environ["CNI_COMMAND"] == "VERSION" and sys.stdin.isatty()
-    stdin = b"" if tty else sys.stdin.buffer.read(MAX_STDIN + 1)
-    rc, out = run(os.environ, stdin)
+    out: dict[str, Any] | None
+    try:
+        stdin = _read_stdin(os.environ["CNI_COMMAND"])
+    except OSError as e:  # closed (<&-), a directory...: as the thin plugin answers
+        rc, out = 1, {"cniVersion": LATEST, "code": E_DECODE, "msg": "cannot read the network config on stdin",
+                      "details": os.strerror(e.errno) if e.errno else str(e)}
+    else:
+        rc, out = run(os.environ, stdin)
     if out is not None:
         sys.stdout.buffer.write(encode_output(out))
         sys.stdout.flush()
