@@ -34,8 +34,8 @@
  * holds of ours; bounded by agentTimeout + CLEANUP_EXTRA_S, then killed) and says whether that
  * worked; one that timed out leaves the pod to the agent, which is still at it.
  *
- * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (scanned
- * without recursion, nesting bounded by MAX_DEPTH) or not an object gets error 6, a bad or
+ * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (strict RFC 8259,
+ * scanned without recursion, nesting bounded by MAX_DEPTH levels, the top-level object's included) or not an object gets error 6, a bad or
  * oversized CNI_* variable error 7 (a DEL with one succeeds having done nothing: check_env), as
  * the Python plugin answers, checked in the same order.
  */
@@ -257,7 +257,54 @@ static int scan_key(struct scan *sc, struct span *key) {
     return 0;
 }
 
-static int skip_value(struct scan *sc) {
+/* A number at sc->i, as RFC 8259 has it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
+static int scan_number(struct scan *sc) {
+    const char *s = sc->s;
+    size_t i = sc->i, n = sc->n;
+#define DIGIT(k) ((k) < n && s[k] >= '0' && s[k] <= '9')
+    if (i < n && s[i] == '-') i++;
+    if (!DIGIT(i)) goto bad;
+    if (s[i] == '0')
+        i++;
+    else
+        while (DIGIT(i)) i++;
+    if (i < n && s[i] == '.') {
+        i++;
+        if (!DIGIT(i)) goto bad;
+        while (DIGIT(i)) i++;
+    }
+    if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < n && (s[i] == '+' || s[i] == '-')) i++;
+        if (!DIGIT(i)) goto bad;
+        while (DIGIT(i)) i++;
+    }
+#undef DIGIT
+    sc->i = i;
+    return 0;
+bad:
+    sc->i = i;
+    sc->err = "bad number";
+    return -1;
+}
+
+/* true, false or null at sc->i: 0 (skipped), or -1. */
+static int scan_literal(struct scan *sc) {
+    static const char *const words[] = {"true", "false", "null"};
+    for (size_t k = 0; k < 3; k++) {
+        size_t len = strlen(words[k]);
+        if (sc->n - sc->i >= len && memcmp(sc->s + sc->i, words[k], len) == 0) {
+            sc->i += len;
+            return 0;
+        }
+    }
+    sc->err = "unexpected character";
+    return -1;
+}
+
+/* max_depth: how many more levels of objects and arrays may open (the config's top-level object
+ * is the first of MAX_DEPTH, as redirect.cni.netconf counts them). */
+static int skip_value(struct scan *sc, int max_depth) {
     char stack[MAX_DEPTH];
     int depth = 0;
     for (;;) {
@@ -270,7 +317,7 @@ static int skip_value(struct scan *sc) {
         if (c == '"') {
             if (scan_string(sc) < 0) return -1;
         } else if (c == '{' || c == '[') {
-            if (depth >= MAX_DEPTH) {
+            if (depth >= max_depth) {
                 sc->err = "nested deeper than 512 levels";
                 return -1;
             }
@@ -284,17 +331,10 @@ static int skip_value(struct scan *sc) {
                 if (c == '{' && scan_key(sc, NULL) < 0) return -1;
                 continue; /* the first element's value */
             }
-        } else {
-            size_t start = sc->i;
-            while (sc->i < sc->n && (strchr("+-.", sc->s[sc->i]) ||
-                                     (sc->s[sc->i] >= '0' && sc->s[sc->i] <= '9') ||
-                                     (sc->s[sc->i] >= 'a' && sc->s[sc->i] <= 'z') ||
-                                     (sc->s[sc->i] >= 'A' && sc->s[sc->i] <= 'Z')) && sc->s[sc->i])
-                sc->i++;
-            if (sc->i == start) {
-                sc->err = "unexpected character";
-                return -1;
-            }
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            if (scan_number(sc) < 0) return -1;
+        } else if (scan_literal(sc) < 0) {
+            return -1;
         }
         /* after a value: close containers, or go on to the next element */
         for (;;) {
@@ -382,12 +422,14 @@ static int unescape(struct span v, char *out, size_t cap) {
 /* The top-level members named in keys[] (values as raw spans; later duplicates win, as in
  * Python). 0: an object; 1: valid JSON but not an object; -1: not JSON (sc->err says why). */
 static int top_members(struct scan *sc, const char *const *keys, struct span *vals, int nkeys) {
+    if (sc->n == 0) return 0; /* empty stdin reads as {} (the Python plugin's rule); blank is not JSON */
     ws(sc);
-    if (sc->i >= sc->n) { /* empty stdin reads as {} (the Python plugin's rule) */
-        return 0;
+    if (sc->i >= sc->n) {
+        sc->err = "truncated: expected a value";
+        return -1;
     }
     if (sc->s[sc->i] != '{') {
-        if (skip_value(sc) < 0) return -1;
+        if (skip_value(sc, MAX_DEPTH) < 0) return -1;
         ws(sc);
         if (sc->i != sc->n) {
             sc->err = "extra data after the value";
@@ -406,7 +448,7 @@ static int top_members(struct scan *sc, const char *const *keys, struct span *va
             if (scan_key(sc, &key) < 0) return -1;
             ws(sc);
             size_t v0 = sc->i;
-            if (skip_value(sc) < 0) return -1;
+            if (skip_value(sc, MAX_DEPTH - 1) < 0) return -1; /* the top-level object is the first level */
             char name[64];
             if (unescape(key, name, sizeof name) == 0)
                 for (int k = 0; k < nkeys; k++)

@@ -154,6 +154,7 @@ HOSTILE = {
     "trailing": b'{"cniVersion": "1.0.0"} {}',
     "huge": b'{"cniVersion": "1.0.0", "pad": "' + b"a" * (MAX_STDIN + 10) + b'"}',
     "bad-escape": b'{"cniVersion": "1.0.0", "name": "\\x41"}',
+    "blank": b" \n\t ",  # (an empty stdin reads as {}, a blank one is not JSON)
 }
 
 
@@ -165,6 +166,54 @@ def test_hostile_stdin_gets_the_python_plugins_code(bin_dir: str, kind: str, tmp
     assert rc == 1 and out is not None and set(out) == {"cniVersion", "code", "msg", "details"}, out
     prc, pout = run_plugin(PYTHON_PLUGIN, "ADD", HOSTILE[kind], "/proc/self/ns/net")
     assert (rc, out["code"]) == (prc, pout["code"] if pout else None) == (1, 6)
+
+
+def _deep(levels: int, top_object: bool = True) -> bytes:
+    """A config whose objects and arrays nest ``levels`` deep, the top-level value included."""
+    if not top_object:
+        return b"[" * levels + b"]" * levels
+    return NO_AGENT[:-1] + b', "x": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+
+#: a config the thin plugin hands to the Python plugin (no agent: inProcess)
+NO_AGENT = b'{"cniVersion": "1.1.0", "name": "n", "agentSocket": "/run/rdrt-no-agent.sock", "agentDown": "inProcess"}'
+
+STRICT = {  # what RFC 8259 refuses, and what it takes, as values of a config member
+    **{f"bad-{k}": (v, 6) for k, v in {"word": "foo", "leading-zero": "01", "plus": "+1", "half-true": "tru",
+                                        "exponent": "1e", "dot": "1.", "dot-first": ".5", "minus": "-",
+                                        "hex": "0x10", "nan": "NaN", "infinity": "Infinity",
+                                        "minus-infinity": "-Infinity", "true-ish": "truex", "caps": "True",
+                                        "single-quotes": "'a'"}.items()},
+    **{f"ok-{k}": (v, 0) for k, v in {"zero": "0", "minus-zero": "-0", "fraction": "-0.5e+3", "exp": "1E-2",
+                                       "true": "true", "null": "null", "big": "1e400"}.items()},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STRICT))
+def test_both_plugins_decode_strict_json(bin_dir: str, kind: str) -> None:
+    """Strict JSON, the same in both plugins: bare words, odd numbers, NaN and Infinity are 6."""
+    value, code = STRICT[kind]
+    # no agent: the thin plugin answers 11 (tryAgain) for what it takes, or hands it on (inProcess)
+    head = NO_AGENT if code == 0 else NO_AGENT.replace(b"inProcess", b"tryAgain")
+    data = head[:-1] + b', "x": [' + value.encode() + b"]}"
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        rc, out = run_plugin(exe, "GC", data)
+        assert (rc, out and out["code"]) == ((1, 6) if code else (0, None)), (exe, out)
+
+
+@pytest.mark.parametrize("levels,top_object", [(512, True), (513, True), (900, True), (512, False), (513, False)])
+def test_nesting_has_one_bound_of_512_levels_in_both_plugins(bin_dir: str, levels: int, top_object: bool) -> None:
+    """512 levels of objects and arrays, the top-level value's included, are taken by both plugins;
+    513 are 6 from both (Python's decoder alone took up to about a thousand)."""
+    data = _deep(levels, top_object)
+    want = 6 if levels > 512 or not top_object else 0
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        rc, out = run_plugin(exe, "GC", data)
+        if want:
+            assert rc == 1 and out is not None and out["code"] == 6, (exe, out)
+            assert "nested deeper than 512" in out["details"] or not top_object, (exe, out)
+        else:
+            assert (rc, out) == (0, None), (exe, out)
 
 
 def test_deep_nesting_and_bad_env_are_refused(bin_dir: str) -> None:

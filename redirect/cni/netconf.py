@@ -82,6 +82,31 @@ def version_tuple(v: str) -> tuple[int, ...]:
         return (0,)
 
 
+#: How deeply objects and arrays may nest in the config, the top-level object being the first
+#: level (the thin plugin's bound; Python's decoder alone would take about twice as many).
+MAX_DEPTH = 512
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+
+
+def _not_json(word: str) -> Any:
+    """``parse_constant``: NaN, Infinity and -Infinity are Python's, not JSON (RFC 8259)."""
+    raise ValueError(f"{word} is not JSON")
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether objects and arrays nest more than ``limit`` levels in ``value`` (without recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def check_stdin_size(raw: bytes) -> None:
     """Stdin larger than ``MAX_STDIN`` is error 6, whatever the command (VERSION included)."""
     if len(raw) > MAX_STDIN:
@@ -92,11 +117,13 @@ def decode_netconf(raw: bytes) -> dict[str, Any]:
     """The network config from stdin as a JSON object (else error 6); nothing in it checked yet."""
     check_stdin_size(raw)
     try:
-        conf = json.loads(raw.decode("utf-8") or "{}")
+        conf = json.loads(raw.decode("utf-8") or "{}", parse_constant=_not_json)
     except RecursionError:
-        raise CniError(E_DECODE, "cannot decode the network config on stdin", "JSON nested too deeply") from None
-    except ValueError as e:  # not UTF-8, not JSON, an integer too long to convert
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", _TOO_DEEP) from None
+    except ValueError as e:  # not UTF-8, not JSON, NaN or Infinity, an integer too long to convert
         raise CniError(E_DECODE, "cannot decode the network config on stdin", brief(str(e))) from None
+    if _deeper_than(conf, MAX_DEPTH):
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", _TOO_DEEP)
     if not isinstance(conf, dict):
         raise CniError(E_DECODE, "the network config on stdin must be a JSON object", brief(conf))
     return conf

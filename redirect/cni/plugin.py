@@ -88,7 +88,6 @@ own network namespace included, for ADD and DEL), 11 try again later (backend bu
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -509,9 +508,9 @@ def run(env: Mapping[str, str], stdin: bytes,
         # In the thin plugin's order (native/cni_thin.c), so that both answer any input alike.
         check_stdin_size(stdin)
         if command == "VERSION":
-            try:
-                v = json.loads(stdin.decode("utf-8") or "{}").get("cniVersion") or LATEST
-            except (ValueError, AttributeError, RecursionError):
+            try:  # the config's cniVersion, if stdin is one (as the thin plugin decodes it), else the latest
+                v = decode_netconf(stdin).get("cniVersion") or LATEST
+            except CniError:
                 v = LATEST
             return 0, {"cniVersion": v if isinstance(v, str) else LATEST, "supportedVersions": list(SUPPORTED_VERSIONS)}
         if command not in COMMANDS:
