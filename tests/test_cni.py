@@ -514,7 +514,14 @@ def test_del_with_a_bare_netns_name_from_another_cwd_removes_the_rules(pod: Pod,
     ({"cniVersion": "1.0.0", "ips": [{"address": "not-an-ip"}]}, "prevResult.ips[0].address='not-an-ip'"),
     ({"cniVersion": "1.0.0", "ips": [{"interface": 0}]}, "prevResult.ips[0].address=None"),
     (["10.0.0.1/24"], "prevResult=['10.0.0.1/24']"),
-], ids=["ips-str", "ips-obj", "ip-int", "address-int", "address-junk", "address-missing", "not-an-object"])
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2"}]}, "prevResult.ips[0].address='10.0.0.2'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/24"}, {"address": "10.0.0.3/255.255.255.0"}]},
+     "prevResult.ips[1].address='10.0.0.3/255.255.255.0'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "fe80::1%eth0/64"}]}, "prevResult.ips[0].address='fe80::1%eth0/64'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/33"}]}, "prevResult.ips[0].address='10.0.0.2/33'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/+8"}]}, "prevResult.ips[0].address='10.0.0.2/+8'"),
+], ids=["ips-str", "ips-obj", "ip-int", "address-int", "address-junk", "address-missing", "not-an-object",
+        "no-prefix", "netmask", "zone", "prefix-too-long", "signed-prefix"])
 def test_a_malformed_prev_result_is_error_4_with_a_message(pod: Pod, prev: Any, words: str) -> None:
     conf = netconf(prev=None)
     conf["prevResult"] = prev

@@ -256,10 +256,27 @@ def pod_annotations(conf: Mapping[str, Any], cni_args: Mapping[str, str]) -> dic
     return out
 
 
+def _is_cidr(text: object) -> bool:
+    """``text`` is an IP address with a prefix length in CIDR form (``10.0.0.2/24``, ``fd00::2/64``):
+    not a bare address, a netmask (``/255.255.255.0``) or a zone (``fe80::1%eth0/64``), all of which
+    ``ipaddress.ip_interface`` takes."""
+    import ipaddress
+
+    if not isinstance(text, str) or text.count("/") != 1 or "%" in text:
+        return False
+    address, prefix = text.split("/")
+    if not (prefix.isascii() and prefix.isdigit() and len(prefix) <= 3) or (len(prefix) > 1 and prefix[0] == "0"):
+        return False
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return int(prefix) <= ip.max_prefixlen
+
+
 def _check_prev_result(prev: object) -> None:
     """``prevResult`` is an object whose ``ips`` (if any) are objects with an ``address`` in CIDR
     form: we convert it for older versions and give the addresses to the node agent."""
-    import ipaddress
 
     if not isinstance(prev, dict):
         raise CniError(E_INVALID_CONFIG, f"prevResult={brief(prev)}: expected an object")
@@ -272,11 +289,7 @@ def _check_prev_result(prev: object) -> None:
         if not isinstance(ip, dict):
             raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}]={brief(ip)}: expected an object")
         address = ip.get("address")
-        try:
-            ok = isinstance(address, str) and bool(ipaddress.ip_interface(address))
-        except ValueError:
-            ok = False
-        if not ok:
+        if not _is_cidr(address):
             raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}].address={brief(address)}: "
                            "expected an IP address with its prefix length (CIDR)")
 
