@@ -35,9 +35,10 @@
  * worked; one that timed out leaves the pod to the agent, which is still at it.
  *
  * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (strict RFC 8259,
- * scanned without recursion, nesting bounded by MAX_DEPTH levels, the top-level object's included) or not an object gets error 6, a bad or
- * oversized CNI_* variable error 7 (a DEL with one succeeds having done nothing: check_env), as
- * the Python plugin answers, checked in the same order.
+ * scanned without recursion, nesting bounded by MAX_DEPTH levels, the top-level object's
+ * included) or not an object gets error 6, a bad or oversized CNI_* variable error 7 (a DEL with
+ * one succeeds having done nothing: check_env), as the Python plugin answers, checked in the
+ * same order.
  */
 #define _GNU_SOURCE
 #include <errno.h>
