@@ -10,7 +10,8 @@
  * plugin, so codes and messages are the same.
  *
  * Read here, from the top level of the config only: cniVersion (VERSION is answered locally,
- * and errors raised here carry it), agentSocket (default /run/redirect/agent.sock),
+ * and errors raised here carry it), agentSocket (default, also for null: /run/redirect/agent.sock;
+ * a path of at most 107 bytes, as redirect.cni.netconf.PluginConf requires),
  * agentTimeout (seconds, default 10) and agentDown, what to do when no agent listens:
  *   "tryAgain"  (default) CNI error 11, so the runtime retries: fail closed (STATUS: error 50,
  *               "plugin not available", so the runtime starts no pods meanwhile);
@@ -23,7 +24,8 @@
  * be started: a DEL never fails for want of an agent.
  * agentTimeout bounds the whole exchange (connect, send, answer, reading the output), rounded
  * up to a microsecond, never down to "no timeout"; the output copied to stdout is the agent's
- * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails.
+ * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails (an ADD the agent said
+ * succeeded is then undone as below, by the Python plugin's DEL, before it fails).
  * An agent that goes away mid-request (closes without answering, a restart) or does not
  * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
  * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
@@ -32,9 +34,11 @@
  * holds of ours; bounded by agentTimeout + CLEANUP_EXTRA_S, then killed) and says whether that
  * worked; one that timed out leaves the pod to the agent, which is still at it.
  *
- * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (scanned
- * without recursion, nesting bounded by MAX_DEPTH) or not an object gets error 6, a bad or
- * oversized CNI_* variable error 7, as the Python plugin answers.
+ * Bad input never crashes it: stdin larger than MAX_STDIN, not UTF-8, not JSON (strict RFC 8259,
+ * scanned without recursion, nesting bounded by MAX_DEPTH levels, the top-level object's
+ * included) or not an object gets error 6, a bad or oversized CNI_* variable error 7 (a DEL with
+ * one succeeds having done nothing: check_env), as the Python plugin answers, checked in the
+ * same order.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -58,8 +62,9 @@
 
 #define MAX_STDIN (1 << 20)        /* redirect.cni.netconf.MAX_STDIN */
 #define MAX_MESSAGE (64 * 1024)    /* redirect.ambient.agent.protocol.MAX_MESSAGE */
-#define MAX_ENV_VALUE (32 * 1024)  /* redirect.ambient.agent.cni_requests.MAX_ENV_VALUE */
-#define MAX_OUTPUT (2 * MAX_STDIN) /* the plugin's stdout the agent answers with: a result, at most */
+#define MAX_ENV_VALUE (32 * 1024)  /* redirect.cni.netconf.MAX_ENV_VALUE */
+#define MAX_ENV_TOTAL (48 * 1024)  /* redirect.cni.netconf.MAX_ENV_TOTAL: all of them, as JSON */
+#define MAX_OUTPUT (2 * MAX_STDIN) /* redirect.cni.netconf.MAX_OUTPUT: the plugin's stdout the agent answers with */
 #define MAX_DEPTH 512
 #define LATEST "1.1.0"
 #define DEFAULT_SOCKET "/run/redirect/agent.sock"
@@ -253,7 +258,54 @@ static int scan_key(struct scan *sc, struct span *key) {
     return 0;
 }
 
-static int skip_value(struct scan *sc) {
+/* A number at sc->i, as RFC 8259 has it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
+static int scan_number(struct scan *sc) {
+    const char *s = sc->s;
+    size_t i = sc->i, n = sc->n;
+#define DIGIT(k) ((k) < n && s[k] >= '0' && s[k] <= '9')
+    if (i < n && s[i] == '-') i++;
+    if (!DIGIT(i)) goto bad;
+    if (s[i] == '0')
+        i++;
+    else
+        while (DIGIT(i)) i++;
+    if (i < n && s[i] == '.') {
+        i++;
+        if (!DIGIT(i)) goto bad;
+        while (DIGIT(i)) i++;
+    }
+    if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < n && (s[i] == '+' || s[i] == '-')) i++;
+        if (!DIGIT(i)) goto bad;
+        while (DIGIT(i)) i++;
+    }
+#undef DIGIT
+    sc->i = i;
+    return 0;
+bad:
+    sc->i = i;
+    sc->err = "bad number";
+    return -1;
+}
+
+/* true, false or null at sc->i: 0 (skipped), or -1. */
+static int scan_literal(struct scan *sc) {
+    static const char *const words[] = {"true", "false", "null"};
+    for (size_t k = 0; k < 3; k++) {
+        size_t len = strlen(words[k]);
+        if (sc->n - sc->i >= len && memcmp(sc->s + sc->i, words[k], len) == 0) {
+            sc->i += len;
+            return 0;
+        }
+    }
+    sc->err = "unexpected character";
+    return -1;
+}
+
+/* max_depth: how many more levels of objects and arrays may open (the config's top-level object
+ * is the first of MAX_DEPTH, as redirect.cni.netconf counts them). */
+static int skip_value(struct scan *sc, int max_depth) {
     char stack[MAX_DEPTH];
     int depth = 0;
     for (;;) {
@@ -266,7 +318,7 @@ static int skip_value(struct scan *sc) {
         if (c == '"') {
             if (scan_string(sc) < 0) return -1;
         } else if (c == '{' || c == '[') {
-            if (depth >= MAX_DEPTH) {
+            if (depth >= max_depth) {
                 sc->err = "nested deeper than 512 levels";
                 return -1;
             }
@@ -280,17 +332,10 @@ static int skip_value(struct scan *sc) {
                 if (c == '{' && scan_key(sc, NULL) < 0) return -1;
                 continue; /* the first element's value */
             }
-        } else {
-            size_t start = sc->i;
-            while (sc->i < sc->n && (strchr("+-.", sc->s[sc->i]) ||
-                                     (sc->s[sc->i] >= '0' && sc->s[sc->i] <= '9') ||
-                                     (sc->s[sc->i] >= 'a' && sc->s[sc->i] <= 'z') ||
-                                     (sc->s[sc->i] >= 'A' && sc->s[sc->i] <= 'Z')) && sc->s[sc->i])
-                sc->i++;
-            if (sc->i == start) {
-                sc->err = "unexpected character";
-                return -1;
-            }
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            if (scan_number(sc) < 0) return -1;
+        } else if (scan_literal(sc) < 0) {
+            return -1;
         }
         /* after a value: close containers, or go on to the next element */
         for (;;) {
@@ -378,12 +423,14 @@ static int unescape(struct span v, char *out, size_t cap) {
 /* The top-level members named in keys[] (values as raw spans; later duplicates win, as in
  * Python). 0: an object; 1: valid JSON but not an object; -1: not JSON (sc->err says why). */
 static int top_members(struct scan *sc, const char *const *keys, struct span *vals, int nkeys) {
+    if (sc->n == 0) return 0; /* empty stdin reads as {} (the Python plugin's rule); blank is not JSON */
     ws(sc);
-    if (sc->i >= sc->n) { /* empty stdin reads as {} (the Python plugin's rule) */
-        return 0;
+    if (sc->i >= sc->n) {
+        sc->err = "truncated: expected a value";
+        return -1;
     }
     if (sc->s[sc->i] != '{') {
-        if (skip_value(sc) < 0) return -1;
+        if (skip_value(sc, MAX_DEPTH) < 0) return -1;
         ws(sc);
         if (sc->i != sc->n) {
             sc->err = "extra data after the value";
@@ -402,7 +449,7 @@ static int top_members(struct scan *sc, const char *const *keys, struct span *va
             if (scan_key(sc, &key) < 0) return -1;
             ws(sc);
             size_t v0 = sc->i;
-            if (skip_value(sc) < 0) return -1;
+            if (skip_value(sc, MAX_DEPTH - 1) < 0) return -1; /* the top-level object is the first level */
             char name[64];
             if (unescape(key, name, sizeof name) == 0)
                 for (int k = 0; k < nkeys; k++)
@@ -553,6 +600,54 @@ static void exec_python(const char *data, size_t n, char *details, size_t cap) {
 
 static double now_s(void);
 
+/* The length of s inside a JSON string as put_json_string writes it. */
+static size_t json_len(const char *s, size_t n) {
+    size_t out = n;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20) out += 5;
+        else if (c == '"' || c == '\\') out += 1;
+    }
+    return out;
+}
+
+/* The CNI_* variables, checked before anything else of the request as the Python plugin checks
+ * them (redirect.cni.netconf.check_env): each at most MAX_ENV_VALUE bytes of UTF-8, all of them at
+ * most MAX_ENV_TOTAL as JSON (so the message fits MAX_MESSAGE), and for ADD, CHECK and DEL a
+ * CNI_NETNS that is absolute or a bare name (a relative path would be resolved in the agent's
+ * working directory). Error 7 names the first bad one; a DEL with it succeeds having done nothing
+ * (no ADD took it, so nothing of ours is there; a DEL that failed would fail forever). */
+static void check_env(const char *command) {
+    char why[128] = "";
+    const char *details = "";
+    size_t total = 0;
+    for (size_t k = 0; k < sizeof ENV_NAMES / sizeof ENV_NAMES[0] && !why[0]; k++) {
+        const char *v = getenv(ENV_NAMES[k]);
+        if (!v) continue;
+        size_t vn = strlen(v);
+        if (vn > MAX_ENV_VALUE)
+            snprintf(why, sizeof why, "%s is longer than %d bytes", ENV_NAMES[k], MAX_ENV_VALUE);
+        else if (utf8_invalid_at((const unsigned char *)v, vn) >= 0)
+            snprintf(why, sizeof why, "%s is not UTF-8", ENV_NAMES[k]);
+        else
+            total += json_len(v, vn);
+    }
+    if (!why[0] && total > MAX_ENV_TOTAL)
+        snprintf(why, sizeof why, "the CNI_* variables are longer than %d bytes in all (as JSON)", MAX_ENV_TOTAL);
+    const char *netns = getenv("CNI_NETNS");
+    int uses_netns = strcmp(command, "ADD") == 0 || strcmp(command, "CHECK") == 0 || strcmp(command, "DEL") == 0;
+    if (!why[0] && uses_netns && netns && netns[0] != '/' && strchr(netns, '/')) {
+        snprintf(why, sizeof why, "CNI_NETNS is a relative path: expected an absolute path, or a name under /run/netns");
+        details = netns;
+    }
+    if (!why[0]) return;
+    if (strcmp(command, "DEL") == 0) {
+        fprintf(stderr, "redirect-cni: DEL: %s: nothing to remove\n", why);
+        exit(0);
+    }
+    fail(E_ENV, details, "%s", why);
+}
+
 /* The Python plugin's DEL of this request's pod (same env and stdin, CNI_COMMAND=DEL), run to
  * the end or killed at `deadline`: what removes the pod's netns's capture of ours when the agent
  * went away in the middle of an ADD (the same DEL as when no agent runs). Its stdout is not ours
@@ -695,9 +790,12 @@ int main(int argc, char **argv) {
         fail(E_DECODE, d, "cannot decode the network config on stdin");
     }
     if (top == 1) fail(E_DECODE, "", "the network config on stdin must be a JSON object");
+    check_env(command);
 
     char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)] = DEFAULT_SOCKET;
-    if (vals[1].p && !(is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]))
+    int sock_null = vals[1].p && vals[1].n == 4 && memcmp(vals[1].p, "null", 4) == 0; /* as if left out */
+    if (vals[1].p && !sock_null &&
+        !(is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]))
         fail(E_INVALID_CONFIG, "", "agentSocket=%.*s: expected a path of at most %zu bytes",
              (int)(vals[1].n > 200 ? 200 : vals[1].n), vals[1].p, sizeof sock_path - 1);
     double timeout = DEFAULT_TIMEOUT_S;
@@ -726,9 +824,7 @@ int main(int argc, char **argv) {
     for (size_t k = 0; k < sizeof ENV_NAMES / sizeof ENV_NAMES[0]; k++) {
         const char *v = getenv(ENV_NAMES[k]);
         if (!v) continue;
-        size_t vn = strlen(v);
-        if (vn > MAX_ENV_VALUE) fail(E_ENV, "", "%s is longer than %d bytes", ENV_NAMES[k], MAX_ENV_VALUE);
-        if (utf8_invalid_at((const unsigned char *)v, vn) >= 0) fail(E_ENV, "", "%s is not UTF-8", ENV_NAMES[k]);
+        size_t vn = strlen(v); /* (checked by check_env) */
         if (!first) puts_(&msg, ",");
         first = 0;
         put_json_string(&msg, ENV_NAMES[k], strlen(ENV_NAMES[k]));
@@ -738,7 +834,7 @@ int main(int argc, char **argv) {
     char tail[64];
     snprintf(tail, sizeof tail, "},\"stdin_len\":%zu}}", len);
     puts_(&msg, tail);
-    if (msg.n > MAX_MESSAGE) fail(E_ENV, "", "the CNI_* environment is larger than %d bytes", MAX_MESSAGE / 2);
+    if (msg.n > MAX_MESSAGE) fail(E_SETUP, "", "the request is larger than %d bytes", MAX_MESSAGE); /* (can't be) */
 
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0) fail(E_TRY_AGAIN, strerror(errno), "socket() failed");
@@ -857,8 +953,20 @@ int main(int argc, char **argv) {
      * before anything is printed, within agentTimeout; anything else (a device such as
      * /dev/zero, a pipe, a huge file) is not an answer. */
     struct stat st;
-    if (fstat(outfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size < 0 || st.st_size > MAX_OUTPUT)
+    if (fstat(outfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size < 0 || st.st_size > MAX_OUTPUT) {
+        /* The agent's plugin code refuses, before installing anything, an ADD whose result would be
+         * longer (redirect.cni.netconf.encode_result): an agent that answers so anyway is not
+         * believed, and the capture of a successful ADD is removed before the ADD fails. */
+        if (rc == 0 && strcmp(command, "ADD") == 0) {
+            char why[PATH_MAX + 400] = "";
+            if (del_in_process(data, len, now_s() + timeout + CLEANUP_EXTRA_S, why, sizeof why) == 0)
+                fail(E_SETUP, "", "the node agent's output is not a file of at most %d bytes; what the pod's netns "
+                                  "held of ours was removed", MAX_OUTPUT);
+            fail(E_SETUP, why, "the node agent's output is not a file of at most %d bytes; removing what the pod's "
+                               "netns holds of ours failed", MAX_OUTPUT);
+        }
         fail(E_SETUP, "", "the node agent's output is not a file of at most %d bytes", MAX_OUTPUT);
+    }
     char *out = malloc((size_t)st.st_size + 1);
     if (!out) die_oom();
     size_t have = 0;

@@ -315,6 +315,68 @@ def test_cli_install_uninstall(tmp_path: Any) -> None:
     assert (tmp_path / "10-net.conflist").read_text() == CONFLISTS["empty"]
 
 
+def test_cli_watch_keeps_the_standalone_conflist_and_the_python_it_was_given(tmp_path: Any) -> None:
+    """``install --watch`` with ``--standalone``, ``--primary`` and ``--python``: what it writes and
+    puts back is what ``install`` with them writes (they were ignored: it added to the active file
+    and wrote a launcher for its own interpreter)."""
+    (tmp_path / "10-net.conflist").write_text(CONFLISTS["empty"])
+    env = {k: v for k, v in os.environ.items() if k != "CNI_COMMAND"}
+    bin_dir = tmp_path / "bin"
+    args = ["--conf-dir", str(tmp_path), "--bin-dir", str(bin_dir), "--standalone", "50-redirect.conflist",
+            "--primary", '[{"type": "loopback"}]', "--python", "/usr/bin/python3"]
+    p = subprocess.run([PLUGIN, "install", *args, "--watch", "--interval", "0.05", "--max-seconds", "1"],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "10-net.conflist").read_text() == CONFLISTS["empty"]  # not touched
+    own = json.loads((tmp_path / "50-redirect.conflist").read_text())
+    assert [e["type"] for e in own["plugins"]] == ["loopback", "redirect-cni"]
+    assert (bin_dir / "redirect-cni-python").read_text().startswith("#!/usr/bin/python3 ")
+    watched = (tmp_path / "50-redirect.conflist").read_bytes()
+    assert subprocess.run([PLUGIN, "install", *args], env=env, capture_output=True, text=True,
+                          timeout=30).stdout.strip() == "redirect-cni already installed"
+    assert (tmp_path / "50-redirect.conflist").read_bytes() == watched
+
+
+def test_converting_a_conf_never_replaces_a_conflist_of_the_same_name(tmp_path: Any) -> None:
+    """A single ``10-net.conf`` whose ``.conflist`` name is taken by another file: install refuses
+    (it used to overwrite that file), and writes nothing."""
+    conf = tmp_path / "10-net.conf"
+    conf.write_text('{"cniVersion": "1.0.0", "name": "net", "type": "bridge"}\n')
+    other = tmp_path / "10-net.conflist"
+    other.write_text('{"cniVersion": "1.0.0", "name": "other", "plugins": [{"type": "ptp"}]}\n')
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(inst.InstallError, match="would replace .*10-net.conflist, which exists"):
+        inst.install(str(tmp_path), None)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_uninstall_skips_a_file_it_cannot_undo_and_does_the_others(tmp_path: Any, caplog: Any) -> None:
+    """A conf-dir file nested too deeply to read, and ours whose ``redirectInstall.original`` is not
+    base64: each is left as it is with a warning (uninstall crashed on them and stopped); the
+    other files lose our entry."""
+    (tmp_path / "00-deep.conflist").write_text('{"plugins": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    conf = tmp_path / "10-net.conf"
+    conf.write_text('{"cniVersion": "1.0.0", "name": "net", "type": "bridge"}\n')
+    inst.install(str(tmp_path), None, conf_file="10-net.conf")
+    mangled = tmp_path / "10-net.conflist"
+    doc = json.loads(mangled.read_text())
+    doc["plugins"][-1]["redirectInstall"]["original"] = "not base64!"
+    mangled.write_text(json.dumps(doc))
+    (tmp_path / "20-net.conflist").write_text(CONFLISTS["empty"])
+    inst.install(str(tmp_path), None, conf_file="20-net.conflist")
+    left = {p: (tmp_path / p).read_bytes() for p in ("00-deep.conflist", "10-net.conflist")}
+    with caplog.at_level("WARNING", logger="redirect.cni.install"):
+        assert inst.uninstall(str(tmp_path), None) == [str(tmp_path / "20-net.conflist")]
+    assert (tmp_path / "20-net.conflist").read_text() == CONFLISTS["empty"]
+    assert {p: (tmp_path / p).read_bytes() for p in left} == left
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "00-deep.conflist" in warned and "10-net.conflist" in warned and "not base64" in warned, warned
+    env = {k: v for k, v in os.environ.items() if k != "CNI_COMMAND"}
+    p = subprocess.run([PLUGIN, "uninstall", "--conf-dir", str(tmp_path), "--bin-dir", str(tmp_path / "bin")],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "left as it is" in p.stderr, p.stderr
+
+
 def test_cli_install_reports_undecodable_input_and_touches_nothing(tmp_path: Any) -> None:
     """A --plugin-config file that is not UTF-8, JSON nested too deeply, and a conflist in the
     conf dir that does not decode: exit 1 with a message naming what, no traceback, no config changed."""
@@ -452,7 +514,14 @@ def test_del_with_a_bare_netns_name_from_another_cwd_removes_the_rules(pod: Pod,
     ({"cniVersion": "1.0.0", "ips": [{"address": "not-an-ip"}]}, "prevResult.ips[0].address='not-an-ip'"),
     ({"cniVersion": "1.0.0", "ips": [{"interface": 0}]}, "prevResult.ips[0].address=None"),
     (["10.0.0.1/24"], "prevResult=['10.0.0.1/24']"),
-], ids=["ips-str", "ips-obj", "ip-int", "address-int", "address-junk", "address-missing", "not-an-object"])
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2"}]}, "prevResult.ips[0].address='10.0.0.2'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/24"}, {"address": "10.0.0.3/255.255.255.0"}]},
+     "prevResult.ips[1].address='10.0.0.3/255.255.255.0'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "fe80::1%eth0/64"}]}, "prevResult.ips[0].address='fe80::1%eth0/64'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/33"}]}, "prevResult.ips[0].address='10.0.0.2/33'"),
+    ({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/+8"}]}, "prevResult.ips[0].address='10.0.0.2/+8'"),
+], ids=["ips-str", "ips-obj", "ip-int", "address-int", "address-junk", "address-missing", "not-an-object",
+        "no-prefix", "netmask", "zone", "prefix-too-long", "signed-prefix"])
 def test_a_malformed_prev_result_is_error_4_with_a_message(pod: Pod, prev: Any, words: str) -> None:
     conf = netconf(prev=None)
     conf["prevResult"] = prev
@@ -562,6 +631,9 @@ def test_env_errors_status_and_gc(pod: Pod) -> None:
     assert rc == 1 and out is not None and out["code"] == 7
     assert cni("BOGUS", netconf())[1]["code"] == 7  # type: ignore[index]
     assert cni("STATUS", netconf("1.1.0")) == (0, None)
+    for backend in ("iptablesx", "iptables ", "nope"):  # what every ADD would refuse (102): not available
+        rc, out = cni("STATUS", netconf("1.1.0", backend=backend))
+        assert rc == 1 and out is not None and out["code"] == 50 and repr(backend) in out["msg"], out
     rc, out = cni("STATUS", netconf("1.1.0", mode="ambient", agentSocket="/run/rdrt-no-agent.sock"))
     assert rc == 1 and out is not None and out["code"] == 50
     assert cni("GC", netconf("1.1.0")) == (0, None)

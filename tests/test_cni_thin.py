@@ -128,6 +128,24 @@ def test_version_is_answered_locally(bin_dir: str) -> None:
                                                                           "1.1.0"]}
 
 
+@pytest.mark.parametrize("command", ["ADD", "DEL", "VERSION", "BOGUS"])
+def test_a_closed_or_oversized_stdin_gets_6_from_both_plugins(bin_dir: str, command: str) -> None:
+    """Stdin closed (``<&-``): 6, "cannot read the network config on stdin", not a traceback; over
+    1 MiB: 6, whatever the command (VERSION included), from both plugins."""
+    answers = []
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        env = {"PATH": os.environ["PATH"], "CNI_COMMAND": command, "CNI_NETNS": "/run/netns/rdrt-none"}
+        p = subprocess.run([exe], stdin=subprocess.DEVNULL, env=env, capture_output=True, timeout=30,
+                           preexec_fn=lambda: os.close(0))
+        assert b"Traceback" not in p.stderr, p.stderr.decode()[-2000:]
+        assert p.returncode == 1 and json.loads(p.stdout)["code"] == 6, p.stdout
+        assert json.loads(p.stdout)["msg"] == "cannot read the network config on stdin", p.stdout
+        answers.append(json.loads(p.stdout))
+        rc, out = run_plugin(exe, command, b'{"cniVersion": "0.4.0"}' + b" " * MAX_STDIN)
+        assert rc == 1 and out is not None and out["code"] == 6 and "larger than" in out["msg"], out
+    assert answers[0] == answers[1]
+
+
 HOSTILE = {
     "truncated": b'{"cniVersion": "1.0.0", "name": "x", "plugins": [{"a": ',
     "not-utf8": b'{"cniVersion": "1.0.0", "name": "\xff\xfe"}',
@@ -136,6 +154,7 @@ HOSTILE = {
     "trailing": b'{"cniVersion": "1.0.0"} {}',
     "huge": b'{"cniVersion": "1.0.0", "pad": "' + b"a" * (MAX_STDIN + 10) + b'"}',
     "bad-escape": b'{"cniVersion": "1.0.0", "name": "\\x41"}',
+    "blank": b" \n\t ",  # (an empty stdin reads as {}, a blank one is not JSON)
 }
 
 
@@ -147,6 +166,54 @@ def test_hostile_stdin_gets_the_python_plugins_code(bin_dir: str, kind: str, tmp
     assert rc == 1 and out is not None and set(out) == {"cniVersion", "code", "msg", "details"}, out
     prc, pout = run_plugin(PYTHON_PLUGIN, "ADD", HOSTILE[kind], "/proc/self/ns/net")
     assert (rc, out["code"]) == (prc, pout["code"] if pout else None) == (1, 6)
+
+
+def _deep(levels: int, top_object: bool = True) -> bytes:
+    """A config whose objects and arrays nest ``levels`` deep, the top-level value included."""
+    if not top_object:
+        return b"[" * levels + b"]" * levels
+    return NO_AGENT[:-1] + b', "x": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+
+#: a config the thin plugin hands to the Python plugin (no agent: inProcess)
+NO_AGENT = b'{"cniVersion": "1.1.0", "name": "n", "agentSocket": "/run/rdrt-no-agent.sock", "agentDown": "inProcess"}'
+
+STRICT = {  # what RFC 8259 refuses, and what it takes, as values of a config member
+    **{f"bad-{k}": (v, 6) for k, v in {"word": "foo", "leading-zero": "01", "plus": "+1", "half-true": "tru",
+                                        "exponent": "1e", "dot": "1.", "dot-first": ".5", "minus": "-",
+                                        "hex": "0x10", "nan": "NaN", "infinity": "Infinity",
+                                        "minus-infinity": "-Infinity", "true-ish": "truex", "caps": "True",
+                                        "single-quotes": "'a'"}.items()},
+    **{f"ok-{k}": (v, 0) for k, v in {"zero": "0", "minus-zero": "-0", "fraction": "-0.5e+3", "exp": "1E-2",
+                                       "true": "true", "null": "null", "big": "1e400"}.items()},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STRICT))
+def test_both_plugins_decode_strict_json(bin_dir: str, kind: str) -> None:
+    """Strict JSON, the same in both plugins: bare words, odd numbers, NaN and Infinity are 6."""
+    value, code = STRICT[kind]
+    # no agent: the thin plugin answers 11 (tryAgain) for what it takes, or hands it on (inProcess)
+    head = NO_AGENT if code == 0 else NO_AGENT.replace(b"inProcess", b"tryAgain")
+    data = head[:-1] + b', "x": [' + value.encode() + b"]}"
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        rc, out = run_plugin(exe, "GC", data)
+        assert (rc, out and out["code"]) == ((1, 6) if code else (0, None)), (exe, out)
+
+
+@pytest.mark.parametrize("levels,top_object", [(512, True), (513, True), (900, True), (512, False), (513, False)])
+def test_nesting_has_one_bound_of_512_levels_in_both_plugins(bin_dir: str, levels: int, top_object: bool) -> None:
+    """512 levels of objects and arrays, the top-level value's included, are taken by both plugins;
+    513 are 6 from both (Python's decoder alone took up to about a thousand)."""
+    data = _deep(levels, top_object)
+    want = 6 if levels > 512 or not top_object else 0
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        rc, out = run_plugin(exe, "GC", data)
+        if want:
+            assert rc == 1 and out is not None and out["code"] == 6, (exe, out)
+            assert "nested deeper than 512" in out["details"] or not top_object, (exe, out)
+        else:
+            assert (rc, out) == (0, None), (exe, out)
 
 
 def test_deep_nesting_and_bad_env_are_refused(bin_dir: str) -> None:
@@ -200,6 +267,73 @@ def test_agent_down_tries_again_or_falls_back_to_the_python_plugin(bin_dir: str,
     assert rc == 1 and out is not None and out["code"] == 11 and "redirect-cni-python" in out["details"], out
     assert not installed(pod, "iptables")
     assert run_plugin(str(alone / "redirect-cni"), "DEL", netconf(sock), pod.path) == (0, None)
+
+
+def test_agent_socket_null_is_the_default_and_a_socket_path_is_bounded(bin_dir: str, tmp_path: Path) -> None:
+    """``"agentSocket": null``, which the Python plugin and ``install`` take for "none given", is
+    the default socket to the thin plugin, as a left-out one (it used to refuse every command,
+    DEL included, with 4); a path longer than a unix socket's is refused by both plugins and by
+    ``install`` alike."""
+    exe = os.path.join(bin_dir, "redirect-cni")
+    for command, netns in (("DEL", "/run/netns/rdrt-does-not-exist"), ("STATUS", ""), ("GC", "")):
+        conf: dict[str, Any] = {"cniVersion": "1.1.0", "name": "n", "type": "redirect-cni"}
+        left_out = run_plugin(exe, command, conf, netns)
+        assert run_plugin(exe, command, {**conf, "agentSocket": None}, netns) == left_out, command
+    assert run_plugin(exe, "DEL", {"cniVersion": "1.1.0", "agentSocket": None}, "/run/netns/rdrt-none") == (0, None)
+    assert inst.plugin_entry({"agentSocket": None})["agentSocket"] is None
+    for path in ("/" + "s" * 107, "/run/" + "\u00e9" * 52, ""):
+        for p in (exe, PYTHON_PLUGIN):
+            rc, out = run_plugin(p, "DEL", {"cniVersion": "1.1.0", "agentSocket": path}, "/run/netns/rdrt-none")
+            assert rc == 1 and out is not None and out["code"] == 4 and "agentSocket" in out["msg"], (p, out)
+        with pytest.raises(inst.InstallError, match="agentSocket"):
+            inst.plugin_entry({"agentSocket": path})
+    ok = str(tmp_path / "a.sock")  # 107 bytes: still a socket path
+    ok = ok + "/" + "s" * (107 - len(ok) - 1)
+    assert len(ok) == 107 and inst.plugin_entry({"agentSocket": ok})["agentSocket"] == ok
+    assert run_plugin(exe, "DEL", {"cniVersion": "1.1.0", "agentSocket": ok}, "/run/netns/rdrt-none") == (0, None)
+
+
+def _both(bin_dir: str, command: str, conf: dict[str, Any], env: dict[str, bytes], cwd: str | None = None) -> list[
+        tuple[int, dict[str, Any] | None]]:
+    """The thin plugin's answer and the Python plugin's, run with ``env`` (bytes: any value) in ``cwd``."""
+    answers = []
+    for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+        e = {b"PATH": os.environ["PATH"].encode(), b"CNI_COMMAND": command.encode(), b"CNI_CONTAINERID": b"c1",
+             b"CNI_IFNAME": b"eth0", b"CNI_PATH": b"/usr/lib/cni", b"CNI_ARGS": b"", **env}
+        p = subprocess.run([exe], input=json.dumps(conf).encode(), env=e, capture_output=True, timeout=60, cwd=cwd)
+        assert b"Traceback" not in p.stderr, p.stderr.decode()[-2000:]
+        answers.append((p.returncode, json.loads(p.stdout) if p.stdout.strip() else None))
+    return answers
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("CNI_NETNS", b"/run/netns/\xff", "CNI_NETNS is not UTF-8"),
+    ("CNI_ARGS", b"K8S_POD_NAME=\xc3(", "CNI_ARGS is not UTF-8"),
+    ("CNI_ARGS", b"A=" + b"x" * 40_000, "CNI_ARGS is longer than 32768 bytes"),
+    ("CNI_CONTAINERID", b"c" * 32_768 + b"c", "CNI_CONTAINERID is longer than 32768 bytes"),
+    ("CNI_PATH", b"\x01" * 9_000, "the CNI_* variables are longer than 49152 bytes in all (as JSON)"),
+    ("CNI_NETNS", b"nsdir/p1", "CNI_NETNS is a relative path"),
+])
+def test_a_bad_cni_variable_gets_the_same_answer_from_both_plugins(bin_dir: str, pod: Pod, tmp_path: Path,
+                                                                    name: str, value: bytes, words: str) -> None:
+    """Checked before anything else of the request, in both plugins: ADD and CHECK fail with 7
+    naming the variable, nothing installed; a DEL succeeds having done nothing (no ADD took the
+    value, so nothing of ours is there). A relative CNI_NETNS path is refused even when it names
+    the pod's netns from the plugin's working directory: the thin plugin's agent has another."""
+    (tmp_path / "nsdir").mkdir()
+    (tmp_path / "nsdir" / "p1").symlink_to(pod.path)
+    conf = {"cniVersion": "1.0.0", "name": "n", "type": "redirect-cni", "agentSocket": str(tmp_path / "none.sock"),
+            "agentDown": "inProcess"}
+    env = {b"CNI_NETNS": pod.path.encode(), name.encode(): value}
+    for command in ("ADD", "CHECK"):
+        thin, py = _both(bin_dir, command, conf, env, cwd=str(tmp_path))
+        assert thin == py, (command, thin, py)
+        assert thin[0] == 1 and thin[1] is not None and thin[1]["code"] == 7 and words in thin[1]["msg"], thin
+        assert not installed(pod, "iptables")
+    assert _both(bin_dir, "DEL", conf, env, cwd=str(tmp_path)) == [(0, None)] * 2
+    if name != "CNI_NETNS":  # STATUS and GC take no CNI_NETNS, but the other variables are checked alike
+        thin, py = _both(bin_dir, "STATUS", {**conf, "cniVersion": "1.1.0"}, env)
+        assert thin == py and thin[0] == 1 and thin[1] is not None and thin[1]["code"] == 7, (thin, py)
 
 
 # --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
@@ -260,7 +394,7 @@ def test_the_tiniest_agent_timeout_is_still_a_timeout(bin_dir: str, tmp_path: Pa
 @pytest.mark.parametrize("what", ["dev-zero", "huge-file"])
 def test_the_agents_output_fd_is_bounded(bin_dir: str, tmp_path: Path, what: str) -> None:
     """An answer whose output fd is /dev/zero (endless) or a file over the bound: refused (100)
-    at once, never copied."""
+    at once, never copied; the ADD it said succeeded is undone (the Python plugin's DEL) first."""
     import socket
 
     exe = os.path.join(bin_dir, "redirect-cni")
@@ -293,6 +427,8 @@ def test_the_agents_output_fd_is_bounded(bin_dir: str, tmp_path: Path, what: str
         assert rc == 1 and len(out) < 4096, (rc, len(out), out[:200])
         res = json.loads(out)
         assert res["code"] == 100 and "output" in res["msg"], res
+        # it said the ADD succeeded: what it may have installed is removed before the ADD fails
+        assert "was removed" in res["msg"], res
     finally:
         srv.close()
         t.join(25)
@@ -726,3 +862,36 @@ def test_containerd_pod_through_the_thin_plugin(containerd: Containerd, tmp_path
             finally:
                 inst.uninstall(net.net_d, net.bin_d)
             assert not os.path.exists(os.path.join(net.bin_d, "redirect-cni"))
+
+
+def test_a_result_of_any_size_the_config_allows_is_printed_or_nothing_is_installed(
+        bin_dir: str, pod: Pod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prevResult near the 1 MiB stdin bound, of characters JSON could escape six times over: the
+    agent's answer is the result as it came (UTF-8, not \\u escapes), which fits the thin plugin's
+    bound, so the ADD succeeds with the Python plugin's very output; a result that would not fit
+    fails the ADD in both plugins before anything is installed."""
+    emoji = {**PREV, "dns": {"domain": "\U0001f600" * 250_000}}
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        thin = Thin(bin_dir, n)
+        conf = json.dumps(netconf(n.events, prev=emoji), ensure_ascii=False).encode()
+        assert len(conf) < MAX_STDIN
+        env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": pod.path,
+               "CNI_IFNAME": "eth0", "CNI_ARGS": ""}
+        p = subprocess.run([thin.exe], input=conf, env=env, capture_output=True, timeout=60)
+        assert p.returncode == 0, p.stdout[:500]
+        assert json.loads(p.stdout) == emoji and len(p.stdout) < MAX_STDIN
+        assert installed(pod, "iptables")
+        py = subprocess.run([PYTHON_PLUGIN], input=conf, env=env, capture_output=True, timeout=60)
+        assert (py.returncode, py.stdout) == (0, p.stdout)
+        assert thin("DEL", conf, pod.path) == (0, None)
+        assert not installed(pod, "iptables")
+        # 1e15 prints as 1000000000000000.0: a list of them grows 3.8 times, past the bound
+        big = {**PREV, "dns": {"options": [1e15] * 200_000}}
+        data = json.dumps(netconf(n.events, prev=None, prevResult=big), separators=(",", ":")).replace(
+            "1000000000000000.0", "1e15")
+        assert len(data) < MAX_STDIN
+        for exe in (thin.exe, PYTHON_PLUGIN):
+            rc, out = run_plugin(exe, "ADD", data.encode(), pod.path)
+            assert rc == 1 and out is not None and out["code"] == 4 and "prevResult" in out["msg"], out
+            assert not installed(pod, "iptables")

@@ -11,16 +11,17 @@ its config says ``"agentDown": "inProcess"``. It edits the file's text in
 place, so every other plugin, key order, indentation and the file mode stay as they
 were, and ``uninstall`` takes out exactly what ``install`` put in: the round trip
 gives back the original bytes. A single-plugin ``.conf`` becomes a ``.conflist``
-(libcni's conversion: the plugin is the list's first entry); our entry then carries
-the original file (``redirectInstall.original``), so ``uninstall`` restores it
-byte for byte. Every write is atomic (temp file in the same dir + rename); our
+(libcni's conversion: the plugin is the list's first entry; refused when a file of that
+name exists: it is not ours); our entry then carries the original file
+(``redirectInstall.original``), so ``uninstall`` restores it byte for byte (a file it
+cannot read or undo is left as it is, with a warning). Every write is atomic (temp file in the same dir + rename); our
 entry is never duplicated (an outdated one is replaced).
 
 ``install --standalone NAME`` writes a conflist of our own instead (optionally with
-``--primary`` plugins before ours). ``install --watch`` keeps our entry and our two
-executables present: it polls the conf dir and the bin dir and re-adds the entry when
-another tool rewrites the file, and the binaries when they are removed or replaced,
-until SIGTERM/SIGINT or ``--max-seconds``.
+``--primary`` plugins before ours). ``install --watch`` (with any of those options and
+``--python``) keeps our entry and our two executables present: it polls the conf dir
+and the bin dir and re-adds the entry when another tool rewrites the file, and the
+binaries when they are removed or replaced, until SIGTERM/SIGINT or ``--max-seconds``.
 """
 
 from __future__ import annotations
@@ -360,14 +361,73 @@ def install(
     mark[MARK_KEY] = {"convertedFrom": os.path.basename(path), "original": base64.b64encode(data).decode()}
     conflist = {"cniVersion": doc.get("cniVersion", "1.0.0"), "name": doc.get("name", ""), "plugins": [doc, mark]}
     target = os.path.splitext(path)[0] + ".conflist"
+    if target != path and os.path.lexists(target):  # another tool's: never replaced
+        raise InstallError(f"{path}: converting it to a conflist would replace {target}, which exists; not touching "
+                           "either (name the file to add to with --conf-file, or remove one of them)")
     atomic_write(target, (json.dumps(conflist, indent=2) + "\n").encode(), mode, owner)
     if target != path:
         os.unlink(path)
     return target
 
 
+class _Skip(Exception):
+    """A conf-dir file ``uninstall`` cannot take our entry out of (it says why and goes on)."""
+
+
+def _uninstall_file(conf_dir: str, path: str) -> str | None:
+    """Take our entry out of the config at ``path``: the path written (the restored original of a
+    converted ``.conf``), or None when it holds none. ``_Skip`` when it can't be done safely; then
+    nothing is written."""
+    try:
+        data, st = _read(path)
+        doc = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # not ours to judge
+    except (RecursionError, ValueError) as e:  # nested too deeply, an integer too long
+        raise _Skip(f"not JSON that can be read ({brief_text(str(e)) or type(e).__name__})") from None
+    plugins = doc.get("plugins") if isinstance(doc, dict) else None
+    if not isinstance(plugins, list) or not any(_is_ours(p) for p in plugins):
+        return None
+    mine = [p for p in plugins if _is_ours(p)]
+    marks = [p.get(MARK_KEY) for p in mine if isinstance(p.get(MARK_KEY), dict)]
+    if any(m.get("standalone") for m in marks):
+        os.unlink(path)
+        return path
+    text = data.decode("utf-8")
+    start = _members(text)["plugins"][0]
+    for k in reversed([i for i, p in enumerate(plugins) if _is_ours(p)]):
+        text = _remove_element(text, _elements(text, start), k)
+    mode, owner = st.st_mode & 0o7777, (st.st_uid, st.st_gid)
+    converted = next((m for m in marks if "convertedFrom" in m and "original" in m), None)
+    if converted is not None:
+        import binascii
+
+        name, encoded = converted["convertedFrom"], converted["original"]
+        if not isinstance(name, str) or not isinstance(encoded, str):
+            raise _Skip(f"{MARK_KEY}: convertedFrom or original is not a string")
+        try:
+            original = base64.b64decode(encoded, validate=True)
+        except binascii.Error as e:
+            raise _Skip(f"{MARK_KEY}.original is not base64 ({e})") from None
+        rest = json.loads(text)
+        try:
+            orig_doc = json.loads(original)
+        except (ValueError, RecursionError):
+            orig_doc = None
+        if rest.get("plugins") == [orig_doc]:
+            back = os.path.join(conf_dir, os.path.basename(name))
+            atomic_write(back, original, mode, owner)
+            if back != path:
+                os.unlink(path)
+            return back
+    atomic_write(path, text.encode("utf-8"), mode, owner)
+    return path
+
+
 def uninstall(conf_dir: str = DEFAULT_CONF_DIR, bin_dir: str | None = DEFAULT_BIN_DIR) -> list[str]:
-    """Remove our entry from every config in ``conf_dir`` (and our launcher); the paths changed."""
+    """Remove our entry from every config in ``conf_dir`` (and our launcher); the paths changed. A
+    file it cannot take the entry out of safely (nested too deeply to read, a mangled
+    ``redirectInstall`` mark) is left as it is, with a warning, and the others are done."""
     changed: list[str] = []
     try:
         names = sorted(n for n in os.listdir(conf_dir) if n.endswith(CONF_EXTS) and not n.startswith("."))
@@ -376,41 +436,12 @@ def uninstall(conf_dir: str = DEFAULT_CONF_DIR, bin_dir: str | None = DEFAULT_BI
     for name in names:
         path = os.path.join(conf_dir, name)
         try:
-            data, st = _read(path)
-            doc = json.loads(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue  # not ours to judge
-        plugins = doc.get("plugins") if isinstance(doc, dict) else None
-        if not isinstance(plugins, list) or not any(_is_ours(p) for p in plugins):
+            written = _uninstall_file(conf_dir, path)
+        except _Skip as e:
+            logging.getLogger("redirect.cni.install").warning("uninstall: %s: %s; left as it is", path, e)
             continue
-        mine = [p for p in plugins if _is_ours(p)]
-        marks = [p.get(MARK_KEY) for p in mine if isinstance(p.get(MARK_KEY), dict)]
-        if any(m.get("standalone") for m in marks):
-            os.unlink(path)
-            changed.append(path)
-            continue
-        text = data.decode("utf-8")
-        start = _members(text)["plugins"][0]
-        for k in reversed([i for i, p in enumerate(plugins) if _is_ours(p)]):
-            text = _remove_element(text, _elements(text, start), k)
-        mode, owner = st.st_mode & 0o7777, (st.st_uid, st.st_gid)
-        converted = next((m for m in marks if "convertedFrom" in m and "original" in m), None)
-        if converted is not None:
-            original = base64.b64decode(converted["original"])
-            rest = json.loads(text)
-            try:
-                orig_doc = json.loads(original)
-            except json.JSONDecodeError:
-                orig_doc = None
-            if rest.get("plugins") == [orig_doc]:
-                back = os.path.join(conf_dir, os.path.basename(converted["convertedFrom"]))
-                atomic_write(back, original, mode, owner)
-                if back != path:
-                    os.unlink(path)
-                changed.append(back)
-                continue
-        atomic_write(path, text.encode("utf-8"), mode, owner)
-        changed.append(path)
+        if written is not None:
+            changed.append(written)
     if bin_dir:
         for name, mark in ((PLUGIN_TYPE, THIN_MARK), (PLUGIN_TYPE, LAUNCHER_MARK.encode()),
                            (PYTHON_PLUGIN, LAUNCHER_MARK.encode())):
@@ -432,18 +463,22 @@ def watch(
     interval: float = 1.0,
     max_seconds: float | None = None,
     on_install: Any = None,
+    standalone: str | None = None,
+    primary: list[dict[str, Any]] | None = None,
+    python: str | None = None,
 ) -> int:
     """Keep our entry and executables installed until ``stop`` is set (or ``max_seconds``): the
     entry is re-added when the config is rewritten, a binary when it is removed or replaced.
-    Returns how many files were (re-)written; ``on_install`` gets each path."""
+    Returns how many files were (re-)written; ``on_install`` gets each path. ``standalone``,
+    ``primary`` and ``python`` are ``install``'s."""
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     count = 0
     while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
         paths: list[str] = []
         try:
             if bin_dir:
-                paths += install_binary(bin_dir)
-            path = install(conf_dir, None, entry, conf_file)
+                paths += install_binary(bin_dir, python)
+            path = install(conf_dir, None, entry, conf_file, standalone, primary)
             if path is not None:
                 paths.append(path)
         except (InstallError, OSError) as e:  # no primary config yet: wait for it
@@ -538,7 +573,8 @@ def cli_main(argv: list[str]) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
             watch(stop, a.conf_dir, a.bin_dir, entry, a.conf_file, a.interval, a.max_seconds,
-                  on_install=lambda path: say(f"installed redirect-cni into {path}"))
+                  on_install=lambda path: say(f"installed redirect-cni into {path}"), standalone=a.standalone,
+                  primary=primary, python=a.python)
             return 0
         written = install(a.conf_dir, a.bin_dir, entry, a.conf_file, a.standalone, primary, a.python)
         say(f"installed redirect-cni into {written}" if written else "redirect-cni already installed")

@@ -38,6 +38,9 @@ E_TEARDOWN = 105
 AGENT_DOWN_POLICIES = ("tryAgain", "inProcess")
 #: The longest network config accepted on stdin, in bytes (the thin plugin has the same bound).
 MAX_STDIN = 1 << 20
+#: The longest output the thin plugin copies from the agent (``native/cni_thin.c`` MAX_OUTPUT): an
+#: ADD whose result would be longer is refused before anything is installed (``encode_result``).
+MAX_OUTPUT = 2 * MAX_STDIN
 
 #: The entry's settings where it does not set them (``redirect-cni install`` writes them all out,
 #: so the node's conflist shows what is in force). Pods in ``excludeNamespaces`` are never captured:
@@ -79,25 +82,123 @@ def version_tuple(v: str) -> tuple[int, ...]:
         return (0,)
 
 
-def parse_netconf(raw: bytes) -> dict[str, Any]:
-    """The network config from stdin, with ``cniVersion`` checked."""
+#: How deeply objects and arrays may nest in the config, the top-level object being the first
+#: level (the thin plugin's bound; Python's decoder alone would take about twice as many).
+MAX_DEPTH = 512
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+
+
+def _not_json(word: str) -> Any:
+    """``parse_constant``: NaN, Infinity and -Infinity are Python's, not JSON (RFC 8259)."""
+    raise ValueError(f"{word} is not JSON")
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether objects and arrays nest more than ``limit`` levels in ``value`` (without recursion)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def check_stdin_size(raw: bytes) -> None:
+    """Stdin larger than ``MAX_STDIN`` is error 6, whatever the command (VERSION included)."""
     if len(raw) > MAX_STDIN:
         raise CniError(E_DECODE, f"the network config on stdin is larger than {MAX_STDIN} bytes")
+
+
+def decode_netconf(raw: bytes) -> dict[str, Any]:
+    """The network config from stdin as a JSON object (else error 6); nothing in it checked yet."""
+    check_stdin_size(raw)
     try:
-        conf = json.loads(raw.decode("utf-8") or "{}")
+        conf = json.loads(raw.decode("utf-8") or "{}", parse_constant=_not_json)
     except RecursionError:
-        raise CniError(E_DECODE, "cannot decode the network config on stdin", "JSON nested too deeply") from None
-    except ValueError as e:  # not UTF-8, not JSON, an integer too long to convert
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", _TOO_DEEP) from None
+    except ValueError as e:  # not UTF-8, not JSON, NaN or Infinity, an integer too long to convert
         raise CniError(E_DECODE, "cannot decode the network config on stdin", brief(str(e))) from None
+    if _deeper_than(conf, MAX_DEPTH):
+        raise CniError(E_DECODE, "cannot decode the network config on stdin", _TOO_DEEP)
     if not isinstance(conf, dict):
         raise CniError(E_DECODE, "the network config on stdin must be a JSON object", brief(conf))
+    return conf
+
+
+def check_version(conf: Mapping[str, Any]) -> None:
+    """``cniVersion`` is one we support: else error 4 (not a string) or 1."""
     version = conf.get("cniVersion")
     if not isinstance(version, str):
         raise CniError(E_INVALID_CONFIG, f"cniVersion={brief(version)}: missing or not a string")
     if version not in SUPPORTED_VERSIONS:
         raise CniError(E_INCOMPATIBLE, f"cniVersion={brief(version)}: unsupported",
                        f"supported: {', '.join(SUPPORTED_VERSIONS)}")
+
+
+def parse_netconf(raw: bytes) -> dict[str, Any]:
+    """The network config from stdin, with ``cniVersion`` checked."""
+    conf = decode_netconf(raw)
+    check_version(conf)
     return conf
+
+
+#: The CNI parameters (spec 1.1 "Parameters"): the only variables the plugins read, and all the
+#: thin plugin forwards to the agent.
+CNI_ENV = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
+#: The longest value of one of them, in bytes (the thin plugin has the same bound).
+MAX_ENV_VALUE = 32 * 1024
+#: The longest they may be together, as JSON (a control character counts 6 bytes, ``"`` and
+#: ``\`` 2), so that the thin plugin's message to the agent fits its 64 KiB.
+MAX_ENV_TOTAL = 48 * 1024
+
+
+def _json_len(raw: bytes) -> int:
+    """The length of ``raw`` (UTF-8) inside a JSON string as the thin plugin writes it."""
+    return len(raw) + 5 * sum(1 for b in raw if b < 0x20) + raw.count(b'"') + raw.count(b"\\")
+
+
+class BadEnv(CniError):
+    """A ``CNI_*`` variable no command takes (code 7): not UTF-8, too long, a relative ``CNI_NETNS``
+    path. Nothing with it can have been installed (ADD refuses it), so a DEL with it succeeds."""
+
+    def __init__(self, msg: str, details: str = "") -> None:
+        super().__init__(E_ENV, msg, details)
+
+
+def check_env(env: Mapping[str, str], command: str) -> None:
+    """The ``CNI_*`` variables as both plugins check them before anything else of the request:
+    each at most ``MAX_ENV_VALUE`` bytes of UTF-8, all of them at most ``MAX_ENV_TOTAL`` (as JSON),
+    and for ADD, CHECK and DEL a ``CNI_NETNS`` that is absolute or a bare name (one under
+    /run/netns): a relative path with a ``/`` would be resolved in whichever process serves the
+    request (the thin plugin's agent has another working directory). ``BadEnv`` names the first
+    bad one. ``env`` holds ``str`` as ``os.environ`` does (undecodable bytes as surrogates)."""
+    import os
+
+    total = 0
+    for name in CNI_ENV:
+        value = env.get(name)
+        if value is None:
+            continue
+        try:
+            raw = os.fsencode(value)
+        except UnicodeEncodeError:  # a surrogate that stands for no byte
+            raise BadEnv(f"{name} is not UTF-8") from None
+        if len(raw) > MAX_ENV_VALUE:
+            raise BadEnv(f"{name} is longer than {MAX_ENV_VALUE} bytes")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadEnv(f"{name} is not UTF-8") from None
+        total += _json_len(raw)
+    if total > MAX_ENV_TOTAL:
+        raise BadEnv(f"the CNI_* variables are longer than {MAX_ENV_TOTAL} bytes in all (as JSON)")
+    netns = env.get("CNI_NETNS", "")
+    if command in ("ADD", "CHECK", "DEL") and "/" in netns and not netns.startswith("/"):
+        raise BadEnv("CNI_NETNS is a relative path: expected an absolute path, or a name under /run/netns", netns)
 
 
 def parse_cni_args(text: str) -> dict[str, str]:
@@ -155,10 +256,27 @@ def pod_annotations(conf: Mapping[str, Any], cni_args: Mapping[str, str]) -> dic
     return out
 
 
+def _is_cidr(text: object) -> bool:
+    """``text`` is an IP address with a prefix length in CIDR form (``10.0.0.2/24``, ``fd00::2/64``):
+    not a bare address, a netmask (``/255.255.255.0``) or a zone (``fe80::1%eth0/64``), all of which
+    ``ipaddress.ip_interface`` takes."""
+    import ipaddress
+
+    if not isinstance(text, str) or text.count("/") != 1 or "%" in text:
+        return False
+    address, prefix = text.split("/")
+    if not (prefix.isascii() and prefix.isdigit() and len(prefix) <= 3) or (len(prefix) > 1 and prefix[0] == "0"):
+        return False
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return int(prefix) <= ip.max_prefixlen
+
+
 def _check_prev_result(prev: object) -> None:
     """``prevResult`` is an object whose ``ips`` (if any) are objects with an ``address`` in CIDR
     form: we convert it for older versions and give the addresses to the node agent."""
-    import ipaddress
 
     if not isinstance(prev, dict):
         raise CniError(E_INVALID_CONFIG, f"prevResult={brief(prev)}: expected an object")
@@ -171,13 +289,24 @@ def _check_prev_result(prev: object) -> None:
         if not isinstance(ip, dict):
             raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}]={brief(ip)}: expected an object")
         address = ip.get("address")
-        try:
-            ok = isinstance(address, str) and bool(ipaddress.ip_interface(address))
-        except ValueError:
-            ok = False
-        if not ok:
+        if not _is_cidr(address):
             raise CniError(E_INVALID_CONFIG, f"prevResult.ips[{i}].address={brief(address)}: "
                            "expected an IP address with its prefix length (CIDR)")
+
+
+#: The longest unix socket path (``sun_path`` less its NUL), in bytes: the thin plugin's bound too.
+MAX_SOCKET_PATH = 107
+
+
+def _socket_path_ok(path: object) -> bool:
+    """``agentSocket`` as the thin plugin takes it: a non-empty path of at most ``MAX_SOCKET_PATH``
+    bytes of UTF-8, without NUL."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        return False
+    try:
+        return len(path.encode("utf-8")) <= MAX_SOCKET_PATH
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
 
 
 class PluginConf:
@@ -212,8 +341,9 @@ class PluginConf:
         if not isinstance(self.log_json, bool):
             raise CniError(E_INVALID_CONFIG, f"logJson={brief(self.log_json)}: expected true or false")
         self.agent_socket = conf.get("agentSocket", DEFAULTS["agentSocket"])
-        if self.agent_socket is not None and not isinstance(self.agent_socket, str):
-            raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path")
+        if self.agent_socket is not None and not _socket_path_ok(self.agent_socket):
+            raise CniError(E_INVALID_CONFIG, f"agentSocket={brief(self.agent_socket)}: expected a path of at most "
+                           f"{MAX_SOCKET_PATH} bytes")
         self.agent_timeout = conf.get("agentTimeout", DEFAULTS["agentTimeout"])
         if isinstance(self.agent_timeout, bool) or not isinstance(self.agent_timeout, (int, float)) \
                 or not 0 < self.agent_timeout <= 300:
@@ -243,6 +373,29 @@ class PluginConf:
 
 
 # --- results ---------------------------------------------------------------------------
+
+
+def encode_output(out: Mapping[str, Any]) -> bytes:
+    """What the plugin prints, the Python plugin and the agent (for the thin plugin) alike: compact
+    JSON with text as it came (UTF-8, not ``\\u`` escapes, so no string is longer than it was on
+    stdin; a lone surrogate, which UTF-8 cannot carry, as its ``\\u`` escape), and a newline."""
+    text = json.dumps(out, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return (text + "\n").encode("utf-8", "backslashreplace")
+
+
+def encode_result(result: Mapping[str, Any]) -> bytes:
+    """``encode_output(result)``, refused (code 4) when it would be longer than ``MAX_OUTPUT``: ADD
+    encodes its result before it installs anything, so a result the thin plugin could not print
+    fails the ADD with nothing installed. Text never grows (``encode_output``), but numbers may
+    (``1e15`` prints as ``1000000000000000.0``) and an older ``cniVersion`` adds ``ips[].version``."""
+    try:
+        data = encode_output(result)
+    except ValueError as e:  # a number out of range (inf)
+        raise CniError(E_INVALID_CONFIG, f"prevResult: {brief(str(e))}") from None
+    if len(data) > MAX_OUTPUT:
+        raise CniError(E_INVALID_CONFIG, f"prevResult: our result would be {len(data)} bytes, more than "
+                       f"{MAX_OUTPUT}", "numbers such as 1e15 print longer than they were written")
+    return data
 
 
 def convert_result(result: Mapping[str, Any] | None, version: str) -> dict[str, Any]:

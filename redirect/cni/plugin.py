@@ -15,7 +15,9 @@ as to ``logFile``.
 Commands
 --------
 ``ADD``      resolve the pod's capture config, ``redirect.setup`` it in ``CNI_NETNS``,
-             print ``prevResult`` (converted to the config's ``cniVersion``) as our result.
+             print ``prevResult`` (converted to the config's ``cniVersion``) as our result
+             (``netconf.encode_output``; one longer than ``netconf.MAX_OUTPUT`` is error 4, before
+             anything is installed).
              Fails closed: any error -> error JSON, non-zero exit, nothing installed.
              Ambient with ``agentSocket``: the pod goes to the node agent (``redirect-agent``),
              which installs the rules and hands the netns to the node proxy; no confirmation
@@ -46,7 +48,8 @@ Config (one entry of the conflist's ``plugins``; a setting left out has the defa
      "logLevel": "info", "logFile": "/var/log/redirect-cni.log",   # (default null: no log file)
      "logJson": false,                              # true: JSON lines (redirect.logjson) with the pod's fields
      "agentSocket": "/run/redirect/agent.sock",     # the node agent: ambient pods go to it; the thin
-                                                    # plugin sends it every request (its default)
+                                                    # plugin sends it every request (its default, also
+                                                    # for null); at most 107 bytes
      "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
      "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
@@ -68,9 +71,12 @@ The pod namespace comes from ``CNI_ARGS`` ``K8S_POD_NAMESPACE``. Each source mus
 be a mapping of strings to strings; a bad source or a bad value fails ADD (and
 CHECK) with code 101 naming the annotation and the value.
 
-The network config on stdin may be at most ``MAX_STDIN`` (1 MiB); a longer one, one that is
-not UTF-8 JSON, or one nested too deeply is error 6. ``CNI_NETNS`` is resolved the same way by
-every command (a bare name is one under ``/run/netns``).
+The network config on stdin may be at most ``MAX_STDIN`` (1 MiB); a longer one (whatever the
+command, VERSION included), one that is not UTF-8 JSON, one nested too deeply, or a stdin that
+cannot be read (closed) is error 6. ``CNI_NETNS`` is resolved the same way by
+every command (a bare name is one under ``/run/netns``; a relative path with a ``/`` is error 7).
+The ``CNI_*`` variables are checked first (``netconf.check_env``: UTF-8, at most 32 KiB each):
+a bad one is error 7, except for DEL, which then succeeds having done nothing.
 
 Error codes: 1 incompatible cniVersion, 4 invalid network config (a malformed ``prevResult``
 included), 6 undecodable stdin, 7 invalid environment variables (a ``CNI_NETNS`` naming the host's
@@ -82,7 +88,6 @@ own network namespace included, for ADD and DEL), 11 try again later (backend bu
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -98,6 +103,7 @@ from .netconf import (
     E_ANNOTATION,
     E_BACKEND,
     E_CHECK,
+    E_DECODE,
     E_ENV,
     E_INCOMPATIBLE,
     E_INVALID_CONFIG,
@@ -108,11 +114,17 @@ from .netconf import (
     LATEST,
     MAX_STDIN,
     SUPPORTED_VERSIONS,
+    BadEnv,
     CniError,
     PluginConf,
+    check_env,
+    check_stdin_size,
+    check_version,
     convert_result,
+    decode_netconf,
+    encode_output,
+    encode_result,
     parse_cni_args,
-    parse_netconf,
     pod_annotations,
     version_tuple,
 )
@@ -377,6 +389,7 @@ def cmd_add(pc: PluginConf, env: Mapping[str, str], log: Any) -> dict[str, Any]:
     netns = _env("CNI_NETNS", env)
     _env("CNI_IFNAME", env)
     result = convert_result(pc.prev_result, pc.cni_version)
+    encode_result(result)  # one the thin plugin could not print fails here, before anything is installed
     cfg = _pod_config(pc, env, log)
     if cfg is None:
         return result
@@ -462,7 +475,9 @@ def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
 def cmd_status(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     import shutil
 
-    if pc.backend.startswith("iptables"):
+    from ..backends import BACKENDS
+
+    if pc.backend in BACKENDS and pc.backend.startswith("iptables"):  # an unknown name: get_backend says why
         missing = [t for t in ("iptables-restore", "iptables-save", "ip6tables-restore", "ip6tables-save")
                    if shutil.which(t) is None]
         if missing:
@@ -490,16 +505,30 @@ def run(env: Mapping[str, str], stdin: bytes,
     version = LATEST
     log: Any = None
     try:
+        # In the thin plugin's order (native/cni_thin.c), so that both answer any input alike.
+        check_stdin_size(stdin)
         if command == "VERSION":
-            try:
-                v = json.loads(stdin[:MAX_STDIN].decode("utf-8") or "{}").get("cniVersion") or LATEST
-            except (ValueError, AttributeError, RecursionError):
+            try:  # the config's cniVersion, if stdin is one (as the thin plugin decodes it), else the latest
+                v = decode_netconf(stdin).get("cniVersion") or LATEST
+            except CniError:
                 v = LATEST
             return 0, {"cniVersion": v if isinstance(v, str) else LATEST, "supportedVersions": list(SUPPORTED_VERSIONS)}
         if command not in COMMANDS:
             raise CniError(E_ENV, f"CNI_COMMAND={command!r}: expected ADD, DEL, CHECK, STATUS, GC or VERSION")
-        conf = parse_netconf(stdin)
-        version = conf["cniVersion"]
+        conf = decode_netconf(stdin)
+        if conf.get("cniVersion") in SUPPORTED_VERSIONS:
+            version = conf["cniVersion"]
+        try:
+            check_env(env, command)
+        except BadEnv as e:
+            if command != "DEL":
+                raise
+            # No ADD took it, so nothing of ours is there; a DEL that failed would fail forever.
+            import logging
+
+            logging.getLogger("redirect.cni").warning("DEL: %s: nothing to remove", e.msg)
+            return 0, None
+        check_version(conf)
         pc = PluginConf(conf)
         if node_agent is not None:
             pc.agent = node_agent
@@ -528,18 +557,42 @@ def run(env: Mapping[str, str], stdin: bytes,
                    "details": ""}
 
 
+def _read_stdin(command: str) -> bytes:
+    """Stdin (fd 0, whatever ``sys.stdin`` is) up to one byte past ``MAX_STDIN``, so that ``run``
+    can tell a config that is too long; nothing for VERSION from a terminal."""
+    if sys.stdin is None:  # fd 0 was closed when Python started (it may be another file by now)
+        import errno
+
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    if command == "VERSION" and os.isatty(0):
+        return b""
+    chunks: list[bytes] = []
+    have = 0
+    while have <= MAX_STDIN:
+        chunk = os.read(0, MAX_STDIN + 1 - have)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: the CNI plugin when ``CNI_COMMAND`` is set, else the installer CLI."""
     if "CNI_COMMAND" not in os.environ:
         from .install import cli_main
 
         return cli_main(sys.argv[1:] if argv is None else argv)
-    # Read one byte past the limit, so parse_netconf can tell a config that is too long.
-    tty = os.environ["CNI_COMMAND"] == "VERSION" and sys.stdin.isatty()
-    stdin = b"" if tty else sys.stdin.buffer.read(MAX_STDIN + 1)
-    rc, out = run(os.environ, stdin)
+    out: dict[str, Any] | None
+    try:
+        stdin = _read_stdin(os.environ["CNI_COMMAND"])
+    except OSError as e:  # closed (<&-), a directory...: as the thin plugin answers
+        rc, out = 1, {"cniVersion": LATEST, "code": E_DECODE, "msg": "cannot read the network config on stdin",
+                      "details": os.strerror(e.errno) if e.errno else str(e)}
+    else:
+        rc, out = run(os.environ, stdin)
     if out is not None:
-        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.buffer.write(encode_output(out))
         sys.stdout.flush()
     return rc
 

@@ -17,7 +17,6 @@ served at once and a slow pod holds only its own worker.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import stat
@@ -35,8 +34,8 @@ NodeAgent = Callable[[dict[str, Any]], dict[str, Any]]
 log = logging.getLogger("redirect.agent")
 
 #: the environment the thin plugin forwards (CNI spec 1.1 "Parameters"); nothing else is read
-CNI_ENV = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
-MAX_ENV_VALUE = 32 * 1024
+CNI_ENV = netconf.CNI_ENV
+MAX_ENV_VALUE = netconf.MAX_ENV_VALUE
 
 
 class BadRequest(Exception):
@@ -98,7 +97,7 @@ def handle(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
         metrics.inc("failures", "cni")
     ms = round((time.perf_counter() - t0) * 1e3, 2)
     log.debug("cni %s", command, extra={"fields": {"rc": rc, "ms": ms, "container": env.get("CNI_CONTAINERID", "")}})
-    return {"type": "result", "ok": True, "rc": rc, "ms": ms}, (json.dumps(out) + "\n").encode() if out else b""
+    return {"type": "result", "ok": True, "rc": rc, "ms": ms}, netconf.encode_output(out) if out else b""
 
 
 def serve(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
