@@ -35,6 +35,13 @@ def key(inode: int) -> tuple[int, int]:
     return inode, 1000 + inode
 
 
+class FakeFd(str):
+    """A netns as ``FakeOps.open_netns`` opened it: the path it was opened at (what ``calls`` and
+    ``rules`` name), bound to the netns that was there then (``key``), as an fd is."""
+
+    key: tuple[int, int]
+
+
 class FakeOps:
     """The kernel and the agent's store as the agent sees them, in memory: netns paths -> keys,
     records by netns key, installed rules, node-set entries (ip -> owner uid), netns holding an
@@ -45,6 +52,9 @@ class FakeOps:
         self.records: dict[tuple[int, int], dict[str, Any]] = {}
         self.legacy: set[str] = set()
         self.rules: dict[str, RedirectConfig] = {}
+        self.rules_in: dict[tuple[int, int], RedirectConfig] = {}  # the same, by the netns they went to
+        self.opened: list[FakeFd] = []  # open now
+        self.on_intent: Any = None  # called when an intent record is written
         self.node: dict[str, str | None] = {}
         self.calls: list[tuple[Any, ...]] = []
         self.fail: dict[str, Exception] = {}  # op name -> raised once
@@ -64,8 +74,20 @@ class FakeOps:
             raise NetnsError(f"netns={path!r}: no such namespace")
         return self.keys[path]
 
-    def host_netns_reason(self, path: str) -> str | None:
-        return "the host's network namespace" if path == "/proc/1/ns/net" else None
+    def open_netns(self, path: str, k: tuple[int, int] | None = None) -> tuple[FakeFd, tuple[int, int]]:
+        got = self.netns_key(path)
+        if k is not None and got != k:
+            raise NetnsError(f"netns={path!r}: gone or replaced")
+        ref = FakeFd(path)
+        ref.key = got
+        self.opened.append(ref)
+        return ref, got
+
+    def close_netns(self, ref: FakeFd) -> None:
+        self.opened.remove(ref)
+
+    def host_netns_reason(self, ref: FakeFd) -> str | None:
+        return "the host's network namespace" if ref == "/proc/1/ns/net" else None
 
     def same_netns(self, path: str, k: tuple[int, int]) -> bool:
         return self.keys.get(path) == k
@@ -76,6 +98,8 @@ class FakeOps:
     def write_record(self, k: tuple[int, int], record: dict[str, Any]) -> None:
         self.calls.append(("record", k, record["phase"]))
         self.records[k] = record
+        if record["phase"] == INTENT and self.on_intent is not None:
+            self.on_intent()
 
     def clear_record(self, k: tuple[int, int]) -> None:
         self.calls.append(("clear", k))
@@ -88,18 +112,20 @@ class FakeOps:
         self.legacy.discard(netns)
         return True
 
-    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
+    def setup_rules(self, netns: FakeFd, cfg: RedirectConfig, backend: str) -> None:
         self._maybe_fail("setup_rules")
         self.calls.append(("setup", netns, backend))
         self.rules[netns] = cfg
+        self.rules_in[netns.key] = cfg
 
-    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult:
+    def check_rules(self, netns: FakeFd, cfg: RedirectConfig, backend: str) -> CheckResult:
         ok = self.rules.get(netns) == cfg
         return CheckResult(ok, "iptables", () if ok else ("rules differ",))
 
-    def teardown_rules(self, netns: str, backend: str | None = None) -> None:
+    def teardown_rules(self, netns: FakeFd, backend: str | None = None) -> None:
         self.calls.append(("teardown", netns))
         self.rules.pop(netns, None)
+        self.rules_in.pop(netns.key, None)
 
     def setup_node(self) -> bool:
         self.calls.append(("setup_node",))
@@ -134,6 +160,7 @@ class FakePeer:
         self.synced = threading.Event()
         self.answer = answer
         self.got: list[dict[str, Any]] = []
+        self.netns_of: dict[str, tuple[int, int] | None] = {}  # uid -> the netns its last add was given
         self.closed = False
 
     @property
@@ -149,7 +176,8 @@ class FakePeer:
             w.done(False, self.answer)
         return w
 
-    def send_add(self, pod: PodRecord) -> Waiter:
+    def send_add(self, pod: PodRecord, netns: Any = None) -> Waiter:
+        self.netns_of[pod.uid] = netns.key if netns is not None else None
         return self.enqueue({"type": "add", "pod": pod.for_proxy()})
 
     def close(self) -> None:
@@ -465,3 +493,21 @@ def test_silent_connections_to_the_proxy_socket_never_keep_a_proxy_out(tmp_path:
         hub.close_all()
         t.join(5)
     assert not t.is_alive()
+
+
+def test_an_add_acts_on_the_netns_it_opened_even_if_the_path_names_another_meanwhile() -> None:
+    """The add's path names another netns from the intent record on: the rules and the proxies'
+    netns are still the one opened (the record's), and every netns opened is closed again; a
+    check or a resync then finds the pod's netns gone or replaced and touches nothing there."""
+    t = Parts()
+    peer = t.peer()
+    ev = t.event("a", 7)
+    t.ops.on_intent = lambda: t.ops.netns("/run/netns/a", 8)  # the path names netns 8 from now on
+    t.enroller.add(ev)
+    assert t.ops.rules_in == {key(7): t.registry.pods["a"].config} and peer.netns_of["a"] == key(7)
+    assert set(t.ops.records) == {key(7)} and t.ops.opened == []
+    with pytest.raises(EventError, match="gone or replaced"):
+        t.enroller.check({"uid": "a"})
+    t.ops.calls.clear()
+    assert t.reconciler.resync() == {"gone": 1}
+    assert not [c for c in t.ops.calls if c[0] in ("setup", "teardown")] and t.ops.opened == []

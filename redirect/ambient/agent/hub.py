@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ...kernel.netns import NetnsRef
 from . import protocol
 from .logs import jlog
 from .metrics import Metrics
@@ -42,7 +43,7 @@ class Peer(Protocol):
     @property
     def serving(self) -> bool: ...
     def enqueue(self, msg: dict[str, Any], fd: int | None = None) -> Waiter: ...
-    def send_add(self, pod: PodRecord) -> Waiter: ...
+    def send_add(self, pod: PodRecord, netns: NetnsRef | None = None) -> Waiter: ...
     def close(self) -> None: ...
 
 
@@ -93,11 +94,11 @@ class ProxyHub:
 
     # -- pods handed out and taken back
 
-    def offer_locked(self, pod: PodRecord) -> list[tuple[Peer, Waiter]]:
+    def offer_locked(self, pod: PodRecord, netns: NetnsRef | None = None) -> list[tuple[Peer, Waiter]]:
         """(Under registry.lock.) ``pod`` is being enrolled: in the snapshot of a proxy that connects
-        from now on, and sent to every connected one."""
+        from now on, and sent to every connected one (``netns``: the pod's netns as its add opened it)."""
         self.registry.enrolling[pod.uid] = pod
-        return [(c, c.send_add(pod)) for c in self.conns]
+        return [(c, c.send_add(pod, netns)) for c in self.conns]
 
     def withdraw_locked(self, uid: str) -> list[tuple[Peer, Waiter]]:
         """(Under registry.lock.) Tell every connected proxy that ``uid`` is gone."""

@@ -22,6 +22,7 @@ from typing import Any
 from ...errors import RedirectError
 from ...kernel import netns as _netns
 from . import protocol
+from .discovery import open_as
 from .logs import jlog, log
 from .pods import PodRecord
 
@@ -98,9 +99,12 @@ class ProxyConn:
             self.q.put(({**msg, "id": mid}, fd))  # under the lock: never after close()'s None
         return w
 
-    def send_add(self, pod: PodRecord) -> Waiter:
+    def send_add(self, pod: PodRecord, netns: _netns.NetnsRef | None = None) -> Waiter:
+        """Hand ``pod`` to the proxy with an fd of its netns: a copy of ``netns`` (as the add opened
+        it), else the netns at its path, if that is still the pod's (inode and cookie: a path can
+        name another netns by now); if not, the add fails here and nothing is sent."""
         try:
-            fd = _netns.open_netns(pod.netns)
+            fd = _netns.open_netns(netns) if netns is not None else open_as(pod.netns, pod.key)[0]
         except RedirectError as e:
             w = Waiter()
             w.done(False, str(e))
