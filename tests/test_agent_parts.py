@@ -180,7 +180,7 @@ class FakePeer:
         self.netns_of[pod.uid] = netns.key if netns is not None else None
         return self.enqueue({"type": "add", "pod": pod.for_proxy()})
 
-    def close(self) -> None:
+    def close(self, why: str = "closed") -> None:
         self.closed = True
 
     def kinds(self) -> list[tuple[str, str]]:

@@ -32,6 +32,8 @@ from .registry import Registry
 MAX_HELLOS = 32
 #: Seconds a connection to the proxy socket has to say hello.
 HELLO_S = 5.0
+#: Node proxies connected at once, at most (two during a handover); a hello beyond them is refused.
+MAX_PROXIES = 4
 
 
 class Peer(Protocol):
@@ -44,7 +46,7 @@ class Peer(Protocol):
     def serving(self) -> bool: ...
     def enqueue(self, msg: dict[str, Any], fd: int | None = None) -> Waiter: ...
     def send_add(self, pod: PodRecord, netns: NetnsRef | None = None) -> Waiter: ...
-    def close(self) -> None: ...
+    def close(self, why: str = "closed") -> None: ...
 
 
 class ProxyHub:
@@ -76,7 +78,8 @@ class ProxyHub:
             failed = [p.uid for p, w in zip(pods, waiters, strict=True) if not w.ok]
             jlog(logging.INFO if not failed else logging.ERROR, "node proxy synced", proxy=conn.name, failed=failed)
             return True
-        jlog(logging.ERROR, "node proxy did not ack the snapshot", proxy=conn.name, error=done.error)
+        jlog(logging.ERROR, "node proxy did not ack the snapshot: dropped", proxy=conn.name, error=done.error)
+        conn.close("it did not ack its snapshot")  # (it would never count as synced: make room)
         return False
 
     def gone(self, conn: Peer) -> None:
@@ -105,12 +108,17 @@ class ProxyHub:
         return [(c, c.enqueue({"type": "del", "uid": uid})) for c in self.conns]
 
     def wait_all(self, waiters: Sequence[tuple[Peer, Waiter]]) -> list[str]:
-        """Errors of the proxies that did not ack in time (disconnects count as errors)."""
+        """Errors of the proxies that did not ack in time (disconnects count as errors). A proxy that
+        missed the deadline is dropped (its queue and the fds in it go): one that stopped reading
+        or acking would otherwise hold a netns fd for every pod since."""
         deadline = time.monotonic() + self.timeout
         errors = []
         for c, w in waiters:
             if not w.event.wait(max(deadline - time.monotonic(), 0)):
                 errors.append(f"{c.name}: no ack within {self.timeout} s")
+                jlog(logging.WARNING, "node proxy missed an ack deadline: dropped", proxy=c.name,
+                     seconds=self.timeout)
+                c.close(f"no ack within {self.timeout:g} s")
             elif not w.ok:
                 errors.append(f"{c.name}: {w.error}")
         return errors
@@ -204,8 +212,13 @@ class ProxyHub:
         if got[0]["type"] != "hello":
             self._refuse(s, "expected a hello first")
             return True
+        with self.registry.lock:
+            full = len(self.conns) >= MAX_PROXIES
+        if full:
+            self._refuse(s, f"{MAX_PROXIES} node proxies are connected already")
+            return True
         s.setblocking(True)
-        conn = ProxyConn(s, proxy_name(got[0], n), self.gone)
+        conn = ProxyConn(s, proxy_name(got[0], n), self.gone, self.timeout)
         threading.Thread(target=lambda: self.await_snapshot(conn, *self.attach(conn)), name="proxy-sync",
                          daemon=True).start()
         return True
