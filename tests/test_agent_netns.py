@@ -191,3 +191,51 @@ def test_adds_at_a_path_swapped_between_two_pods_act_on_one_netns_each(
         stop.set()
         t.join(5)
     assert not captured(a) and not captured(b)
+
+
+@pytest.fixture(scope="module")
+def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from redirect.cni import install as inst
+
+    d = str(tmp_path_factory.mktemp("cni-bin"))
+    inst.install_binary(d)
+    return d
+
+
+def test_a_sidecar_request_naming_an_ambient_pods_netns_is_refused(
+        bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod x is enrolled (ambient, through the thin plugin). A sidecar ADD, CHECK or DEL naming x's
+    netns, by its path or another one (a symlink), is refused with 7 naming CNI_NETNS, and x's
+    capture is as it was; the ambient DEL of x itself still works, and so does a sidecar pod."""
+    from redirect.cni.netconf import convert_result
+    from tests.test_cni_thin import Thin, agent_node, netconf
+
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        n.start_proxy()
+        thin = Thin(bin_dir, n)
+        x, y = make_pod(), make_pod()
+        prev = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": x.path}],
+                "ips": [{"address": f"{x.pod_ip4}/24", "interface": 0}]}
+        ambient = netconf(n.events, prev=prev, mode="ambient")
+        sidecar = netconf(n.events, prev=prev, mode="sidecar")
+        args_x = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=x;K8S_POD_UID=uid-x"
+        args_y = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=y;K8S_POD_UID=uid-y"
+        assert thin("ADD", ambient, x.path, args=args_x)[0] == 0
+        link = tmp_path / "x-link"
+        os.symlink(x.path, link)
+        shown = redirect.show(x.name)
+        for command in ("DEL", "ADD", "CHECK"):
+            for path in (x.path, str(link)):
+                rc, out = thin(command, sidecar, path, args=args_y, container="ctr-y")
+                assert rc == 1 and out is not None and out["code"] == 7, (command, path, out)
+                assert "CNI_NETNS" in out["msg"] and "uid-x" in out["msg"], out
+                assert redirect.show(x.name) == shown
+                assert thin("CHECK", ambient, x.path, args=args_x) == (0, None), (command, path)
+        # a sidecar pod elsewhere is served as ever
+        assert thin("ADD", sidecar, y.path, args=args_y, container="ctr-y") == (0, convert_result(prev, "1.0.0"))
+        assert captured(y)
+        assert thin("DEL", sidecar, y.path, args=args_y, container="ctr-y") == (0, None)
+        assert not captured(y)
+        assert thin("DEL", ambient, x.path, args=args_x) == (0, None)
+        assert not captured(x) and client.list_pods(n.events) == []

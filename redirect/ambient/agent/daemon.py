@@ -63,7 +63,7 @@ from typing import Any
 from ...config import RedirectConfig, int_arg, seconds_arg
 from ...errors import ConfigError, RedirectError
 from ...version import VersionAction
-from . import cni_requests, protocol
+from . import cni_requests, protocol, store
 from .dispatch import Dispatcher
 from .enroller import Enroller
 from .events import EventServer
@@ -147,6 +147,23 @@ class Agent:
         """One events-socket message (``dispatch``); never raises."""
         return self.dispatcher.handle(msg)
 
+    def ambient_owner(self, key: tuple[int, int]) -> str | None:
+        """The uid of the ambient pod whose netns ``key`` is: enrolled, being enrolled, or recorded in
+        the store (a record that can't be read counts: fail closed); None if none."""
+        reg = self.registry
+        with reg.lock:
+            for p in (*reg.pods.values(), *reg.enrolling.values()):
+                if p.key == key:
+                    return p.uid
+            claimed = reg.claims.get(key[0])
+        if claimed is not None:
+            return claimed
+        try:
+            rec = store.read(key)
+        except (RedirectError, OSError, ValueError) as e:
+            return f"(unknown: its record can't be read: {str(e)[:200]})"
+        return None if rec is None else str(rec.get("uid"))[:128]
+
     def start(self) -> None:
         t0 = time.monotonic()
         events = self._bind(self.opts.events_socket)
@@ -158,7 +175,8 @@ class Agent:
         self.reconciler.reconcile()
         threading.Thread(target=self.hub.accept, args=(proxies, self.stopping), name="agent-proxies",
                          daemon=True).start()
-        cni = lambda msg, fds: cni_requests.serve(self.metrics, self.handle, msg, fds)  # noqa: E731
+        cni = lambda msg, fds: cni_requests.serve(self.metrics, self.handle, msg, fds,  # noqa: E731
+                                                  self.ambient_owner)
         self.events = EventServer(events, self.handle, lambda reason: self.metrics.inc("failures", reason),
                                   workers=self.opts.workers, max_clients=self.opts.max_clients,
                                   idle_timeout=self.opts.idle_timeout, fd_handlers={"cni": cni})
