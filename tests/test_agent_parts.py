@@ -511,3 +511,75 @@ def test_an_add_acts_on_the_netns_it_opened_even_if_the_path_names_another_meanw
     t.ops.calls.clear()
     assert t.reconciler.resync() == {"gone": 1}
     assert not [c for c in t.ops.calls if c[0] in ("setup", "teardown")] and t.ops.opened == []
+
+
+def test_a_snapshot_and_a_list_of_thousands_of_pods_fit_the_message_limit() -> None:
+    """2,000 pods with 36-char uids: every snapshot message fits in 64 KiB (``snapshot_pods`` parts,
+    then ``snapshot_done`` with ``chunked``), together they name every pod; ``list`` answers page by
+    page, each page fits, and the pages hold every pod once. A small snapshot is one message, as ever."""
+    from redirect.ambient.agent import protocol
+
+    t = Parts()
+    small = t.peer()
+    assert small.got[-1] == {"type": "snapshot_done", "pods": []}
+    uids = [f"{i:08d}-aaaa-bbbb-cccc-{i:012d}" for i in range(2000)]
+    cfg = RedirectConfig(mode="ambient")
+    with t.registry.lock:
+        for i, uid in enumerate(uids):
+            t.registry.pods[uid] = PodRecord(uid=uid, name=f"web-{i}", namespace="default",
+                                             netns=f"/var/run/netns/cni-{uid}", inode=i + 10, cookie=i + 5000,
+                                             ips=(f"10.2.{i // 250}.{i % 250}",), container_id="c" * 64,
+                                             backend="iptables", config=cfg, node=NODE)
+    peer = t.peer()
+    snap = [m for m in peer.got if m["type"] in ("snapshot_pods", "snapshot_done")]
+    assert all(len(protocol.encode({**m, "id": 1 << 40})) <= protocol.MAX_MESSAGE for m in snap)
+    assert [m["type"] for m in snap][-1] == "snapshot_done" and snap[-1].get("chunked") is True
+    assert sorted(u for m in snap for u in m["pods"]) == uids and peer.synced.is_set()
+    seen: list[str] = []
+    after = None
+    for _ in range(1000):
+        reply = t.dispatcher.handle({"type": "list", **({"after": after} if after else {})})
+        assert reply["ok"] and len(protocol.encode(reply)) <= protocol.MAX_MESSAGE
+        seen += [p["uid"] for p in reply["pods"]]
+        after = reply.get("next")
+        if after is None:
+            break
+    assert seen == uids
+
+
+def test_the_node_proxy_keeps_every_pod_of_a_chunked_snapshot() -> None:
+    """``snapshot_pods`` parts, then ``snapshot_done`` with ``chunked``: the proxy keeps the pods of
+    every part and drops the others; a ``snapshot_done`` without ``chunked`` keeps its own list only."""
+    import io
+    import os
+    import socket
+
+    from redirect.ambient.agent import protocol
+    from redirect.ambient.nodeproxy import JsonLog, NodeProxy, PodState
+
+    proxy = NodeProxy("/nonexistent", JsonLog(io.StringIO()))
+    agent, proxy.agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        def serve(uids: list[str]) -> None:
+            for u in uids:
+                proxy.pods[u] = PodState(u, "", "", 1, os.open("/dev/null", os.O_RDONLY))
+
+        def send(msg: dict[str, Any]) -> dict[str, Any]:
+            protocol.send(agent, msg)
+            proxy._on_agent()
+            got = protocol.recv(agent, max_fds=0)
+            assert got is not None
+            return got[0]
+
+        serve(["a", "b", "c", "d"])
+        assert send({"type": "snapshot_pods", "id": 1, "pods": ["a"]})["ok"]
+        assert send({"type": "snapshot_pods", "id": 2, "pods": ["b"]})["ok"]
+        assert send({"type": "snapshot_done", "id": 3, "pods": ["c"], "chunked": True})["ok"]
+        assert set(proxy.pods) == {"a", "b", "c"}
+        assert send({"type": "snapshot_done", "id": 4, "pods": ["c"]})["ok"]
+        assert set(proxy.pods) == {"c"}
+    finally:
+        for u in list(proxy.pods):
+            proxy.remove_pod(u, "test")
+        agent.close()
+        proxy.agent.close()

@@ -36,6 +36,19 @@ HELLO_S = 5.0
 MAX_PROXIES = 4
 
 
+#: Uids in one snapshot message at most: 400 uids of the longest form (128 chars) fit in 64 KiB.
+SNAPSHOT_CHUNK = 400
+
+
+def snapshot_chunks(uids: list[str]) -> list[list[str]]:
+    """The snapshot's uids in messages that fit the protocol's limit: one list (``snapshot_done``
+    alone, as ever) when they fit in one, else ``SNAPSHOT_CHUNK`` at a time, the last one for
+    ``snapshot_done`` (``chunked``) and the others for ``snapshot_pods`` messages before it."""
+    if len(uids) <= SNAPSHOT_CHUNK:
+        return [uids]
+    return [uids[i:i + SNAPSHOT_CHUNK] for i in range(0, len(uids), SNAPSHOT_CHUNK)]
+
+
 class Peer(Protocol):
     """One connected node proxy (``proxies.ProxyConn``)."""
 
@@ -65,7 +78,10 @@ class ProxyHub:
             self.conns.append(conn)
             pods = list({**reg.pods, **reg.enrolling}.values())
             waiters = [conn.send_add(p) for p in pods]
-            done = conn.enqueue({"type": "snapshot_done", "pods": sorted(p.uid for p in pods)})
+            *parts, last = snapshot_chunks(sorted(p.uid for p in pods))
+            for part in parts:
+                conn.enqueue({"type": "snapshot_pods", "pods": part})
+            done = conn.enqueue({"type": "snapshot_done", "pods": last, **({"chunked": True} if parts else {})})
             self.metrics.set("proxy_connections", len(self.conns))
             self.metrics.add("proxy_connects_total", 1)
         jlog(logging.INFO, "node proxy connected: snapshot sent", proxy=conn.name, pods=len(pods))
