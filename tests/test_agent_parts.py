@@ -583,3 +583,21 @@ def test_the_node_proxy_keeps_every_pod_of_a_chunked_snapshot() -> None:
             proxy.remove_pod(u, "test")
         agent.close()
         proxy.agent.close()
+
+
+def test_the_uid_locks_do_not_grow_with_the_uids_seen() -> None:
+    """120,000 dels of unique uids leave the lock table as it was (it used to keep a lock per uid)."""
+    import tracemalloc
+
+    t = Parts()
+    t.enroller.delete({"uid": "warm-up"})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(120_000):
+            t.enroller.delete({"uid": f"uid-{i:06d}-0123456789abcdef"})
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 * 1024 * 1024, grown
+    assert t.registry.uid_lock("a") is t.registry.uid_lock("a")
