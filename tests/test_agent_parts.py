@@ -601,3 +601,17 @@ def test_the_uid_locks_do_not_grow_with_the_uids_seen() -> None:
         tracemalloc.stop()
     assert grown < 2 * 1024 * 1024, grown
     assert t.registry.uid_lock("a") is t.registry.uid_lock("a")
+
+
+@pytest.mark.parametrize("ip", ["127.0.0.1", "::1", "0.0.0.0", "::", "224.0.0.1", "ff02::1", "169.254.1.1",
+                                "fe80::1", "169.254.7.127", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+                                "::ffff:127.0.0.1", "255.255.255.255"])
+def test_an_add_whose_ips_are_not_a_pods_is_refused_naming_the_field_and_value(ip: str) -> None:
+    """Loopback, unspecified, multicast, link-local, broadcast and the probe SNAT addresses would go
+    in the node's probe sets (the node's own traffic to them SNAT'd): refused, nothing changed."""
+    t = Parts()
+    t.peer()
+    reply = t.dispatcher.handle({"type": "add", "pod": {**t.event("a", 7), "ips": ["10.1.0.7", ip]}})
+    assert reply["ok"] is False and reply["reason"] == "bad_request", reply
+    assert "pod.ips" in reply["error"] and ip in reply["error"], reply
+    assert t.ops.calls == [] and t.ops.node == {} and not t.registry.pods
