@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from redirect.ambient.agent import protocol
+from redirect.ambient.agent import client, protocol
 from tests import netkit
 from tests.netkit import Pod
 from tests.test_agent import Node, cni
@@ -444,3 +444,117 @@ def test_a_fifo_named_as_the_netns_is_refused_at_once_and_holds_no_worker(
         pod = make_pod()
         assert thin("ADD", conf, pod.path) == (0, PREV)
         assert thin("DEL", conf, pod.path) == (0, None)
+
+
+# --- the agent's fds stay below FD_SETSIZE ----------------------------------------------------
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _soft_nofile(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError("no 'Max open files' line")
+
+
+FD_PAST_SETSIZE = """
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+if sys.argv[2] == "limited":
+    from redirect.ambient.agent.daemon import limit_fds
+    limit_fds()
+import redirect
+held = []
+for _ in range(1100):
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+for fd in held[-8:]:  # room for libnftables' socket: past 1023 unless the limit kept every fd below
+    os.close(fd)
+redirect.setup(sys.argv[1], redirect.RedirectConfig(mode="ambient"), "nftables")
+print("set up", max(held), flush=True)
+"""
+
+
+def test_the_agent_keeps_its_fds_below_fd_setsize_so_libnftables_never_aborts_it(
+        pod: Pod, tmp_path: Path) -> None:
+    """libnftables puts its netlink socket in a ``select()`` fd_set, and glibc aborts the process
+    for an fd >= 1024. With the agent's limit (``limit_fds``) every fd it can open is below that:
+    a process that opened 1100 files sets up nftables capture instead of dying with SIGABRT; and
+    an agent started with a higher soft limit runs with 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.skip(f"the hard RLIMIT_NOFILE ({hard}) cannot show fds past 1024")
+    p = subprocess.run([sys.executable, "-c", FD_PAST_SETSIZE, pod.name, "limited"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("set up 10"), (p.returncode, p.stdout, p.stderr[-2000:])
+    assert int(p.stdout.split()[-1]) < 1024
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(8192, hard), hard))
+    n = Node(tmp_path)
+    try:
+        agent = n.start_agent()
+        assert _soft_nofile(agent.proc.pid) == 1024
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        n.close()
+
+
+def test_a_node_proxy_that_stops_acking_is_dropped_and_holds_no_fds(
+        make_pod: Callable[..., Pod], tmp_path: Path) -> None:
+    """A proxy says hello, acks its snapshot, then reads and acks nothing. The first add it misses
+    fails (``proxy``) and the proxy is dropped, its queue and fds with it; the adds after it are
+    enrolled through the proxy that serves, and the agent's open fds do not grow with them."""
+    n = Node(tmp_path)
+    try:
+        agent = n.start_agent("--proxy-timeout", "1", "--resync-seconds", "0")
+        n.start_proxy()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stuck:
+            stuck.settimeout(10)
+            stuck.connect(n.proxy_sock)
+            protocol.send(stuck, {"type": "hello", "proxy": "stuck", "pid": os.getpid()})
+            msg, _ = protocol.recv(stuck, max_fds=0) or ({}, [])
+            assert msg["type"] == "snapshot_done", msg
+            protocol.send(stuck, {"type": "ack", "id": msg["id"], "ok": True})
+            until(lambda: json.loads(agent.get("/readyz")[1])["proxies"] == 2, "two proxies")
+            pods = [make_pod() for _ in range(6)]
+            with pytest.raises(client.AgentError) as ei:
+                client.add_pod(n.events, uid="uid-s0", netns=pods[0].path, ips=[pods[0].pod_ip4])
+            assert ei.value.reason == "proxy" and "stuck" in str(ei.value), ei.value
+            until(lambda: json.loads(agent.get("/readyz")[1])["proxies"] == 1, "the stuck proxy dropped", 10)
+            base = _open_fds(agent.proc.pid)
+            for i, p in enumerate(pods[1:], 1):
+                assert client.add_pod(n.events, uid=f"uid-s{i}", netns=p.path, ips=[p.pod_ip4])["proxies"] == 1
+            assert _open_fds(agent.proc.pid) <= base + 16  # (a worker's first pod opens its per-thread fds)
+            for i, p in enumerate(pods):
+                client.del_pod(n.events, uid=f"uid-s{i}", netns=p.path)
+    finally:
+        n.close()
+
+
+def test_max_clients_and_workers_are_capped_and_the_ops_port_holds_few_connections(tmp_path: Path) -> None:
+    """``--max-clients`` past 256 and ``--workers`` past 64 are refused (they could take the agent's fds
+    past 1024); the ops port holds at most 32 connections whatever ``--max-clients`` says."""
+    for flag, value in (("--max-clients", "2000"), ("--workers", "100")):
+        p = subprocess.run([sys.executable, "-m", "redirect.ambient.agent.daemon", flag, value], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and flag in p.stderr, p.stderr[-1000:]
+    n = Node(tmp_path)
+    conns: list[socket.socket] = []
+    try:
+        agent = n.start_agent("--max-clients", "256")
+        base = _open_fds(agent.proc.pid)
+        for _ in range(200):
+            conns.append(socket.create_connection(("127.0.0.1", agent.port), timeout=5))
+        assert agent.get("/healthz") == (200, "ok\n")
+        until(lambda: _open_fds(agent.proc.pid) <= base + 40, f"at most 40 fds more than {base}", 10)
+    finally:
+        for c in conns:
+            c.close()
+        n.close()

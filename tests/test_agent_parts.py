@@ -35,6 +35,13 @@ def key(inode: int) -> tuple[int, int]:
     return inode, 1000 + inode
 
 
+class FakeFd(str):
+    """A netns as ``FakeOps.open_netns`` opened it: the path it was opened at (what ``calls`` and
+    ``rules`` name), bound to the netns that was there then (``key``), as an fd is."""
+
+    key: tuple[int, int]
+
+
 class FakeOps:
     """The kernel and the agent's store as the agent sees them, in memory: netns paths -> keys,
     records by netns key, installed rules, node-set entries (ip -> owner uid), netns holding an
@@ -45,6 +52,9 @@ class FakeOps:
         self.records: dict[tuple[int, int], dict[str, Any]] = {}
         self.legacy: set[str] = set()
         self.rules: dict[str, RedirectConfig] = {}
+        self.rules_in: dict[tuple[int, int], RedirectConfig] = {}  # the same, by the netns they went to
+        self.opened: list[FakeFd] = []  # open now
+        self.on_intent: Any = None  # called when an intent record is written
         self.node: dict[str, str | None] = {}
         self.calls: list[tuple[Any, ...]] = []
         self.fail: dict[str, Exception] = {}  # op name -> raised once
@@ -64,8 +74,20 @@ class FakeOps:
             raise NetnsError(f"netns={path!r}: no such namespace")
         return self.keys[path]
 
-    def host_netns_reason(self, path: str) -> str | None:
-        return "the host's network namespace" if path == "/proc/1/ns/net" else None
+    def open_netns(self, path: str, k: tuple[int, int] | None = None) -> tuple[FakeFd, tuple[int, int]]:
+        got = self.netns_key(path)
+        if k is not None and got != k:
+            raise NetnsError(f"netns={path!r}: gone or replaced")
+        ref = FakeFd(path)
+        ref.key = got
+        self.opened.append(ref)
+        return ref, got
+
+    def close_netns(self, ref: FakeFd) -> None:
+        self.opened.remove(ref)
+
+    def host_netns_reason(self, ref: FakeFd) -> str | None:
+        return "the host's network namespace" if ref == "/proc/1/ns/net" else None
 
     def same_netns(self, path: str, k: tuple[int, int]) -> bool:
         return self.keys.get(path) == k
@@ -76,6 +98,8 @@ class FakeOps:
     def write_record(self, k: tuple[int, int], record: dict[str, Any]) -> None:
         self.calls.append(("record", k, record["phase"]))
         self.records[k] = record
+        if record["phase"] == INTENT and self.on_intent is not None:
+            self.on_intent()
 
     def clear_record(self, k: tuple[int, int]) -> None:
         self.calls.append(("clear", k))
@@ -88,18 +112,20 @@ class FakeOps:
         self.legacy.discard(netns)
         return True
 
-    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
+    def setup_rules(self, netns: FakeFd, cfg: RedirectConfig, backend: str) -> None:
         self._maybe_fail("setup_rules")
         self.calls.append(("setup", netns, backend))
         self.rules[netns] = cfg
+        self.rules_in[netns.key] = cfg
 
-    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult:
+    def check_rules(self, netns: FakeFd, cfg: RedirectConfig, backend: str) -> CheckResult:
         ok = self.rules.get(netns) == cfg
         return CheckResult(ok, "iptables", () if ok else ("rules differ",))
 
-    def teardown_rules(self, netns: str, backend: str | None = None) -> None:
+    def teardown_rules(self, netns: FakeFd, backend: str | None = None) -> None:
         self.calls.append(("teardown", netns))
         self.rules.pop(netns, None)
+        self.rules_in.pop(netns.key, None)
 
     def setup_node(self) -> bool:
         self.calls.append(("setup_node",))
@@ -134,6 +160,7 @@ class FakePeer:
         self.synced = threading.Event()
         self.answer = answer
         self.got: list[dict[str, Any]] = []
+        self.netns_of: dict[str, tuple[int, int] | None] = {}  # uid -> the netns its last add was given
         self.closed = False
 
     @property
@@ -149,10 +176,11 @@ class FakePeer:
             w.done(False, self.answer)
         return w
 
-    def send_add(self, pod: PodRecord) -> Waiter:
+    def send_add(self, pod: PodRecord, netns: Any = None) -> Waiter:
+        self.netns_of[pod.uid] = netns.key if netns is not None else None
         return self.enqueue({"type": "add", "pod": pod.for_proxy()})
 
-    def close(self) -> None:
+    def close(self, why: str = "closed") -> None:
         self.closed = True
 
     def kinds(self) -> list[tuple[str, str]]:
@@ -465,3 +493,125 @@ def test_silent_connections_to_the_proxy_socket_never_keep_a_proxy_out(tmp_path:
         hub.close_all()
         t.join(5)
     assert not t.is_alive()
+
+
+def test_an_add_acts_on_the_netns_it_opened_even_if_the_path_names_another_meanwhile() -> None:
+    """The add's path names another netns from the intent record on: the rules and the proxies'
+    netns are still the one opened (the record's), and every netns opened is closed again; a
+    check or a resync then finds the pod's netns gone or replaced and touches nothing there."""
+    t = Parts()
+    peer = t.peer()
+    ev = t.event("a", 7)
+    t.ops.on_intent = lambda: t.ops.netns("/run/netns/a", 8)  # the path names netns 8 from now on
+    t.enroller.add(ev)
+    assert t.ops.rules_in == {key(7): t.registry.pods["a"].config} and peer.netns_of["a"] == key(7)
+    assert set(t.ops.records) == {key(7)} and t.ops.opened == []
+    with pytest.raises(EventError, match="gone or replaced"):
+        t.enroller.check({"uid": "a"})
+    t.ops.calls.clear()
+    assert t.reconciler.resync() == {"gone": 1}
+    assert not [c for c in t.ops.calls if c[0] in ("setup", "teardown")] and t.ops.opened == []
+
+
+def test_a_snapshot_and_a_list_of_thousands_of_pods_fit_the_message_limit() -> None:
+    """2,000 pods with 36-char uids: every snapshot message fits in 64 KiB (``snapshot_pods`` parts,
+    then ``snapshot_done`` with ``chunked``), together they name every pod; ``list`` answers page by
+    page, each page fits, and the pages hold every pod once. A small snapshot is one message, as ever."""
+    from redirect.ambient.agent import protocol
+
+    t = Parts()
+    small = t.peer()
+    assert small.got[-1] == {"type": "snapshot_done", "pods": []}
+    uids = [f"{i:08d}-aaaa-bbbb-cccc-{i:012d}" for i in range(2000)]
+    cfg = RedirectConfig(mode="ambient")
+    with t.registry.lock:
+        for i, uid in enumerate(uids):
+            t.registry.pods[uid] = PodRecord(uid=uid, name=f"web-{i}", namespace="default",
+                                             netns=f"/var/run/netns/cni-{uid}", inode=i + 10, cookie=i + 5000,
+                                             ips=(f"10.2.{i // 250}.{i % 250}",), container_id="c" * 64,
+                                             backend="iptables", config=cfg, node=NODE)
+    peer = t.peer()
+    snap = [m for m in peer.got if m["type"] in ("snapshot_pods", "snapshot_done")]
+    assert all(len(protocol.encode({**m, "id": 1 << 40})) <= protocol.MAX_MESSAGE for m in snap)
+    assert [m["type"] for m in snap][-1] == "snapshot_done" and snap[-1].get("chunked") is True
+    assert sorted(u for m in snap for u in m["pods"]) == uids and peer.synced.is_set()
+    seen: list[str] = []
+    after = None
+    for _ in range(1000):
+        reply = t.dispatcher.handle({"type": "list", **({"after": after} if after else {})})
+        assert reply["ok"] and len(protocol.encode(reply)) <= protocol.MAX_MESSAGE
+        seen += [p["uid"] for p in reply["pods"]]
+        after = reply.get("next")
+        if after is None:
+            break
+    assert seen == uids
+
+
+def test_the_node_proxy_keeps_every_pod_of_a_chunked_snapshot() -> None:
+    """``snapshot_pods`` parts, then ``snapshot_done`` with ``chunked``: the proxy keeps the pods of
+    every part and drops the others; a ``snapshot_done`` without ``chunked`` keeps its own list only."""
+    import io
+    import os
+    import socket
+
+    from redirect.ambient.agent import protocol
+    from redirect.ambient.nodeproxy import JsonLog, NodeProxy, PodState
+
+    proxy = NodeProxy("/nonexistent", JsonLog(io.StringIO()))
+    agent, proxy.agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        def serve(uids: list[str]) -> None:
+            for u in uids:
+                proxy.pods[u] = PodState(u, "", "", 1, os.open("/dev/null", os.O_RDONLY))
+
+        def send(msg: dict[str, Any]) -> dict[str, Any]:
+            protocol.send(agent, msg)
+            proxy._on_agent()
+            got = protocol.recv(agent, max_fds=0)
+            assert got is not None
+            return got[0]
+
+        serve(["a", "b", "c", "d"])
+        assert send({"type": "snapshot_pods", "id": 1, "pods": ["a"]})["ok"]
+        assert send({"type": "snapshot_pods", "id": 2, "pods": ["b"]})["ok"]
+        assert send({"type": "snapshot_done", "id": 3, "pods": ["c"], "chunked": True})["ok"]
+        assert set(proxy.pods) == {"a", "b", "c"}
+        assert send({"type": "snapshot_done", "id": 4, "pods": ["c"]})["ok"]
+        assert set(proxy.pods) == {"c"}
+    finally:
+        for u in list(proxy.pods):
+            proxy.remove_pod(u, "test")
+        agent.close()
+        proxy.agent.close()
+
+
+def test_the_uid_locks_do_not_grow_with_the_uids_seen() -> None:
+    """120,000 dels of unique uids leave the lock table as it was (it used to keep a lock per uid)."""
+    import tracemalloc
+
+    t = Parts()
+    t.enroller.delete({"uid": "warm-up"})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(120_000):
+            t.enroller.delete({"uid": f"uid-{i:06d}-0123456789abcdef"})
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 * 1024 * 1024, grown
+    assert t.registry.uid_lock("a") is t.registry.uid_lock("a")
+
+
+@pytest.mark.parametrize("ip", ["127.0.0.1", "::1", "0.0.0.0", "::", "224.0.0.1", "ff02::1", "169.254.1.1",
+                                "fe80::1", "169.254.7.127", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+                                "::ffff:127.0.0.1", "255.255.255.255"])
+def test_an_add_whose_ips_are_not_a_pods_is_refused_naming_the_field_and_value(ip: str) -> None:
+    """Loopback, unspecified, multicast, link-local, broadcast and the probe SNAT addresses would go
+    in the node's probe sets (the node's own traffic to them SNAT'd): refused, nothing changed."""
+    t = Parts()
+    t.peer()
+    reply = t.dispatcher.handle({"type": "add", "pod": {**t.event("a", 7), "ips": ["10.1.0.7", ip]}})
+    assert reply["ok"] is False and reply["reason"] == "bad_request", reply
+    assert "pod.ips" in reply["error"] and ip in reply["error"], reply
+    assert t.ops.calls == [] and t.ops.node == {} and not t.registry.pods

@@ -155,13 +155,16 @@ def _malformed(msg: dict[str, Any]) -> str | None:
         return uid_problem(pod.get("uid"), "pod.uid")
     if kind == "del":
         return uid_problem(msg.get("uid"), "uid")
-    if kind == "snapshot_done":
+    if kind in ("snapshot_done", "snapshot_pods"):
         pods = msg.get("pods", [])
         if not isinstance(pods, list):
             return "pods: expected a list of pod uids"
         return next((p for p in (uid_problem(u, "pods") for u in pods) if p), None)
     return None
 
+
+#: Uids of one snapshot the proxy collects at most (``snapshot_pods`` parts before ``snapshot_done``).
+_MAX_SNAPSHOT = 1_000_000
 
 #: setsockopt(SOL_SOCKET) option that gives a socket's reuseport group a BPF program (asm-generic/socket.h).
 SO_ATTACH_REUSEPORT_EBPF = 52
@@ -191,6 +194,7 @@ class NodeProxy:
         self.idle_timeout = idle_timeout
         self.sel = selectors.DefaultSelector()
         self.pods: dict[str, PodState] = {}
+        self._snapshot: set[str] = set()  # uids of the snapshot parts (snapshot_pods) so far
         self.agent: socket.socket | None = None
         self.slots = threading.BoundedSemaphore(max_conns)
         self.active = 0
@@ -205,6 +209,7 @@ class NodeProxy:
     # -- agent connection
 
     def _connect_agent(self) -> bool:
+        self._snapshot = set()  # (a new connection, a new snapshot)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             s.settimeout(2.0)
@@ -267,8 +272,15 @@ class NodeProxy:
             elif kind == "del":
                 self.remove_pod(msg["uid"], "deleted")
                 self._ack(mid)
+            elif kind == "snapshot_pods":  # a part of a snapshot too large for one message
+                if len(self._snapshot) + len(msg["pods"]) > _MAX_SNAPSHOT:
+                    self._ack(mid, False, f"a snapshot of more than {_MAX_SNAPSHOT} pods")
+                else:
+                    self._snapshot.update(msg["pods"])
+                    self._ack(mid)
             elif kind == "snapshot_done":
-                keep = set(msg["pods"])
+                keep = set(msg["pods"]) | (self._snapshot if msg.get("chunked") is True else set())
+                self._snapshot = set()
                 for uid in [u for u in self.pods if u not in keep]:
                     self.remove_pod(uid, "not in the agent's snapshot")
                 self.log("snapshot_done", pods=sorted(self.pods))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
@@ -72,9 +73,20 @@ def check_pod(socket_path: AgentTarget, *, uid: str, netns: str = "", timeout: f
 
 
 def list_pods(socket_path: str, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """The pods the agent has enrolled."""
-    pods = _call(socket_path, {"type": "list"}, timeout).get("pods", [])
-    return pods if isinstance(pods, list) else []
+    """The pods the agent has enrolled (page by page: ``after`` the last one's uid, while ``next`` says
+    more follow; bounded by ``timeout`` for the whole list)."""
+    deadline = time.monotonic() + timeout
+    out: list[dict[str, Any]] = []
+    after: str | None = None
+    while True:
+        msg: dict[str, Any] = {"type": "list"} if after is None else {"type": "list", "after": after}
+        got = _call(socket_path, msg, max(deadline - time.monotonic(), 0.001))
+        pods = got.get("pods", [])
+        out += pods if isinstance(pods, list) else []
+        nxt = got.get("next")
+        if not isinstance(nxt, str) or (after is not None and nxt <= after):
+            return out
+        after = nxt
 
 
 __all__ = ["AgentTarget", "AgentError", "add_pod", "del_pod", "check_pod", "list_pods"]

@@ -25,11 +25,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ...cni import netconf, plugin
+from ...errors import RedirectError
+from ...kernel import netns as _netns
 from .metrics import Metrics
 
 #: The agent's own handler of an ambient pod's request (``Agent.handle``), which the plugin's code
 #: calls in place of the agent's socket.
 NodeAgent = Callable[[dict[str, Any]], dict[str, Any]]
+#: The uid of the ambient pod the agent has (enrolled, being enrolled, or recorded in its store)
+#: in the netns of this key (inode, cookie), or None.
+AmbientOwner = Callable[[tuple[int, int]], "str | None"]
 
 log = logging.getLogger("redirect.agent")
 
@@ -74,10 +79,45 @@ def _env(raw: object) -> dict[str, str]:
     return env
 
 
+def _ambient_netns(env: dict[str, str], stdin: bytes, owner: AmbientOwner) -> tuple[int, dict[str, Any]] | None:
+    """A sidecar ADD, DEL or CHECK whose ``CNI_NETNS`` is an ambient pod's netns this agent has
+    (compared by inode and cookie, not by path) is refused with code 7 naming ``CNI_NETNS``: it
+    would replace, tear down or judge that pod's capture. None: not such a request (a config the
+    plugin refuses anyway, a netns that is gone, an ambient request: the plugin's own answer)."""
+    if env.get("CNI_COMMAND") not in ("ADD", "DEL", "CHECK") or not env.get("CNI_NETNS"):
+        return None
+    try:
+        conf = netconf.parse_netconf(stdin)
+    except netconf.CniError:
+        return None
+    if conf.get("mode", netconf.DEFAULTS["mode"]) == "ambient":
+        return None
+    try:
+        fd = _netns.open_netns(env["CNI_NETNS"])
+    except (RedirectError, OSError):
+        return None  # gone, or not a netns: the plugin says so (a DEL succeeds)
+    try:
+        key = os.fstat(fd).st_ino, _netns.netns_cookie(_netns.Fd(fd))
+    except (RedirectError, OSError):
+        return None
+    finally:
+        os.close(fd)
+    uid = owner(key)
+    if uid is None:
+        return None
+    msg = (f"CNI_NETNS={env['CNI_NETNS'][:256]!r}: that netns is ambient pod {uid}'s (enrolled by this node's "
+           f"agent); a sidecar {env['CNI_COMMAND']} there is refused and nothing was changed")
+    log.error("cni %s refused: %s", env["CNI_COMMAND"], msg, extra={"fields": {"reason": "netns"}})
+    version = conf.get("cniVersion")
+    return 1, {"cniVersion": version if isinstance(version, str) else netconf.LATEST, "code": netconf.E_ENV,
+               "msg": msg, "details": ""}
+
+
 def handle(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
-           fds: list[int]) -> tuple[dict[str, Any], bytes]:
+           fds: list[int], owner: AmbientOwner | None = None) -> tuple[dict[str, Any], bytes]:
     """One ``cni`` message, counted in ``metrics``, its ambient pods enrolled by ``node_agent``:
-    (the ``result`` message, the plugin's stdout). Never raises."""
+    (the ``result`` message, the plugin's stdout); ``owner``: whose ambient netns a key is (a
+    sidecar request there is refused). Never raises."""
     t0 = time.perf_counter()
     command = ""
     try:
@@ -91,7 +131,8 @@ def handle(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
         metrics.inc("failures", "bad_request")
         log.error("cni request refused: %s", e, extra={"fields": {"reason": "bad_request"}})
         return {"type": "result", "ok": False, "reason": "bad_request", "error": str(e)}, b""
-    rc, out = plugin.run(env, stdin, node_agent=node_agent)
+    refused = _ambient_netns(env, stdin, owner) if owner is not None else None
+    rc, out = refused if refused is not None else plugin.run(env, stdin, node_agent=node_agent)
     metrics.inc("events", f"cni_{command.lower()}" if command in netconf.COMMANDS else "cni")
     if rc != 0:
         metrics.inc("failures", "cni")
@@ -101,11 +142,11 @@ def handle(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
 
 
 def serve(metrics: Metrics, node_agent: NodeAgent, msg: dict[str, Any],
-          fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+          fds: list[int], owner: AmbientOwner | None = None) -> tuple[dict[str, Any], list[int]]:
     """One ``cni`` message (the events server's handler for it): the reply, and a memfd with the
     plugin's stdout to send with it (the caller closes it once sent). Closes ``fds``."""
     try:
-        reply, out = handle(metrics, node_agent, msg, fds)
+        reply, out = handle(metrics, node_agent, msg, fds, owner)
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):

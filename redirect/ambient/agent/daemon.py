@@ -63,7 +63,7 @@ from typing import Any
 from ...config import RedirectConfig, int_arg, seconds_arg
 from ...errors import ConfigError, RedirectError
 from ...version import VersionAction
-from . import cni_requests, protocol
+from . import cni_requests, protocol, store
 from .dispatch import Dispatcher
 from .enroller import Enroller
 from .events import EventServer
@@ -74,6 +74,29 @@ from .ops import KernelOps
 from .reconcile import Reconciler
 from .registry import Registry
 from .warmup import Warmup
+
+#: Bounds on what the agent holds open, so that its fds stay well below ``FD_LIMIT`` (each worker a
+#: few while it works in a pod's netns, each client one, each node proxy one and its queued netns
+#: fds: ``proxies.MAX_QUEUED_FDS``, ``hub.MAX_PROXIES``, ``hub.MAX_HELLOS``).
+MAX_WORKERS = 64
+MAX_CLIENTS = 256
+MAX_OPS_CLIENTS = 32
+#: The agent's soft ``RLIMIT_NOFILE`` at most: an fd past ``FD_SETSIZE`` (1024) in libnftables'
+#: ``select()`` makes glibc abort the process (Debian's libnftables 1.0.6), so an open that would
+#: give one fails with EMFILE instead (a request fails; the agent goes on).
+FD_LIMIT = 1024
+
+
+def limit_fds(limit: int = FD_LIMIT) -> tuple[int, int]:
+    """Lower this process's soft ``RLIMIT_NOFILE`` to ``limit`` if it is higher (the hard limit is
+    left as it is); the soft limit before and after."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    new = limit if soft == resource.RLIM_INFINITY or soft > limit else soft
+    if new != soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    return soft, new
 
 
 @dataclass
@@ -124,17 +147,36 @@ class Agent:
         """One events-socket message (``dispatch``); never raises."""
         return self.dispatcher.handle(msg)
 
+    def ambient_owner(self, key: tuple[int, int]) -> str | None:
+        """The uid of the ambient pod whose netns ``key`` is: enrolled, being enrolled, or recorded in
+        the store (a record that can't be read counts: fail closed); None if none."""
+        reg = self.registry
+        with reg.lock:
+            for p in (*reg.pods.values(), *reg.enrolling.values()):
+                if p.key == key:
+                    return p.uid
+            claimed = reg.claims.get(key[0])
+        if claimed is not None:
+            return claimed
+        try:
+            rec = store.read(key)
+        except (RedirectError, OSError, ValueError) as e:
+            return f"(unknown: its record can't be read: {str(e)[:200]})"
+        return None if rec is None else str(rec.get("uid"))[:128]
+
     def start(self) -> None:
         t0 = time.monotonic()
         events = self._bind(self.opts.events_socket)
         proxies = self._bind(self.opts.proxy_socket)
         self.http = serve_http(self.opts.http_host, self.opts.http_port, self.metrics, self._readiness,
-                               idle_timeout=self.opts.idle_timeout, max_clients=self.opts.max_clients)
+                               idle_timeout=self.opts.idle_timeout,
+                               max_clients=min(self.opts.max_clients, MAX_OPS_CLIENTS))
         jlog(logging.INFO, "http listening", host=self.opts.http_host, port=self.http.server_address[1])
         self.reconciler.reconcile()
         threading.Thread(target=self.hub.accept, args=(proxies, self.stopping), name="agent-proxies",
                          daemon=True).start()
-        cni = lambda msg, fds: cni_requests.serve(self.metrics, self.handle, msg, fds)  # noqa: E731
+        cni = lambda msg, fds: cni_requests.serve(self.metrics, self.handle, msg, fds,  # noqa: E731
+                                                  self.ambient_owner)
         self.events = EventServer(events, self.handle, lambda reason: self.metrics.inc("failures", reason),
                                   workers=self.opts.workers, max_clients=self.opts.max_clients,
                                   idle_timeout=self.opts.idle_timeout, fd_handlers={"cni": cni})
@@ -219,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-host", default="127.0.0.1", help="address of /healthz, /readyz, /metrics (%(default)s)")
     p.add_argument("--http-port", type=int_arg(0, 65535), default=15995,
                    help="port of the ops server; 0 = any (%(default)s)")
-    p.add_argument("--workers", type=int_arg(1, 1024), default=16,
-                   help="pod events and CNI requests handled at once (%(default)s)")
+    p.add_argument("--workers", type=int_arg(1, MAX_WORKERS), default=16,
+                   help=f"pod events and CNI requests handled at once, at most {MAX_WORKERS} (%(default)s)")
     p.add_argument("--proxy-timeout", type=seconds_arg(0.001, 3600), default=5.0,
                    help="seconds to wait for the node proxy's ack of a pod (%(default)s)")
     p.add_argument("--capture", default="{}",
@@ -235,9 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an events-socket client may stay idle, or take to read an answer, and an "
                         "ops-port connection may take for its whole request and answer, before it is "
                         "disconnected (%(default)s)")
-    p.add_argument("--max-clients", type=int_arg(1, 65536), default=256,
-                   help="open connections on the events socket, and on the ops port, at most; a new client "
-                        "beyond that disconnects the one idle the longest (%(default)s)")
+    p.add_argument("--max-clients", type=int_arg(1, MAX_CLIENTS), default=256,
+                   help=f"open connections on the events socket (at most {MAX_CLIENTS}), and on the ops port (at "
+                        f"most {MAX_OPS_CLIENTS}), at most; a new client beyond that disconnects the one idle the "
+                        "longest (%(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=True,
                    help="log one JSON object per line on stderr (time, level, logger, msg, the pod's fields); "
@@ -252,8 +295,8 @@ def options_from_args(a: argparse.Namespace) -> Options:
         raise ConfigError("--capture", a.capture, f"not JSON: {e}") from None
     if not isinstance(capture, dict):
         raise ConfigError("--capture", a.capture, "expected a JSON object of RedirectConfig fields")
-    if a.workers < 1 or a.workers > 256:
-        raise ConfigError("--workers", a.workers, "expected 1..256")
+    if not 1 <= a.workers <= MAX_WORKERS:
+        raise ConfigError("--workers", a.workers, f"expected 1..{MAX_WORKERS}")
     if not 0 <= a.http_port <= 65535:
         raise ConfigError("--http-port", a.http_port, "expected 0..65535")
     if a.resync_seconds < 0:
@@ -262,8 +305,8 @@ def options_from_args(a: argparse.Namespace) -> Options:
         raise ConfigError("--proxy-timeout", a.proxy_timeout, "expected a positive number of seconds")
     if not 0 < a.idle_timeout <= 3600:
         raise ConfigError("--idle-timeout", a.idle_timeout, "expected seconds in (0, 3600]")
-    if not 1 <= a.max_clients <= 65536:
-        raise ConfigError("--max-clients", a.max_clients, "expected 1..65536")
+    if not 1 <= a.max_clients <= MAX_CLIENTS:
+        raise ConfigError("--max-clients", a.max_clients, f"expected 1..{MAX_CLIENTS}")
     return Options(events_socket=a.events_socket, proxy_socket=a.proxy_socket, backend=a.backend,
                    node_name=a.node_name, host_rules=not a.no_host_rules, host_netns=a.host_netns,
                    http_host=a.http_host, http_port=a.http_port, workers=a.workers, proxy_timeout=a.proxy_timeout,
@@ -276,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     from ... import logjson
 
     logjson.setup(json_lines=a.log_json, level=a.log_level)
+    before, soft = limit_fds()
+    if soft != before:
+        jlog(logging.INFO, "open files limited", soft_limit=soft, was=before)
     try:
         agent = Agent(options_from_args(a))
     except ConfigError as e:

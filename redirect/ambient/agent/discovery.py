@@ -22,7 +22,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ...errors import RedirectError
+from ...errors import NetnsError, RedirectError
 from ...kernel import netns as _netns
 from . import legacy, store
 from .logs import jlog
@@ -70,6 +70,24 @@ def key_at(path: str) -> store.Key | None:
         return _netns.netns_key(path)
     except (RedirectError, OSError):
         return None
+
+
+def open_as(path: str, key: store.Key | None = None) -> tuple[int, store.Key]:
+    """Open the netns at ``path`` once: (an fd the caller closes, its key). With ``key``, it must be
+    that netns (``NetnsError`` "gone or replaced" otherwise, nothing left open). Whatever is done
+    to the pod then goes through that fd, so a path that changes meanwhile (a symlink swapped, a
+    name deleted and re-made, a pid reused) can never make it act on another netns."""
+    fd = _netns.open_netns(path)
+    try:
+        got = os.fstat(fd).st_ino, _netns.netns_cookie(_netns.Fd(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    if key is not None and got != key:
+        os.close(fd)
+        raise NetnsError(f"netns={path[:4096]!r}: gone or replaced: it is not the pod's netns (inode {key[0]}, "
+                         f"cookie {key[1]}) any more")
+    return fd, got
 
 
 def locate(key: store.Key, recorded: str, node_netns: NodeNetns) -> str | None:
@@ -153,4 +171,4 @@ def _untrusted_in_pod_records(netnses: NodeNetns, recorded: set[int]) -> int:
     return n
 
 
-__all__ = ["Found", "NodeNetns", "discover", "locate", "key_at"]
+__all__ = ["Found", "NodeNetns", "discover", "locate", "key_at", "open_as"]

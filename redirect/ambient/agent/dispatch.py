@@ -7,6 +7,7 @@ and an ``error`` that names the field and the value. Wire format: docs/agent-pro
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +17,10 @@ from .enroller import Enroller, EventError
 from .logs import jlog, log
 from .metrics import Metrics
 from .pods import BadPod
+
+#: Bytes of pods in one ``list`` page at most (the message limit is 64 KiB; one pod, whose recorded
+#: netns path may be 4 KiB, always fits).
+LIST_PAGE_BYTES = 48 * 1024
 
 
 class Dispatcher:
@@ -36,9 +41,7 @@ class Dispatcher:
             elif kind == "check":
                 out = self.enroller.check(msg.get("pod"))
             elif kind == "list":
-                reg = self.enroller.registry
-                with reg.lock:
-                    out = {"pods": [p.for_proxy() for p in reg.pods.values()]}
+                out = self.list_page(msg.get("after"))
             elif kind == "status":
                 ok, detail = self.readiness()
                 out = {"ready": ok, **detail}
@@ -57,6 +60,25 @@ class Dispatcher:
             if kind == "add" and out.get("enrolled"):
                 self.metrics.observe_setup(time.perf_counter() - t0)
         return {"type": "result", "ok": True, "ms": round((time.perf_counter() - t0) * 1e3, 2), **out}
+
+    def list_page(self, after: Any) -> dict[str, Any]:
+        """A page of ``list``: the enrolled pods by uid after ``after`` (none: from the first), as many
+        as fit in one message; ``next`` (the last uid of the page) when more follow."""
+        if after is not None and not isinstance(after, str):
+            raise EventError("bad_request", "after: expected a pod uid")
+        reg = self.enroller.registry
+        with reg.lock:
+            pods = sorted((p for p in reg.pods.values() if after is None or p.uid > after), key=lambda p: p.uid)
+            page: list[dict[str, Any]] = []
+            size = 0
+            for p in pods:
+                item = p.for_proxy()
+                n = len(json.dumps(item, separators=(",", ":"))) + 1
+                if page and size + n > LIST_PAGE_BYTES:
+                    return {"pods": page, "next": page[-1]["uid"]}
+                page.append(item)
+                size += n
+        return {"pods": page}
 
     def _failed(self, kind: str, msg: dict[str, Any], e: EventError) -> dict[str, Any]:
         self.metrics.inc("failures", e.reason)

@@ -16,17 +16,18 @@ What it changes in the kernel goes through an ``ops.Ops``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...config import RedirectConfig
 from ...errors import ConfigError, RedirectError, SetupError
 from .hub import ProxyHub
 from .logs import jlog
-from .ops import Ops
+from .ops import NetnsRef, Ops
 from .pods import ENROLLED, INTENT, BadPod, PodRecord, ambient_config, backend_of, ips_of, text, uid_of
 from .registry import Registry
 
@@ -71,20 +72,44 @@ class Enroller:
     # -- add
 
     def add(self, raw: Any) -> dict[str, Any]:
-        """Enrol a pod (the transaction above); the reply's fields."""
-        pod = self.parse_pod(raw)
-        with self.registry.uid_lock(pod.uid):
-            self._claim(pod)
-            try:
-                proxies = self._enrol(pod)
-            finally:
-                self.registry.release(pod)
+        """Enrol a pod (the transaction above); the reply's fields. Its netns is opened once, and
+        every step acts on that open netns (the proxies get a copy of the fd), never on its path
+        again: a path that names another netns meanwhile changes nothing."""
+        fields, path = self._fields(raw)
+        with self._opened(path) as (ref, key):
+            pod = self._pod(fields, path, ref, key)
+            with self.registry.uid_lock(pod.uid):
+                self._claim(pod)
+                try:
+                    proxies = self._enrol(pod, ref)
+                finally:
+                    self.registry.release(pod)
         jlog(logging.INFO, "pod enrolled", pod=pod.uid, name=pod.name, namespace=pod.namespace, netns=pod.netns,
              ips=list(pod.ips), proxies=proxies, backend=pod.backend)
         return {"enrolled": True, "pod": pod.uid, "proxies": proxies}
 
+    @contextlib.contextmanager
+    def _opened(self, path: str, key: tuple[int, int] | None = None,
+                reason: str = "netns") -> Iterator[tuple[NetnsRef, tuple[int, int]]]:
+        """The netns at ``path``, opened once for one operation (``key``: it must be that netns);
+        ``EventError`` (``reason``) if it can't be."""
+        try:
+            ref, got = self.ops.open_netns(path, key)
+        except RedirectError as e:
+            raise EventError(reason, str(e)) from None
+        try:
+            yield ref, got
+        finally:
+            self.ops.close_netns(ref)
+
     def parse_pod(self, pod: Any) -> PodRecord:
         """An ``add`` event's pod, validated (``EventError`` naming the field, nothing changed)."""
+        fields, path = self._fields(pod)
+        with self._opened(path) as (ref, key):
+            return self._pod(fields, path, ref, key)
+
+    def _fields(self, pod: Any) -> tuple[dict[str, Any], str]:
+        """An ``add`` event's fields but its netns, validated; and the netns path it names."""
         if not isinstance(pod, dict):
             raise EventError("bad_request", "pod: expected an object")
         uid = uid_of(pod, "pod")
@@ -92,17 +117,20 @@ class Enroller:
         ips = ips_of(pod.get("ips") or [], "pod.ips")
         backend = backend_of(pod.get("backend"), "pod.backend", self.backend)
         cfg = self._pod_config(pod)
+        return dict(uid=uid, name=text(pod, "name", "pod"), namespace=text(pod, "namespace", "pod", limit=63),
+                    ips=ips, container_id=text(pod, "container_id", "pod", limit=128), backend=backend,
+                    config=cfg, node=self.node_name), path
+
+    def _pod(self, fields: dict[str, Any], path: str, ref: NetnsRef, key: tuple[int, int]) -> PodRecord:
+        """The pod of ``fields`` in the netns ``ref`` (opened at ``path``), refused (``netns``) if
+        that is the host's (before anything is written there)."""
         try:
-            inode, cookie = self.ops.netns_key(path)
-            host = self.ops.host_netns_reason(path)  # (before anything is written there)
+            host = self.ops.host_netns_reason(ref)
         except RedirectError as e:
             raise EventError("netns", str(e)) from None
         if host is not None:
             raise EventError("netns", f"pod.netns={path!r}: {host}: refused")
-        return PodRecord(uid=uid, name=text(pod, "name", "pod"), namespace=text(pod, "namespace", "pod", limit=63),
-                         netns=path, inode=inode, cookie=cookie, ips=ips,
-                         container_id=text(pod, "container_id", "pod", limit=128), backend=backend, config=cfg,
-                         node=self.node_name)
+        return PodRecord(netns=path, inode=key[0], cookie=key[1], **fields)
 
     def _pod_config(self, pod: dict[str, Any]) -> RedirectConfig:
         from ...istio.annotations import config_from_annotations
@@ -139,8 +167,9 @@ class Enroller:
         if other is not None:
             raise EventError("netns", f"pod.netns={pod.netns!r}: that netns is pod {other}'s; nothing was changed")
 
-    def _enrol(self, pod: PodRecord) -> int:
-        """The steps of ``add`` (under the pod's uid lock and netns claim); how many proxies acked."""
+    def _enrol(self, pod: PodRecord, ref: NetnsRef) -> int:
+        """The steps of ``add`` (under the pod's uid lock and netns claim) in the netns ``ref``;
+        how many proxies acked."""
         reg = self.registry
         with reg.lock:
             if not self.hub.conns:
@@ -151,7 +180,7 @@ class Enroller:
             if cur is None or cur.key != pod.key:  # a repeated add keeps its commit record
                 self.ops.write_record(pod.key, pod.record(INTENT))
                 fault("add.intent")
-            self.ops.setup_rules(pod.netns, pod.config, pod.backend)
+            self.ops.setup_rules(ref, pod.config, pod.backend)
             fault("add.rules")
             if self.host_rules and pod.ips:
                 try:
@@ -161,7 +190,7 @@ class Enroller:
                     self.ops.add_node_ips(pod.ips, pod.uid)
                 fault("add.node_set")
             with reg.lock:
-                waiters = self.hub.offer_locked(pod)
+                waiters = self.hub.offer_locked(pod, ref)
             fault("add.proxy_sent")
             if not waiters:
                 raise EventError("no_proxy", "no node proxy is connected")
@@ -174,39 +203,49 @@ class Enroller:
             reg.commit(pod)
             return len(waiters)
         except Exception as e:
-            self.rollback(pod)
+            self.rollback(pod, ref)
             if isinstance(e, EventError):
                 raise
             if isinstance(e, RedirectError):
                 raise EventError("setup", str(e)) from None
             raise
 
-    def rollback(self, pod: PodRecord) -> None:
-        """Undo a failed add, whether or not the pod was enrolled before (the runtime retries or DELs)."""
+    def rollback(self, pod: PodRecord, ref: NetnsRef | None = None) -> None:
+        """Undo a failed add, whether or not the pod was enrolled before (the runtime retries or DELs);
+        ``ref``: its netns as the add opened it."""
         reg = self.registry
         with reg.lock:
             reg.pods.pop(pod.uid, None)
             reg.enrolling.pop(pod.uid, None)
             reg.counted()
             self.hub.withdraw_locked(pod.uid)
-        self.undo(pod, "failed add rolled back")
+        self.undo(pod, "failed add rolled back", ref)
 
-    def undo(self, pod: PodRecord, why: str) -> None:
+    def undo(self, pod: PodRecord, why: str, ref: NetnsRef | None = None) -> None:
         """Remove every piece of ``pod`` the kernel may hold (rules, routes and an earlier release's
-        in-pod record while its netns is still at its path; node-set entries it owns; its record
-        last), each step on its own so one failure does not stop the others."""
-        steps: list[tuple[str, Callable[[], object]]] = []
-        if self.ops.same_netns(pod.netns, pod.key):
-            steps += [("rules", lambda: self.ops.teardown_rules(pod.netns)),
-                      ("in-pod record", lambda: self.ops.clear_legacy(pod.netns))]
-        if self.host_rules and pod.ips:
-            steps.append(("node set", lambda: self.ops.remove_node_ips(pod.ips, pod.uid)))
-        steps.append(("record", lambda: self._clear_record(pod)))
-        for what, step in steps:
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - report, keep undoing
-                jlog(logging.ERROR, "undo step failed", pod=pod.uid, step=what, error=str(e))
+        in-pod record in its netns: ``ref``, or the one at its path if that is still the pod's;
+        node-set entries it owns; its record last), each step on its own so one failure does not
+        stop the others."""
+        with contextlib.ExitStack() as st:
+            if ref is None:
+                try:
+                    ref, _ = self.ops.open_netns(pod.netns, pod.key)
+                    st.callback(self.ops.close_netns, ref)
+                except RedirectError:
+                    ref = None  # its netns is gone (or not at its path): nothing of it to remove there
+            netns = ref
+            steps: list[tuple[str, Callable[[], object]]] = []
+            if netns is not None:
+                steps += [("rules", lambda: self.ops.teardown_rules(netns)),
+                          ("in-pod record", lambda: self.ops.clear_legacy(netns))]
+            if self.host_rules and pod.ips:
+                steps.append(("node set", lambda: self.ops.remove_node_ips(pod.ips, pod.uid)))
+            steps.append(("record", lambda: self._clear_record(pod)))
+            for what, step in steps:
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - report, keep undoing
+                    jlog(logging.ERROR, "undo step failed", pod=pod.uid, step=what, error=str(e))
         jlog(logging.WARNING, why, pod=pod.uid, netns=pod.netns)
 
     def _clear_record(self, pod: PodRecord) -> None:
@@ -218,7 +257,8 @@ class Enroller:
     # -- check and del
 
     def check(self, raw: Any) -> dict[str, Any]:
-        """Whether the pod is enrolled in that netns, its rules are as recorded, and a proxy has it."""
+        """Whether the pod is enrolled in that netns (the one at the path named, else at its
+        recorded path: it must still be there), its rules are as recorded, and a proxy has it."""
         if not isinstance(raw, dict):
             raise EventError("bad_request", "pod: expected an object")
         uid = uid_of(raw, "pod")
@@ -228,34 +268,29 @@ class Enroller:
             proxies = self.hub.synced_locked()
         if rec is None:
             raise EventError("check", f"pod {uid} is not enrolled on this node")
-        if path and not self.ops.same_netns(path, rec.key):
-            raise EventError("check", f"pod {uid} is enrolled in another netns than {path}")
         try:
-            res = self.ops.check_rules(rec.netns, rec.config, rec.backend)
+            ref, _ = self.ops.open_netns(path or rec.netns, rec.key)
+        except RedirectError as e:
+            if path:
+                raise EventError("check", f"pod {uid} is enrolled in another netns than {path}: {e}") from None
+            raise EventError("check", f"pod {uid}: its netns is gone or replaced: {e}") from None
+        try:
+            res = self.ops.check_rules(ref, rec.config, rec.backend)
         except RedirectError as e:
             raise EventError("check", str(e)) from None
+        finally:
+            self.ops.close_netns(ref)
         if not res.ok:
             raise EventError("check", f"pod {uid}: rules differ: " + "; ".join(res.differences))
         if not proxies:
             raise EventError("check", f"pod {uid}: no node proxy is connected")
         return {"pod": uid, "proxies": proxies}
 
-    def _refuse_host(self, path: str) -> None:
-        """``EventError`` (``netns``) if ``path`` names the host's network namespace (the agent's own,
-        the initial one, pid 1's): a del there changes nothing. A path that names no namespace (any
-        more) is no refusal: the pod's netns may be gone."""
-        if not path:
-            return
-        try:
-            host = self.ops.host_netns_reason(path)
-        except (RedirectError, OSError):
-            return
-        if host is not None:
-            raise EventError("netns", f"pod.netns={path!r}: {host}: refused; nothing was changed")
-
     def delete(self, raw: Any) -> dict[str, Any]:
         """Remove a pod: the proxies told, its rules and record (if the netns is still its), its
-        node-set entries. A pod this agent does not know is cleaned up as far as it is found."""
+        node-set entries. A pod this agent does not know is cleaned up as far as it is found. The
+        netns the del names is opened once, and what is removed there is removed through that
+        open netns; the pod's own netns, when the del names none, only if it is still the pod's."""
         if not isinstance(raw, dict):
             raise EventError("bad_request", "pod: expected an object")
         uid = uid_of(raw, "pod", required=False)
@@ -263,7 +298,26 @@ class Enroller:
         cid = text(raw, "container_id", "pod", limit=128)
         if not uid and not cid:
             raise EventError("bad_request", "pod: a del needs uid or container_id")
-        self._refuse_host(path)
+        with contextlib.ExitStack() as st:
+            named: NetnsRef | None = None  # the netns the del names, if it is one
+            target = None
+            if path:
+                try:
+                    named, target = self.ops.open_netns(path)
+                    st.callback(self.ops.close_netns, named)
+                except (RedirectError, OSError):
+                    pass  # gone (the runtime may call DEL after the netns went), or not a netns
+            if named is not None:
+                try:
+                    host = self.ops.host_netns_reason(named)
+                except (RedirectError, OSError):
+                    host = None
+                if host is not None:  # the host's (the agent's own, the initial one, pid 1's): nothing changed
+                    raise EventError("netns", f"pod.netns={path!r}: {host}: refused; nothing was changed")
+            return self._delete(uid, cid, path, named, target, st)
+
+    def _delete(self, uid: str, cid: str, path: str, named: NetnsRef | None, target: tuple[int, int] | None,
+                st: contextlib.ExitStack) -> dict[str, Any]:
         reg = self.registry
         if not uid:
             with reg.lock:
@@ -271,12 +325,6 @@ class Enroller:
             if not uid:
                 return {"removed": False}
         with reg.uid_lock(uid):
-            target = None  # the netns the del names, if it is one
-            if path:
-                try:
-                    target = self.ops.netns_key(path)
-                except (RedirectError, OSError):
-                    pass  # gone (the runtime may call DEL after the netns went), or not a netns
             with reg.lock:
                 rec = reg.pods.get(uid)
                 same = rec is not None and (target is None or target == rec.key)
@@ -289,9 +337,13 @@ class Enroller:
             if errors:
                 jlog(logging.WARNING, "node proxy did not ack a delete", pod=uid, errors=errors)
             key = target if target is not None else (rec.key if same and rec is not None else None)
-            where = path if target is not None else None
-            if where is None and same and rec is not None and self.ops.same_netns(rec.netns, rec.key):
-                where = rec.netns
+            where = named
+            if where is None and same and rec is not None:
+                try:
+                    where, _ = self.ops.open_netns(rec.netns, rec.key)
+                    st.callback(self.ops.close_netns, where)
+                except (RedirectError, OSError):
+                    where = None  # gone, or its path names another netns by now: nothing to remove there
             if key is not None:
                 backend = rec.backend if rec is not None else self.backend
                 try:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ...kernel.netns import NetnsRef
 from . import protocol
 from .logs import jlog
 from .metrics import Metrics
@@ -31,6 +32,21 @@ from .registry import Registry
 MAX_HELLOS = 32
 #: Seconds a connection to the proxy socket has to say hello.
 HELLO_S = 5.0
+#: Node proxies connected at once, at most (two during a handover); a hello beyond them is refused.
+MAX_PROXIES = 4
+
+
+#: Uids in one snapshot message at most: 400 uids of the longest form (128 chars) fit in 64 KiB.
+SNAPSHOT_CHUNK = 400
+
+
+def snapshot_chunks(uids: list[str]) -> list[list[str]]:
+    """The snapshot's uids in messages that fit the protocol's limit: one list (``snapshot_done``
+    alone, as ever) when they fit in one, else ``SNAPSHOT_CHUNK`` at a time, the last one for
+    ``snapshot_done`` (``chunked``) and the others for ``snapshot_pods`` messages before it."""
+    if len(uids) <= SNAPSHOT_CHUNK:
+        return [uids]
+    return [uids[i:i + SNAPSHOT_CHUNK] for i in range(0, len(uids), SNAPSHOT_CHUNK)]
 
 
 class Peer(Protocol):
@@ -42,8 +58,8 @@ class Peer(Protocol):
     @property
     def serving(self) -> bool: ...
     def enqueue(self, msg: dict[str, Any], fd: int | None = None) -> Waiter: ...
-    def send_add(self, pod: PodRecord) -> Waiter: ...
-    def close(self) -> None: ...
+    def send_add(self, pod: PodRecord, netns: NetnsRef | None = None) -> Waiter: ...
+    def close(self, why: str = "closed") -> None: ...
 
 
 class ProxyHub:
@@ -62,7 +78,10 @@ class ProxyHub:
             self.conns.append(conn)
             pods = list({**reg.pods, **reg.enrolling}.values())
             waiters = [conn.send_add(p) for p in pods]
-            done = conn.enqueue({"type": "snapshot_done", "pods": sorted(p.uid for p in pods)})
+            *parts, last = snapshot_chunks(sorted(p.uid for p in pods))
+            for part in parts:
+                conn.enqueue({"type": "snapshot_pods", "pods": part})
+            done = conn.enqueue({"type": "snapshot_done", "pods": last, **({"chunked": True} if parts else {})})
             self.metrics.set("proxy_connections", len(self.conns))
             self.metrics.add("proxy_connects_total", 1)
         jlog(logging.INFO, "node proxy connected: snapshot sent", proxy=conn.name, pods=len(pods))
@@ -75,7 +94,8 @@ class ProxyHub:
             failed = [p.uid for p, w in zip(pods, waiters, strict=True) if not w.ok]
             jlog(logging.INFO if not failed else logging.ERROR, "node proxy synced", proxy=conn.name, failed=failed)
             return True
-        jlog(logging.ERROR, "node proxy did not ack the snapshot", proxy=conn.name, error=done.error)
+        jlog(logging.ERROR, "node proxy did not ack the snapshot: dropped", proxy=conn.name, error=done.error)
+        conn.close("it did not ack its snapshot")  # (it would never count as synced: make room)
         return False
 
     def gone(self, conn: Peer) -> None:
@@ -93,23 +113,28 @@ class ProxyHub:
 
     # -- pods handed out and taken back
 
-    def offer_locked(self, pod: PodRecord) -> list[tuple[Peer, Waiter]]:
+    def offer_locked(self, pod: PodRecord, netns: NetnsRef | None = None) -> list[tuple[Peer, Waiter]]:
         """(Under registry.lock.) ``pod`` is being enrolled: in the snapshot of a proxy that connects
-        from now on, and sent to every connected one."""
+        from now on, and sent to every connected one (``netns``: the pod's netns as its add opened it)."""
         self.registry.enrolling[pod.uid] = pod
-        return [(c, c.send_add(pod)) for c in self.conns]
+        return [(c, c.send_add(pod, netns)) for c in self.conns]
 
     def withdraw_locked(self, uid: str) -> list[tuple[Peer, Waiter]]:
         """(Under registry.lock.) Tell every connected proxy that ``uid`` is gone."""
         return [(c, c.enqueue({"type": "del", "uid": uid})) for c in self.conns]
 
     def wait_all(self, waiters: Sequence[tuple[Peer, Waiter]]) -> list[str]:
-        """Errors of the proxies that did not ack in time (disconnects count as errors)."""
+        """Errors of the proxies that did not ack in time (disconnects count as errors). A proxy that
+        missed the deadline is dropped (its queue and the fds in it go): one that stopped reading
+        or acking would otherwise hold a netns fd for every pod since."""
         deadline = time.monotonic() + self.timeout
         errors = []
         for c, w in waiters:
             if not w.event.wait(max(deadline - time.monotonic(), 0)):
                 errors.append(f"{c.name}: no ack within {self.timeout} s")
+                jlog(logging.WARNING, "node proxy missed an ack deadline: dropped", proxy=c.name,
+                     seconds=self.timeout)
+                c.close(f"no ack within {self.timeout:g} s")
             elif not w.ok:
                 errors.append(f"{c.name}: {w.error}")
         return errors
@@ -203,8 +228,13 @@ class ProxyHub:
         if got[0]["type"] != "hello":
             self._refuse(s, "expected a hello first")
             return True
+        with self.registry.lock:
+            full = len(self.conns) >= MAX_PROXIES
+        if full:
+            self._refuse(s, f"{MAX_PROXIES} node proxies are connected already")
+            return True
         s.setblocking(True)
-        conn = ProxyConn(s, proxy_name(got[0], n), self.gone)
+        conn = ProxyConn(s, proxy_name(got[0], n), self.gone, self.timeout)
         threading.Thread(target=lambda: self.await_snapshot(conn, *self.attach(conn)), name="proxy-sync",
                          daemon=True).start()
         return True

@@ -10,6 +10,7 @@ real namespaces, rules and sets.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -19,26 +20,32 @@ from ...config import RedirectConfig
 from ...kernel import netns as _netns
 from .. import node
 from . import legacy, store
-from .discovery import Found, discover, key_at
+from .discovery import Found, discover, key_at, open_as
 
 Key = store.Key
+#: A pod's netns as opened once for one operation (``Ops.open_netns``): what the rules, the
+#: in-pod record and the node proxies are given, never the path again.
+NetnsRef = _netns.NetnsRef
 
 
 class Ops(Protocol):
-    # a pod's netns
+    # a pod's netns: opened once per operation (``key`` given: it must be that netns, else
+    # ``NetnsError`` "gone or replaced"), and that open one is what every step below acts on
+    def open_netns(self, path: str, key: Key | None = None) -> tuple[NetnsRef, Key]: ...
+    def close_netns(self, ref: NetnsRef) -> None: ...
     def netns_key(self, path: str) -> Key: ...
-    def host_netns_reason(self, path: str) -> str | None: ...
+    def host_netns_reason(self, ref: NetnsRef) -> str | None: ...
     def same_netns(self, path: str, key: Key) -> bool: ...
     # the pod's record (``store``, on the node), by its netns
     def read_record(self, key: Key) -> dict[str, Any] | None: ...
     def write_record(self, key: Key, record: dict[str, Any]) -> None: ...
     def clear_record(self, key: Key) -> None: ...
     # an earlier release's record inside the pod's netns (``legacy``): removed, never read
-    def clear_legacy(self, netns: str) -> bool: ...
-    # the pod's rules (``redirect.api``)
-    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None: ...
-    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult: ...
-    def teardown_rules(self, netns: str, backend: str | None = None) -> None: ...
+    def clear_legacy(self, netns: NetnsRef) -> bool: ...
+    # the pod's rules (``redirect.api``), in a netns ``open_netns`` gave
+    def setup_rules(self, netns: NetnsRef, cfg: RedirectConfig, backend: str) -> None: ...
+    def check_rules(self, netns: NetnsRef, cfg: RedirectConfig, backend: str) -> CheckResult: ...
+    def teardown_rules(self, netns: NetnsRef, backend: str | None = None) -> None: ...
     # the node's probe rules and sets (``redirect.ambient.node``), in the host netns
     def setup_node(self) -> bool: ...
     def add_node_ips(self, ips: Iterable[str], owner: str) -> None: ...
@@ -56,11 +63,19 @@ class KernelOps:
         self.node_name = node_name
         self.scan_proc = scan_proc
 
+    def open_netns(self, path: str, key: Key | None = None) -> tuple[NetnsRef, Key]:
+        fd, got = open_as(path, key)
+        return _netns.Fd(fd), got
+
+    def close_netns(self, ref: NetnsRef) -> None:
+        if isinstance(ref, _netns.Fd):
+            os.close(ref)
+
     def netns_key(self, path: str) -> Key:
         return _netns.netns_key(path)
 
-    def host_netns_reason(self, path: str) -> str | None:
-        return _netns.host_netns_reason_of(path)
+    def host_netns_reason(self, ref: NetnsRef) -> str | None:
+        return _netns.host_netns_reason_of(ref)
 
     def same_netns(self, path: str, key: Key) -> bool:
         return key_at(path) == key
@@ -74,16 +89,16 @@ class KernelOps:
     def clear_record(self, key: Key) -> None:
         store.remove(key)
 
-    def clear_legacy(self, netns: str) -> bool:
+    def clear_legacy(self, netns: NetnsRef) -> bool:
         return legacy.clear(netns)
 
-    def setup_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> None:
+    def setup_rules(self, netns: NetnsRef, cfg: RedirectConfig, backend: str) -> None:
         api.setup(netns, cfg, backend)
 
-    def check_rules(self, netns: str, cfg: RedirectConfig, backend: str) -> CheckResult:
+    def check_rules(self, netns: NetnsRef, cfg: RedirectConfig, backend: str) -> CheckResult:
         return api.check(netns, cfg, backend)
 
-    def teardown_rules(self, netns: str, backend: str | None = None) -> None:
+    def teardown_rules(self, netns: NetnsRef, backend: str | None = None) -> None:
         api.teardown(netns, backend)
 
     def setup_node(self) -> bool:

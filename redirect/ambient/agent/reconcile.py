@@ -75,26 +75,41 @@ class Reconciler:
              **{r: results.count(r) for r in ("intact", "repaired", "failed")})
 
     def fix_rules(self, pod: PodRecord) -> str:
-        """Re-install the pod's rules if they differ from its recorded config: intact, repaired or failed."""
+        """Re-install the pod's rules if they differ from its recorded config: intact, repaired,
+        failed, or gone (its netns is not at its path any more: nothing is touched). The netns is
+        opened once, as the pod's (inode and cookie), and checked and repaired through that fd."""
         try:
-            if self.ops.check_rules(pod.netns, pod.config, pod.backend).ok:
+            ref, _ = self.ops.open_netns(pod.netns, pod.key)
+        except RedirectError as e:
+            jlog(logging.WARNING, "pod netns is not at its path", pod=pod.uid, netns=pod.netns, error=str(e))
+            return "gone"
+        try:
+            if self.ops.check_rules(ref, pod.config, pod.backend).ok:
                 return "intact"
-            self.ops.setup_rules(pod.netns, pod.config, pod.backend)
+            self.ops.setup_rules(ref, pod.config, pod.backend)
             jlog(logging.WARNING, "pod rules had drifted: re-installed", pod=pod.uid, netns=pod.netns)
             return "repaired"
         except Exception as e:  # noqa: BLE001 - one pod never stops the agent
             jlog(logging.ERROR, "pod rules could not be repaired", pod=pod.uid, netns=pod.netns, error=str(e))
             return "failed"
+        finally:
+            self.ops.close_netns(ref)
 
     def clear_legacy(self, pod: PodRecord) -> None:
         """Remove an earlier release's record from the pod's netns (the record is on the node now)."""
         try:
-            if self.ops.clear_legacy(pod.netns):
+            ref, _ = self.ops.open_netns(pod.netns, pod.key)
+        except RedirectError:
+            return
+        try:
+            if self.ops.clear_legacy(ref):
                 jlog(logging.INFO, "an earlier release's record inside the pod's netns removed", pod=pod.uid,
                      netns=pod.netns)
         except Exception as e:  # noqa: BLE001 - one pod never stops the agent
             jlog(logging.WARNING, "an earlier release's in-pod record could not be removed", pod=pod.uid,
                  netns=pod.netns, error=str(e))
+        finally:
+            self.ops.close_netns(ref)
 
     def resync(self, stopping: threading.Event | None = None) -> dict[str, int]:
         """While running: the start's repairs for the pods enrolled now (drifted rules, node probe
@@ -117,16 +132,14 @@ class Reconciler:
                 with reg.lock:
                     if reg.pods.get(pod.uid) is not pod:
                         continue  # added again or deleted meanwhile
-                if not self.ops.same_netns(pod.netns, pod.key):
+                r = self.fix_rules(pod)
+                if r == "gone":
                     self.forget(pod)
-                    r = "gone"
-                else:
-                    r = self.fix_rules(pod)
-                    if self.host_rules and pod.ips:
-                        try:
-                            self.ops.add_node_ips(pod.ips, pod.uid)
-                        except RedirectError as e:
-                            jlog(logging.ERROR, "node set entries could not be re-added", pod=pod.uid, error=str(e))
+                elif self.host_rules and pod.ips:
+                    try:
+                        self.ops.add_node_ips(pod.ips, pod.uid)
+                    except RedirectError as e:
+                        jlog(logging.ERROR, "node set entries could not be re-added", pod=pod.uid, error=str(e))
             counts[r] = counts.get(r, 0) + 1
             self.metrics.inc("resynced", r)
         return counts

@@ -15,6 +15,9 @@ from collections.abc import Callable
 from .metrics import Metrics
 from .pods import PodRecord
 
+#: Locks that order the pods' adds, dels and resyncs (``uid_lock``); more than ``--workers`` can use.
+UID_LOCKS = 256
+
 
 class Registry:
     def __init__(self, metrics: Metrics) -> None:
@@ -25,13 +28,13 @@ class Registry:
         self.pods: dict[str, PodRecord] = {}
         self.enrolling: dict[str, PodRecord] = {}
         self.claims: dict[int, str] = {}  # netns inode -> uid of the add working in it
-        self._uid_guard = threading.Lock()
-        self._uid_locks: dict[str, threading.Lock] = {}
+        self._uid_locks = tuple(threading.Lock() for _ in range(UID_LOCKS))
 
     def uid_lock(self, uid: str) -> threading.Lock:
-        """The lock that orders a pod's add, del and resync."""
-        with self._uid_guard:
-            return self._uid_locks.setdefault(uid, threading.Lock())
+        """The lock that orders a pod's add, del and resync: one of ``UID_LOCKS``, by the uid's hash
+        (striped: however many uids come and go, the table does not grow; two uids that share a
+        lock only wait for each other). Nobody holds two of them at once."""
+        return self._uid_locks[hash(uid) % UID_LOCKS]
 
     def counted(self) -> None:
         """Update the enrolled-pods gauge (under ``lock``)."""

@@ -1,0 +1,241 @@
+"""A pod's netns is what the agent opened once, never what its path names later.
+
+A path (a CNI_NETNS, an event's ``netns``, an adopted ``/proc/<pid>/ns/net``) can name another
+network namespace from one moment to the next: a symlink swapped, a name deleted and made again,
+a pid reused. The agent opens the netns once per operation, checks it is the pod's (inode and
+cookie), and does everything through that fd (rules, the proxies' fds, check); a path that no
+longer names the pod's netns is "gone or replaced", and nothing is done there. Real agents,
+proxies, namespaces and rules; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import redirect
+from redirect.ambient.agent import client, protocol
+from redirect.kernel import netns as rnetns
+from tests.netkit import Pod
+from tests.test_agent import Node, read_log, records_of
+
+pytestmark = pytest.mark.timeout(180)
+
+AMBIENT = redirect.RedirectConfig(mode="ambient")
+
+
+def repoint(link: Path, target: str) -> None:
+    """Make the symlink ``link`` name ``target``, atomically (a rename over it)."""
+    tmp = link.with_name(link.name + ".new")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def captured(pod: Pod) -> bool:
+    return bool(redirect.show(pod.name)["installed"])
+
+
+@contextlib.contextmanager
+def snapshot_proxy(path: str, timeout: float = 10.0) -> Iterator[dict[str, int]]:
+    """A node proxy that says hello and acks its snapshot: yields uid -> the inode of the netns fd
+    each ``add`` carried (closed once looked at), once ``snapshot_done`` came."""
+    got: dict[str, int] = {}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as p:
+        p.settimeout(timeout)
+        p.connect(path)
+        protocol.send(p, {"type": "hello", "proxy": "snapshot", "pid": os.getpid()})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = protocol.recv(p, max_fds=1)
+            assert m is not None, "the agent closed the connection"
+            msg, fds = m
+            for fd in fds:
+                got[msg["pod"]["uid"]] = os.fstat(fd).st_ino
+                os.close(fd)
+            protocol.send(p, {"type": "ack", "id": msg["id"], "ok": True})
+            if msg["type"] == "snapshot_done":
+                break
+        else:
+            raise AssertionError(f"no snapshot_done within {timeout} s")
+        yield got
+
+
+@pytest.fixture
+def node_(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def test_check_and_snapshots_never_act_on_what_the_path_names_now(
+        node_: Node, make_pod: Callable[..., Pod], tmp_path: Path) -> None:
+    """Pod a is enrolled at a symlink, pod b at its own path; the symlink then names b, and a's
+    rules are flushed. ``check`` of a says its netns is gone or replaced (not b's intact rules), a
+    proxy connecting now is never given b's netns for a, and a del of a leaves b captured."""
+    n = node_
+    n.start_agent("--resync-seconds", "0")
+    n.start_proxy()
+    a, b = make_pod(), make_pod()
+    link = tmp_path / "ns-link"
+    os.symlink(a.path, link)
+    client.add_pod(n.events, uid="uid-a", netns=str(link), ips=[a.pod_ip4])
+    client.add_pod(n.events, uid="uid-b", netns=b.path, ips=[b.pod_ip4])
+    assert client.check_pod(n.events, uid="uid-a")["pod"] == "uid-a"
+    repoint(link, b.path)
+    redirect.teardown(a.name)  # a's rules are gone: a check must say so, whatever the link names
+    for netns in ("", str(link)):
+        with pytest.raises(client.AgentError) as ei:
+            client.check_pod(n.events, uid="uid-a", netns=netns)
+        assert ei.value.reason == "check" and "gone or replaced" in str(ei.value), ei.value
+    ino_a, ino_b = os.stat(a.path).st_ino, os.stat(b.path).st_ino
+    with snapshot_proxy(n.proxy_sock) as got:
+        assert got.get("uid-b") == ino_b and got.get("uid-a") in (None, ino_a), (got, ino_a, ino_b)
+    client.del_pod(n.events, uid="uid-a")
+    assert captured(b) and redirect.check(b.name, AMBIENT).ok
+    assert client.check_pod(n.events, uid="uid-b", netns=b.path)["pod"] == "uid-b"
+    client.del_pod(n.events, uid="uid-b", netns=b.path)
+    assert not captured(a) and not captured(b)
+
+
+def test_a_netns_name_made_again_is_not_the_pods_netns(node_: Node, make_pod: Callable[..., Pod]) -> None:
+    """``ip netns del X; ip netns add X`` while the old netns lives on (here: pinned under another
+    name too): the pod's path names a new netns. A proxy connecting then is not handed the new
+    netns as the pod's, ``check`` says the pod's netns is gone or replaced, and nothing is
+    installed in the new one."""
+    n = node_
+    n.start_agent("--resync-seconds", "0")
+    n.start_proxy()
+    a = make_pod()
+    name = f"hag-{os.urandom(3).hex()}"
+    path = f"{rnetns.NETNS_RUN_DIR}/{name}"
+    try:
+        Path(path).touch()
+        subprocess.run(["mount", "--bind", a.path, path], check=True)  # a second name of pod a's netns
+        client.add_pod(n.events, uid="uid-x", netns=path, ips=[a.pod_ip4])
+        old = os.stat(a.path).st_ino
+        subprocess.run(["umount", "-l", path], check=True)
+        os.unlink(path)
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        new = os.stat(path).st_ino
+        assert new != old
+        with snapshot_proxy(n.proxy_sock) as got:
+            assert got.get("uid-x") in (None, old), (got, old, new)
+        with pytest.raises(client.AgentError, match="gone or replaced"):
+            client.check_pod(n.events, uid="uid-x")
+        assert not redirect.show(name)["installed"] and captured(a)
+        client.del_pod(n.events, uid="uid-x", netns=a.path)
+        assert not captured(a)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["umount", "-l", path], capture_output=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def test_adds_at_a_path_swapped_between_two_pods_act_on_one_netns_each(
+        node_: Node, make_pod: Callable[..., Pod], tmp_path: Path) -> None:
+    """A symlink swapped between two pods' netns as fast as the test can while the same pod is
+    added through it (at most 20 adds, at most 60 s): each add puts the rules, the record and the
+    proxy's listeners in one and the same netns, never the rules in one and the record in the other."""
+    n = node_
+    n.start_agent("--resync-seconds", "0")
+    n.start_proxy()
+    a, b = make_pod(), make_pod()
+    by_inode = {os.stat(p.path).st_ino: p for p in (a, b)}
+    link = tmp_path / "ns-link"
+    os.symlink(a.path, link)
+    stop = threading.Event()
+
+    def swap() -> None:
+        flip = 0
+        while not stop.is_set():
+            flip ^= 1
+            repoint(link, (a, b)[flip].path)
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=swap, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    try:
+        for i in range(20):
+            if time.monotonic() > deadline:
+                break
+            client.add_pod(n.events, uid="uid-r", netns=str(link), ips=["10.250.0.1"])
+            key, phase = records_of(n.name)["uid-r"]
+            assert phase == "enrolled"
+            pod = by_inode[key[0]]
+            other = b if pod is a else a
+            assert captured(pod) and not captured(other), i
+            added = [e for e in read_log(n.proxy_log) if e["event"] == "pod_added" and e.get("pod") == "uid-r"]
+            assert added and added[-1]["netns_inode"] == key[0], (i, added[-1:], key)
+            client.del_pod(n.events, uid="uid-r", netns=pod.path)
+            assert not captured(pod) and "uid-r" not in records_of(n.name)
+            removed = time.monotonic() + 10
+            while len([e for e in read_log(n.proxy_log)
+                       if e["event"] == "pod_removed" and e.get("pod") == "uid-r"]) < i + 1:
+                assert time.monotonic() < removed, "the proxy did not drop the pod"
+                time.sleep(0.02)
+    finally:
+        stop.set()
+        t.join(5)
+    assert not captured(a) and not captured(b)
+
+
+@pytest.fixture(scope="module")
+def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from redirect.cni import install as inst
+
+    d = str(tmp_path_factory.mktemp("cni-bin"))
+    inst.install_binary(d)
+    return d
+
+
+def test_a_sidecar_request_naming_an_ambient_pods_netns_is_refused(
+        bin_dir: str, make_pod: Callable[..., Pod], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pod x is enrolled (ambient, through the thin plugin). A sidecar ADD, CHECK or DEL naming x's
+    netns, by its path or another one (a symlink), is refused with 7 naming CNI_NETNS, and x's
+    capture is as it was; the ambient DEL of x itself still works, and so does a sidecar pod."""
+    from redirect.cni.netconf import convert_result
+    from tests.test_cni_thin import Thin, agent_node, netconf
+
+    with agent_node(tmp_path, "iptables", monkeypatch) as n:
+        n.start_agent()
+        n.start_proxy()
+        thin = Thin(bin_dir, n)
+        x, y = make_pod(), make_pod()
+        prev = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": x.path}],
+                "ips": [{"address": f"{x.pod_ip4}/24", "interface": 0}]}
+        ambient = netconf(n.events, prev=prev, mode="ambient")
+        sidecar = netconf(n.events, prev=prev, mode="sidecar")
+        args_x = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=x;K8S_POD_UID=uid-x"
+        args_y = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=y;K8S_POD_UID=uid-y"
+        assert thin("ADD", ambient, x.path, args=args_x)[0] == 0
+        link = tmp_path / "x-link"
+        os.symlink(x.path, link)
+        shown = redirect.show(x.name)
+        for command in ("DEL", "ADD", "CHECK"):
+            for path in (x.path, str(link)):
+                rc, out = thin(command, sidecar, path, args=args_y, container="ctr-y")
+                assert rc == 1 and out is not None and out["code"] == 7, (command, path, out)
+                assert "CNI_NETNS" in out["msg"] and "uid-x" in out["msg"], out
+                assert redirect.show(x.name) == shown
+                assert thin("CHECK", ambient, x.path, args=args_x) == (0, None), (command, path)
+        # a sidecar pod elsewhere is served as ever
+        assert thin("ADD", sidecar, y.path, args=args_y, container="ctr-y") == (0, convert_result(prev, "1.0.0"))
+        assert captured(y)
+        assert thin("DEL", sidecar, y.path, args=args_y, container="ctr-y") == (0, None)
+        assert not captured(y)
+        assert thin("DEL", ambient, x.path, args=args_x) == (0, None)
+        assert not captured(x) and client.list_pods(n.events) == []
