@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from redirect.backends.base import EBPF_DEFAULT_ROOT
 from tests import netkit
 from tests.netkit import Pod
 
@@ -88,6 +89,23 @@ def _no_leaked_netns() -> Iterator[None]:
         netkit.remove_netns(name)
     if leaked:
         pytest.fail(f"test left network namespaces behind (now removed): {sorted(leaked)}", pytrace=False)
+
+
+_DEFAULT_BPF_ROOT_THERE = os.path.exists(EBPF_DEFAULT_ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _no_default_bpf_root() -> Iterator[None]:
+    """Fail the test that loads the eBPF host programs at the default root (the node's own: a test
+    takes a scratch root, ``ebpf_root``), and unload them: their cgroup links would capture every
+    process of the machine from then on."""
+    yield
+    if not _DEFAULT_BPF_ROOT_THERE and os.path.exists(EBPF_DEFAULT_ROOT):
+        from redirect.backends import ebpf
+
+        ebpf.force_unload_host(EBPF_DEFAULT_ROOT)
+        pytest.fail(f"test loaded the eBPF host programs at the default root {EBPF_DEFAULT_ROOT} (now removed);"
+                    " use the ebpf_root fixture", pytrace=False)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

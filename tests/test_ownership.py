@@ -389,10 +389,13 @@ def undo(ns: str, argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize("backend", ["ebpf", "nftables"])
-def test_a_policy_rule_like_ours_but_not_ours_outlives_setup_and_teardown(pod: Pod, backend: str) -> None:
+def test_a_policy_rule_like_ours_but_not_ours_outlives_setup_and_teardown(pod: Pod, backend: str,
+                                                                         request: pytest.FixtureRequest) -> None:
     """Someone's rule with our ambient rule's selector, priority and table (Istio's own in-pod rule)
     stays through our setup and teardown: a delete names our routing protocol, so the kernel
     never takes theirs for ours."""
+    if backend == "ebpf":
+        request.getfixturevalue("ebpf_root")
     theirs = ("fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100")
     for fam in ("-4", "-6"):
         sh(pod.name, "ip", fam, "rule", "add", *theirs)
