@@ -587,6 +587,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	uint32_t n = w->n_entries, nchunks = (n + RDR_INV_CHUNK - 1) / RDR_INV_CHUNK;
 	struct written *done = malloc(((size_t)n + nchunks + 1) * sizeof(*done));
 	struct inv_key *iks = malloc(((size_t)nchunks + 1) * sizeof(*iks));
+	struct rdr_tc_made *tcm = calloc((size_t)w->n_tc + 1, sizeof(*tcm)); /* what each attach changed */
 	struct listener_key lks[2];
 	struct pod_policy policy;
 	uint8_t cookie_v[8], one = 1;
@@ -596,7 +597,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	uint32_t tc_done = 0;
 	int32_t tc_slot;
 
-	if (done == NULL || iks == NULL) {
+	if (done == NULL || iks == NULL || tcm == NULL) {
 		ret = -ENOMEM;
 		goto out;
 	}
@@ -703,7 +704,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		goto undo;
 	}
 	for (; tc_done < w->n_tc; tc_done++) {
-		ret = rdr_tc_attach(w->tc_ifs[tc_done], h->tc_prog_in, h->tc_prog_out, (uint32_t)tc_slot + 1);
+		ret = rdr_tc_attach(w->tc_ifs[tc_done], h->tc_prog_in, h->tc_prog_out, (uint32_t)tc_slot + 1,
+				    &tcm[tc_done], w->tc_blame);
 		if (ret < 0)
 			goto undo;
 	}
@@ -729,13 +731,17 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	if (w->drop_listeners)
 		for (int f = 0; f < 2; f++)
 			rdr_bpf_map_delete(h->listeners, &lks[f]);
+	while (tc_done > 0)
+		rdr_tc_keep(&tcm[--tc_done]);
 	step_done(w->call, RDR_STEP_POLICY);
 	ret = 0;
 	goto out;
 
 undo:
-	while (tc_done > 0) /* (before the slot goes: a filter names it) */
-		rdr_tc_detach(w->tc_ifs[--tc_done]);
+	/* (Before the slot goes: a filter names it. Only what this write changed: a clsact qdisc that
+	 * was there stays, and a filter of ours it replaced is put back.) */
+	while (tc_done > 0)
+		rdr_tc_undo(&tcm[--tc_done]);
 	if (link >= 0) {
 		rdr_bpf_link_detach(link);
 		if (pinned)
@@ -760,6 +766,7 @@ out:
 		*w->pool_low = 1;
 	free(done);
 	free(iks);
+	free(tcm);
 	return ret;
 }
 
@@ -948,6 +955,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	}
 	w.slot_now = -1;
 	w.call = c;
+	w.tc_blame = &c->tc_blame;
 
 	/* From here on, changes. First the policy routes (before the policy, as on the general path:
 	 * the app's replies route back once capture is on); one of ours there already (a setup killed
@@ -995,6 +1003,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 
 	c->step_at = wall;
 	memset(c->step_ns, 0, sizeof(c->step_ns));
+	memset(&c->tc_blame, 0, sizeof(c->tc_blame));
 
 	/* A host pin was added or removed since the caller checked its objects (another process
 	 * unloaded or reloaded them, say), or another thread is checking them again: the fds in r

@@ -110,11 +110,42 @@ int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
 int rdr_forwarding(int *ifindexes, int max);
 /* rdr_forwarding over the NETLINK_ROUTE socket s of that netns. */
 int rdr_forwarding_on(int s, int *ifindexes, int max);
+/* What one rdr_tc_attach changed on an interface: what rdr_tc_undo takes back. */
+struct rdr_tc_made {
+	int ifindex;
+	int qdisc;               /* 1: the clsact qdisc was made by the call */
+	int side[2];             /* ingress [0], egress [1]: 0 untouched, 1 our filter made, 2 one of ours
+				  * replaced (by the program and classid below, put back by an undo) */
+	int old_fd[2];           /* the replaced filter's program, held open (-1: none) */
+	uint32_t old_classid[2];
+};
+
+/* What held our filters' place when rdr_tc_attach failed with -EEXIST (what = 0: nothing found). */
+#define RDR_TC_BLAME_FILTER 1 /* a filter that is not ours at our priority on one side (kind, protocol) */
+#define RDR_TC_BLAME_QDISC 2  /* a qdisc of another kind where the clsact qdisc goes (an ingress one) */
+struct rdr_tc_blame {
+	int ifindex;
+	int what;                /* RDR_TC_BLAME_*, or 0 */
+	int egress;              /* the filter's side */
+	uint32_t protocol;       /* the filter's protocol (ETH_P_*, host order) */
+	char kind[16];           /* the filter's kind, or the qdisc's */
+	char ifname[16];         /* the interface's name ("" if it could not be read) */
+};
+
 /* Our filters on ifindex (in the calling thread's netns), made or replaced: prog_in on ingress,
  * prog_out on egress, both with classid (the pod's pool slot + 1), in its clsact qdisc (made if
- * missing). 0, or -errno with nothing of this call's left (-EEXIST: a filter that is not ours holds
- * our place). */
-int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid);
+ * missing). 0 with what it changed in *made (rdr_tc_undo takes it back; rdr_tc_keep once it
+ * stays), or -errno with nothing of this call's left: -EEXIST when something not ours holds our
+ * place (a filter at our priority on one side, of any kind or protocol, or another qdisc where
+ * the clsact qdisc goes), described in *blame (if not NULL). */
+int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, struct rdr_tc_made *made,
+		  struct rdr_tc_blame *blame);
+/* Take back what an rdr_tc_attach made (*made): a filter it made goes, one of ours it replaced is
+ * put back, and the clsact qdisc goes if it made it and nothing is left in it. Nothing else of the
+ * interface is touched. */
+void rdr_tc_undo(struct rdr_tc_made *made);
+/* Keep what an rdr_tc_attach made: the programs held for an undo are let go. */
+void rdr_tc_keep(struct rdr_tc_made *made);
 /* Our filters off ifindex, and the clsact qdisc when no filter is left in it: 0 or -errno. */
 int rdr_tc_detach(int ifindex);
 /* rdr_tc_detach on every interface of the calling thread's netns but lo: how many had ours, or
@@ -277,6 +308,7 @@ struct rdr_pod_write {
 	 * the link and before the policy, with the pod's slot (the one claimed here, else slot_now): */
 	const int *tc_ifs;
 	uint32_t n_tc;
+	struct rdr_tc_blame *tc_blame; /* if not NULL: what held our place when putting them on failed */
 	int32_t slot_now;             /* the slot of the pod's link when it has one (link_netns < 0) */
 	struct rdr_pod_call *call;    /* a fresh pod's call, whose steps it times (RDR_STEP_*), or NULL */
 };
@@ -392,6 +424,7 @@ struct rdr_pod_call {
 	int err;                    /* RDR_POD_FWMARK: the write's -errno */
 	uint64_t step_at;           /* when the step under way started (CLOCK_MONOTONIC ns) */
 	uint32_t step_ns[13];       /* the time of each step (RDR_STEP_*), 0 for one not taken */
+	struct rdr_tc_blame tc_blame; /* what held our tc filters' place, when that failed the call */
 };
 
 /* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */
