@@ -948,7 +948,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	if (r->tc_forwarded) {
 		ret = rdr_forwarding_on(s, tc_ifs, RDR_FWD_MAX);
 		if (ret < 0)
-			goto out;
+			goto slow; /* (the general path reads them again, and says why it can't) */
 		w.tc_ifs = tc_ifs;
 		w.n_tc = (uint32_t)ret;
 		step_done(c, RDR_STEP_FORWARDING);

@@ -102,11 +102,12 @@ int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
 /* --- the tc filters of a pod that forwards (tc_filter.c, redirect/bpf/tc_forward.c) ---------------- */
 
 #define RDR_TC_PRIO 0xC0DE /* the priority of our filters in an interface's clsact qdisc */
-#define RDR_FWD_MAX 256    /* interfaces rdr_forwarding lists; more: -E2BIG */
+#define RDR_FWD_MAX 256    /* interfaces rdr_forwarding lists; more that forward: -E2BIG */
 
 /* The calling thread's netns's interfaces (not lo) on which it forwards what arrives (IPv4: the
  * device's forwarding setting; IPv6: all.forwarding, then every device): their count, written to
- * ifindexes[0..max), or -errno. */
+ * ifindexes[0..max), or -errno (-E2BIG: more than max, or RDR_FWD_MAX, forward; interfaces that
+ * do not forward count for nothing). */
 int rdr_forwarding(int *ifindexes, int max);
 /* rdr_forwarding over the NETLINK_ROUTE socket s of that netns. */
 int rdr_forwarding_on(int s, int *ifindexes, int max);
@@ -149,7 +150,7 @@ void rdr_tc_keep(struct rdr_tc_made *made);
 /* Our filters off ifindex, and the clsact qdisc when no filter is left in it: 0 or -errno. */
 int rdr_tc_detach(int ifindex);
 /* rdr_tc_detach on every interface of the calling thread's netns but lo: how many had ours, or
- * -errno. */
+ * -errno. However many interfaces and qdiscs there are (the list of clsact qdiscs grows). */
 int rdr_tc_detach_all(void);
 /* One interface's filters of ours: a side without one has program 0. */
 struct rdr_tc_filter {
@@ -157,7 +158,8 @@ struct rdr_tc_filter {
 	uint32_t prog_in, classid_in, prog_out, classid_out;
 };
 
-/* Our filters in the calling thread's netns: their count, written to out[0..max), or -errno. */
+/* Our filters in the calling thread's netns: how many interfaces have ours (the first max of them
+ * written to out[0..max): call again with room for all when that is more), or -errno. */
 int rdr_tc_list(struct rdr_tc_filter *out, int max);
 
 /* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */

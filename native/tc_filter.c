@@ -20,6 +20,7 @@
 #include <linux/rtnetlink.h>
 #include <netinet/in.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -418,9 +419,13 @@ int rdr_tc_detach(int ifindex)
 	return ret < 0 ? ret : 0;
 }
 
+/* The interfaces of the calling thread's netns with a clsact qdisc, as many as there are (a pod makes
+ * as many as it likes: the list grows, up to IDX_MAX). */
+#define IDX_MAX (1 << 20)
+
 struct idx_list {
 	int *idx;
-	int n, max;
+	int n, cap;
 };
 
 static int on_qdisc(void *arg, const struct nlmsghdr *h)
@@ -437,47 +442,58 @@ static int on_qdisc(void *arg, const struct nlmsghdr *h)
 	     rta = RTA_NEXT(rta, alen)) {
 		if (rta->rta_type != TCA_KIND || strncmp(RTA_DATA(rta), "clsact", RTA_PAYLOAD(rta)) != 0)
 			continue;
-		if (l->n == l->max)
-			return -E2BIG;
+		if (l->n == l->cap) {
+			int cap = l->cap ? 2 * l->cap : 64, *idx;
+
+			if (cap > IDX_MAX)
+				return -E2BIG;
+			idx = realloc(l->idx, (size_t)cap * sizeof(*idx));
+			if (idx == NULL)
+				return -ENOMEM;
+			l->idx = idx;
+			l->cap = cap;
+		}
 		l->idx[l->n++] = t->tcm_ifindex;
 	}
 	return 0;
 }
 
-/* The interfaces of the calling thread's netns with a clsact qdisc (one RTM_GETQDISC dump): their
- * count, in idx[0..max), or -errno. */
-static int clsact_interfaces(int s, int *idx, int max)
+/* The interfaces with a clsact qdisc (one RTM_GETQDISC dump) in l (l->idx to free), or -errno. */
+static int clsact_interfaces(int s, struct idx_list *l)
 {
-	struct idx_list l = {.idx = idx, .max = max};
 	struct rdr_nlreq r;
 	int ret;
 
+	memset(l, 0, sizeof(*l));
 	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0);
-	ret = nl_dump(s, &r, on_qdisc, &l);
-	return ret < 0 ? ret : l.n;
+	ret = nl_dump(s, &r, on_qdisc, l);
+	return ret < 0 ? ret : 0;
 }
 
-/* Our filters in the calling thread's netns (on the interfaces with a clsact qdisc): their count,
- * in out[0..max), a side without ours with program 0, or -errno. */
+/* Our filters in the calling thread's netns (on the interfaces with a clsact qdisc), a side without
+ * ours with program 0: how many interfaces have ours (the first max of them written to out), or
+ * -errno. */
 static int list_ours(int s, struct rdr_tc_filter *out, int max)
 {
-	int idx[RDR_FWD_MAX], n = clsact_interfaces(s, idx, RDR_FWD_MAX), found = 0;
+	struct idx_list l;
+	int ret = clsact_interfaces(s, &l), found = 0;
 
-	for (int i = 0; i < n; i++) {
-		struct rdr_tc_filter f = {.ifindex = idx[i]};
+	for (int i = 0; ret == 0 && i < l.n; i++) {
+		struct rdr_tc_filter f = {.ifindex = l.idx[i]};
 		int ours_in = 0, ours_out = 0;
 
-		if (query(s, idx[i], 0, &f.prog_in, &f.classid_in, &ours_in) < 0 || !ours_in)
+		if (query(s, l.idx[i], 0, &f.prog_in, &f.classid_in, &ours_in) < 0 || !ours_in)
 			f.prog_in = f.classid_in = 0;
-		if (query(s, idx[i], 1, &f.prog_out, &f.classid_out, &ours_out) < 0 || !ours_out)
+		if (query(s, l.idx[i], 1, &f.prog_out, &f.classid_out, &ours_out) < 0 || !ours_out)
 			f.prog_out = f.classid_out = 0;
 		if (!f.prog_in && !f.prog_out)
 			continue;
-		if (found == max)
-			return -E2BIG;
-		out[found++] = f;
+		if (found < max)
+			out[found] = f;
+		found++;
 	}
-	return n < 0 ? n : found;
+	free(l.idx);
+	return ret < 0 ? ret : found;
 }
 
 int rdr_tc_list(struct rdr_tc_filter *out, int max)
@@ -493,22 +509,22 @@ int rdr_tc_list(struct rdr_tc_filter *out, int max)
 
 int rdr_tc_detach_all(void)
 {
-	struct rdr_tc_filter f[RDR_FWD_MAX];
-	int s = rdr_nl_socket(NETLINK_ROUTE), n, ret = 0;
+	struct idx_list l;
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret, n = 0;
 
 	if (s < 0)
 		return s;
-	n = list_ours(s, f, RDR_FWD_MAX);
-	if (n < 0)
-		ret = n;
-	for (int i = 0; i < n && ret == 0; i++) {
-		if (f[i].prog_in)
-			ret = del_ours(s, f[i].ifindex, 0);
-		if (ret == 0 && f[i].prog_out)
-			ret = del_ours(s, f[i].ifindex, 1);
-		if (ret == 0)
-			ret = drop_qdisc_if_empty(s, f[i].ifindex);
+	ret = clsact_interfaces(s, &l);
+	for (int i = 0; ret == 0 && i < l.n; i++) {
+		int in = del_filter(s, l.idx[i], 0), out = in < 0 ? in : del_filter(s, l.idx[i], 1);
+
+		ret = in < 0 ? in : out < 0 ? out : 0;
+		if (ret == 0 && (in || out)) {
+			n++;
+			ret = drop_qdisc_if_empty(s, l.idx[i]);
+		}
 	}
+	free(l.idx);
 	close(s);
 	return ret < 0 ? ret : n;
 }
@@ -559,8 +575,8 @@ static int netconf_dump(int s, void (*on)(void *, int, int, int), void *arg)
 struct fwd_acc {
 	int *out;
 	int max, n, over, v6_all;
-	int v6_dev[RDR_FWD_MAX];
-	int n6;
+	int v6_dev[RDR_FWD_MAX]; /* every device's IPv6 entry: they forward if all.forwarding is on */
+	int n6, v6_over;         /* (more than that: an overflow only then) */
 };
 
 static void add_dev(struct fwd_acc *a, int idx)
@@ -588,7 +604,7 @@ static void on_forwarding(void *arg, int family, int idx, int fwd)
 	} else if (idx > 1 && a->n6 < RDR_FWD_MAX) {
 		a->v6_dev[a->n6++] = idx;
 	} else if (idx > 1) {
-		a->over = 1;
+		a->v6_over = 1;
 	}
 }
 
@@ -599,9 +615,11 @@ int rdr_forwarding_on(int s, int *ifindexes, int max)
 
 	if (ret < 0)
 		return ret;
-	if (a.v6_all)
+	if (a.v6_all) { /* (all.forwarding comes after the devices in the dump) */
 		for (int i = 0; i < a.n6; i++)
 			add_dev(&a, a.v6_dev[i]);
+		a.over |= a.v6_over;
+	}
 	return a.over ? -E2BIG : a.n;
 }
 

@@ -14,6 +14,7 @@ import pytest
 from redirect import api
 from redirect.backends import ebpf
 from redirect.backends.ebpf.host import NATIVE
+from redirect.config import RedirectConfig
 from redirect.errors import SetupError
 from redirect.kernel import netns as rnetns
 from tests import netkit
@@ -146,3 +147,66 @@ def test_a_failed_setup_puts_back_a_filter_of_ours_it_replaced(ns: str, ebpf_roo
         api.setup(ns, None, backend="ebpf")
     assert tc_state(ns) == before
     assert installed(ns)
+
+
+def many_veths(ns: str, pairs: int, clsact: bool = False) -> list[str]:
+    """``pairs`` more veth pairs in ``ns`` (w<i>/x<i>), down; with ``clsact``, a clsact qdisc of the
+    pod's own on each: the names."""
+    names = [n for i in range(pairs) for n in (f"w{i}", f"x{i}")]
+    cmds = [f"link add w{i} type veth peer name x{i}" for i in range(pairs)]
+    subprocess.run(["ip", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n", text=True, check=True)
+    if clsact:
+        subprocess.run(["tc", "-n", ns, "-batch", "-"], input="".join(f"qdisc add dev {n} clsact\n" for n in names),
+                       text=True, check=True)
+    return names
+
+
+def test_many_interfaces_that_do_not_forward_count_for_nothing(ns: str) -> None:
+    """260 more interfaces (more than RDR_FWD_MAX, 256) that do not forward: setup, check and the
+    same setup again work, both the fresh-pod call and the general path (a new config). Once they
+    forward (IPv6's all.forwarding: every one of them), setup and check fail with a SetupError that
+    names the limit, and the pod keeps its capture."""
+    for key in ("net.ipv4.conf.all.forwarding", "net.ipv4.conf.default.forwarding"):
+        sysctl(ns, key, 0)
+    for dev in ("v0", "p0", "v1", "p1"):
+        sysctl(ns, f"net.ipv4.conf.{dev}.forwarding", 0)
+    many_veths(ns, 130)
+    assert api.setup(ns, None, backend="ebpf").changed
+    assert api.check(ns, None, backend="ebpf").ok
+    assert not api.setup(ns, None, backend="ebpf").changed
+    cfg = RedirectConfig(inbound_ports=(8000,))
+    assert api.setup(ns, cfg, backend="ebpf").changed
+    assert api.check(ns, cfg, backend="ebpf").ok
+    sysctl(ns, "net.ipv6.conf.all.forwarding", 1)
+    for call in (lambda: api.setup(ns, None, backend="ebpf"), lambda: api.check(ns, None, backend="ebpf")):
+        with pytest.raises(SetupError, match="forwards on more than 256 interfaces"):
+            call()
+    assert installed(ns)
+
+
+def test_a_fresh_pod_forwarding_on_too_many_interfaces_is_refused_naming_the_limit(ns: str) -> None:
+    """More than 256 interfaces that forward (IPv4, each its own setting): a fresh pod's setup fails
+    with a SetupError naming the limit, and nothing of ours is left."""
+    sysctl(ns, "net.ipv4.conf.default.forwarding", 1)
+    many_veths(ns, 130)
+    with pytest.raises(SetupError, match="forwards on more than 256 interfaces"):
+        api.setup(ns, None, backend="ebpf")
+    assert not installed(ns)
+    assert all(not f for d in tc_state(ns).values() for f in d[1:])
+
+
+def test_a_pods_own_clsact_qdiscs_beyond_any_list_do_not_stop_its_teardown(ns: str) -> None:
+    """A pod that forwards on v0 and v1 is set up; then it makes 260 clsact qdiscs of its own on
+    interfaces that do not forward. Check, setup again and teardown work: ours go, its qdiscs stay."""
+    for dev in ("p0", "p1"):
+        sysctl(ns, f"net.ipv4.conf.{dev}.forwarding", 0)
+    sysctl(ns, "net.ipv4.conf.default.forwarding", 0)
+    api.setup(ns, None, backend="ebpf")
+    theirs = many_veths(ns, 130, clsact=True)
+    assert api.check(ns, None, backend="ebpf").ok
+    assert not api.setup(ns, None, backend="ebpf").changed
+    assert api.teardown(ns, backend="ebpf")
+    state = tc_state(ns)
+    for dev in ("v0", "v1"):
+        assert "clsact" not in state[dev][0] and not state[dev][1] and not state[dev][2]
+    assert all("clsact" in state[d][0] for d in theirs)
