@@ -74,14 +74,22 @@ struct written {
 
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
+/* A scan under way: the addresses of lo with this routing protocol (IFA_PROTO, 0: none) are ours
+ * (the intent's ::6), held beside the pod's own RDR_SCAN_MAX. */
+struct scan_ctx {
+	struct rdr_netns_scan *sc;
+	uint8_t ours_proto;
+};
+
 /* One address of the dump (rdr_nl_dump) into the scan (arg): loopback and IPv6 link-local aside. */
 static int on_address(void *arg, const struct nlmsghdr *h)
 {
-	struct rdr_netns_scan *sc = arg;
+	const struct scan_ctx *x = arg;
+	struct rdr_netns_scan *sc = x->sc;
 	const struct ifaddrmsg *ifa;
 	const struct rtattr *rta;
 	const uint8_t *local = NULL, *addr = NULL;
-	int alen;
+	int alen, proto = 0, ours;
 
 	if (h->nlmsg_type != RTM_NEWADDR)
 		return 0;
@@ -92,6 +100,8 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 			local = RTA_DATA(rta);
 		else if (rta->rta_type == IFA_ADDRESS)
 			addr = RTA_DATA(rta);
+		else if (rta->rta_type == IFA_PROTO && RTA_PAYLOAD(rta) >= 1)
+			proto = *(const uint8_t *)RTA_DATA(rta);
 	}
 	if (local == NULL)
 		local = addr;
@@ -109,15 +119,19 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 	} else {
 		return 0;
 	}
-	if (sc->n == RDR_SCAN_MAX)
+	/* Ours (on lo, with our protocol) do not count against the pod's RDR_SCAN_MAX. */
+	ours = ifa->ifa_index == 1 && x->ours_proto && proto == x->ours_proto;
+	if (ours ? sc->n_ours == RDR_SCAN_OURS : sc->n - sc->n_ours == RDR_SCAN_MAX)
 		return -E2BIG;
 	sc->a[sc->n].family = ifa->ifa_family == AF_INET ? 4 : 6;
 	sc->a[sc->n].ifindex = (int)ifa->ifa_index;
 	memset(sc->a[sc->n].addr, 0, 16);
 	memcpy(sc->a[sc->n].addr, local, ifa->ifa_family == AF_INET ? 4 : 16);
 	sc->n++;
+	sc->n_ours += ours;
 	return 0;
 }
+_Static_assert(RDR_SCAN_CAP == RDR_SCAN_MAX + RDR_SCAN_OURS, "room for the pod's addresses and ours");
 
 /* One RTM_GETADDR dump of every family: the pod's addresses (loopback and IPv6 link-local aside),
  * whether IPv6 is on.
@@ -126,17 +140,18 @@ static int on_address(void *arg, const struct nlmsghdr *h)
  * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
  * path than the slab caches (docs/kernel-facts.md), paid for the NLMSG_DONE alone; a first batch
  * is at most a page less its overhead on 4 KB pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
-static int scan_addresses(int s, struct rdr_netns_scan *sc)
+static int scan_addresses(int s, struct rdr_netns_scan *sc, uint8_t ours_proto)
 {
 	struct ifaddrmsg m = {.ifa_family = AF_UNSPEC};
+	struct scan_ctx x = {.sc = sc, .ours_proto = ours_proto};
 	struct rdr_nlreq req;
 	char buf[2][4096] __attribute__((aligned(8)));
 
 	rdr_nl_start(&req, RTM_GETADDR, 0, &m, sizeof(m));
-	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, sc);
+	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, &x);
 }
 
-int rdr_scan_netns(struct rdr_netns_scan *sc)
+int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto)
 {
 	int s, ret;
 
@@ -146,7 +161,7 @@ int rdr_scan_netns(struct rdr_netns_scan *sc)
 		return s;
 	ret = rdr_sock_netns_cookie(s, &sc->cookie);
 	if (ret >= 0)
-		ret = scan_addresses(s, sc);
+		ret = scan_addresses(s, sc, ours_proto);
 	close(s);
 	return ret < 0 ? ret : 0;
 }
@@ -305,9 +320,9 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 	struct {
 		struct nlmsghdr h;
 		struct inet_diag_req_v2 r;
-	} q[2 + RDR_SCAN_MAX];
+	} q[2 + RDR_SCAN_CAP];
 	char buf[RDR_NL_RECV_MAX][1024] __attribute__((aligned(8)));
-	int answers[2 + RDR_SCAN_MAX];
+	int answers[2 + RDR_SCAN_CAP];
 	int s, n = 0, ret;
 
 	for (int i = -2; i < sc->n; i++) {
@@ -849,7 +864,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	s = rdr_nl_socket(NETLINK_ROUTE);
 	if (s < 0)
 		return RDR_POD_SLOW;
-	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc) < 0) {
+	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc, r->addr_proto) < 0) {
 		close(s);
 		return RDR_POD_SLOW;
 	}

@@ -177,7 +177,9 @@ int rdr_pidfd_getfd(int pidfd, int fd);
 
 /* --- what a pod's netns holds (pod_setup.c) ------------------------------------ */
 
-#define RDR_SCAN_MAX 256 /* addresses a scan holds; more: -E2BIG */
+#define RDR_SCAN_MAX 256 /* addresses of the pod's own a scan holds; more: -E2BIG */
+#define RDR_SCAN_OURS 4  /* and of ours (on lo, with our routing protocol: ::6); more: -E2BIG */
+#define RDR_SCAN_CAP 260 /* RDR_SCAN_MAX + RDR_SCAN_OURS */
 
 struct rdr_scan_addr {
 	int family;   /* 4 or 6 */
@@ -190,11 +192,15 @@ struct rdr_netns_scan {
 	uint64_t cookie;  /* its netns cookie */
 	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
 	int n;            /* addresses below: loopback and IPv6 link-local aside */
-	struct rdr_scan_addr a[RDR_SCAN_MAX];
+	int n_ours;       /* of them, on lo with our routing protocol (ours: not counted against
+			   * RDR_SCAN_MAX) */
+	struct rdr_scan_addr a[RDR_SCAN_CAP];
 };
 
-/* Fill sc for the calling thread's netns (a[n..] left as they were): 0 or -errno. */
-int rdr_scan_netns(struct rdr_netns_scan *sc);
+/* Fill sc for the calling thread's netns (a[n..] left as they were), the addresses on lo with
+ * routing protocol ours_proto (0: none) being ours: 0 or -errno (-E2BIG: more than RDR_SCAN_MAX
+ * of the pod's own, or RDR_SCAN_OURS of ours). */
+int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto);
 
 /* A pod's sources (struct pod_policy's src4, src6: what the connect and sendmsg hooks give a socket
  * they send to the proxy): per family f (4, 6) with has[f == 6], the first of the pod's addresses

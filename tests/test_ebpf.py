@@ -1131,6 +1131,27 @@ def test_a_pod_with_many_addresses_has_them_all_registered_and_one_with_too_many
     assert _snapshot(pod, bpf_root) == before
 
 
+def test_our_own_address_does_not_count_against_the_pods_addresses(pod: Pod, bpf_root: str) -> None:
+    """A pod with exactly RDR_SCAN_MAX addresses of its own (its IPv4 one and 255 IPv6 ones) is set
+    up, which adds ``::6`` on lo; that address of ours does not count against the limit: check
+    and the same setup again work (they failed naming the limit)."""
+    most = syscalls.NATIVE.lib.RDR_SCAN_MAX
+    prefix = pod.pod_ip6.rsplit(":", 1)[0]
+    more = [f"{prefix}:{0x1000 + i:x}" for i in range(most - 2)]  # (+ its IPv4 and IPv6 ones)
+    batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in more)
+    subprocess.run(["ip", "-n", pod.name, "-batch", "-"], input=batch, text=True, check=True)
+    try:
+        assert api.setup(pod.name, RedirectConfig(), backend="ebpf").changed
+        out = subprocess.run(["ip", "-n", pod.name, "-6", "addr", "show", "dev", "lo"], capture_output=True,
+                             text=True, check=True).stdout
+        assert "::6/128" in out
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+        api.setup(pod.name, RedirectConfig(), backend="ebpf")
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+
+
 @pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])
 def test_a_failed_native_setup_leaves_the_pod_as_it_was(pod: Pod, bpf_root: str, point: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
