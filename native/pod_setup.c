@@ -90,10 +90,12 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 	const struct rtattr *rta;
 	const uint8_t *local = NULL, *addr = NULL;
 	int alen, proto = 0, ours;
+	uint32_t flags;
 
 	if (h->nlmsg_type != RTM_NEWADDR)
 		return 0;
 	ifa = NLMSG_DATA(h);
+	flags = ifa->ifa_flags;
 	alen = IFA_PAYLOAD(h);
 	for (rta = IFA_RTA(ifa); RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
 		if (rta->rta_type == IFA_LOCAL)
@@ -102,10 +104,19 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 			addr = RTA_DATA(rta);
 		else if (rta->rta_type == IFA_PROTO && RTA_PAYLOAD(rta) >= 1)
 			proto = *(const uint8_t *)RTA_DATA(rta);
+		else if (rta->rta_type == IFA_FLAGS && RTA_PAYLOAD(rta) >= 4)
+			memcpy(&flags, RTA_DATA(rta), 4);
 	}
 	if (local == NULL)
 		local = addr;
 	if (local == NULL)
+		return 0;
+	/* An IPv6 address whose duplicate address detection failed is not the pod's: the kernel neither
+	 * delivers to it nor sends from it (it stays tentative). One still tentative is kept: it
+	 * becomes usable once DAD is done, typically within a second of being added, when a pod's
+	 * setup often runs. This is the one place both paths read addresses from (and so where the
+	 * pod's sources come from, rdr_pod_sources). */
+	if (ifa->ifa_family == AF_INET6 && (flags & IFA_F_DADFAILED))
 		return 0;
 	if (ifa->ifa_family == AF_INET) {
 		if (local[0] == 127)
