@@ -74,28 +74,49 @@ struct written {
 
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
+/* A scan under way: the addresses of lo with this routing protocol (IFA_PROTO, 0: none) are ours
+ * (the intent's ::6), held beside the pod's own RDR_SCAN_MAX. */
+struct scan_ctx {
+	struct rdr_netns_scan *sc;
+	uint8_t ours_proto;
+};
+
 /* One address of the dump (rdr_nl_dump) into the scan (arg): loopback and IPv6 link-local aside. */
 static int on_address(void *arg, const struct nlmsghdr *h)
 {
-	struct rdr_netns_scan *sc = arg;
+	const struct scan_ctx *x = arg;
+	struct rdr_netns_scan *sc = x->sc;
 	const struct ifaddrmsg *ifa;
 	const struct rtattr *rta;
 	const uint8_t *local = NULL, *addr = NULL;
-	int alen;
+	int alen, proto = 0, ours;
+	uint32_t flags;
 
 	if (h->nlmsg_type != RTM_NEWADDR)
 		return 0;
 	ifa = NLMSG_DATA(h);
+	flags = ifa->ifa_flags;
 	alen = IFA_PAYLOAD(h);
 	for (rta = IFA_RTA(ifa); RTA_OK(rta, alen); rta = RTA_NEXT(rta, alen)) {
 		if (rta->rta_type == IFA_LOCAL)
 			local = RTA_DATA(rta);
 		else if (rta->rta_type == IFA_ADDRESS)
 			addr = RTA_DATA(rta);
+		else if (rta->rta_type == IFA_PROTO && RTA_PAYLOAD(rta) >= 1)
+			proto = *(const uint8_t *)RTA_DATA(rta);
+		else if (rta->rta_type == IFA_FLAGS && RTA_PAYLOAD(rta) >= 4)
+			memcpy(&flags, RTA_DATA(rta), 4);
 	}
 	if (local == NULL)
 		local = addr;
 	if (local == NULL)
+		return 0;
+	/* An IPv6 address whose duplicate address detection failed is not the pod's: the kernel neither
+	 * delivers to it nor sends from it (it stays tentative). One still tentative is kept: it
+	 * becomes usable once DAD is done, typically within a second of being added, when a pod's
+	 * setup often runs. This is the one place both paths read addresses from (and so where the
+	 * pod's sources come from, rdr_pod_sources). */
+	if (ifa->ifa_family == AF_INET6 && (flags & IFA_F_DADFAILED))
 		return 0;
 	if (ifa->ifa_family == AF_INET) {
 		if (local[0] == 127)
@@ -109,15 +130,19 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 	} else {
 		return 0;
 	}
-	if (sc->n == RDR_SCAN_MAX)
+	/* Ours (on lo, with our protocol) do not count against the pod's RDR_SCAN_MAX. */
+	ours = ifa->ifa_index == 1 && x->ours_proto && proto == x->ours_proto;
+	if (ours ? sc->n_ours == RDR_SCAN_OURS : sc->n - sc->n_ours == RDR_SCAN_MAX)
 		return -E2BIG;
 	sc->a[sc->n].family = ifa->ifa_family == AF_INET ? 4 : 6;
 	sc->a[sc->n].ifindex = (int)ifa->ifa_index;
 	memset(sc->a[sc->n].addr, 0, 16);
 	memcpy(sc->a[sc->n].addr, local, ifa->ifa_family == AF_INET ? 4 : 16);
 	sc->n++;
+	sc->n_ours += ours;
 	return 0;
 }
+_Static_assert(RDR_SCAN_CAP == RDR_SCAN_MAX + RDR_SCAN_OURS, "room for the pod's addresses and ours");
 
 /* One RTM_GETADDR dump of every family: the pod's addresses (loopback and IPv6 link-local aside),
  * whether IPv6 is on.
@@ -126,17 +151,18 @@ static int on_address(void *arg, const struct nlmsghdr *h)
  * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
  * path than the slab caches (docs/kernel-facts.md), paid for the NLMSG_DONE alone; a first batch
  * is at most a page less its overhead on 4 KB pages. A batch that does not fit (larger pages) fails the scan (-EMSGSIZE). */
-static int scan_addresses(int s, struct rdr_netns_scan *sc)
+static int scan_addresses(int s, struct rdr_netns_scan *sc, uint8_t ours_proto)
 {
 	struct ifaddrmsg m = {.ifa_family = AF_UNSPEC};
+	struct scan_ctx x = {.sc = sc, .ours_proto = ours_proto};
 	struct rdr_nlreq req;
 	char buf[2][4096] __attribute__((aligned(8)));
 
 	rdr_nl_start(&req, RTM_GETADDR, 0, &m, sizeof(m));
-	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, sc);
+	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, &x);
 }
 
-int rdr_scan_netns(struct rdr_netns_scan *sc)
+int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto)
 {
 	int s, ret;
 
@@ -146,7 +172,7 @@ int rdr_scan_netns(struct rdr_netns_scan *sc)
 		return s;
 	ret = rdr_sock_netns_cookie(s, &sc->cookie);
 	if (ret >= 0)
-		ret = scan_addresses(s, sc);
+		ret = scan_addresses(s, sc, ours_proto);
 	close(s);
 	return ret < 0 ? ret : 0;
 }
@@ -306,9 +332,9 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 	struct {
 		struct nlmsghdr h;
 		struct inet_diag_req_v2 r;
-	} q[2 + RDR_SCAN_MAX];
+	} q[2 + RDR_SCAN_CAP];
 	char buf[RDR_NL_RECV_MAX][1024] __attribute__((aligned(8)));
-	int answers[2 + RDR_SCAN_MAX];
+	int answers[2 + RDR_SCAN_CAP];
 	int s, n = 0, ret;
 
 	for (int i = -2; i < sc->n; i++) {
@@ -588,6 +614,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	uint32_t n = w->n_entries, nchunks = (n + RDR_INV_CHUNK - 1) / RDR_INV_CHUNK;
 	struct written *done = malloc(((size_t)n + nchunks + 1) * sizeof(*done));
 	struct inv_key *iks = malloc(((size_t)nchunks + 1) * sizeof(*iks));
+	struct rdr_tc_made *tcm = calloc((size_t)w->n_tc + 1, sizeof(*tcm)); /* what each attach changed */
 	struct listener_key lks[2];
 	struct pod_policy policy;
 	uint8_t cookie_v[8], one = 1;
@@ -597,7 +624,7 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	uint32_t tc_done = 0;
 	int32_t tc_slot;
 
-	if (done == NULL || iks == NULL) {
+	if (done == NULL || iks == NULL || tcm == NULL) {
 		ret = -ENOMEM;
 		goto out;
 	}
@@ -704,7 +731,8 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 		goto undo;
 	}
 	for (; tc_done < w->n_tc; tc_done++) {
-		ret = rdr_tc_attach(w->tc_ifs[tc_done], h->tc_prog_in, h->tc_prog_out, (uint32_t)tc_slot + 1);
+		ret = rdr_tc_attach(w->tc_ifs[tc_done], h->tc_prog_in, h->tc_prog_out, (uint32_t)tc_slot + 1,
+				    &tcm[tc_done], w->tc_blame);
 		if (ret < 0)
 			goto undo;
 	}
@@ -730,13 +758,17 @@ int rdr_ebpf_pod_write(const struct rdr_pod_write *w)
 	if (w->drop_listeners)
 		for (int f = 0; f < 2; f++)
 			rdr_bpf_map_delete(h->listeners, &lks[f]);
+	while (tc_done > 0)
+		rdr_tc_keep(&tcm[--tc_done]);
 	step_done(w->call, RDR_STEP_POLICY);
 	ret = 0;
 	goto out;
 
 undo:
-	while (tc_done > 0) /* (before the slot goes: a filter names it) */
-		rdr_tc_detach(w->tc_ifs[--tc_done]);
+	/* (Before the slot goes: a filter names it. Only what this write changed: a clsact qdisc that
+	 * was there stays, and a filter of ours it replaced is put back.) */
+	while (tc_done > 0)
+		rdr_tc_undo(&tcm[--tc_done]);
 	if (link >= 0) {
 		rdr_bpf_link_detach(link);
 		if (pinned)
@@ -761,6 +793,7 @@ out:
 		*w->pool_low = 1;
 	free(done);
 	free(iks);
+	free(tcm);
 	return ret;
 }
 
@@ -843,7 +876,7 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	s = rdr_nl_socket(NETLINK_ROUTE);
 	if (s < 0)
 		return RDR_POD_SLOW;
-	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc) < 0) {
+	if (rdr_sock_netns_cookie(s, &sc.cookie) < 0 || scan_addresses(s, &sc, r->addr_proto) < 0) {
 		close(s);
 		return RDR_POD_SLOW;
 	}
@@ -942,13 +975,14 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	if (r->tc_forwarded) {
 		ret = rdr_forwarding_on(s, tc_ifs, RDR_FWD_MAX);
 		if (ret < 0)
-			goto out;
+			goto slow; /* (the general path reads them again, and says why it can't) */
 		w.tc_ifs = tc_ifs;
 		w.n_tc = (uint32_t)ret;
 		step_done(c, RDR_STEP_FORWARDING);
 	}
 	w.slot_now = -1;
 	w.call = c;
+	w.tc_blame = &c->tc_blame;
 
 	/* From here on, changes. First the policy routes (before the policy, as on the general path:
 	 * the app's replies route back once capture is on); one of ours there already (a setup killed
@@ -996,6 +1030,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 
 	c->step_at = wall;
 	memset(c->step_ns, 0, sizeof(c->step_ns));
+	memset(&c->tc_blame, 0, sizeof(c->tc_blame));
 
 	/* A host pin was added or removed since the caller checked its objects (another process
 	 * unloaded or reloaded them, say), or another thread is checking them again: the fds in r

@@ -102,23 +102,55 @@ int rdr_ebpf_pool_prog_slot(uint32_t prog_id, uint32_t *slot);
 /* --- the tc filters of a pod that forwards (tc_filter.c, redirect/bpf/tc_forward.c) ---------------- */
 
 #define RDR_TC_PRIO 0xC0DE /* the priority of our filters in an interface's clsact qdisc */
-#define RDR_FWD_MAX 256    /* interfaces rdr_forwarding lists; more: -E2BIG */
+#define RDR_FWD_MAX 256    /* interfaces rdr_forwarding lists; more that forward: -E2BIG */
 
 /* The calling thread's netns's interfaces (not lo) on which it forwards what arrives (IPv4: the
  * device's forwarding setting; IPv6: all.forwarding, then every device): their count, written to
- * ifindexes[0..max), or -errno. */
+ * ifindexes[0..max), or -errno (-E2BIG: more than max, or RDR_FWD_MAX, forward; interfaces that
+ * do not forward count for nothing). */
 int rdr_forwarding(int *ifindexes, int max);
 /* rdr_forwarding over the NETLINK_ROUTE socket s of that netns. */
 int rdr_forwarding_on(int s, int *ifindexes, int max);
+/* What one rdr_tc_attach changed on an interface: what rdr_tc_undo takes back. */
+struct rdr_tc_made {
+	int ifindex;
+	int qdisc;               /* 1: the clsact qdisc was made by the call */
+	int side[2];             /* ingress [0], egress [1]: 0 untouched, 1 our filter made, 2 one of ours
+				  * replaced (by the program and classid below, put back by an undo) */
+	int old_fd[2];           /* the replaced filter's program, held open (-1: none) */
+	uint32_t old_classid[2];
+};
+
+/* What held our filters' place when rdr_tc_attach failed with -EEXIST (what = 0: nothing found). */
+#define RDR_TC_BLAME_FILTER 1 /* a filter that is not ours at our priority on one side (kind, protocol) */
+#define RDR_TC_BLAME_QDISC 2  /* a qdisc of another kind where the clsact qdisc goes (an ingress one) */
+struct rdr_tc_blame {
+	int ifindex;
+	int what;                /* RDR_TC_BLAME_*, or 0 */
+	int egress;              /* the filter's side */
+	uint32_t protocol;       /* the filter's protocol (ETH_P_*, host order) */
+	char kind[16];           /* the filter's kind, or the qdisc's */
+	char ifname[16];         /* the interface's name ("" if it could not be read) */
+};
+
 /* Our filters on ifindex (in the calling thread's netns), made or replaced: prog_in on ingress,
  * prog_out on egress, both with classid (the pod's pool slot + 1), in its clsact qdisc (made if
- * missing). 0, or -errno with nothing of this call's left (-EEXIST: a filter that is not ours holds
- * our place). */
-int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid);
+ * missing). 0 with what it changed in *made (rdr_tc_undo takes it back; rdr_tc_keep once it
+ * stays), or -errno with nothing of this call's left: -EEXIST when something not ours holds our
+ * place (a filter at our priority on one side, of any kind or protocol, or another qdisc where
+ * the clsact qdisc goes), described in *blame (if not NULL). */
+int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, struct rdr_tc_made *made,
+		  struct rdr_tc_blame *blame);
+/* Take back what an rdr_tc_attach made (*made): a filter it made goes, one of ours it replaced is
+ * put back, and the clsact qdisc goes if it made it and nothing is left in it. Nothing else of the
+ * interface is touched. */
+void rdr_tc_undo(struct rdr_tc_made *made);
+/* Keep what an rdr_tc_attach made: the programs held for an undo are let go. */
+void rdr_tc_keep(struct rdr_tc_made *made);
 /* Our filters off ifindex, and the clsact qdisc when no filter is left in it: 0 or -errno. */
 int rdr_tc_detach(int ifindex);
 /* rdr_tc_detach on every interface of the calling thread's netns but lo: how many had ours, or
- * -errno. */
+ * -errno. However many interfaces and qdiscs there are (the list of clsact qdiscs grows). */
 int rdr_tc_detach_all(void);
 /* One interface's filters of ours: a side without one has program 0. */
 struct rdr_tc_filter {
@@ -126,7 +158,8 @@ struct rdr_tc_filter {
 	uint32_t prog_in, classid_in, prog_out, classid_out;
 };
 
-/* Our filters in the calling thread's netns: their count, written to out[0..max), or -errno. */
+/* Our filters in the calling thread's netns: how many interfaces have ours (the first max of them
+ * written to out[0..max): call again with room for all when that is more), or -errno. */
 int rdr_tc_list(struct rdr_tc_filter *out, int max);
 
 /* BPF_PROG_GET_FD_BY_ID / BPF_MAP_GET_FD_BY_ID: a new fd of the object with that id. */
@@ -144,7 +177,9 @@ int rdr_pidfd_getfd(int pidfd, int fd);
 
 /* --- what a pod's netns holds (pod_setup.c) ------------------------------------ */
 
-#define RDR_SCAN_MAX 256 /* addresses a scan holds; more: -E2BIG */
+#define RDR_SCAN_MAX 256 /* addresses of the pod's own a scan holds; more: -E2BIG */
+#define RDR_SCAN_OURS 4  /* and of ours (on lo, with our routing protocol: ::6); more: -E2BIG */
+#define RDR_SCAN_CAP 260 /* RDR_SCAN_MAX + RDR_SCAN_OURS */
 
 struct rdr_scan_addr {
 	int family;   /* 4 or 6 */
@@ -157,11 +192,15 @@ struct rdr_netns_scan {
 	uint64_t cookie;  /* its netns cookie */
 	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
 	int n;            /* addresses below: loopback and IPv6 link-local aside */
-	struct rdr_scan_addr a[RDR_SCAN_MAX];
+	int n_ours;       /* of them, on lo with our routing protocol (ours: not counted against
+			   * RDR_SCAN_MAX) */
+	struct rdr_scan_addr a[RDR_SCAN_CAP];
 };
 
-/* Fill sc for the calling thread's netns (a[n..] left as they were): 0 or -errno. */
-int rdr_scan_netns(struct rdr_netns_scan *sc);
+/* Fill sc for the calling thread's netns (a[n..] left as they were), the addresses on lo with
+ * routing protocol ours_proto (0: none) being ours: 0 or -errno (-E2BIG: more than RDR_SCAN_MAX
+ * of the pod's own, or RDR_SCAN_OURS of ours). */
+int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto);
 
 /* A pod's sources (struct pod_policy's src4, src6: what the connect and sendmsg hooks give a socket
  * they send to the proxy): per family f (4, 6) with has[f == 6], the first of the pod's addresses
@@ -277,6 +316,7 @@ struct rdr_pod_write {
 	 * the link and before the policy, with the pod's slot (the one claimed here, else slot_now): */
 	const int *tc_ifs;
 	uint32_t n_tc;
+	struct rdr_tc_blame *tc_blame; /* if not NULL: what held our place when putting them on failed */
 	int32_t slot_now;             /* the slot of the pod's link when it has one (link_netns < 0) */
 	struct rdr_pod_call *call;    /* a fresh pod's call, whose steps it times (RDR_STEP_*), or NULL */
 };
@@ -392,6 +432,7 @@ struct rdr_pod_call {
 	int err;                    /* RDR_POD_FWMARK: the write's -errno */
 	uint64_t step_at;           /* when the step under way started (CLOCK_MONOTONIC ns) */
 	uint32_t step_ns[13];       /* the time of each step (RDR_STEP_*), 0 for one not taken */
+	struct rdr_tc_blame tc_blame; /* what held our tc filters' place, when that failed the call */
 };
 
 /* 1 if sock_diag answers for TCP sockets here (exact look-ups of listeners work), else 0. */

@@ -20,6 +20,7 @@
 #include <linux/rtnetlink.h>
 #include <netinet/in.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -119,8 +120,11 @@ static void filter_req(struct rdr_nlreq *r, uint16_t flags, int ifindex, int egr
 	rdr_nl_nest_end(r, opts);
 }
 
-/* Our filter on one side, where one of ours is (another's there: -EEXIST, left alone): replaced. */
-static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t classid)
+/* Our filter on one side, where one of ours is (another's there: -EEXIST, left alone): replaced,
+ * its program held open (*old_fd, -1 if it is gone already) and its classid kept (*old_cid) for an
+ * undo. */
+static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t classid, int *old_fd,
+			  uint32_t *old_cid)
 {
 	struct rdr_nlreq r;
 	uint32_t id, cid;
@@ -131,8 +135,17 @@ static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t 
 		return ret == -ENOENT ? -EAGAIN : ret;
 	if (!ours)
 		return -EEXIST;
+	*old_fd = id ? rdr_bpf_prog_get_fd_by_id(id) : -1;
+	if (*old_fd < 0)
+		*old_fd = -1;
+	*old_cid = TC_H_MIN(cid);
 	filter_req(&r, 0, ifindex, egress, prog_fd, classid);
-	return rdr_nl_talk(s, &r.h, NULL, 0);
+	ret = rdr_nl_talk(s, &r.h, NULL, 0);
+	if (ret < 0 && *old_fd >= 0) {
+		close(*old_fd);
+		*old_fd = -1;
+	}
+	return ret;
 }
 
 /* Our filter off one side (the caller knows it is ours): 0 (gone, or not there), or -errno. */
@@ -229,11 +242,134 @@ static int nl_batch(int s, struct rdr_nlreq *reqs, int n, int *answers)
 	return rdr_nl_batch(s, out, len, n, answers, buf[0], sizeof(buf[0]));
 }
 
-int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid)
+static int attr_str(const struct nlmsghdr *h, size_t hdr, unsigned short type, char *out, size_t size)
+{
+	int len = (int)h->nlmsg_len - (int)NLMSG_LENGTH(hdr);
+	const struct rtattr *rta;
+
+	for (rta = (const struct rtattr *)((const char *)NLMSG_DATA(h) + NLMSG_ALIGN(hdr)); RTA_OK(rta, len);
+	     rta = RTA_NEXT(rta, len)) {
+		size_t n = RTA_PAYLOAD(rta);
+
+		if (rta->rta_type != type)
+			continue;
+		if (n >= size)
+			n = size - 1;
+		memcpy(out, RTA_DATA(rta), n);
+		out[n] = 0;
+		return 1;
+	}
+	return 0;
+}
+
+static int on_first_filter(void *arg, const struct nlmsghdr *h)
+{
+	struct rdr_tc_blame *b = arg;
+
+	if (b->what || h->nlmsg_type != RTM_NEWTFILTER || h->nlmsg_len < NLMSG_LENGTH(sizeof(struct tcmsg)))
+		return 0;
+	/* (the first is the priority's own: its kind and protocol; the dump is read to its end) */
+	b->protocol = ntohs((uint16_t)TC_H_MIN(((const struct tcmsg *)NLMSG_DATA(h))->tcm_info));
+	attr_str(h, sizeof(struct tcmsg), TCA_KIND, b->kind, sizeof(b->kind));
+	b->what = RDR_TC_BLAME_FILTER;
+	return 0;
+}
+
+static int on_ingress_qdisc(void *arg, const struct nlmsghdr *h)
+{
+	struct rdr_tc_blame *b = arg;
+	const struct tcmsg *t = NLMSG_DATA(h);
+
+	if (h->nlmsg_type != RTM_NEWQDISC || h->nlmsg_len < NLMSG_LENGTH(sizeof(struct tcmsg)) ||
+	    t->tcm_ifindex != b->ifindex || t->tcm_parent != TC_H_CLSACT)
+		return 0;
+	if (attr_str(h, sizeof(struct tcmsg), TCA_KIND, b->kind, sizeof(b->kind)) && strcmp(b->kind, "clsact") != 0)
+		b->what = RDR_TC_BLAME_QDISC;
+	return 0; /* (read to the end) */
+}
+
+extern char *if_indextoname(unsigned int ifindex, char *ifname); /* (<net/if.h> clashes with <linux/if.h>) */
+
+/* What holds our place on one side of the interface, where adding our filter failed with err
+ * (EEXIST: a filter at our priority and handle that is not ours; EINVAL: one of another kind or
+ * protocol at our priority, or no clsact qdisc): in b, and -EEXIST; else err. Only looked at on
+ * failure: another qdisc where the clsact qdisc goes (an ingress qdisc, whose one block takes the
+ * filters of both sides), else the filters at our priority on that side. */
+static int blame(int s, int ifindex, int egress, int err, struct rdr_tc_blame *b)
+{
+	struct rdr_tc_blame found;
+	struct rdr_nlreq r;
+
+	memset(&found, 0, sizeof(found));
+	found.ifindex = ifindex;
+	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0); /* (a get of it went unanswered on 6.18: the dump) */
+	nl_dump(s, &r, on_ingress_qdisc, &found);
+	if (!found.what) {
+		memset(&found, 0, sizeof(found));
+		tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 0, TC_H_MAKE((uint32_t)RDR_TC_PRIO << 16, 0));
+		nl_dump(s, &r, on_first_filter, &found);
+		found.egress = egress;
+	}
+	if (!found.what)
+		return err;
+	found.ifindex = ifindex;
+	if (if_indextoname((unsigned int)ifindex, found.ifname) == NULL)
+		found.ifname[0] = 0;
+	if (b)
+		*b = found;
+	return -EEXIST;
+}
+
+void rdr_tc_keep(struct rdr_tc_made *m)
+{
+	for (int side = 0; side < 2; side++) {
+		if (m->old_fd[side] >= 0)
+			close(m->old_fd[side]);
+		m->old_fd[side] = -1;
+	}
+}
+
+static void undo_on(int s, struct rdr_tc_made *m)
+{
+	for (int side = 0; side < 2; side++) {
+		if (m->side[side] == 2 && m->old_fd[side] >= 0) { /* ours from before, put back */
+			struct rdr_nlreq r;
+
+			filter_req(&r, 0, m->ifindex, side, m->old_fd[side], m->old_classid[side]);
+			if (rdr_nl_talk(s, &r.h, NULL, 0) == 0)
+				continue;
+		}
+		if (m->side[side]) /* made here (or not to be put back: its program is gone) */
+			del_ours(s, m->ifindex, side);
+	}
+	if (m->qdisc)
+		drop_qdisc_if_empty(s, m->ifindex);
+	rdr_tc_keep(m);
+	memset(m->side, 0, sizeof(m->side));
+	m->qdisc = 0;
+}
+
+void rdr_tc_undo(struct rdr_tc_made *m)
+{
+	int s = rdr_nl_socket(NETLINK_ROUTE);
+
+	if (s < 0) { /* (no socket: nothing can be taken back) */
+		rdr_tc_keep(m);
+		return;
+	}
+	undo_on(s, m);
+	close(s);
+}
+
+int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, struct rdr_tc_made *m,
+		  struct rdr_tc_blame *b)
 {
 	struct rdr_nlreq reqs[3];
-	int s = rdr_nl_socket(NETLINK_ROUTE), ret, made, ans[3];
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret, ans[3];
 
+	memset(m, 0, sizeof(*m));
+	m->ifindex = ifindex;
+	m->old_fd[0] = m->old_fd[1] = -1;
 	if (s < 0)
 		return s;
 	/* The qdisc (made unless there) and both filters (made unless there: a place taken, by ours
@@ -245,19 +381,24 @@ int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid)
 	ret = nl_batch(s, reqs, 3, ans);
 	if (ret < 0)
 		goto out;
-	made = ans[0] == 0;
+	m->qdisc = ans[0] == 0;
 	ret = ans[0] == -EEXIST ? 0 : ans[0];
+	for (int side = 0; side < 2; side++) /* (a filter made here is undone, whatever else failed) */
+		if (ans[1 + side] == 0)
+			m->side[side] = 1;
 	for (int side = 0; side < 2 && ret == 0; side++) {
 		ret = ans[1 + side];
-		if (ret == -EEXIST)
-			ret = replace_filter(s, ifindex, side, side ? prog_out : prog_in, classid);
+		if (ret == -EEXIST) {
+			ret = replace_filter(s, ifindex, side, side ? prog_out : prog_in, classid, &m->old_fd[side],
+					     &m->old_classid[side]);
+			if (ret == 0)
+				m->side[side] = 2;
+		}
+		if (ret == -EEXIST || ret == -EINVAL)
+			ret = blame(s, ifindex, side, ret, b);
 	}
-	if (ret < 0) { /* undone: ours off the interface, and the qdisc if made here */
-		del_filter(s, ifindex, 0);
-		del_filter(s, ifindex, 1);
-		if (made)
-			drop_qdisc_if_empty(s, ifindex);
-	}
+	if (ret < 0) /* undone: what this call made, and ours it replaced put back */
+		undo_on(s, m);
 out:
 	close(s);
 	return ret;
@@ -278,9 +419,13 @@ int rdr_tc_detach(int ifindex)
 	return ret < 0 ? ret : 0;
 }
 
+/* The interfaces of the calling thread's netns with a clsact qdisc, as many as there are (a pod makes
+ * as many as it likes: the list grows, up to IDX_MAX). */
+#define IDX_MAX (1 << 20)
+
 struct idx_list {
 	int *idx;
-	int n, max;
+	int n, cap;
 };
 
 static int on_qdisc(void *arg, const struct nlmsghdr *h)
@@ -297,47 +442,58 @@ static int on_qdisc(void *arg, const struct nlmsghdr *h)
 	     rta = RTA_NEXT(rta, alen)) {
 		if (rta->rta_type != TCA_KIND || strncmp(RTA_DATA(rta), "clsact", RTA_PAYLOAD(rta)) != 0)
 			continue;
-		if (l->n == l->max)
-			return -E2BIG;
+		if (l->n == l->cap) {
+			int cap = l->cap ? 2 * l->cap : 64, *idx;
+
+			if (cap > IDX_MAX)
+				return -E2BIG;
+			idx = realloc(l->idx, (size_t)cap * sizeof(*idx));
+			if (idx == NULL)
+				return -ENOMEM;
+			l->idx = idx;
+			l->cap = cap;
+		}
 		l->idx[l->n++] = t->tcm_ifindex;
 	}
 	return 0;
 }
 
-/* The interfaces of the calling thread's netns with a clsact qdisc (one RTM_GETQDISC dump): their
- * count, in idx[0..max), or -errno. */
-static int clsact_interfaces(int s, int *idx, int max)
+/* The interfaces with a clsact qdisc (one RTM_GETQDISC dump) in l (l->idx to free), or -errno. */
+static int clsact_interfaces(int s, struct idx_list *l)
 {
-	struct idx_list l = {.idx = idx, .max = max};
 	struct rdr_nlreq r;
 	int ret;
 
+	memset(l, 0, sizeof(*l));
 	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0);
-	ret = nl_dump(s, &r, on_qdisc, &l);
-	return ret < 0 ? ret : l.n;
+	ret = nl_dump(s, &r, on_qdisc, l);
+	return ret < 0 ? ret : 0;
 }
 
-/* Our filters in the calling thread's netns (on the interfaces with a clsact qdisc): their count,
- * in out[0..max), a side without ours with program 0, or -errno. */
+/* Our filters in the calling thread's netns (on the interfaces with a clsact qdisc), a side without
+ * ours with program 0: how many interfaces have ours (the first max of them written to out), or
+ * -errno. */
 static int list_ours(int s, struct rdr_tc_filter *out, int max)
 {
-	int idx[RDR_FWD_MAX], n = clsact_interfaces(s, idx, RDR_FWD_MAX), found = 0;
+	struct idx_list l;
+	int ret = clsact_interfaces(s, &l), found = 0;
 
-	for (int i = 0; i < n; i++) {
-		struct rdr_tc_filter f = {.ifindex = idx[i]};
+	for (int i = 0; ret == 0 && i < l.n; i++) {
+		struct rdr_tc_filter f = {.ifindex = l.idx[i]};
 		int ours_in = 0, ours_out = 0;
 
-		if (query(s, idx[i], 0, &f.prog_in, &f.classid_in, &ours_in) < 0 || !ours_in)
+		if (query(s, l.idx[i], 0, &f.prog_in, &f.classid_in, &ours_in) < 0 || !ours_in)
 			f.prog_in = f.classid_in = 0;
-		if (query(s, idx[i], 1, &f.prog_out, &f.classid_out, &ours_out) < 0 || !ours_out)
+		if (query(s, l.idx[i], 1, &f.prog_out, &f.classid_out, &ours_out) < 0 || !ours_out)
 			f.prog_out = f.classid_out = 0;
 		if (!f.prog_in && !f.prog_out)
 			continue;
-		if (found == max)
-			return -E2BIG;
-		out[found++] = f;
+		if (found < max)
+			out[found] = f;
+		found++;
 	}
-	return n < 0 ? n : found;
+	free(l.idx);
+	return ret < 0 ? ret : found;
 }
 
 int rdr_tc_list(struct rdr_tc_filter *out, int max)
@@ -353,22 +509,22 @@ int rdr_tc_list(struct rdr_tc_filter *out, int max)
 
 int rdr_tc_detach_all(void)
 {
-	struct rdr_tc_filter f[RDR_FWD_MAX];
-	int s = rdr_nl_socket(NETLINK_ROUTE), n, ret = 0;
+	struct idx_list l;
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret, n = 0;
 
 	if (s < 0)
 		return s;
-	n = list_ours(s, f, RDR_FWD_MAX);
-	if (n < 0)
-		ret = n;
-	for (int i = 0; i < n && ret == 0; i++) {
-		if (f[i].prog_in)
-			ret = del_ours(s, f[i].ifindex, 0);
-		if (ret == 0 && f[i].prog_out)
-			ret = del_ours(s, f[i].ifindex, 1);
-		if (ret == 0)
-			ret = drop_qdisc_if_empty(s, f[i].ifindex);
+	ret = clsact_interfaces(s, &l);
+	for (int i = 0; ret == 0 && i < l.n; i++) {
+		int in = del_filter(s, l.idx[i], 0), out = in < 0 ? in : del_filter(s, l.idx[i], 1);
+
+		ret = in < 0 ? in : out < 0 ? out : 0;
+		if (ret == 0 && (in || out)) {
+			n++;
+			ret = drop_qdisc_if_empty(s, l.idx[i]);
+		}
 	}
+	free(l.idx);
 	close(s);
 	return ret < 0 ? ret : n;
 }
@@ -419,8 +575,8 @@ static int netconf_dump(int s, void (*on)(void *, int, int, int), void *arg)
 struct fwd_acc {
 	int *out;
 	int max, n, over, v6_all;
-	int v6_dev[RDR_FWD_MAX];
-	int n6;
+	int v6_dev[RDR_FWD_MAX]; /* every device's IPv6 entry: they forward if all.forwarding is on */
+	int n6, v6_over;         /* (more than that: an overflow only then) */
 };
 
 static void add_dev(struct fwd_acc *a, int idx)
@@ -448,7 +604,7 @@ static void on_forwarding(void *arg, int family, int idx, int fwd)
 	} else if (idx > 1 && a->n6 < RDR_FWD_MAX) {
 		a->v6_dev[a->n6++] = idx;
 	} else if (idx > 1) {
-		a->over = 1;
+		a->v6_over = 1;
 	}
 }
 
@@ -459,9 +615,11 @@ int rdr_forwarding_on(int s, int *ifindexes, int max)
 
 	if (ret < 0)
 		return ret;
-	if (a.v6_all)
+	if (a.v6_all) { /* (all.forwarding comes after the devices in the dump) */
 		for (int i = 0; i < a.n6; i++)
 			add_dev(&a, a.v6_dev[i]);
+		a.over |= a.v6_over;
+	}
 	return a.over ? -E2BIG : a.n;
 }
 

@@ -1131,6 +1131,53 @@ def test_a_pod_with_many_addresses_has_them_all_registered_and_one_with_too_many
     assert _snapshot(pod, bpf_root) == before
 
 
+def test_our_own_address_does_not_count_against_the_pods_addresses(pod: Pod, bpf_root: str) -> None:
+    """A pod with exactly RDR_SCAN_MAX addresses of its own (its IPv4 one and 255 IPv6 ones) is set
+    up, which adds ``::6`` on lo; that address of ours does not count against the limit: check
+    and the same setup again work (they failed naming the limit)."""
+    most = syscalls.NATIVE.lib.RDR_SCAN_MAX
+    prefix = pod.pod_ip6.rsplit(":", 1)[0]
+    more = [f"{prefix}:{0x1000 + i:x}" for i in range(most - 2)]  # (+ its IPv4 and IPv6 ones)
+    batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in more)
+    subprocess.run(["ip", "-n", pod.name, "-batch", "-"], input=batch, text=True, check=True)
+    try:
+        assert api.setup(pod.name, RedirectConfig(), backend="ebpf").changed
+        out = subprocess.run(["ip", "-n", pod.name, "-6", "addr", "show", "dev", "lo"], capture_output=True,
+                             text=True, check=True).stdout
+        assert "::6/128" in out
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+        api.setup(pod.name, RedirectConfig(), backend="ebpf")
+        assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+
+
+def test_an_address_whose_dad_failed_is_not_the_pods(pod: Pod, bpf_root: str) -> None:
+    """An IPv6 address the pod adds after its own, whose duplicate address detection fails (its
+    peer has it), is listed first but is not the pod's: it is neither its source (the policy's
+    sources name the pod's address) nor one of its addresses for capture, on the fresh-pod call
+    and the general path alike, and check agrees."""
+    dup = pod.pod_ip6.rsplit(":", 1)[0] + ":99"
+    subprocess.run(["ip", "-n", pod.peer_name, "addr", "add", f"{dup}/64", "dev", pod.peer_if, "nodad"], check=True)
+    subprocess.run(["ip", "netns", "exec", pod.name, "sysctl", "-qw", f"net.ipv6.conf.{pod.pod_if}.accept_dad=1"],
+                   check=True)  # (the kit turns DAD off)
+    subprocess.run(["ip", "-n", pod.name, "addr", "add", f"{dup}/64", "dev", pod.pod_if], check=True)
+    deadline = time.monotonic() + 10
+    while "dadfailed" not in subprocess.run(["ip", "-n", pod.name, "-6", "addr", "show", "dev", pod.pod_if],
+                                            capture_output=True, text=True, check=True).stdout:
+        assert time.monotonic() < deadline, "DAD did not fail"
+        time.sleep(0.1)
+    try:
+        for cfg in (RedirectConfig(), RedirectConfig(inbound_ports=(8000,))):  # fresh, then general
+            api.setup(pod.name, cfg, backend="ebpf")
+            shown = api.show(pod.name, backend="ebpf")
+            assert dup not in shown["addresses"] and pod.pod_ip6 in shown["addresses"], shown["addresses"]
+            assert f"sources={pod.pod_ip4},{pod.pod_ip6}" in shown["policy"], shown["policy"]
+            assert api.check(pod.name, cfg, backend="ebpf").ok
+    finally:
+        api.teardown(pod.name, backend="ebpf")
+
+
 @pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])
 def test_a_failed_native_setup_leaves_the_pod_as_it_was(pod: Pod, bpf_root: str, point: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,6 +50,17 @@ def own_ipv6(raw: bytes) -> bool:
     return raw != _V6_LOOPBACK and raw != _V6_PASSTHROUGH and not (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80)
 
 
+IFA_F_DADFAILED = 0x08
+
+
+def _dad_failed(m: Any) -> bool:
+    """Whether the address message ``m``'s duplicate address detection failed (``IFA_FLAGS``, else
+    the header's flags): such an address is not the pod's, as the eBPF backend's scan has it
+    (native/pod_setup.c, ``on_address``)."""
+    flags = m.u32(netlink.IFA_FLAGS)
+    return bool((m.fields[1] if flags is None else flags) & IFA_F_DADFAILED)
+
+
 def _ip(raw: bytes) -> str:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
@@ -88,7 +99,7 @@ def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
             names = netlink.link_names() if names is None else names
             addresses.add(LocalAddress(fam_of[m.family], f"{_ip(m.attrs[netlink.IFA_ADDRESS])}/{m.fields[0]}",  # type: ignore[arg-type]
                                        names.get(m.fields[3], "?")))
-        elif m.family == socket.AF_INET6 and not own_v6:
+        elif m.family == socket.AF_INET6 and not own_v6 and not _dad_failed(m):
             own_v6 = own_ipv6(m.attrs[netlink.IFA_ADDRESS])
     return RouteState(frozenset(routes), frozenset(addresses), own_v6)
 

@@ -236,13 +236,14 @@ class PodStore:
             tcs[i] = idx
         w.tc_ifs, w.n_tc = tcs, len(tc_ifs or ())
         w.slot_now = -1 if slot_now is None else slot_now
+        blame = w.tc_blame = ffi.new("struct rdr_tc_blame *")
         rc = lib.rdr_ebpf_pod_write(w)
         if rc == 0 and low[0]:
             self.refill()  # it found no slot queued free: the next batch, ahead of the pods that come next
         if rc == lib.RDR_POD_FAULT:
             raise SetupError(f"injected fault at {os.environ.get('REDIRECT_FAULT')}")
         if rc < 0:
-            raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
+            raise SetupError(setup_failed(rc, blame))
 
     def remove(self, cookie: int) -> bool:
         """Everything of the pod ``cookie`` in the maps, and its link: O(its entries), from any netns."""
@@ -344,6 +345,32 @@ class PodStore:
         pool.refill(self.native, self.hint)
 
 
+_PROTOCOLS = {0x0003: "all", 0x0800: "ip", 0x86DD: "ipv6", 0x0806: "arp", 0x8100: "802.1Q"}
+
+
+def in_the_way(blame: Any) -> str:
+    """What held our tc filters' place on an interface (a ``struct rdr_tc_blame`` that
+    ``rdr_tc_attach`` filled in when it failed), for an error message: "" when nothing was found."""
+    lib, ffi = NATIVE.lib, NATIVE.ffi
+    if not blame.ifindex or blame.what not in (lib.RDR_TC_BLAME_FILTER, lib.RDR_TC_BLAME_QDISC):
+        return ""
+    kind = ffi.string(blame.kind).decode(errors="replace") or "?"
+    where = f"interface {ffi.string(blame.ifname).decode(errors='replace') or '?'} (ifindex {blame.ifindex})"
+    if blame.what == lib.RDR_TC_BLAME_QDISC:
+        return (f"{where} has a qdisc of kind {kind!r} where the clsact qdisc of our tc filters goes (not ours:"
+                " left alone)")
+    proto = _PROTOCOLS.get(blame.protocol, f"{blame.protocol:#06x}")
+    return (f"{where} has a tc filter that is not ours at our priority {lib.RDR_TC_PRIO} on its"
+            f" {'egress' if blame.egress else 'ingress'} (kind {kind!r}, protocol {proto}; left alone)")
+
+
+def setup_failed(rc: int, blame: Any) -> str:
+    """The message of a pod's write (or fresh-pod call) that failed with ``rc`` (-errno) and was
+    undone; ``blame``: its ``struct rdr_tc_blame``."""
+    why = in_the_way(blame)
+    return f"ebpf: setup failed and was undone: {why + ': ' if why else ''}{os.strerror(-rc)}"
+
+
 #: What a pod's link pin's name has after its netns cookie (``rdr_pod_link_suffix``, the name
 #: native/pod_setup.c pins it by).
 LINK_SUFFIX: str = NATIVE.ffi.string(NATIVE.lib.rdr_pod_link_suffix).decode()
@@ -368,4 +395,5 @@ def program_ids(progs: dict[str, int]) -> dict[str, int]:
     return out
 
 
-__all__ = ["PodState", "PodWrite", "PodStore", "LINK_SUFFIX", "pod_link", "program_ids"]
+__all__ = ["PodState", "PodWrite", "PodStore", "LINK_SUFFIX", "in_the_way", "pod_link", "program_ids",
+           "setup_failed"]

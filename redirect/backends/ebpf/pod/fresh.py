@@ -23,6 +23,7 @@ from ....kernel.netns import NetnsRef
 from ....plan.intent import AnyIntent, Intent
 from ...base import Installed, ebpf_root
 from ..host import NATIVE, PROCESS, PodStore
+from ..host.pods import setup_failed
 from .entries import intent_entries, local_key_templates, policy_flags, refuse, remembered, replies_by_mark
 from .network import LOOPBACK_IFINDEX, families_for, intent_addresses
 from .tc import takes_forwarded
@@ -189,7 +190,7 @@ def setup_fresh(it: AnyIntent, netns: NetnsRef, name: str, lock_fd: int) -> Inst
         if rc == lib.RDR_POD_FWMARK:
             raise SetupError(f"ebpf: capture is in place, but net.ipv4.tcp_fwmark_accept could not be turned on:"
                              f" {os.strerror(-c.err)}; run setup again")
-        raise SetupError(f"ebpf: setup failed and was undone: {os.strerror(-rc)}")
+        raise SetupError(setup_failed(rc, c.tc_blame))
     if c.pool_low:
         store.refill()  # it found no sk_lookup program queued free: the next batch, ahead of the next pods
     cookie = c.cookie

@@ -50,11 +50,11 @@ def scan_netns() -> NetnsScan:
     """``NetnsScan`` of the calling thread's netns, from ``rdr_scan_netns`` (native/pod_setup.c: the
     fresh-pod call scans with it too): its cookie and one address dump."""
     sc = NATIVE.ffi.new("struct rdr_netns_scan *")
-    rc = NATIVE.lib.rdr_scan_netns(sc)
+    rc = NATIVE.lib.rdr_scan_netns(sc, rt.RT_PROTO)
     if rc == -errno.E2BIG:
-        raise SetupError(f"backend=ebpf: the netns has more than {NATIVE.lib.RDR_SCAN_MAX} addresses (loopback and"
-                         " IPv6 link-local aside), the most the eBPF backend registers; nftables and iptables"
-                         " take any number")
+        raise SetupError(f"backend=ebpf: the netns has more than {NATIVE.lib.RDR_SCAN_MAX} addresses (loopback,"
+                         " IPv6 link-local and ours aside), the most the eBPF backend registers; nftables and"
+                         " iptables take any number")
     check(rc, "scanning the netns (RTM_GETADDR)")
     buf = NATIVE.ffi.buffer
     raw = [(a.family, buf(a.addr, 4 if a.family == 4 else 16)[:], a.ifindex) for a in sc.a[0 : sc.n]]

@@ -24,13 +24,14 @@ import errno
 import os
 import socket
 
+from ....errors import SetupError
 from ....plan.lower_ebpf import CIDR_KIND
 from ..abi import CIDR_KEY
 from ..host import NATIVE
 from .entries import PodEntries
 
-#: Interfaces the native calls list at most (``RDR_FWD_MAX``).
-_MAX = 256
+#: Interfaces a pod may forward on (``RDR_FWD_MAX``): more fail its setup.
+_MAX = int(NATIVE.lib.RDR_FWD_MAX)
 
 
 def takes_forwarded(want: PodEntries) -> bool:
@@ -49,11 +50,16 @@ def _excluded(cidrs: frozenset[bytes]) -> set[int]:
 
 
 def forwarding() -> frozenset[int]:
-    """The calling thread's netns's interfaces (lo aside) on which it forwards what arrives."""
+    """The calling thread's netns's interfaces (lo aside) on which it forwards what arrives.
+    ``SetupError`` when it forwards on more than ``RDR_FWD_MAX`` (those that do not forward count
+    for nothing), or they cannot be read."""
     buf = NATIVE.ffi.new("int[]", _MAX)
     n = NATIVE.lib.rdr_forwarding(buf, _MAX)
+    if n == -errno.E2BIG:
+        raise SetupError(f"backend=ebpf: the netns forwards on more than {_MAX} interfaces, the most the eBPF"
+                         " backend puts its tc filters on; nftables and iptables take any number")
     if n < 0:
-        raise OSError(-n, f"read the interfaces' forwarding settings: {os.strerror(-n)}")
+        raise SetupError(f"backend=ebpf: read the interfaces' forwarding settings: {os.strerror(-n)}")
     return frozenset(buf[i] for i in range(n))
 
 
@@ -67,10 +73,15 @@ def wanted(want: PodEntries) -> frozenset[int]:
 def ours() -> dict[int, tuple[int, int, int, int]]:
     """Our filters in the calling thread's netns: ifindex -> (ingress program id, its slot, egress
     program id, its slot); a side without ours has (0, -1)."""
-    buf = NATIVE.ffi.new("struct rdr_tc_filter[]", _MAX)
-    n = NATIVE.lib.rdr_tc_list(buf, _MAX)
-    if n < 0:
-        raise OSError(-n, f"read our tc filters: {os.strerror(-n)}")
+    room = _MAX
+    while True:  # (more of ours than room: again with room for all)
+        buf = NATIVE.ffi.new("struct rdr_tc_filter[]", room)
+        n = NATIVE.lib.rdr_tc_list(buf, room)
+        if n < 0:
+            raise OSError(-n, f"read our tc filters: {os.strerror(-n)}")
+        if n <= room:
+            break
+        room = n
 
     def slot(prog: int, classid: int) -> int:
         return (classid & 0xFFFF) - 1 if prog else -1
