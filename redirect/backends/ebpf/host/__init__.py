@@ -21,10 +21,10 @@ from __future__ import annotations
 from .lifetime import PROCESS, Process, collect_garbage, host, reading, registered_pods
 from .objects import PROGRAMS, build_id
 from .pins import probe_kernel, resolve_cgroup, resolve_root
-from .pods import PodState, PodStore, PodWrite, pod_link
+from .pods import PodState, PodStore, PodWrite, pod_link, setup_failed
 from .programs import HostPrograms, count_pods, host_problems
 from .syscalls import NATIVE, check, detach_pinned
 
 __all__ = ["PROCESS", "Process", "collect_garbage", "host", "reading", "registered_pods", "PROGRAMS", "build_id",
            "probe_kernel", "resolve_cgroup", "resolve_root", "PodState", "PodStore", "PodWrite", "pod_link",
-           "HostPrograms", "count_pods", "host_problems", "NATIVE", "check", "detach_pinned"]
+           "setup_failed", "HostPrograms", "count_pods", "host_problems", "NATIVE", "check", "detach_pinned"]

@@ -22,8 +22,7 @@ from ....kernel import routes as rt
 from ....kernel.netns import NetnsRef
 from ....plan.intent import AnyIntent, Intent
 from ...base import Installed, ebpf_root
-from ..host import NATIVE, PROCESS, PodStore
-from ..host.pods import setup_failed
+from ..host import NATIVE, PROCESS, PodStore, setup_failed
 from .entries import intent_entries, local_key_templates, policy_flags, refuse, remembered, replies_by_mark
 from .network import LOOPBACK_IFINDEX, families_for, intent_addresses
 from .tc import takes_forwarded
