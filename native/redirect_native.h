@@ -124,6 +124,8 @@ struct rdr_tc_made {
 /* What held our filters' place when rdr_tc_attach failed with -EEXIST (what = 0: nothing found). */
 #define RDR_TC_BLAME_FILTER 1 /* a filter that is not ours at our priority on one side (kind, protocol) */
 #define RDR_TC_BLAME_QDISC 2  /* a qdisc of another kind where the clsact qdisc goes (an ingress one) */
+#define RDR_TC_BLAME_LINK 3   /* (-EPFNOSUPPORT) a link type whose header the tc programs cannot step
+			       * over: its ARPHRD_* in protocol */
 struct rdr_tc_blame {
 	int ifindex;
 	int what;                /* RDR_TC_BLAME_*, or 0 */
@@ -134,7 +136,9 @@ struct rdr_tc_blame {
 };
 
 /* Our filters on ifindex (in the calling thread's netns), made or replaced: prog_in on ingress,
- * prog_out on egress, both with classid (the pod's pool slot + 1), in its clsact qdisc (made if
+ * prog_out on egress, both with classid (the pod's pool slot + 1; RDR_TC_NO_L2 added here for an
+ * interface without a link-layer header, -EPFNOSUPPORT for a link type the programs cannot
+ * parse, described in *blame), in its clsact qdisc (made if
  * missing). 0 with what it changed in *made (rdr_tc_undo takes it back; rdr_tc_keep once it
  * stays), or -errno with nothing of this call's left: -EEXIST when something not ours holds our
  * place (a filter at our priority on one side, of any kind or protocol, or another qdisc where

@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <linux/if_arp.h>
 #include <linux/if_ether.h>
 #include <linux/netconf.h>
 #include <linux/netlink.h>
@@ -361,6 +362,47 @@ void rdr_tc_undo(struct rdr_tc_made *m)
 	close(s);
 }
 
+/* Where the IP header of the interface's packets starts, as the tc programs see them: 0 behind an
+ * Ethernet header (Ethernet, loopback), RDR_TC_NO_L2 when there is none (tun, IP tunnels), else
+ * -EPFNOSUPPORT (a link type whose header the programs cannot step over), described in *b. */
+static int link_l2(int s, int ifindex, struct rdr_tc_blame *b)
+{
+	struct ifinfomsg ifi = {.ifi_family = AF_UNSPEC, .ifi_index = ifindex};
+	struct rdr_nlreq r;
+	char reply[8192] __attribute__((aligned(8)));
+	const struct nlmsghdr *h = (const struct nlmsghdr *)reply;
+	int ret;
+
+	rdr_nl_start(&r, RTM_GETLINK, 0, &ifi, sizeof(ifi));
+	ret = rdr_nl_talk(s, &r.h, reply, sizeof(reply));
+	if (ret < 0)
+		return ret;
+	if (h->nlmsg_type != RTM_NEWLINK || h->nlmsg_len < NLMSG_LENGTH(sizeof(ifi)))
+		return -EPROTO;
+	switch (((const struct ifinfomsg *)NLMSG_DATA(h))->ifi_type) {
+	case ARPHRD_ETHER:
+	case ARPHRD_LOOPBACK:
+		return 0;
+	case ARPHRD_NONE:
+	case ARPHRD_RAWIP:
+	case ARPHRD_TUNNEL:
+	case ARPHRD_TUNNEL6:
+	case ARPHRD_SIT:
+	case ARPHRD_IPGRE:
+	case ARPHRD_IP6GRE:
+		return RDR_TC_NO_L2;
+	}
+	if (b) {
+		memset(b, 0, sizeof(*b));
+		b->ifindex = ifindex;
+		b->what = RDR_TC_BLAME_LINK;
+		b->protocol = ((const struct ifinfomsg *)NLMSG_DATA(h))->ifi_type;
+		if (if_indextoname((unsigned int)ifindex, b->ifname) == NULL)
+			b->ifname[0] = 0;
+	}
+	return -EPFNOSUPPORT;
+}
+
 int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, struct rdr_tc_made *m,
 		  struct rdr_tc_blame *b)
 {
@@ -372,6 +414,10 @@ int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, stru
 	m->old_fd[0] = m->old_fd[1] = -1;
 	if (s < 0)
 		return s;
+	ret = link_l2(s, ifindex, b);
+	if (ret < 0)
+		goto out;
+	classid |= (uint32_t)ret;
 	/* The qdisc (made unless there) and both filters (made unless there: a place taken, by ours
 	 * or another's, is looked at below), in one send. */
 	tc_req(&reqs[0], RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);

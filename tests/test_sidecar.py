@@ -1172,3 +1172,77 @@ def test_the_original_destination_outlives_a_client_that_closed_before_the_proxy
                 assert conn.recv(100) == b"short request"
         finally:
             lsock.close()
+
+
+# --------------------------------------------------------------------------- forwarded from a tun device
+
+TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
+
+
+def _csum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    s = sum(int.from_bytes(data[i:i + 2], "big") for i in range(0, len(data), 2))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return ~s & 0xFFFF
+
+
+def _tcp4(src: str, dst: str, sport: int, dport: int, seq: int, ack: int, flags: int, data: bytes = b"") -> bytes:
+    """An IPv4 TCP segment, checksums right."""
+    import struct
+
+    s, d = socket.inet_aton(src), socket.inet_aton(dst)
+    tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, flags, 65535, 0, 0) + data
+    tcp = tcp[:16] + _csum(s + d + struct.pack("!BBH", 0, 6, len(tcp)) + tcp).to_bytes(2, "big") + tcp[18:]
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 1, 0, 64, 6, 0, s, d)
+    return ip[:10] + _csum(ip).to_bytes(2, "big") + ip[12:] + tcp
+
+
+def test_forwarded_traffic_from_a_tun_device_lands_on_the_inbound_port(pod: Pod, backend: str) -> None:
+    """An interface without a link-layer header (a tun device, as VPN pods have) that the pod
+    forwards on: a client behind it connecting to a host beyond the pod lands on the proxy's inbound
+    listener with its original destination, and the replies come back from that destination, as
+    with netfilter's nat PREROUTING (eBPF: its tc programs find the IP header at the start)."""
+    import fcntl
+    import select
+    import struct
+
+    client, dst = ("10.77.0.2", 40000), ("192.0.2.10", 80)
+    with rnetns.enter(pod.name):
+        tun = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(tun, TUNSETIFF, struct.pack("16sH", b"rdrtun0", IFF_TUN | IFF_NO_PI))
+        subprocess.run(["ip", "-n", pod.name, "addr", "add", "10.77.0.1/24", "dev", "rdrtun0"], check=True)
+        subprocess.run(["ip", "-n", pod.name, "link", "set", "rdrtun0", "up"], check=True)
+        set_forwarding(pod.name, True)
+
+        def reply_to(segment: bytes) -> bytes | None:
+            """What comes back out of the tun device for the client, within 5 s."""
+            os.write(tun, segment)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if not select.select([tun], [], [], 0.2)[0]:
+                    continue
+                pkt = os.read(tun, 65535)
+                if len(pkt) >= 40 and pkt[0] >> 4 == 4 and pkt[9] == 6 and pkt[16:20] == socket.inet_aton(client[0]):
+                    return pkt
+            return None
+
+        with installed(pod, None, backend), listeners((pod.name, 15006, 4, "proxy-in")) as L:
+            assert redirect.check(pod.name, None, backend=backend).ok
+            if backend == "ebpf":
+                assert tc_filters(pod.name, "rdrtun0") == OUR_TC
+            synack = reply_to(_tcp4(client[0], dst[0], client[1], dst[1], 1000, 0, 0x02))
+            assert synack is not None, "no answer to the SYN: not captured"
+            ihl = (synack[0] & 0xF) * 4
+            sport, dport, seq, ack, _off, flags = struct.unpack("!HHIIBB", synack[ihl:ihl + 14])
+            assert (socket.inet_ntoa(synack[12:16]), sport, dport) == (dst[0], dst[1], client[1])
+            assert flags & 0x12 == 0x12 and ack == 1001
+            assert _csum(synack[:ihl]) == 0  # the rewritten header's checksum holds
+            os.write(tun, _tcp4(client[0], dst[0], client[1], dst[1], 1001, seq + 1, 0x10))
+            os.write(tun, _tcp4(client[0], dst[0], client[1], dst[1], 1001, seq + 1, 0x18, b"hi\n"))
+            (conn,) = L["proxy-in"].wait_for(1, timeout=10)
+            assert conn.orig_dst == dst and conn.peer == client and conn.line == "hi", conn
+    finally:
+        os.close(tun)

@@ -217,6 +217,11 @@ struct inv_val {
  * setup claims (BPF_NOEXIST) and its teardown or the garbage collection releases. */
 #define RDR_POOL_MAX 8192 /* slots, and programs in lookup_pool */
 
+/* A pod's tc filters carry its pool slot plus one in their classid's minor (below RDR_TC_NO_L2,
+ * since RDR_POOL_MAX is), and this bit when the interface's packets have no link-layer header (a
+ * tun or IP tunnel device: the IP header comes first), so tc_forward.c knows where it starts. */
+#define RDR_TC_NO_L2 0x8000
+
 struct pool_slot {
 	__u64 netns;     /* the cookie of the netns the slot's program is linked to */
 	__u64 netns_ino; /* its inode: the byte of the netns lock a setup holds while it claims */

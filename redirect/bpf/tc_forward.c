@@ -18,7 +18,8 @@
  * pool slot plus one (the slot its sk_lookup program runs in, redirect/bpf/abi.h struct pool_slot), which
  * the kernel hands the program as skb->tc_classid before it runs; lookup_slots names the pod.
  *
- * Ethernet interfaces (veth, tap, bridges); TCP whose header follows the IP header (no IPv6
+ * Ethernet interfaces (veth, tap, bridges) and interfaces without a link-layer header (tun, IP
+ * tunnels: RDR_TC_NO_L2 in the filter's classid); TCP whose header follows the IP header (no IPv6
  * extension headers, no fragments). Entries are LRU: a connection's is rewritten by the next SYN
  * of the same client end.
  */
@@ -32,7 +33,8 @@
 #define RDR_TCP_SYN 0x02
 #define RDR_TCP_ACK 0x10
 
-/* Where a TCP packet's fields are (offsets from the Ethernet header). */
+/* Where a TCP packet's fields are (offsets from the start of the packet: its Ethernet header, or
+ * its IP header on an interface without a link-layer header). */
 struct rdr_pkt {
 	__u32 family;
 	__u32 saddr_off; /* the destination follows the source: +4 (IPv4), +16 (IPv6) */
@@ -45,32 +47,33 @@ struct rdr_pkt {
 	__u8 flags;
 };
 
-/* The TCP packet's addresses, ports and flags; 0: not one this program handles. */
-static __always_inline int rdr_parse(struct __sk_buff *skb, struct rdr_pkt *k)
+/* The TCP packet's addresses, ports and flags, its IP header l2 bytes in (RDR_ETH_HLEN, or 0);
+ * 0: not one this program handles. */
+static __always_inline int rdr_parse(struct __sk_buff *skb, struct rdr_pkt *k, __u32 l2)
 {
 	__u8 hdr[40];
 	__u16 ports[2];
 
 	if (skb->protocol == bpf_htons(RDR_ETH_P_IP)) {
-		if (bpf_skb_load_bytes(skb, RDR_ETH_HLEN, hdr, 20) < 0)
+		if (bpf_skb_load_bytes(skb, l2, hdr, 20) < 0)
 			return 0;
 		/* IPv4, TCP, not a fragment (offset and more-fragments both zero) */
 		if ((hdr[0] >> 4) != 4 || hdr[9] != IPPROTO_TCP || (hdr[6] & 0x3f) || hdr[7])
 			return 0;
 		k->family = AF_INET;
-		k->saddr_off = RDR_ETH_HLEN + 12;
-		k->l3_csum_off = RDR_ETH_HLEN + 10;
-		k->l4_off = RDR_ETH_HLEN + (hdr[0] & 0xf) * 4;
+		k->saddr_off = l2 + 12;
+		k->l3_csum_off = l2 + 10;
+		k->l4_off = l2 + (hdr[0] & 0xf) * 4;
 		__builtin_memcpy(k->saddr, hdr + 12, 4);
 		__builtin_memcpy(k->daddr, hdr + 16, 4);
 	} else if (skb->protocol == bpf_htons(RDR_ETH_P_IPV6)) {
-		if (bpf_skb_load_bytes(skb, RDR_ETH_HLEN, hdr, 40) < 0)
+		if (bpf_skb_load_bytes(skb, l2, hdr, 40) < 0)
 			return 0;
 		if ((hdr[0] >> 4) != 6 || hdr[6] != IPPROTO_TCP)
 			return 0;
 		k->family = AF_INET6;
-		k->saddr_off = RDR_ETH_HLEN + 8;
-		k->l4_off = RDR_ETH_HLEN + 40;
+		k->saddr_off = l2 + 8;
+		k->l4_off = l2 + 40;
 		__builtin_memcpy(k->saddr, hdr + 8, 16);
 		__builtin_memcpy(k->daddr, hdr + 24, 16);
 	} else {
@@ -142,16 +145,16 @@ static __always_inline int rdr_has_addr(const __u8 *a, int v6)
 }
 
 /* A TCP packet (parsed into *k) of the registered pod whose filter runs the program:
- * lookup_slots[tc_classid - 1]; NULL for any other packet. The parse comes first: no map look-up
- * for what is not TCP. */
+ * lookup_slots[tc_classid - 1] (RDR_TC_NO_L2 aside); NULL for any other packet. The parse comes
+ * first: no map look-up for what is not TCP. */
 static __always_inline struct pod_policy *filter_pod(struct __sk_buff *skb, struct rdr_pkt *k, __u64 *netns,
 						     __u64 *keys)
 {
 	struct pod_policy *p;
 	struct pool_slot *ps;
-	__u32 slot = skb->tc_classid;
+	__u32 slot = skb->tc_classid & ~(__u32)RDR_TC_NO_L2;
 
-	if (!rdr_parse(skb, k) || slot == 0)
+	if (!rdr_parse(skb, k, skb->tc_classid & RDR_TC_NO_L2 ? 0 : RDR_ETH_HLEN) || slot == 0)
 		return 0;
 	slot--;
 	ps = lookup_slots.lookup(&slot);

@@ -352,10 +352,15 @@ def in_the_way(blame: Any) -> str:
     """What held our tc filters' place on an interface (a ``struct rdr_tc_blame`` that
     ``rdr_tc_attach`` filled in when it failed), for an error message: "" when nothing was found."""
     lib, ffi = NATIVE.lib, NATIVE.ffi
-    if not blame.ifindex or blame.what not in (lib.RDR_TC_BLAME_FILTER, lib.RDR_TC_BLAME_QDISC):
+    if not blame.ifindex or blame.what not in (lib.RDR_TC_BLAME_FILTER, lib.RDR_TC_BLAME_QDISC,
+                                               lib.RDR_TC_BLAME_LINK):
         return ""
     kind = ffi.string(blame.kind).decode(errors="replace") or "?"
     where = f"interface {ffi.string(blame.ifname).decode(errors='replace') or '?'} (ifindex {blame.ifindex})"
+    if blame.what == lib.RDR_TC_BLAME_LINK:
+        return (f"the pod forwards on {where}, whose link type ({blame.protocol}) has a header eBPF capture of"
+                " forwarded TCP cannot parse (it parses Ethernet and headerless IP); use backend iptables or"
+                " nftables, or exclude the interface")
     if blame.what == lib.RDR_TC_BLAME_QDISC:
         return (f"{where} has a qdisc of kind {kind!r} where the clsact qdisc of our tc filters goes (not ours:"
                 " left alone)")

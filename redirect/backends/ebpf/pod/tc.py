@@ -84,7 +84,7 @@ def ours() -> dict[int, tuple[int, int, int, int]]:
         room = n
 
     def slot(prog: int, classid: int) -> int:
-        return (classid & 0xFFFF) - 1 if prog else -1
+        return (classid & 0xFFFF & ~NATIVE.lib.RDR_TC_NO_L2) - 1 if prog else -1
 
     return {int(f.ifindex): (int(f.prog_in), slot(f.prog_in, f.classid_in), int(f.prog_out),
                              slot(f.prog_out, f.classid_out)) for f in (buf[i] for i in range(n))}
