@@ -8,10 +8,12 @@ in that root's maps, so other tests running at the same time are unaffected.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -1408,3 +1410,42 @@ def test_the_map_layouts_are_those_of_the_abi_header() -> None:
     p = ffi.cast("struct pod_policy *", ffi.from_buffer(abi.POLICY.pack(*v)))
     assert (p.flags, p.n_inv, p.inv_base) == (abi.flag("v6"), 7, 0)
     assert objects.PROGRAMS["rdr_sk_lookup"][1] == abi.const("BPF_SK_LOOKUP") == 36  # BPF_SK_LOOKUP, by name
+
+
+@pytest.mark.parametrize("how", ["another-users", "writable-by-others", "symlink"])
+def test_a_pin_root_another_user_controls_is_refused_before_anything_is_loaded(scratch_root: str, how: str) -> None:
+    """bpffs's top is writable by every user by default (mode 1777): another user may make the pin
+    root first and could then unpin our cgroup links (detaching them: every pod loses capture).
+    Such a root is refused, naming it, and nothing is loaded or pinned there."""
+    elsewhere = scratch_root + "-elsewhere"
+    try:
+        if how == "symlink":
+            os.mkdir(elsewhere, 0o700)
+            os.symlink(elsewhere, scratch_root)
+        else:
+            os.mkdir(scratch_root, 0o755)
+            if how == "writable-by-others":
+                os.chmod(scratch_root, 0o777)
+            else:
+                os.chown(scratch_root, 65534, 65534)
+        with pytest.raises(BackendUnavailable, match=f"pin directory {scratch_root} "):
+            ebpf.host(scratch_root)
+        assert os.listdir(elsewhere if how == "symlink" else scratch_root) == []
+    finally:
+        if os.path.islink(scratch_root):
+            os.unlink(scratch_root)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(elsewhere)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(scratch_root)
+
+
+def test_the_pin_directories_are_the_loaders_alone_whatever_the_umask(scratch_root: str) -> None:
+    old = os.umask(0)
+    try:
+        assert ebpf.host(scratch_root) is not None
+    finally:
+        os.umask(old)
+    for d in ("", "maps", "progs", "links", "pods"):
+        st = os.stat(os.path.join(scratch_root, d))
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700, (d, oct(st.st_mode))

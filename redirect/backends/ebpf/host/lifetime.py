@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 
 from .objects import build_id
-from .pins import host_refusal, missing_pins, resolve_cgroup, resolve_root
+from .pins import check_dirs, host_refusal, missing_pins, resolve_cgroup, resolve_root
 from .pool import reclaim
 from .programs import HostPrograms, map_fdinfo
 from .syscalls import NATIVE, obj_get
@@ -74,6 +74,7 @@ class Process:
                 return h  # no pin was added or removed since we found them all (inotify)
             if h is not None:
                 h.alive[0] = 0  # native calls of other threads back off until the look below is done
+            check_dirs(r)  # (pins under a directory another user controls are not taken for ours)
             # Watched (and drained) before looking: a change from here on shows on the next call.
             watch, watched = self._watch(r)
             missing = self.missing_pins(r)

@@ -39,7 +39,7 @@ from .objects import (
     build_id,
     build_pin,
 )
-from .pins import probe_kernel, require_cgroup, unpin_all
+from .pins import check_dirs, make_dirs, probe_kernel, require_cgroup, unpin_all
 from .pool import fill
 from .programs import attach_to_cgroup
 from .syscalls import NATIVE, check, obj_pin
@@ -68,9 +68,9 @@ def compile_load_pin(root: str, cgroup: str) -> int:
             except Exception as e:
                 raise BackendUnavailable(f"ebpf: the kernel refused program {name}: {e}") from None
         # Clear leftovers of a half-done earlier load (ours only: this root).
+        check_dirs(root)  # (before anything under it is removed)
         unpin_all(root)
-        for d in ("maps", "progs", "links", "pods"):
-            os.makedirs(os.path.join(root, d), exist_ok=True)
+        make_dirs(root)
 
         def table(name: str) -> int:
             # By fd, not b[name]: bcc's Table class has no type for sockhash.

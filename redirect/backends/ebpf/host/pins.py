@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import os
 import re
+import stat
 from collections.abc import Iterator
 
 from ....errors import BackendUnavailable
@@ -66,6 +67,41 @@ def ensure_bpffs(root: str) -> None:
     parent = os.path.dirname(root.rstrip("/"))
     if not is_bpffs(parent if os.path.exists(parent) else base):
         raise BackendUnavailable(f"ebpf: pin root {root!r} is not on a bpffs mount")
+
+
+#: The directories under the pin root (made by ``make_dirs``).
+PIN_DIRS = ("maps", "progs", "links", "pods")
+
+
+def check_dirs(root: str) -> None:
+    """``BackendUnavailable`` unless the pin root and its directories (those there already) are
+    directories of this user's (root's) that no other user can write, and not symlinks. On a bpffs
+    whose top is writable by every user (the kernel's default mode, 1777), another user could make
+    the root first, or a directory under it, and then unpin ours: a cgroup link unpinned is
+    detached, and every pod loses capture."""
+    me = os.geteuid()
+    for path in (root, *(os.path.join(root, d) for d in PIN_DIRS)):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        why = ("is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a directory" if not stat.S_ISDIR(st.st_mode)
+               else f"is owned by uid {st.st_uid}" if st.st_uid != me
+               else f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 else None)
+        if why:
+            raise BackendUnavailable(f"ebpf: pin directory {path} {why}; only this user's own directories, writable by"
+                                     " it alone, hold the host pins: remove it (or set REDIRECT_BPF_ROOT elsewhere)")
+
+
+def make_dirs(root: str) -> None:
+    """The pin root and its directories, made if missing with mode 0700 (whatever the umask), and
+    checked (``check_dirs``)."""
+    for path in (root, *(os.path.join(root, d) for d in PIN_DIRS)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # (mkdir's mode goes through the umask)
+        if path == root:
+            check_dirs(root)
 
 
 def lock_name(root: str) -> str:
@@ -179,5 +215,6 @@ def host_refusal(root: str, cgroup: str) -> str | None:
     return None
 
 
-__all__ = ["DEFAULT_CGROUP", "resolve_root", "resolve_cgroup", "is_bpffs", "ensure_bpffs", "lock_name", "host_lock",
+__all__ = ["DEFAULT_CGROUP", "PIN_DIRS", "resolve_root", "resolve_cgroup", "is_bpffs", "ensure_bpffs", "check_dirs",
+           "make_dirs", "lock_name", "host_lock",
            "missing_pins", "unpin_all", "require_cgroup", "probe_kernel", "headers_refusal", "host_refusal"]
