@@ -44,6 +44,19 @@ def make_pod() -> Iterator[Callable[..., Pod]]:
 
 
 @pytest.fixture
+def test_node(tmp_path: Any) -> Iterator[Any]:
+    """A node of the agent's tests (``tests.test_agent.Node``: its netns, sockets and run dir under
+    ``tmp_path``), closed after the test."""
+    from tests.test_agent import Node
+
+    n = Node(tmp_path)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture
 def pod(make_pod: Callable[..., Pod]) -> Pod:
     return make_pod()
 

@@ -201,15 +201,6 @@ class Node:
                 store.remove(key)
 
 
-@pytest.fixture
-def test_node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
-
-
 # --- CNI -----------------------------------------------------------------------------------
 
 

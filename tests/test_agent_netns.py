@@ -70,21 +70,12 @@ def snapshot_proxy(path: str, timeout: float = 10.0) -> Iterator[dict[str, int]]
         yield got
 
 
-@pytest.fixture
-def node_(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
-
-
 def test_check_and_snapshots_never_act_on_what_the_path_names_now(
-        node_: Node, make_pod: Callable[..., Pod], tmp_path: Path) -> None:
+        test_node: Node, make_pod: Callable[..., Pod], tmp_path: Path) -> None:
     """Pod a is enrolled at a symlink, pod b at its own path; the symlink then names b, and a's
     rules are flushed. ``check`` of a says its netns is gone or replaced (not b's intact rules), a
     proxy connecting now is never given b's netns for a, and a del of a leaves b captured."""
-    n = node_
+    n = test_node
     n.start_agent("--resync-seconds", "0")
     n.start_proxy()
     a, b = make_pod(), make_pod()
@@ -109,12 +100,12 @@ def test_check_and_snapshots_never_act_on_what_the_path_names_now(
     assert not captured(a) and not captured(b)
 
 
-def test_a_netns_name_made_again_is_not_the_pods_netns(node_: Node, make_pod: Callable[..., Pod]) -> None:
+def test_a_netns_name_made_again_is_not_the_pods_netns(test_node: Node, make_pod: Callable[..., Pod]) -> None:
     """``ip netns del X; ip netns add X`` while the old netns lives on (here: pinned under another
     name too): the pod's path names a new netns. A proxy connecting then is not handed the new
     netns as the pod's, ``check`` says the pod's netns is gone or replaced, and nothing is
     installed in the new one."""
-    n = node_
+    n = test_node
     n.start_agent("--resync-seconds", "0")
     n.start_proxy()
     a = make_pod()
@@ -145,11 +136,11 @@ def test_a_netns_name_made_again_is_not_the_pods_netns(node_: Node, make_pod: Ca
 
 
 def test_adds_at_a_path_swapped_between_two_pods_act_on_one_netns_each(
-        node_: Node, make_pod: Callable[..., Pod], tmp_path: Path) -> None:
+        test_node: Node, make_pod: Callable[..., Pod], tmp_path: Path) -> None:
     """A symlink swapped between two pods' netns as fast as the test can while the same pod is
     added through it (at most 20 adds, at most 60 s): each add puts the rules, the record and the
     proxy's listeners in one and the same netns, never the rules in one and the record in the other."""
-    n = node_
+    n = test_node
     n.start_agent("--resync-seconds", "0")
     n.start_proxy()
     a, b = make_pod(), make_pod()
