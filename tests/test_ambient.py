@@ -433,6 +433,13 @@ def test_node_pod_set_is_idempotent_and_owned(pod: Pod, node_ns: str) -> None:
     with pytest.raises(redirect.ConfigError, match="ips"):
         node.add_pods(["10.9.0.300"], node_ns)
     assert node.list_pods(node_ns) == {"10.9.0.2": "uid-b"}
+    # Never the node's own traffic's destinations: in the sets, the node's own connections to them
+    # would be SNAT'd (loopback: kubelet's and etcd's; the node's own addresses: its local services).
+    for bad, words in (("127.0.0.1", "loopback"), ("::1", "loopback"), ("169.254.169.254", "link-local"),
+                       ("0.0.0.0", "unspecified"), (pod.peer_ip4, "node's own"), (pod.peer_ip6, "node's own")):
+        with pytest.raises(redirect.ConfigError, match=words):
+            node.add_pods(["10.9.0.5", bad], node_ns, owner="uid-d")
+    assert node.list_pods(node_ns) == {"10.9.0.2": "uid-b"}
 
 
 def test_node_rules_are_reasserted_and_removed_cleanly(pod: Pod, node_ns: str) -> None:

@@ -30,6 +30,7 @@ pod keeps its entry.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -187,6 +188,23 @@ def _payload(cur: _NatState, want_rule: str | None) -> str:
     return "\n".join(lines + ["COMMIT"]) + "\n"
 
 
+def pod_ip_refusal(ip: str) -> str | None:
+    """Why ``ip`` (normalized) can't be a pod's address in the probe sets, or None: the node's own
+    traffic to an address in them is SNAT'd (loopback would take kubelet's and etcd's with it)."""
+    a = ipaddress.ip_address(ip)
+    mapped = getattr(a, "ipv4_mapped", None)
+    a = mapped if mapped is not None else a
+    for test, what in (("is_loopback", "a loopback address"), ("is_unspecified", "the unspecified address"),
+                       ("is_multicast", "a multicast address"), ("is_link_local", "a link-local address")):
+        if getattr(a, test):
+            return what
+    if isinstance(a, ipaddress.IPv4Address) and a == ipaddress.IPv4Address("255.255.255.255"):
+        return "the broadcast address"
+    if str(a) in PROBE_SNAT.values():
+        return "the node's probe SNAT address"
+    return None
+
+
 def _parse_ips(ips: Iterable[str], field: str = "ips") -> list[tuple[int, str]]:
     if isinstance(ips, str):
         ips = [ips]
@@ -195,9 +213,23 @@ def _parse_ips(ips: Iterable[str], field: str = "ips") -> list[tuple[int, str]]:
         a = normalize_ip(raw)
         if a is None:
             raise ConfigError(field, raw, "not an IPv4 or IPv6 address")
+        why = pod_ip_refusal(a)
+        if why is not None:
+            raise ConfigError(field, raw, f"{why}: not a pod's address")
         if (ip := (6 if ":" in a else 4, a)) not in out:
             out.append(ip)
     return out
+
+
+def _refuse_own_addresses(parsed: list[tuple[int, str]], field: str = "ips") -> None:
+    """``ConfigError`` if one of ``parsed`` is an address of the calling thread's netns (the node's):
+    in the probe sets, the node's own traffic to it would be SNAT'd."""
+    from ..kernel import netlink
+
+    own = {normalize_ip(a) for _fam, _idx, a in netlink.addresses()}
+    for _fam, ip in parsed:
+        if ip in own:
+            raise ConfigError(field, ip, "an address of the node's own network namespace: not a pod's address")
 
 
 def _check_owner(owner: str | None) -> None:
@@ -342,6 +374,7 @@ def add_pods(ips: Iterable[str], netns: _netns.NetnsRef | None = None, owner: st
     parsed = _parse_ips(ips)
     _check_owner(owner)
     with _in(netns):
+        _refuse_own_addresses(parsed)
         _need_sets({fam for fam, _ in parsed})
         current = {fam: _entries(SET_NAMES[fam]) for fam in {f for f, _ in parsed}}
         todo = [(fam, ip) for fam, ip in parsed if ip not in current[fam] or current[fam][ip] != owner]
@@ -373,4 +406,5 @@ def remove_pods(ips: Iterable[str], netns: _netns.NetnsRef | None = None, owner:
 
 
 __all__ = ["NodeConfig", "setup_node", "teardown_node", "check_node", "add_pods", "remove_pods", "list_pods",
+           "pod_ip_refusal",
            "CHAIN", "SET_NAMES"]

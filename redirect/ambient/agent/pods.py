@@ -10,12 +10,12 @@ record can never give the agent a pod an event could not.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import PROBE_SNAT, RedirectConfig, normalize_ip
+from ...config import RedirectConfig, normalize_ip
 from ...errors import ConfigError
+from ..node import pod_ip_refusal
 from . import protocol
 
 _DEFAULT_CFG = RedirectConfig().to_dict()
@@ -71,29 +71,12 @@ def ips_of(value: Any, field: str) -> tuple[str, ...]:
         ip = normalize_ip(raw) if isinstance(raw, str) and len(raw) <= 64 else None
         if ip is None:
             raise BadPod(field, raw, "not an IPv4 or IPv6 address")
-        why = _not_a_pod_ip(ip)
+        why = pod_ip_refusal(ip)
         if why is not None:
             raise BadPod(field, raw, f"{why}: not a pod's address (it would go in the node's probe sets)")
         if ip not in out:
             out.append(ip)
     return tuple(out)
-
-
-def _not_a_pod_ip(ip: str) -> str | None:
-    """Why ``ip`` (normalized) can't be a pod's address, or None: in the node's probe sets, the node's
-    own traffic to it is SNAT'd (loopback would take kubelet's and etcd's with it)."""
-    a = ipaddress.ip_address(ip)
-    mapped = getattr(a, "ipv4_mapped", None)
-    a = mapped if mapped is not None else a
-    for test, what in (("is_loopback", "a loopback address"), ("is_unspecified", "the unspecified address"),
-                       ("is_multicast", "a multicast address"), ("is_link_local", "a link-local address")):
-        if getattr(a, test):
-            return what
-    if isinstance(a, ipaddress.IPv4Address) and a == ipaddress.IPv4Address("255.255.255.255"):
-        return "the broadcast address"
-    if str(a) in PROBE_SNAT.values():
-        return "the node's probe SNAT address"
-    return None
 
 
 def backend_of(value: Any, field: str, default: str) -> str:
