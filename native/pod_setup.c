@@ -49,6 +49,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <stdlib.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -1021,6 +1022,20 @@ out:
 	return ret == -EEXIST ? RDR_POD_SLOW : ret;
 }
 
+/* Whether the initial user namespace owns the netns nsfd (its ids are the ones the programs read);
+ * 0 when another does, or when it can't tell. */
+static int owned_by_init_userns(int nsfd)
+{
+	struct stat st;
+	int us = ioctl(nsfd, NS_GET_USERNS), ok;
+
+	if (us < 0)
+		return 0;
+	ok = fstat(us, &st) == 0 && st.st_ino == RDR_USER_INIT_INO;
+	close(us);
+	return ok;
+}
+
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,
 		     int watch_fd, int lock_fd)
 {
@@ -1066,7 +1081,7 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 	if (nsfd < 0)
 		return RDR_POD_SLOW;
 	if (fstat(nsfd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_ino == r->host_netns_ino[0] ||
-	    st.st_ino == r->host_netns_ino[1]) {
+	    st.st_ino == r->host_netns_ino[1] || (r->owner_ids && !owned_by_init_userns(nsfd))) {
 		ret = RDR_POD_SLOW;
 		goto out;
 	}

@@ -14,7 +14,9 @@
 #include <sys/socket.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "redirect_native.h"
@@ -235,6 +237,101 @@ int rdr_netns_cookie(int netns_fd, uint64_t *cookie)
 		ret = -errno;
 	close(self);
 	return ret;
+}
+
+static int read_all(const char *path, char *buf, int len)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC), n = 0, r, ret = 0;
+
+	if (fd < 0)
+		return -errno;
+	while ((r = read(fd, buf + n, len - 1 - n)) > 0)
+		n += r;
+	if (r < 0)
+		ret = -errno;
+	else if (n == len - 1)
+		ret = -E2BIG;
+	buf[n] = 0;
+	close(fd);
+	return ret;
+}
+
+int rdr_netns_id_maps(int netns_fd, char *uid_map, int uid_len, char *gid_map, int gid_len)
+{
+	int us, ret, err = 0, ready[2], hold[2], status;
+	struct stat st;
+	char path[64];
+	pid_t pid;
+
+	us = ioctl(netns_fd, NS_GET_USERNS);
+	if (us < 0)
+		return -errno;
+	if (fstat(us, &st) < 0) {
+		ret = -errno;
+		close(us);
+		return ret;
+	}
+	if (st.st_ino == RDR_USER_INIT_INO) {
+		close(us);
+		return 0;
+	}
+	if (pipe2(ready, O_CLOEXEC) < 0) {
+		ret = -errno;
+		close(us);
+		return ret;
+	}
+	if (pipe2(hold, O_CLOEXEC) < 0) {
+		ret = -errno;
+		close(ready[0]);
+		close(ready[1]);
+		close(us);
+		return ret;
+	}
+	pid = fork();
+	if (pid == 0) {
+		/* The child of a process that may have many threads: syscalls only. It enters the
+		 * user namespace, says so (0, or its errno), and waits until the parent has read its
+		 * maps (the parent's end closed, whether the parent finished or died). */
+		char c;
+
+		close(ready[0]);
+		close(hold[1]);
+		if (setns(us, CLONE_NEWUSER) < 0)
+			err = errno;
+		if (write(ready[1], &err, sizeof(err)) < 0)
+			_exit(1);
+		while (read(hold[0], &c, 1) < 0 && errno == EINTR)
+			;
+		_exit(0);
+	}
+	ret = pid < 0 ? -errno : 0;
+	close(ready[1]);
+	close(hold[0]);
+	close(us);
+	if (pid > 0) {
+		ssize_t r;
+
+		while ((r = read(ready[0], &err, sizeof(err))) < 0 && errno == EINTR)
+			;
+		if (r != (ssize_t)sizeof(err))
+			ret = -ECHILD;
+		else if (err != 0)
+			ret = -err;
+		if (ret == 0) {
+			snprintf(path, sizeof(path), "/proc/%d/uid_map", (int)pid);
+			ret = read_all(path, uid_map, uid_len);
+		}
+		if (ret == 0) {
+			snprintf(path, sizeof(path), "/proc/%d/gid_map", (int)pid);
+			ret = read_all(path, gid_map, gid_len);
+		}
+	}
+	close(ready[0]);
+	close(hold[1]); /* the child exits */
+	if (pid > 0)
+		while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+			;
+	return ret < 0 ? ret : 1;
 }
 
 /* --- bpf(2) --------------------------------------------------------------- */

@@ -43,6 +43,20 @@ int rdr_sysctl_open(const char *name, int flags);
  * opens a socket, reads the cookie, returns. Leaves the thread where it was. */
 int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
 
+/* The user namespace that owns the netns behind netns_fd (ioctl NS_GET_USERNS): 0 when it is the
+ * initial one (the ids a task has there are the ids the eBPF programs read), 1 when it is another,
+ * whose uid_map and gid_map, as the initial user namespace numbers them (the third field of each
+ * line), are then written to uid_map and gid_map (NUL-terminated, at most len - 1 bytes each); or
+ * -errno (-E2BIG: a map longer than its buffer). A map is read from /proc/<pid>/ of a short-lived
+ * child process (fork) that entered that user namespace and waits there: only a process with one
+ * thread may setns() into a user namespace, and a namespace file tells nothing of its maps. */
+#define RDR_USER_INIT_INO 0xEFFFFFFD /* the initial user namespace's inode (PROC_USER_INIT_INO: fixed) */
+#ifndef NS_GET_USERNS
+#define NS_GET_USERNS 0xb701 /* _IO(0xb7, 0x1), linux/nsfs.h */
+#endif
+#define RDR_USERNS_MAP_MAX 16384 /* a map has at most 340 lines of three 10-digit numbers */
+int rdr_netns_id_maps(int netns_fd, char *uid_map, int uid_len, char *gid_map, int gid_len);
+
 /* --- bpf(2) and pidfd: what bcc's Python does not offer ------------------- */
 
 /* BPF_OBJ_PIN: pin the map/prog/link behind fd at path (on a bpffs). */
@@ -403,6 +417,9 @@ struct rdr_pod_req {
 				     * ours is marked): a netns without a mark holds none; 0: always look */
 	int tc_forwarded;           /* the config's capture takes what the pod forwards: our tc filters go
 				     * on the interfaces it forwards on (rdr_forwarding) */
+	int owner_ids;              /* the config matches owner ids (proxy uids/gids, owner groups): the
+				     * call backs off for a netns a user namespace of its own owns, whose
+				     * ids the general path translates (rdr_netns_id_maps) */
 };
 
 /* The steps of a fresh pod's setup (rdr_ebpf_pod_add), each timed (rdr_pod_call.step_ns): where the

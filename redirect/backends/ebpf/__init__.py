@@ -109,6 +109,9 @@ How the iptables semantics are met without packets:
   ``--uid-owner``/``--gid-owner`` without ``--suppl-groups``; any number of ids
   and ranges: a kind's first range is in the policy entry, the others are
   prefix blocks in the ``cidrs`` trie (a pod with one uid and one gid has none);
+  the programs read the host's ids, so in a netns a user namespace of its own owns
+  (``hostUsers: false``) the config's are written through its ``uid_map``/``gid_map``
+  (``pod.userns``; as netfilter's owner match translates them);
 - inbound: the proxy's inbound listener is put in a sockhash when it starts
   listening (``sock_ops`` ``TCP_LISTEN_CB``, also after a proxy restart), or by
   ``apply`` if it already listens. Until one exists, new inbound connections

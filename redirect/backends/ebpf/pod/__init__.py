@@ -6,6 +6,8 @@
 - ``network``: what the pod's netns holds (its cookie and addresses, the proxy's listeners, its
   links and routes, our address);
 - ``tc``: the tc filters of a pod that forwards;
+- ``userns``: the owner ids of a pod whose netns a user namespace of its own owns, as the host
+  numbers them (``hostUsers: false``);
 - ``fresh``: a fresh pod in one native call;
 - ``backend``: ``EbpfBackend`` (apply, remove, check, show, render: any pod, any state).
 """

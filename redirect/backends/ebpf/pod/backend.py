@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, BinaryIO
 
-from ....errors import RedirectError, SetupError
+from ....errors import BackendUnavailable, RedirectError, SetupError
 from ....kernel import netns as _netns
 from ....kernel import routes as rt
 from ....plan.intent import AnyIntent
@@ -70,6 +70,7 @@ from .network import (
     scan_netns,
     unserved,
 )
+from .userns import in_host_ids_here
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -132,7 +133,8 @@ class EbpfBackend:
         local = (*local, *((a.family, a.cidr.split("/")[0], LOOPBACK_IFINDEX) for a in add_addrs))
         # Keyed as the live generation to compare; a change is written in the other one.
         old_base = POLICY.unpack(old.policy)[P_INV_BASE] if old.policy is not None else 1 << 31
-        want = pod_entries(it, families, pod_keys(cookie, old_base), local, store.memo)
+        # Owner ids as the programs read them (a netns owned by a user namespace of its own: .userns).
+        want = pod_entries(in_host_ids_here(it), families, pod_keys(cookie, old_base), local, store.memo)
         inbound = want.inbound
         # Every pod has one sk_lookup link (outbound-only ones too: it no-ops there). It is the
         # pod's tie to its netns: the kernel detaches it when the netns dies, which is how
@@ -280,7 +282,12 @@ class EbpfBackend:
         cookie = sc.cookie
         st = store.read(cookie)
         live_base = POLICY.unpack(st.policy)[P_INV_BASE] if st.policy is not None else 0
-        want = pod_entries(it, families, pod_keys(cookie, live_base), sc.local, store.memo)
+        try:
+            host_it = in_host_ids_here(it)
+        except BackendUnavailable as e:  # (its maps unreadable: the rest is compared as the config says)
+            diffs.append(str(e))
+            host_it = it
+        want = pod_entries(host_it, families, pod_keys(cookie, live_base), sc.local, store.memo)
         if st.policy is None:
             diffs.append(f"no policy entry for netns cookie {cookie}")
         elif policy_core(st.policy) != want.policy:

@@ -26,6 +26,7 @@ from ..host import NATIVE, PROCESS, PodStore, setup_failed
 from .entries import intent_entries, local_key_templates, policy_flags, refuse, remembered, replies_by_mark
 from .network import LOOPBACK_IFINDEX, families_for, intent_addresses
 from .tc import takes_forwarded
+from .userns import owns_ids
 
 log = logging.getLogger("redirect.ebpf")
 
@@ -41,6 +42,7 @@ class FreshPodTemplate:
 
     def __init__(self, it: AnyIntent, store: PodStore) -> None:
         ffi = NATIVE.ffi
+        self.intent = it
         self.inbound_port = 0
         #: Its capture takes what a pod forwards: our tc filters on the interfaces a pod forwards on.
         self.tc_forwarded = False
@@ -83,6 +85,7 @@ class FreshPodTemplate:
         r.host = store.native
         r.inbound_port = self.inbound_port
         r.tc_forwarded = self.tc_forwarded
+        r.owner_ids = owns_ids(self.intent)  # (a netns of another user namespace: the general path translates)
         r.tcp_diag = store.tcp_diag()
         r.host_netns_ino = _netns.host_netns_inodes()
         r.nf_marks_fd, r.nf_marks_ready = locks.netfilter_marks()
