@@ -28,7 +28,12 @@ from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.plan.lower_ebpf import CIDR_KIND
 from tests.netkit import (
+    IP_TRANSPARENT,
+    IPV6_TRANSPARENT,
     OUR_TC,
+    SO_MARK,
+    SOL_IP,
+    SOL_IPV6,
     VM_NET,
     Pod,
     TcpListener,
@@ -379,6 +384,58 @@ def test_tproxy_proxy_connects_to_the_app_from_the_clients_address(pod: Pod, bac
             assert hit.conn is not None and hit.conn.peer[0] == peer
             assert redirect.check(pod.name, cfg, backend=backend).ok
         assert in_netns(pod.name, state) == before  # the policy route (and eBPF's sysctl) went with teardown
+
+
+def _transparent_to_the_app(src: str, dst: tuple[str, int], mark: int) -> socket.socket:
+    """A proxy's transparent socket (``original_src``), bound to the client's address, connected to
+    the app and kept open (the caller closes it)."""
+    fam = socket.AF_INET6 if ":" in src else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.settimeout(2)
+    s.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+    s.setsockopt(*((SOL_IP, IP_TRANSPARENT) if fam == socket.AF_INET else
+                   (SOL_IPV6, IPV6_TRANSPARENT)), 1)
+    s.bind((src, 0))
+    s.connect(dst)
+    return s
+
+
+def _from_port(src: tuple[str, int], dst: tuple[str, int]) -> str | None:
+    """A client's connection from the address and port ``src``: the line its listener answers."""
+    with socket.socket(socket.AF_INET6 if ":" in src[0] else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(src)
+        try:
+            s.connect(dst)
+            s.sendall(b"client\n")
+            return s.recv(100).split(b"\n", 1)[0].decode() or None
+        except OSError:
+            return None
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tproxy_clients_new_connection_from_the_transparent_connections_end_is_captured(
+    pod: Pod, backend: str, fam: int
+) -> None:
+    """While the proxy's transparent connection to the app from the client's address and port is
+    open, a new connection from outside from that same address and port to another of the pod's
+    ports is ordinary inbound: captured into the proxy, not handed to the app (eBPF passes only the
+    transparent connection itself, by both its ends, as netfilter never sees it)."""
+    cfg = RedirectConfig(inbound_interception="TPROXY")
+    peer, dst = pod.peer_ip(fam), pod.pod_ip(fam)
+    with contextlib.ExitStack() as st:
+        proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
+        st.enter_context(TcpListener(pod.name, 8000, family=fam, label="pod-app"))
+        st.enter_context(TcpListener(pod.name, 8001, family=fam, label="pod-app-8001"))
+        st.enter_context(installed(pod, cfg, backend))
+        held = in_netns(pod.name, _transparent_to_the_app, peer, (dst, 8000), 1337)
+        st.callback(held.close)
+        sport = held.getsockname()[1]
+        assert in_netns(pod.peer_name, _from_port, (peer, sport), (dst, 8001)) == "proxy-in"
+        assert proxy.last is not None and proxy.last.orig_dst == (dst, 8001)
+        held.sendall(b"transparent\n")  # the transparent connection itself still works
+        assert held.recv(100) == b"pod-app\n"
 
 
 def test_ebpf_excluded_interface_follows_the_routes_check_reports_changes(pod_with_extra_iface: Pod,
