@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -625,6 +626,84 @@ def test_forwarded_traffic_to_an_uncaptured_port_or_from_an_excluded_interface_i
                 assert hit.label == "proxy-in" and hit.orig_dst == (cto, cport), (cfg, hit.result)
                 if backend == "ebpf":  # none on an excluded interface
                     assert tc_filters(pod.name, "vm0") == (NO_TC if cfg.exclude_interfaces else OUR_TC), cfg
+
+
+def _csum(b: bytes) -> int:
+    b += b"\0" * (len(b) % 2)
+    t = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    while t >> 16:
+        t = (t & 0xFFFF) + (t >> 16)
+    return ~t & 0xFFFF
+
+
+def _unseen_syns(src: str, dst: str, sport: int, dport: int) -> dict[str, list[bytes]]:
+    """A TCP SYN from ``src:sport`` to ``dst:dport`` (with 8 bytes of data) as raw IP packets whose
+    ports a program that does not reassemble cannot read: by name, its packets. In two fragments
+    (the TCP header, then the data); for IPv6 also whole behind a Destination Options header."""
+    v6 = ":" in src
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    a, b = socket.inet_pton(fam, src), socket.inet_pton(fam, dst)
+    data = b"unseen\r\n"
+    tcp = struct.pack("!HHIIBBHHHBBH", sport, dport, 12345, 0, 6 << 4, 0x02, 64240, 0, 0, 2, 4, 1400)  # MSS option
+    n = len(tcp) + len(data)
+    pseudo = a + b + (struct.pack("!IxxxB", n, 6) if v6 else struct.pack("!xBH", 6, n))
+    tcp = tcp[:16] + struct.pack("!H", _csum(pseudo + tcp + data)) + tcp[18:]
+    off = len(tcp) // 8  # the data's fragment offset, in 8-byte units
+    if not v6:
+        def ip4(payload: bytes, flags_off: int) -> bytes:
+            h = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 4242, flags_off, 64, 6, 0, a, b)
+            return h[:10] + struct.pack("!H", _csum(h)) + h[12:] + payload
+        return {"fragments": [ip4(tcp, 0x2000), ip4(data, off)]}  # more fragments; then the offset
+
+    def ip6(nh: int, payload: bytes) -> bytes:
+        return struct.pack("!IHBB", 6 << 28, len(payload), nh, 64) + a + b + payload
+    return {
+        "fragments": [ip6(44, struct.pack("!BxHI", 6, 1, 4242) + tcp),  # offset 0, more fragments
+                      ip6(44, struct.pack("!BxHI", 6, off << 3, 4242) + data)],
+        "extension headers": [ip6(60, struct.pack("!BB6x", 6, 0) + tcp + data)],  # Destination Options
+    }
+
+
+def _send_raw(dst: str, packets: list[bytes]) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s:
+        for pkt in packets:
+            s.sendto(pkt, (dst, 0))
+
+
+def _arrived(watch: socket.socket, sport: int, dport: int, seconds: float = 1.0) -> bool:
+    """Whether a TCP packet from ``sport`` to ``dport`` reaches the raw socket ``watch`` in time."""
+    deadline = time.monotonic() + seconds
+    watch.settimeout(0.1)
+    while time.monotonic() < deadline:
+        try:
+            pkt = watch.recv(4096)
+        except TimeoutError:
+            continue
+        tcp = pkt[(pkt[0] & 0xF) * 4:] if watch.family == socket.AF_INET else pkt  # (IPv6: no header)
+        if struct.unpack("!HH", tcp[:4]) == (sport, dport):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_forwarded_syn_in_fragments_or_behind_extension_headers_never_goes_around_the_proxy(
+    pod: Pod, backend: str, fam: int
+) -> None:
+    """A forwarded TCP SYN in IPv4 or IPv6 fragments, or behind IPv6 extension headers: netfilter
+    reassembles it and captures it; eBPF's tc program cannot read its ports and drops it (fail
+    closed). On no backend does it reach its destination around the proxy; without capture it
+    does (which shows the packets are good ones)."""
+    dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
+    af = socket.AF_INET6 if fam == 6 else socket.AF_INET
+    with vm_behind(pod) as vm, in_netns(pod.peer_name, socket.socket, af, socket.SOCK_RAW, socket.IPPROTO_TCP) as watch:
+        kinds = list(_unseen_syns(vm_ip, dst, 1, 8080))
+        for i, kind in enumerate(kinds):
+            in_netns(vm, _send_raw, dst, _unseen_syns(vm_ip, dst, 40000 + i, 8080)[kind])
+            assert _arrived(watch, 40000 + i, 8080), f"{kind}: not even forwarded without capture"
+        with installed(pod, RedirectConfig(), backend):
+            for i, kind in enumerate(kinds):
+                in_netns(vm, _send_raw, dst, _unseen_syns(vm_ip, dst, 41000 + i, 8080)[kind])
+                assert not _arrived(watch, 41000 + i, 8080), f"{kind}: forwarded around the proxy"
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
