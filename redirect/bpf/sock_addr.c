@@ -121,14 +121,15 @@ static __always_inline void give_source6(struct bpf_sock_addr *ctx, const __u8 *
 }
 
 /* A socket of a registered pod, of a kind we redirect: TCP on connect, UDP
- * (DNS) on connect and sendmsg. *tcp says which. */
+ * (DNS) on connect and sendmsg. *tcp says which. A datagram socket of another protocol
+ * (UDP-Lite, ICMP's ping sockets) is not UDP to netfilter's -p udp either. */
 static __always_inline int redirectable(struct bpf_sock_addr *ctx, const struct pod_policy *p, int from_sendmsg,
 					int *tcp)
 {
 	if (!p)
 		return 0;
 	*tcp = ctx->type == SOCK_STREAM;
-	if (!*tcp && ctx->type != SOCK_DGRAM)
+	if (!*tcp && (ctx->type != SOCK_DGRAM || ctx->protocol != IPPROTO_UDP))
 		return 0;
 	return !(from_sendmsg && *tcp);
 }
