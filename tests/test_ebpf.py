@@ -231,6 +231,34 @@ def test_dns_udp_to_53_reaches_dns_proxy_and_reply_comes_from_server(pod: Pod, s
         _close(dnsp, real)
 
 
+IPPROTO_UDPLITE = 136
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_udplite_to_53_is_not_dns(pod: Pod, setup_pod, family: int) -> None:
+    """DNS capture takes UDP to port 53 (iptables' ``-p udp``), not UDP-Lite (another protocol,
+    also a SOCK_DGRAM socket): a UDP-Lite datagram to port 53 reaches its destination."""
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
+    server = pod.peer_ip(family)
+    setup_pod(pod, RedirectConfig(inbound_ports=(), dns_capture=True, capture_all_dns=True))
+    with pod.run_peer(socket.socket, af, socket.SOCK_DGRAM, IPPROTO_UDPLITE) as peer:
+        peer.bind((server, 53))
+        peer.settimeout(2)
+
+        def send(connected: bool) -> dict[str, object]:
+            with socket.socket(af, socket.SOCK_DGRAM, IPPROTO_UDPLITE) as s:
+                if connected:
+                    s.connect((server, 53))
+                    s.send(b"connected")
+                else:
+                    s.sendto(b"sendto", (server, 53))
+            return {}
+
+        for connected in (False, True):
+            netkit.in_child(pod.name, APP_UID, APP_UID, 3.0, send, connected)
+            assert peer.recv(100) == (b"connected" if connected else b"sendto")
+
+
 def _cookie(pod: Pod) -> int:
     from redirect.kernel import netns as rn
 

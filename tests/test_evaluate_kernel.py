@@ -56,6 +56,10 @@ def probes(pod: Pod, v6_passthrough: bool, tproxy: bool) -> list[tuple[str, Conn
                     {"ip": peer, "port": 53, "proto": "udp", "timeout": 0.15}))
         lo, src = ("127.0.0.1", "127.0.0.6") if fam == 4 else ("::1", "::6")
         out.append((f"loopback v{fam}", Conn("out", "tcp", lo, 9090, uid=1337), {"ip": lo, "port": 9090, "uid": 1337}))
+        zero = "0.0.0.0" if fam == 4 else "::"  # the kernel connects to the loopback host
+        for who, uid in (("app", 0), ("proxy", 1337)):
+            out.append((f"unspecified {who} v{fam}", Conn("out", "tcp", zero, 9090, uid=uid),
+                        {"ip": zero, "port": 9090, "uid": uid}))
         if fam == 4 or v6_passthrough:
             out.append((f"passthrough v{fam}", Conn("out", "tcp", own, 8080, uid=1337, src=src),
                         {"ip": own, "port": 8080, "uid": 1337, "src": src}))
@@ -71,6 +75,8 @@ def probes(pod: Pod, v6_passthrough: bool, tproxy: bool) -> list[tuple[str, Conn
                         {"ip": own, "port": 8080, "mark": 1337, "src": peer}))
     mapped = f"::ffff:{pod.peer_ip4}"
     out.append(("dual-stack socket to IPv4 :80", Conn("out", "tcp", mapped, 80), {"ip": mapped, "port": 80}))
+    out.append(("dual-stack socket to ::ffff:0.0.0.0", Conn("out", "tcp", "::ffff:0.0.0.0", 9090),
+                {"ip": "::ffff:0.0.0.0", "port": 9090}))
     return out
 
 

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -28,7 +29,12 @@ from redirect.kernel import netns as rnetns
 from redirect.kernel import routes as rt
 from redirect.plan.lower_ebpf import CIDR_KIND
 from tests.netkit import (
+    IP_TRANSPARENT,
+    IPV6_TRANSPARENT,
     OUR_TC,
+    SO_MARK,
+    SOL_IP,
+    SOL_IPV6,
     VM_NET,
     Pod,
     TcpListener,
@@ -381,6 +387,58 @@ def test_tproxy_proxy_connects_to_the_app_from_the_clients_address(pod: Pod, bac
         assert in_netns(pod.name, state) == before  # the policy route (and eBPF's sysctl) went with teardown
 
 
+def _transparent_to_the_app(src: str, dst: tuple[str, int], mark: int) -> socket.socket:
+    """A proxy's transparent socket (``original_src``), bound to the client's address, connected to
+    the app and kept open (the caller closes it)."""
+    fam = socket.AF_INET6 if ":" in src else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.settimeout(2)
+    s.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+    s.setsockopt(*((SOL_IP, IP_TRANSPARENT) if fam == socket.AF_INET else
+                   (SOL_IPV6, IPV6_TRANSPARENT)), 1)
+    s.bind((src, 0))
+    s.connect(dst)
+    return s
+
+
+def _from_port(src: tuple[str, int], dst: tuple[str, int]) -> str | None:
+    """A client's connection from the address and port ``src``: the line its listener answers."""
+    with socket.socket(socket.AF_INET6 if ":" in src[0] else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(src)
+        try:
+            s.connect(dst)
+            s.sendall(b"client\n")
+            return s.recv(100).split(b"\n", 1)[0].decode() or None
+        except OSError:
+            return None
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tproxy_clients_new_connection_from_the_transparent_connections_end_is_captured(
+    pod: Pod, backend: str, fam: int
+) -> None:
+    """While the proxy's transparent connection to the app from the client's address and port is
+    open, a new connection from outside from that same address and port to another of the pod's
+    ports is ordinary inbound: captured into the proxy, not handed to the app (eBPF passes only the
+    transparent connection itself, by both its ends, as netfilter never sees it)."""
+    cfg = RedirectConfig(inbound_interception="TPROXY")
+    peer, dst = pod.peer_ip(fam), pod.pod_ip(fam)
+    with contextlib.ExitStack() as st:
+        proxy = st.enter_context(TcpListener(pod.name, 15006, family=fam, transparent=True, label="proxy-in"))
+        st.enter_context(TcpListener(pod.name, 8000, family=fam, label="pod-app"))
+        st.enter_context(TcpListener(pod.name, 8001, family=fam, label="pod-app-8001"))
+        st.enter_context(installed(pod, cfg, backend))
+        held = in_netns(pod.name, _transparent_to_the_app, peer, (dst, 8000), 1337)
+        st.callback(held.close)
+        sport = held.getsockname()[1]
+        assert in_netns(pod.peer_name, _from_port, (peer, sport), (dst, 8001)) == "proxy-in"
+        assert proxy.last is not None and proxy.last.orig_dst == (dst, 8001)
+        held.sendall(b"transparent\n")  # the transparent connection itself still works
+        assert held.recv(100) == b"pod-app\n"
+
+
 def test_ebpf_excluded_interface_follows_the_routes_check_reports_changes(pod_with_extra_iface: Pod,
                                                                            ebpf_root: str) -> None:
     """eBPF reads which destinations leave through an excluded interface from the pod's main
@@ -568,6 +626,84 @@ def test_forwarded_traffic_to_an_uncaptured_port_or_from_an_excluded_interface_i
                 assert hit.label == "proxy-in" and hit.orig_dst == (cto, cport), (cfg, hit.result)
                 if backend == "ebpf":  # none on an excluded interface
                     assert tc_filters(pod.name, "vm0") == (NO_TC if cfg.exclude_interfaces else OUR_TC), cfg
+
+
+def _csum(b: bytes) -> int:
+    b += b"\0" * (len(b) % 2)
+    t = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    while t >> 16:
+        t = (t & 0xFFFF) + (t >> 16)
+    return ~t & 0xFFFF
+
+
+def _unseen_syns(src: str, dst: str, sport: int, dport: int) -> dict[str, list[bytes]]:
+    """A TCP SYN from ``src:sport`` to ``dst:dport`` (with 8 bytes of data) as raw IP packets whose
+    ports a program that does not reassemble cannot read: by name, its packets. In two fragments
+    (the TCP header, then the data); for IPv6 also whole behind a Destination Options header."""
+    v6 = ":" in src
+    fam = socket.AF_INET6 if v6 else socket.AF_INET
+    a, b = socket.inet_pton(fam, src), socket.inet_pton(fam, dst)
+    data = b"unseen\r\n"
+    tcp = struct.pack("!HHIIBBHHHBBH", sport, dport, 12345, 0, 6 << 4, 0x02, 64240, 0, 0, 2, 4, 1400)  # MSS option
+    n = len(tcp) + len(data)
+    pseudo = a + b + (struct.pack("!IxxxB", n, 6) if v6 else struct.pack("!xBH", 6, n))
+    tcp = tcp[:16] + struct.pack("!H", _csum(pseudo + tcp + data)) + tcp[18:]
+    off = len(tcp) // 8  # the data's fragment offset, in 8-byte units
+    if not v6:
+        def ip4(payload: bytes, flags_off: int) -> bytes:
+            h = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 4242, flags_off, 64, 6, 0, a, b)
+            return h[:10] + struct.pack("!H", _csum(h)) + h[12:] + payload
+        return {"fragments": [ip4(tcp, 0x2000), ip4(data, off)]}  # more fragments; then the offset
+
+    def ip6(nh: int, payload: bytes) -> bytes:
+        return struct.pack("!IHBB", 6 << 28, len(payload), nh, 64) + a + b + payload
+    return {
+        "fragments": [ip6(44, struct.pack("!BxHI", 6, 1, 4242) + tcp),  # offset 0, more fragments
+                      ip6(44, struct.pack("!BxHI", 6, off << 3, 4242) + data)],
+        "extension headers": [ip6(60, struct.pack("!BB6x", 6, 0) + tcp + data)],  # Destination Options
+    }
+
+
+def _send_raw(dst: str, packets: list[bytes]) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in dst else socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s:
+        for pkt in packets:
+            s.sendto(pkt, (dst, 0))
+
+
+def _arrived(watch: socket.socket, sport: int, dport: int, seconds: float = 1.0) -> bool:
+    """Whether a TCP packet from ``sport`` to ``dport`` reaches the raw socket ``watch`` in time."""
+    deadline = time.monotonic() + seconds
+    watch.settimeout(0.1)
+    while time.monotonic() < deadline:
+        try:
+            pkt = watch.recv(4096)
+        except TimeoutError:
+            continue
+        tcp = pkt[(pkt[0] & 0xF) * 4:] if watch.family == socket.AF_INET else pkt  # (IPv6: no header)
+        if struct.unpack("!HH", tcp[:4]) == (sport, dport):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_forwarded_syn_in_fragments_or_behind_extension_headers_never_goes_around_the_proxy(
+    pod: Pod, backend: str, fam: int
+) -> None:
+    """A forwarded TCP SYN in IPv4 or IPv6 fragments, or behind IPv6 extension headers: netfilter
+    reassembles it and captures it; eBPF's tc program cannot read its ports and drops it (fail
+    closed). On no backend does it reach its destination around the proxy; without capture it
+    does (which shows the packets are good ones)."""
+    dst, vm_ip = pod.peer_ip(fam), VM_NET[fam][1]
+    af = socket.AF_INET6 if fam == 6 else socket.AF_INET
+    with vm_behind(pod) as vm, in_netns(pod.peer_name, socket.socket, af, socket.SOCK_RAW, socket.IPPROTO_TCP) as watch:
+        kinds = list(_unseen_syns(vm_ip, dst, 1, 8080))
+        for i, kind in enumerate(kinds):
+            in_netns(vm, _send_raw, dst, _unseen_syns(vm_ip, dst, 40000 + i, 8080)[kind])
+            assert _arrived(watch, 40000 + i, 8080), f"{kind}: not even forwarded without capture"
+        with installed(pod, RedirectConfig(), backend):
+            for i, kind in enumerate(kinds):
+                in_netns(vm, _send_raw, dst, _unseen_syns(vm_ip, dst, 41000 + i, 8080)[kind])
+                assert not _arrived(watch, 41000 + i, 8080), f"{kind}: forwarded around the proxy"
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

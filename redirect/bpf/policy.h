@@ -193,6 +193,54 @@ static __always_inline void tuple_addr(struct tuple_key *k, __u32 family, const 
 	}
 }
 
+/* A connection's key (struct pair_key) from one end's view: sockmap's `pairs` (redirect/bpf/sockmap.c),
+ * local_conns (redirect/bpf/sockopt.c, sk_lookup.c). From a sock_ops or sk_msg context (the same field names): its own view (peer 0),
+ * or its peer's (peer 1: local and remote swapped). remote_port holds the port in network order
+ * in its upper 16 bits on little-endian machines (both context types), local_port in host order. */
+static __always_inline void pair_addr(__u8 *dst, __u32 family, const __u32 *ip6, __u32 ip4)
+{
+	if (family == AF_INET6 && !is_v4_mapped(ip6)) {
+		__builtin_memcpy(dst, ip6, 16);
+	} else {
+		if (family == AF_INET6)
+			ip4 = ip6[3];
+		__builtin_memcpy(dst, &ip4, 4);
+	}
+}
+
+static __always_inline void pair_key_of(struct pair_key *k, __u64 netns, __u32 family, const __u32 *l6, __u32 l4,
+					const __u32 *r6, __u32 r4, __u16 lport_be, __u16 rport_be, int peer)
+{
+	k->netns = netns;
+	k->family = family == AF_INET6 && !is_v4_mapped(l6) ? AF_INET6 : AF_INET;
+	if (peer) {
+		pair_addr(k->laddr, family, r6, r4);
+		pair_addr(k->raddr, family, l6, l4);
+		k->lport_be = rport_be;
+		k->rport_be = lport_be;
+	} else {
+		pair_addr(k->laddr, family, l6, l4);
+		pair_addr(k->raddr, family, r6, r4);
+		k->lport_be = lport_be;
+		k->rport_be = rport_be;
+	}
+}
+
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define PAIR_RPORT(c) ((__u16)((c)->remote_port >> 16))
+#else
+#define PAIR_RPORT(c) ((__u16)(c)->remote_port)
+#endif
+
+#define PAIR_KEY(k, c, netns, peer)                                                                       \
+	do {                                                                                              \
+		__u32 l6_[4] = {(c)->local_ip6[0], (c)->local_ip6[1], (c)->local_ip6[2], (c)->local_ip6[3]}; \
+		__u32 r6_[4] = {(c)->remote_ip6[0], (c)->remote_ip6[1], (c)->remote_ip6[2],                \
+				(c)->remote_ip6[3]};                                                       \
+		pair_key_of((k), (netns), (c)->family, l6_, (c)->local_ip4, r6_, (c)->remote_ip4,          \
+			    bpf_htons((__u16)(c)->local_port), PAIR_RPORT(c), (peer));                     \
+	} while (0)
+
 /* Whether addr (16 bytes, IPv4 in the first 4) is loopback or one of the pod's own addresses (its
  * RDR_CIDR_LOCAL* entries under keys, ::6 among them). */
 static __always_inline int own_address(__u64 keys, const __u8 *addr, int v6)

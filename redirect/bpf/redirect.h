@@ -59,12 +59,13 @@ BPF_PROG_ARRAY(lookup_pool, RDR_POOL_MAX);
 BPF_TABLE("lru_hash", __u64, struct orig_dst, orig_by_cookie, 65536);
 /* Client 4-tuple half -> original dst, read by the getsockopt program. */
 BPF_TABLE("lru_hash", struct tuple_key, struct orig_dst, orig_by_tuple, 65536);
-/* Ambient: the local end of a TCP connection made inside a pod from a source that is not the
- * pod's (the node proxy's transparent connection to the app from the client's address), from
- * sock_ops' TCP_CONNECT_CB until the socket closes. Such a connection is locally generated, which
- * netfilter's nat PREROUTING never sees; sk_lookup sees it as inbound from afar, and passes it by
- * this entry (redirect/bpf/sockopt.c, redirect/bpf/sk_lookup.c). */
-BPF_TABLE("lru_hash", struct tuple_key, __u8, local_conns, 65536);
+/* A TCP connection made inside a pod from a source that is not the pod's (a proxy's transparent
+ * connection to the app from the client's address: ambient's node proxy, TPROXY's original_src),
+ * keyed by both ends as its connecting socket sees them, from sock_ops' TCP_CONNECT_CB until the
+ * socket closes. Such a connection is locally generated, which netfilter's nat PREROUTING never
+ * sees; sk_lookup sees it as inbound from afar, and passes it by this entry
+ * (redirect/bpf/sockopt.c, redirect/bpf/sk_lookup.c). */
+BPF_TABLE("lru_hash", struct pair_key, __u8, local_conns, 65536);
 /* UDP DNS: socket cookie -> the server the app asked, for recvmsg4/6. */
 BPF_TABLE("lru_hash", __u64, struct orig_dst, dns_by_cookie, 65536);
 /* The proxy's inbound listeners, per pod and family. bcc's BPF_SOCKHASH

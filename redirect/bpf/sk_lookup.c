@@ -59,24 +59,31 @@ static __always_inline int listener_for(struct bpf_sk_lookup *ctx, const struct 
 }
 
 /* Whether the connection was made inside the pod, from a source that is not the pod's (a proxy's
- * transparent connection to the app from the client's address): its client end is in local_conns
- * (redirect/bpf/sockopt.c, local_connect). Netfilter's nat PREROUTING never sees such a connection
- * (TPROXY's mangle rules return it), so it is never captured. */
+ * transparent connection to the app from the client's address): it is in local_conns, keyed by
+ * both its ends as its connecting socket sees them (redirect/bpf/sockopt.c, local_connect).
+ * Netfilter's nat PREROUTING never sees such a connection (TPROXY's mangle rules return it), so
+ * it is never captured. Only that connection: another from the same client address and port (to
+ * another of the pod's addresses or ports) comes from outside and is judged as any. */
 static __always_inline int made_here(struct bpf_sk_lookup *ctx, __u64 netns)
 {
-	struct tuple_key k = {.netns = netns, .port_be = (__u16)ctx->remote_port};
-	__u32 ip[4] = {};
+	struct pair_key k = {};
+	__u32 r6[4] = {}, l6[4] = {};
 
 	/* (Each family's fields read in its own branch, as above.) */
 	if (ctx->family == AF_INET) {
-		ip[0] = ctx->remote_ip4;
-		tuple_addr(&k, AF_INET, ip, ip[0]);
+		pair_key_of(&k, netns, AF_INET, r6, ctx->remote_ip4, l6, ctx->local_ip4, (__u16)ctx->remote_port,
+			    bpf_htons((__u16)ctx->local_port), 0);
 	} else {
-		ip[0] = ctx->remote_ip6[0];
-		ip[1] = ctx->remote_ip6[1];
-		ip[2] = ctx->remote_ip6[2];
-		ip[3] = ctx->remote_ip6[3];
-		tuple_addr(&k, AF_INET6, ip, 0);
+		r6[0] = ctx->remote_ip6[0];
+		r6[1] = ctx->remote_ip6[1];
+		r6[2] = ctx->remote_ip6[2];
+		r6[3] = ctx->remote_ip6[3];
+		l6[0] = ctx->local_ip6[0];
+		l6[1] = ctx->local_ip6[1];
+		l6[2] = ctx->local_ip6[2];
+		l6[3] = ctx->local_ip6[3];
+		pair_key_of(&k, netns, AF_INET6, r6, 0, l6, 0, (__u16)ctx->remote_port,
+			    bpf_htons((__u16)ctx->local_port), 0);
 	}
 	return local_conns.lookup(&k) != NULL;
 }

@@ -121,14 +121,15 @@ static __always_inline void give_source6(struct bpf_sock_addr *ctx, const __u8 *
 }
 
 /* A socket of a registered pod, of a kind we redirect: TCP on connect, UDP
- * (DNS) on connect and sendmsg. *tcp says which. */
+ * (DNS) on connect and sendmsg. *tcp says which. A datagram socket of another protocol
+ * (UDP-Lite, ICMP's ping sockets) is not UDP to netfilter's -p udp either. */
 static __always_inline int redirectable(struct bpf_sock_addr *ctx, const struct pod_policy *p, int from_sendmsg,
 					int *tcp)
 {
 	if (!p)
 		return 0;
 	*tcp = ctx->type == SOCK_STREAM;
-	if (!*tcp && ctx->type != SOCK_DGRAM)
+	if (!*tcp && (ctx->type != SOCK_DGRAM || ctx->protocol != IPPROTO_UDP))
 		return 0;
 	return !(from_sendmsg && *tcp);
 }
@@ -144,6 +145,9 @@ static __always_inline int redirect4(struct bpf_sock_addr *ctx, int from_sendmsg
 
 	if (!redirectable(ctx, p, from_sendmsg, &tcp))
 		return SYS_PROCEED;
+	/* 0.0.0.0: the kernel connects (sends) to 127.0.0.1 over lo, which is what netfilter sees. */
+	if (!dst)
+		dst = bpf_htonl(0x7f000001);
 	to = target4(p, pod_keys(p, netns), tcp, bpf_ntohs((__u16)ctx->user_port), dst,
 		     from_sendmsg ? ctx->msg_src_ip4 : ctx->sk->src_ip4, ctx->sk->mark,
 		     ctx->sk->bound_dev_if, &out_lo);
@@ -181,6 +185,12 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 		src[3] = ctx->sk->src_ip6[3];
 	}
 	port = bpf_ntohs((__u16)ctx->user_port);
+	/* ::, ::ffff:0.0.0.0: the kernel connects (sends) to ::1, 127.0.0.1 over lo, which is what
+	 * netfilter sees. */
+	if (is_v6_unspecified(dst))
+		dst[3] = bpf_htonl(1);
+	else if (is_v4_mapped(dst) && !dst[3])
+		dst[3] = bpf_htonl(0x7f000001);
 	if (is_v4_mapped(dst)) {
 		/* An IPv4 destination through a dual-stack socket: IPv4 on the wire,
 		 * so IPv4's rules (whatever the pod's IPv6), recorded as IPv4, sent

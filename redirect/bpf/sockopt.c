@@ -89,9 +89,12 @@ static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
  * proxy's transparent connection to the app from the original client's address (ambient's node
  * proxy; a sidecar's with TPROXY, Envoy's original_src).
  *
- * sk_lookup would take it for inbound from that client: its local end goes into local_conns (until
- * the socket closes), which sk_lookup passes, as netfilter's nat PREROUTING never sees locally
- * generated connections (and TPROXY's mangle rules return them: marked, or from lo unmarked).
+ * sk_lookup would take it for inbound from that client: the connection (both ends: the client's
+ * address and port, the pod's address and port) goes into local_conns (until the socket closes),
+ * which sk_lookup passes, as netfilter's nat PREROUTING never sees locally generated connections
+ * (and TPROXY's mangle rules return them: marked, or from lo unmarked). Both ends, not the client
+ * end alone: a new connection from outside from the same client address and port to another of
+ * the pod's addresses or ports is not this one, and is captured as iptables captures it.
  *
  * The app's replies are addressed to the client and would be routed out of the pod. Netfilter
  * saves the proxy's mark as a connmark and restores it on the replies, which the plan's policy
@@ -113,6 +116,7 @@ static __always_inline void local_connect(struct bpf_sock_ops *ctx)
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_policy *p = pod_of(netns);
 	struct tuple_key here = {}, there = {};
+	struct pair_key conn = {};
 	struct bpf_sock *sk;
 	__u32 ip[4], mark;
 	__u64 keys;
@@ -136,7 +140,8 @@ static __always_inline void local_connect(struct bpf_sock_ops *ctx)
 			pair_candidate(ctx, netns);
 		return;
 	}
-	local_conns.update(&here, &one);
+	PAIR_KEY(&conn, ctx, netns, 0);
+	local_conns.update(&conn, &one);
 	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	if (p->flags & RDR_F_SOCKMAP)
 		pair_candidate(ctx, netns);
@@ -153,6 +158,7 @@ static __always_inline void local_connect(struct bpf_sock_ops *ctx)
 int rdr_sockops(struct bpf_sock_ops *ctx)
 {
 	struct tuple_key k = {}, r = {};
+	struct pair_key pk = {};
 	struct pod_policy *p;
 	struct orig_dst *o;
 	__u64 cookie;
@@ -216,8 +222,9 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		}
 		/* A transparent connection (or the app's side after the proxy's took its entry away). A
 		 * delete takes the bucket's lock even when there is nothing: looked up first. */
-		if (local_conns.lookup(&k))
-			local_conns.delete(&k);
+		PAIR_KEY(&pk, ctx, cookie, 0);
+		if (local_conns.lookup(&pk))
+			local_conns.delete(&pk);
 	}
 	return 1;
 }

@@ -19,9 +19,13 @@
  * the kernel hands the program as skb->tc_classid before it runs; lookup_slots names the pod.
  *
  * Ethernet interfaces (veth, tap, bridges) and interfaces without a link-layer header (tun, IP
- * tunnels: RDR_TC_NO_L2 in the filter's classid); TCP whose header follows the IP header (no IPv6
- * extension headers, no fragments). Entries are LRU: a connection's is rewritten by the next SYN
- * of the same client end.
+ * tunnels: RDR_TC_NO_L2 in the filter's classid); TCP whose header follows the IP header. TCP this
+ * program cannot see whole (netfilter reassembles it before nat PREROUTING, and would capture it)
+ * is dropped when forwarded, fail closed, never forwarded around the proxy: an IPv4 fragment of
+ * TCP, and an IPv6 packet whose TCP header comes after extension headers or that carries a
+ * Fragment header of TCP or of further extension headers (rdr_parse: RDR_PARSE_HIDDEN). To the
+ * pod's own addresses such packets pass: the kernel reassembles them before sk_lookup judges.
+ * Entries are LRU: a connection's is rewritten by the next SYN of the same client end.
  */
 #include "policy.h"
 
@@ -32,6 +36,23 @@
 #define RDR_TC_SHOT 2 /* TC_ACT_SHOT */
 #define RDR_TCP_SYN 0x02
 #define RDR_TCP_ACK 0x10
+
+/* rdr_parse's answers */
+#define RDR_PARSE_OTHER 0  /* not TCP (or not IP): not this program's */
+#define RDR_PARSE_TCP 1    /* TCP right after the IP header: all of *k is filled in */
+#define RDR_PARSE_HIDDEN 2 /* TCP this program cannot see whole (only family and addresses filled in) */
+
+/* IPv6 next headers: the extension headers walked to find what a packet carries. Encapsulating
+ * Security Payload (50) and No Next Header (59) end the walk (not TCP that anyone could see). */
+#define RDR_NH_HOPOPTS 0
+#define RDR_NH_ROUTING 43
+#define RDR_NH_FRAGMENT 44
+#define RDR_NH_AH 51
+#define RDR_NH_DSTOPTS 60
+/* How many extension headers the walk reads before it gives up on a packet, counting it as hidden
+ * TCP (fail closed: one with a longer chain, which no sender has a reason to make, is dropped
+ * whatever it carries). */
+#define RDR_IPV6_EXT_MAX 8
 
 /* Where a TCP packet's fields are (offsets from the start of the packet: its Ethernet header, or
  * its IP header on an interface without a link-layer header). */
@@ -47,43 +68,89 @@ struct rdr_pkt {
 	__u8 flags;
 };
 
-/* The TCP packet's addresses, ports and flags, its IP header l2 bytes in (RDR_ETH_HLEN, or 0);
- * 0: not one this program handles. */
+/* What an IPv6 packet carries after extension headers (its IPv6 header at l3, next header nh):
+ * RDR_PARSE_HIDDEN for TCP after them, or a Fragment header of TCP or of more extension headers
+ * (the TCP header may not even be in this packet); else RDR_PARSE_OTHER. */
+static __always_inline int rdr_ipv6_ext(struct __sk_buff *skb, __u32 l3, __u8 nh)
+{
+	__u32 off = l3 + 40;
+	__u8 ext[2];
+	int i;
+
+#pragma unroll
+	for (i = 0; i < RDR_IPV6_EXT_MAX; i++) {
+		if (nh == IPPROTO_TCP)
+			return RDR_PARSE_HIDDEN;
+		if (nh != RDR_NH_HOPOPTS && nh != RDR_NH_ROUTING && nh != RDR_NH_FRAGMENT && nh != RDR_NH_AH &&
+		    nh != RDR_NH_DSTOPTS)
+			return RDR_PARSE_OTHER;
+		if (bpf_skb_load_bytes(skb, off, ext, 2) < 0)
+			return RDR_PARSE_HIDDEN; /* truncated: dropped, as the kernel would */
+		if (nh == RDR_NH_FRAGMENT) {
+			/* Whatever follows the first fragment's headers: TCP, or headers before it. */
+			nh = ext[0];
+			return nh == IPPROTO_TCP || nh == RDR_NH_HOPOPTS || nh == RDR_NH_ROUTING ||
+					       nh == RDR_NH_FRAGMENT || nh == RDR_NH_AH || nh == RDR_NH_DSTOPTS
+				       ? RDR_PARSE_HIDDEN
+				       : RDR_PARSE_OTHER;
+		}
+		off += nh == RDR_NH_AH ? ((__u32)ext[1] + 2) * 4 : ((__u32)ext[1] + 1) * 8;
+		nh = ext[0];
+	}
+	return nh == IPPROTO_TCP || nh == RDR_NH_HOPOPTS || nh == RDR_NH_ROUTING || nh == RDR_NH_FRAGMENT ||
+			       nh == RDR_NH_AH || nh == RDR_NH_DSTOPTS
+		       ? RDR_PARSE_HIDDEN
+		       : RDR_PARSE_OTHER;
+}
+
+/* The TCP packet's addresses, ports and flags, its IP header l2 bytes in (RDR_ETH_HLEN, or 0):
+ * RDR_PARSE_TCP; RDR_PARSE_HIDDEN (family and addresses only) for TCP it cannot see whole;
+ * RDR_PARSE_OTHER for a packet this program does not handle. */
 static __always_inline int rdr_parse(struct __sk_buff *skb, struct rdr_pkt *k, __u32 l2)
 {
 	__u8 hdr[40];
 	__u16 ports[2];
+	int what;
 
 	if (skb->protocol == bpf_htons(RDR_ETH_P_IP)) {
 		if (bpf_skb_load_bytes(skb, l2, hdr, 20) < 0)
-			return 0;
-		/* IPv4, TCP, not a fragment (offset and more-fragments both zero) */
-		if ((hdr[0] >> 4) != 4 || hdr[9] != IPPROTO_TCP || (hdr[6] & 0x3f) || hdr[7])
-			return 0;
+			return RDR_PARSE_OTHER;
+		if ((hdr[0] >> 4) != 4 || hdr[9] != IPPROTO_TCP)
+			return RDR_PARSE_OTHER;
 		k->family = AF_INET;
+		__builtin_memcpy(k->saddr, hdr + 12, 4);
+		__builtin_memcpy(k->daddr, hdr + 16, 4);
+		/* A fragment (more-fragments or an offset): its ports are in the first one only. */
+		if ((hdr[6] & 0x3f) || hdr[7])
+			return RDR_PARSE_HIDDEN;
 		k->saddr_off = l2 + 12;
 		k->l3_csum_off = l2 + 10;
 		k->l4_off = l2 + (hdr[0] & 0xf) * 4;
-		__builtin_memcpy(k->saddr, hdr + 12, 4);
-		__builtin_memcpy(k->daddr, hdr + 16, 4);
 	} else if (skb->protocol == bpf_htons(RDR_ETH_P_IPV6)) {
 		if (bpf_skb_load_bytes(skb, l2, hdr, 40) < 0)
-			return 0;
-		if ((hdr[0] >> 4) != 6 || hdr[6] != IPPROTO_TCP)
-			return 0;
+			return RDR_PARSE_OTHER;
+		if ((hdr[0] >> 4) != 6)
+			return RDR_PARSE_OTHER;
+		if (hdr[6] != IPPROTO_TCP) {
+			what = rdr_ipv6_ext(skb, l2, hdr[6]);
+			if (what == RDR_PARSE_OTHER)
+				return RDR_PARSE_OTHER;
+		}
 		k->family = AF_INET6;
-		k->saddr_off = l2 + 8;
-		k->l4_off = l2 + 40;
 		__builtin_memcpy(k->saddr, hdr + 8, 16);
 		__builtin_memcpy(k->daddr, hdr + 24, 16);
+		if (hdr[6] != IPPROTO_TCP)
+			return RDR_PARSE_HIDDEN;
+		k->saddr_off = l2 + 8;
+		k->l4_off = l2 + 40;
 	} else {
-		return 0;
+		return RDR_PARSE_OTHER;
 	}
 	if (bpf_skb_load_bytes(skb, k->l4_off, ports, 4) < 0 || bpf_skb_load_bytes(skb, k->l4_off + 13, &k->flags, 1) < 0)
-		return 0;
+		return RDR_PARSE_OTHER;
 	k->sport_be = ports[0];
 	k->dport_be = ports[1];
-	return 1;
+	return RDR_PARSE_TCP;
 }
 
 /* Rewrite one end (the source: src 1; the destination: 0) of the packet to addr:port_be, with the
@@ -144,17 +211,18 @@ static __always_inline int rdr_has_addr(const __u8 *a, int v6)
 	return (w[0] | w[1] | w[2] | w[3]) != 0;
 }
 
-/* A TCP packet (parsed into *k) of the registered pod whose filter runs the program:
- * lookup_slots[tc_classid - 1] (RDR_TC_NO_L2 aside); NULL for any other packet. The parse comes
- * first: no map look-up for what is not TCP. */
-static __always_inline struct pod_policy *filter_pod(struct __sk_buff *skb, struct rdr_pkt *k, __u64 *netns,
-						     __u64 *keys)
+/* A TCP packet (parsed into *k, *what says how far: rdr_parse) of the registered pod whose filter
+ * runs the program: lookup_slots[tc_classid - 1] (RDR_TC_NO_L2 aside); NULL for any other packet.
+ * The parse comes first: no map look-up for what is not TCP. */
+static __always_inline struct pod_policy *filter_pod(struct __sk_buff *skb, struct rdr_pkt *k, int *what,
+						     __u64 *netns, __u64 *keys)
 {
 	struct pod_policy *p;
 	struct pool_slot *ps;
 	__u32 slot = skb->tc_classid & ~(__u32)RDR_TC_NO_L2;
 
-	if (!rdr_parse(skb, k, skb->tc_classid & RDR_TC_NO_L2 ? 0 : RDR_ETH_HLEN) || slot == 0)
+	*what = rdr_parse(skb, k, skb->tc_classid & RDR_TC_NO_L2 ? 0 : RDR_ETH_HLEN);
+	if (*what == RDR_PARSE_OTHER || slot == 0)
 		return 0;
 	slot--;
 	ps = lookup_slots.lookup(&slot);
@@ -176,18 +244,23 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 	struct pod_policy *p;
 	__u64 netns, keys;
 	const __u8 *local;
-	int v6, kind, spoofed;
+	int v6, kind, spoofed, what;
 	__u16 to;
 
-	p = filter_pod(skb, &k, &netns, &keys);
+	p = filter_pod(skb, &k, &what, &netns, &keys);
 	if (!p)
 		return RDR_TC_OK;
 	v6 = k.family == AF_INET6;
 	if (v6 && !(p->flags & RDR_F_V6))
 		return RDR_TC_OK;
-	/* To the pod itself: sk_lookup's (there with the original destination as the local address). */
+	/* To the pod itself: sk_lookup's (there with the original destination as the local address;
+	 * the kernel reassembles fragments first). */
 	if (own_address(keys, k.daddr, v6))
 		return RDR_TC_OK;
+	/* Forwarded TCP whose ports this program cannot read (a fragment, extension headers), which
+	 * netfilter would reassemble and capture: never forwarded around the proxy (fail closed). */
+	if (what != RDR_PARSE_TCP)
+		return RDR_TC_SHOT;
 	/* From an address of the pod's own, or loopback (spoofed: nothing behind the interface has
 	 * one): never an entry, whose key could be one of the pod's own connections' (redirect/bpf/sockopt.c). */
 	spoofed = own_address(keys, k.saddr, v6);
@@ -239,9 +312,11 @@ int rdr_tc_egress(struct __sk_buff *skb)
 	struct pod_policy *p;
 	__u64 netns, keys;
 	__u8 addr[16];
+	int what;
 
-	p = filter_pod(skb, &k, &netns, &keys);
-	if (!p)
+	/* (The proxy's replies are whole TCP segments: anything else is not one.) */
+	p = filter_pod(skb, &k, &what, &netns, &keys);
+	if (!p || what != RDR_PARSE_TCP)
 		return RDR_TC_OK;
 	client.netns = netns;
 	client.family = k.family;

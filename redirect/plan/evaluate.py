@@ -117,13 +117,28 @@ class Conn:
         """The socket's family (6 for an IPv4-mapped destination)."""
         return _ip(self.dst).version
 
-    def on_the_wire(self) -> Conn:
-        """The connection as its packets carry it: an IPv4-mapped destination (and bound source)
-        as the IPv4 address."""
-        dst, src = _mapped(self.dst), _mapped(self.src) if self.src is not None else None
-        if dst is None:
+    def to_zero_as_loopback(self) -> Conn:
+        """An outbound connection to the unspecified address (``0.0.0.0``, ``::``,
+        ``::ffff:0.0.0.0``) as the kernel makes it: to the family's loopback host (``127.0.0.1``,
+        ``::1``, ``::ffff:127.0.0.1``), over lo, before any hook or rule sees it."""
+        if self.direction != "out":
             return self
-        return dataclasses.replace(self, dst=dst, src=src or self.src)
+        a = _ip(self.dst)
+        if a.is_unspecified:
+            return dataclasses.replace(self, dst="127.0.0.1" if a.version == 4 else "::1")
+        if _mapped(self.dst) == "0.0.0.0":
+            return dataclasses.replace(self, dst="::ffff:127.0.0.1")
+        return self
+
+    def on_the_wire(self) -> Conn:
+        """The connection as its packets carry it: to the loopback host for the unspecified
+        address (``to_zero_as_loopback``), an IPv4-mapped destination (and bound source) as the
+        IPv4 address."""
+        conn = self.to_zero_as_loopback()
+        dst, src = _mapped(conn.dst), _mapped(conn.src) if conn.src is not None else None
+        if dst is None:
+            return conn
+        return dataclasses.replace(conn, dst=dst, src=src or conn.src)
 
 
 @dataclass(frozen=True)
@@ -610,6 +625,7 @@ def evaluate_ebpf(entries: EbpfEntries, pod: PodNet, conn: Conn) -> Landing:
         if not pod.is_local(conn.dst):  # forwarded: routed before any socket lookup
             return _tc_ingress(m, pod, conn, pod.ifindex_named(conn.iface))
         return _sk_lookup(m, conn, conn.src or "0.0.0.0", pod.ifindex_named(conn.iface))
+    conn = conn.to_zero_as_loopback()  # (redirect4/6 look at it so too)
     to = _connect(m, conn)
     if to:
         return ("redirect", to)

@@ -70,7 +70,7 @@ MAPS: dict[str, tuple[int, int]] = {
     "pods": (8, POLICY.size), "inventory": (INV_KEY.size, INV_VAL.size), "ports": (PORT_KEY.size, 1),
     "cidrs": (CIDR_KEY.size, 1), "orig_by_cookie": (8, ORIG.size), "orig_by_tuple": (TUPLE_KEY.size, ORIG.size),
     "dns_by_cookie": (8, ORIG.size), "listeners": (LISTENER_KEY.size, 8), "lookup_netns": (4, 8),
-    "lookup_prog": (4, 4), "local_conns": (TUPLE_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
+    "lookup_prog": (4, 4), "local_conns": (PAIR_KEY.size, 1), "lookup_slots": (4, POOL_SLOT.size),
     "lookup_free": (0, 4), "lookup_pool": (4, 4), "pairs": (PAIR_KEY.size, 4),
     "pair_state": (PAIR_KEY.size, PAIR_STATE.size), "pair_tcp": (4, 8),
 }
