@@ -260,28 +260,36 @@ def test_setup_twice_is_setup_once(pod: Pod) -> None:
     assert redirect.check(pod.name, cfg, backend="nftables").ok
 
 
-def test_the_fresh_pod_batch_deletes_nothing_and_replaces_a_table_made_meanwhile(pod: Pod) -> None:
-    """A pod without our table gets a batch that adds and flushes it (no delete: freeing the context
-    of a batch that deleted objects waits for the kernel). Should another writer have made the table
-    since it was read, the flush still leaves exactly the rendered rules, not two copies."""
-    from redirect.kernel import netns as rn
-
+def test_the_fresh_pod_batch_deletes_nothing_and_leaves_a_table_made_meanwhile_alone(
+        pod: Pod, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod without our table gets a batch that creates it (no delete: freeing the context of a
+    batch that deleted objects waits for the kernel). Should the pod make a table of our name
+    between our read and our batch, ``create`` fails the whole batch: their table is neither
+    flushed nor merged with ours, and setup fails saying so; the next setup refuses it by name."""
     cfg = RedirectConfig()
-    redirect.setup(pod.name, cfg, backend="nftables")
-    want = nft_ruleset(pod.name)
-    plan = build_plan(cfg)
-    desired = nr.desired_ruleset(plan, (4, 6))
-    fresh = nr.commands_for(desired, fresh=True)
-    assert not any("delete" in c for c in fresh) and {"flush": {"table": dict(nr.TABLE_OBJ)}} in fresh
-    with rn.enter(pod.name):
-        nft = nb._context()
-        try:
-            nb._run(nft, fresh)  # as if the table had been absent when read: it is there now
-            assert nb.read_table(nft) == desired
-        finally:
-            nb.release(nft)
+    fresh = nr.commands_for(nr.desired_ruleset(build_plan(cfg), (4, 6)), fresh=True)
+    assert not any("delete" in c or "flush" in c for c in fresh) and fresh[0] == {"create": {"table": nr.TABLE_OBJ}}
+    theirs = "table inet rdr_redirect {\n chain input {\n  type filter hook input priority 0; policy accept;\n" \
+             "  tcp dport 9999 drop\n }\n}\n"
+    read, calls = nb.read_table, []
+
+    def racing_read(nft: object, what: str = "setup") -> object:
+        calls.append(what)
+        if len(calls) == 1:  # what setup saw: no table; then the pod makes one before the batch
+            subprocess.run(["ip", "netns", "exec", pod.name, "nft", "-f", "-"], input=theirs, text=True, check=True)
+            return None
+        return read(nft, what)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nb, "read_table", racing_read)
+    with pytest.raises(SetupError, match="File exists"):
+        redirect.setup(pod.name, cfg, backend="nftables")
+    want = nft_ruleset(pod.name)  # theirs alone, whole
+    assert "tcp dport 9999 drop" in want and "chain input" in want
+    assert "nat_OUTPUT" not in want and "comment" not in want
+    monkeypatch.setattr(nb, "read_table", read)
+    with pytest.raises(SetupError, match="not ours"):
+        redirect.setup(pod.name, cfg, backend="nftables")
     assert nft_ruleset(pod.name) == want
-    assert redirect.check(pod.name, cfg, backend="nftables").ok
 
 
 def test_one_context_is_shared_within_a_block_and_applies_for_real(pod: Pod) -> None:

@@ -173,6 +173,15 @@ PREVIOUS_IPT = RedirectConfig(inbound_interception="TPROXY", dns_capture=True)
 PREVIOUS_NFT = RedirectConfig(mode="ambient", dns_capture=True)
 
 
+def without_empty_builtin_chains(ruleset: str) -> str:
+    """``full_ruleset`` without empty base chains named like iptables' built-in ones. The previous
+    release's setup let iptables-nft make those for its jumps, unmarked; teardown now deletes only
+    those setup made and marked (nothing tells the others from a pod's own), so they stay, empty."""
+    text = re.sub(r"\n\tchain (PREROUTING|INPUT|FORWARD|OUTPUT|POSTROUTING) \{\n\t\ttype [^\n]*\n\t\}(?=\n)", "",
+                  ruleset)
+    return re.sub(r"\n\n+", "\n", text)
+
+
 def install_previous(ns: str, backend: str) -> None:
     """What the previous release's setup left (tests/data/README.md), without our comments."""
     if backend == "nftables":
@@ -205,7 +214,7 @@ def test_rules_of_the_previous_release_are_recognised_and_replaced(pod: Pod, bac
         ours = [ln for ln in text.splitlines() if ln.startswith("-A") and re.search("RDR2?_", ln) and "MYFW" not in ln]
         assert ours and all('--comment "redirect' in ln for ln in ours), ours
     assert redirect.teardown(pod.name, backend=backend)
-    assert full_ruleset(pod.name) == before
+    assert without_empty_builtin_chains(full_ruleset(pod.name)) == without_empty_builtin_chains(before)
 
 
 @pytest.mark.parametrize("backend", ["iptables-nft", "iptables-legacy"])
@@ -214,7 +223,7 @@ def test_teardown_removes_the_previous_releases_rules(pod: Pod, backend: str) ->
     before = full_ruleset(pod.name)
     install_previous(pod.name, backend)
     assert redirect.teardown(pod.name, backend=backend)
-    assert full_ruleset(pod.name) == before
+    assert without_empty_builtin_chains(full_ruleset(pod.name)) == without_empty_builtin_chains(before)
 
 
 @pytest.mark.parametrize("backend", ["iptables-nft", "iptables-legacy"])
@@ -247,7 +256,7 @@ def test_an_upgrade_killed_midway_keeps_the_previous_rules_whole_until_repaired(
     assert redirect.check(pod.name, PREVIOUS_IPT, backend=backend).ok
     assert not any("RDR_" in x[2] for x in ours())  # only the new generation
     assert redirect.teardown(pod.name, backend=backend)
-    assert full_ruleset(pod.name) == before
+    assert without_empty_builtin_chains(full_ruleset(pod.name)) == without_empty_builtin_chains(before)
 
 
 # --------------------------------------------------------------------------- look-alikes of the previous release

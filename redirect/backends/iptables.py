@@ -22,7 +22,8 @@ the unit of atomicity; a failure while adding is rolled back, and a setup killed
 leaves a state that the next setup finishes or undoes.
 
 Teardown gives the ruleset back as it was: with iptables-nft, the built-in chains (nft base
-chains) and tables that exist only because of our jumps are deleted with them. A legacy
+chains) and tables that setup made for our jumps (``_make_builtin_chains``, marked with a
+comment) are deleted with them when nothing else is in them; the pod's own stay. A legacy
 xtables table that did not exist before setup stays, empty: the kernel has no way to remove
 one from a namespace.
 
@@ -48,7 +49,6 @@ from ..plan import netfilter_plan
 from ..plan.intent import AnyIntent
 from .base import MARK, CheckResult, Installed, fault_point
 from .iptables_rules import (
-    BUILTIN,
     GENERATIONS,
     VARIANTS,
     Found,
@@ -167,16 +167,17 @@ def _nft_chains_of_ours() -> bool:
     exec; just the table list when there is no iptables-nft table, as in a pod of the nftables
     backend). Whether it is truly ours is decided on the ``iptables-save`` dump (``parse_save``);
     without the libnftables binding to list with, that dump is always read."""
-    import json
+    from .nftables import list_json
 
     def look(nft: Any) -> bool:
         for family in sorted({f for f, _ in _xtables_tables(nft)}):
-            rc, out, _ = nft.cmd(f"list chains {family}")
-            if rc != 0 or not out:
-                continue
-            for item in json.loads(out).get("nftables", []):
+            try:
+                items = list_json(nft, [{"list": {"chains": {"family": family}}}])
+            except SetupError:
+                return True  # (unreadable: the dump decides)
+            for item in items:
                 c = item.get("chain")
-                if c and c.get("table") in _XT_TABLES and gen_of(str(c.get("name", ""))) is not None:
+                if isinstance(c, dict) and c.get("table") in _XT_TABLES and gen_of(str(c.get("name", ""))) is not None:
                     return True
         return False
 
@@ -185,41 +186,124 @@ def _nft_chains_of_ours() -> bool:
 
 Hooked = set[tuple[int, str, str]]  # (family, table, built-in chain) we removed a jump of ours from
 
+#: The comment on the iptables-nft tables and built-in chains (nft base chains) setup makes for our
+#: jumps (``_make_builtin_chains``): teardown deletes only such, and only when nothing else is in them.
+MADE_FOR_JUMPS = "redirect: made for our iptables-nft jumps"
+
+
+def _nfam(fam: int) -> str:
+    return "ip" if fam == 4 else "ip6"
+
+
+def _make_builtin_chains(hooks: Hooked) -> None:
+    """Before iptables-nft adds our jumps: make each built-in chain in ``hooks`` (and its table)
+    that does not exist yet, as iptables-nft would (the same type, hook and priority, policy
+    accept), carrying ``MADE_FOR_JUMPS``. Teardown then knows which it may delete
+    (``_drop_empty_xtables_nft``): a pod's own nat table or base chain looks just the same
+    otherwise. If this fails (someone made one meanwhile) iptables-nft makes what is missing, and
+    teardown leaves that."""
+    from .nftables import forget_tables, list_json, table_names
+    from .nftables_rules import BASE_CHAINS
+
+    def make(nft: Any) -> None:
+        tables = set(table_names(nft))
+        have = set()
+        for nfam in sorted({_nfam(f) for f, _, _ in hooks if any(t[0] == _nfam(f) for t in tables)}):
+            for i in list_json(nft, [{"list": {"chains": {"family": nfam}}}]):
+                c = i.get("chain")
+                if isinstance(c, dict):
+                    have.add((c.get("family"), c.get("table"), c.get("name")))
+        cmds = [f'create table {_nfam(f)} {t} {{ comment "{MADE_FOR_JUMPS}"; }}'
+                for f, t in sorted({(f, t) for f, t, _ in hooks}) if (_nfam(f), t) not in tables]
+        for f, t, chain in sorted(hooks):
+            spec = BASE_CHAINS.get((t, chain.lower()))
+            if spec is None or (_nfam(f), t, chain) in have:
+                continue
+            cmds.append(f'create chain {_nfam(f)} {t} {chain} {{ comment "{MADE_FOR_JUMPS}"; type {spec[0]} hook'
+                        f" {chain.lower()} priority {spec[1]}; policy accept; }}")
+        if cmds:
+            forget_tables()
+            rc, _, err = nft.cmd("\n".join(cmds))
+            if rc != 0:
+                log.info("iptables-nft makes the built-in chains for our jumps (ours were refused: %s)",
+                         str(err).strip())
+
+    try:
+        _nft_call(make, None)
+    except SetupError as e:
+        log.info("iptables-nft makes the built-in chains for our jumps (%s)", e)
+
+
+def _made_for_jumps_only(text: str, depth: int) -> bool:
+    """Whether the text listing of a chain (``depth`` 2: its lines) or a table (``depth`` 1) holds
+    nothing but our ``MADE_FOR_JUMPS`` comment and, for a chain, its base-chain line: no rule, no
+    object, no flags."""
+    ind = "\t" * depth
+    lines = [ln for ln in text.splitlines() if ln.startswith(ind) and ln[depth:depth + 1] != "\t" and ln.strip()
+             and ln.strip() != "}"]
+    rest = [ln for ln in lines if ln.strip() != f'comment "{MADE_FOR_JUMPS}"']
+    if len(rest) != len(lines) - 1:
+        return False
+    if depth == 1:
+        return not rest
+    return len(rest) == 1 and rest[0].strip().startswith("type ") and rest[0].strip().endswith("policy accept;")
+
 
 def _drop_empty_xtables_nft(hooked: Hooked) -> None:
-    """Undo what iptables-nft made for us alone: it creates a built-in chain (an nft base chain)
-    on first use, and its table with it. A built-in chain in ``hooked`` left with no rule and an
-    accept policy is deleted, and so is a table left with no rule, no user chain and only such
-    chains, as if we had never come (``nft list ruleset`` as before setup).
-    """
-    import json
-
-    from .nftables import forget_tables
+    """Undo what setup made for our jumps alone (``_make_builtin_chains``): a built-in chain in
+    ``hooked`` that carries ``MADE_FOR_JUMPS`` and holds nothing else (no rule: the kernel also
+    refuses to delete a chain that has one) is deleted, then its table if that carries the
+    comment and holds nothing else, as if we had never come (``nft list ruleset`` as before
+    setup). A chain or table without it existed before (the pod's, or made by iptables-nft for a
+    release before this one) and stays. Listed as text (``nftables.list_text``)."""
+    from .nftables import forget_tables, list_text
 
     def drop(nft: Any) -> None:
         for fam, table, chain in sorted(hooked):
-            nfam = "ip" if fam == 4 else "ip6"
-            rc, out, _ = nft.cmd(f"list chain {nfam} {table} {chain}")
-            if rc != 0:
+            try:
+                text = list_text(nft, f"list chain {_nfam(fam)} {table} {chain}")
+            except SetupError:
                 continue
-            items = json.loads(out).get("nftables", [])
-            c: dict[str, Any] = next((i["chain"] for i in items if "chain" in i), {})
-            if not any("rule" in i for i in items) and c.get("type") and c.get("policy", "accept") == "accept":
-                nft.cmd(f"delete chain {nfam} {table} {chain}")
-        for nfam, table in sorted({("ip" if f == 4 else "ip6", t) for f, t, _ in hooked}):
-            rc, out, _ = nft.cmd(f"list table {nfam} {table}")
-            if rc != 0:
+            if _made_for_jumps_only(text, 2):
+                nft.cmd(f"delete chain {_nfam(fam)} {table} {chain}")
+        for nfam, table in sorted({(_nfam(f), t) for f, t, _ in hooked}):
+            try:
+                text = list_text(nft, f"list table {nfam} {table}")
+            except SetupError:
                 continue
-            items = json.loads(out).get("nftables", [])
-            chains = [i["chain"] for i in items if "chain" in i]
-            if any("rule" in i or "set" in i or "map" in i for i in items):
-                continue
-            if all(c.get("type") and c.get("policy", "accept") == "accept" and c["name"] in BUILTIN for c in chains):
+            if _made_for_jumps_only(text, 1):
                 nft.cmd(f"delete table {nfam} {table}")
         forget_tables()
 
     if hooked:
         _nft_call(drop, None)
+
+
+def _flagged_xtables(tables: set[tuple[int, str]]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(family, table, flags) of each iptables-nft table in ``tables`` ((family, name): those our
+    rules are in) that has flags: a dormant table runs none of its chains, so ours capture nothing."""
+    from .nftables import list_text, table_names
+    from .nftables_rules import parse_table_text
+
+    def look(nft: Any) -> list[tuple[str, str, tuple[str, ...]]]:
+        names, out = set(table_names(nft)), []
+        for fam, t in sorted(tables):
+            if (_nfam(fam), t) in names:
+                flags, _ = parse_table_text(list_text(nft, f"list table {_nfam(fam)} {t}"))
+                if flags:
+                    out.append((_nfam(fam), t, flags))
+        return out
+
+    return _nft_call(look, [])
+
+
+def _clear_flags(flagged: list[tuple[str, str, tuple[str, ...]]]) -> None:
+    """Un-dormant the tables ``_flagged_xtables`` named (an ``add table`` from the JSON API sets no flags)."""
+    from .nftables import run_commands
+
+    if flagged:
+        cmds = [{"add": {"table": {"family": f, "name": t}}} for f, t, _ in flagged]
+        _nft_call(lambda nft: run_commands(nft, cmds), None)
 
 
 def _hooked(fam: int, state: State) -> Hooked:
@@ -346,7 +430,9 @@ class IptablesBackend:
         present = [g for g in (0, 1) if _gen_present(cur, g)]
         keep = next((g for g in present if same(g)), None)
         txn = rt.txn_for(it, families)
-        if keep is not None and len(present) == 1 and not txn.changed:
+        # iptables-nft tables of ours made dormant run none of our chains: setup un-dormants them.
+        flagged = _flagged_xtables({(f, t) for f in families for t in want[0][f]}) if variant == "nft" else []
+        if keep is not None and len(present) == 1 and not txn.changed and not flagged:
             return Installed(self.name, "", families, False, {"variant": variant})
         hooked: Hooked = set()
         step, target = "routes", None
@@ -365,6 +451,8 @@ class IptablesBackend:
             if keep is None or keep not in present:
                 old = present[0] if present else None
                 step, target = "add", (1 - old if old is not None else 0)
+                if variant == "nft":
+                    _make_builtin_chains(set().union(*(_hooked(f, want[target][f]) for f in (6, 4))))
                 for fam in (6, 4):  # IPv4 last: its nat table holds the anchor
                     fault_point(f"iptables.before_restore_v{fam}")
                     self.restore(variant, fam, add_payload(want[target][fam]))
@@ -372,6 +460,7 @@ class IptablesBackend:
                 if old is not None:
                     self._remove_gen(variant, cur, old, hooked)
             step = "finish"
+            _clear_flags(flagged)
             fault_point("iptables.before_routes_finish")
             txn.finish()
         except BaseException as e:
@@ -478,6 +567,10 @@ class IptablesBackend:
         for fam in (4, 6):
             want = desired_state(plan, fam, g) if fam in families else {}
             diffs += diff_state(fam, cur[fam].gens[g], want)
+            if variant == "nft":
+                diffs += [f"table {nfam} {t} has flags {','.join(fl)}" + (" (dormant: none of its chains runs, ours"
+                          " capture nothing)" if "dormant" in fl else "")
+                          for nfam, t, fl in _flagged_xtables({(fam, t) for t in want})]
         diffs += rt.differences(it, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 

@@ -56,14 +56,18 @@ built-in chains with one appended ``-j RDR_*`` jump):
 - ``SaveMark``/``RestoreMark`` with a partial mask need an OR of two registers,
   which nft 1.0.6 cannot express: such a plan raises ``BackendUnavailable``.
 
-Transactions. ``apply`` reads our table back (JSON) and compares it with the
-rendered plan: equal means nothing changes (``Installed.changed=False``). Otherwise
+Transactions. ``apply`` reads our table back (``read_table``: its flags and other objects from
+the text listing, its chains and rules as JSON; never a JSON listing of a table, which
+libnftables 1.0.6 writes from freed memory for a table with a flag) and compares it with the
+rendered plan: equal, without flags, means nothing changes (``Installed.changed=False``). Otherwise
 one batch ``add table; delete table; add table; add chains; add rules`` replaces
-it: the kernel commits the batch at once, so no packet sees a half-filled table
-or no table. Routes and addresses come from ``redirect.kernel.routes`` as for iptables,
-added before the batch and rolled back if it fails; those only the old config needed are
-removed after it. A setup killed in between leaves one config's table whole with the routes
-of both: ``check`` reports them, the next setup removes them.
+it (a fresh pod's is ``create table; add chains; add rules``: a table the pod made since the
+read fails it, and is neither flushed nor merged with ours): the kernel commits the batch at
+once, so no packet sees a half-filled table or no table. Routes and addresses come from
+``redirect.kernel.routes`` as for iptables, added before the batch and rolled back if it
+fails; those only the old config needed are removed after it. A setup killed in between
+leaves one config's table whole with the routes of both: ``check`` reports them, the next
+setup removes them.
 
 Mixed hosts. A namespace holding our iptables chains that is set up
 with ``backend="nftables"`` (or the reverse) first gets the new backend's rules,
@@ -88,6 +92,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendUnavailable, SetupError
@@ -103,7 +108,6 @@ from .nftables_rules import (
     BASE_CHAINS,
     FAMILY,
     TABLE,
-    TABLE_OBJ,
     Ruleset,
     base_text,
     cached_ruleset,
@@ -112,6 +116,8 @@ from .nftables_rules import (
     diff_rulesets,
     expr_text,
     parse_listing,
+    parse_table_names,
+    parse_table_text,
     ruleset_text,
 )
 
@@ -232,19 +238,63 @@ def _batch(plan: Plan, families: tuple[int, ...], fresh: bool) -> str:
 def table_names(nft: Any) -> list[tuple[str, str]]:
     """(family, name) of every table in this netns, of any family (iptables-nft's too).
 
-    Inside ``one_context()`` listed once until something changes tables (``forget_tables``):
-    a setup asks whether the other netfilter backend has tables here, then lists its own.
+    Listed as text (``list_text``): a table with flags would break a JSON listing. Inside
+    ``one_context()`` listed once until something changes tables (``forget_tables``): a setup asks
+    whether the other netfilter backend has tables here, then lists its own.
     """
     shared = getattr(_scope, "active", False) and nft is _scope.nft
     if shared and _scope.tables is not None:
         return list(_scope.tables)
-    rc, out, _ = nft.json_cmd({"nftables": [{"list": {"tables": {}}}]})
-    if rc != 0:
-        raise SetupError("libnftables could not list the tables of this namespace")
-    names = [(t["family"], t["name"]) for t in (i.get("table") for i in out.get("nftables", [])) if t]
+    try:
+        names = parse_table_names(list_text(nft, "list tables"))
+    except ValueError as e:
+        raise SetupError(f"libnftables listed the tables of this namespace in a form not understood: {e}") from None
     if shared:
         _scope.tables = tuple(names)
     return names
+
+
+def list_text(nft: Any, cmd: str) -> str:
+    """What ``cmd`` (a list command) prints as text.
+
+    Whatever prints a table object (``list tables``, ``list table``, ``list ruleset``) is listed as
+    text, never as JSON: libnftables 1.0.6 writes the JSON of a table with one flag (``flags
+    dormant``, which a pod may set on any table) from freed memory (``"flags": "Lester Gooch #5"``,
+    invalid JSON, or a heap corruption that aborts the process). Listings of chains and rules
+    (``list_json``) print no table object and stay JSON.
+    """
+    nft.set_json_output(False)
+    try:
+        rc, out, err = nft.cmd(cmd)
+    finally:
+        nft.set_json_output(True)
+    if rc != 0:
+        raise SetupError(f"libnftables could not {cmd}: {str(err).strip()}")
+    return str(out)
+
+
+def list_json(nft: Any, cmds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The items of the JSON listings ``cmds`` print (libnftables prints one document per list
+    command), none of which may print a table object (see ``list_text``). ``SetupError`` if it
+    refuses or prints what is not such JSON."""
+    rc, out, err = nft.cmd(json.dumps({"nftables": cmds}))
+    if rc != 0:
+        raise SetupError(f"libnftables could not list {cmds!r}: {str(err).strip()}")
+    items: list[dict[str, Any]] = []
+    dec, text, pos = json.JSONDecoder(), str(out), 0
+    try:
+        while True:
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
+            if pos >= len(text):
+                return items
+            doc, pos = dec.raw_decode(text, pos)
+            got = doc.get("nftables") if isinstance(doc, dict) else None
+            if not isinstance(got, list) or not all(isinstance(i, dict) for i in got):
+                raise ValueError("not a list of objects under 'nftables'")
+            items += got
+    except ValueError as e:
+        raise SetupError(f"libnftables printed a listing that is not the JSON expected ({e})") from None
 
 
 def forget_tables() -> None:
@@ -260,12 +310,9 @@ def _run_batch(nft: Any, batch: str) -> None:
         raise SetupError(f"libnftables refused the transaction: {err.strip()}")
 
 
-def _run(nft: Any, cmds: list[dict[str, Any]]) -> Any:
-    forget_tables()
-    rc, out, err = nft.json_cmd({"nftables": cmds})
-    if rc != 0:
-        raise SetupError(f"libnftables refused the transaction: {err.strip()}")
-    return out
+def run_commands(nft: Any, cmds: list[dict[str, Any]]) -> None:
+    """A batch of commands that list nothing back (its output is not parsed)."""
+    _run_batch(nft, json.dumps({"nftables": cmds}))
 
 
 def _chain_not_ours(c: dict[str, Any]) -> str | None:
@@ -343,21 +390,49 @@ class NotOurs(SetupError):
 
 class ForeignInOurs(SetupError):
     """Our table holds objects that are not ours: ours is not changed or removed (theirs would go
-    with it); ``ruleset`` is ours in it, ``foreign`` names theirs."""
+    with it); ``table`` is ours in it, ``foreign`` names theirs."""
 
-    def __init__(self, msg: str, ruleset: Ruleset, foreign: list[str]) -> None:
+    def __init__(self, msg: str, table: Table, foreign: list[str]) -> None:
         super().__init__(msg)
-        self.ruleset = ruleset
+        self.table = table
         self.foreign = foreign
 
 
-def read_table(nft: Any, what: str = "setup") -> Ruleset | None:
+@dataclass
+class Table:
+    """Our table as read: its rules, and its flags (``dormant``: none of its chains runs), which we
+    never set, so any is a difference that setup repairs by replacing the table."""
+
+    rules: Ruleset
+    flags: tuple[str, ...] = ()
+
+
+def flag_differences(flags: tuple[str, ...]) -> list[str]:
+    return [f"table {FAMILY} {TABLE} has flags {','.join(flags)}, ours has none"
+            + (" (dormant: nothing of it runs, nothing is captured)" if "dormant" in flags else "")] if flags else []
+
+
+def _listing(nft: Any) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """Our table's flags, and its objects as the items of a JSON listing (``not_ours``, ``_split``,
+    ``parse_listing`` read them): chains and rules from JSON listings of chains (no table object in
+    them), its other objects (sets, counters, a comment ...) from the text listing of the table."""
+    flags, others = parse_table_text(list_text(nft, f"list table {FAMILY} {TABLE}"))
+    chains = [i for i in list_json(nft, [{"list": {"chains": {"family": FAMILY}}}])
+              if isinstance(i.get("chain"), dict) and i["chain"].get("table") == TABLE]
+    rules = []
+    for c in chains:  # one listing a call: libnftables 1.0.6 fills its cache for a batch's first only
+        chain = {"family": FAMILY, "table": TABLE, "name": c["chain"].get("name")}
+        rules += [i for i in list_json(nft, [{"list": {"chain": chain}}])
+                  if isinstance(i.get("rule"), dict) and i["rule"].get("table") == TABLE]
+    return flags, others + chains + rules
+
+
+def read_table(nft: Any, what: str = "setup") -> Table | None:
     """Our table as installed, or None when there is none; ``NotOurs`` if a table of our name is
     someone else's; ``ForeignInOurs`` (naming them, ``what`` refused) if ours holds anything not ours."""
     if (FAMILY, TABLE) not in table_names(nft):
         return None
-    out = _run(nft, [{"list": {"table": dict(TABLE_OBJ)}}])
-    items = out.get("nftables", [])
+    flags, items = _listing(nft)
     why = not_ours(items)
     if why is not None:
         raise NotOurs(f"table {FAMILY} {TABLE} exists and is not ours ({why}): it is left alone and setup refused;"
@@ -366,8 +441,8 @@ def read_table(nft: Any, what: str = "setup") -> Ruleset | None:
     if foreign:
         raise ForeignInOurs(f"table {FAMILY} {TABLE} is ours but holds what is not ours: {'; '.join(foreign)}."
                             f" {what} refused, nothing changed: they are never touched; remove them, then run"
-                            f" {what} again", parse_listing(ours), foreign)
-    return parse_listing(items)
+                            f" {what} again", Table(parse_listing(ours), flags), foreign)
+    return Table(parse_listing(items), flags)
 
 
 #: Test-only: commands appended to every setup batch (e.g. an invalid rule, to make it fail).
@@ -423,9 +498,11 @@ class NftablesBackend:
             release(nft)
 
     def _apply(self, nft: Any, desired: Ruleset, it: AnyIntent, plan: Plan, families: tuple[int, ...]) -> Installed:
-        current = read_table(nft)
+        read = read_table(nft)
+        current = read.rules if read is not None else None
         txn = rt.txn_for(it, families)  # the same routes and addresses as the iptables backend
-        same = current is not None and not diff_rulesets(current, desired)
+        # (A table with flags, dormant, is replaced by one without: the batch deletes it.)
+        same = read is not None and not read.flags and not diff_rulesets(read.rules, desired)
         detail = {"table": f"{FAMILY} {TABLE}", "chains": list(desired)}
         if same and not txn.changed and not _EXTRA_COMMANDS_FOR_TESTS:
             return Installed(self.name, "", families, False, detail)
@@ -433,7 +510,7 @@ class NftablesBackend:
             txn.apply()
             fault_point("nftables.before_transaction")
             if _EXTRA_COMMANDS_FOR_TESTS:
-                _run(nft, commands_for(desired, fresh=current is None) + list(_EXTRA_COMMANDS_FOR_TESTS))
+                run_commands(nft, commands_for(desired, fresh=current is None) + list(_EXTRA_COMMANDS_FOR_TESTS))
             elif not same:
                 _run_batch(nft, _batch(plan, families, current is None))
             fault_point("nftables.after_transaction")
@@ -442,8 +519,14 @@ class NftablesBackend:
             log.warning("setup failed (%s); rolling back", e)
             try:
                 now = read_table(nft)
-                if (now is not None or current is not None) and diff_rulesets(now or {}, current or {}):
-                    _run(nft, commands_for(current or {}))
+                if (now is not None or read is not None) and (
+                        diff_rulesets(now.rules if now else {}, current or {})
+                        or (now.flags if now else ()) != (read.flags if read else ())):
+                    run_commands(nft, commands_for(current or {}))
+                    if read is not None and "dormant" in read.flags:  # (the JSON API takes no table flags)
+                        _run_batch(nft, f"add table {FAMILY} {TABLE} {{ flags dormant; }}")
+            except NotOurs:
+                pass  # (someone made a table of our name meanwhile: our batch was refused, nothing to undo)
             except Exception as re:  # pragma: no cover - reported, not hidden
                 log.error("rollback of table %s failed: %s", TABLE, re)
             try:
@@ -463,7 +546,7 @@ class NftablesBackend:
         changed = False
         try:
             if read_table(nft, "teardown") is not None:  # (ForeignInOurs: refused, nothing changed)
-                _run(nft, commands_for({}))
+                run_commands(nft, commands_for({}))
                 changed = True
         except NotOurs as e:
             log.warning("%s", e)
@@ -509,7 +592,7 @@ class NftablesBackend:
         except NotOurs as e:
             return CheckResult(False, self.name, (str(e),) + tuple(rt.differences(it, families)))
         except ForeignInOurs as e:
-            current = e.ruleset
+            current = e.table
             foreign = [f"not ours, in our table (setup and teardown refuse until it is removed): {x}"
                        for x in e.foreign]
         finally:
@@ -517,7 +600,7 @@ class NftablesBackend:
         if current is None:
             diffs = [f"table {FAMILY} {TABLE} is not installed"]
         else:
-            diffs = foreign + diff_rulesets(current, desired)
+            diffs = foreign + flag_differences(current.flags) + diff_rulesets(current.rules, desired)
         diffs += rt.differences(it, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
@@ -529,15 +612,17 @@ class NftablesBackend:
         except NotOurs as e:
             current, foreign = None, str(e)
         except ForeignInOurs as e:
-            current, foreign = e.ruleset, e.foreign
+            current, foreign = e.table, e.foreign
         finally:
             release(nft)
         out: dict[str, Any] = {"backend": self.name, "table": f"{FAMILY} {TABLE}", "installed": current is not None}
         if foreign:
             out["not_ours"] = foreign
+        if current is not None and current.flags:
+            out["flags"] = list(current.flags)
         out["chains"] = {
             name: {"base": base_text(spec.base), "rules": [expr_text(*r) for r in spec.rules]}
-            for name, spec in (current or {}).items()
+            for name, spec in (current.rules if current is not None else {}).items()
         }
         out.update(rt.describe_ours())
         return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,13 +275,14 @@ cached_ruleset: functools._lru_cache_wrapper[Ruleset] = functools.lru_cache(maxs
 def commands_for(desired: Ruleset, fresh: bool = False) -> list[dict[str, Any]]:
     """One batch replacing our table by ``desired`` (an empty ruleset deletes it).
 
-    ``fresh``: the table was not there when read. Then the batch adds and flushes it instead of
-    deleting it: the same result when it is still absent (and no duplicate rules if another
-    writer made it since), without deleting objects, whose deferred destruction makes freeing
-    the context wait for an RCU grace period.
+    ``fresh``: the table was not there when read. Then the batch creates it (``create`` fails if
+    a table of that name exists) instead of deleting it: should someone have made one since it was
+    read, the whole batch is refused and their table is left as it is (never flushed, nor ours
+    merged into it); and nothing is deleted, whose deferred destruction makes freeing the context
+    wait for an RCU grace period.
     """
     if fresh and desired:
-        cmds: list[dict[str, Any]] = [{"add": {"table": dict(TABLE_OBJ)}}, {"flush": {"table": dict(TABLE_OBJ)}}]
+        cmds: list[dict[str, Any]] = [{"create": {"table": dict(TABLE_OBJ)}}]
     else:
         cmds = [{"add": {"table": dict(TABLE_OBJ)}}, {"delete": {"table": dict(TABLE_OBJ)}}]
         if not desired:
@@ -309,6 +312,49 @@ def parse_listing(items: list[dict[str, Any]]) -> Ruleset:
             r = it["rule"]
             out.setdefault(r["chain"], ChainSpec(None, [])).rules.append((r["expr"], r.get("comment", "")))
     return out
+
+
+#: The families nft lists tables of.
+_FAMILIES = ("ip", "ip6", "inet", "arp", "bridge", "netdev")
+_TABLE_LINE = re.compile(r"table (" + "|".join(_FAMILIES) + r") (\S.*)")
+
+
+def parse_table_names(text: str) -> list[tuple[str, str]]:
+    """(family, name) of each table in the text of ``nft list tables`` (one ``table <family> <name>``
+    a line); ``ValueError`` naming a line of any other form. (Text, not JSON: libnftables 1.0.6 writes a
+    table with flags, ``flags dormant``, as broken JSON and can corrupt its heap doing so.)"""
+    out = []
+    for line in text.splitlines():
+        if not line:
+            continue
+        m = _TABLE_LINE.fullmatch(line)
+        if m is None:
+            raise ValueError(f"unexpected line in the list of tables: {line[:200]!r}")
+        out.append((m[1], m[2]))
+    return out
+
+
+def parse_table_text(text: str) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """From the text of ``nft list table <family> <name>``: the table's flags, and each object in it
+    other than a chain (a set, counter, comment ...) as a listing item ``{kind: {"name": name}}``, as
+    ``not_ours`` and ``_split`` name them. Its top level is what is indented by one tab; a line there
+    that is not a chain, a flags line or a closing brace is such an object (text that merely looks
+    like one, in a name with a newline, can only add to them: never hide one)."""
+    flags: list[str] = []
+    others: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        if not line.startswith("\t") or line.startswith("\t\t"):
+            continue
+        entry = line[1:].rstrip()
+        if entry in ("}", "") or entry.startswith("chain "):
+            continue
+        if entry.startswith("flags "):
+            flags += [f for f in re.split(r"[,\s]+", entry[len("flags "):]) if f]
+            continue
+        head = entry[:-1].rstrip() if entry.endswith("{") else entry
+        kind, _, name = head.rpartition(" ")
+        others.append({kind or head: {"name": name if kind else ""}})
+    return tuple(flags), others
 
 
 # --- nft's own text: what ``nft list table inet rdr_redirect`` prints ----------------------
@@ -388,25 +434,34 @@ def expr_text(expr: Expr, comment: str = "") -> str:
     """One rule of ours as ``nft list`` prints it."""
     parts = []
     for e in expr:
-        if "match" in e:
-            parts.append(_match_text(e["match"]))
-        elif "mangle" in e:
-            key = e["mangle"]["key"]
-            parts.append(f"{_left_text(key)} set {_value_text(e['mangle']['value'], _hex_of(key))}")
-        elif "jump" in e:
-            parts.append(f"jump {e['jump']['target']}")
-        elif "redirect" in e:
-            parts.append(f"redirect to :{e['redirect']['port']}")
-        elif "tproxy" in e:
-            fam = e["tproxy"].get("family")
-            parts.append(f"tproxy {fam + ' ' if fam else ''}to :{e['tproxy']['port']}")
-        elif len(e) == 1 and next(iter(e.values())) is None:
-            parts.append(next(iter(e)))
-        else:
-            raise ValueError(f"nft text: no rendering of statement {e!r}")
+        try:
+            parts.append(_statement_text(e))
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            # Not one we write (someone's statement in our table): its JSON, so that it is still named
+            # and compared, never a reason to fail.
+            parts.append(json.dumps(e, sort_keys=True, separators=(",", ":")))
     if comment:
         parts.append(f'comment "{comment}"')
     return " ".join(parts)
+
+
+def _statement_text(e: dict[str, Any]) -> str:
+    """One statement as ``nft list`` prints it; ``ValueError`` (or a lookup error) for one we never write."""
+    if "match" in e:
+        return _match_text(e["match"])
+    if "mangle" in e:
+        key = e["mangle"]["key"]
+        return f"{_left_text(key)} set {_value_text(e['mangle']['value'], _hex_of(key))}"
+    if "jump" in e:
+        return f"jump {e['jump']['target']}"
+    if "redirect" in e:
+        return f"redirect to :{e['redirect']['port']}"
+    if "tproxy" in e:
+        fam = e["tproxy"].get("family")
+        return f"tproxy {fam + ' ' if fam else ''}to :{e['tproxy']['port']}"
+    if len(e) == 1 and next(iter(e.values())) is None and next(iter(e)) in ("accept", "drop", "return"):
+        return str(next(iter(e)))
+    raise ValueError(f"nft text: no rendering of statement {e!r}")
 
 
 def _prio_text(hook: str, prio: int) -> str:
