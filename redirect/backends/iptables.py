@@ -27,7 +27,9 @@ xtables table that did not exist before setup stays, empty: the kernel has no wa
 one from a namespace.
 
 The variant (legacy xtables or nf_tables) is chosen per namespace: whichever one
-already holds rules there wins; with neither, the host's ``iptables`` alternative.
+already holds rules there wins; with neither, the host's ``iptables`` alternative. Ours in the
+other variant (the choice changed: forced, or legacy tables appeared) is read with the chosen
+one: setup removes it once the new capture is in, ``check`` reports it.
 
 The rules' text (rendering a plan, reading a dump) is ``redirect.backends.iptables_rules``;
 this module runs the tools and orders the changes.
@@ -263,6 +265,7 @@ class IptablesBackend:
        jumps appended after the old ones: IPv6 first, then IPv4 with the nat table last, whose
        jump into ``<gen>OUTPUT`` is the generation's anchor (present = complete);
     3. the old generation is removed: IPv4 first with its nat table (its anchor) first, then IPv6;
+       then ours in the other variant, if any (the variant chosen here changed);
     4. routes and addresses only the old config needed are removed.
 
     Until step 2 ends the old rules decide first; from then on the new ones are all in. A setup
@@ -330,6 +333,9 @@ class IptablesBackend:
         plan = netfilter_plan(it)
         variant = self._variant()
         cur = self.read(variant)
+        # Ours in the other variant (the choice changed since: legacy tables appeared, or the
+        # variant is forced now) goes once the new capture is in: read (and refused) now.
+        others = self._others(variant)
         foreign = [x for f in cur.values() for x in f.foreign]
         if foreign:
             raise SetupError(
@@ -337,7 +343,8 @@ class IptablesBackend:
                 f" and setup refused: {'; '.join(foreign)}. Rename or remove them (a chain of ours emptied by a"
                 " flush looks like this too: delete it with -X)"
             )
-        _refuse_intruders(self.name, "setup", cur)
+        for c in (cur, *others.values()):
+            _refuse_intruders(self.name, "setup", c)
         want = {g: {fam: desired_state(plan, fam, g) if fam in families else {} for fam in (4, 6)} for g in (0, 1)}
 
         def same(g: int) -> bool:
@@ -346,7 +353,7 @@ class IptablesBackend:
         present = [g for g in (0, 1) if _gen_present(cur, g)]
         keep = next((g for g in present if same(g)), None)
         txn = rt.txn_for(it, families)
-        if keep is not None and len(present) == 1 and not txn.changed:
+        if keep is not None and len(present) == 1 and not txn.changed and not others:
             return Installed(self.name, "", families, False, {"variant": variant})
         hooked: Hooked = set()
         step, target = "routes", None
@@ -371,6 +378,11 @@ class IptablesBackend:
                 step = "remove"
                 if old is not None:
                     self._remove_gen(variant, cur, old, hooked)
+            step = "remove"
+            for other, ocur in others.items():
+                log.info("%s: removing our capture in iptables-%s now that iptables-%s holds it", self.name, other,
+                         variant)
+                self._remove_all(other, ocur)
             step = "finish"
             fault_point("iptables.before_routes_finish")
             txn.finish()
@@ -408,10 +420,31 @@ class IptablesBackend:
         if isinstance(e, Exception) and not isinstance(e, (SetupError, BackendUnavailable)):
             raise SetupError(f"setup failed and was rolled back: {e}") from e
 
-    def _read_all(self) -> dict[str, Read]:
-        """What each variant holds of ours (a variant without tables of ours is not read)."""
+    def _remove_all(self, variant: str, cur: Read) -> bool:
+        """Remove every generation of ours ``cur`` (read from ``variant``) holds; True if any."""
+        hooked: Hooked = set()
+        changed = False
+        try:
+            for g in (0, 1):
+                if cur and _gen_present(cur, g):
+                    self._remove_gen(variant, cur, g, hooked)
+                    changed = True
+        finally:
+            if variant == "nft":
+                _drop_empty_xtables_nft(hooked)
+        return changed
+
+    def _others(self, variant: str) -> dict[str, Read]:
+        """What of ours the variants other than ``variant`` hold, those that hold any."""
+        return {v: cur for v, cur in self._read_all(skip=variant).items()
+                if cur and any(_gen_present(cur, g) for g in (0, 1))}
+
+    def _read_all(self, skip: str | None = None) -> dict[str, Read]:
+        """What each variant (but ``skip``) holds of ours (a variant without tables of ours is not read)."""
         out: dict[str, Read] = {}
         for variant in VARIANTS:
+            if variant == skip:
+                continue
             present = self._has_variant_state(variant) if variant == "legacy" else _nft_chains_of_ours()
             try:
                 out[variant] = self.read(variant) if present else {}
@@ -430,16 +463,10 @@ class IptablesBackend:
         for cur in reads.values():  # before anything is removed: all or nothing
             _refuse_intruders(self.name, "teardown", cur)
         for variant, cur in reads.items():
-            hooked: Hooked = set()
-            for g in (0, 1):
-                if cur and _gen_present(cur, g):
-                    self._remove_gen(variant, cur, g, hooked)
-                    changed = True
+            changed = self._remove_all(variant, cur) or changed
             for f in cur.values():
                 for x in f.foreign:
                     log.warning("%s: left alone, named like ours but not ours: %s", self.name, x)
-            if variant == "nft":
-                _drop_empty_xtables_nft(hooked)
         if keep_routes:  # another backend's rules use them (switching backends)
             return changed
         return rt.remove_all_ours() or changed
@@ -474,6 +501,12 @@ class IptablesBackend:
         if len(present) == 2:
             diffs.append(f"interrupted setup: two generations of our chains are installed ({GENERATIONS[0]}* and"
                          f" {GENERATIONS[1]}*); run setup again")
+        for other, ocur in self._others(variant).items():
+            where = sorted({f"IPv{fam} {t}" for fam, f in ocur.items() for st in f.gens for t in st})
+            diffs.append(f"capture of ours in iptables-{other} too ({', '.join(where)}), beside iptables-{variant}"
+                         " (the variant chosen here changed since it was set up; setup removes it)")
+            diffs += [f"not ours, in ours (setup and teardown refuse until it is removed): {x}"
+                      for f in ocur.values() for x in f.intruders]
         g = next((g for g in present if _complete(cur, g)), present[0] if present else 0)
         for fam in (4, 6):
             want = desired_state(plan, fam, g) if fam in families else {}
