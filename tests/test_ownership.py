@@ -410,3 +410,66 @@ def test_a_policy_rule_like_ours_but_not_ours_outlives_setup_and_teardown(pod: P
     finally:
         redirect.teardown(pod.name)
     assert rules() == before
+
+
+HIDDEN_JUMPS = {  # id: (backend, config, rule added after setup (iptables args), how a refusal names it)
+    "goto": ("iptables-nft", "default", ["-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-g", "RDR_OUTPUT"],
+             "-A OUTPUT -p udp -m udp --dport 9 -g RDR_OUTPUT"),
+    "comment-with-j": ("iptables-legacy", "tproxy-dns-invalid",
+                       ["-t", "mangle", "-A", "PREROUTING", "-m", "comment", "--comment", "see -j ACCEPT", "-j",
+                        "RDR_DIVERT"], '-A PREROUTING -m comment --comment "see -j ACCEPT" -j RDR_DIVERT'),
+    "newline-in-comment": ("iptables-nft", "default",
+                           ["-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment", "x\ny", "-j", "RDR_OUTPUT"],
+                           "cannot be read safely"),
+}
+
+
+@pytest.mark.parametrize("form", list(HIDDEN_JUMPS))
+def test_a_jump_into_ours_however_written_is_seen(pod: Pod, form: str) -> None:
+    """A rule of someone's jumping into ours with ``-g``, after a comment that mentions ``-j X``, or
+    with a newline in its comment (which ``iptables-save`` does not escape: that dump is refused
+    as unreadable): ``check`` names it, a changed setup and teardown refuse and change nothing (no
+    half-removed capture), and once it is gone teardown gives the ruleset back."""
+    backend, config, args, named = HIDDEN_JUMPS[form]
+    tool = backend  # iptables-nft / iptables-legacy
+    add_foreign(pod.name)
+    before = full_ruleset(pod.name)
+    redirect.setup(pod.name, CONFIGS[config], backend=backend)
+    sh(pod.name, tool, *args)
+    try:
+        during = full_ruleset(pod.name)
+        res = redirect.check(pod.name, CONFIGS[config], backend=backend)
+        assert not res.ok and any(named in d for d in res.differences), res.differences
+        other = "default" if config != "default" else "tproxy-dns-invalid"
+        for attempt in (lambda: redirect.setup(pod.name, CONFIGS[other], backend=backend),
+                        lambda: redirect.teardown(pod.name, backend=backend),
+                        lambda: redirect.teardown(pod.name)):
+            with pytest.raises(redirect.SetupError) as e:
+                attempt()
+            assert named in str(e.value), e.value
+            assert full_ruleset(pod.name) == during
+        # Refused again, not half-done: the same setup is still a no-op.
+        res = redirect.check(pod.name, CONFIGS[config], backend=backend)
+        assert not any("interrupted" in d for d in res.differences), res.differences
+    finally:
+        sh(pod.name, tool, *["-D" if a == "-A" else a for a in args])
+    assert redirect.check(pod.name, CONFIGS[config], backend=backend).ok
+    assert redirect.teardown(pod.name)
+    assert full_ruleset(pod.name) == before
+
+
+@pytest.mark.parametrize("backend", ["iptables-nft", "iptables-legacy"])
+def test_a_comment_that_mentions_our_chain_is_no_jump(pod: Pod, backend: str) -> None:
+    """Someone's rule whose comment says ``-j RDR_OUTPUT`` (quoted: one token) jumps nowhere of
+    ours: not an intruder; setup, a change and teardown go ahead and leave it."""
+    rule = ["-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-m", "comment", "--comment",
+            "like -j RDR_OUTPUT does", "-j", "RETURN"]
+    add_foreign(pod.name)  # (every legacy table exists before: the kernel can't remove one)
+    sh(pod.name, backend, *rule)
+    before = full_ruleset(pod.name)
+    redirect.setup(pod.name, CONFIGS["default"], backend=backend)
+    assert redirect.check(pod.name, CONFIGS["default"], backend=backend).ok
+    redirect.setup(pod.name, CONFIGS["tproxy-dns-invalid"], backend=backend)
+    assert redirect.check(pod.name, CONFIGS["tproxy-dns-invalid"], backend=backend).ok
+    assert redirect.teardown(pod.name)
+    assert full_ruleset(pod.name) == before

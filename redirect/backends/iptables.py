@@ -56,6 +56,7 @@ from .iptables_rules import (
     Found,
     State,
     TableState,
+    Unreadable,
     add_payload,
     anchor,
     desired_state,
@@ -300,7 +301,20 @@ class IptablesBackend:
         """What of ours each family holds, from ``*tables-save``; a family without any table of
         that variant (a fresh pod) is read as empty without exec'ing the save."""
         have = self._families_with_tables(variant)
-        return {fam: parse_save(self.save(variant, fam), fam) if fam in have else Found() for fam in (4, 6)}
+        return {fam: self._parse(variant, fam) if fam in have else Found() for fam in (4, 6)}
+
+    def _parse(self, variant: str, fam: int) -> Found:
+        """``parse_save`` of the family's dump; ``SetupError`` naming the netns when it can't be read
+        safely (a rule there could hide a jump into ours: nothing is changed or reported as fine)."""
+        try:
+            return parse_save(self.save(variant, fam), fam)
+        except Unreadable as e:
+            from ..kernel.netns import current_inode
+
+            raise SetupError(
+                f"{self.name}: netns inode {current_inode()}: the {'ip' if fam == 4 else 'ip6'}tables-{variant}-save"
+                f" dump cannot be read safely: {e}. Setup and teardown refuse and check reports it, nothing changed"
+            ) from None
 
     def _families_with_tables(self, variant: str) -> set[int]:
         """The families that have any table of ``variant`` here (both when that can't be told)."""
@@ -493,7 +507,11 @@ class IptablesBackend:
         plan = netfilter_plan(it)
         variant = self._variant()
         diffs: list[str] = []
-        cur = self.read(variant)
+        try:
+            cur = self.read(variant)
+            others = self._others(variant)
+        except SetupError as e:  # (fail closed: what can't be read is a difference)
+            return CheckResult(False, self.name, (str(e),))
         for f in cur.values():
             diffs += [f"not ours, named like ours: {x}" for x in f.foreign]
             diffs += [f"not ours, in ours (setup and teardown refuse until it is removed): {x}" for x in f.intruders]
@@ -501,7 +519,7 @@ class IptablesBackend:
         if len(present) == 2:
             diffs.append(f"interrupted setup: two generations of our chains are installed ({GENERATIONS[0]}* and"
                          f" {GENERATIONS[1]}*); run setup again")
-        for other, ocur in self._others(variant).items():
+        for other, ocur in others.items():
             where = sorted({f"IPv{fam} {t}" for fam, f in ocur.items() for st in f.gens for t in st})
             diffs.append(f"capture of ours in iptables-{other} too ({', '.join(where)}), beside iptables-{variant}"
                          " (the variant chosen here changed since it was set up; setup removes it)")
