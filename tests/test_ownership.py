@@ -473,3 +473,43 @@ def test_a_comment_that_mentions_our_chain_is_no_jump(pod: Pod, backend: str) ->
     assert redirect.check(pod.name, CONFIGS["tproxy-dns-invalid"], backend=backend).ok
     assert redirect.teardown(pod.name)
     assert full_ruleset(pod.name) == before
+
+
+@pytest.mark.parametrize("how", ["incompatible table", "incompatible base chain"])
+def test_a_table_iptables_nft_cannot_show_is_refused_not_taken_for_empty(pod: Pod, how: str) -> None:
+    """Rules nft made in iptables-nft's nat table that iptables-nft-save cannot print (it prints
+    ``# Table `nat' is incompatible`` instead, exit 0): what that table holds is unseen, ours
+    included. ``check`` reports it, a changed setup and teardown refuse naming the table and the
+    nftables backend, nothing changes (no second generation beside ours, no report of nothing
+    installed, the netfilter mark kept)."""
+    from redirect.kernel import netns as rnetns
+    from redirect.kernel.locks import netfilter_mark
+
+    redirect.setup(pod.name, CONFIGS["default"], backend="iptables-nft")
+    if how == "incompatible table":
+        nft = ["add chain ip nat mine", "add rule ip nat mine fib daddr type local counter"]
+        undo_nft = ["delete chain ip nat mine"]
+    else:
+        nft = ["add chain ip nat mine { type nat hook output priority -99; }",
+               "add rule ip nat mine fib daddr type local counter"]
+        undo_nft = ["flush chain ip nat mine", "delete chain ip nat mine"]
+    for c in nft:
+        sh(pod.name, "nft", c)
+    try:
+        assert "incompatible" in sh(pod.name, "iptables-nft-save")
+        during = full_ruleset(pod.name)
+        res = redirect.check(pod.name, CONFIGS["default"], backend="iptables-nft")
+        assert not res.ok and any("table nat" in d for d in res.differences), res.differences
+        for attempt in (lambda: redirect.setup(pod.name, CONFIGS["tproxy-dns-invalid"], backend="iptables-nft"),
+                        lambda: redirect.teardown(pod.name, backend="iptables-nft"),
+                        lambda: redirect.teardown(pod.name)):
+            with pytest.raises(redirect.SetupError) as e:
+                attempt()
+            assert "table nat" in str(e.value) and "nftables" in str(e.value), e.value
+            assert full_ruleset(pod.name) == during
+        assert netfilter_mark(rnetns.netns_inode(pod.name)) != 0
+    finally:
+        for c in undo_nft:
+            sh(pod.name, "nft", c)
+    assert redirect.check(pod.name, CONFIGS["default"], backend="iptables-nft").ok
+    assert redirect.teardown(pod.name) and not redirect.show(pod.name)["installed"]

@@ -379,13 +379,17 @@ class Found:
     intruders: list[str] = field(default_factory=list)
 
 
+#: What iptables-nft-save prints instead of a table (``is incompatible``) or beside it (``contains
+#: incompatible base-chains``, left out of the dump) that nft made in a way it can't translate.
+_INCOMPATIBLE = re.compile(r"# Table `([^']*)' .*incompatible")
 Rules = dict[str, list[tuple[str, list[str]]]]  # chain -> its rules (line, tokens), in order
 
 
 def _parse_tables(text: str) -> dict[str, tuple[list[str], Rules]]:
     """table -> (declared chains, rules per chain), from ``iptables-save`` output; ``Unreadable``
-    for a line of no form ``iptables-save`` writes (the rest of a string with a newline in it)
-    or a rule whose quoting does not close on its line."""
+    for a line of no form ``iptables-save`` writes (the rest of a string with a newline in it),
+    a rule whose quoting does not close on its line, or a raw, mangle or nat table iptables-nft
+    says it cannot show (whatever it holds is unseen: not an empty table)."""
     out: dict[str, tuple[list[str], Rules]] = {}
     table = None
     for line in text.split("\n"):  # (not splitlines: a quoted \x1c or \u2028 is no line break)
@@ -393,7 +397,15 @@ def _parse_tables(text: str) -> dict[str, tuple[list[str], Rules]]:
             table = line[1:].strip()
             out.setdefault(table, ([], {}))
             continue
-        if not line or line.startswith("#"):
+        if not line:
+            continue
+        if line.startswith("#"):
+            m = _INCOMPATIBLE.match(line)
+            if m is not None and m.group(1) in TABLE_ORDER:
+                raise Unreadable(
+                    f"table {m.group(1)} holds what iptables-nft cannot show ({line[2:]!r}): rules made with nft"
+                    f" there could jump into ours or be ours unseen. Use the nftables backend in this netns"
+                    f" (backend='nftables'), or remove what nft made in table {m.group(1)}")
             continue
         if table is None:
             raise Unreadable(f"a line outside any table: {line!r}")
