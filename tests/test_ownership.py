@@ -282,6 +282,27 @@ def test_the_previous_releases_rules_are_exactly_ours_unmarked_and_nothing_else(
         assert not _previous_release_rule(near, 4), near
 
 
+@pytest.mark.noroot
+def test_reading_a_huge_dump_is_linear() -> None:
+    """60,000 chains of someone's and 20,000 rules of the previous release's form jumping on (a pod
+    controls its netns: any number) are read in linear time; each rule's target was looked up in
+    the list of every declared chain (6.8 s here, under the netns lock; now about 0.5 s)."""
+    import time
+
+    from redirect.backends.iptables_rules import parse_save
+
+    rules = [f'-A RDR_OUTPUT -p tcp -m tcp --dport {i % 65535 + 1} -m comment --comment "x" -j RDR_OUTBOUND'
+             for i in range(20000)]
+    dump = "\n".join(["*nat", *(f":F{i} - [0:0]" for i in range(60000)), ":OUTPUT ACCEPT [0:0]",
+                      ":RDR_OUTPUT - [0:0]", ":RDR_OUTBOUND - [0:0]", "-A OUTPUT -j RDR_OUTPUT", *rules,
+                      '-A RDR_OUTBOUND -m comment --comment "y" -j RETURN', "COMMIT", ""])
+    t0 = time.perf_counter()
+    found = parse_save(dump)
+    took = time.perf_counter() - t0
+    assert len(found.gens[0]["nat"].chains["RDR_OUTPUT"]) == 20000  # (the previous release's, recognised)
+    assert took < 3.0, took
+
+
 LOOK_ALIKES = {
     # someone's port forward in a chain named like the previous release's, reached by a bare jump
     "dnat": "*nat\n:RDR_PREROUTING - [0:0]\n-A PREROUTING -j RDR_PREROUTING\n"

@@ -295,12 +295,12 @@ def _action_of(target: str, args: list[str], prefix: str) -> Any:
     return None
 
 
-def _previous_release_rule(line: str, family: int) -> bool:
+def _previous_release_rule(line: str, family: int, toks: list[str] | None = None) -> bool:
     """Whether ``line`` is a rule exactly as the previous release wrote it: what ``render_rule``
     writes, with the rule's purpose as the whole comment instead of ``redirect: <purpose>``
     (the previous release's only difference), its jumps to chains of generation 0."""
     try:
-        toks = tokens(line)
+        toks = tokens(line) if toks is None else toks
         parsed = _rule_of(toks, PREFIX)
         if parsed is None or not parsed[1].comment or is_owned_comment(parsed[1].comment):
             return False
@@ -424,7 +424,7 @@ def _parse_tables(text: str) -> dict[str, tuple[list[str], Rules]]:
     return out
 
 
-def _previous_release(table: str, declared: list[str], rules: Rules,
+def _previous_release(table: str, declared: set[str], rules: Rules,
                       family: int) -> tuple[set[str], list[str]]:
     """The previous release's chains in one table (and its bare hook jumps into them), or
     nothing. It wrote no mark: bare ``-A OUTPUT -j RDR_OUTPUT`` / ``-A PREROUTING -j
@@ -449,7 +449,7 @@ def _previous_release(table: str, declared: list[str], rules: Rules,
             continue
         chains.add(name)
         for ln, toks in rules.get(name, []):
-            if not _previous_release_rule(ln, family):
+            if not _previous_release_rule(ln, family, toks):
                 return set(), []
             for t in _targets(toks):
                 if gen_of(t) == 0:
@@ -479,7 +479,7 @@ def parse_save(text: str, family: int = 4) -> Found:
             for _, toks in lines:
                 if _marked(toks):
                     jumped.update(t for t in _targets(toks) if gen_of(t) is not None)
-        legacy, legacy_jumps = _previous_release(table, declared, rules, family)
+        legacy, legacy_jumps = _previous_release(table, set(declared), rules, family)  # (a set: one lookup a rule)
         for name in ours_chains:
             g = gen_of(name)
             assert g is not None
