@@ -534,3 +534,32 @@ def test_a_table_iptables_nft_cannot_show_is_refused_not_taken_for_empty(pod: Po
             sh(pod.name, "nft", c)
     assert redirect.check(pod.name, CONFIGS["default"], backend="iptables-nft").ok
     assert redirect.teardown(pod.name) and not redirect.show(pod.name)["installed"]
+
+
+@pytest.mark.parametrize("backend", ["iptables-nft", "nftables"])
+def test_a_route_of_anothers_like_ours_serves_ours_and_another_default_is_refused(pod: Pod, backend: str) -> None:
+    """``local default dev lo table 133`` of someone's (istio-iptables leaves it) is what our TPROXY
+    policy route needs: setup adds only our rule, ``check`` is satisfied, the same setup again
+    changes nothing, and teardown removes our rule and leaves their route. Another default route
+    in that table (which would make ours route nowhere) fails setup naming it, nothing changed."""
+    cfg = CONFIGS["tproxy-dns-invalid"]
+    for fam in ("-4", "-6"):
+        sh(pod.name, "ip", fam, "route", "add", "local", "default", "dev", "lo", "table", "133")
+    before = routing(pod.name)
+    try:
+        assert redirect.setup(pod.name, cfg, backend=backend).changed
+        res = redirect.check(pod.name, cfg, backend=backend)
+        assert res.ok, res.differences
+        assert not redirect.setup(pod.name, cfg, backend=backend).changed
+        assert "lookup 133 proto 201" in sh(pod.name, "ip", "rule")
+    finally:
+        redirect.teardown(pod.name)
+    assert routing(pod.name) == before
+
+    for fam in ("-4", "-6"):
+        sh(pod.name, "ip", fam, "route", "del", "local", "default", "dev", "lo", "table", "133")
+        sh(pod.name, "ip", fam, "route", "add", "unreachable", "default", "table", "133")
+    before, rules_before = routing(pod.name), full_ruleset(pod.name)
+    with pytest.raises(redirect.SetupError, match="table 133 already holds a default route"):
+        redirect.setup(pod.name, cfg, backend=backend)
+    assert routing(pod.name) == before and full_ruleset(pod.name) == rules_before
