@@ -214,3 +214,58 @@ def test_cni_del_removes_capture_of_any_backend(ebpf_root: str, pod: Pod) -> Non
         assert redirect.show(pod.name)["backends"] == [] and ebpf.registered_pods(ebpf_root) == []
     finally:
         redirect.teardown(pod.name)
+
+
+def _ours_in(ns: str, variant: str) -> str:
+    """Our chains and jumps in both families of ``variant`` (its ``*-save`` lines naming ``RDR``)."""
+    import subprocess
+
+    out = []
+    for tool in (f"iptables-{variant}-save", f"ip6tables-{variant}-save"):
+        p = subprocess.run(["ip", "netns", "exec", ns, tool], capture_output=True, text=True, check=True)
+        out += [ln for ln in p.stdout.splitlines() if "RDR" in ln]
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("how", ["forced", "detected"])
+def test_a_change_of_iptables_variant_removes_ours_from_the_old_one(pod: Pod, how: str) -> None:
+    """Setup with the other iptables variant (forced, or chosen because legacy tables appeared)
+    puts the new config in there, then removes ours from the old variant: the old config's rules
+    would decide first there (port 22 still captured). ``check`` names ours left in the other
+    variant."""
+    import subprocess
+
+    from redirect.backends.iptables_rules import add_payload, desired_state
+    from redirect.plan import netfilter_plan
+
+    new = RedirectConfig(outbound_exclude_ports=(22,))
+    with listeners(pod) as ls, TcpListener(pod.peer_name, 22, 4, label="remote-ssh") as ssh:
+        try:
+            redirect.setup(pod.name, CFG, backend="iptables-nft")
+            assert _ours_in(pod.name, "nft") and not _ours_in(pod.name, "legacy")
+            if how == "forced":
+                res = redirect.setup(pod.name, new, backend="iptables-legacy")
+            else:  # a legacy table appears: the detection now picks legacy
+                subprocess.run(["ip", "netns", "exec", pod.name, "iptables-legacy", "-L", "-n"], check=True,
+                               capture_output=True)
+                res = redirect.setup(pod.name, new, backend="iptables")
+            assert res.changed and res.detail["variant"] == "legacy"
+            assert _ours_in(pod.name, "legacy") and not _ours_in(pod.name, "nft")
+            assert redirect.check(pod.name, new, backend=res.backend).ok
+            assert not redirect.setup(pod.name, new, backend=res.backend).changed
+            hit = landing(pod.name, pod.peer_ip4, 22, ssh, *ls.values(), uid=1000, timeout=T)
+            assert hit.listener is ssh, hit.result
+            assert_captured(pod, ls)
+
+            # Ours in both variants (as a setup before this fix left it): check names the other one.
+            plan = netfilter_plan(intent_for(CFG))
+            for fam, tool in ((4, "iptables-nft-restore"), (6, "ip6tables-nft-restore")):
+                subprocess.run(["ip", "netns", "exec", pod.name, tool, "--noflush"], check=True, capture_output=True,
+                               text=True, input=add_payload(desired_state(plan, fam)))
+            res2 = redirect.check(pod.name, new, backend=res.backend)
+            assert not res2.ok and any("iptables-nft too" in d for d in res2.differences), res2.differences
+            assert redirect.setup(pod.name, new, backend=res.backend).changed
+            assert not _ours_in(pod.name, "nft") and redirect.check(pod.name, new, backend=res.backend).ok
+        finally:
+            redirect.teardown(pod.name)
+    assert not _ours_in(pod.name, "nft") and not _ours_in(pod.name, "legacy")

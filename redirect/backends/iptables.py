@@ -28,7 +28,9 @@ xtables table that did not exist before setup stays, empty: the kernel has no wa
 one from a namespace.
 
 The variant (legacy xtables or nf_tables) is chosen per namespace: whichever one
-already holds rules there wins; with neither, the host's ``iptables`` alternative.
+already holds rules there wins; with neither, the host's ``iptables`` alternative. Ours in the
+other variant (the choice changed: forced, or legacy tables appeared) is read with the chosen
+one: setup removes it once the new capture is in, ``check`` reports it.
 
 The rules' text (rendering a plan, reading a dump) is ``redirect.backends.iptables_rules``;
 this module runs the tools and orders the changes.
@@ -54,6 +56,7 @@ from .iptables_rules import (
     Found,
     State,
     TableState,
+    Unreadable,
     add_payload,
     anchor,
     desired_state,
@@ -347,6 +350,7 @@ class IptablesBackend:
        jumps appended after the old ones: IPv6 first, then IPv4 with the nat table last, whose
        jump into ``<gen>OUTPUT`` is the generation's anchor (present = complete);
     3. the old generation is removed: IPv4 first with its nat table (its anchor) first, then IPv6;
+       then ours in the other variant, if any (the variant chosen here changed);
     4. routes and addresses only the old config needed are removed.
 
     Until step 2 ends the old rules decide first; from then on the new ones are all in. A setup
@@ -381,7 +385,20 @@ class IptablesBackend:
         """What of ours each family holds, from ``*tables-save``; a family without any table of
         that variant (a fresh pod) is read as empty without exec'ing the save."""
         have = self._families_with_tables(variant)
-        return {fam: parse_save(self.save(variant, fam), fam) if fam in have else Found() for fam in (4, 6)}
+        return {fam: self._parse(variant, fam) if fam in have else Found() for fam in (4, 6)}
+
+    def _parse(self, variant: str, fam: int) -> Found:
+        """``parse_save`` of the family's dump; ``SetupError`` naming the netns when it can't be read
+        safely (a rule there could hide a jump into ours: nothing is changed or reported as fine)."""
+        try:
+            return parse_save(self.save(variant, fam), fam)
+        except Unreadable as e:
+            from ..kernel.netns import current_inode
+
+            raise SetupError(
+                f"{self.name}: netns inode {current_inode()}: the {'ip' if fam == 4 else 'ip6'}tables-{variant}-save"
+                f" dump cannot be read safely: {e}. Setup and teardown refuse and check reports it, nothing changed"
+            ) from None
 
     def _families_with_tables(self, variant: str) -> set[int]:
         """The families that have any table of ``variant`` here (both when that can't be told)."""
@@ -414,6 +431,9 @@ class IptablesBackend:
         plan = netfilter_plan(it)
         variant = self._variant()
         cur = self.read(variant)
+        # Ours in the other variant (the choice changed since: legacy tables appeared, or the
+        # variant is forced now) goes once the new capture is in: read (and refused) now.
+        others = self._others(variant)
         foreign = [x for f in cur.values() for x in f.foreign]
         if foreign:
             raise SetupError(
@@ -421,7 +441,8 @@ class IptablesBackend:
                 f" and setup refused: {'; '.join(foreign)}. Rename or remove them (a chain of ours emptied by a"
                 " flush looks like this too: delete it with -X)"
             )
-        _refuse_intruders(self.name, "setup", cur)
+        for c in (cur, *others.values()):
+            _refuse_intruders(self.name, "setup", c)
         want = {g: {fam: desired_state(plan, fam, g) if fam in families else {} for fam in (4, 6)} for g in (0, 1)}
 
         def same(g: int) -> bool:
@@ -432,7 +453,7 @@ class IptablesBackend:
         txn = rt.txn_for(it, families)
         # iptables-nft tables of ours made dormant run none of our chains: setup un-dormants them.
         flagged = _flagged_xtables({(f, t) for f in families for t in want[0][f]}) if variant == "nft" else []
-        if keep is not None and len(present) == 1 and not txn.changed and not flagged:
+        if keep is not None and len(present) == 1 and not txn.changed and not flagged and not others:
             return Installed(self.name, "", families, False, {"variant": variant})
         hooked: Hooked = set()
         step, target = "routes", None
@@ -459,6 +480,11 @@ class IptablesBackend:
                 step = "remove"
                 if old is not None:
                     self._remove_gen(variant, cur, old, hooked)
+            step = "remove"
+            for other, ocur in others.items():
+                log.info("%s: removing our capture in iptables-%s now that iptables-%s holds it", self.name, other,
+                         variant)
+                self._remove_all(other, ocur)
             step = "finish"
             _clear_flags(flagged)
             fault_point("iptables.before_routes_finish")
@@ -497,10 +523,31 @@ class IptablesBackend:
         if isinstance(e, Exception) and not isinstance(e, (SetupError, BackendUnavailable)):
             raise SetupError(f"setup failed and was rolled back: {e}") from e
 
-    def _read_all(self) -> dict[str, Read]:
-        """What each variant holds of ours (a variant without tables of ours is not read)."""
+    def _remove_all(self, variant: str, cur: Read) -> bool:
+        """Remove every generation of ours ``cur`` (read from ``variant``) holds; True if any."""
+        hooked: Hooked = set()
+        changed = False
+        try:
+            for g in (0, 1):
+                if cur and _gen_present(cur, g):
+                    self._remove_gen(variant, cur, g, hooked)
+                    changed = True
+        finally:
+            if variant == "nft":
+                _drop_empty_xtables_nft(hooked)
+        return changed
+
+    def _others(self, variant: str) -> dict[str, Read]:
+        """What of ours the variants other than ``variant`` hold, those that hold any."""
+        return {v: cur for v, cur in self._read_all(skip=variant).items()
+                if cur and any(_gen_present(cur, g) for g in (0, 1))}
+
+    def _read_all(self, skip: str | None = None) -> dict[str, Read]:
+        """What each variant (but ``skip``) holds of ours (a variant without tables of ours is not read)."""
         out: dict[str, Read] = {}
         for variant in VARIANTS:
+            if variant == skip:
+                continue
             present = self._has_variant_state(variant) if variant == "legacy" else _nft_chains_of_ours()
             try:
                 out[variant] = self.read(variant) if present else {}
@@ -519,16 +566,10 @@ class IptablesBackend:
         for cur in reads.values():  # before anything is removed: all or nothing
             _refuse_intruders(self.name, "teardown", cur)
         for variant, cur in reads.items():
-            hooked: Hooked = set()
-            for g in (0, 1):
-                if cur and _gen_present(cur, g):
-                    self._remove_gen(variant, cur, g, hooked)
-                    changed = True
+            changed = self._remove_all(variant, cur) or changed
             for f in cur.values():
                 for x in f.foreign:
                     log.warning("%s: left alone, named like ours but not ours: %s", self.name, x)
-            if variant == "nft":
-                _drop_empty_xtables_nft(hooked)
         if keep_routes:  # another backend's rules use them (switching backends)
             return changed
         return rt.remove_all_ours() or changed
@@ -555,7 +596,11 @@ class IptablesBackend:
         plan = netfilter_plan(it)
         variant = self._variant()
         diffs: list[str] = []
-        cur = self.read(variant)
+        try:
+            cur = self.read(variant)
+            others = self._others(variant)
+        except SetupError as e:  # (fail closed: what can't be read is a difference)
+            return CheckResult(False, self.name, (str(e),))
         for f in cur.values():
             diffs += [f"not ours, named like ours: {x}" for x in f.foreign]
             diffs += [f"not ours, in ours (setup and teardown refuse until it is removed): {x}" for x in f.intruders]
@@ -563,6 +608,12 @@ class IptablesBackend:
         if len(present) == 2:
             diffs.append(f"interrupted setup: two generations of our chains are installed ({GENERATIONS[0]}* and"
                          f" {GENERATIONS[1]}*); run setup again")
+        for other, ocur in others.items():
+            where = sorted({f"IPv{fam} {t}" for fam, f in ocur.items() for st in f.gens for t in st})
+            diffs.append(f"capture of ours in iptables-{other} too ({', '.join(where)}), beside iptables-{variant}"
+                         " (the variant chosen here changed since it was set up; setup removes it)")
+            diffs += [f"not ours, in ours (setup and teardown refuse until it is removed): {x}"
+                      for f in ocur.values() for x in f.intruders]
         g = next((g for g in present if _complete(cur, g)), present[0] if present else 0)
         for fam in (4, 6):
             want = desired_state(plan, fam, g) if fam in families else {}

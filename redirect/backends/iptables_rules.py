@@ -7,7 +7,6 @@ it is tested without root; the backend (``redirect.backends.iptables``) reads, w
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,36 +295,68 @@ def _action_of(target: str, args: list[str], prefix: str) -> Any:
     return None
 
 
-def _previous_release_rule(line: str, family: int) -> bool:
+def _previous_release_rule(line: str, family: int, toks: list[str] | None = None) -> bool:
     """Whether ``line`` is a rule exactly as the previous release wrote it: what ``render_rule``
     writes, with the rule's purpose as the whole comment instead of ``redirect: <purpose>``
     (the previous release's only difference), its jumps to chains of generation 0."""
     try:
-        tokens = shlex.split(line)
-        parsed = _rule_of(tokens, PREFIX)
+        toks = tokens(line) if toks is None else toks
+        parsed = _rule_of(toks, PREFIX)
         if parsed is None or not parsed[1].comment or is_owned_comment(parsed[1].comment):
             return False
         chain, rule = parsed
-        marked = shlex.split(render_rule(chain, rule).replace("{ANY}", "0.0.0.0" if family == 4 else "::"))
+        marked = tokens(render_rule(chain, rule).replace("{ANY}", "0.0.0.0" if family == 4 else "::"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return False
     at = marked.index("--comment") + 1
-    return marked[:at] + [rule.comment] + marked[at + 1:] == tokens
+    return marked[:at] + [rule.comment] + marked[at + 1:] == toks
 
 
-_COMMENT_RE = re.compile(r' -m comment --comment "((?:[^"\\]|\\.)*)"')
-_TARGET_RE = re.compile(r" -j (\S+)")
+class Unreadable(ValueError):
+    """A dump that can't be read safely: a rule whose quoting does not close on its line (a string
+    with a newline in it, which ``iptables-save`` does not escape), a line of no known form."""
 
 
-def _marked(line: str) -> bool:
-    """The rule carries our comment (``redirect`` or ``redirect: ...``)."""
-    m = _COMMENT_RE.search(line)
-    return m is not None and is_owned_comment(m.group(1))
+#: One token of a rule as ``iptables-save`` writes it: a string in double quotes (``\"``, ``\\``
+#: and ``\'`` escaped: ``xtables_save_string``), or a word without quotes or backslashes; either
+#: ends at a space or the end of the line.
+_TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"(?= |$)|([^ "\\]+)(?= |$)')
+_ESCAPE = re.compile(r"\\(.)")
 
 
-def _target(line: str) -> str | None:
-    m = _TARGET_RE.search(line)
-    return m.group(1) if m else None
+def tokens(line: str) -> list[str]:
+    """The tokens of one dump line, quotes as ``iptables-save`` writes them; ``Unreadable`` if a
+    quote does not close on the line or a word holds a quote or backslash."""
+    if '"' not in line and "\\" not in line:
+        return [t for t in line.split(" ") if t]
+    out: list[str] = []
+    i, n = 0, len(line)
+    while i < n:
+        if line[i] == " ":
+            i += 1
+            continue
+        m = _TOKEN.match(line, i)
+        if m is None:
+            raise Unreadable(f"a quoted string that does not end on its line (a newline in it?), or a quote"
+                             f" inside a word: {line!r}; such a rule could jump into ours unseen: remove it or"
+                             " rewrite it without a newline")
+        out.append(_ESCAPE.sub(r"\1", m.group(1)) if m.group(2) is None else m.group(2))
+        i = m.end()
+    return out
+
+
+def _targets(toks: list[str]) -> list[str]:
+    """Every chain or target a rule's tokens name after ``-j`` (jump) or ``-g`` (goto): a quoted
+    string is one token, so a comment that mentions ``-j X`` names nothing."""
+    return [toks[i + 1] for i in range(len(toks) - 1) if toks[i] in ("-j", "-g")]
+
+
+def _marked(toks: list[str]) -> bool:
+    """The rule carries our comment (``redirect`` or ``redirect: ...``) as its first comment."""
+    for i in range(len(toks) - 1):
+        if toks[i] == "--comment":
+            return is_owned_comment(toks[i + 1])
+    return False
 
 
 def gen_of(name: str) -> int | None:
@@ -348,26 +379,52 @@ class Found:
     intruders: list[str] = field(default_factory=list)
 
 
-def _parse_tables(text: str) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
-    """table -> (declared chains, rules per chain), from ``iptables-save`` output."""
-    out: dict[str, tuple[list[str], dict[str, list[str]]]] = {}
+#: What iptables-nft-save prints instead of a table (``is incompatible``) or beside it (``contains
+#: incompatible base-chains``, left out of the dump) that nft made in a way it can't translate.
+_INCOMPATIBLE = re.compile(r"# Table `([^']*)' .*incompatible")
+Rules = dict[str, list[tuple[str, list[str]]]]  # chain -> its rules (line, tokens), in order
+
+
+def _parse_tables(text: str) -> dict[str, tuple[list[str], Rules]]:
+    """table -> (declared chains, rules per chain), from ``iptables-save`` output; ``Unreadable``
+    for a line of no form ``iptables-save`` writes (the rest of a string with a newline in it),
+    a rule whose quoting does not close on its line, or a raw, mangle or nat table iptables-nft
+    says it cannot show (whatever it holds is unseen: not an empty table)."""
+    out: dict[str, tuple[list[str], Rules]] = {}
     table = None
-    for line in text.splitlines():
+    for line in text.split("\n"):  # (not splitlines: a quoted \x1c or \u2028 is no line break)
         if line.startswith("*"):
             table = line[1:].strip()
             out.setdefault(table, ([], {}))
             continue
-        if table is None or not line or line.startswith("#") or line == "COMMIT":
+        if not line:
+            continue
+        if line.startswith("#"):
+            m = _INCOMPATIBLE.match(line)
+            if m is not None and m.group(1) in TABLE_ORDER:
+                raise Unreadable(
+                    f"table {m.group(1)} holds what iptables-nft cannot show ({line[2:]!r}): rules made with nft"
+                    f" there could jump into ours or be ours unseen. Use the nftables backend in this netns"
+                    f" (backend='nftables'), or remove what nft made in table {m.group(1)}")
+            continue
+        if table is None:
+            raise Unreadable(f"a line outside any table: {line!r}")
+        if line == "COMMIT":
+            table = None
             continue
         declared, rules = out[table]
         if line.startswith(":"):
-            declared.append(line[1:].split()[0])
+            declared.append(line[1:].split(" ")[0])
         elif line.startswith("-A "):
-            rules.setdefault(line.split()[1], []).append(line)
+            toks = tokens(line)
+            rules.setdefault(toks[1], []).append((line, toks))
+        else:
+            raise Unreadable(f"a line of no form iptables-save writes in table {table}: {line!r} (the rest of a"
+                             " string with a newline in it?)")
     return out
 
 
-def _previous_release(table: str, declared: list[str], rules: dict[str, list[str]],
+def _previous_release(table: str, declared: set[str], rules: Rules,
                       family: int) -> tuple[set[str], list[str]]:
     """The previous release's chains in one table (and its bare hook jumps into them), or
     nothing. It wrote no mark: bare ``-A OUTPUT -j RDR_OUTPUT`` / ``-A PREROUTING -j
@@ -383,7 +440,7 @@ def _previous_release(table: str, declared: list[str], rules: dict[str, list[str
     todo = []
     for builtin in HOOK_CHAIN.values():
         line = f"-A {builtin} -j {GENERATIONS[0]}{builtin}"
-        if line in rules.get(builtin, []) and GENERATIONS[0] + builtin in declared:
+        if any(ln == line for ln, _ in rules.get(builtin, [])) and GENERATIONS[0] + builtin in declared:
             jumps.append(line)
             todo.append(GENERATIONS[0] + builtin)
     while todo:
@@ -391,14 +448,14 @@ def _previous_release(table: str, declared: list[str], rules: dict[str, list[str
         if name in chains:
             continue
         chains.add(name)
-        for ln in rules.get(name, []):
-            if not _previous_release_rule(ln, family):
+        for ln, toks in rules.get(name, []):
+            if not _previous_release_rule(ln, family, toks):
                 return set(), []
-            t = _target(ln)
-            if t is not None and gen_of(t) == 0:
-                if t not in declared:
-                    return set(), []
-                todo.append(t)
+            for t in _targets(toks):
+                if gen_of(t) == 0:
+                    if t not in declared:
+                        return set(), []
+                    todo.append(t)
     if not any(rules.get(name) for name in chains):
         return set(), []
     return chains, jumps
@@ -419,21 +476,20 @@ def parse_save(text: str, family: int = 4) -> Found:
         ours_chains = [n for n in declared if gen_of(n) is not None]
         jumped: set[str] = set()  # targets of rules with our mark
         for lines in rules.values():
-            for ln in lines:
-                t = _target(ln)
-                if t is not None and gen_of(t) is not None and _marked(ln):
-                    jumped.add(t)
-        legacy, legacy_jumps = _previous_release(table, declared, rules, family)
+            for _, toks in lines:
+                if _marked(toks):
+                    jumped.update(t for t in _targets(toks) if gen_of(t) is not None)
+        legacy, legacy_jumps = _previous_release(table, set(declared), rules, family)  # (a set: one lookup a rule)
         for name in ours_chains:
             g = gen_of(name)
             assert g is not None
             lines = rules.get(name, [])
             if name in legacy:
-                mine = lines
-            elif name in jumped or any(_marked(ln) for ln in lines):
-                mine = [ln for ln in lines if _marked(ln)]
+                mine = [ln for ln, _ in lines]
+            elif name in jumped or any(_marked(toks) for _, toks in lines):
+                mine = [ln for ln, toks in lines if _marked(toks)]
                 found.intruders += [f"IPv{family} {table} rule {ln!r} in our chain {name} (no comment {MARK!r})"
-                                    for ln in lines if not _marked(ln)]
+                                    for ln, toks in lines if not _marked(toks)]
             else:
                 found.foreign.append(f"IPv{family} {table} chain {name}")
                 continue
@@ -442,15 +498,19 @@ def parse_save(text: str, family: int = 4) -> Found:
         for chain, lines in rules.items():
             if any(chain in st.get(table, TableState()).chains for st in found.gens):
                 continue  # (ours: above)
-            for ln in lines:
-                t = _target(ln)
-                g = gen_of(t) if t is not None else None
-                if g is None or t not in found.gens[g].get(table, TableState()).chains:
+            for ln, toks in lines:
+                # Every chain the rule names after -j or -g (a comment is one token: it names none).
+                into = [(t, g) for t in _targets(toks) if (g := gen_of(t)) is not None
+                        and t in found.gens[g].get(table, TableState()).chains]
+                if not into:
                     continue  # not a jump into one of ours (a look-alike of that name is theirs)
-                if chain in BUILTIN and ((_marked(ln) and ln == _hook_jump(chain, t)) or ln in legacy_jumps):
+                t, g = into[0]
+                if (len(into) == 1 and chain in BUILTIN
+                        and ((_marked(toks) and ln == _hook_jump(chain, t)) or ln in legacy_jumps)):
                     found.gens[g].setdefault(table, TableState()).jumps.append(ln)
                 else:
-                    found.intruders.append(f"IPv{family} {table} rule {ln!r} (jumps to our chain {t})")
+                    found.intruders.append(f"IPv{family} {table} rule {ln!r} (jumps to our chain"
+                                           f" {', '.join(t for t, _ in into)})")
     for st in found.gens:
         for s in st.values():
             s.jumps.sort()

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import SetupError
 from ..plan.intent import AnyIntent, LocalAddress, PolicyRoute
 from . import netlink
 
@@ -65,6 +66,26 @@ def _ip(raw: bytes) -> str:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
+RTN_LOCAL = 2
+
+
+def _table(m: Any) -> int:
+    return m.u32(netlink.RTA_TABLE) or m.fields[3]
+
+
+def _like_ours(m: Any) -> bool:
+    """Route message ``m`` is a policy route's half as we make it, whoever made it: ``local
+    default dev lo`` (rtmsg: dst_len 0, src_len 0, tos 0, type local; RTA_OIF lo)."""
+    return (m.fields[0] == 0 and m.fields[1] == 0 and m.fields[2] == 0 and m.fields[6] == RTN_LOCAL
+            and m.u32(netlink.RTA_OIF) == LOOPBACK_IFINDEX)
+
+
+def _default_routes(family: int, table: int) -> list[Any]:
+    """The default routes (any type, anyone's) of ``table``."""
+    return [m for m in netlink.dump(netlink.RTM_GETROUTE, _AF[family])
+            if m.family == _AF[family] and _table(m) == table and m.fields[0] == 0 and m.fields[1] == 0]
+
+
 def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
     """Read back our policy routes (rule + local default route) and addresses (raw netlink).
 
@@ -76,9 +97,11 @@ def read_ours(families: tuple[int, ...] = (4, 6)) -> RouteState:
     af = _AF[families[0]] if len(families) == 1 else socket.AF_UNSPEC
     routes: set[PolicyRoute] = set()
     addresses: set[LocalAddress] = set()
+    # Ours, or another's exactly like ours (istio-iptables leaves ``local default dev lo table 133``):
+    # that one serves our rule as well, and is never removed (a delete names our protocol).
     tables_with_local = {
-        (m.family, m.u32(netlink.RTA_TABLE) or m.fields[3]) for m in netlink.dump(netlink.RTM_GETROUTE, af)
-        if m.fields[4] == RT_PROTO and m.family in fam_of  # rtmsg.rtm_protocol
+        (m.family, _table(m)) for m in netlink.dump(netlink.RTM_GETROUTE, af)
+        if m.family in fam_of and (m.fields[4] == RT_PROTO or _like_ours(m))  # rtmsg.rtm_protocol
     }
     if tables_with_local:
         for m in netlink.dump(netlink.RTM_GETRULE, af):
@@ -149,9 +172,27 @@ def _route_op(op: tuple[int, ...]) -> None:
 
 
 def add_route(r: PolicyRoute) -> None:
-    """The local default route in ``r.table``, then the fwmark rule that leads to it."""
-    for op in route_ops(r):
-        _ignoring((EEXIST,), _route_op, op)
+    """The local default route in ``r.table``, then the fwmark rule that leads to it. A route of
+    another's exactly like ours there (``local default dev lo``) serves our rule (and stays theirs:
+    never removed); any other default route there is refused, naming it, before our rule is added."""
+    route, rule = route_ops(r)
+    try:
+        _route_op(route)
+    except OSError as e:
+        if e.errno == ENETDOWN:
+            raise OSError(e.errno, "lo is down in this namespace; bring it up (ip link set lo up)") from None
+        if e.errno != EEXIST:
+            raise
+        there = _default_routes(r.family, r.table)
+        if not any(_like_ours(m) for m in there):
+            what = "; ".join(f"type {m.fields[6]} protocol {m.fields[4]} oif {m.u32(netlink.RTA_OIF) or '-'}"
+                             for m in there) or "unknown"
+            raise SetupError(
+                f"IPv{r.family} routing table {r.table} already holds a default route that is not ours and not"
+                f" 'local default dev lo' ({what}); our policy route (fwmark {r.fwmark:#x} lookup {r.table}) needs"
+                f" that: setup refused, rolled back. Remove that route or choose another table"
+                f" (tproxy_route_table, or the ambient route table)") from None
+    _ignoring((EEXIST,), _route_op, rule)
 
 
 def remove_route(r: PolicyRoute) -> None:
