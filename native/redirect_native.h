@@ -489,3 +489,24 @@ int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const 
 /* 1 if the calling thread's netns has any nf_tables table or legacy IPv4 x_tables table, 0 if
  * none, -errno if it can't tell. Creates nothing. */
 int rdr_netfilter_present(void);
+
+/* One nf_tables table or chain of the calling thread's netns as the kernel describes it: what
+ * iptables-nft's setup and teardown need of one (redirect.backends.iptables), read without
+ * libnftables printing its rules (which makes libxtables write warnings to stderr). */
+#define RDR_NFT_COMMENT_MAX 256 /* the kernel keeps at most 256 bytes of user data */
+struct rdr_nft_obj {
+	int64_t flags;    /* NFTA_TABLE_FLAGS (NFT_TABLE_F_*), NFTA_CHAIN_FLAGS (NFT_CHAIN_*); -1: none sent */
+	int64_t use;      /* a table's NFTA_TABLE_USE: its chains, sets, objects and flowtables; a chain's
+			   * NFTA_CHAIN_USE: the jumps to it (not its rules); -1: none sent */
+	int64_t policy;   /* a chain's NFTA_CHAIN_POLICY (NF_ACCEPT 1, NF_DROP 0); -1: none (not a base chain) */
+	int hook;         /* a chain: 1 if it is a base chain (NFTA_CHAIN_HOOK) */
+	int rules;        /* a chain: 1 if it holds a rule */
+	int comment_len;  /* the comment's length, -1: none (no user data, or not as nft reads a comment) */
+	char comment[RDR_NFT_COMMENT_MAX]; /* the comment, NUL-terminated (libnftnl's user data TLV of
+					    * type 0, as nft prints it) */
+};
+
+/* The table `table` of family (4: ip, 6: ip6), or its chain `chain`, into *out: 0, -ENOENT if
+ * there is none, -ENAMETOOLONG, or -errno. Creates nothing. */
+int rdr_nft_table(int family, const char *table, struct rdr_nft_obj *out);
+int rdr_nft_chain(int family, const char *table, const char *chain, struct rdr_nft_obj *out);

@@ -169,3 +169,26 @@ def test_a_rule_with_our_comment_and_a_statement_we_never_write_is_replaced(pod:
     assert not res["ok"] and any("unexpected rule" in d and '"counter"' in d for d in res["differences"]), res
     assert run(pod.name, "setup", "nftables") == {"changed": True}
     assert full_ruleset(pod.name) == during
+
+
+QUIET = """
+import sys
+import redirect
+ns = sys.argv[1]
+assert redirect.setup(ns, redirect.RedirectConfig(), backend="iptables-nft").changed
+assert not redirect.setup(ns, redirect.RedirectConfig(), backend="iptables-nft").changed
+assert redirect.check(ns, redirect.RedirectConfig(), backend="iptables-nft").ok
+assert redirect.teardown(ns, backend="iptables-nft")
+"""
+
+
+def test_iptables_nft_setup_check_and_teardown_write_nothing_to_stderr(pod: Pod) -> None:
+    """The tables and chains our iptables-nft rules are in are read from the kernel, not listed
+    through libnftables: its text of iptables-nft's rules (ours, and the pod's own beside them)
+    made libxtables write warnings ("XT target REDIRECT not found", "Extension owner is not
+    supported") to the process's stderr on every setup and check."""
+    sh(pod.name, "iptables-nft", "-t", "nat", "-A", "OUTPUT", "-m", "owner", "--uid-owner", "5", "-j", "RETURN")
+    before = full_ruleset(pod.name)
+    p = subprocess.run([sys.executable, "-c", QUIET, pod.name], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
+    assert full_ruleset(pod.name) == before

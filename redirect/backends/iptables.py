@@ -38,6 +38,7 @@ this module runs the tools and orders the changes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -237,19 +238,60 @@ def _make_builtin_chains(hooks: Hooked) -> None:
         log.info("iptables-nft makes the built-in chains for our jumps (%s)", e)
 
 
-def _made_for_jumps_only(text: str, depth: int) -> bool:
-    """Whether the text listing of a chain (``depth`` 2: its lines) or a table (``depth`` 1) holds
-    nothing but our ``MADE_FOR_JUMPS`` comment and, for a chain, its base-chain line: no rule, no
-    object, no flags."""
-    ind = "\t" * depth
-    lines = [ln for ln in text.splitlines() if ln.startswith(ind) and ln[depth:depth + 1] != "\t" and ln.strip()
-             and ln.strip() != "}"]
-    rest = [ln for ln in lines if ln.strip() != f'comment "{MADE_FOR_JUMPS}"']
-    if len(rest) != len(lines) - 1:
+#: nf_tables' table flags (NFT_TABLE_F_*) by name, as nft prints them.
+_TABLE_FLAGS = ((1, "dormant"), (2, "owner"), (4, "persist"))
+_NF_ACCEPT = 1
+_NFT_CHAIN_BASE = 1
+
+
+def _nft_obj(fam: int, table: str, chain: str | None = None) -> Any:
+    """The kernel's description of the nf_tables table ``table`` of family ``fam`` (4, 6), or of its
+    chain ``chain``, read over netlink (``rdr_nft_table``, ``rdr_nft_chain``: flags, use count,
+    policy, whether a chain holds a rule, the comment); None when there is none. Not listed
+    through libnftables: the text of a table or chain holding iptables-nft's rules makes
+    libxtables write warnings to the process's stderr, and JSON that prints a table object is
+    unsafe (``nftables.list_text``). ``SetupError`` if it can't be read."""
+    from ..native import load
+
+    if "\0" in table or (chain is not None and "\0" in chain):
+        return None  # (no nf_tables name holds one)
+    n = load()
+    out = n.ffi.new("struct rdr_nft_obj *")
+    if chain is None:
+        ret = n.lib.rdr_nft_table(fam, table.encode(), out)
+    else:
+        ret = n.lib.rdr_nft_chain(fam, table.encode(), chain.encode(), out)
+    if ret == -errno.ENOENT:
+        return None
+    if ret < 0:
+        what = f"table {_nfam(fam)} {table}" + ("" if chain is None else f" chain {chain}")
+        raise SetupError(f"could not read {what} from nf_tables: {os.strerror(-ret)}")
+    return out
+
+
+def _comment(o: Any) -> bytes | None:
+    """The comment on ``o`` (``_nft_obj``), or None."""
+    from ..native import load
+
+    return None if o.comment_len < 0 else bytes(load().ffi.string(o.comment))
+
+
+def _flag_names(flags: int) -> tuple[str, ...]:
+    names = [name for bit, name in _TABLE_FLAGS if flags & bit]
+    rest = flags & ~sum(bit for bit, _ in _TABLE_FLAGS)
+    return tuple(names + ([hex(rest)] if rest else []))
+
+
+def _made_for_jumps_only(o: Any, chain: bool) -> bool:
+    """Whether the table or chain ``o`` (``_nft_obj``) holds nothing but our ``MADE_FOR_JUMPS``
+    comment: a table without flags and nothing in it (no chain, set, object, flowtable: its use
+    count 0); a chain that is a base chain with an accept policy, no other flag, no rule. An
+    attribute the kernel did not send counts against it."""
+    if _comment(o) != MADE_FOR_JUMPS.encode():
         return False
-    if depth == 1:
-        return not rest
-    return len(rest) == 1 and rest[0].strip().startswith("type ") and rest[0].strip().endswith("policy accept;")
+    if not chain:
+        return bool(o.flags == 0 and o.use == 0)
+    return bool(o.hook and o.policy == _NF_ACCEPT and o.flags in (-1, _NFT_CHAIN_BASE) and not o.rules)
 
 
 def _drop_empty_xtables_nft(hooked: Hooked) -> None:
@@ -258,24 +300,24 @@ def _drop_empty_xtables_nft(hooked: Hooked) -> None:
     refuses to delete a chain that has one) is deleted, then its table if that carries the
     comment and holds nothing else, as if we had never come (``nft list ruleset`` as before
     setup). A chain or table without it existed before (the pod's, or made by iptables-nft for a
-    release before this one) and stays. Listed as text (``nftables.list_text``)."""
-    from .nftables import forget_tables, list_text
+    release before this one) and stays. Read from the kernel (``_nft_obj``), not listed."""
+    from .nftables import forget_tables
 
     def drop(nft: Any) -> None:
         for fam, table, chain in sorted(hooked):
             try:
-                text = list_text(nft, f"list chain {_nfam(fam)} {table} {chain}")
+                o = _nft_obj(fam, table, chain)
             except SetupError:
                 continue
-            if _made_for_jumps_only(text, 2):
+            if o is not None and _made_for_jumps_only(o, chain=True):
                 nft.cmd(f"delete chain {_nfam(fam)} {table} {chain}")
-        for nfam, table in sorted({(_nfam(f), t) for f, t, _ in hooked}):
+        for fam, table in sorted({(f, t) for f, t, _ in hooked}):
             try:
-                text = list_text(nft, f"list table {nfam} {table}")
+                o = _nft_obj(fam, table)
             except SetupError:
                 continue
-            if _made_for_jumps_only(text, 1):
-                nft.cmd(f"delete table {nfam} {table}")
+            if o is not None and _made_for_jumps_only(o, chain=False):
+                nft.cmd(f"delete table {_nfam(fam)} {table}")
         forget_tables()
 
     if hooked:
@@ -284,20 +326,14 @@ def _drop_empty_xtables_nft(hooked: Hooked) -> None:
 
 def _flagged_xtables(tables: set[tuple[int, str]]) -> list[tuple[str, str, tuple[str, ...]]]:
     """(family, table, flags) of each iptables-nft table in ``tables`` ((family, name): those our
-    rules are in) that has flags: a dormant table runs none of its chains, so ours capture nothing."""
-    from .nftables import list_text, table_names
-    from .nftables_rules import parse_table_text
-
-    def look(nft: Any) -> list[tuple[str, str, tuple[str, ...]]]:
-        names, out = set(table_names(nft)), []
-        for fam, t in sorted(tables):
-            if (_nfam(fam), t) in names:
-                flags, _ = parse_table_text(list_text(nft, f"list table {_nfam(fam)} {t}"))
-                if flags:
-                    out.append((_nfam(fam), t, flags))
-        return out
-
-    return _nft_call(look, [])
+    rules are in) that has flags: a dormant table runs none of its chains, so ours capture nothing.
+    Read from the kernel (``_nft_obj``), not listed."""
+    out = []
+    for fam, t in sorted(tables):
+        o = _nft_obj(fam, t)
+        if o is not None and o.flags > 0:
+            out.append((_nfam(fam), t, _flag_names(int(o.flags))))
+    return out
 
 
 def _clear_flags(flagged: list[tuple[str, str, tuple[str, ...]]]) -> None:
