@@ -22,7 +22,7 @@ the unit of atomicity; a failure while adding is rolled back, and a setup killed
 leaves a state that the next setup finishes or undoes.
 
 Teardown gives the ruleset back as it was: with iptables-nft, the built-in chains (nft base
-chains) and tables that setup made for our jumps (``_make_builtin_chains``, marked with a
+chains) and tables that setup made for our jumps (``iptables_nft.make_builtin_chains``, marked with a
 comment) are deleted with them when nothing else is in them; the pod's own stay. A legacy
 xtables table that did not exist before setup stays, empty: the kernel has no way to remove
 one from a namespace.
@@ -32,25 +32,35 @@ already holds rules there wins; with neither, the host's ``iptables`` alternativ
 other variant (the choice changed: forced, or legacy tables appeared) is read with the chosen
 one: setup removes it once the new capture is in, ``check`` reports it.
 
-The rules' text (rendering a plan, reading a dump) is ``redirect.backends.iptables_rules``;
+The rules' text (rendering a plan, reading a dump) is ``redirect.backends.iptables_rules``, the
+nf_tables side of iptables-nft (its tables and built-in chains) ``redirect.backends.iptables_nft``;
 this module runs the tools and orders the changes.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from ..errors import BackendUnavailable, SetupError
 from ..kernel import routes as rt
 from ..plan import netfilter_plan
 from ..plan.intent import AnyIntent
 from .base import MARK, CheckResult, Installed, fault_point
+from .iptables_nft import (
+    Hooked,
+    clear_flags,
+    drop_empty_xtables_nft,
+    flagged_xtables,
+    make_builtin_chains,
+    nft_call,
+    nft_chains_of_ours,
+    nft_xtables_present,
+    xtables_tables,
+)
 from .iptables_rules import (
     GENERATIONS,
     VARIANTS,
@@ -62,7 +72,6 @@ from .iptables_rules import (
     anchor,
     desired_state,
     diff_state,
-    gen_of,
     parse_save,
     payload_for,
     remove_payload,
@@ -125,224 +134,11 @@ def detect_variant(forced: str | None = None) -> str:
                     return "legacy"
         except OSError:
             pass
-    if _nft_xtables_present(unknown=False):  # (without the binding: the host's alternative decides)
+    if nft_xtables_present(unknown=False):  # (without the binding: the host's alternative decides)
         return "nft"
     # Nothing here yet: follow the host's alternative.
     target = os.path.realpath(shutil.which("iptables") or "/usr/sbin/iptables")
     return "legacy" if "legacy" in os.path.basename(target) else "nft"
-
-
-_XT_TABLES = ("raw", "mangle", "nat", "filter")
-_T = TypeVar("_T")
-
-
-def _nft_call(what: Callable[[Any], _T], default: _T) -> _T:
-    """``what(ctx)`` with a libnftables context of this thread's netns (see FACTS.md), freed off the
-    caller's path; ``default`` when the binding is missing."""
-    from . import nftables as nb
-
-    nft = nb.context_or_none()
-    if nft is None:
-        return default
-    try:
-        return what(nft)
-    finally:
-        nb.release(nft)
-
-
-def _xtables_tables(nft: Any) -> list[tuple[str, str]]:
-    """The (family, name) of the iptables-nft tables here."""
-    from .nftables import table_names
-
-    try:
-        names = table_names(nft)
-    except SetupError:
-        return []
-    return [(f, n) for f, n in names if f in ("ip", "ip6") and n in _XT_TABLES]
-
-
-def _nft_xtables_present(unknown: bool) -> bool:
-    """Whether iptables-nft has a table here; ``unknown`` without the libnftables binding to list with."""
-    return _nft_call(lambda nft: bool(_xtables_tables(nft)), unknown)
-
-
-def _nft_chains_of_ours() -> bool:
-    """Whether iptables-nft holds a chain with one of our names here (in-process listings, no
-    exec; just the table list when there is no iptables-nft table, as in a pod of the nftables
-    backend). Whether it is truly ours is decided on the ``iptables-save`` dump (``parse_save``);
-    without the libnftables binding to list with, that dump is always read."""
-    from .nftables import list_json
-
-    def look(nft: Any) -> bool:
-        for family in sorted({f for f, _ in _xtables_tables(nft)}):
-            try:
-                items = list_json(nft, [{"list": {"chains": {"family": family}}}])
-            except SetupError:
-                return True  # (unreadable: the dump decides)
-            for item in items:
-                c = item.get("chain")
-                if isinstance(c, dict) and c.get("table") in _XT_TABLES and gen_of(str(c.get("name", ""))) is not None:
-                    return True
-        return False
-
-    return _nft_call(look, True)
-
-
-Hooked = set[tuple[int, str, str]]  # (family, table, built-in chain) we removed a jump of ours from
-
-#: The comment on the iptables-nft tables and built-in chains (nft base chains) setup makes for our
-#: jumps (``_make_builtin_chains``): teardown deletes only such, and only when nothing else is in them.
-MADE_FOR_JUMPS = "redirect: made for our iptables-nft jumps"
-
-
-def _nfam(fam: int) -> str:
-    return "ip" if fam == 4 else "ip6"
-
-
-def _make_builtin_chains(hooks: Hooked) -> None:
-    """Before iptables-nft adds our jumps: make each built-in chain in ``hooks`` (and its table)
-    that does not exist yet, as iptables-nft would (the same type, hook and priority, policy
-    accept), carrying ``MADE_FOR_JUMPS``. Teardown then knows which it may delete
-    (``_drop_empty_xtables_nft``): a pod's own nat table or base chain looks just the same
-    otherwise. If this fails (someone made one meanwhile) iptables-nft makes what is missing, and
-    teardown leaves that."""
-    from .nftables import forget_tables, list_json, table_names
-    from .nftables_rules import BASE_CHAINS
-
-    def make(nft: Any) -> None:
-        tables = set(table_names(nft))
-        have = set()
-        for nfam in sorted({_nfam(f) for f, _, _ in hooks if any(t[0] == _nfam(f) for t in tables)}):
-            for i in list_json(nft, [{"list": {"chains": {"family": nfam}}}]):
-                c = i.get("chain")
-                if isinstance(c, dict):
-                    have.add((c.get("family"), c.get("table"), c.get("name")))
-        cmds = [f'create table {_nfam(f)} {t} {{ comment "{MADE_FOR_JUMPS}"; }}'
-                for f, t in sorted({(f, t) for f, t, _ in hooks}) if (_nfam(f), t) not in tables]
-        for f, t, chain in sorted(hooks):
-            spec = BASE_CHAINS.get((t, chain.lower()))
-            if spec is None or (_nfam(f), t, chain) in have:
-                continue
-            cmds.append(f'create chain {_nfam(f)} {t} {chain} {{ comment "{MADE_FOR_JUMPS}"; type {spec[0]} hook'
-                        f" {chain.lower()} priority {spec[1]}; policy accept; }}")
-        if cmds:
-            forget_tables()
-            rc, _, err = nft.cmd("\n".join(cmds))
-            if rc != 0:
-                log.info("iptables-nft makes the built-in chains for our jumps (ours were refused: %s)",
-                         str(err).strip())
-
-    try:
-        _nft_call(make, None)
-    except SetupError as e:
-        log.info("iptables-nft makes the built-in chains for our jumps (%s)", e)
-
-
-#: nf_tables' table flags (NFT_TABLE_F_*) by name, as nft prints them.
-_TABLE_FLAGS = ((1, "dormant"), (2, "owner"), (4, "persist"))
-_NF_ACCEPT = 1
-_NFT_CHAIN_BASE = 1
-
-
-def _nft_obj(fam: int, table: str, chain: str | None = None) -> Any:
-    """The kernel's description of the nf_tables table ``table`` of family ``fam`` (4, 6), or of its
-    chain ``chain``, read over netlink (``rdr_nft_table``, ``rdr_nft_chain``: flags, use count,
-    policy, whether a chain holds a rule, the comment); None when there is none. Not listed
-    through libnftables: the text of a table or chain holding iptables-nft's rules makes
-    libxtables write warnings to the process's stderr, and JSON that prints a table object is
-    unsafe (``nftables.list_text``). ``SetupError`` if it can't be read."""
-    from ..native import load
-
-    if "\0" in table or (chain is not None and "\0" in chain):
-        return None  # (no nf_tables name holds one)
-    n = load()
-    out = n.ffi.new("struct rdr_nft_obj *")
-    if chain is None:
-        ret = n.lib.rdr_nft_table(fam, table.encode(), out)
-    else:
-        ret = n.lib.rdr_nft_chain(fam, table.encode(), chain.encode(), out)
-    if ret == -errno.ENOENT:
-        return None
-    if ret < 0:
-        what = f"table {_nfam(fam)} {table}" + ("" if chain is None else f" chain {chain}")
-        raise SetupError(f"could not read {what} from nf_tables: {os.strerror(-ret)}")
-    return out
-
-
-def _comment(o: Any) -> bytes | None:
-    """The comment on ``o`` (``_nft_obj``), or None."""
-    from ..native import load
-
-    return None if o.comment_len < 0 else bytes(load().ffi.string(o.comment))
-
-
-def _flag_names(flags: int) -> tuple[str, ...]:
-    names = [name for bit, name in _TABLE_FLAGS if flags & bit]
-    rest = flags & ~sum(bit for bit, _ in _TABLE_FLAGS)
-    return tuple(names + ([hex(rest)] if rest else []))
-
-
-def _made_for_jumps_only(o: Any, chain: bool) -> bool:
-    """Whether the table or chain ``o`` (``_nft_obj``) holds nothing but our ``MADE_FOR_JUMPS``
-    comment: a table without flags and nothing in it (no chain, set, object, flowtable: its use
-    count 0); a chain that is a base chain with an accept policy, no other flag, no rule. An
-    attribute the kernel did not send counts against it."""
-    if _comment(o) != MADE_FOR_JUMPS.encode():
-        return False
-    if not chain:
-        return bool(o.flags == 0 and o.use == 0)
-    return bool(o.hook and o.policy == _NF_ACCEPT and o.flags in (-1, _NFT_CHAIN_BASE) and not o.rules)
-
-
-def _drop_empty_xtables_nft(hooked: Hooked) -> None:
-    """Undo what setup made for our jumps alone (``_make_builtin_chains``): a built-in chain in
-    ``hooked`` that carries ``MADE_FOR_JUMPS`` and holds nothing else (no rule: the kernel also
-    refuses to delete a chain that has one) is deleted, then its table if that carries the
-    comment and holds nothing else, as if we had never come (``nft list ruleset`` as before
-    setup). A chain or table without it existed before (the pod's, or made by iptables-nft for a
-    release before this one) and stays. Read from the kernel (``_nft_obj``), not listed."""
-    from .nftables import forget_tables
-
-    def drop(nft: Any) -> None:
-        for fam, table, chain in sorted(hooked):
-            try:
-                o = _nft_obj(fam, table, chain)
-            except SetupError:
-                continue
-            if o is not None and _made_for_jumps_only(o, chain=True):
-                nft.cmd(f"delete chain {_nfam(fam)} {table} {chain}")
-        for fam, table in sorted({(f, t) for f, t, _ in hooked}):
-            try:
-                o = _nft_obj(fam, table)
-            except SetupError:
-                continue
-            if o is not None and _made_for_jumps_only(o, chain=False):
-                nft.cmd(f"delete table {_nfam(fam)} {table}")
-        forget_tables()
-
-    if hooked:
-        _nft_call(drop, None)
-
-
-def _flagged_xtables(tables: set[tuple[int, str]]) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(family, table, flags) of each iptables-nft table in ``tables`` ((family, name): those our
-    rules are in) that has flags: a dormant table runs none of its chains, so ours capture nothing.
-    Read from the kernel (``_nft_obj``), not listed."""
-    out = []
-    for fam, t in sorted(tables):
-        o = _nft_obj(fam, t)
-        if o is not None and o.flags > 0:
-            out.append((_nfam(fam), t, _flag_names(int(o.flags))))
-    return out
-
-
-def _clear_flags(flagged: list[tuple[str, str, tuple[str, ...]]]) -> None:
-    """Un-dormant the tables ``_flagged_xtables`` named (an ``add table`` from the JSON API sets no flags)."""
-    from .nftables import run_commands
-
-    if flagged:
-        cmds = [{"add": {"table": {"family": f, "name": t}}} for f, t, _ in flagged]
-        _nft_call(lambda nft: run_commands(nft, cmds), None)
 
 
 def _hooked(fam: int, state: State) -> Hooked:
@@ -448,7 +244,7 @@ class IptablesBackend:
                 except OSError:
                     out.add(fam)
             return out
-        tables = _nft_call(_xtables_tables, None)
+        tables = nft_call(xtables_tables, None)
         if tables is None:
             return {4, 6}
         return {4 if family == "ip" else 6 for family, _ in tables}
@@ -488,7 +284,7 @@ class IptablesBackend:
         keep = next((g for g in present if same(g)), None)
         txn = rt.txn_for(it, families)
         # iptables-nft tables of ours made dormant run none of our chains: setup un-dormants them.
-        flagged = _flagged_xtables({(f, t) for f in families for t in want[0][f]}) if variant == "nft" else []
+        flagged = flagged_xtables({(f, t) for f in families for t in want[0][f]}) if variant == "nft" else []
         if keep is not None and len(present) == 1 and not txn.changed and not flagged and not others:
             return Installed(self.name, "", families, False, {"variant": variant})
         hooked: Hooked = set()
@@ -509,7 +305,7 @@ class IptablesBackend:
                 old = present[0] if present else None
                 step, target = "add", (1 - old if old is not None else 0)
                 if variant == "nft":
-                    _make_builtin_chains(set().union(*(_hooked(f, want[target][f]) for f in (6, 4))))
+                    make_builtin_chains(set().union(*(_hooked(f, want[target][f]) for f in (6, 4))))
                 for fam in (6, 4):  # IPv4 last: its nat table holds the anchor
                     fault_point(f"iptables.before_restore_v{fam}")
                     self.restore(variant, fam, add_payload(want[target][fam]))
@@ -522,7 +318,7 @@ class IptablesBackend:
                          variant)
                 self._remove_all(other, ocur)
             step = "finish"
-            _clear_flags(flagged)
+            clear_flags(flagged)
             fault_point("iptables.before_routes_finish")
             txn.finish()
         except BaseException as e:
@@ -530,7 +326,7 @@ class IptablesBackend:
             raise
         finally:
             if variant == "nft":
-                _drop_empty_xtables_nft(hooked)
+                drop_empty_xtables_nft(hooked)
         return Installed(self.name, "", families, True, {"variant": variant})
 
     def _rollback(self, variant: str, e: BaseException, step: str, target: int | None, hooked: Hooked,
@@ -570,7 +366,7 @@ class IptablesBackend:
                     changed = True
         finally:
             if variant == "nft":
-                _drop_empty_xtables_nft(hooked)
+                drop_empty_xtables_nft(hooked)
         return changed
 
     def _others(self, variant: str) -> dict[str, Read]:
@@ -584,7 +380,7 @@ class IptablesBackend:
         for variant in VARIANTS:
             if variant == skip:
                 continue
-            present = self._has_variant_state(variant) if variant == "legacy" else _nft_chains_of_ours()
+            present = self._has_variant_state(variant) if variant == "legacy" else nft_chains_of_ours()
             try:
                 out[variant] = self.read(variant) if present else {}
             except BackendUnavailable:
@@ -620,11 +416,11 @@ class IptablesBackend:
                 except OSError:
                     pass
             return False
-        return _nft_xtables_present(unknown=True)  # (without the binding: the dump decides)
+        return nft_xtables_present(unknown=True)  # (without the binding: the dump decides)
 
     def installed(self) -> bool:
         """Whether any chain of ours exists (cheap: no exec unless tables with our names exist)."""
-        if _nft_chains_of_ours() and any(_gen_present(self.read("nft"), g) for g in (0, 1)):
+        if nft_chains_of_ours() and any(_gen_present(self.read("nft"), g) for g in (0, 1)):
             return True
         return self._has_variant_state("legacy") and any(_gen_present(self.read("legacy"), g) for g in (0, 1))
 
@@ -657,7 +453,7 @@ class IptablesBackend:
             if variant == "nft":
                 diffs += [f"table {nfam} {t} has flags {','.join(fl)}" + (" (dormant: none of its chains runs, ours"
                           " capture nothing)" if "dormant" in fl else "")
-                          for nfam, t, fl in _flagged_xtables({(fam, t) for t in want})]
+                          for nfam, t, fl in flagged_xtables({(fam, t) for t in want})]
         diffs += rt.differences(it, families)
         return CheckResult(not diffs, self.name, tuple(diffs))
 
