@@ -1174,6 +1174,17 @@ def test_deeply_nested_json_is_answered_bad_request(test_node: Node) -> None:
         assert json.loads(c.recv(65536))["ready"] is True
 
 
+def fake_proxy_hello(sock: socket.socket, path: str, name: str) -> dict[str, Any]:
+    """``sock`` (a SEQPACKET socket) connected to the agent's proxy socket at ``path`` as a node
+    proxy named ``name`` that said hello: the empty snapshot's ``snapshot_done``, not acked yet."""
+    sock.settimeout(10)
+    sock.connect(path)
+    protocol.send(sock, {"type": "hello", "proxy": name, "pid": os.getpid()})
+    msg, _ = protocol.recv(sock, max_fds=0) or ({}, [])
+    assert msg["type"] == "snapshot_done", msg
+    return msg
+
+
 def test_a_malformed_ack_from_a_node_proxy_is_dropped_and_the_proxy_keeps_serving(
         test_node: Node, pod: Pod) -> None:
     """A proxy's ack with ``"id": [1]`` (and other wrong fields) is logged and dropped; the reader
@@ -1181,11 +1192,7 @@ def test_a_malformed_ack_from_a_node_proxy_is_dropped_and_the_proxy_keeps_servin
     n = test_node
     agent = n.start_agent()
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as p:
-        p.settimeout(10)
-        p.connect(n.proxy_sock)
-        protocol.send(p, {"type": "hello", "proxy": "fake", "pid": os.getpid()})
-        msg, _ = protocol.recv(p, max_fds=0) or ({}, [])
-        assert msg["type"] == "snapshot_done", msg
+        msg = fake_proxy_hello(p, n.proxy_sock, "fake")
         for bad in ({"id": [1], "ok": True}, {"id": True, "ok": True}, {"id": msg["id"], "ok": "yes"},
                     {"id": -1, "ok": True}, {"id": msg["id"], "ok": True, "error": {"x": 1}}):
             protocol.send(p, {"type": "ack", **bad})

@@ -22,7 +22,7 @@ import pytest
 from redirect.ambient.agent import client, protocol
 from tests import netkit
 from tests.netkit import Pod
-from tests.test_agent import Node, cni
+from tests.test_agent import Node, cni, fake_proxy_hello
 from tests.test_cni_thin import PREV, Thin, agent_node, installed, netconf
 
 pytestmark = pytest.mark.timeout(240)
@@ -516,11 +516,7 @@ def test_a_node_proxy_that_stops_acking_is_dropped_and_holds_no_fds(
         agent = n.start_agent("--proxy-timeout", "1", "--resync-seconds", "0")
         n.start_proxy()
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stuck:
-            stuck.settimeout(10)
-            stuck.connect(n.proxy_sock)
-            protocol.send(stuck, {"type": "hello", "proxy": "stuck", "pid": os.getpid()})
-            msg, _ = protocol.recv(stuck, max_fds=0) or ({}, [])
-            assert msg["type"] == "snapshot_done", msg
+            msg = fake_proxy_hello(stuck, n.proxy_sock, "stuck")
             protocol.send(stuck, {"type": "ack", "id": msg["id"], "ok": True})
             until(lambda: json.loads(agent.get("/readyz")[1])["proxies"] == 2, "two proxies")
             pods = [make_pod() for _ in range(6)]
