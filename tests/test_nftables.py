@@ -316,6 +316,7 @@ def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> 
     """Inside ``one_context()`` the table list is kept until a batch of ours or an iptables exec
     (``forget_tables``); outside a block every call lists the kernel's tables again."""
     from redirect.backends import iptables as ipt
+    from redirect.backends import iptables_nft
     from redirect.kernel import netns as rn
 
     with rn.enter(pod.name):
@@ -327,7 +328,7 @@ def test_table_names_are_listed_once_per_block_until_tables_change(pod: Pod) -> 
             ipt._run(["iptables-nft", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "4447", "-j", "ACCEPT"])
             names = nb.table_names(nft)  # an iptables exec forgets the list
             assert ("ip", "nat") in names and ("ip", "rdrt_behind_our_back") in names
-            assert ipt._xtables_tables(nft) == [("ip", "nat")]
+            assert iptables_nft.xtables_tables(nft) == [("ip", "nat")]
             redirect.setup(pod.name, RedirectConfig(), backend="nftables")  # a batch of ours (nested scope)
             assert (nr.FAMILY, nr.TABLE) in nb.table_names(nft)
         other = nb._context()
