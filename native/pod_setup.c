@@ -49,7 +49,6 @@
 #include <stdio.h>
 #include <string.h>
 #include <stdlib.h>
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -1026,14 +1025,11 @@ out:
  * 0 when another does, or when it can't tell. */
 static int owned_by_init_userns(int nsfd)
 {
-	struct stat st;
-	int us = ioctl(nsfd, NS_GET_USERNS), ok;
+	int us = -1, ret = rdr_netns_userns(nsfd, &us);
 
-	if (us < 0)
-		return 0;
-	ok = fstat(us, &st) == 0 && st.st_ino == RDR_USER_INIT_INO;
-	close(us);
-	return ok;
+	if (ret > 0)
+		close(us);
+	return ret == 0;
 }
 
 int rdr_ebpf_pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, const char *netns_path, int netns_fd,

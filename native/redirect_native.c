@@ -256,25 +256,35 @@ static int read_all(const char *path, char *buf, int len)
 	return ret;
 }
 
-int rdr_netns_id_maps(int netns_fd, char *uid_map, int uid_len, char *gid_map, int gid_len)
+int rdr_netns_userns(int netns_fd, int *us)
 {
-	int us, ret, err = 0, ready[2], hold[2], status;
 	struct stat st;
-	char path[64];
-	pid_t pid;
+	int fd = ioctl(netns_fd, NS_GET_USERNS), ret;
 
-	us = ioctl(netns_fd, NS_GET_USERNS);
-	if (us < 0)
+	if (fd < 0)
 		return -errno;
-	if (fstat(us, &st) < 0) {
+	if (fstat(fd, &st) < 0) {
 		ret = -errno;
-		close(us);
+		close(fd);
 		return ret;
 	}
 	if (st.st_ino == RDR_USER_INIT_INO) {
-		close(us);
+		close(fd);
 		return 0;
 	}
+	*us = fd;
+	return 1;
+}
+
+int rdr_netns_id_maps(int netns_fd, char *uid_map, int uid_len, char *gid_map, int gid_len)
+{
+	int us = -1, ret, err = 0, ready[2], hold[2], status;
+	char path[64];
+	pid_t pid;
+
+	ret = rdr_netns_userns(netns_fd, &us);
+	if (ret <= 0)
+		return ret;
 	if (pipe2(ready, O_CLOEXEC) < 0) {
 		ret = -errno;
 		close(us);

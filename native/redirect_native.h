@@ -54,6 +54,10 @@ int rdr_netns_cookie(int netns_fd, uint64_t *cookie);
 #ifndef NS_GET_USERNS
 #define NS_GET_USERNS 0xb701 /* _IO(0xb7, 0x1), linux/nsfs.h */
 #endif
+/* Which user namespace owns the netns behind netns_fd: 0 the initial one, 1 another (its fd in *us,
+ * the caller closes it), or -errno. The one statement of that question (rdr_netns_id_maps, and the
+ * fresh-pod call's back-off). */
+int rdr_netns_userns(int netns_fd, int *us);
 #define RDR_USERNS_MAP_MAX 16384 /* a map has at most 340 lines of three 10-digit numbers */
 int rdr_netns_id_maps(int netns_fd, char *uid_map, int uid_len, char *gid_map, int gid_len);
 
