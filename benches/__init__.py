@@ -5,6 +5,7 @@
     .venv/bin/python -m benches --help
 
 Every figure is reported as a ratio against a reference measured in the same run (Istio's
-``istio-iptables`` exec sequence for setup, a direct uncaptured connection for the data path),
+per-pod sequences for setup: ``istio-iptables``' for sidecar pods, istio-cni's node agent's for
+ambient ones; a direct uncaptured connection for the data path),
 because absolute times on shared machines are noise. Results: ``benches/results/``.
 """

@@ -115,7 +115,7 @@ def _install_reference(pod: str) -> None:
     from redirect.kernel import netns as rnetns
 
     with rnetns.enter(pod):
-        reference.setup()
+        reference.install_rules()  # (Istio's rules, without the per-pod sequence around them)
 
 
 def _install_backend(backend: str, mode: str = "sidecar", sockmap: bool = False) -> Callable[[str], None]:

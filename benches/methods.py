@@ -8,7 +8,7 @@ run once, so a method that silently does nothing can't post a great number). Kin
   can't express (a backend without an istio-iptables flag, ambient mode) ``redirect setup``;
 - ``cni``: the CNI plugin's ADD and DEL (``redirect-cni``), when it is installed; the thin
   plugin's (``cni-thin/...``) are built in ``cnithin.py``;
-- ``reference``: Istio's exec sequence (``reference.py``).
+- ``reference``: Istio's per-pod sequences, sidecar and ambient (``reference.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import redirect
 from redirect.kernel import netns as rnetns
 
 from . import reference
+from .reference import KEYS as REFERENCE_KEYS
 
 VENV_BIN = os.path.dirname(sys.executable)
 ISTIO_DEFAULT_FLAGS = ["-p", "15001", "-z", "15006", "-u", "1337", "-g", "1337", "-m", "REDIRECT",
@@ -219,21 +220,38 @@ def cni_method(backend: str, mode: str) -> Method:
                   listen=NO_LISTENER)
 
 
-def reference_method(binary: str = "iptables") -> Method:
+def _verify_rules(ns: str, tool: str, count: int) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, tool], capture_output=True, timeout=30)
+    if r.stdout.count(b"\n-A ") < count:
+        raise RuntimeError(f"reference rules not installed ({tool})")
+
+
+def reference_method(kind: str = "sidecar") -> Method:
+    """Istio's per-pod sequence (``benches/reference.py``): ``sidecar`` (istio-iptables, its version
+    detection included), ``core`` (the same without the detection) or ``ambient`` (istio-cni's node
+    agent). The sidecar ones tear down as ``--cleanup-only`` does; Istio leaves a deleted ambient
+    pod's netns alone, so the ambient one tears down the same way, for a figure to compare."""
+    do = {"sidecar": reference.setup, "core": reference.setup_core, "ambient": reference.setup_ambient}[kind]
+
     def setup(ns: str) -> None:
         with rnetns.enter(ns):
-            reference.setup(binary)
+            do()
 
     def teardown(ns: str) -> None:
         with rnetns.enter(ns):
-            reference.teardown(binary)
+            reference.teardown()
 
     def verify(ns: str) -> None:
-        r = subprocess.run(["ip", "netns", "exec", ns, f"{binary}-save", "-t", "nat"], capture_output=True,
-                           timeout=30)
-        if r.stdout.count(b"\n-A ") < reference.RULE_COUNT:
-            raise RuntimeError("reference rules not installed")
+        if kind == "ambient":
+            _verify_rules(ns, "iptables-nft-save", reference.AMBIENT_RULE_COUNT)
+        else:
+            _verify_rules(ns, "iptables-nft-save", reference.RULE_COUNT)
 
-    return Method("reference/istio-iptables/sidecar", "reference", "reference", "sidecar", setup, teardown, verify,
-                  note=f"exec {binary}-save, ip6tables-save, {binary}-restore --noflush x2, saves again",
-                  cleanup_by_delete=True)
+    key, note = {
+        "sidecar": (REFERENCE_KEYS["sidecar"], "istio-iptables: variant detection (16 execs), saves, restore --noflush"
+                                                " x2, saves again"),
+        "core": (REFERENCE_KEYS["core"], "the same without the detection: saves, restore --noflush x2, saves again"),
+        "ambient": (REFERENCE_KEYS["ambient"], "istio-cni node agent: lo, 2 routes and 2 rules (netlink), saves,"
+                                                " restore --noflush x2 (mangle, nat)")}[kind]
+    return Method(key, "reference", "reference", "ambient" if kind == "ambient" else "sidecar", setup, teardown,
+                  verify, note=note, cleanup_by_delete=True)

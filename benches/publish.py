@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from .report import REFERENCE_KEY, _fmt, step_rows, step_section
+from .report import AMBIENT_REFERENCE_KEY, CORE_REFERENCE_KEY, REFERENCE_KEY, _fmt, step_rows, step_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "latest.json")
@@ -25,7 +25,9 @@ BACKENDS = ("iptables", "nftables", "ebpf")
 
 #: The rows of the figures table: (label, per-pod keys, the data path's case for each, or None).
 ROWS: tuple[tuple[str, tuple[str, ...], tuple[str | None, ...]], ...] = (
-    ("Istio's exec sequence (reference)", (REFERENCE_KEY,), ("reference",)),
+    ("Istio's sidecar sequence (reference)", (REFERENCE_KEY,), ("reference",)),
+    ("the same without its variant detection", (CORE_REFERENCE_KEY,), (None,)),
+    ("Istio's ambient sequence (ambient pods' reference)", (AMBIENT_REFERENCE_KEY,), (None,)),
     ("iptables (API)", ("api/iptables/sidecar",), ("iptables",)),
     ("nftables (API)", ("api/nftables/sidecar",), ("nftables",)),
     ("eBPF (API)", ("api/ebpf/sidecar",), ("ebpf",)),

@@ -6,6 +6,8 @@ import os
 import statistics
 from typing import Any
 
+from .reference import KEYS as REFERENCE_KEYS
+
 #: The benchmark's targets. Setup: backend median / reference median. Connection rate: vs direct (eBPF)
 #: or vs Istio's rules (netfilter backends). Scale: Nth pod's median setup / first pod's.
 #: The eBPF backend's per-pod setup against the iptables backend's, in the same run.
@@ -38,7 +40,19 @@ AGENT_RSS_MIB = {"ebpf": 60.0}
 AGENT_REFERENCE = "iptables"
 SCALE_TARGET = 1.2
 SCALE_TARGET_N = 1000
-REFERENCE_KEY = "reference/istio-iptables/sidecar"
+#: Istio's per-pod sequences (benches/reference.py): an ambient pod's setup is against the ambient
+#: one when it was measured, every other setup and every teardown against the sidecar one; the
+#: sidecar one without its variant detection (``core``) is reported beside it.
+REFERENCE_KEY, AMBIENT_REFERENCE_KEY, CORE_REFERENCE_KEY = (REFERENCE_KEYS[k] for k in ("sidecar", "ambient", "core"))
+
+
+def reference_for(key: str, per_pod: dict[str, Any], phase: str = "setup") -> str:
+    """The reference a per-pod method's ``phase`` is judged against: Istio's ambient sequence for an
+    ambient pod's setup (if measured), else its sidecar one."""
+    if phase == "setup" and key.endswith("/ambient") and not key.startswith("reference/") \
+            and AMBIENT_REFERENCE_KEY in per_pod:
+        return AMBIENT_REFERENCE_KEY
+    return REFERENCE_KEY
 
 
 def _median(d: dict[str, Any], key: str, phase: str = "setup") -> float | None:
@@ -70,12 +84,16 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
     per_pod = res.get("per_pod", {})
     out: dict[str, Any] = {"setup_vs_reference": {}, "teardown_vs_reference": {}, "conn_rate_vs_direct": {},
                            "conn_rate_vs_reference": {}, "nth_vs_first": {}, "sockmap_vs_direct": {}}
+    out["setup_vs_core"] = {}
+    core = _median(per_pod, CORE_REFERENCE_KEY)
     for phase in ("setup", "teardown"):
-        ref = _median(per_pod, REFERENCE_KEY, phase)
         for key in per_pod:
             v = _median(per_pod, key, phase)
+            ref = _median(per_pod, reference_for(key, per_pod, phase), phase)
             if ref and v is not None and key != REFERENCE_KEY:
                 out[f"{phase}_vs_reference"][key] = round(v / ref, 4)
+            if phase == "setup" and core and v is not None and not key.startswith("reference/"):
+                out["setup_vs_core"][key] = round(v / core, 4)
     cases = res.get("datapath", {}).get("cases", {})
     for name, c in cases.items():
         if "conn_per_s" not in c:
@@ -118,7 +136,13 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
                     add(name, f"<= {limit:g}", None, None, skipped.get(b, "not measured in this run"))
                 continue
             v = r["setup_vs_reference"][key]
-            add(name, f"<= {limit:g}", v, v <= limit)
+            add(name, f"<= {limit:g}", v, v <= limit,
+                "against istio-cni's ambient sequence" if reference_for(key, res.get("per_pod", {})) ==
+                AMBIENT_REFERENCE_KEY else "")
+            if (c := r.get("setup_vs_core", {}).get(key)) is not None:
+                add(f"{b}: per-pod setup vs Istio's sidecar sequence without its variant detection"
+                    + ("" if mode == "sidecar" else f" ({mode})"), "reported", c, None,
+                    "the 6 execs of saves and restores alone")
     per_pod = res.get("per_pod", {})
     it_ms = _median(per_pod, "api/iptables/sidecar")
     for key, target in (("api/ebpf/sidecar", EBPF_VS_IPTABLES), ("api/ebpf/sidecar-forwarding", None)):
@@ -199,7 +223,8 @@ def _fmt(x: Any, unit: str = "") -> str:
 STEPS_TITLE = "Where a fresh pod's eBPF setup goes (median µs of each step, per-pod phase)"
 STEPS_TEXT = ("Each step of the fresh-pod call (`RDR_STEP_*` in native/redirect_native.h), timed inside the"
               " call; `call` is the whole call, `outside` the rest of the setup as timed above (the Python"
-              " around the call), and the last row the call alone against Istio's sequence. Medians of"
+              " around the call), and the last row the call alone against Istio's sequence for the same kind"
+              " of pod (an ambient pod's: istio-cni's node agent's). Medians of"
               " steps do not add up to the median of the whole.")
 
 
@@ -213,9 +238,9 @@ def step_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     keys = list(stepped)
     names = [n for n in stepped[keys[0]] if n != "n"]
     rows = [[n] + [_fmt(stepped[k].get(n)) for k in keys] for n in names]
-    ref = _median(per_pod, REFERENCE_KEY)
+    refs = [_median(per_pod, reference_for(k, per_pod)) for k in keys]
     rows.append(["call vs Istio's sequence"] + [_fmt(round(stepped[k]["call"] / 1e3 / ref, 4)) if ref else "-"
-                                                for k in keys])
+                                                for k, ref in zip(keys, refs, strict=True)])
     return keys, rows
 
 

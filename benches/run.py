@@ -152,9 +152,13 @@ def discover(backends: list[str], modes: list[str], skip: set[str], notes: list[
     Anything unavailable becomes a note; nothing here raises for a backend being written."""
     from redirect.errors import BackendUnavailable
 
-    ref = reference_method()
-    podcost.warm_and_verify(ref)
-    per_pod: list[Method] = [ref]
+    per_pod: list[Method] = []
+    for kind in ("sidecar", "core", "ambient"):
+        if kind == "ambient" and "ambient" not in modes:
+            continue
+        ref = reference_method(kind)
+        podcost.warm_and_verify(ref)
+        per_pod.append(ref)
     execd: list[Method] = []
     api: list[Method] = []
     for b in backends:

@@ -262,6 +262,23 @@ def test_targets_pass_and_fail_from_the_ratios_of_one_run() -> None:
     assert status["ebpf: per-pod setup vs reference (ambient)"] == "FAIL"  # 0.012
     assert status["api/ebpf/sidecar: pod 1000 setup vs pod 1"] == "PASS"   # 1.1
     assert status["api/ebpf/ambient: pod 1000 setup vs pod 1"] == "FAIL"   # 1.3
+    # With Istio's ambient sequence measured, an ambient pod's setup is judged against it (its
+    # teardown still against the sidecar cleanup), and Istio's sidecar sequence without its variant
+    # detection is reported beside each eBPF row.
+    res = _synthetic({report.REFERENCE_KEY: 50.0, report.AMBIENT_REFERENCE_KEY: 10.0, report.CORE_REFERENCE_KEY: 12.0,
+                      "api/ebpf/sidecar": 0.3, "api/ebpf/ambient": 0.3}, {}, {})
+    res["skipped_backends"] = {}
+    r = report.ratios(res)
+    assert r["setup_vs_reference"]["api/ebpf/sidecar"] == pytest.approx(0.006)
+    assert r["setup_vs_reference"]["api/ebpf/ambient"] == pytest.approx(0.03)
+    assert r["teardown_vs_reference"]["api/ebpf/ambient"] == pytest.approx(0.006)
+    assert r["setup_vs_reference"][report.AMBIENT_REFERENCE_KEY] == pytest.approx(0.2)
+    rows = {t["name"]: t for t in report.targets(res, r)}
+    assert rows["ebpf: per-pod setup vs reference"]["status"] == "PASS"
+    assert rows["ebpf: per-pod setup vs reference (ambient)"]["status"] == "FAIL"
+    assert "ambient sequence" in rows["ebpf: per-pod setup vs reference (ambient)"]["note"]
+    core = rows["ebpf: per-pod setup vs Istio's sidecar sequence without its variant detection"]
+    assert core["status"] == "n/a" and core["measured"] == pytest.approx(0.025)
 
 
 @needs_root
