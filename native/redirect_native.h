@@ -136,11 +136,12 @@ struct rdr_tc_made {
 	int side[2];             /* ingress [0], egress [1]: 0 untouched, 1 our filter made, 2 one of ours
 				  * replaced (by the program and classid below, put back by an undo) */
 	int old_fd[2];           /* the replaced filter's program, held open (-1: none) */
-	uint32_t old_classid[2];
+	uint32_t old_classid[2]; /* and its classid (its major: whether the qdisc is ours) */
 };
 
 /* What held our filters' place when rdr_tc_attach failed with -EEXIST (what = 0: nothing found). */
-#define RDR_TC_BLAME_FILTER 1 /* a filter that is not ours at our priority on one side (kind, protocol) */
+#define RDR_TC_BLAME_FILTER 1 /* a filter that is not ours at our priority on one side, in ours' place or
+			       * beside it (kind, protocol, handle) */
 #define RDR_TC_BLAME_QDISC 2  /* a qdisc of another kind where the clsact qdisc goes (an ingress one) */
 #define RDR_TC_BLAME_LINK 3   /* (-EPFNOSUPPORT) a link type whose header the tc programs cannot step
 			       * over: its ARPHRD_* in protocol */
@@ -149,6 +150,7 @@ struct rdr_tc_blame {
 	int what;                /* RDR_TC_BLAME_*, or 0 */
 	int egress;              /* the filter's side */
 	uint32_t protocol;       /* the filter's protocol (ETH_P_*, host order) */
+	uint32_t handle;         /* the filter's handle (0: not known) */
 	char kind[16];           /* the filter's kind, or the qdisc's */
 	char ifname[16];         /* the interface's name ("" if it could not be read) */
 };
@@ -156,20 +158,21 @@ struct rdr_tc_blame {
 /* Our filters on ifindex (in the calling thread's netns), made or replaced: prog_in on ingress,
  * prog_out on egress, both with classid (the pod's pool slot + 1; RDR_TC_NO_L2 added here for an
  * interface without a link-layer header, -EPFNOSUPPORT for a link type the programs cannot
- * parse, described in *blame), in its clsact qdisc (made if
- * missing). 0 with what it changed in *made (rdr_tc_undo takes it back; rdr_tc_keep once it
+ * parse, described in *blame), in its clsact qdisc (made if missing; our filters record whether
+ * they made it). 0 with what it changed in *made (rdr_tc_undo takes it back; rdr_tc_keep once it
  * stays), or -errno with nothing of this call's left: -EEXIST when something not ours holds our
- * place (a filter at our priority on one side, of any kind or protocol, or another qdisc where
- * the clsact qdisc goes), described in *blame (if not NULL). */
+ * place (a filter at our priority on one side, of any kind or protocol, where ours goes or beside
+ * it, or another qdisc where the clsact qdisc goes), described in *blame (if not NULL). */
 int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, struct rdr_tc_made *made,
 		  struct rdr_tc_blame *blame);
 /* Take back what an rdr_tc_attach made (*made): a filter it made goes, one of ours it replaced is
- * put back, and the clsact qdisc goes if it made it and nothing is left in it. Nothing else of the
+ * put back, and the clsact qdisc goes if it made it and nothing else is in it. Nothing else of the
  * interface is touched. */
 void rdr_tc_undo(struct rdr_tc_made *made);
 /* Keep what an rdr_tc_attach made: the programs held for an undo are let go. */
 void rdr_tc_keep(struct rdr_tc_made *made);
-/* Our filters off ifindex, and the clsact qdisc when no filter is left in it: 0 or -errno. */
+/* Our filters off ifindex, and the clsact qdisc with them when it is ours (made by our setup, as
+ * our filters record) and holds nothing else (a filter or chain not ours): 0 or -errno. */
 int rdr_tc_detach(int ifindex);
 /* rdr_tc_detach on every interface of the calling thread's netns but lo: how many had ours, or
  * -errno. However many interfaces and qdiscs there are (the list of clsact qdiscs grows). */
@@ -178,6 +181,7 @@ int rdr_tc_detach_all(void);
 struct rdr_tc_filter {
 	int ifindex;
 	uint32_t prog_in, classid_in, prog_out, classid_out;
+	uint32_t others; /* bit 0 ingress, bit 1 egress: a filter not ours at our priority there */
 };
 
 /* Our filters in the calling thread's netns: how many interfaces have ours (the first max of them

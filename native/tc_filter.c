@@ -2,13 +2,22 @@
  * the cls_bpf filters that run the shared tc programs there.
  *
  * A filter of ours sits in the interface's clsact qdisc (made if missing) at priority
- * RDR_TC_PRIO, handle 1, protocol all, in direct-action mode, named after its program
+ * RDR_TC_PRIO, handle 1, protocol all, in direct-action mode, in chain 0, named after its program
  * ("rdr_tc_ingress", "rdr_tc_egress"); its classid's minor is the pod's pool slot plus one, which
- * the kernel hands the program as skb->tc_classid. Filters are not tcx links: attaching a tcx link
- * waits for an RCU grace period (a swap of the device's program array, then synchronize_rcu),
- * which a filter's netlink request does not (docs/kernel-facts.md has the figures and how to
- * measure them). The kernel removes
- * the qdisc and its filters with the interface, and when the interface moves to another netns.
+ * the kernel hands the program as skb->tc_classid (16 bits: the minor alone), and its major says
+ * whether the clsact qdisc is ours (QDISC_OURS: made by the send that made the filter) or not
+ * (QDISC_NOT_OURS: a qdisc that was there; and every filter made before the major said so, where
+ * it cannot be told). The qdisc goes with our filters only when one of them says it is ours and
+ * nothing else is in it: a pod's own clsact qdisc stays, empty or not. The record lives in our
+ * filters, so it lasts exactly as long as they do, and a kill anywhere leaves none that says
+ * wrong: a filter says it from the moment it is made, and the qdisc goes in one request with the
+ * filters. A filter not ours at our priority (of any kind or protocol, in our filter's place or
+ * beside it) is in the way: setup fails naming it; it is never touched.
+ *
+ * Filters are not tcx links: attaching a tcx link waits for an RCU grace period (a swap of the
+ * device's program array, then synchronize_rcu), which a filter's netlink request does not
+ * (docs/kernel-facts.md has the figures and how to measure them). The kernel removes the qdisc and
+ * its filters with the interface, and when the interface moves to another netns.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -40,6 +49,10 @@
 #define TC_NAME_IN "rdr_tc_ingress"
 #define TC_NAME_OUT "rdr_tc_egress"
 
+/* A filter's classid's major: whether the clsact qdisc it is in is ours (the file's comment). */
+#define QDISC_NOT_OURS (1U << 16)
+#define QDISC_OURS (2U << 16)
+
 static void tc_req(struct rdr_nlreq *r, uint16_t type, uint16_t flags, int ifindex, uint32_t parent,
 		   uint32_t handle, uint32_t info)
 {
@@ -59,56 +72,197 @@ static uint32_t parent_of(int egress)
 	return TC_H_MAKE(TC_H_CLSACT, egress ? TC_H_MIN_EGRESS : TC_H_MIN_INGRESS);
 }
 
-/* Our filter's place on one side of the interface: prog_id and classid of the filter there (0
- * and *ours = 1 when it is one of ours, by name), or -ENOENT (no filter there, or no qdisc). */
-static int query(int s, int ifindex, int egress, uint32_t *prog_id, uint32_t *classid, int *ours)
+static int qdisc_ours(uint32_t classid)
 {
-	struct rdr_nlreq r;
-	char reply[4096] __attribute__((aligned(8)));
-	struct nlmsghdr *h = (struct nlmsghdr *)reply;
-	struct rtattr *rta;
-	int len, ret;
+	return TC_H_MAJ(classid) == QDISC_OURS;
+}
 
-	*prog_id = *classid = 0;
-	*ours = 0;
-	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 1, our_info());
-	rdr_nl_attr(&r, TCA_KIND, "bpf", 4);
-	ret = rdr_nl_talk(s, &r.h, reply, sizeof(reply));
-	if (ret == -EINVAL) /* no clsact qdisc on the interface */
-		return -ENOENT;
-	if (ret < 0)
-		return ret;
-	if (h->nlmsg_type != RTM_NEWTFILTER)
-		return -EPROTO;
-	len = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct tcmsg));
-	for (rta = (struct rtattr *)((char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct tcmsg))); RTA_OK(rta, len);
+/* rdr_nl_dump of r with a buffer of two datagrams of a page each. */
+static int nl_dump(int s, struct rdr_nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
+{
+	char buf[2][8192] __attribute__((aligned(8)));
+
+	return rdr_nl_dump(s, &r->h, buf[0], sizeof(buf[0]), each, arg);
+}
+
+/* A string attribute's value into out (cut short to size - 1 bytes, NUL-terminated). */
+static void copy_str(const struct rtattr *rta, char *out, size_t size)
+{
+	size_t n = RTA_PAYLOAD(rta);
+
+	if (n >= size)
+		n = size - 1;
+	memcpy(out, RTA_DATA(rta), n);
+	out[n] = 0;
+}
+
+static int attr_str(const struct nlmsghdr *h, size_t hdr, unsigned short type, char *out, size_t size)
+{
+	int len = (int)h->nlmsg_len - (int)NLMSG_LENGTH(hdr);
+	const struct rtattr *rta;
+
+	for (rta = (const struct rtattr *)((const char *)NLMSG_DATA(h) + NLMSG_ALIGN(hdr)); RTA_OK(rta, len);
 	     rta = RTA_NEXT(rta, len)) {
-		struct rtattr *o;
-		int olen;
-
-		if ((rta->rta_type & ~NLA_F_NESTED) != TCA_OPTIONS)
-			continue;
-		olen = (int)RTA_PAYLOAD(rta);
-		for (o = RTA_DATA(rta); RTA_OK(o, olen); o = RTA_NEXT(o, olen)) {
-			if (o->rta_type == TCA_BPF_ID && RTA_PAYLOAD(o) >= 4)
-				memcpy(prog_id, RTA_DATA(o), 4);
-			else if (o->rta_type == TCA_BPF_CLASSID && RTA_PAYLOAD(o) >= 4)
-				memcpy(classid, RTA_DATA(o), 4);
-			else if (o->rta_type == TCA_BPF_NAME) {
-				const char *want = egress ? TC_NAME_OUT : TC_NAME_IN;
-
-				*ours = RTA_PAYLOAD(o) >= strlen(want) + 1 &&
-					strncmp(RTA_DATA(o), want, strlen(want) + 1) == 0;
-			}
+		if (rta->rta_type == type) {
+			copy_str(rta, out, size);
+			return 1;
 		}
 	}
 	return 0;
 }
 
+/* One side of an interface's clsact qdisc, as a dump of its filters shows it (look). */
+struct look {
+	int egress;
+	int ours;                  /* our filter is there */
+	uint32_t prog_id, classid; /* its program and classid */
+	int beside;                /* a filter not ours at our priority in chain 0 (in our filter's place
+				    * or beside it) */
+	uint32_t handle;           /* the first such filter's handle */
+	uint16_t protocol;         /* the protocol and kind at our priority in chain 0 (its filters share them) */
+	char kind[16];
+	int elsewhere;             /* a filter at another priority or in another chain (a whole look) */
+};
+
+static int on_look(void *arg, const struct nlmsghdr *h)
+{
+	struct look *l = arg;
+	const struct tcmsg *t = NLMSG_DATA(h);
+	const char *want = l->egress ? TC_NAME_OUT : TC_NAME_IN;
+	const struct rtattr *rta;
+	uint32_t chain = 0, id = 0, cid = 0;
+	char kind[16] = "";
+	int len, named = 0;
+
+	if (h->nlmsg_type != RTM_NEWTFILTER || h->nlmsg_len < NLMSG_LENGTH(sizeof(*t)))
+		return 0;
+	len = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(*t));
+	for (rta = (const struct rtattr *)((const char *)t + NLMSG_ALIGN(sizeof(*t))); RTA_OK(rta, len);
+	     rta = RTA_NEXT(rta, len)) {
+		const struct rtattr *o;
+		int olen;
+
+		switch (rta->rta_type & ~NLA_F_NESTED) {
+		case TCA_CHAIN:
+			if (RTA_PAYLOAD(rta) >= 4)
+				memcpy(&chain, RTA_DATA(rta), 4);
+			break;
+		case TCA_KIND:
+			copy_str(rta, kind, sizeof(kind));
+			break;
+		case TCA_OPTIONS:
+			olen = (int)RTA_PAYLOAD(rta);
+			for (o = RTA_DATA(rta); RTA_OK(o, olen); o = RTA_NEXT(o, olen)) {
+				if (o->rta_type == TCA_BPF_ID && RTA_PAYLOAD(o) >= 4)
+					memcpy(&id, RTA_DATA(o), 4);
+				else if (o->rta_type == TCA_BPF_CLASSID && RTA_PAYLOAD(o) >= 4)
+					memcpy(&cid, RTA_DATA(o), 4);
+				else if (o->rta_type == TCA_BPF_NAME)
+					named = RTA_PAYLOAD(o) >= strlen(want) + 1 &&
+						strncmp(RTA_DATA(o), want, strlen(want) + 1) == 0;
+			}
+			break;
+		}
+	}
+	if (chain != 0 || TC_H_MAJ(t->tcm_info) != (uint32_t)RDR_TC_PRIO << 16) {
+		l->elsewhere = 1;
+		return 0;
+	}
+	if (!l->kind[0]) {
+		memcpy(l->kind, kind, sizeof(l->kind));
+		l->protocol = ntohs((uint16_t)TC_H_MIN(t->tcm_info));
+	}
+	if (t->tcm_handle == 0) /* (the priority's own entry: its kind and protocol) */
+		return 0;
+	if (t->tcm_handle == 1 && named && strcmp(kind, "bpf") == 0) {
+		l->ours = 1;
+		l->prog_id = id;
+		l->classid = cid;
+	} else if (!l->beside) {
+		l->beside = 1;
+		l->handle = t->tcm_handle;
+	}
+	return 0;
+}
+
+/* One side of the interface's clsact qdisc: what is at our priority in chain 0 (whole: and whether
+ * anything is elsewhere), in *l (nothing there when there is no qdisc). 0, or -errno. */
+static int look(int s, int ifindex, int egress, int whole, struct look *l)
+{
+	struct rdr_nlreq r;
+	uint32_t chain = 0;
+	int ret;
+
+	memset(l, 0, sizeof(*l));
+	l->egress = egress;
+	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 0,
+	       whole ? 0 : TC_H_MAKE((uint32_t)RDR_TC_PRIO << 16, 0));
+	if (!whole)
+		rdr_nl_attr(&r, TCA_CHAIN, &chain, 4);
+	ret = nl_dump(s, &r, on_look, l);
+	return ret == -EINVAL || ret == -ENOENT || ret == -ENODEV ? 0 : ret; /* (no qdisc, or no interface) */
+}
+
+static int on_chain(void *arg, const struct nlmsghdr *h)
+{
+	const struct rtattr *rta;
+	int len;
+
+	if (h->nlmsg_type != RTM_NEWCHAIN || h->nlmsg_len < NLMSG_LENGTH(sizeof(struct tcmsg)))
+		return 0;
+	len = (int)h->nlmsg_len - NLMSG_LENGTH(sizeof(struct tcmsg));
+	for (rta = (const struct rtattr *)((const char *)NLMSG_DATA(h) + NLMSG_ALIGN(sizeof(struct tcmsg)));
+	     RTA_OK(rta, len); rta = RTA_NEXT(rta, len)) {
+		uint32_t idx = 0;
+
+		if (rta->rta_type == TCA_KIND) /* (a template) */
+			*(int *)arg = 1;
+		if (rta->rta_type == TCA_CHAIN && RTA_PAYLOAD(rta) >= 4) {
+			memcpy(&idx, RTA_DATA(rta), 4);
+			if (idx != 0)
+				*(int *)arg = 1;
+		}
+	}
+	return 0;
+}
+
+/* Whether the interface's clsact qdisc holds anything not ours: a filter (ours: at our priority,
+ * handle 1, by name), or a chain someone made (one but chain 0, or chain 0 with a template). 0
+ * only when it holds nothing else (1 when that cannot be read: what cannot be read is not taken). */
+static int holds_others(int s, int ifindex)
+{
+	for (int side = 0; side < 2; side++) {
+		struct rdr_nlreq r;
+		struct look l;
+		int chains = 0, ret = look(s, ifindex, side, 1, &l);
+
+		if (ret < 0 || l.beside || l.elsewhere)
+			return 1;
+		tc_req(&r, RTM_GETCHAIN, 0, ifindex, parent_of(side), 0, 0);
+		ret = nl_dump(s, &r, on_chain, &chains);
+		if ((ret < 0 && ret != -EINVAL && ret != -ENOENT) || chains)
+			return 1;
+	}
+	return 0;
+}
+
+/* The interface's clsact qdisc, and whatever is in it: 0 (gone, or not there), or -errno. */
+static int del_qdisc(int s, int ifindex)
+{
+	struct rdr_nlreq r;
+	int ret;
+
+	tc_req(&r, RTM_DELQDISC, 0, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
+	rdr_nl_attr(&r, TCA_KIND, "clsact", 7);
+	ret = rdr_nl_talk(s, &r.h, NULL, 0);
+	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
+}
+
+/* A request for our filter on one side, with classid (its major included). */
 static void filter_req(struct rdr_nlreq *r, uint16_t flags, int ifindex, int egress, int prog_fd, uint32_t classid)
 {
 	const char *name = egress ? TC_NAME_OUT : TC_NAME_IN;
-	uint32_t fd = (uint32_t)prog_fd, bpf_flags = TCA_BPF_FLAG_ACT_DIRECT, cls = TC_H_MAKE(1U << 16, classid);
+	uint32_t fd = (uint32_t)prog_fd, bpf_flags = TCA_BPF_FLAG_ACT_DIRECT;
 	struct rtattr *opts;
 
 	tc_req(r, RTM_NEWTFILTER, NLM_F_CREATE | flags, ifindex, parent_of(egress), 1, our_info());
@@ -117,30 +271,33 @@ static void filter_req(struct rdr_nlreq *r, uint16_t flags, int ifindex, int egr
 	rdr_nl_attr(r, TCA_BPF_FD, &fd, 4);
 	rdr_nl_attr(r, TCA_BPF_NAME, name, strlen(name) + 1);
 	rdr_nl_attr(r, TCA_BPF_FLAGS, &bpf_flags, 4);
-	rdr_nl_attr(r, TCA_BPF_CLASSID, &cls, 4);
+	rdr_nl_attr(r, TCA_BPF_CLASSID, &classid, 4);
 	rdr_nl_nest_end(r, opts);
 }
 
-/* Our filter on one side, where one of ours is (another's there: -EEXIST, left alone): replaced,
- * its program held open (*old_fd, -1 if it is gone already) and its classid kept (*old_cid) for an
- * undo. */
+/* Our filter on one side, where one of ours is, alone at our priority (another's there or beside
+ * it: -EEXIST, left alone): replaced, with classid's minor and its own major (whether the qdisc is
+ * ours does not change), its program held open (*old_fd, -1 if it is gone already) and its classid
+ * kept (*old_cid) for an undo. */
 static int replace_filter(int s, int ifindex, int egress, int prog_fd, uint32_t classid, int *old_fd,
 			  uint32_t *old_cid)
 {
 	struct rdr_nlreq r;
-	uint32_t id, cid;
-	int ret, ours;
+	struct look l;
+	int ret = look(s, ifindex, egress, 0, &l);
 
-	ret = query(s, ifindex, egress, &id, &cid, &ours);
 	if (ret < 0)
-		return ret == -ENOENT ? -EAGAIN : ret;
-	if (!ours)
+		return ret;
+	if (l.beside)
 		return -EEXIST;
-	*old_fd = id ? rdr_bpf_prog_get_fd_by_id(id) : -1;
+	if (!l.ours) /* (gone since the add found it) */
+		return -EAGAIN;
+	*old_fd = l.prog_id ? rdr_bpf_prog_get_fd_by_id(l.prog_id) : -1;
 	if (*old_fd < 0)
 		*old_fd = -1;
-	*old_cid = TC_H_MIN(cid);
-	filter_req(&r, 0, ifindex, egress, prog_fd, classid);
+	*old_cid = l.classid;
+	filter_req(&r, 0, ifindex, egress, prog_fd,
+		   TC_H_MAKE(qdisc_ours(l.classid) ? QDISC_OURS : QDISC_NOT_OURS, classid));
 	ret = rdr_nl_talk(s, &r.h, NULL, 0);
 	if (ret < 0 && *old_fd >= 0) {
 		close(*old_fd);
@@ -161,79 +318,18 @@ static int del_ours(int s, int ifindex, int egress)
 	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
 }
 
-/* Our filter off one side, if one of ours is there (another's is left alone): 1 taken off, 0 none
- * of ours, or -errno. */
-static int del_filter(int s, int ifindex, int egress)
-{
-	uint32_t id, cid;
-	int ret, ours;
-
-	ret = query(s, ifindex, egress, &id, &cid, &ours);
-	if (ret < 0)
-		return ret == -ENOENT ? 0 : ret;
-	if (!ours)
-		return 0;
-	ret = del_ours(s, ifindex, egress);
-	return ret < 0 ? ret : 1;
-}
-
-/* rdr_nl_dump of r with a buffer of two datagrams of a page each. */
-static int nl_dump(int s, struct rdr_nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
-{
-	char buf[2][8192] __attribute__((aligned(8)));
-
-	return rdr_nl_dump(s, &r->h, buf[0], sizeof(buf[0]), each, arg);
-}
-
-static int on_filter(void *arg, const struct nlmsghdr *h)
-{
-	if (h->nlmsg_type == RTM_NEWTFILTER)
-		*(int *)arg = 1;
-	return 0;
-}
-
-/* Whether one side of the interface's clsact qdisc has any filter. */
-static int side_used(int s, int ifindex, int egress)
-{
-	struct rdr_nlreq r;
-	int used = 0, ret;
-
-	tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 0, 0);
-	ret = nl_dump(s, &r, on_filter, &used);
-	if (ret == -EINVAL) /* no qdisc */
-		return 0;
-	return ret < 0 ? ret : used;
-}
-
-/* The clsact qdisc, when no filter is left on either side of it. */
-static int drop_qdisc_if_empty(int s, int ifindex)
-{
-	struct rdr_nlreq r;
-	int in, out, ret;
-
-	in = side_used(s, ifindex, 0);
-	out = in ? in : side_used(s, ifindex, 1);
-	if (in < 0 || out < 0)
-		return in < 0 ? in : out;
-	if (in || out)
-		return 0;
-	tc_req(&r, RTM_DELQDISC, 0, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
-	rdr_nl_attr(&r, TCA_KIND, "clsact", 7);
-	ret = rdr_nl_talk(s, &r.h, NULL, 0);
-	return ret == -ENOENT || ret == -EINVAL ? 0 : ret;
-}
-
 /* An ack (the error and the request again) of one of our requests, rounded up to 8 bytes. */
 #define ACK_MAX ((NLMSG_LENGTH(sizeof(struct nlmsgerr)) + sizeof(struct rdr_nlreq) + 256 + 7) & ~(size_t)7)
+#define BATCH_MAX 5
 
 /* The requests in one send, each acked: the answers (0 or -errno) in order. */
 static int nl_batch(int s, struct rdr_nlreq *reqs, int n, int *answers)
 {
-	char out[3 * sizeof(struct rdr_nlreq)] __attribute__((aligned(8)));
-	char buf[3][ACK_MAX] __attribute__((aligned(8)));
+	char out[BATCH_MAX * sizeof(struct rdr_nlreq)] __attribute__((aligned(8)));
+	char buf[BATCH_MAX][ACK_MAX] __attribute__((aligned(8)));
 	size_t len = 0;
 
-	if (n > 3)
+	if (n > BATCH_MAX)
 		return -EINVAL;
 	for (int i = 0; i < n; i++) {
 		reqs[i].h.nlmsg_flags |= NLM_F_ACK;
@@ -241,39 +337,6 @@ static int nl_batch(int s, struct rdr_nlreq *reqs, int n, int *answers)
 		len += NLMSG_ALIGN(reqs[i].h.nlmsg_len);
 	}
 	return rdr_nl_batch(s, out, len, n, answers, buf[0], sizeof(buf[0]));
-}
-
-static int attr_str(const struct nlmsghdr *h, size_t hdr, unsigned short type, char *out, size_t size)
-{
-	int len = (int)h->nlmsg_len - (int)NLMSG_LENGTH(hdr);
-	const struct rtattr *rta;
-
-	for (rta = (const struct rtattr *)((const char *)NLMSG_DATA(h) + NLMSG_ALIGN(hdr)); RTA_OK(rta, len);
-	     rta = RTA_NEXT(rta, len)) {
-		size_t n = RTA_PAYLOAD(rta);
-
-		if (rta->rta_type != type)
-			continue;
-		if (n >= size)
-			n = size - 1;
-		memcpy(out, RTA_DATA(rta), n);
-		out[n] = 0;
-		return 1;
-	}
-	return 0;
-}
-
-static int on_first_filter(void *arg, const struct nlmsghdr *h)
-{
-	struct rdr_tc_blame *b = arg;
-
-	if (b->what || h->nlmsg_type != RTM_NEWTFILTER || h->nlmsg_len < NLMSG_LENGTH(sizeof(struct tcmsg)))
-		return 0;
-	/* (the first is the priority's own: its kind and protocol; the dump is read to its end) */
-	b->protocol = ntohs((uint16_t)TC_H_MIN(((const struct tcmsg *)NLMSG_DATA(h))->tcm_info));
-	attr_str(h, sizeof(struct tcmsg), TCA_KIND, b->kind, sizeof(b->kind));
-	b->what = RDR_TC_BLAME_FILTER;
-	return 0;
 }
 
 static int on_ingress_qdisc(void *arg, const struct nlmsghdr *h)
@@ -291,25 +354,29 @@ static int on_ingress_qdisc(void *arg, const struct nlmsghdr *h)
 
 extern char *if_indextoname(unsigned int ifindex, char *ifname); /* (<net/if.h> clashes with <linux/if.h>) */
 
-/* What holds our place on one side of the interface, where adding our filter failed with err
- * (EEXIST: a filter at our priority and handle that is not ours; EINVAL: one of another kind or
- * protocol at our priority, or no clsact qdisc): in b, and -EEXIST; else err. Only looked at on
- * failure: another qdisc where the clsact qdisc goes (an ingress qdisc, whose one block takes the
- * filters of both sides), else the filters at our priority on that side. */
+/* What holds our place on one side of the interface, where putting our filter there failed with
+ * err (EEXIST: a filter at our priority and handle that is not ours, or one beside ours; EINVAL:
+ * one of another kind or protocol at our priority, or no clsact qdisc): in b, and -EEXIST; else
+ * err. Only looked at on failure: another qdisc where the clsact qdisc goes (an ingress qdisc,
+ * whose one block takes the filters of both sides), else a filter not ours at our priority on
+ * that side (its handle, or 0 when only the priority's kind and protocol are known). */
 static int blame(int s, int ifindex, int egress, int err, struct rdr_tc_blame *b)
 {
 	struct rdr_tc_blame found;
 	struct rdr_nlreq r;
+	struct look l;
 
 	memset(&found, 0, sizeof(found));
 	found.ifindex = ifindex;
 	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0); /* (a get of it went unanswered on 6.18: the dump) */
 	nl_dump(s, &r, on_ingress_qdisc, &found);
-	if (!found.what) {
+	if (!found.what && look(s, ifindex, egress, 0, &l) == 0 && (l.beside || (l.kind[0] && !l.ours))) {
 		memset(&found, 0, sizeof(found));
-		tc_req(&r, RTM_GETTFILTER, 0, ifindex, parent_of(egress), 0, TC_H_MAKE((uint32_t)RDR_TC_PRIO << 16, 0));
-		nl_dump(s, &r, on_first_filter, &found);
+		found.what = RDR_TC_BLAME_FILTER;
 		found.egress = egress;
+		found.protocol = l.protocol;
+		found.handle = l.beside ? l.handle : 0;
+		memcpy(found.kind, l.kind, sizeof(found.kind));
 	}
 	if (!found.what)
 		return err;
@@ -343,8 +410,8 @@ static void undo_on(int s, struct rdr_tc_made *m)
 		if (m->side[side]) /* made here (or not to be put back: its program is gone) */
 			del_ours(s, m->ifindex, side);
 	}
-	if (m->qdisc)
-		drop_qdisc_if_empty(s, m->ifindex);
+	if (m->qdisc && !holds_others(s, m->ifindex))
+		del_qdisc(s, m->ifindex);
 	rdr_tc_keep(m);
 	memset(m->side, 0, sizeof(m->side));
 	m->qdisc = 0;
@@ -361,6 +428,7 @@ void rdr_tc_undo(struct rdr_tc_made *m)
 	undo_on(s, m);
 	close(s);
 }
+
 
 /* Where the IP header of the interface's packets starts, as the tc programs see them: 0 behind an
  * Ethernet header (Ethernet, loopback), RDR_TC_NO_L2 when there is none (tun, IP tunnels), else
@@ -406,8 +474,8 @@ static int link_l2(int s, int ifindex, struct rdr_tc_blame *b)
 int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, struct rdr_tc_made *m,
 		  struct rdr_tc_blame *b)
 {
-	struct rdr_nlreq reqs[3];
-	int s = rdr_nl_socket(NETLINK_ROUTE), ret, ans[3];
+	struct rdr_nlreq reqs[5];
+	int s = rdr_nl_socket(NETLINK_ROUTE), ret, ans[5];
 
 	memset(m, 0, sizeof(*m));
 	m->ifindex = ifindex;
@@ -418,27 +486,41 @@ int rdr_tc_attach(int ifindex, int prog_in, int prog_out, uint32_t classid, stru
 	if (ret < 0)
 		goto out;
 	classid |= (uint32_t)ret;
-	/* The qdisc (made unless there) and both filters (made unless there: a place taken, by ours
-	 * or another's, is looked at below), in one send. */
-	tc_req(&reqs[0], RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
-	rdr_nl_attr(&reqs[0], TCA_KIND, "clsact", 7);
-	filter_req(&reqs[1], NLM_F_EXCL, ifindex, 0, prog_in, classid);
-	filter_req(&reqs[2], NLM_F_EXCL, ifindex, 1, prog_out, classid);
-	ret = nl_batch(s, reqs, 3, ans);
-	if (ret < 0)
-		goto out;
-	m->qdisc = ans[0] == 0;
-	ret = ans[0] == -EEXIST ? 0 : ans[0];
-	for (int side = 0; side < 2; side++) /* (a filter made here is undone, whatever else failed) */
-		if (ans[1 + side] == 0)
+	/* In one send: each filter before the qdisc, made only in a clsact qdisc that was there (it
+	 * says so: QDISC_NOT_OURS); the qdisc, made unless there; each filter again, made only where
+	 * the first failed, which it does where there was no qdisc, and then the qdisc was made here
+	 * (it says so: QDISC_OURS). A place taken, by ours or another's, is looked at below. */
+	filter_req(&reqs[0], NLM_F_EXCL, ifindex, 0, prog_in, TC_H_MAKE(QDISC_NOT_OURS, classid));
+	filter_req(&reqs[1], NLM_F_EXCL, ifindex, 1, prog_out, TC_H_MAKE(QDISC_NOT_OURS, classid));
+	tc_req(&reqs[2], RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, ifindex, TC_H_CLSACT, TC_H_MAKE(TC_H_CLSACT, 0), 0);
+	rdr_nl_attr(&reqs[2], TCA_KIND, "clsact", 7);
+	filter_req(&reqs[3], NLM_F_EXCL, ifindex, 0, prog_in, TC_H_MAKE(QDISC_OURS, classid));
+	filter_req(&reqs[4], NLM_F_EXCL, ifindex, 1, prog_out, TC_H_MAKE(QDISC_OURS, classid));
+	ret = nl_batch(s, reqs, 5, ans);
+	m->qdisc = ans[2] == 0; /* (what was made is undone, whatever else failed) */
+	for (int side = 0; side < 2; side++)
+		if (ans[side] == 0 || ans[3 + side] == 0)
 			m->side[side] = 1;
+	if (ret == 0)
+		ret = ans[2] == -EEXIST ? 0 : ans[2];
 	for (int side = 0; side < 2 && ret == 0; side++) {
-		ret = ans[1 + side];
-		if (ret == -EEXIST) {
-			ret = replace_filter(s, ifindex, side, side ? prog_out : prog_in, classid, &m->old_fd[side],
-					     &m->old_classid[side]);
-			if (ret == 0)
-				m->side[side] = 2;
+		struct look l;
+
+		if (ans[side] == 0) { /* made in a qdisc that was there: alone at our priority? */
+			ret = look(s, ifindex, side, 0, &l);
+			if (ret == 0 && l.beside)
+				ret = -EEXIST;
+		} else if (ans[3 + side] == 0) {
+			/* (made saying the qdisc is ours: true unless another made it between the two) */
+			ret = m->qdisc ? 0 : -EAGAIN;
+		} else {
+			ret = ans[3 + side];
+			if (ret == -EEXIST) {
+				ret = replace_filter(s, ifindex, side, side ? prog_out : prog_in, classid,
+						     &m->old_fd[side], &m->old_classid[side]);
+				if (ret == 0)
+					m->side[side] = 2;
+			}
 		}
 		if (ret == -EEXIST || ret == -EINVAL)
 			ret = blame(s, ifindex, side, ret, b);
@@ -450,17 +532,41 @@ out:
 	return ret;
 }
 
+/* Our filters off the interface: with the clsact qdisc, in one request, when one of them says the
+ * qdisc is ours and it holds nothing else; else each alone (the qdisc stays). 1 (ours were there),
+ * 0 (none of ours), or -errno. */
+static int detach_on(int s, int ifindex)
+{
+	struct look l[2];
+	int ret, mine = 0;
+
+	for (int side = 0; side < 2; side++) {
+		ret = look(s, ifindex, side, 0, &l[side]);
+		if (ret < 0)
+			return ret;
+		mine |= l[side].ours && qdisc_ours(l[side].classid);
+	}
+	if (!l[0].ours && !l[1].ours)
+		return 0;
+	if (mine && !holds_others(s, ifindex)) {
+		ret = del_qdisc(s, ifindex);
+		return ret < 0 ? ret : 1;
+	}
+	for (int side = 0; side < 2; side++) {
+		ret = l[side].ours ? del_ours(s, ifindex, side) : 0;
+		if (ret < 0)
+			return ret;
+	}
+	return 1;
+}
+
 int rdr_tc_detach(int ifindex)
 {
 	int s = rdr_nl_socket(NETLINK_ROUTE), ret;
 
 	if (s < 0)
 		return s;
-	ret = del_filter(s, ifindex, 0);
-	if (ret >= 0)
-		ret = del_filter(s, ifindex, 1);
-	if (ret >= 0)
-		ret = drop_qdisc_if_empty(s, ifindex);
+	ret = detach_on(s, ifindex);
 	close(s);
 	return ret < 0 ? ret : 0;
 }
@@ -526,14 +632,23 @@ static int list_ours(int s, struct rdr_tc_filter *out, int max)
 
 	for (int i = 0; ret == 0 && i < l.n; i++) {
 		struct rdr_tc_filter f = {.ifindex = l.idx[i]};
-		int ours_in = 0, ours_out = 0;
+		struct look in, eg;
 
-		if (query(s, l.idx[i], 0, &f.prog_in, &f.classid_in, &ours_in) < 0 || !ours_in)
-			f.prog_in = f.classid_in = 0;
-		if (query(s, l.idx[i], 1, &f.prog_out, &f.classid_out, &ours_out) < 0 || !ours_out)
-			f.prog_out = f.classid_out = 0;
-		if (!f.prog_in && !f.prog_out)
+		if (look(s, l.idx[i], 0, 0, &in) < 0)
+			memset(&in, 0, sizeof(in));
+		if (look(s, l.idx[i], 1, 0, &eg) < 0)
+			memset(&eg, 0, sizeof(eg));
+		if (!in.ours && !eg.ours)
 			continue;
+		if (in.ours) {
+			f.prog_in = in.prog_id;
+			f.classid_in = in.classid;
+		}
+		if (eg.ours) {
+			f.prog_out = eg.prog_id;
+			f.classid_out = eg.classid;
+		}
+		f.others = (in.beside ? 1U : 0U) | (eg.beside ? 2U : 0U);
 		if (found < max)
 			out[found] = f;
 		found++;
@@ -562,13 +677,9 @@ int rdr_tc_detach_all(void)
 		return s;
 	ret = clsact_interfaces(s, &l);
 	for (int i = 0; ret == 0 && i < l.n; i++) {
-		int in = del_filter(s, l.idx[i], 0), out = in < 0 ? in : del_filter(s, l.idx[i], 1);
-
-		ret = in < 0 ? in : out < 0 ? out : 0;
-		if (ret == 0 && (in || out)) {
-			n++;
-			ret = drop_qdisc_if_empty(s, l.idx[i]);
-		}
+		ret = detach_on(s, l.idx[i]);
+		n += ret > 0;
+		ret = ret < 0 ? ret : 0;
 	}
 	free(l.idx);
 	close(s);

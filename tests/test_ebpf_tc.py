@@ -83,6 +83,12 @@ IN_THE_WAY = {
                    "1,6 0 0 0"),
                   "interface v1 (ifindex {idx}) has a tc filter that is not ours at our priority 49374 on its"
                   " egress (kind 'bpf', protocol ip"),
+    # one of the same kind and protocol under another handle (ours would join it: the kernel takes it)
+    "filter-handle": (("qdisc", "add", "dev", "v1", "clsact"),
+                      ("filter", "add", "dev", "v1", "ingress", "prio", str(PRIO), "protocol", "all", "handle", "5",
+                       "bpf", "bytecode", "1,6 0 0 0"),
+                      "interface v1 (ifindex {idx}) has a tc filter that is not ours at our priority 49374 on its"
+                      " ingress (kind 'bpf', protocol all, handle 0x5"),
     # an ingress qdisc where clsact goes
     "ingress-qdisc": (("qdisc", "add", "dev", "v1", "ingress"), None,
                       "interface v1 (ifindex {idx}) has a qdisc of kind 'ingress' where the clsact qdisc"),
@@ -141,12 +147,93 @@ def test_a_failed_setup_puts_back_a_filter_of_ours_it_replaced(ns: str, ebpf_roo
     tc(ns, "filter", "add", "dev", "v1", "ingress", "prio", str(PRIO), "protocol", "all", "bpf", "bytecode",
        "1,6 0 0 0")
     before = tc_state(ns)
-    assert "flowid 1:63" in before["v0"][1]  # (99)
+    assert ":63 rdr_tc_ingress" in before["v0"][1]  # (flowid <major>:63, 99)
     sysctl(ns, "net.ipv4.conf.v1.forwarding", 1)
     with pytest.raises(SetupError, match="interface v1 .* has a tc filter that is not ours"):
         api.setup(ns, None, backend="ebpf")
     assert tc_state(ns) == before
     assert installed(ns)
+
+
+#: How our filters come off v0 and v1 while the pod is set up: teardown, or a config that no longer
+#: forwards (its capture takes nothing inbound), or one that excludes them.
+OFF = {
+    "teardown": None,
+    "no-inbound": RedirectConfig(inbound_ports=()),
+    "excluded": RedirectConfig(exclude_interfaces=("v0", "v1", "p0", "p1")),
+}
+
+
+@pytest.mark.parametrize("off", sorted(OFF))
+def test_ours_come_off_leaving_the_pods_own_clsact_qdiscs_and_taking_the_ones_we_made(ns: str, off: str) -> None:
+    """The pod made clsact qdiscs of its own before setup: an empty one on v0, one with a filter of
+    its own on v1. Setup puts ours on all four interfaces (making the qdiscs of p0 and p1); once
+    ours come off (teardown, or a config change that drops the interfaces), every interface's
+    qdiscs and filters are as before setup: the pod's qdiscs stay, with or without its filter, and
+    the ones we made are gone. A teardown after a config change leaves them so too."""
+    tc(ns, "qdisc", "add", "dev", "v0", "clsact")
+    tc(ns, "qdisc", "add", "dev", "v1", "clsact")
+    tc(ns, "filter", "add", "dev", "v1", "egress", "prio", "10", "protocol", "all", "bpf", "bytecode", "1,6 0 0 0")
+    before = tc_state(ns)
+    assert api.setup(ns, None, backend="ebpf").changed
+    for dev in ("v0", "v1", "p0", "p1"):
+        assert netkit.tc_filters(ns, dev)["ingress"] == ["rdr_tc_ingress"], dev
+    cfg = OFF[off]
+    if cfg is None:
+        assert api.teardown(ns, backend="ebpf")
+    else:
+        assert api.setup(ns, cfg, backend="ebpf").changed
+        assert api.check(ns, cfg, backend="ebpf").ok
+        assert tc_state(ns) == before
+        assert api.teardown(ns, backend="ebpf")
+    assert tc_state(ns) == before
+
+
+#: What a pod may put in a clsact qdisc we made: a filter at another priority, a chain of its own.
+THEIRS_IN_OURS = {
+    "filter": ("filter", "add", "dev", "p0", "egress", "prio", "10", "protocol", "all", "bpf", "bytecode", "1,6 0 0 0"),
+    "chain": ("chain", "add", "dev", "p0", "ingress", "chain", "5"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(THEIRS_IN_OURS))
+def test_a_qdisc_we_made_stays_while_something_of_the_pods_is_in_it(ns: str, what: str) -> None:
+    """After setup (which made p0's clsact qdisc) the pod puts something of its own in that qdisc:
+    teardown takes our filters off and leaves the qdisc with what the pod put there."""
+    api.setup(ns, None, backend="ebpf")
+    assert netkit.tc_filters(ns, "p0") == netkit.OUR_TC
+    tc(ns, *THEIRS_IN_OURS[what])
+    assert api.teardown(ns, backend="ebpf")
+    assert "clsact" in netkit.qdisc_kinds(ns, "p0")
+    assert netkit.tc_filters(ns, "p0") == {"ingress": [], "egress": ["bpf"] if what == "filter" else []}
+    assert ("chain 5" in tc(ns, "chain", "show", "dev", "p0", "ingress")) == (what == "chain")
+    assert "clsact" not in netkit.qdisc_kinds(ns, "p1")
+
+
+def test_a_filter_that_joins_ours_at_our_priority_is_reported_and_left_alone(ns: str) -> None:
+    """After setup the pod puts a filter of its own at our priority, protocol and kind on v1's
+    egress under another handle (the kernel puts it next to ours, in the same place). ``check``
+    reports it; setup again (the same config, or another) fails naming it, leaving everything as it
+    was; teardown takes ours off
+    and leaves it, with the qdisc it is in."""
+    api.setup(ns, None, backend="ebpf")
+    tc(ns, "filter", "add", "dev", "v1", "egress", "prio", str(PRIO), "protocol", "all", "handle", "7", "bpf",
+       "bytecode", "1,6 0 0 0")
+    assert sorted(netkit.tc_filters(ns, "v1")["egress"]) == ["bpf", "rdr_tc_egress"]
+    r = api.check(ns, None, backend="ebpf")
+    assert not r.ok
+    assert any("v1" in d and "not ours at our priority 49374" in d and "egress" in d for d in r.differences), r
+    before = tc_state(ns)
+    for cfg in (None, RedirectConfig(inbound_ports=(8000,))):  # (the same config, and a change)
+        with pytest.raises(SetupError) as e:
+            api.setup(ns, cfg, backend="ebpf")
+        assert ("interface v1 (ifindex {}) has a tc filter that is not ours at our priority 49374 on its egress"
+                " (kind 'bpf', protocol all, handle 0x7".format(ifindex(ns, "v1"))) in str(e.value)
+        assert tc_state(ns) == before
+    assert api.teardown(ns, backend="ebpf")
+    assert netkit.tc_filters(ns, "v1") == {"ingress": [], "egress": ["bpf"]}
+    assert netkit.tc_filters(ns, "v0") == {"ingress": [], "egress": []}
+    assert "clsact" in netkit.qdisc_kinds(ns, "v1") and "clsact" not in netkit.qdisc_kinds(ns, "v0")
 
 
 def many_veths(ns: str, pairs: int, clsact: bool = False) -> list[str]:

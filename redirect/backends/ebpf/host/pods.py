@@ -365,8 +365,9 @@ def in_the_way(blame: Any) -> str:
         return (f"{where} has a qdisc of kind {kind!r} where the clsact qdisc of our tc filters goes (not ours:"
                 " left alone)")
     proto = _PROTOCOLS.get(blame.protocol, f"{blame.protocol:#06x}")
+    handle = f", handle {blame.handle:#x}" if blame.handle else ""
     return (f"{where} has a tc filter that is not ours at our priority {lib.RDR_TC_PRIO} on its"
-            f" {'egress' if blame.egress else 'ingress'} (kind {kind!r}, protocol {proto}; left alone)")
+            f" {'egress' if blame.egress else 'ingress'} (kind {kind!r}, protocol {proto}{handle}; left alone)")
 
 
 def setup_failed(rc: int, blame: Any) -> str:

@@ -4,12 +4,14 @@ pod forwards on, so that what it forwards is captured as netfilter's inbound cap
 
 The filters (``native/tc_filter.c``) sit in the interface's clsact qdisc at our priority
 (``RDR_TC_PRIO``), run the host's shared programs and carry the pod's pool slot in their classid
-(the programs read the pod from it). They go on at setup with the pod's other state, in its one
-native write, before the policy that makes them capture (``rdr_ebpf_pod_write``), and come off
-the interfaces no longer wanted after a policy without them, and at teardown before the pod's slot
-is released (a filter names the slot; a slot given to another pod later must not find it). The
-kernel removes them with the interface, and when the interface moves to another netns; an empty
-clsact qdisc goes with our last filter.
+(the programs read the pod from it), and whether the setup that made them made the qdisc. They go
+on at setup with the pod's other state, in its one native write, before the policy that makes them
+capture (``rdr_ebpf_pod_write``), and come off the interfaces no longer wanted after a policy
+without them, and at teardown before the pod's slot is released (a filter names the slot; a slot
+given to another pod later must not find it). The kernel removes them with the interface, and when
+the interface moves to another netns; a clsact qdisc we made goes with our filters when nothing
+else is in it, and one that was there stays. A filter not ours at our priority is in the way:
+setup fails naming it, ``check`` reports it, and it is left alone.
 
 Which interfaces: those on which the pod forwards when setup runs (IPv4: the interface's
 forwarding setting; IPv6: ``all.forwarding``), when its capture takes anything inbound at all
@@ -70,9 +72,14 @@ def wanted(want: PodEntries) -> frozenset[int]:
     return forwarding() - _excluded(want.cidrs)
 
 
-def ours() -> dict[int, tuple[int, int, int, int]]:
-    """Our filters in the calling thread's netns: ifindex -> (ingress program id, its slot, egress
-    program id, its slot); a side without ours has (0, -1)."""
+#: An interface's filters of ours (``ours``): ingress program id, its slot, egress program id, its
+#: slot (a side without ours: 0, -1), and where a filter not ours sits at our priority (bit 0:
+#: ingress, bit 1: egress).
+Ours = tuple[int, int, int, int, int]
+
+
+def ours() -> dict[int, Ours]:
+    """Our filters in the calling thread's netns, by ifindex (interfaces with one of ours)."""
     room = _MAX
     while True:  # (more of ours than room: again with room for all)
         buf = NATIVE.ffi.new("struct rdr_tc_filter[]", room)
@@ -87,21 +94,21 @@ def ours() -> dict[int, tuple[int, int, int, int]]:
         return (classid & 0xFFFF & ~NATIVE.lib.RDR_TC_NO_L2) - 1 if prog else -1
 
     return {int(f.ifindex): (int(f.prog_in), slot(f.prog_in, f.classid_in), int(f.prog_out),
-                             slot(f.prog_out, f.classid_out)) for f in (buf[i] for i in range(n))}
+                             slot(f.prog_out, f.classid_out), int(f.others)) for f in (buf[i] for i in range(n))}
 
 
-def to_attach(want: frozenset[int], have: dict[int, tuple[int, int, int, int]], progs: tuple[int, int],
-              slot: int | None) -> list[int]:
-    """Of ``want``, the interfaces whose filters are missing or not the host's programs with
-    ``slot`` (None: a slot not claimed yet: all of them)."""
+def to_attach(want: frozenset[int], have: dict[int, Ours], progs: tuple[int, int], slot: int | None) -> list[int]:
+    """Of ``want``, the interfaces whose filters are missing, not the host's programs with ``slot``
+    (None: a slot not claimed yet: all of them), or not alone at our priority (where attaching
+    fails, naming what is there)."""
     if slot is None:
         return sorted(want)
-    ok = (progs[0], slot, progs[1], slot)
+    ok = (progs[0], slot, progs[1], slot, 0)
     return sorted(i for i in want if have.get(i) != ok)
 
 
 def detach(ifindexes: set[int] | frozenset[int]) -> None:
-    """Our filters off ``ifindexes`` (and a clsact qdisc left empty)."""
+    """Our filters off ``ifindexes`` (and a clsact qdisc we made, when nothing else is in it)."""
     lib = NATIVE.lib
     for idx in sorted(ifindexes):
         rc = lib.rdr_tc_detach(idx)
@@ -117,21 +124,26 @@ def detach_all() -> int:
     return rc
 
 
-def differences(want: frozenset[int], have: dict[int, tuple[int, int, int, int]], progs: tuple[int, int],
-                slot: int | None) -> list[str]:
+def differences(want: frozenset[int], have: dict[int, Ours], progs: tuple[int, int], slot: int | None) -> list[str]:
     """What ``check`` reports of the pod's tc filters."""
     names = {i: n for i, n in socket.if_nameindex()}
 
     def name(i: int) -> str:
         return f"{names.get(i, '?')} (ifindex {i})"
 
-    out = [f"missing or stale tc filters on {name(i)}, where the pod forwards"
-           for i in to_attach(want, have, progs, slot)]
+    out = []
+    for i in to_attach(want, have, progs, slot):
+        mine = have.get(i, (0, -1, 0, -1, 0))
+        if mine[:4] != (progs[0], slot, progs[1], slot):
+            out.append(f"missing or stale tc filters on {name(i)}, where the pod forwards")
+        out += [f"a tc filter that is not ours at our priority {NATIVE.lib.RDR_TC_PRIO} on the {side} of {name(i)}"
+                " (left alone: setup fails until it goes)" for bit, side in ((1, "ingress"), (2, "egress"))
+                if mine[4] & bit]
     out += [f"unexpected tc filter of ours on {name(i)}" for i in sorted(set(have) - want)]
     return out
 
 
-def describe(have: dict[int, tuple[int, int, int, int]]) -> list[str]:
+def describe(have: dict[int, Ours]) -> list[str]:
     """``show``'s lines for the pod's filters."""
     names = {i: n for i, n in socket.if_nameindex()}
     return [f"{names.get(i, '?')} (ifindex {i}): ingress prog {v[0]} slot {v[1]}, egress prog {v[2]} slot {v[3]}"
