@@ -297,3 +297,24 @@ def test_a_pods_own_clsact_qdiscs_beyond_any_list_do_not_stop_its_teardown(ns: s
     for dev in ("v0", "v1"):
         assert "clsact" not in state[dev][0] and not state[dev][1] and not state[dev][2]
     assert all("clsact" in state[d][0] for d in theirs)
+
+
+@pytest.mark.parametrize("off", ["no-inbound", "excluded"])
+def test_filters_of_a_setup_killed_before_its_policy_go_with_the_next_setup_that_does_not_want_them(
+        ns: str, off: str) -> None:
+    """A fresh pod's setup killed once its filters are on but before its policy leaves them, with its
+    entries and its link; the next setup, of a config that puts no filter there, takes them off
+    (and the qdiscs they made), and check agrees: nothing waits for a teardown."""
+    from tests.test_kill import killed_setup, subreaper
+
+    before = tc_state(ns)
+    with subreaper():
+        killed_setup(ns, RedirectConfig(), "ebpf", 0.0, point="ebpf.before_policy")
+    assert netkit.tc_filters(ns, "p0")["ingress"] == ["rdr_tc_ingress"]  # left by the killed setup
+    cfg = OFF[off]
+    assert api.setup(ns, cfg, backend="ebpf").changed
+    res = api.check(ns, cfg, backend="ebpf")
+    assert res.ok, res.differences
+    assert tc_state(ns) == before
+    assert api.teardown(ns, backend="ebpf")
+    assert tc_state(ns) == before

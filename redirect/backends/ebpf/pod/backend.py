@@ -154,7 +154,10 @@ class EbpfBackend:
         # Our tc filters on the interfaces the pod forwards on (what it forwards is captured as
         # netfilter's inbound capture takes it: redirect/bpf/tc_forward.c, .tc), with the pod's pool slot.
         want_tc = tc.wanted(want)
-        have_tc = tc.ours() if want_tc or old.policy is not None else {}
+        # (Also when a write without a policy was interrupted, which may have left filters: its
+        # entries or its link are there.)
+        have_tc = (tc.ours() if want_tc or old.policy is not None or old.leftover_inv or pinned_target is not None
+                   else {})
         progs_tc = store.tc_program_ids() if want_tc or have_tc else (0, 0)
         slot_now = store.link_slot(cookie) if have_link else None  # (None: a slot is claimed with the link)
         tc_attach = tc.to_attach(want_tc, have_tc, progs_tc, slot_now)
