@@ -63,10 +63,11 @@ class Peer(Protocol):
 
 
 class ProxyHub:
-    def __init__(self, registry: Registry, metrics: Metrics, timeout: float) -> None:
+    def __init__(self, registry: Registry, metrics: Metrics, timeout: float, scan_proc: bool = True) -> None:
         self.registry = registry
         self.metrics = metrics
         self.timeout = timeout  # seconds a proxy has to ack (a snapshot: a little more per pod)
+        self.scan_proc = scan_proc  # a snapshot's add looks for a netns not at its path in /proc/*/ns/net too
         self.conns: list[Peer] = []  # under registry.lock
 
     # -- a proxy comes and goes
@@ -234,7 +235,7 @@ class ProxyHub:
             self._refuse(s, f"{MAX_PROXIES} node proxies are connected already")
             return True
         s.setblocking(True)
-        conn = ProxyConn(s, proxy_name(got[0], n), self.gone, self.timeout)
+        conn = ProxyConn(s, proxy_name(got[0], n), self.gone, self.timeout, self.scan_proc)
         threading.Thread(target=lambda: self.await_snapshot(conn, *self.attach(conn)), name="proxy-sync",
                          daemon=True).start()
         return True

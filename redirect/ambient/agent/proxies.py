@@ -23,7 +23,7 @@ from typing import Any
 from ...errors import RedirectError
 from ...kernel import netns as _netns
 from . import protocol
-from .discovery import open_as
+from .discovery import find
 from .logs import jlog, log
 from .pods import PodRecord
 
@@ -84,10 +84,11 @@ class ProxyConn:
     _ids = itertools.count(1)
 
     def __init__(self, sock: socket.socket, name: str, gone: Callable[[ProxyConn], None],
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, scan_proc: bool = True) -> None:
         self.sock = sock
         self.name = name
         self.timeout = timeout
+        self.scan_proc = scan_proc  # where a queued add looks for a pod's netns not at its path (``find``)
         self._gone = gone
         # (message, the pod whose netns goes with it, a netns fd already open for it)
         self.q: queue.Queue[tuple[dict[str, Any], PodRecord | None, int | None] | None] = queue.Queue()
@@ -129,8 +130,9 @@ class ProxyConn:
 
     def send_add(self, pod: PodRecord, netns: _netns.NetnsRef | None = None) -> Waiter:
         """Hand ``pod`` to the proxy with an fd of its netns: a copy of ``netns`` (as the add opened
-        it) while few fds are queued, else the netns at its path when the message is sent, if that
-        is still the pod's (inode and cookie: a path can name another netns by now); if not, that
+        it) while few fds are queued, else the pod's netns opened when the message is sent, at its
+        path if that is still the pod's netns (inode and cookie: a path can name another netns by
+        now), else where the start would find it (``discovery.find``); if it is found nowhere, that
         add fails and nothing is sent."""
         fd = None
         with self.lock:
@@ -158,7 +160,7 @@ class ProxyConn:
                     continue
                 if pod is not None and fd is None:
                     try:
-                        fd = open_as(pod.netns, pod.key)[0]
+                        fd = find(pod.netns, pod.key, self.scan_proc)[0]
                     except RedirectError as e:
                         with self.lock:
                             w = self.pending.pop(msg["id"], None)
