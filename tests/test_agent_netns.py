@@ -24,6 +24,7 @@ import pytest
 import redirect
 from redirect.ambient.agent import client, protocol
 from redirect.kernel import netns as rnetns
+from tests import netkit
 from tests.netkit import Pod
 from tests.test_agent import Node, read_log, records_of, wait_log
 
@@ -46,9 +47,10 @@ def captured(pod: Pod) -> bool:
 
 
 @contextlib.contextmanager
-def snapshot_proxy(path: str, timeout: float = 10.0) -> Iterator[dict[str, int]]:
+def snapshot_proxy(path: str, timeout: float = 10.0, listed: list[str] | None = None) -> Iterator[dict[str, int]]:
     """A node proxy that says hello and acks its snapshot: yields uid -> the inode of the netns fd
-    each ``add`` carried (closed once looked at), once ``snapshot_done`` came."""
+    each ``add`` carried (closed once looked at), once ``snapshot_done`` came; the uids the
+    snapshot listed (``snapshot_pods`` and ``snapshot_done``) go to ``listed``."""
     got: dict[str, int] = {}
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as p:
         p.settimeout(timeout)
@@ -63,6 +65,8 @@ def snapshot_proxy(path: str, timeout: float = 10.0) -> Iterator[dict[str, int]]
                 got[msg["pod"]["uid"]] = os.fstat(fd).st_ino
                 os.close(fd)
             protocol.send(p, {"type": "ack", "id": msg["id"], "ok": True})
+            if listed is not None and msg["type"] in ("snapshot_pods", "snapshot_done"):
+                listed += msg["pods"]
             if msg["type"] == "snapshot_done":
                 break
         else:
@@ -295,6 +299,47 @@ def resyncs(agent: object) -> float:
     """Pods the agent's resync has looked at so far (every result)."""
     text = agent.get("/metrics")[1]  # type: ignore[attr-defined]
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("redirect_agent_resynced_total{"))
+
+
+def test_a_snapshot_hands_out_a_pod_where_its_netns_is_and_lists_only_the_pods_it_handed_out(
+        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+    """Three pods: b as it was; p enrolled by ``/proc/<pid>/ns/net`` whose process exited, its netns
+    kept by another process; a whose netns went without a del (the running proxy's fd keeps it, with
+    no path left). A proxy connecting now (no resync has run) is handed b and p, each with its own
+    netns, and its snapshot lists those two only: never a, which it was not given; the agent logs
+    why a was not handed out."""
+    n = test_node
+    agent = n.start_agent("--resync-seconds", "0")
+    n.start_proxy()
+    a, b = make_pod(), make_pod()
+    procs = [netns_process()]
+    try:
+        path = f"/proc/{procs[0].pid}/ns/net"
+        ino_p = os.stat(path).st_ino
+        client.add_pod(n.events, uid="uid-a", netns=a.path, ips=[a.pod_ip4])
+        client.add_pod(n.events, uid="uid-b", netns=b.path, ips=[b.pod_ip4])
+        client.add_pod(n.events, uid="uid-p", netns=path, ips=["10.250.9.9"])
+        procs.append(subprocess.Popen(["nsenter", f"--net={path}", "--", "sleep", "600"]))
+        wait_comm(procs[1], "sleep")
+        procs[0].kill()
+        procs[0].wait(5)
+        assert not os.path.exists(path)
+        netkit.remove_netns(a.name)
+        listed: list[str] = []
+        with snapshot_proxy(n.proxy_sock, listed=listed) as got:
+            assert got == {"uid-b": os.stat(b.path).st_ino, "uid-p": ino_p}, got
+        assert sorted(listed) == ["uid-b", "uid-p"], listed
+        e = wait_log(agent.log, lambda e: e.get("msg") == "pod not handed to node proxy: its netns is gone")
+        assert e["pod"] == "uid-a" and e["netns"] == a.path, e
+        synced = wait_log(agent.log, lambda e: e.get("msg") == "node proxy synced"
+                          and str(e.get("proxy")).startswith("snapshot#"))
+        assert synced["failed"] == ["uid-a"] and "does not exist" in synced["errors"]["uid-a"], synced
+        assert client.del_pod(n.events, uid="uid-p", netns=f"/proc/{procs[1].pid}/ns/net")["removed"]
+        assert client.del_pod(n.events, uid="uid-b", netns=b.path)["removed"]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(5)
 
 
 @pytest.mark.parametrize("kept_by", ["process", "name"])

@@ -2,7 +2,9 @@
 
 A proxy connects to the proxy socket and says ``hello``; it is sent a snapshot (every pod,
 enrolled or being enrolled, then ``snapshot_done``) under the registry's lock, so a pod
-handed out concurrently (``offer_locked``) reaches it exactly once either way. Acks are
+handed out concurrently (``offer_locked``) reaches it exactly once either way. A pod whose
+add could not be sent (its netns found nowhere) is left out of the snapshot's list too
+(``ProxyConn``), so the proxy is never told of a pod it was not given. Acks are
 awaited with one deadline for all proxies (``wait_all``). The connections themselves
 (``ProxyConn``: ordered sends, validated acks) are ``proxies``'; the hub works on anything
 with their interface (``Peer``), which is how it is unit-tested without sockets.
@@ -92,8 +94,9 @@ class ProxyHub:
         """Wait for the snapshot's acks; the proxy counts as synced (``check`` needs one) once it acked."""
         if done.event.wait(self.timeout + 0.05 * len(pods)) and done.ok:
             conn.synced.set()
-            failed = [p.uid for p, w in zip(pods, waiters, strict=True) if not w.ok]
-            jlog(logging.INFO if not failed else logging.ERROR, "node proxy synced", proxy=conn.name, failed=failed)
+            failed = {p.uid: w.error for p, w in zip(pods, waiters, strict=True) if not w.ok}
+            jlog(logging.INFO if not failed else logging.ERROR, "node proxy synced", proxy=conn.name,
+                 failed=sorted(failed), **({"errors": failed} if failed else {}))
             return True
         jlog(logging.ERROR, "node proxy did not ack the snapshot: dropped", proxy=conn.name, error=done.error)
         conn.close("it did not ack its snapshot")  # (it would never count as synced: make room)

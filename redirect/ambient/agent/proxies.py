@@ -100,6 +100,9 @@ class ProxyConn:
         self.alive = True
         self.why = ""  # why it was closed
         self.synced = threading.Event()  # acked its first snapshot_done
+        #: (writer only) uids whose last add was not sent (their netns could not be opened): a
+        #: snapshot's list leaves them out, as the proxy was never given them
+        self.not_sent: set[str] = set()
         # a send that blocks this long fails (the proxy does not read): the connection is dropped
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", int(timeout), int((timeout % 1) * 1e6) or (0 if timeout >= 1 else 1)))
@@ -133,7 +136,7 @@ class ProxyConn:
         it) while few fds are queued, else the pod's netns opened when the message is sent, at its
         path if that is still the pod's netns (inode and cookie: a path can name another netns by
         now), else where the start would find it (``discovery.find``); if it is found nowhere, that
-        add fails and nothing is sent."""
+        add fails, nothing is sent, and a snapshot's list sent after it leaves the pod out."""
         fd = None
         with self.lock:
             room = self.alive and self.fds_queued < MAX_QUEUED_FDS
@@ -162,11 +165,18 @@ class ProxyConn:
                     try:
                         fd = find(pod.netns, pod.key, self.scan_proc)[0]
                     except RedirectError as e:
+                        self.not_sent.add(pod.uid)
+                        jlog(logging.WARNING, "pod not handed to node proxy: its netns is gone", proxy=self.name,
+                             pod=pod.uid, netns=pod.netns, error=str(e))
                         with self.lock:
                             w = self.pending.pop(msg["id"], None)
                         if w is not None:
                             w.done(False, str(e))
                         continue
+                if msg["type"] == "add":
+                    self.not_sent.discard(msg["pod"]["uid"])
+                elif msg["type"] in ("snapshot_pods", "snapshot_done") and self.not_sent:
+                    msg = {**msg, "pods": [u for u in msg["pods"] if u not in self.not_sent]}
                 with self.lock:
                     self.unacked.add(msg["id"])
                 protocol.send(self.sock, msg, (fd,) if fd is not None else ())
