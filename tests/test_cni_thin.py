@@ -336,6 +336,46 @@ def test_a_bad_cni_variable_gets_the_same_answer_from_both_plugins(bin_dir: str,
         assert thin == py and thin[0] == 1 and thin[1] is not None and thin[1]["code"] == 7, (thin, py)
 
 
+#: Configs that fail whatever an agent would say, most with two problems: (command, the config's
+#: members, the code both plugins answer, whether the thin plugin alone (no redirect-cni-python
+#: beside it) answers word for word too, or only the same code). NONE: a socket nobody listens at.
+NONE = "/run/rdrt-no-agent-here.sock"
+CONFIG_ERRORS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
+    "version-and-socket": ("ADD", {"cniVersion": "9.9.9", "agentSocket": ""}, 1, True),
+    "version-and-down": ("ADD", {"cniVersion": "9.9.9", "agentSocket": NONE, "agentDown": "sometimes"}, 1, True),
+    "no-version-and-socket": ("DEL", {"agentSocket": "/" + "s" * 200}, 4, True),
+    "number-version-and-down": ("CHECK", {"cniVersion": 5, "agentDown": None}, 4, True),
+    "null-version": ("STATUS", {"cniVersion": None, "agentSocket": NONE}, 4, True),
+    "version-no-agent": ("ADD", {"cniVersion": "0.2.0", "agentSocket": NONE}, 1, True),
+    "version-no-agent-status": ("STATUS", {"cniVersion": "2.0.0", "agentSocket": NONE}, 1, True),
+    "check-too-old-no-agent": ("CHECK", {"cniVersion": "0.3.1", "agentSocket": NONE}, 1, True),
+    "mode-and-socket": ("ADD", {"cniVersion": "1.0.0", "mode": "both", "agentSocket": ""}, 4, False),
+    "timeout-and-down": ("ADD", {"cniVersion": "1.0.0", "agentSocket": NONE, "agentTimeout": 0,
+                                 "agentDown": "x"}, 4, False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIG_ERRORS))
+def test_a_bad_config_gets_the_same_answer_from_both_plugins_cni_version_first(
+        bin_dir: str, pod: Pod, tmp_path: Path, kind: str) -> None:
+    """A config that fails whatever an agent would say: both plugins answer alike, word for word,
+    checking cniVersion first as the CNI spec has it (1 for an unsupported version, even when
+    agentSocket or agentDown is bad too, or no agent listens), and nothing is installed. The thin
+    plugin without redirect-cni-python beside it answers the same code itself."""
+    command, members, code, word_for_word = CONFIG_ERRORS[kind]
+    conf = {"name": "n", "type": "redirect-cni", **members}
+    thin, py = _both(bin_dir, command, conf, {b"CNI_NETNS": pod.path.encode()})
+    assert thin == py, (thin, py)
+    assert thin[0] == 1 and thin[1] is not None and thin[1]["code"] == code, thin
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy2(os.path.join(bin_dir, "redirect-cni"), alone / "redirect-cni")
+    rc, out = run_plugin(str(alone / "redirect-cni"), command, conf, pod.path)
+    assert rc == 1 and out is not None and out["code"] == code, out
+    assert out == thin[1] if word_for_word else out["msg"].split("=")[0] in ("agentSocket", "agentDown"), out
+    assert not installed(pod, "iptables")
+
+
 # --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
 
 
