@@ -34,9 +34,12 @@
  * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails (an ADD the agent said
  * succeeded is then undone as below, by the Python plugin's DEL, before it fails).
  * An agent that goes away mid-request (closes without answering, a restart) or does not
- * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
- * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
- * undoes it. Never a success without the agent's. An ADD whose agent went away runs the
+ * answer within agentTimeout: error 11, whatever agentDown says (as the Python plugin answers
+ * when its agent does so: "try again later"; 103 is the agent's refusal); the request may or may
+ * not have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
+ * undoes it. Never a success without the agent's. A DEL whose agent went away is done as when
+ * no agent listens (redirect-cni-python's DEL, as the Python plugin falls back to its own
+ * removal; it succeeds if that can't be started). An ADD whose agent went away runs the
  * Python plugin's DEL of the pod first (as when no agent runs: it removes what the pod's netns
  * holds of ours; bounded by agentTimeout + CLEANUP_EXTRA_S, then killed) and says whether that
  * worked; one that timed out leaves the pod to the agent, which is still at it.
@@ -968,6 +971,11 @@ int main(int argc, char **argv) {
                                           "the pod's netns held of ours was removed", sock_path);
             fail(E_TRY_AGAIN, why, "the node agent at %s went away without answering (restarting?); removing what "
                                    "the pod's netns holds of ours failed", sock_path);
+        }
+        if (strcmp(command, "DEL") == 0) { /* as when no agent listens: a DEL never fails for want of one */
+            char details[PATH_MAX + 300];
+            exec_python(data, len, details, sizeof details);
+            return 0;
         }
         fail(E_TRY_AGAIN, closed, "the node agent at %s went away without answering (restarting?)", sock_path);
     }

@@ -376,6 +376,64 @@ def test_a_bad_config_gets_the_same_answer_from_both_plugins_cni_version_first(
     assert not installed(pod, "iptables")
 
 
+@contextlib.contextmanager
+def agent_that_goes_away(path: str) -> Iterator[list[str]]:
+    """A socket at ``path`` that takes each request and closes the connection without answering,
+    as an agent killed mid-request does: yields the types of the requests taken so far."""
+    import socket
+
+    taken: list[str] = []
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return  # shut down: the test is over
+            with conn:
+                conn.settimeout(20)
+                with contextlib.suppress(OSError):
+                    msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+                    for fd in fds:
+                        os.close(fd)
+                    taken.append(json.loads(msg)["type"])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield taken
+    finally:
+        srv.shutdown(socket.SHUT_RDWR)
+        srv.close()
+        t.join(10)
+        assert not t.is_alive()
+
+
+def test_an_agent_gone_mid_request_is_try_again_from_both_plugins(bin_dir: str, pod: Pod, tmp_path: Path) -> None:
+    """The agent takes the request and closes without answering (killed, restarting): ADD and
+    CHECK fail with 11, "try again later", from both plugins (an answer that never came is no
+    refusal: 103 is the agent's refusal); a DEL succeeds from both, having removed what the
+    netns held of ours as when no agent listens. Nothing is installed."""
+    path = str(tmp_path / "gone.sock")
+    conf = netconf(path, mode="ambient")
+    args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;K8S_POD_UID=uid-gone"
+    with agent_that_goes_away(path) as taken:
+        for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+            for command in ("ADD", "CHECK"):
+                rc, out = run_plugin(exe, command, conf, pod.path, args=args)
+                assert rc == 1 and out is not None and out["code"] == 11, (exe, command, out)
+                assert "went away without answering" in out["msg"], (exe, command, out)
+                assert not installed(pod, "iptables")
+            redirect.setup(pod.name, redirect.RedirectConfig(mode="ambient"))  # what a half-done ADD left
+            assert installed(pod, "iptables")
+            assert run_plugin(exe, "DEL", conf, pod.path, args=args) == (0, None), exe
+            assert not installed(pod, "iptables")
+        assert set(taken) <= {"cni", "add", "check", "del"} and {"cni", "add", "check", "del"} <= set(taken), taken
+
+
 # --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
 
 
