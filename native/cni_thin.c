@@ -10,15 +10,22 @@
  * plugin, so codes and messages are the same.
  *
  * Read here, from the top level of the config only: cniVersion (VERSION is answered locally,
- * and errors raised here carry it), agentSocket (default, also for null: /run/redirect/agent.sock;
- * a path of at most 107 bytes, as redirect.cni.netconf.PluginConf requires),
- * agentTimeout (seconds, default 10) and agentDown, what to do when no agent listens:
+ * and errors raised here carry it; one of SUPPORTED, and 0.4.0 or later for CHECK), agentSocket
+ * (default, also for null: /run/redirect/agent.sock; a path of at most 107 bytes, as
+ * redirect.cni.netconf.PluginConf requires), agentTimeout (seconds, default 10) and agentDown,
+ * what to do when no agent listens:
  *   "tryAgain"  (default) CNI error 11, so the runtime retries: fail closed (STATUS: error 50,
  *               "plugin not available", so the runtime starts no pods meanwhile);
  *   "inProcess" exec redirect-cni-python from this binary's directory (the Python plugin,
  *               written there by `redirect-cni install`) with the same env and stdin.
  * No agent listens when the socket does not exist, refuses connections, or is not the agent's
  * kind of socket (a stream socket: EPROTOTYPE).
+ * A config whose cniVersion, agentSocket or agentDown is not as said above fails whatever an agent
+ * would say, before one is asked: the answer is redirect-cni-python's (exec'd with the same env
+ * and stdin), so code and message are the Python plugin's for any such config, whichever of its
+ * checks fails first; if that can't be started, this plugin answers itself, in the CNI spec's
+ * order: cniVersion first (4 missing or not a string, 1 unsupported or too old for CHECK), then
+ * agentSocket, then agentDown (4).
  * A DEL when no agent listens execs redirect-cni-python whatever agentDown says (it removes the
  * in-pod rules, as the Python plugin's DEL does without an agent), and succeeds if that can't
  * be started: a DEL never fails for want of an agent.
@@ -27,9 +34,12 @@
  * memfd, a regular file of at most MAX_OUTPUT bytes, or the request fails (an ADD the agent said
  * succeeded is then undone as below, by the Python plugin's DEL, before it fails).
  * An agent that goes away mid-request (closes without answering, a restart) or does not
- * answer within agentTimeout: error 11, whatever agentDown says; the request may or may not
- * have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
- * undoes it. Never a success without the agent's. An ADD whose agent went away runs the
+ * answer within agentTimeout: error 11, whatever agentDown says (as the Python plugin answers
+ * when its agent does so: "try again later"; 103 is the agent's refusal); the request may or may
+ * not have been carried out, and the runtime retries ADD (or calls DEL), which either repeats or
+ * undoes it. Never a success without the agent's. A DEL whose agent went away is done as when
+ * no agent listens (redirect-cni-python's DEL, as the Python plugin falls back to its own
+ * removal; it succeeds if that can't be started). An ADD whose agent went away runs the
  * Python plugin's DEL of the pod first (as when no agent runs: it removes what the pod's netns
  * holds of ours; bounded by agentTimeout + CLEANUP_EXTRA_S, then killed) and says whether that
  * worked; one that timed out leaves the pod to the agent, which is still at it.
@@ -484,6 +494,30 @@ static int top_members(struct scan *sc, const char *const *keys, struct span *va
 
 static int is_string(struct span v) { return v.p && v.n >= 2 && v.p[0] == '"'; }
 
+/* Printable ASCII without a quote or a backslash: a string Python's repr shows as it is, in ''. */
+static int plain(const char *s) {
+    for (; *s; s++)
+        if (*s < 0x20 || *s > 0x7e || *s == '\'' || *s == '\\') return 0;
+    return 1;
+}
+
+/* A member's value in a message as the Python plugin shows it (redirect.errors.brief: its repr)
+ * where that is simple: None (left out, or null), True, False, a short string of printable ASCII
+ * in quotes; else its JSON text (at most 200 bytes). */
+static void show_value(struct span v, char *out, size_t cap) {
+    char text[64];
+    if (!v.p || (v.n == 4 && memcmp(v.p, "null", 4) == 0))
+        snprintf(out, cap, "None");
+    else if (v.n == 4 && memcmp(v.p, "true", 4) == 0)
+        snprintf(out, cap, "True");
+    else if (v.n == 5 && memcmp(v.p, "false", 5) == 0)
+        snprintf(out, cap, "False");
+    else if (is_string(v) && unescape(v, text, sizeof text) == 0 && plain(text))
+        snprintf(out, cap, "'%s'", text);
+    else
+        snprintf(out, cap, "%.*s", (int)(v.n > 200 ? 200 : v.n), v.p);
+}
+
 /* --- output --------------------------------------------------------------------------- */
 
 static const char *version = LATEST; /* cniVersion of our error JSON */
@@ -777,8 +811,12 @@ int main(int argc, char **argv) {
         write_all(1, b.p, b.n);
         return 0;
     }
+    int version_ok = 0; /* a string, one of SUPPORTED */
     for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++)
-        if (strcmp(cni_version, SUPPORTED[k]) == 0) version = SUPPORTED[k];
+        if (top == 0 && is_string(vals[0]) && strcmp(cni_version, SUPPORTED[k]) == 0) {
+            version = SUPPORTED[k];
+            version_ok = 1;
+        }
     if (top == -2) {
         char d[64];
         snprintf(d, sizeof d, "invalid UTF-8 at byte %ld", bad);
@@ -792,12 +830,13 @@ int main(int argc, char **argv) {
     if (top == 1) fail(E_DECODE, "", "the network config on stdin must be a JSON object");
     check_env(command);
 
+    /* What of the config this plugin reads itself, checked (not failed on yet). */
+    int check_too_old = version_ok && strcmp(command, "CHECK") == 0 &&
+                        (strcmp(cni_version, "0.3.0") == 0 || strcmp(cni_version, "0.3.1") == 0);
     char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)] = DEFAULT_SOCKET;
     int sock_null = vals[1].p && vals[1].n == 4 && memcmp(vals[1].p, "null", 4) == 0; /* as if left out */
-    if (vals[1].p && !sock_null &&
-        !(is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]))
-        fail(E_INVALID_CONFIG, "", "agentSocket=%.*s: expected a path of at most %zu bytes",
-             (int)(vals[1].n > 200 ? 200 : vals[1].n), vals[1].p, sizeof sock_path - 1);
+    int sock_ok = !vals[1].p || sock_null ||
+                  (is_string(vals[1]) && unescape(vals[1], sock_path, sizeof sock_path) == 0 && sock_path[0]);
     double timeout = DEFAULT_TIMEOUT_S;
     if (vals[2].p) {
         char num[32];
@@ -806,15 +845,29 @@ int main(int argc, char **argv) {
         double t = strtod(num, &end);
         if (*end == 0 && t > 0 && t <= 300) timeout = t; /* else the agent's plugin code says why */
     }
-    int in_process = 0;
+    int in_process = 0, down_ok = 1;
     if (vals[3].p) {
         char pol[32] = "";
         if (is_string(vals[3])) unescape(vals[3], pol, sizeof pol);
-        if (strcmp(pol, "inProcess") == 0)
-            in_process = 1;
-        else if (strcmp(pol, "tryAgain") != 0)
-            fail(E_INVALID_CONFIG, "", "agentDown=%.*s: expected \"tryAgain\" or \"inProcess\"",
-                 (int)(vals[3].n > 100 ? 100 : vals[3].n), vals[3].p);
+        in_process = strcmp(pol, "inProcess") == 0;
+        down_ok = in_process || strcmp(pol, "tryAgain") == 0;
+    }
+    if (!version_ok || check_too_old || !sock_ok || !down_ok) {
+        /* A config the request fails on whatever the agent would say: the Python plugin's answer
+         * (its checks, in its order, word for word), else this plugin's own, cniVersion first. */
+        char details[PATH_MAX + 300];
+        exec_python(data, len, details, sizeof details);
+        char shown[256];
+        show_value(vals[0], shown, sizeof shown);
+        if (!is_string(vals[0])) fail(E_INVALID_CONFIG, "", "cniVersion=%s: missing or not a string", shown);
+        if (!version_ok)
+            fail(E_INCOMPATIBLE, "supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0", "cniVersion=%s: unsupported", shown);
+        if (check_too_old) fail(E_INCOMPATIBLE, "", "cniVersion=%s: CHECK needs 0.4.0 or later", shown);
+        if (!sock_ok)
+            fail(E_INVALID_CONFIG, "", "agentSocket=%.*s: expected a path of at most %zu bytes",
+                 (int)(vals[1].n > 200 ? 200 : vals[1].n), vals[1].p, sizeof sock_path - 1);
+        fail(E_INVALID_CONFIG, "", "agentDown=%.*s: expected \"tryAgain\" or \"inProcess\"",
+             (int)(vals[3].n > 100 ? 100 : vals[3].n), vals[3].p);
     }
 
     /* the message: {"v":1,"type":"cni","cni":{"env":{...},"stdin_len":N}} + the stdin memfd */
@@ -918,6 +971,11 @@ int main(int argc, char **argv) {
                                           "the pod's netns held of ours was removed", sock_path);
             fail(E_TRY_AGAIN, why, "the node agent at %s went away without answering (restarting?); removing what "
                                    "the pod's netns holds of ours failed", sock_path);
+        }
+        if (strcmp(command, "DEL") == 0) { /* as when no agent listens: a DEL never fails for want of one */
+            char details[PATH_MAX + 300];
+            exec_python(data, len, details, sizeof details);
+            return 0;
         }
         fail(E_TRY_AGAIN, closed, "the node agent at %s went away without answering (restarting?)", sock_path);
     }

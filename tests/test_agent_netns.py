@@ -24,8 +24,9 @@ import pytest
 import redirect
 from redirect.ambient.agent import client, protocol
 from redirect.kernel import netns as rnetns
+from tests import netkit
 from tests.netkit import Pod
-from tests.test_agent import Node, read_log, records_of
+from tests.test_agent import Node, read_log, records_of, wait_log
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,9 +47,10 @@ def captured(pod: Pod) -> bool:
 
 
 @contextlib.contextmanager
-def snapshot_proxy(path: str, timeout: float = 10.0) -> Iterator[dict[str, int]]:
+def snapshot_proxy(path: str, timeout: float = 10.0, listed: list[str] | None = None) -> Iterator[dict[str, int]]:
     """A node proxy that says hello and acks its snapshot: yields uid -> the inode of the netns fd
-    each ``add`` carried (closed once looked at), once ``snapshot_done`` came."""
+    each ``add`` carried (closed once looked at), once ``snapshot_done`` came; the uids the
+    snapshot listed (``snapshot_pods`` and ``snapshot_done``) go to ``listed``."""
     got: dict[str, int] = {}
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as p:
         p.settimeout(timeout)
@@ -63,6 +65,8 @@ def snapshot_proxy(path: str, timeout: float = 10.0) -> Iterator[dict[str, int]]
                 got[msg["pod"]["uid"]] = os.fstat(fd).st_ino
                 os.close(fd)
             protocol.send(p, {"type": "ack", "id": msg["id"], "ok": True})
+            if listed is not None and msg["type"] in ("snapshot_pods", "snapshot_done"):
+                listed += msg["pods"]
             if msg["type"] == "snapshot_done":
                 break
         else:
@@ -230,3 +234,175 @@ def test_a_sidecar_request_naming_an_ambient_pods_netns_is_refused(
         assert not captured(y)
         assert thin("DEL", ambient, x.path, args=args_x) == (0, None)
         assert not captured(x) and client.list_pods(n.events) == []
+
+
+# --- a pod known by a /proc/<pid>/ns/net path whose process exits ---------------------------------
+
+
+def netns_process() -> subprocess.Popen[bytes]:
+    """A process alone in a new netns (lo up), once it is there: its ``/proc/<pid>/ns/net`` is a
+    pod's netns that has no name, as a runtime without ``/run/netns`` gives it."""
+    proc = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", "ip link set lo up && exec sleep 600"])
+    wait_comm(proc, "sleep")
+    return proc
+
+
+def wait_comm(proc: subprocess.Popen[bytes], comm: str, timeout: float = 10.0) -> None:
+    """Until ``proc`` has exec'd ``comm`` (its namespaces are set by then); bounded."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{proc.pid}/comm").read_text().strip() != comm:
+        assert time.monotonic() < deadline and proc.poll() is None, f"{proc.args} is not {comm}"
+        time.sleep(0.01)
+
+
+#: Runs argv[2:] as a child at the pid argv[1] (clone3 with set_tid), prints its pid (or "taken"
+#: if another process has it), and waits for it.
+_AT_PID = r"""
+import ctypes, os, signal, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+tid = (ctypes.c_int * 1)(int(sys.argv[1]))
+args = struct.pack("=11Q", 0, 0, 0, 0, signal.SIGCHLD, 0, 0, 0, ctypes.addressof(tid), 1, 0)
+r = libc.syscall(435, ctypes.create_string_buffer(args, len(args)), ctypes.c_size_t(len(args)))
+if r == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+if r < 0:
+    print("taken" if ctypes.get_errno() == 17 else f"errno {ctypes.get_errno()}", flush=True)
+    sys.exit(0)
+print(r, flush=True)
+os.waitpid(r, 0)
+"""
+
+
+@contextlib.contextmanager
+def process_at_pid(pid: int, argv: list[str]) -> Iterator[bool]:
+    """``argv`` run as a process of pid ``pid`` (a pid reused): yields True once it runs, False if
+    another process has that pid already (then it too is a reuse of it); killed on the way out."""
+    import sys
+
+    helper = subprocess.Popen([sys.executable, "-c", _AT_PID, str(pid), *argv], stdout=subprocess.PIPE)
+    try:
+        assert helper.stdout is not None
+        said = helper.stdout.readline().decode().strip()
+        assert said in (str(pid), "taken"), said
+        yield said == str(pid)
+    finally:
+        if helper.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        helper.wait(10)
+
+
+def resyncs(agent: object) -> float:
+    """Pods the agent's resync has looked at so far (every result)."""
+    text = agent.get("/metrics")[1]  # type: ignore[attr-defined]
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("redirect_agent_resynced_total{"))
+
+
+def test_a_snapshot_hands_out_a_pod_where_its_netns_is_and_lists_only_the_pods_it_handed_out(
+        test_node: Node, make_pod: Callable[..., Pod]) -> None:
+    """Three pods: b as it was; p enrolled by ``/proc/<pid>/ns/net`` whose process exited, its netns
+    kept by another process; a whose netns went without a del (the running proxy's fd keeps it, with
+    no path left). A proxy connecting now (no resync has run) is handed b and p, each with its own
+    netns, and its snapshot lists those two only: never a, which it was not given; the agent logs
+    why a was not handed out."""
+    n = test_node
+    agent = n.start_agent("--resync-seconds", "0")
+    n.start_proxy()
+    a, b = make_pod(), make_pod()
+    procs = [netns_process()]
+    try:
+        path = f"/proc/{procs[0].pid}/ns/net"
+        ino_p = os.stat(path).st_ino
+        client.add_pod(n.events, uid="uid-a", netns=a.path, ips=[a.pod_ip4])
+        client.add_pod(n.events, uid="uid-b", netns=b.path, ips=[b.pod_ip4])
+        client.add_pod(n.events, uid="uid-p", netns=path, ips=["10.250.9.9"])
+        procs.append(subprocess.Popen(["nsenter", f"--net={path}", "--", "sleep", "600"]))
+        wait_comm(procs[1], "sleep")
+        procs[0].kill()
+        procs[0].wait(5)
+        assert not os.path.exists(path)
+        netkit.remove_netns(a.name)
+        listed: list[str] = []
+        with snapshot_proxy(n.proxy_sock, listed=listed) as got:
+            assert got == {"uid-b": os.stat(b.path).st_ino, "uid-p": ino_p}, got
+        assert sorted(listed) == ["uid-b", "uid-p"], listed
+        e = wait_log(agent.log, lambda e: e.get("msg") == "pod not handed to node proxy: its netns is gone")
+        assert e["pod"] == "uid-a" and e["netns"] == a.path, e
+        synced = wait_log(agent.log, lambda e: e.get("msg") == "node proxy synced"
+                          and str(e.get("proxy")).startswith("snapshot#"))
+        assert synced["failed"] == ["uid-a"] and "does not exist" in synced["errors"]["uid-a"], synced
+        assert client.del_pod(n.events, uid="uid-p", netns=f"/proc/{procs[1].pid}/ns/net")["removed"]
+        assert client.del_pod(n.events, uid="uid-b", netns=b.path)["removed"]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.mark.parametrize("kept_by", ["process", "name"])
+def test_a_pod_adopted_by_its_process_is_found_by_its_netns_once_its_pid_is_reused(
+        test_node: Node, kept_by: str) -> None:
+    """A pod enrolled by ``/proc/<pid>/ns/net``; its netns lives on in another process, or under a
+    name in /run/netns (a bind mount); the process exits and its pid goes to a process in another
+    netns. The resync keeps the pod, known by the path where its netns is now (inode and cookie),
+    with its rules: the proxies are not told it is gone, and nothing is done in the new process's
+    netns. A del then removes it there."""
+    n = test_node
+    agent = n.start_agent("--resync-seconds", "0.1")
+    n.start_proxy()
+    first = netns_process()
+    keeper: subprocess.Popen[bytes] | None = None
+    name = f"rdrt-hag-{os.urandom(3).hex()}"
+    pinned = f"{rnetns.NETNS_RUN_DIR}/{name}"
+    try:
+        pid, path = first.pid, f"/proc/{first.pid}/ns/net"
+        ino = os.stat(path).st_ino
+        assert client.add_pod(n.events, uid="uid-p", netns=path, ips=["10.250.9.9"])["enrolled"]
+        if kept_by == "process":
+            keeper = subprocess.Popen(["nsenter", f"--net={path}", "--", "sleep", "600"])
+            wait_comm(keeper, "sleep")
+            where = f"/proc/{keeper.pid}/ns/net"
+        else:
+            os.makedirs(rnetns.NETNS_RUN_DIR, exist_ok=True)
+            Path(pinned).touch()
+            subprocess.run(["mount", "--bind", path, pinned], check=True)
+            where = pinned
+        assert os.stat(where).st_ino == ino
+        first.kill()
+        first.wait(5)
+        with process_at_pid(pid, ["unshare", "--net", "--", "sleep", "600"]) as ours:
+            if ours:
+                deadline = time.monotonic() + 10
+                while os.stat(path).st_ino == ino or Path(f"/proc/{pid}/comm").read_text().strip() != "sleep":
+                    assert time.monotonic() < deadline, "the new process did not get its netns"
+                    time.sleep(0.01)
+            # two passes from now (the second began after the pid was reused), or the pod dropped
+            done = resyncs(agent)
+            deadline = time.monotonic() + 30
+            while resyncs(agent) < done + 2 and client.list_pods(n.events):
+                assert time.monotonic() < deadline, agent.log.read_text()[-3000:]
+                time.sleep(0.02)
+            pods = client.list_pods(n.events)
+            assert [(p["uid"], p["netns"], p["netns_inode"]) for p in pods] == [("uid-p", where, ino)], pods
+            assert redirect.check(where, AMBIENT).ok
+            if ours:
+                assert not redirect.show(path)["installed"]  # the new process's netns: nothing of ours
+            assert not [e for e in read_log(n.proxy_log) if e["event"] == "pod_removed"]
+            e = wait_log(agent.log, lambda e: e.get("msg") == "pod netns found at another path")
+            assert (e["pod"], e["netns"], e["was"]) == ("uid-p", where, path), e
+            assert client.del_pod(n.events, uid="uid-p")["removed"]  # (no netns named: where it is now)
+            assert not redirect.show(where)["installed"]
+            assert "uid-p" not in records_of(n.name)
+    finally:
+        first.kill()
+        first.wait(5)
+        if keeper is not None:
+            keeper.kill()
+            keeper.wait(5)
+        if kept_by == "name":
+            subprocess.run(["umount", "-l", pinned], capture_output=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pinned)

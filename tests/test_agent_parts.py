@@ -86,6 +86,16 @@ class FakeOps:
     def close_netns(self, ref: FakeFd) -> None:
         self.opened.remove(ref)
 
+    def find_netns(self, path: str, k: tuple[int, int]) -> tuple[FakeFd, str]:
+        """At ``path`` if that is still the netns ``k``, else at another path of it."""
+        try:
+            return self.open_netns(path, k)[0], path
+        except NetnsError:
+            where = next((p for p, got in self.keys.items() if got == k), None)
+            if where is None:
+                raise
+            return self.open_netns(where, k)[0], where
+
     def host_netns_reason(self, ref: FakeFd) -> str | None:
         return "the host's network namespace" if ref == "/proc/1/ns/net" else None
 
@@ -382,6 +392,22 @@ def test_resync_drops_a_pod_whose_netns_is_gone_and_repairs_the_others() -> None
     assert set(t.registry.pods) == {"b"} and ("del", "a") in peer.kinds()
     assert "10.1.0.7" not in t.ops.node and t.ops.rules["/run/netns/b"] == t.registry.pods["b"].config
     assert key(7) not in t.ops.records and key(8) in t.ops.records  # the gone pod's record goes with it
+
+
+def test_resync_finds_a_pod_whose_path_names_another_netns_by_its_netns_key() -> None:
+    """A's path names another netns now (a pid reused), and a's netns has another path: the resync
+    keeps a, known by that path from then on; the proxies are not told it is gone, and nothing is
+    done in the netns its old path names."""
+    t = Parts()
+    peer = t.peer()
+    t.enroller.add(t.event("a", 7))
+    t.ops.netns("/proc/42/ns/net", 7)
+    t.ops.keys["/run/netns/a"] = key(70)
+    assert "gone" not in t.reconciler.resync()
+    assert t.registry.pods["a"].netns == "/proc/42/ns/net" and ("del", "a") not in peer.kinds()
+    assert key(70) not in t.ops.rules_in and key(7) in t.ops.records
+    del t.ops.keys["/proc/42/ns/net"]  # and now it is gone for good
+    assert t.reconciler.resync() == {"gone": 1} and not t.registry.pods and ("del", "a") in peer.kinds()
 
 
 def test_what_a_pods_netns_holds_is_repaired_to_the_record_never_believed() -> None:

@@ -640,10 +640,10 @@ def test_env_errors_status_and_gc(pod: Pod) -> None:
 
 
 def test_ambient_add_fails_closed_when_no_agent_listens(pod: Pod) -> None:
-    """No agent at agentSocket: the ADD fails (103) at once and nothing is installed in the pod."""
+    """No agent at agentSocket: the ADD fails (11, try again later) at once and nothing is installed in the pod."""
     rc, out = cni("ADD", netconf(mode="ambient", agentSocket="/run/rdrt-no-agent-here.sock", agentTimeout=2),
                   pod.path)
-    assert rc == 1 and out is not None and out["code"] == 103 and "node agent" in out["msg"], out
+    assert rc == 1 and out is not None and out["code"] == 11 and "node agent" in out["msg"], out
     assert not ours_installed(pod.name)
 
 

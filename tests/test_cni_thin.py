@@ -336,6 +336,104 @@ def test_a_bad_cni_variable_gets_the_same_answer_from_both_plugins(bin_dir: str,
         assert thin == py and thin[0] == 1 and thin[1] is not None and thin[1]["code"] == 7, (thin, py)
 
 
+#: Configs that fail whatever an agent would say, most with two problems: (command, the config's
+#: members, the code both plugins answer, whether the thin plugin alone (no redirect-cni-python
+#: beside it) answers word for word too, or only the same code). NONE: a socket nobody listens at.
+NONE = "/run/rdrt-no-agent-here.sock"
+CONFIG_ERRORS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
+    "version-and-socket": ("ADD", {"cniVersion": "9.9.9", "agentSocket": ""}, 1, True),
+    "version-and-down": ("ADD", {"cniVersion": "9.9.9", "agentSocket": NONE, "agentDown": "sometimes"}, 1, True),
+    "no-version-and-socket": ("DEL", {"agentSocket": "/" + "s" * 200}, 4, True),
+    "number-version-and-down": ("CHECK", {"cniVersion": 5, "agentDown": None}, 4, True),
+    "null-version": ("STATUS", {"cniVersion": None, "agentSocket": NONE}, 4, True),
+    "version-no-agent": ("ADD", {"cniVersion": "0.2.0", "agentSocket": NONE}, 1, True),
+    "version-no-agent-status": ("STATUS", {"cniVersion": "2.0.0", "agentSocket": NONE}, 1, True),
+    "check-too-old-no-agent": ("CHECK", {"cniVersion": "0.3.1", "agentSocket": NONE}, 1, True),
+    "mode-and-socket": ("ADD", {"cniVersion": "1.0.0", "mode": "both", "agentSocket": ""}, 4, False),
+    "timeout-and-down": ("ADD", {"cniVersion": "1.0.0", "agentSocket": NONE, "agentTimeout": 0,
+                                 "agentDown": "x"}, 4, False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIG_ERRORS))
+def test_a_bad_config_gets_the_same_answer_from_both_plugins_cni_version_first(
+        bin_dir: str, pod: Pod, tmp_path: Path, kind: str) -> None:
+    """A config that fails whatever an agent would say: both plugins answer alike, word for word,
+    checking cniVersion first as the CNI spec has it (1 for an unsupported version, even when
+    agentSocket or agentDown is bad too, or no agent listens), and nothing is installed. The thin
+    plugin without redirect-cni-python beside it answers the same code itself."""
+    command, members, code, word_for_word = CONFIG_ERRORS[kind]
+    conf = {"name": "n", "type": "redirect-cni", **members}
+    thin, py = _both(bin_dir, command, conf, {b"CNI_NETNS": pod.path.encode()})
+    assert thin == py, (thin, py)
+    assert thin[0] == 1 and thin[1] is not None and thin[1]["code"] == code, thin
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy2(os.path.join(bin_dir, "redirect-cni"), alone / "redirect-cni")
+    rc, out = run_plugin(str(alone / "redirect-cni"), command, conf, pod.path)
+    assert rc == 1 and out is not None and out["code"] == code, out
+    assert out == thin[1] if word_for_word else out["msg"].split("=")[0] in ("agentSocket", "agentDown"), out
+    assert not installed(pod, "iptables")
+
+
+@contextlib.contextmanager
+def agent_that_goes_away(path: str) -> Iterator[list[str]]:
+    """A socket at ``path`` that takes each request and closes the connection without answering,
+    as an agent killed mid-request does: yields the types of the requests taken so far."""
+    import socket
+
+    taken: list[str] = []
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return  # shut down: the test is over
+            with conn:
+                conn.settimeout(20)
+                with contextlib.suppress(OSError):
+                    msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+                    for fd in fds:
+                        os.close(fd)
+                    taken.append(json.loads(msg)["type"])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield taken
+    finally:
+        srv.shutdown(socket.SHUT_RDWR)
+        srv.close()
+        t.join(10)
+        assert not t.is_alive()
+
+
+def test_an_agent_gone_mid_request_is_try_again_from_both_plugins(bin_dir: str, pod: Pod, tmp_path: Path) -> None:
+    """The agent takes the request and closes without answering (killed, restarting): ADD and
+    CHECK fail with 11, "try again later", from both plugins (an answer that never came is no
+    refusal: 103 is the agent's refusal); a DEL succeeds from both, having removed what the
+    netns held of ours as when no agent listens. Nothing is installed."""
+    path = str(tmp_path / "gone.sock")
+    conf = netconf(path, mode="ambient")
+    args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web;K8S_POD_UID=uid-gone"
+    with agent_that_goes_away(path) as taken:
+        for exe in (os.path.join(bin_dir, "redirect-cni"), PYTHON_PLUGIN):
+            for command in ("ADD", "CHECK"):
+                rc, out = run_plugin(exe, command, conf, pod.path, args=args)
+                assert rc == 1 and out is not None and out["code"] == 11, (exe, command, out)
+                assert "went away without answering" in out["msg"], (exe, command, out)
+                assert not installed(pod, "iptables")
+            redirect.setup(pod.name, redirect.RedirectConfig(mode="ambient"))  # what a half-done ADD left
+            assert installed(pod, "iptables")
+            assert run_plugin(exe, "DEL", conf, pod.path, args=args) == (0, None), exe
+            assert not installed(pod, "iptables")
+        assert set(taken) <= {"cni", "add", "check", "del"} and {"cni", "add", "check", "del"} <= set(taken), taken
+
+
 # --- odd and hostile peers at agentSocket (the peer is what is under test here) -----------------
 
 

@@ -20,15 +20,16 @@ Commands
              anything is installed).
              Fails closed: any error -> error JSON, non-zero exit, nothing installed.
              Ambient with ``agentSocket``: the pod goes to the node agent (``redirect-agent``),
-             which installs the rules and hands the netns to the node proxy; no confirmation
-             within ``agentTimeout`` s -> error 103 (docs/agent-protocol.md).
+             which installs the rules and hands the netns to the node proxy; its refusal -> error
+             103, no answer (no agent, it went away mid-request, none within ``agentTimeout`` s)
+             -> error 11, try again later (docs/agent-protocol.md).
 ``DEL``      ``redirect.teardown`` in ``CNI_NETNS`` (ours by any backend); succeeds when ``CNI_NETNS`` is empty
              or the namespace is already gone; idempotent; the host's own netns is refused (7), as
              by ADD. Ambient with ``agentSocket``: the agent removes the pod (if it can't be
              reached, the in-pod rules are removed here).
 ``CHECK``    ``redirect.check`` against the same config ADD used; differences -> error 104.
              Ambient with ``agentSocket``: asks the node agent (enrolled in this netns, rules as
-             recorded, a node proxy connected), else 104 (103 if the agent can't be reached).
+             recorded, a node proxy connected), else 104 (11 if the agent gives no answer).
 ``STATUS``   the backend's tools (and, for ambient with an agent, its socket) exist.
 ``GC``       netfilter backends: nothing to collect (all our state lives in pod namespaces and
              dies with them). ``backend: "ebpf"`` (or ``"auto"``, eBPF pinned): removes the host
@@ -50,7 +51,7 @@ Config (one entry of the conflist's ``plugins``; a setting left out has the defa
      "agentSocket": "/run/redirect/agent.sock",     # the node agent: ambient pods go to it; the thin
                                                     # plugin sends it every request (its default, also
                                                     # for null); at most 107 bytes
-     "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 103)
+     "agentTimeout": 10,                            # seconds to wait for it (then ADD fails, code 11)
      "agentDown": "tryAgain",                       # thin plugin, no agent: code 11, or "inProcess"
      "capabilities": {"io.kubernetes.cri.pod-annotations": true}}
 
@@ -80,10 +81,11 @@ a bad one is error 7, except for DEL, which then succeeds having done nothing.
 
 Error codes: 1 incompatible cniVersion, 4 invalid network config (a malformed ``prevResult``
 included), 6 undecodable stdin, 7 invalid environment variables (a ``CNI_NETNS`` naming the host's
-own network namespace included, for ADD and DEL), 11 try again later (backend busy),
-50 plugin not available (STATUS); ours: 100 setup failed, 101 bad pod annotation,
-102 backend unavailable, 103 the node agent did not enrol the ambient pod (unreachable, timed out, refused),
-104 CHECK found differences, 105 teardown failed.
+own network namespace included, for ADD and DEL), 11 try again later (backend busy; the node
+agent gave no answer: none listens, it went away mid-request, or it did not answer in time: as
+the thin plugin answers), 50 plugin not available (STATUS); ours: 100 setup failed, 101 bad pod
+annotation, 102 backend unavailable, 103 the node agent refused the ambient pod, 104 CHECK found
+differences, 105 teardown failed.
 """
 
 from __future__ import annotations
@@ -290,12 +292,14 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
     """Hand an ambient pod to the node agent at ``pc.agent_socket`` and wait for it to confirm.
 
     The agent installs the in-pod rules, adds the pod to the node's probe sets and
-    hands the netns to the node proxy; it answers once the proxy has acked. No answer
-    within ``agentTimeout`` seconds, or a refusal, fails the ADD with code 103 (fail
-    closed: the pod does not start); the agent undoes what it did. A refused ``CNI_NETNS``
-    (the host's, another pod's) is code 7, as for a sidecar pod.
+    hands the netns to the node proxy; it answers once the proxy has acked. A refusal fails
+    the ADD with code 103 (fail closed: the pod does not start); the agent undoes what it did.
+    No answer (no agent, one that went away mid-request, none within ``agentTimeout``
+    seconds) fails it with 11, try again later, as the thin plugin answers then: the runtime
+    calls DEL and retries. A refused ``CNI_NETNS`` (the host's, another pod's) is code 7, as
+    for a sidecar pod.
     """
-    from ..ambient.agent.client import AgentError, add_pod
+    from ..ambient.agent.client import NO_ANSWER, AgentError, add_pod
 
     try:
         res = add_pod(pc.agent or "", uid=_pod_uid(container_id, cni_args), netns=netns,
@@ -305,7 +309,8 @@ def _ambient_add(pc: PluginConf, netns: str, container_id: str, cni_args: Mappin
     except AgentError as e:
         if e.reason == "netns":  # the host's, another pod's, not a namespace: as a sidecar ADD answers
             raise NetnsRefused(f"CNI_NETNS: the node agent refused it: {e}") from None
-        raise CniError(E_AMBIENT, f"node agent did not enrol the pod ({e.reason}): {e}",
+        raise CniError(E_TRY_AGAIN if e.reason in NO_ANSWER else E_AMBIENT,
+                       f"node agent did not enrol the pod ({e.reason}): {e}",
                        f"agentSocket={pc.agent_socket}") from None
     import logging
 
@@ -455,14 +460,14 @@ def cmd_check(pc: PluginConf, env: Mapping[str, str], log: Any) -> None:
     if cfg is None:
         return
     if pc.mode == "ambient" and pc.agent:
-        from ..ambient.agent.client import AgentError, check_pod
+        from ..ambient.agent.client import NO_ANSWER, AgentError, check_pod
 
         try:
             check_pod(pc.agent, uid=_pod_uid(container, parse_cni_args(env.get("CNI_ARGS", ""))), netns=netns,
                       timeout=pc.agent_timeout)
         except AgentError as e:
-            raise CniError(E_CHECK if e.reason == "check" else E_AMBIENT, f"node agent: {e}",
-                           f"agentSocket={pc.agent_socket}") from None
+            code = E_CHECK if e.reason == "check" else E_TRY_AGAIN if e.reason in NO_ANSWER else E_AMBIENT
+            raise CniError(code, f"node agent: {e}", f"agentSocket={pc.agent_socket}") from None
         return
     from .. import api
 

@@ -13,6 +13,12 @@ from . import protocol
 AgentTarget = Union[str, Callable[[dict[str, Any]], dict[str, Any]]]
 
 
+#: ``AgentError`` reasons of an event the agent gave no answer to: none listens at the socket
+#: (``unreachable``), it closed the connection without answering (``gone``: killed or restarting
+#: mid-request), or it did not answer in time (``timeout``). Any other reason is the agent's own.
+NO_ANSWER = ("unreachable", "gone", "timeout")
+
+
 class AgentError(Exception):
     """The agent refused the event, or could not be reached in time. ``reason`` is its reason."""
 
@@ -30,6 +36,9 @@ def _call(socket_path: AgentTarget, msg: dict[str, Any], timeout: float) -> dict
         raise AgentError("timeout", f"the node agent at {socket_path} did not answer within {timeout} s") from None
     except FileNotFoundError:
         raise AgentError("unreachable", f"no node agent at {socket_path} (socket does not exist)") from None
+    except (ConnectionResetError, BrokenPipeError) as e:  # (connected: it went away before it answered)
+        raise AgentError("gone", f"the node agent at {socket_path} went away without answering (restarting?)"
+                         + (f": {e.strerror}" if e.strerror else "")) from None
     except OSError as e:
         raise AgentError("unreachable", f"node agent at {socket_path}: {e.strerror or e}") from None
     except protocol.ProtocolError as e:
@@ -89,4 +98,4 @@ def list_pods(socket_path: str, timeout: float = 10.0) -> list[dict[str, Any]]:
         after = nxt
 
 
-__all__ = ["AgentTarget", "AgentError", "add_pod", "del_pod", "check_pod", "list_pods"]
+__all__ = ["AgentTarget", "AgentError", "NO_ANSWER", "add_pod", "del_pod", "check_pod", "list_pods"]

@@ -26,7 +26,8 @@ of its ``--node-name``. It adopts the pods with a commit record and removes ever
 with only an intent (an add cut short by a crash); it re-installs rules that drifted from the
 recorded config, re-asserts the node's probe rules and pod sets (dropping entries of uids it did
 not adopt), and sends each connecting proxy a full snapshot (a proxy drops the pods not in it);
-while running it repeats the repairs every ``--resync-seconds``. Nothing inside a pod's netns is
+while running it repeats the repairs every ``--resync-seconds`` (a pod whose netns left its path is
+looked for as at start, and dropped only if it is found nowhere). Nothing inside a pod's netns is
 believed: it is compared with the record and repaired. In-pod rules never depend on the agent's
 process, so a killed agent leaves every pod captured. SIGTERM stops it and leaves redirection in
 place.
@@ -129,7 +130,7 @@ class Agent:
             raise ConfigError(f"capture.{e.field}", e.value, e.reason) from None
         self.metrics = Metrics()
         self.registry = Registry(self.metrics)
-        self.hub = ProxyHub(self.registry, self.metrics, opts.proxy_timeout)
+        self.hub = ProxyHub(self.registry, self.metrics, opts.proxy_timeout, opts.scan_proc)
         self.enroller = Enroller(self.registry, self.hub, KernelOps(opts.host_netns, opts.node_name, opts.scan_proc),
                                  base=base, backend=opts.backend, node_name=opts.node_name,
                                  host_rules=opts.host_rules)
@@ -268,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", default="{}",
                    help="JSON object of RedirectConfig fields: the pods' base config before annotations")
     p.add_argument("--no-proc-scan", action="store_true",
-                   help="at start, look for a recorded pod's netns that left its path under /run/netns only "
-                        "(not /proc/*/ns/net)")
+                   help="look for a pod's netns that left its path (at start, at a resync, for a node "
+                        "proxy's snapshot) under /run/netns only (not /proc/*/ns/net)")
     p.add_argument("--resync-seconds", type=seconds_arg(0, 86400), default=30.0,
                    help="while running, repair drifted rules and drop pods whose netns is gone this often; "
                         "0 = only at start (%(default)s)")

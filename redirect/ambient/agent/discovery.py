@@ -101,6 +101,23 @@ def locate(key: store.Key, recorded: str, node_netns: NodeNetns) -> str | None:
     return None
 
 
+def find(path: str, key: store.Key, scan_proc: bool = True) -> tuple[int, str]:
+    """Open the netns ``key`` where it is now: at ``path`` if that is still it, else at a path
+    found by its inode among ``/run/netns/*`` and (``scan_proc``) ``/proc/*/ns/net`` whose cookie is
+    the key's (as the start finds a record's netns: ``locate``). (an fd the caller closes, the path
+    it was opened at). A path that names another netns by now (a pid reused, a name made again) is
+    only opened to be compared, never used; ``NetnsError`` if the netns has no path left (gone, or
+    held only by an fd)."""
+    try:
+        return open_as(path, key)[0], path
+    except RedirectError as e:
+        missed = e
+    where = locate(key, "", NodeNetns(scan_proc))
+    if where is None:
+        raise missed
+    return open_as(where, key)[0], where  # (checked again as opened: it may have changed since)
+
+
 def discover(node: str, scan_proc: bool = True) -> Found:
     """The pods of ``node`` in the agent's store whose netns is there (see above)."""
     found = Found()
@@ -171,4 +188,4 @@ def _untrusted_in_pod_records(netnses: NodeNetns, recorded: set[int]) -> int:
     return n
 
 
-__all__ = ["Found", "NodeNetns", "discover", "locate", "key_at", "open_as"]
+__all__ = ["Found", "NodeNetns", "discover", "find", "locate", "key_at", "open_as"]

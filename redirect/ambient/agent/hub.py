@@ -2,7 +2,9 @@
 
 A proxy connects to the proxy socket and says ``hello``; it is sent a snapshot (every pod,
 enrolled or being enrolled, then ``snapshot_done``) under the registry's lock, so a pod
-handed out concurrently (``offer_locked``) reaches it exactly once either way. Acks are
+handed out concurrently (``offer_locked``) reaches it exactly once either way. A pod whose
+add could not be sent (its netns found nowhere) is left out of the snapshot's list too
+(``ProxyConn``), so the proxy is never told of a pod it was not given. Acks are
 awaited with one deadline for all proxies (``wait_all``). The connections themselves
 (``ProxyConn``: ordered sends, validated acks) are ``proxies``'; the hub works on anything
 with their interface (``Peer``), which is how it is unit-tested without sockets.
@@ -63,10 +65,11 @@ class Peer(Protocol):
 
 
 class ProxyHub:
-    def __init__(self, registry: Registry, metrics: Metrics, timeout: float) -> None:
+    def __init__(self, registry: Registry, metrics: Metrics, timeout: float, scan_proc: bool = True) -> None:
         self.registry = registry
         self.metrics = metrics
         self.timeout = timeout  # seconds a proxy has to ack (a snapshot: a little more per pod)
+        self.scan_proc = scan_proc  # a snapshot's add looks for a netns not at its path in /proc/*/ns/net too
         self.conns: list[Peer] = []  # under registry.lock
 
     # -- a proxy comes and goes
@@ -91,8 +94,9 @@ class ProxyHub:
         """Wait for the snapshot's acks; the proxy counts as synced (``check`` needs one) once it acked."""
         if done.event.wait(self.timeout + 0.05 * len(pods)) and done.ok:
             conn.synced.set()
-            failed = [p.uid for p, w in zip(pods, waiters, strict=True) if not w.ok]
-            jlog(logging.INFO if not failed else logging.ERROR, "node proxy synced", proxy=conn.name, failed=failed)
+            failed = {p.uid: w.error for p, w in zip(pods, waiters, strict=True) if not w.ok}
+            jlog(logging.INFO if not failed else logging.ERROR, "node proxy synced", proxy=conn.name,
+                 failed=sorted(failed), **({"errors": failed} if failed else {}))
             return True
         jlog(logging.ERROR, "node proxy did not ack the snapshot: dropped", proxy=conn.name, error=done.error)
         conn.close("it did not ack its snapshot")  # (it would never count as synced: make room)
@@ -234,7 +238,7 @@ class ProxyHub:
             self._refuse(s, f"{MAX_PROXIES} node proxies are connected already")
             return True
         s.setblocking(True)
-        conn = ProxyConn(s, proxy_name(got[0], n), self.gone, self.timeout)
+        conn = ProxyConn(s, proxy_name(got[0], n), self.gone, self.timeout, self.scan_proc)
         threading.Thread(target=lambda: self.await_snapshot(conn, *self.attach(conn)), name="proxy-sync",
                          daemon=True).start()
         return True

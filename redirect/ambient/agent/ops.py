@@ -20,7 +20,7 @@ from ...config import RedirectConfig
 from ...kernel import netns as _netns
 from .. import node
 from . import legacy, store
-from .discovery import Found, discover, key_at, open_as
+from .discovery import Found, discover, find, key_at, open_as
 
 Key = store.Key
 #: A pod's netns as opened once for one operation (``Ops.open_netns``): what the rules, the
@@ -33,6 +33,9 @@ class Ops(Protocol):
     # ``NetnsError`` "gone or replaced"), and that open one is what every step below acts on
     def open_netns(self, path: str, key: Key | None = None) -> tuple[NetnsRef, Key]: ...
     def close_netns(self, ref: NetnsRef) -> None: ...
+    # an enrolled pod's netns ``key`` opened where it is now: at ``path`` if that is still it, else
+    # where the start would find it (``discovery.find``); (the open one, its path now)
+    def find_netns(self, path: str, key: Key) -> tuple[NetnsRef, str]: ...
     def netns_key(self, path: str) -> Key: ...
     def host_netns_reason(self, ref: NetnsRef) -> str | None: ...
     def same_netns(self, path: str, key: Key) -> bool: ...
@@ -70,6 +73,10 @@ class KernelOps:
     def close_netns(self, ref: NetnsRef) -> None:
         if isinstance(ref, _netns.Fd):
             os.close(ref)
+
+    def find_netns(self, path: str, key: Key) -> tuple[NetnsRef, str]:
+        fd, where = find(path, key, self.scan_proc)
+        return _netns.Fd(fd), where
 
     def netns_key(self, path: str) -> Key:
         return _netns.netns_key(path)

@@ -23,7 +23,7 @@ from typing import Any
 from ...errors import RedirectError
 from ...kernel import netns as _netns
 from . import protocol
-from .discovery import open_as
+from .discovery import find
 from .logs import jlog, log
 from .pods import PodRecord
 
@@ -84,10 +84,11 @@ class ProxyConn:
     _ids = itertools.count(1)
 
     def __init__(self, sock: socket.socket, name: str, gone: Callable[[ProxyConn], None],
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, scan_proc: bool = True) -> None:
         self.sock = sock
         self.name = name
         self.timeout = timeout
+        self.scan_proc = scan_proc  # where a queued add looks for a pod's netns not at its path (``find``)
         self._gone = gone
         # (message, the pod whose netns goes with it, a netns fd already open for it)
         self.q: queue.Queue[tuple[dict[str, Any], PodRecord | None, int | None] | None] = queue.Queue()
@@ -99,6 +100,9 @@ class ProxyConn:
         self.alive = True
         self.why = ""  # why it was closed
         self.synced = threading.Event()  # acked its first snapshot_done
+        #: (writer only) uids whose last add was not sent (their netns could not be opened): a
+        #: snapshot's list leaves them out, as the proxy was never given them
+        self.not_sent: set[str] = set()
         # a send that blocks this long fails (the proxy does not read): the connection is dropped
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", int(timeout), int((timeout % 1) * 1e6) or (0 if timeout >= 1 else 1)))
@@ -129,9 +133,10 @@ class ProxyConn:
 
     def send_add(self, pod: PodRecord, netns: _netns.NetnsRef | None = None) -> Waiter:
         """Hand ``pod`` to the proxy with an fd of its netns: a copy of ``netns`` (as the add opened
-        it) while few fds are queued, else the netns at its path when the message is sent, if that
-        is still the pod's (inode and cookie: a path can name another netns by now); if not, that
-        add fails and nothing is sent."""
+        it) while few fds are queued, else the pod's netns opened when the message is sent, at its
+        path if that is still the pod's netns (inode and cookie: a path can name another netns by
+        now), else where the start would find it (``discovery.find``); if it is found nowhere, that
+        add fails, nothing is sent, and a snapshot's list sent after it leaves the pod out."""
         fd = None
         with self.lock:
             room = self.alive and self.fds_queued < MAX_QUEUED_FDS
@@ -158,13 +163,20 @@ class ProxyConn:
                     continue
                 if pod is not None and fd is None:
                     try:
-                        fd = open_as(pod.netns, pod.key)[0]
+                        fd = find(pod.netns, pod.key, self.scan_proc)[0]
                     except RedirectError as e:
+                        self.not_sent.add(pod.uid)
+                        jlog(logging.WARNING, "pod not handed to node proxy: its netns is gone", proxy=self.name,
+                             pod=pod.uid, netns=pod.netns, error=str(e))
                         with self.lock:
                             w = self.pending.pop(msg["id"], None)
                         if w is not None:
                             w.done(False, str(e))
                         continue
+                if msg["type"] == "add":
+                    self.not_sent.discard(msg["pod"]["uid"])
+                elif msg["type"] in ("snapshot_pods", "snapshot_done") and self.not_sent:
+                    msg = {**msg, "pods": [u for u in msg["pods"] if u not in self.not_sent]}
                 with self.lock:
                     self.unacked.add(msg["id"])
                 protocol.send(self.sock, msg, (fd,) if fd is not None else ())

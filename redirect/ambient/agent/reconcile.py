@@ -7,7 +7,9 @@ their IPs back in the node sets and drops set entries of uids it did not adopt; 
 pods become its own. Whatever a pod's netns holds is compared with the record and repaired,
 never believed. While running (``resync``, every ``--resync-seconds``) it repeats the repairs
 for the pods enrolled now and drops a pod whose netns is gone without a ``del`` (its record
-too). What it changes in the kernel and the store goes through an ``ops.Ops``.
+too): found neither at its path nor where the start would find it (a pod whose path names its
+netns no more, as a ``/proc/<pid>/ns/net`` whose process exited, is known by the path found).
+What it changes in the kernel and the store goes through an ``ops.Ops``.
 """
 
 from __future__ import annotations
@@ -76,13 +78,22 @@ class Reconciler:
 
     def fix_rules(self, pod: PodRecord) -> str:
         """Re-install the pod's rules if they differ from its recorded config: intact, repaired,
-        failed, or gone (its netns is not at its path any more: nothing is touched). The netns is
-        opened once, as the pod's (inode and cookie), and checked and repaired through that fd."""
+        failed, or gone (its netns is found nowhere: nothing is touched). The netns is looked for
+        as the start looks for it (at its path, else by inode and cookie among the node's netns
+        paths: a ``/proc/<pid>/ns/net`` whose process exited names the pod's netns no more, but
+        another path may), opened once, as the pod's (inode and cookie), and checked and repaired
+        through that fd; a path that names another netns now is never acted on. A pod found at
+        another path is known by that path from then on."""
         try:
-            ref, _ = self.ops.open_netns(pod.netns, pod.key)
+            ref, where = self.ops.find_netns(pod.netns, pod.key)
         except RedirectError as e:
             jlog(logging.WARNING, "pod netns is not at its path", pod=pod.uid, netns=pod.netns, error=str(e))
             return "gone"
+        if where != pod.netns:
+            jlog(logging.INFO, "pod netns found at another path", pod=pod.uid, netns=where, was=pod.netns,
+                 netns_inode=pod.inode)
+            with self.registry.lock:
+                pod.netns = where  # (every holder of the record, a proxy's queued add too, opens it there now)
         try:
             if self.ops.check_rules(ref, pod.config, pod.backend).ok:
                 return "intact"
