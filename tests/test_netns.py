@@ -331,3 +331,41 @@ def test_our_netlink_sockets_take_answers_from_the_kernel_only(pod: Pod) -> None
             forger.close()
             ours.close()
             py.close()
+
+
+def test_a_path_swapped_while_it_is_opened_gives_one_of_the_namespaces_it_named(
+        pod_pair: tuple[Pod, Pod], tmp_path: os.PathLike[str]) -> None:
+    """A symlink swapped between two netns (atomically, by a rename over it) as fast as a thread can
+    while it is opened again and again (at most 3000 opens, at most 20 s): every open gives one of
+    the two netns, whole; a swap between looking at the path and opening it never makes a good
+    path look bad."""
+    a, b = pod_pair
+    inodes = {os.stat(p.path).st_ino for p in (a, b)}
+    link, tmp = os.path.join(tmp_path, "ns"), os.path.join(tmp_path, "ns.new")
+    os.symlink(a.path, link)
+    stop = threading.Event()
+
+    def swap() -> None:
+        flip = 0
+        while not stop.is_set():
+            flip ^= 1
+            os.symlink((a, b)[flip].path, tmp)
+            os.replace(tmp, link)
+
+    t = threading.Thread(target=swap, daemon=True)
+    t.start()
+    seen: set[int] = set()
+    deadline = time.monotonic() + 20
+    try:
+        for _ in range(3000):
+            if time.monotonic() > deadline:
+                break
+            fd = rnetns.open_netns(link)
+            try:
+                seen.add(os.fstat(fd).st_ino)
+            finally:
+                os.close(fd)
+    finally:
+        stop.set()
+        t.join(5)
+    assert seen <= inodes and seen

@@ -132,9 +132,10 @@ def _kind_of(st: os.stat_result) -> str:
 def open_netns(ref: NetnsRef) -> int:
     """Open a namespace reference; the caller owns (and closes) the returned fd.
 
-    Nothing but a network namespace is ever opened: a path is looked at first (a namespace file
-    is a regular file on nsfs), so a FIFO, a device or a plain file is refused without being
-    opened, and what the open then gave is checked again (the same inode, of a network
+    Nothing but a network namespace is ever opened: the path is first opened ``O_PATH`` (which
+    opens no file: a FIFO, a device or a plain file is refused without being opened) and looked
+    at (a namespace file is a regular file on nsfs); then that very file is opened through its
+    ``O_PATH`` fd, so a path swapped in between changes nothing, and checked again (a network
     namespace). Every path to a netns goes through here (``enter``, the inode, the cookie, the
     fds handed to node proxies)."""
     path = path_of(ref)
@@ -144,16 +145,22 @@ def open_netns(ref: NetnsRef) -> int:
             raise NetnsError(f"netns=fd {fd}: not an open network namespace fd")
         return os.dup(fd)
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_dev != _nsfs_dev():
-            raise NetnsError(f"netns={describe(ref)!r}: {path} is {_kind_of(st)}, not a network namespace")
-        fd = os.open(path, _OPEN_FLAGS)
+        where = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NetnsError(f"netns={describe(ref)!r}: no such namespace ({path} does not exist)") from None
     except OSError as e:
         raise NetnsError(f"netns={describe(ref)!r}: cannot open {path}: {e.strerror}") from None
-    opened = os.fstat(fd)
-    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not _is_netns_fd(fd):
+    try:
+        st = os.fstat(where)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != _nsfs_dev():
+            raise NetnsError(f"netns={describe(ref)!r}: {path} is {_kind_of(st)}, not a network namespace")
+        try:
+            fd = os.open(f"/proc/self/fd/{where}", _OPEN_FLAGS)
+        except OSError as e:
+            raise NetnsError(f"netns={describe(ref)!r}: cannot open {path}: {e.strerror}") from None
+    finally:
+        os.close(where)
+    if not _is_netns_fd(fd):
         os.close(fd)
         raise NetnsError(f"netns={describe(ref)!r}: {path} is not a network namespace")
     return fd
