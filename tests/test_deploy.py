@@ -257,9 +257,11 @@ def test_the_daemonsets_command_lines_run_a_node_that_captures_a_containerd_pod(
             for name in ("agent", "node-proxy", "install-cni"):
                 n.start(name)
             deadline = time.monotonic() + 60
+            # Ready, installed, and the node proxy connected (the agent's readiness does not wait
+            # for one: a pod's ADD before it gets no_proxy).
             while not (n.probe(container("agent")["readinessProbe"]) == 200
                        and '"redirect-cni"' in (net_d / "10-rdrt-node.conflist").read_text()
-                       and (bin_d / "redirect-cni").exists()):
+                       and (bin_d / "redirect-cni").exists() and '"node proxy synced"' in n.log("agent")):
                 for name, p in n.procs.items():
                     assert p.poll() is None, f"{name} exited: {n.log(name)[-3000:]}"
                 assert time.monotonic() < deadline, {k: n.log(k)[-1500:] for k in n.procs}
