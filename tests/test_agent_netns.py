@@ -14,7 +14,6 @@ import contextlib
 import os
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,21 +24,12 @@ import redirect
 from redirect.ambient.agent import client, protocol
 from redirect.kernel import netns as rnetns
 from tests import netkit
-from tests.netkit import Pod
+from tests.netkit import Pod, repoint, swapping
 from tests.test_agent import Node, read_log, records_of, wait_log
 
 pytestmark = pytest.mark.timeout(180)
 
 AMBIENT = redirect.RedirectConfig(mode="ambient")
-
-
-def repoint(link: Path, target: str) -> None:
-    """Make the symlink ``link`` name ``target``, atomically (a rename over it)."""
-    tmp = link.with_name(link.name + ".new")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
 
 
 def captured(pod: Pod) -> bool:
@@ -150,20 +140,8 @@ def test_adds_at_a_path_swapped_between_two_pods_act_on_one_netns_each(
     a, b = make_pod(), make_pod()
     by_inode = {os.stat(p.path).st_ino: p for p in (a, b)}
     link = tmp_path / "ns-link"
-    os.symlink(a.path, link)
-    stop = threading.Event()
-
-    def swap() -> None:
-        flip = 0
-        while not stop.is_set():
-            flip ^= 1
-            repoint(link, (a, b)[flip].path)
-            time.sleep(0.0005)
-
-    t = threading.Thread(target=swap, daemon=True)
-    t.start()
     deadline = time.monotonic() + 60
-    try:
+    with swapping(link, (a.path, b.path), pause=0.0005):
         for i in range(20):
             if time.monotonic() > deadline:
                 break
@@ -182,9 +160,6 @@ def test_adds_at_a_path_swapped_between_two_pods_act_on_one_netns_each(
                        if e["event"] == "pod_removed" and e.get("pod") == "uid-r"]) < i + 1:
                 assert time.monotonic() < removed, "the proxy did not drop the pod"
                 time.sleep(0.02)
-    finally:
-        stop.set()
-        t.join(5)
     assert not captured(a) and not captured(b)
 
 

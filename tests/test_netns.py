@@ -15,7 +15,7 @@ import pytest
 
 from redirect.kernel import netlink
 from redirect.kernel import netns as rnetns
-from tests.netkit import Pod
+from tests.netkit import Pod, swapping
 
 
 def _v6_addrs_on_lo(ns: str) -> set[str]:
@@ -341,22 +341,10 @@ def test_a_path_swapped_while_it_is_opened_gives_one_of_the_namespaces_it_named(
     path look bad."""
     a, b = pod_pair
     inodes = {os.stat(p.path).st_ino for p in (a, b)}
-    link, tmp = os.path.join(tmp_path, "ns"), os.path.join(tmp_path, "ns.new")
-    os.symlink(a.path, link)
-    stop = threading.Event()
-
-    def swap() -> None:
-        flip = 0
-        while not stop.is_set():
-            flip ^= 1
-            os.symlink((a, b)[flip].path, tmp)
-            os.replace(tmp, link)
-
-    t = threading.Thread(target=swap, daemon=True)
-    t.start()
+    link = os.path.join(tmp_path, "ns")
     seen: set[int] = set()
     deadline = time.monotonic() + 20
-    try:
+    with swapping(link, (a.path, b.path)):
         for _ in range(3000):
             if time.monotonic() > deadline:
                 break
@@ -365,7 +353,4 @@ def test_a_path_swapped_while_it_is_opened_gives_one_of_the_namespaces_it_named(
                 seen.add(os.fstat(fd).st_ino)
             finally:
                 os.close(fd)
-    finally:
-        stop.set()
-        t.join(5)
     assert seen <= inodes and seen

@@ -276,3 +276,37 @@ OUR_TC = {"ingress": ["rdr_tc_ingress"], "egress": ["rdr_tc_egress"]}
 __all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
            "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "netlink_in",
            "link_for", "make_pod", "vm_behind", "VM_NET", "tc_filters", "qdisc_kinds", "set_forwarding", "OUR_TC"]
+
+
+def repoint(link: str | os.PathLike[str], target: str) -> None:
+    """Make the symlink ``link`` name ``target``, atomically (a rename over it)."""
+    tmp = os.fspath(link) + ".new"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+@contextlib.contextmanager
+def swapping(link: str | os.PathLike[str], targets: tuple[str, str], pause: float = 0.0) -> Iterator[None]:
+    """The symlink ``link`` (made naming ``targets[0]``) swapped between the two targets by a thread,
+    atomically, ``pause`` s apart, until the block ends."""
+    repoint(link, targets[0])
+    stop = threading.Event()
+
+    def swap() -> None:
+        flip = 0
+        while not stop.is_set():
+            flip ^= 1
+            repoint(link, targets[flip])
+            if pause:
+                time.sleep(pause)
+
+    t = threading.Thread(target=swap, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+
