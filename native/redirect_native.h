@@ -213,7 +213,7 @@ struct rdr_scan_addr {
 struct rdr_netns_scan {
 	uint64_t cookie;  /* its netns cookie */
 	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
-	int n;            /* addresses below: loopback and IPv6 link-local aside */
+	int n;            /* addresses below: loopback aside (IPv6 link-local ones included) */
 	int n_ours;       /* of them, on lo with our routing protocol (ours: not counted against
 			   * RDR_SCAN_MAX) */
 	struct rdr_scan_addr a[RDR_SCAN_CAP];
@@ -226,7 +226,8 @@ int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto);
 
 /* A pod's sources (struct pod_policy's src4, src6: what the connect and sendmsg hooks give a socket
  * they send to the proxy): per family f (4, 6) with has[f == 6], the first of the pod's addresses
- * a[0..n) of that family not on lo (ifindex 1); a family without one is left as it was. The one
+ * a[0..n) of that family not on lo (ifindex 1) and not IPv6 link-local; a family without one is
+ * left as it was. The one
  * statement of that choice: the fresh-pod call and the general path (lower_ebpf.pod_sources). */
 void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16]);
 

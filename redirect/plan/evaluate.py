@@ -17,16 +17,23 @@ still agree with the netfilter plan. Both answer a ``Landing``:
 - ``("tproxy", port)``: delivered to a transparent listener (netfilter ``TPROXY``);
 - ``("direct",)``: untouched; ``("drop",)``: dropped.
 
-The pod is described by ``PodNet`` (its own addresses; a destination among them, or a
-loopback one, leaves over lo) and the connection by ``Conn``. Modelled: the first packet of
-a new connection (conntrack state NEW) and its socket's owner and mark; an IPv6
-socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
+The pod is described by ``PodNet`` (its own addresses, IPv6 link-local ones included; a
+destination among them, or a loopback one, leaves over lo) and the connection by ``Conn``.
+Modelled: the first packet of a new connection (conntrack state NEW) and its socket's owner and
+mark; an IPv6 socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
 netfilter, ``connect6`` for the programs); in ambient mode, the node proxy's transparent
 connections to the app (a bound source that is not the pod's); the plan's policy routes (``local
 default dev lo`` by mark: TPROXY's ``tproxy_mark``, ambient's ``conn_mark``), which take a socket
-with that mark over lo whatever its destination. Not modelled: other routing beyond "local or out
-through the longest matching route of ``PodNet``", ``sendmsg`` with an explicit source
-(``IP_PKTINFO``).
+with that mark over lo whatever its destination; a connect to an IPv6 link-local address, which
+names its interface by scope id (``fe80::1%eth0``: the kernel binds the socket to it), local only
+when the address is on that interface: netfilter's nat REDIRECT of such a connection sends it to
+loopback through that interface, where it is lost (``drop``), and the programs, which cannot see a
+scope id, judge the address alone (one of the pod's own, on whichever interface, is local to
+them). Not modelled: other routing beyond "local or out through the longest matching route of
+``PodNet``", ``sendmsg`` with an explicit source (``IP_PKTINFO``), a connect to a link-local
+address without a scope id (the kernel refuses it under netfilter), UDP to a link-local address
+(whether a redirected datagram is lost depends on whether its socket is connected), a socket with
+a policy route's mark connecting to a link-local address.
 """
 
 from __future__ import annotations
@@ -84,6 +91,19 @@ V6_LOOPBACK = ipaddress.ip_address("::1")
 #: Parsed once: the evaluators run for thousands of connections of a few addresses.
 _ip = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
 _net = functools.lru_cache(maxsize=4096)(ipaddress.ip_network)
+
+
+def _scoped_link_local(ip: str) -> bool:
+    """An IPv6 link-local address with a scope id (``fe80::1%eth0``): a socket connecting to it is
+    bound to that interface."""
+    a = _ip(ip)
+    return isinstance(a, ipaddress.IPv6Address) and a.is_link_local and a.scope_id is not None
+
+
+def _same(a: str, b: str) -> bool:
+    """The same address, scope ids aside."""
+    x, y = _ip(a), _ip(b)
+    return x.version == y.version and int(x) == int(y)
 
 
 def _mapped(ip: str) -> str | None:
@@ -144,7 +164,8 @@ class Conn:
 @dataclass(frozen=True)
 class PodNet:
     """The pod's netns: its own addresses, loopback ones aside (``::6`` on lo among them when
-    present), and the device (ifindex 2) everything non-local leaves through."""
+    present; an IPv6 link-local address on its interface's ifindex), and the device (ifindex 2)
+    everything non-local leaves through."""
 
     addrs: tuple[LocalAddr, ...] = ()
     dev: str = "eth0"
@@ -154,8 +175,11 @@ class PodNet:
     routes: tuple[Route, ...] = ()
 
     def out_dev(self, ip: str) -> str:
-        """The interface a non-local destination leaves through: the longest matching route's."""
+        """The interface a non-local destination leaves through: a link-local one's scope, else
+        the longest matching route's."""
         a = _ip(ip)
+        if _scoped_link_local(ip):
+            return str(a.scope_id)  # type: ignore[union-attr]
         best = max(((net.prefixlen, devs[0]) for f, c, devs in self.routes
                     if f == a.version and a in (net := _net(c))), default=None)
         return self.dev if best is None else best[1]
@@ -163,19 +187,34 @@ class PodNet:
     def ifindex_named(self, name: str) -> int:
         return LOOPBACK_IFINDEX if name == "lo" else dict(self.links).get(name, 2)
 
+    def _owners(self, ip: str) -> list[int]:
+        """The ifindexes of the pod's addresses equal to ``ip``: for a link-local one with a scope
+        id, only on the interface it names (the kernel's strict look-up)."""
+        found = [i for _f, x, i in self.addrs if _same(x, ip)]
+        if _scoped_link_local(ip):
+            want = self.ifindex_named(str(_ip(ip).scope_id))  # type: ignore[union-attr]
+            found = [i for i in found if i == want]
+        return found
+
     def is_local(self, ip: str) -> bool:
         """Delivered locally (routed over lo): loopback or one of the pod's addresses."""
-        a = _ip(ip)
-        return a.is_loopback or any(_ip(x) == a for _f, x, _i in self.addrs)
+        return _ip(ip).is_loopback or bool(self._owners(ip))
 
     def ifindex_of(self, ip: str) -> int:
         """The device of a local address (sk_lookup's ingress for a connect to it)."""
-        a = _ip(ip)
-        return next((i for _f, x, i in self.addrs if _ip(x) == a), LOOPBACK_IFINDEX)
+        return next(iter(self._owners(ip)), LOOPBACK_IFINDEX)
+
+    def first_own(self, family: int) -> str | None:
+        """The pod's first address of ``family`` not on lo and not IPv6 link-local: the source the
+        kernel picks for a destination off the pod, and the one the eBPF backend gives (its
+        policy's ``src4``/``src6``, ``rdr_pod_sources``)."""
+        return next((x for f, x, i in self.addrs
+                     if f == family and i != LOOPBACK_IFINDEX and not _ip(x).is_link_local), None)
 
     def source_for(self, conn: Conn) -> str:
         """The source address of an outbound connection: bound, or the kernel's pick (a local
-        destination is its own source, except 127/8 which answers from 127.0.0.1)."""
+        destination is its own source, except 127/8 which answers from 127.0.0.1; a link-local one
+        has the link-local address of its interface)."""
         if conn.src is not None:
             return conn.src
         a = _ip(conn.dst)
@@ -183,8 +222,10 @@ class PodNet:
             return "127.0.0.1" if a.version == 4 else "::1"
         if self.is_local(conn.dst):
             return conn.dst
-        own = [x for f, x, i in self.addrs if f == a.version and i != LOOPBACK_IFINDEX]
-        return own[0] if own else ("0.0.0.0" if a.version == 4 else "::")
+        if _scoped_link_local(conn.dst):
+            dev = self.ifindex_named(str(a.scope_id))  # type: ignore[union-attr]
+            return next((x for f, x, i in self.addrs if f == 6 and i == dev and _ip(x).is_link_local), "::")
+        return self.first_own(a.version) or ("0.0.0.0" if a.version == 4 else "::")
 
 
 # --- netfilter -------------------------------------------------------------------------
@@ -303,8 +344,11 @@ def _routed_to_lo(routes: tuple[PolicyRoute, ...], family: int, mark: int) -> bo
     return any(r.family == family and (mark & r.mask) == r.fwmark for r in routes)
 
 
-def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn) -> Landing:
-    """Where ``conn`` lands under ``plan`` installed for ``families``."""
+def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn, *,
+                  rules_only: bool = False) -> Landing:
+    """Where ``conn`` lands under ``plan`` installed for ``families``; with ``rules_only``, where
+    its rules send it (a TCP connection to a link-local address that nat redirects is lost after
+    them)."""
     conn = conn.on_the_wire()
     fam = conn.family
     if fam not in families:
@@ -320,6 +364,10 @@ def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn
     pkt = _Packet(conn, src, None, "lo" if over_lo else pod.out_dev(conn.dst), local=True, mark=conn.mark)
     landed = _hooks(chains, "output", ("raw", "mangle", "nat"), pkt)
     if landed is not None:
+        if not rules_only and landed[0] == "redirect" and conn.proto == "tcp" and _scoped_link_local(conn.dst):
+            # REDIRECT's new destination (loopback) is routed by the socket's interface, which its
+            # scope id bound it to: it leaves the pod there, and the connection is lost.
+            return DROP
         return landed
     if over_lo:
         # Looped back in over lo: PREROUTING again, but not nat (the connection has its NAT binding).
@@ -587,7 +635,7 @@ def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Land
         return DIRECT
     if _local_end(m, src):  # spoofed: never an entry, never around the proxy
         return DROP
-    if not any(f == conn.family and i != LOOPBACK_IFINDEX for f, _a, i in pod.addrs):
+    if pod.first_own(conn.family) is None:
         return DROP
     return ("redirect", port)
 

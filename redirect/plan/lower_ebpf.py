@@ -290,8 +290,11 @@ def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
 
 
 def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tuple[int, CidrKind, bytes], ...]:
-    """The ``local`` CIDR entries of a pod's own addresses ``local``: a connect to them leaves over
-    lo (Istio's ``-o lo`` rules), and inbound from them is the pod talking to itself."""
+    """The ``local`` CIDR entries of a pod's own addresses ``local`` (every one but loopback, IPv6
+    link-local ones included, as the backend's scan lists them): a connect to them leaves over lo
+    (Istio's ``-o lo`` rules), and inbound from them is the pod talking to itself. A link-local
+    entry holds the address alone: the programs cannot see the scope id a connect names its
+    interface by."""
     return tuple((32 if f == 4 else 128, "local4" if f == 4 else "local6",
                   ipaddress.ip_address(ip).packed.ljust(16, b"\0"))
                  for f, ip, _index in local if f in families)

@@ -225,10 +225,11 @@ def pod_entries(it: AnyIntent, families: tuple[int, ...], cookie: int,
 
 def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[int, str]:
     """Per family, the source an unbound socket's connect gets for a destination off the pod: its
-    first address of the family not on lo (the address of its one interface, in a pod with one;
-    with several, the kernel's choice per route may be another). The connect and sendmsg hooks
-    give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``). The
-    choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
+    first address of the family not on lo and not IPv6 link-local (the address of its one interface,
+    in a pod with one; with several, the kernel's choice per route may be another). The connect and
+    sendmsg hooks give it to a socket they send to the proxy (``struct pod_policy``'s
+    ``src4``/``src6``). The choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the
+    fresh-pod call makes too."""
     ffi, lib = NATIVE.ffi, NATIVE.lib
     addrs = [(f, ipaddress.ip_address(ip).packed, index) for f, ip, index in local if f in (4, 6)]
     a = ffi.new("struct rdr_scan_addr[]", max(1, len(addrs)))
