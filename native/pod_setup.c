@@ -832,19 +832,27 @@ static int ours_v6(const struct rdr_pod_req *r, const uint8_t addr[16])
 	return 0;
 }
 
-/* The pod's sources (redirect_native.h). */
-void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16])
+/* The pod's sources and the link-local address its policy holds (redirect_native.h). */
+void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16],
+		     uint8_t ll6[16])
 {
 	for (int i = n - 1; i >= 0; i--) { /* (backwards: the first one is written last) */
 		if (a[i].ifindex == 1 || (a[i].family != 4 && a[i].family != 6) || !has[a[i].family == 6])
 			continue;
-		if (a[i].family == 6 && v6_link_local(a[i].addr))
-			continue; /* (the kernel's source only for a link-local destination, on its own link) */
 		if (a[i].family == 4)
 			memcpy(src4, a[i].addr, 4);
+		else if (v6_link_local(a[i].addr)) /* (a source only for a link-local destination, on its link) */
+			memcpy(ll6, a[i].addr, 16);
 		else
 			memcpy(src6, a[i].addr, 16);
 	}
+}
+
+/* Whether the scanned address a is the link-local one a policy holds (ll6, rdr_pod_sources): no
+ * local6 entry of its own. */
+static int held_by_policy(const struct rdr_scan_addr *a, const uint8_t ll6[16])
+{
+	return a->family == 6 && ll6[0] && memcmp(a->addr, ll6, 16) == 0;
 }
 
 /* net.ipv4.tcp_fwmark_accept of the calling thread's netns, opened to read and write: its fd, with
@@ -935,11 +943,13 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
+	policy = *set->policy;
+	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6, policy.ll6);
 	for (int i = 0; i < sc.n; i++) {
 		int f = sc.a[i].family == 6;
 		struct cidr_key k = set->local[f];
 
-		if (!set->has_local[f])
+		if (!set->has_local[f] || held_by_policy(&sc.a[i], policy.ll6))
 			continue;
 		k.netns = sc.cookie;
 		memcpy(k.addr, sc.a[i].addr, sizeof(k.addr));
@@ -978,8 +988,6 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.inv_base = 0; /* a fresh pod's inventory starts there */
 	w.listener_fd[0] = w.listener_fd[1] = -1; /* a fresh pod has no listener: none is written */
 	w.link_netns = netns_fd;
-	policy = *set->policy;
-	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6);
 	if (set->fwmark_accept && fw_on == 0)
 		policy.flags |= RDR_F_FWMARK_ACCEPT_OURS; /* (its teardown turns it off again) */
 	w.policy = &policy;

@@ -330,12 +330,13 @@ def test_a_pods_sources_are_its_first_address_of_each_captured_family_off_lo() -
     """``pod_sources`` (the choice ``rdr_pod_sources`` makes for both setup paths): per family the
     config captures, the first of the pod's addresses not on lo and not IPv6 link-local (listed
     first here, as the kernel lists an interface's before another's); none for a family it has
-    none of or does not capture."""
+    none of or does not capture. With IPv6 captured, the first link-local address is the one the
+    policy holds (``ll6``)."""
     from redirect.backends.ebpf.pod.entries import pod_sources
 
     local = ((6, "::6", 1), (4, "10.0.0.7", 1), (4, "10.1.0.2", 2), (6, "fe80::2", 2), (6, "fd00::2", 3),
-             (4, "10.2.0.3", 3), (6, "fd00::9", 2))
-    assert pod_sources((4, 6), local) == {4: "10.1.0.2", 6: "fd00::2"}
-    assert pod_sources((4,), local) == {4: "10.1.0.2"}
+             (4, "10.2.0.3", 3), (6, "fe80::3", 3), (6, "fd00::9", 2))
+    assert pod_sources((4, 6), local) == {"src4": "10.1.0.2", "src6": "fd00::2", "ll6": "fe80::2"}
+    assert pod_sources((4,), local) == {"src4": "10.1.0.2"}
     assert pod_sources((4, 6), ((4, "10.0.0.7", 1), (6, "::6", 1))) == {}
-    assert pod_sources((6,), local[:4]) == {}
+    assert pod_sources((6,), local[:4]) == {"ll6": "fe80::2"}

@@ -389,7 +389,11 @@ class _Maps:
         fams = (4, 6) if p.v6 else (4,)
         self.policy = p
         self.ports = set(entries.ports)
-        self.cidrs = (list(entries.cidrs) + list(pod_local(fams, pod.addrs))
+        #: The pod's first IPv6 link-local address, which its policy holds (``ll6``) with IPv6 captured.
+        ll6 = next((x for f, x, i in pod.addrs if f == 6 and i != LOOPBACK_IFINDEX and _ip(x).is_link_local),
+                   None) if p.v6 else None
+        self.ll6 = _raw(ll6) if ll6 is not None else None
+        self.cidrs = (list(entries.cidrs) + list(pod_local(fams, pod.addrs, ll6))
                       + list(pod_interfaces(entries, fams, pod.links, pod.routes)))
 
     def port_listed(self, kind: str, port: int) -> bool:
@@ -504,11 +508,18 @@ def _routed_by_mark(p: EbpfPolicy, mark: int) -> bool:
     return p.route_mask != 0 and (mark & p.route_mask) == p.route_mark
 
 
+def _own_address(m: _Maps, addr: bytes, v6: bool) -> bool:
+    """``own_address`` of redirect/bpf/policy.h: loopback, the link-local address the policy holds
+    (``ll6``), or a ``local`` entry."""
+    if not v6:
+        return addr[0] == 127 or m.cidr_listed("local4", addr, False)
+    return addr == V6_LOOPBACK.packed or addr == m.ll6 or m.cidr_listed("local6", addr, True)
+
+
 def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
     """``target4`` of redirect/bpf/sock_addr.c."""
     addr = _raw(dst)
-    out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False) or _routed_by_mark(m.policy,
-                                                                                                      conn.mark)
+    out_lo = _own_address(m, addr, False) or _routed_by_mark(m.policy, conn.mark)
     dst_is_lo = _ip(dst) in _net(m.policy.loopback4)
     if m.policy.ambient:
         return _ambient_target(m, conn, addr, False, out_lo, dst_is_lo)
@@ -547,7 +558,7 @@ def _connect(m: _Maps, conn: Conn) -> int:
     if not m.policy.v6:
         return 0
     addr = _raw(conn.dst)
-    out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True) or _routed_by_mark(m.policy, conn.mark)
+    out_lo = _own_address(m, addr, True) or _routed_by_mark(m.policy, conn.mark)
     if m.policy.ambient:
         return _ambient_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK)
     # No source yet and ::6 as the destination: the kernel will pick ::6 itself as the source.
@@ -642,11 +653,8 @@ def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Land
 
 def _local_end(m: _Maps, ip: str) -> bool:
     """``from_this_pod`` of redirect/bpf/sk_lookup.c, ``local_end`` of redirect/bpf/sockopt.c: loopback or one of
-    the pod's addresses (its ``local`` entries)."""
-    a = _ip(ip)
-    if a.version == 4:
-        return (int(a) >> 24) == 127 or m.cidr_listed("local4", _raw(ip), False)
-    return a == V6_LOOPBACK or m.cidr_listed("local6", _raw(ip), True)
+    the pod's addresses (``own_address``)."""
+    return _own_address(m, _raw(ip), _ip(ip).version == 6)
 
 
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool = False) -> Landing:
