@@ -314,7 +314,9 @@ def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Itera
     arriving on it, or a socket bound to it, is not captured), and the destinations the routes
     send through an excluded interface (outbound to them is not captured): a route through one,
     less the more specific routes inside it (those through an excluded interface count on their
-    own). Link-local destinations (their interface is the socket's scope id) are left out.
+    own). Link-local routes (``fe80::/64`` on each interface) are left out: a link-local
+    destination's interface is its socket's scope id, which no program sees, so the route that
+    covers it (the default) decides, as for any destination.
     ``ValueError`` for a route whose next hops are on excluded and other interfaces alike (where
     such a connection leaves is the kernel's pick per flow).
     """
