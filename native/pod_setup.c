@@ -74,6 +74,12 @@ struct written {
 
 static const uint8_t V6_LOOPBACK[16] = {[15] = 1};
 
+/* fe80::/10: an IPv6 link-local address (its interface is part of it: a socket names it by scope id). */
+static int v6_link_local(const uint8_t addr[16])
+{
+	return addr[0] == 0xfe && (addr[1] & 0xc0) == 0x80;
+}
+
 /* A scan under way: the addresses of lo with this routing protocol (IFA_PROTO, 0: none) are ours
  * (the intent's ::6), held beside the pod's own RDR_SCAN_MAX. */
 struct scan_ctx {
@@ -81,7 +87,10 @@ struct scan_ctx {
 	uint8_t ours_proto;
 };
 
-/* One address of the dump (rdr_nl_dump) into the scan (arg): loopback and IPv6 link-local aside. */
+/* One address of the dump (rdr_nl_dump) into the scan (arg): loopback aside. An IPv6 link-local
+ * address is one of the pod's own as any other is: a connection to it goes over lo, as the
+ * netfilter backends see it (the app's to its own link-local address is not captured), and one
+ * from it is the pod talking to itself. It is never a source the hooks give (rdr_pod_sources). */
 static int on_address(void *arg, const struct nlmsghdr *h)
 {
 	const struct scan_ctx *x = arg;
@@ -125,8 +134,6 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 		sc->v6_on = 1;
 		if (memcmp(local, V6_LOOPBACK, 16) == 0)
 			return 0;
-		if (local[0] == 0xfe && (local[1] & 0xc0) == 0x80)
-			return 0;
 	} else {
 		return 0;
 	}
@@ -144,8 +151,7 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 }
 _Static_assert(RDR_SCAN_CAP == RDR_SCAN_MAX + RDR_SCAN_OURS, "room for the pod's addresses and ours");
 
-/* One RTM_GETADDR dump of every family: the pod's addresses (loopback and IPv6 link-local aside),
- * whether IPv6 is on.
+/* One RTM_GETADDR dump of every family: the pod's addresses (loopback aside), whether IPv6 is on.
  *
  * A buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
  * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
@@ -356,6 +362,9 @@ static int no_listener(uint16_t port, int fams, const struct rdr_netns_scan *sc)
 		if (i >= 0) {
 			memcpy(q[n].r.id.idiag_src, sc->a[i].addr, 16);
 			memcpy(q[n].r.id.idiag_dst, sc->a[i].addr, 16);
+			/* (a listener on a link-local address is bound to its interface: found there) */
+			if (fam == 6 && v6_link_local(sc->a[i].addr))
+				q[n].r.id.idiag_if = (uint32_t)sc->a[i].ifindex;
 		} else if (fam == 4) {
 			q[n].r.id.idiag_src[0] = q[n].r.id.idiag_dst[0] = htonl(0x7f000001);
 		} else {
@@ -823,17 +832,27 @@ static int ours_v6(const struct rdr_pod_req *r, const uint8_t addr[16])
 	return 0;
 }
 
-/* The pod's sources (redirect_native.h). */
-void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16])
+/* The pod's sources and the link-local address its policy holds (redirect_native.h). */
+void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16],
+		     uint8_t ll6[16])
 {
 	for (int i = n - 1; i >= 0; i--) { /* (backwards: the first one is written last) */
 		if (a[i].ifindex == 1 || (a[i].family != 4 && a[i].family != 6) || !has[a[i].family == 6])
 			continue;
 		if (a[i].family == 4)
 			memcpy(src4, a[i].addr, 4);
+		else if (v6_link_local(a[i].addr)) /* (a source only for a link-local destination, on its link) */
+			memcpy(ll6, a[i].addr, 16);
 		else
 			memcpy(src6, a[i].addr, 16);
 	}
+}
+
+/* Whether the scanned address a is the link-local one a policy holds (ll6, rdr_pod_sources): no
+ * local6 entry of its own. */
+static int held_by_policy(const struct rdr_scan_addr *a, const uint8_t ll6[16])
+{
+	return a->family == 6 && ll6[0] && memcmp(a->addr, ll6, 16) == 0;
 }
 
 /* net.ipv4.tcp_fwmark_accept of the calling thread's netns, opened to read and write: its fd, with
@@ -881,9 +900,10 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		return RDR_POD_SLOW;
 	}
 	/* An address a plan adds, on lo already, may be ours from before: the general path tells by
-	 * its protocol. Any other IPv6 address is one of the pod's own. */
+	 * its protocol. Any other IPv6 address but a link-local one is one of the pod's own for the
+	 * intent's addresses (routes.own_ipv6: Istio adds ::6 to a pod with IPv6 of its own). */
 	for (int i = 0; i < sc.n; i++) {
-		if (sc.a[i].family != 6)
+		if (sc.a[i].family != 6 || v6_link_local(sc.a[i].addr))
 			continue;
 		if (!ours_v6(r, sc.a[i].addr))
 			own_v6 = 1;
@@ -923,11 +943,13 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 		if (add_item(items, &n, RDR_INV_CIDRS, sizeof(k), &k) < 0)
 			goto slow;
 	}
+	policy = *set->policy;
+	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6, policy.ll6);
 	for (int i = 0; i < sc.n; i++) {
 		int f = sc.a[i].family == 6;
 		struct cidr_key k = set->local[f];
 
-		if (!set->has_local[f])
+		if (!set->has_local[f] || held_by_policy(&sc.a[i], policy.ll6))
 			continue;
 		k.netns = sc.cookie;
 		memcpy(k.addr, sc.a[i].addr, sizeof(k.addr));
@@ -966,8 +988,6 @@ static int pod_add(const struct rdr_pod_req *r, struct rdr_pod_call *c, int netn
 	w.inv_base = 0; /* a fresh pod's inventory starts there */
 	w.listener_fd[0] = w.listener_fd[1] = -1; /* a fresh pod has no listener: none is written */
 	w.link_netns = netns_fd;
-	policy = *set->policy;
-	rdr_pod_sources(sc.a, sc.n, set->has_local, policy.src4, policy.src6);
 	if (set->fwmark_accept && fw_on == 0)
 		policy.flags |= RDR_F_FWMARK_ACCEPT_OURS; /* (its teardown turns it off again) */
 	w.policy = &policy;

@@ -217,7 +217,7 @@ struct rdr_scan_addr {
 struct rdr_netns_scan {
 	uint64_t cookie;  /* its netns cookie */
 	int v6_on;        /* an IPv6 address exists (::1 at least, unless IPv6 is off) */
-	int n;            /* addresses below: loopback and IPv6 link-local aside */
+	int n;            /* addresses below: loopback aside (IPv6 link-local ones included) */
 	int n_ours;       /* of them, on lo with our routing protocol (ours: not counted against
 			   * RDR_SCAN_MAX) */
 	struct rdr_scan_addr a[RDR_SCAN_CAP];
@@ -230,9 +230,12 @@ int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto);
 
 /* A pod's sources (struct pod_policy's src4, src6: what the connect and sendmsg hooks give a socket
  * they send to the proxy): per family f (4, 6) with has[f == 6], the first of the pod's addresses
- * a[0..n) of that family not on lo (ifindex 1); a family without one is left as it was. The one
- * statement of that choice: the fresh-pod call and the general path (lower_ebpf.pod_sources). */
-void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16]);
+ * a[0..n) of that family not on lo (ifindex 1) and not IPv6 link-local; and (with has[1]) its first
+ * IPv6 link-local address, which its policy holds (ll6) in place of a local6 entry. A field without
+ * one is left as it was. The one statement of those choices: the fresh-pod call and the general
+ * path (entries.pod_sources). */
+void rdr_pod_sources(const struct rdr_scan_addr *a, int n, const int has[2], uint8_t src4[4], uint8_t src6[16],
+		     uint8_t ll6[16]);
 
 #define RDR_FAM4 1
 #define RDR_FAM6 2

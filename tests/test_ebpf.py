@@ -34,7 +34,7 @@ from redirect.plan.intent import intent_for
 from redirect.plan.lower_ebpf import CIDR_KIND, PORT_KIND
 from tests import netkit
 from tests.kit import bpfroot
-from tests.netkit import Pod, TcpListener, UdpListener, landing, wait_link_detached
+from tests.netkit import Pod, TcpListener, UdpListener, landing, link_local, wait_link_detached
 
 APP_UID = 1000
 PROXY_UID = 1337
@@ -1087,13 +1087,16 @@ def test_a_pod_that_is_not_fresh_takes_the_general_path(pod: Pod, setup_pod) -> 
         _close(proxy)
 
 
-@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "127.0.0.1", "::1", "pod-v4", "pod-v6"])
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "127.0.0.1", "::1", "pod-v4", "pod-v6", "pod-link-local"])
 def test_a_proxy_already_listening_is_found_however_it_is_bound(pod: Pod, setup_pod, bind: str) -> None:
     """Before it changes anything, the native call asks sock_diag whether a listener takes the
-    inbound port at loopback or at a pod address (wildcard binds included): one does, so the
-    general path sets the pod up and registers it, and inbound lands on it."""
-    family = 6 if ":" in bind or bind == "pod-v6" else 4
+    inbound port at loopback or at a pod address (wildcard binds included; a link-local one, bound
+    to its interface, asked there): one does, so the general path sets the pod up and registers
+    it, and inbound lands on it."""
+    family = 4 if bind in ("0.0.0.0", "127.0.0.1", "pod-v4") else 6
     host = pod.pod_ip(family) if bind.startswith("pod") else bind
+    if bind == "pod-link-local":
+        host = f"{link_local(pod.name, pod.pod_if)}%{pod.pod_if}"
     proxy = [TcpListener(pod.name, 15006, family=family, host=host, label="proxy").start()]
     app = [TcpListener(pod.name, 8080, family=family, label="app").start()]
     try:
@@ -1162,12 +1165,12 @@ def test_a_pod_with_many_addresses_has_them_all_registered_and_one_with_too_many
 
 
 def test_our_own_address_does_not_count_against_the_pods_addresses(pod: Pod, bpf_root: str) -> None:
-    """A pod with exactly RDR_SCAN_MAX addresses of its own (its IPv4 one and 255 IPv6 ones) is set
-    up, which adds ``::6`` on lo; that address of ours does not count against the limit: check
-    and the same setup again work (they failed naming the limit)."""
+    """A pod with exactly RDR_SCAN_MAX addresses of its own (its IPv4 one, its link-local one and
+    254 other IPv6 ones) is set up, which adds ``::6`` on lo; that address of ours does not count
+    against the limit: check and the same setup again work (they failed naming the limit)."""
     most = syscalls.NATIVE.lib.RDR_SCAN_MAX
     prefix = pod.pod_ip6.rsplit(":", 1)[0]
-    more = [f"{prefix}:{0x1000 + i:x}" for i in range(most - 2)]  # (+ its IPv4 and IPv6 ones)
+    more = [f"{prefix}:{0x1000 + i:x}" for i in range(most - 3)]  # (+ its IPv4, IPv6 and link-local ones)
     batch = "".join(f"address add {a}/128 dev {pod.pod_if} nodad\n" for a in more)
     subprocess.run(["ip", "-n", pod.name, "-batch", "-"], input=batch, text=True, check=True)
     try:
@@ -1206,6 +1209,33 @@ def test_an_address_whose_dad_failed_is_not_the_pods(pod: Pod, bpf_root: str) ->
             assert api.check(pod.name, cfg, backend="ebpf").ok
     finally:
         api.teardown(pod.name, backend="ebpf")
+
+
+@pytest.mark.parametrize("path", ["fresh", "general"])
+def test_link_local_addresses_are_the_pods_own_but_never_its_source(
+        pod_with_extra_iface: Pod, bpf_root: str, setup_pod, path: str) -> None:
+    """Each interface's IPv6 link-local address is one of the pod's addresses for capture (a connect
+    to it goes over lo, as netfilter sees it; a connection from it is the pod to itself): the first
+    held by the policy (no map entry for the one a pod usually has), any other a local6 entry, on
+    the fresh-pod call and the general path alike, and check agrees. It is never the source the
+    hooks give, even listed first (eth0 keeps only its link-local IPv6 address here): that is
+    eth1's address."""
+    pod = pod_with_extra_iface
+    assert pod.extra is not None
+    subprocess.run(["ip", "-n", pod.name, "-6", "addr", "del", f"{pod.pod_ip6}/64", "dev", pod.pod_if], check=True)
+    cookie = _cookie(pod)
+    if path == "general":
+        setup_pod(pod, RedirectConfig(inbound_ports=(8080,)))  # the next one finds a policy
+    res = setup_pod(pod, RedirectConfig())
+    assert res.detail["path"] == path, res.detail
+    cidrs = entries_mentioning(bpf_root, cookie)["cidrs"]
+    first, other = (link_local(pod.name, dev) for dev in (pod.pod_if, pod.extra.pod_if))
+    for ll, listed in ((first, False), (other, True)):
+        key = abi.CIDR_KEY.pack(96 + 128, CIDR_KIND["local6"], cookie, socket.inet_pton(socket.AF_INET6, ll))
+        assert (key in cidrs) is listed, ll
+    policy = api.show(pod.name, backend="ebpf")["policy"]
+    assert f"sources={pod.pod_ip4},{pod.extra.pod_ip6} link-local={first}" in policy, policy
+    assert api.check(pod.name, RedirectConfig(), backend="ebpf").ok
 
 
 @pytest.mark.parametrize("point", ["ebpf.before_entries", "ebpf.before_policy"])

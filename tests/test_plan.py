@@ -201,6 +201,10 @@ def test_ebpf_lowering_is_typed_and_skips_ipv6_entries_without_ipv6() -> None:
     assert e4.policy.dns and not e4.policy.dns_all and e4.policy.inbound and not e4.policy.inbound_all
     assert [k for _p, k, _a in pod_local((4, 6), POD.addrs)] == ["local4", "local6", "local6"]
     assert [k for _p, k, _a in pod_local((4,), POD.addrs)] == ["local4"]
+    # A link-local address is one of the pod's own too, but for the one its policy holds (ll6).
+    got = pod_local((4, 6), (*POD.addrs, (6, "fe80::2", 2), (6, "fe80::3", 3), (6, "fe80::2", 3)), "fe80::2")
+    assert [k for _p, k, _a in got] == ["local4", "local6", "local6", "local6"]
+    assert got[-1] == (128, "local6", bytes.fromhex("fe80" + "0" * 27 + "3"))
 
 
 def test_the_evaluator_follows_marks_accepts_and_tproxy() -> None:

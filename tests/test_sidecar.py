@@ -41,6 +41,7 @@ from tests.netkit import (
     UdpListener,
     in_netns,
     landing,
+    link_local,
     qdisc_kinds,
     set_forwarding,
     tc_filters,
@@ -233,6 +234,66 @@ def test_proxy_calling_own_pod_ip_hairpins_to_inbound(pod: Pod, backend: str, fa
         hit = landing(pod.name, pod.pod_ip(fam), 7000, *L.values(), uid=PROXY_UID)
         assert hit.label == "proxy-in"
         assert hit.orig_dst == (pod.pod_ip(fam), 7000)
+
+
+def test_own_link_local_address_is_the_pods_own(pod: Pod, backend: str) -> None:
+    """The pod's IPv6 link-local address (its eth0's fe80::, which a socket names with its scope id)
+    is one of its own addresses: the app's connection to it goes over lo and reaches the app, as
+    istio-iptables' "app traffic over lo" rule leaves it (the proxy could not reach it anyway: an
+    original destination has no scope id), from that address as its source. A peer's connection to
+    it is inbound as any other and is captured. The proxy's own connection to it is a difference
+    (docs/backends.md): under netfilter REDIRECT sends it to ::1 out through the socket's interface,
+    where it is lost; on eBPF it is the hairpin to inbound capture."""
+    own = link_local(pod.name, pod.pod_if)
+    with installed(pod, None, backend), listeners(
+        (pod.name, 15001, 6, "proxy-out"), (pod.name, 15006, 6, "proxy-in"), (pod.name, 7000, 6, "local-app"),
+    ) as L:
+        hit = landing(pod.name, f"{own}%{pod.pod_if}", 7000, *L.values(), uid=APP_UID)
+        assert hit.label == "local-app", hit.result
+        assert hit.peer is not None and hit.peer[0] == own
+        hit = landing(pod.peer_name, f"{own}%{pod.peer_if}", 7000, *L.values())
+        assert hit.label == "proxy-in" and hit.orig_dst == (own, 7000), hit.result
+        if backend == "ebpf":
+            hit = landing(pod.name, f"{own}%{pod.pod_if}", 7000, *L.values(), uid=PROXY_UID)
+            assert hit.label == "proxy-in" and hit.orig_dst == (own, 7000), hit.result
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tcp_to_port_zero_is_captured_as_any_port(pod: Pod, backend: str, fam: int) -> None:
+    """Port 0 is a port as any other to istio-iptables' rules (the kernel sends a SYN to it): the
+    app's connection to a peer's port 0 goes to the outbound port, a peer's to the pod's port 0 to
+    the inbound port, each with port 0 as its original destination, and the proxy's hairpin to the
+    pod's own address too; nothing captures it over lo, where nothing listens on port 0. The app's
+    getpeername differs (docs/backends.md): netfilter leaves the socket's port 0, which the kernel
+    answers with ENOTCONN; eBPF names the original destination, port 0."""
+    lo = "127.0.0.1" if fam == 4 else "::1"
+    peer, own = pod.peer_ip(fam), pod.pod_ip(fam)
+    with installed(pod, None, backend), listeners(
+        (pod.name, 15001, fam, "proxy-out"), (pod.name, 15006, fam, "proxy-in"),
+    ) as L:
+        hit = landing(pod.name, peer, 0, *L.values(), uid=APP_UID)
+        assert hit.label == "proxy-out" and hit.orig_dst == (peer, 0), hit.result
+        hit = landing(pod.peer_name, own, 0, *L.values())
+        assert hit.label == "proxy-in" and hit.orig_dst == (own, 0), hit.result
+        hit = landing(pod.name, own, 0, *L.values(), uid=PROXY_UID)
+        assert hit.label == "proxy-in" and hit.orig_dst == (own, 0), hit.result
+        for uid in (APP_UID, PROXY_UID):
+            for dst in (lo, own):
+                if (uid, dst) == (PROXY_UID, own):
+                    continue
+                hit = landing(pod.name, dst, 0, *L.values(), uid=uid)
+                assert (hit.listener, hit.result.error) == (None, "refused"), (uid, dst, hit.result)
+
+        def peername() -> object:
+            with socket.socket(socket.AF_INET if fam == 4 else socket.AF_INET6, socket.SOCK_STREAM) as s:
+                s.settimeout(2)
+                s.connect((peer, 0))
+                try:
+                    return tuple(s.getpeername()[:2])
+                except OSError as e:
+                    return errno.errorcode[e.errno]
+
+        assert in_netns(pod.name, peername) == ((peer, 0) if backend == "ebpf" else "ENOTCONN")
 
 
 def test_owner_groups_limit_what_is_captured(pod: Pod, backend: str) -> None:

@@ -107,6 +107,10 @@ struct pod_policy {
 	 * tproxy_mark; ambient's conn_mark). route_mask 0: no such route. */
 	__u32 route_mark;
 	__u32 route_mask;
+	/* The pod's first IPv6 link-local address (with IPv6 captured), network order; zero: none. One of
+	 * the pod's own addresses as its RDR_CIDR_LOCAL6 entries are (policy.h, own_address), held here so
+	 * that the one a pod usually has (its interface's) costs no map entry; any other is an entry. */
+	__u8 ll6[16];
 };
 
 struct port_key {

@@ -241,15 +241,22 @@ static __always_inline void pair_key_of(struct pair_key *k, __u64 netns, __u32 f
 			    bpf_htons((__u16)(c)->local_port), PAIR_RPORT(c), (peer));                     \
 	} while (0)
 
-/* Whether addr (16 bytes, IPv4 in the first 4) is loopback or one of the pod's own addresses (its
- * RDR_CIDR_LOCAL* entries under keys, ::6 among them). */
-static __always_inline int own_address(__u64 keys, const __u8 *addr, int v6)
+/* Whether addr (16 bytes, IPv4 in the first 4) is loopback or one of the pod p's own addresses: its
+ * RDR_CIDR_LOCAL* entries under keys (::6 among them) and the IPv6 link-local address its policy
+ * holds (ll6). A link-local one is the pod's on whichever of its interfaces: no program here sees
+ * the scope id a connect names the interface by. */
+static __always_inline int own_address(const struct pod_policy *p, __u64 keys, const __u8 *addr, int v6)
 {
-	__u32 ip[4];
+	__u32 ip[4], ll[4];
 
 	__builtin_memcpy(ip, addr, 16);
 	if (v6 ? is_v6_loopback(ip) : is_v4_loopback(ip[0]))
 		return 1;
+	if (v6) {
+		__builtin_memcpy(ll, p->ll6, 16);
+		if (ll[0] && ip[0] == ll[0] && ip[1] == ll[1] && ip[2] == ll[2] && ip[3] == ll[3])
+			return 1;
+	}
 	return cidr_listed(keys, v6 ? RDR_CIDR_LOCAL6 : RDR_CIDR_LOCAL4, addr, v6);
 }
 

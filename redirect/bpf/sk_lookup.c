@@ -16,8 +16,8 @@
  * not captured, like iptables' PREROUTING never saw it. ingress_ifindex does
  * not say lo for these (the route to a local address keeps the address's
  * device as the input interface), so look at the source: loopback, or one of
- * this pod's own addresses (RDR_CIDR_LOCAL*, ::6 included). */
-static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
+ * this pod's own addresses (own_address: ::6 and its link-local ones included). */
+static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, const struct pod_policy *p, __u64 keys)
 {
 	__u8 addr[16] = {};
 
@@ -26,12 +26,12 @@ static __always_inline int from_this_pod(struct bpf_sk_lookup *ctx, __u64 keys)
 		__u32 ip = ctx->remote_ip4;
 
 		__builtin_memcpy(addr, &ip, 4);
-		return own_address(keys, addr, 0);
+		return own_address(p, keys, addr, 0);
 	} else {
 		__u32 ip[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
 
 		__builtin_memcpy(addr, ip, 16);
-		return own_address(keys, addr, 1);
+		return own_address(p, keys, addr, 1);
 	}
 }
 
@@ -113,7 +113,7 @@ int rdr_sk_lookup(struct bpf_sk_lookup *ctx)
 		return SK_PASS;
 	keys = pod_keys(p, netns);
 	kind = listener_for(ctx, p, keys);
-	if (kind < 0 || from_this_pod(ctx, keys) || made_here(ctx, netns))
+	if (kind < 0 || from_this_pod(ctx, p, keys) || made_here(ctx, netns))
 		return SK_PASS;
 	lk.netns = netns;
 	lk.family = ctx->family;

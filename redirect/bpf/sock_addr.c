@@ -45,7 +45,7 @@ static __always_inline __u16 target4(const struct pod_policy *p, __u64 keys, int
 	int out_lo, dst_is_lo = (dst & p->lo4_mask) == p->lo4_addr;
 
 	__builtin_memcpy(addr, &dst, 4);
-	out_lo = own_address(keys, addr, 0) || routed_to_lo(p, mark);
+	out_lo = own_address(p, keys, addr, 0) || routed_to_lo(p, mark);
 	*out_lo_p = out_lo;
 	if (p->flags & RDR_F_AMBIENT)
 		return ambient_target(p, keys, tcp, port, addr, 0, out_lo, dst_is_lo, mark);
@@ -219,7 +219,7 @@ static __always_inline int redirect6(struct bpf_sock_addr *ctx, int from_sendmsg
 	if (!(p->flags & RDR_F_V6))
 		return SYS_PROCEED;
 	keys = pod_keys(p, netns);
-	out_lo = own_address(keys, (const __u8 *)dst, 1) || routed_to_lo(p, ctx->sk->mark);
+	out_lo = own_address(p, keys, (const __u8 *)dst, 1) || routed_to_lo(p, ctx->sk->mark);
 	/* No source yet and ::6 as the destination: the kernel picks ::6 itself as the source (the
 	 * destination is a local address), so netfilter sees the inbound passthrough. */
 	if (p->flags & RDR_F_AMBIENT)

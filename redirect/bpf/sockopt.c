@@ -79,9 +79,9 @@ static __always_inline void register_listener(struct bpf_sock_ops *ctx)
 }
 
 /* Whether a connection end (a tuple_key of it) is the pod's own (own_address, redirect/bpf/policy.h). */
-static __always_inline int local_end(const struct tuple_key *k, __u64 keys)
+static __always_inline int local_end(const struct tuple_key *k, const struct pod_policy *p, __u64 keys)
 {
-	return own_address(keys, k->addr, k->family == AF_INET6);
+	return own_address(p, keys, k->addr, k->family == AF_INET6);
 }
 
 /* A TCP connection made in the pod to the pod itself (not one we sent to the proxy). With sockmap
@@ -132,9 +132,9 @@ static __always_inline void local_connect(struct bpf_sock_ops *ctx)
 	there.netns = netns;
 	tuple_addr(&there, ctx->family, ip, ctx->remote_ip4);
 	keys = pod_keys(p, netns);
-	if (!local_end(&there, keys))
+	if (!local_end(&there, p, keys))
 		return;
-	if (local_end(&here, keys)) {
+	if (local_end(&here, p, keys)) {
 		/* An ordinary connection inside the pod: the proxy's to the app is paired (sockmap). */
 		if ((p->flags & RDR_F_SOCKMAP) && pair_proxy_owned(ctx, p, keys))
 			pair_candidate(ctx, netns);

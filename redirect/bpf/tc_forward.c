@@ -255,7 +255,7 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 		return RDR_TC_OK;
 	/* To the pod itself: sk_lookup's (there with the original destination as the local address;
 	 * the kernel reassembles fragments first). */
-	if (own_address(keys, k.daddr, v6))
+	if (own_address(p, keys, k.daddr, v6))
 		return RDR_TC_OK;
 	/* Forwarded TCP whose ports this program cannot read (a fragment, extension headers), which
 	 * netfilter would reassemble and capture: never forwarded around the proxy (fail closed). */
@@ -263,7 +263,7 @@ int rdr_tc_ingress(struct __sk_buff *skb)
 		return RDR_TC_SHOT;
 	/* From an address of the pod's own, or loopback (spoofed: nothing behind the interface has
 	 * one): never an entry, whose key could be one of the pod's own connections' (redirect/bpf/sockopt.c). */
-	spoofed = own_address(keys, k.saddr, v6);
+	spoofed = own_address(p, keys, k.saddr, v6);
 	client.netns = netns;
 	client.family = k.family;
 	client.port_be = k.sport_be;

@@ -13,6 +13,8 @@ Nothing here touches a kernel, so all of it is unit-testable without root.
     The eBPF lowering of an intent (sidecar or ambient) to map entries, and its kind table.
 ``evaluate``
     Interpreters of a ``Plan`` and of eBPF entries (which packet goes where), for tests.
+``podnet``
+    The connection and the pod they judge it in (``Conn``, ``PodNet``): locality, routing, sources.
 
 ``netfilter_plan(intent)`` below is what the iptables and nftables backends render (they are
 given the intent, as every backend is); ``build_plan(cfg)`` is the same from a config, for tests

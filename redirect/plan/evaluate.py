@@ -17,23 +17,29 @@ still agree with the netfilter plan. Both answer a ``Landing``:
 - ``("tproxy", port)``: delivered to a transparent listener (netfilter ``TPROXY``);
 - ``("direct",)``: untouched; ``("drop",)``: dropped.
 
-The pod is described by ``PodNet`` (its own addresses; a destination among them, or a
-loopback one, leaves over lo) and the connection by ``Conn``. Modelled: the first packet of
-a new connection (conntrack state NEW) and its socket's owner and mark; an IPv6
-socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
+The pod is described by ``PodNet`` (its own addresses, IPv6 link-local ones included; a
+destination among them, or a loopback one, leaves over lo) and the connection by ``Conn``, both
+in ``redirect.plan.podnet`` (the kernel's part: what a connect is before any rule or program).
+Modelled: the first packet of a new connection (conntrack state NEW) and its socket's owner and
+mark; an IPv6 socket's connect to an IPv4-mapped address (``::ffff:a.b.c.d``: IPv4 packets for
 netfilter, ``connect6`` for the programs); in ambient mode, the node proxy's transparent
 connections to the app (a bound source that is not the pod's); the plan's policy routes (``local
 default dev lo`` by mark: TPROXY's ``tproxy_mark``, ambient's ``conn_mark``), which take a socket
-with that mark over lo whatever its destination. Not modelled: other routing beyond "local or out
-through the longest matching route of ``PodNet``", ``sendmsg`` with an explicit source
-(``IP_PKTINFO``).
+with that mark over lo whatever its destination; a connect to an IPv6 link-local address, which
+names its interface by scope id (``fe80::1%eth0``: the kernel binds the socket to it), local only
+when the address is on that interface: netfilter's nat REDIRECT of such a connection sends it to
+loopback through that interface, where it is lost (``drop``), and the programs, which cannot see a
+scope id, judge the address alone (one of the pod's own, on whichever interface, is local to
+them). Not modelled: other routing beyond "local or out through the longest matching route of
+``PodNet``", ``sendmsg`` with an explicit source (``IP_PKTINFO``), a connect to a link-local
+address without a scope id (the kernel refuses it under netfilter), UDP to a link-local address
+(whether a redirected datagram is lost depends on whether its socket is connected), a socket with
+a policy route's mark connecting to a link-local address.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import ipaddress
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -45,11 +51,14 @@ from .lower_ebpf import (
     EbpfEntries,
     EbpfPolicy,
     IdRange,
-    LocalAddr,
-    Route,
     pod_interfaces,
     pod_local,
 )
+from .podnet import V6_LOOPBACK, Conn, PodNet
+from .podnet import ip_of as _ip
+from .podnet import mapped as _mapped
+from .podnet import net_of as _net
+from .podnet import scoped_link_local as _scoped_link_local
 from .vocabulary import (
     Accept,
     Addr,
@@ -78,113 +87,6 @@ from .vocabulary import (
 Landing = Union[tuple[Literal["redirect", "tproxy"], int], tuple[Literal["direct", "drop"]]]
 DIRECT: Landing = ("direct",)
 DROP: Landing = ("drop",)
-V6_LOOPBACK = ipaddress.ip_address("::1")
-
-
-#: Parsed once: the evaluators run for thousands of connections of a few addresses.
-_ip = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
-_net = functools.lru_cache(maxsize=4096)(ipaddress.ip_network)
-
-
-def _mapped(ip: str) -> str | None:
-    """The IPv4 address of an IPv4-mapped IPv6 address, else None."""
-    a = _ip(ip)
-    return str(a.ipv4_mapped) if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None else None
-
-
-@dataclass(frozen=True)
-class Conn:
-    """A new connection (TCP) or datagram flow (UDP) seen from the pod."""
-
-    direction: Literal["out", "in"]
-    proto: Literal["tcp", "udp"]
-    #: Destination address and port.
-    dst: str
-    port: int
-    #: Outbound: the owner of the socket (the connecting task's uid and primary gid), its SO_MARK.
-    uid: int = 0
-    gid: int = 0
-    mark: int = 0
-    #: Outbound: the address the socket is bound to (None: the kernel picks one).
-    #: Inbound: the peer's address.
-    src: str | None = None
-    sport: int = 40000
-    #: Inbound: the interface it arrives on.
-    iface: str = "eth0"
-
-    @property
-    def family(self) -> int:
-        """The socket's family (6 for an IPv4-mapped destination)."""
-        return _ip(self.dst).version
-
-    def to_zero_as_loopback(self) -> Conn:
-        """An outbound connection to the unspecified address (``0.0.0.0``, ``::``,
-        ``::ffff:0.0.0.0``) as the kernel makes it: to the family's loopback host (``127.0.0.1``,
-        ``::1``, ``::ffff:127.0.0.1``), over lo, before any hook or rule sees it."""
-        if self.direction != "out":
-            return self
-        a = _ip(self.dst)
-        if a.is_unspecified:
-            return dataclasses.replace(self, dst="127.0.0.1" if a.version == 4 else "::1")
-        if _mapped(self.dst) == "0.0.0.0":
-            return dataclasses.replace(self, dst="::ffff:127.0.0.1")
-        return self
-
-    def on_the_wire(self) -> Conn:
-        """The connection as its packets carry it: to the loopback host for the unspecified
-        address (``to_zero_as_loopback``), an IPv4-mapped destination (and bound source) as the
-        IPv4 address."""
-        conn = self.to_zero_as_loopback()
-        dst, src = _mapped(conn.dst), _mapped(conn.src) if conn.src is not None else None
-        if dst is None:
-            return conn
-        return dataclasses.replace(conn, dst=dst, src=src or conn.src)
-
-
-@dataclass(frozen=True)
-class PodNet:
-    """The pod's netns: its own addresses, loopback ones aside (``::6`` on lo among them when
-    present), and the device (ifindex 2) everything non-local leaves through."""
-
-    addrs: tuple[LocalAddr, ...] = ()
-    dev: str = "eth0"
-    #: Its interfaces (name, ifindex), lo aside.
-    links: tuple[tuple[str, int], ...] = (("eth0", 2),)
-    #: Routes of its main table through other interfaces than ``dev`` (family, CIDR, (device,)).
-    routes: tuple[Route, ...] = ()
-
-    def out_dev(self, ip: str) -> str:
-        """The interface a non-local destination leaves through: the longest matching route's."""
-        a = _ip(ip)
-        best = max(((net.prefixlen, devs[0]) for f, c, devs in self.routes
-                    if f == a.version and a in (net := _net(c))), default=None)
-        return self.dev if best is None else best[1]
-
-    def ifindex_named(self, name: str) -> int:
-        return LOOPBACK_IFINDEX if name == "lo" else dict(self.links).get(name, 2)
-
-    def is_local(self, ip: str) -> bool:
-        """Delivered locally (routed over lo): loopback or one of the pod's addresses."""
-        a = _ip(ip)
-        return a.is_loopback or any(_ip(x) == a for _f, x, _i in self.addrs)
-
-    def ifindex_of(self, ip: str) -> int:
-        """The device of a local address (sk_lookup's ingress for a connect to it)."""
-        a = _ip(ip)
-        return next((i for _f, x, i in self.addrs if _ip(x) == a), LOOPBACK_IFINDEX)
-
-    def source_for(self, conn: Conn) -> str:
-        """The source address of an outbound connection: bound, or the kernel's pick (a local
-        destination is its own source, except 127/8 which answers from 127.0.0.1)."""
-        if conn.src is not None:
-            return conn.src
-        a = _ip(conn.dst)
-        if a.is_loopback:
-            return "127.0.0.1" if a.version == 4 else "::1"
-        if self.is_local(conn.dst):
-            return conn.dst
-        own = [x for f, x, i in self.addrs if f == a.version and i != LOOPBACK_IFINDEX]
-        return own[0] if own else ("0.0.0.0" if a.version == 4 else "::")
 
 
 # --- netfilter -------------------------------------------------------------------------
@@ -303,8 +205,11 @@ def _routed_to_lo(routes: tuple[PolicyRoute, ...], family: int, mark: int) -> bo
     return any(r.family == family and (mark & r.mask) == r.fwmark for r in routes)
 
 
-def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn) -> Landing:
-    """Where ``conn`` lands under ``plan`` installed for ``families``."""
+def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn, *,
+                  rules_only: bool = False) -> Landing:
+    """Where ``conn`` lands under ``plan`` installed for ``families``; with ``rules_only``, where
+    its rules send it (a TCP connection to a link-local address that nat redirects is lost after
+    them)."""
     conn = conn.on_the_wire()
     fam = conn.family
     if fam not in families:
@@ -320,6 +225,10 @@ def evaluate_plan(plan: Plan, families: tuple[int, ...], pod: PodNet, conn: Conn
     pkt = _Packet(conn, src, None, "lo" if over_lo else pod.out_dev(conn.dst), local=True, mark=conn.mark)
     landed = _hooks(chains, "output", ("raw", "mangle", "nat"), pkt)
     if landed is not None:
+        if not rules_only and landed[0] == "redirect" and conn.proto == "tcp" and _scoped_link_local(conn.dst):
+            # REDIRECT's new destination (loopback) is routed by the socket's interface, which its
+            # scope id bound it to: it leaves the pod there, and the connection is lost.
+            return DROP
         return landed
     if over_lo:
         # Looped back in over lo: PREROUTING again, but not nat (the connection has its NAT binding).
@@ -341,7 +250,11 @@ class _Maps:
         fams = (4, 6) if p.v6 else (4,)
         self.policy = p
         self.ports = set(entries.ports)
-        self.cidrs = (list(entries.cidrs) + list(pod_local(fams, pod.addrs))
+        #: The pod's first IPv6 link-local address, which its policy holds (``ll6``) with IPv6 captured.
+        ll6 = next((x for f, x, i in pod.addrs if f == 6 and i != LOOPBACK_IFINDEX and _ip(x).is_link_local),
+                   None) if p.v6 else None
+        self.ll6 = _raw(ll6) if ll6 is not None else None
+        self.cidrs = (list(entries.cidrs) + list(pod_local(fams, pod.addrs, ll6))
                       + list(pod_interfaces(entries, fams, pod.links, pod.routes)))
 
     def port_listed(self, kind: str, port: int) -> bool:
@@ -456,11 +369,18 @@ def _routed_by_mark(p: EbpfPolicy, mark: int) -> bool:
     return p.route_mask != 0 and (mark & p.route_mask) == p.route_mark
 
 
+def _own_address(m: _Maps, addr: bytes, v6: bool) -> bool:
+    """``own_address`` of redirect/bpf/policy.h: loopback, the link-local address the policy holds
+    (``ll6``), or a ``local`` entry."""
+    if not v6:
+        return addr[0] == 127 or m.cidr_listed("local4", addr, False)
+    return addr == V6_LOOPBACK.packed or addr == m.ll6 or m.cidr_listed("local6", addr, True)
+
+
 def _target4(m: _Maps, conn: Conn, dst: str, src: str | None) -> int:
     """``target4`` of redirect/bpf/sock_addr.c."""
     addr = _raw(dst)
-    out_lo = (int(_ip(dst)) >> 24) == 127 or m.cidr_listed("local4", addr, False) or _routed_by_mark(m.policy,
-                                                                                                      conn.mark)
+    out_lo = _own_address(m, addr, False) or _routed_by_mark(m.policy, conn.mark)
     dst_is_lo = _ip(dst) in _net(m.policy.loopback4)
     if m.policy.ambient:
         return _ambient_target(m, conn, addr, False, out_lo, dst_is_lo)
@@ -499,7 +419,7 @@ def _connect(m: _Maps, conn: Conn) -> int:
     if not m.policy.v6:
         return 0
     addr = _raw(conn.dst)
-    out_lo = dst == V6_LOOPBACK or m.cidr_listed("local6", addr, True) or _routed_by_mark(m.policy, conn.mark)
+    out_lo = _own_address(m, addr, True) or _routed_by_mark(m.policy, conn.mark)
     if m.policy.ambient:
         return _ambient_target(m, conn, addr, True, out_lo, dst == V6_LOOPBACK)
     # No source yet and ::6 as the destination: the kernel will pick ::6 itself as the source.
@@ -587,18 +507,15 @@ def _tc_ingress(m: _Maps, pod: PodNet, conn: Conn, ingress_ifindex: int) -> Land
         return DIRECT
     if _local_end(m, src):  # spoofed: never an entry, never around the proxy
         return DROP
-    if not any(f == conn.family and i != LOOPBACK_IFINDEX for f, _a, i in pod.addrs):
+    if pod.first_own(conn.family) is None:
         return DROP
     return ("redirect", port)
 
 
 def _local_end(m: _Maps, ip: str) -> bool:
     """``from_this_pod`` of redirect/bpf/sk_lookup.c, ``local_end`` of redirect/bpf/sockopt.c: loopback or one of
-    the pod's addresses (its ``local`` entries)."""
-    a = _ip(ip)
-    if a.version == 4:
-        return (int(a) >> 24) == 127 or m.cidr_listed("local4", _raw(ip), False)
-    return a == V6_LOOPBACK or m.cidr_listed("local6", _raw(ip), True)
+    the pod's addresses (``own_address``)."""
+    return _own_address(m, _raw(ip), _ip(ip).version == 6)
 
 
 def _sk_lookup(m: _Maps, conn: Conn, src: str, ingress_ifindex: int, made_here: bool = False) -> Landing:

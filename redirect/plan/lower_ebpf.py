@@ -289,12 +289,21 @@ def lower_ambient(it: AmbientIntent, families: tuple[int, ...]) -> EbpfEntries:
     return EbpfEntries(policy, (), cidrs, (), it.reroute_interfaces)
 
 
-def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr]) -> tuple[tuple[int, CidrKind, bytes], ...]:
-    """The ``local`` CIDR entries of a pod's own addresses ``local``: a connect to them leaves over
-    lo (Istio's ``-o lo`` rules), and inbound from them is the pod talking to itself."""
-    return tuple((32 if f == 4 else 128, "local4" if f == 4 else "local6",
-                  ipaddress.ip_address(ip).packed.ljust(16, b"\0"))
-                 for f, ip, _index in local if f in families)
+def pod_local(families: tuple[int, ...], local: Iterable[LocalAddr],
+              held: str | None = None) -> tuple[tuple[int, CidrKind, bytes], ...]:
+    """The ``local`` CIDR entries of a pod's own addresses ``local`` (every one but loopback, IPv6
+    link-local ones included, as the backend's scan lists them): a connect to them leaves over lo
+    (Istio's ``-o lo`` rules), and inbound from them is the pod talking to itself. ``held``: the
+    IPv6 link-local address the pod's policy holds (``ll6``, the first it has): one of its own
+    too, without an entry. A link-local address counts alone: the programs cannot see the scope
+    id a connect names its interface by."""
+    skip = ipaddress.ip_address(held).packed if held is not None else None
+    out: dict[tuple[int, CidrKind, bytes], None] = {}
+    for f, ip, _index in local:
+        raw = ipaddress.ip_address(ip).packed
+        if f in families and raw != skip:
+            out[(32 if f == 4 else 128, "local4" if f == 4 else "local6", raw.ljust(16, b"\0"))] = None
+    return tuple(out)
 
 
 def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Iterable[tuple[str, int]],
@@ -305,7 +314,9 @@ def pod_interfaces(entries: EbpfEntries, families: tuple[int, ...], links: Itera
     arriving on it, or a socket bound to it, is not captured), and the destinations the routes
     send through an excluded interface (outbound to them is not captured): a route through one,
     less the more specific routes inside it (those through an excluded interface count on their
-    own). Link-local destinations (their interface is the socket's scope id) are left out.
+    own). Link-local routes (``fe80::/64`` on each interface) are left out: a link-local
+    destination's interface is its socket's scope id, which no program sees, so the route that
+    covers it (the default) decides, as for any destination.
     ``ValueError`` for a route whose next hops are on excluded and other interfaces alike (where
     such a connection leaves is the kernel's pick per flow).
     """

@@ -186,7 +186,10 @@ class Listener:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             self._transparent_and_mark(s)
             self._configure(s)
-            s.bind((self.host, self.port))
+            if "%" in self.host:  # a scoped IPv6 address (fe80::1%eth0): bind ignores a "%" scope
+                s.bind(socket.getaddrinfo(self.host, self.port, af, self.sock_type, 0, socket.AI_NUMERICHOST)[0][4])
+            else:
+                s.bind((self.host, self.port))
             if self.sock_type == socket.SOCK_STREAM:
                 s.listen(128)
         except BaseException:

@@ -215,6 +215,16 @@ def _wait_link_local(ns: str, ifaces: list[str], timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def link_local(ns: str, dev: str) -> str:
+    """The IPv6 link-local address of ``dev`` in ``ns`` (``make_pod`` waits until each pod interface
+    has one)."""
+    out = subprocess.run(["ip", "-n", ns, "-6", "-o", "addr", "show", "dev", dev, "scope", "link"],
+                         capture_output=True, text=True, check=True).stdout
+    found = [line.split()[3].split("/")[0] for line in out.splitlines() if " fe80::" in line]
+    assert found, f"{ns}: no IPv6 link-local address on {dev}"
+    return found[0]
+
+
 #: The subnets of a VM behind a pod (``vm_behind``), per family: (the pod's side, the VM, prefix).
 VM_NET = {4: ("192.168.77.1", "192.168.77.2", 24), 6: ("fd77::1", "fd77::2", 64)}
 

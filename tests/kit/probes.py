@@ -97,6 +97,14 @@ def _bind(s: socket.socket, src: Addr) -> None:
         s.bind(src)
 
 
+def _sockaddr(ip: str, port: int, socktype: int) -> tuple[Any, ...]:
+    """``(ip, port)``, or for a scoped IPv6 address (``fe80::1%eth0``) the full sockaddr with the
+    scope's ifindex in this thread's netns (``connect`` itself ignores a ``%`` scope)."""
+    if "%" not in ip:
+        return ip, port
+    return socket.getaddrinfo(ip, port, socket.AF_INET6, socktype, 0, socket.AI_NUMERICHOST)[0][4]
+
+
 def _attempt(
     proto: str, dst_ip: str, port: int, src: str | Addr | None, timeout: float, mark: int | None, token: str
 ) -> dict[str, Any]:
@@ -113,7 +121,7 @@ def _attempt(
             srca = _src_addr(src)
             if srca is not None:
                 _bind(s, srca)
-            s.connect((dst_ip, port))
+            s.connect(_sockaddr(dst_ip, port, st))
             out["local"] = list(addr_of(s.getsockname()))
             if proto == "tcp":
                 s.sendall(token.encode() + b"\n")

@@ -80,7 +80,8 @@ layout and how an option travels through it are in docs/development.md.
 How the iptables semantics are met without packets:
 
 - "leaves over lo" (Istio's ``-o lo`` rules) is "the destination is loopback
-  or one of the pod's own addresses" (those present at setup, plus ``::6``;
+  or one of the pod's own addresses" (those present at setup, IPv6 link-local ones included,
+  plus ``::6``;
   ``check`` reports addresses added later). So, as with iptables, the app's
   connection to its own pod IP is not captured, and the proxy's (uid/gid 1337)
   goes to inbound capture (the service-VIP hairpin), except to the tunnel port;

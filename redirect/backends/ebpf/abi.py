@@ -119,8 +119,9 @@ def const(name: str) -> int:
 POLICY_LAYOUT = layout("pod_policy", raw=("lo4_addr", "lo4_mask"))
 HAIRPIN_SKIP_MAX = const("RDR_HAIRPIN_SKIP_MAX")
 POLICY = POLICY_LAYOUT.struct
-P_FLAGS, P_INV_BASE, P_N_INV, P_SRC4, P_SRC6 = (POLICY_LAYOUT.index[f] for f in ("flags", "inv_base", "n_inv",
-                                                                                   "src4", "src6"))
+P_FLAGS, P_INV_BASE, P_N_INV, P_SRC4, P_SRC6, P_LL6 = (POLICY_LAYOUT.index[f] for f in ("flags", "inv_base",
+                                                                                          "n_inv", "src4", "src6",
+                                                                                          "ll6"))
 PORT_KEY = layout("port_key").struct
 CIDR_KEY = layout("cidr_key").struct
 ORIG = layout("orig_dst", raw=("port_be",)).struct

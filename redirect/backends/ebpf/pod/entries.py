@@ -48,6 +48,7 @@ from ..abi import (
     INV_PORTS,
     P_FLAGS,
     P_INV_BASE,
+    P_LL6,
     P_N_INV,
     P_SRC4,
     P_SRC6,
@@ -223,24 +224,27 @@ def pod_entries(it: AnyIntent, families: tuple[int, ...], cookie: int,
     return PodEntries(e.policy, e.ports, e.cidrs | extra)
 
 
-def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[int, str]:
-    """Per family, the source an unbound socket's connect gets for a destination off the pod: its
-    first address of the family not on lo (the address of its one interface, in a pod with one;
-    with several, the kernel's choice per route may be another). The connect and sendmsg hooks
-    give it to a socket they send to the proxy (``struct pod_policy``'s ``src4``/``src6``). The
-    choice is made by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
+def pod_sources(families: tuple[int, ...], local: Iterable[LocalAddr]) -> dict[str, str]:
+    """What the policy holds of the pod's addresses ``local``, by its field's name (``src4``,
+    ``src6``, ``ll6``; one the pod has none for is left out). Per family, the source an unbound
+    socket's connect gets for a destination off the pod: its first address of the family not on lo
+    and not IPv6 link-local (the address of its one interface, in a pod with one; with several, the
+    kernel's choice per route may be another); the connect and sendmsg hooks give it to a socket they
+    send to the proxy. With IPv6 captured, its first IPv6 link-local address (``ll6``): one of its
+    own, held by the policy in place of a local6 entry (``lower_ebpf.pod_local``). The choice is made
+    by ``rdr_pod_sources`` (native/pod_setup.c), which the fresh-pod call makes too."""
     ffi, lib = NATIVE.ffi, NATIVE.lib
     addrs = [(f, ipaddress.ip_address(ip).packed, index) for f, ip, index in local if f in (4, 6)]
     a = ffi.new("struct rdr_scan_addr[]", max(1, len(addrs)))
     for i, (f, raw, index) in enumerate(addrs):
         a[i].family, a[i].ifindex, a[i].addr = f, index, raw.ljust(16, b"\0")
-    src4, src6 = ffi.new("uint8_t[4]"), ffi.new("uint8_t[16]")
-    lib.rdr_pod_sources(a, len(addrs), ffi.new("int[2]", [4 in families, 6 in families]), src4, src6)
-    out: dict[int, str] = {}
-    for f, buf, size in ((4, src4, 4), (6, src6, 16)):
+    src4, src6, ll6 = ffi.new("uint8_t[4]"), ffi.new("uint8_t[16]"), ffi.new("uint8_t[16]")
+    lib.rdr_pod_sources(a, len(addrs), ffi.new("int[2]", [4 in families, 6 in families]), src4, src6, ll6)
+    out: dict[str, str] = {}
+    for name, buf, size in (("src4", src4, 4), ("src6", src6, 16), ("ll6", ll6, 16)):
         raw = bytes(ffi.buffer(buf, size))
         if any(raw):
-            out[f] = str(ipaddress.ip_address(raw))
+            out[name] = str(ipaddress.ip_address(raw))
     return out
 
 
@@ -249,18 +253,18 @@ def intent_entries(it: AnyIntent, families: tuple[int, ...], cookie: int,
                    memo: Memo | None = None) -> PodEntries:
     """``pod_entries`` of an intent: its lowering, the pod's own addresses as ``local`` CIDRs
     (``lower_ebpf.pod_local``: a connect to them leaves over lo, Istio's "-o lo" rules) and its
-    sources in the policy (``lower_ebpf.pod_sources``)."""
+    sources and link-local address in the policy (``pod_sources``)."""
     policy, port_specs, cidr_specs = packed(it, families, memo)
-    src = pod_sources(families, local or ())
-    if src:
+    held = pod_sources(families, local or ())
+    if held:
         v = list(POLICY.unpack(policy))
-        v[P_SRC4] = _addr16(src[4])[:4] if 4 in src else bytes(4)
-        v[P_SRC6] = _addr16(src[6]) if 6 in src else bytes(16)
+        for i, name, size in ((P_SRC4, "src4", 4), (P_SRC6, "src6", 16), (P_LL6, "ll6", 16)):
+            v[i] = _addr16(held[name])[:size] if name in held else bytes(size)
         policy = POLICY.pack(*v)
     ports = frozenset(PORT_KEY.pack(cookie, kind, p, 0) for kind, p in port_specs)
     cidrs = {CIDR_KEY.pack(plen, kind, cookie, raw) for plen, kind, raw in cidr_specs}
     cidrs.update(CIDR_KEY.pack(CIDR_PREFIX_BASE + plen, CIDR_KIND[k], cookie, raw)
-                 for plen, k, raw in pod_local(families, local or ()))
+                 for plen, k, raw in pod_local(families, local or (), held.get("ll6")))
     return PodEntries(policy, ports, frozenset(cidrs))
 
 
@@ -318,7 +322,8 @@ def fmt_policy(raw: bytes) -> str:
     if flags & F_AMBIENT:
         return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
                 f" dns_port={f['dns_port']} flags={'+'.join(on)} proxy_mark={f['proxy_mark']:#x}/{f['mark_mask']:#x}"
-                f" conn_mark={f['conn_mark']:#x} resolver_port={f['resolver_port']}{route}")
+                f" conn_mark={f['conn_mark']:#x} resolver_port={f['resolver_port']}{route}"
+                + _fmt_sources(bytes(4), bytes(16), v[P_LL6]))
     return (f"proxy_port={f['proxy_port']} inbound_port={f['inbound_port']} tunnel_port={f['tunnel_port']}"
             f" dns_port={f['dns_port']} flags={'+'.join(on) or '-'}"
             f" loopback={socket.inet_ntoa(f['lo4_addr'])}/{socket.inet_ntoa(f['lo4_mask'])}"
@@ -329,14 +334,16 @@ def fmt_policy(raw: bytes) -> str:
             f" hairpin_skip=uid:{skip('hairpin_uid_skip')}/gid:{skip('hairpin_gid_skip')}"
             f" passthrough={socket.inet_ntop(socket.AF_INET, f['passthrough4'])},"
             f"{socket.inet_ntop(socket.AF_INET6, f['passthrough6'])}{route}"
-            + _fmt_sources(v[P_SRC4], v[P_SRC6]))
+            + _fmt_sources(v[P_SRC4], v[P_SRC6], v[P_LL6]))
 
 
-def _fmt_sources(src4: bytes, src6: bytes) -> str:
-    """The policy's sources (a pod's; none in a rendering), as `` sources=a,b``."""
+def _fmt_sources(src4: bytes, src6: bytes, ll6: bytes) -> str:
+    """The policy's sources and link-local address (a pod's; none in a rendering), as `` sources=a,b
+    link-local=c``."""
     out = ([socket.inet_ntop(socket.AF_INET, src4)] if any(src4) else []) + \
         ([socket.inet_ntop(socket.AF_INET6, src6)] if any(src6) else [])
-    return f" sources={','.join(out)}" if out else ""
+    return (f" sources={','.join(out)}" if out else "") + \
+        (f" link-local={socket.inet_ntop(socket.AF_INET6, ll6)}" if any(ll6) else "")
 
 
 def _fmt_ids(flat: tuple[int, ...], n: int) -> str:

@@ -36,7 +36,8 @@ class NetnsScan:
     inode: int
     thread: int
     cookie: int
-    #: (family, address, ifindex) of its addresses, loopback and IPv6 link-local aside.
+    #: (family, address, ifindex) of its addresses, loopback aside (IPv6 link-local ones included:
+    #: a connection to one goes over lo, as to any of its addresses).
     local: tuple[tuple[int, str, int], ...]
     #: IPv6 is on: it has an IPv6 address (``::1`` at least; disable_ipv6 removes them all).
     v6_on: bool
@@ -52,9 +53,9 @@ def scan_netns() -> NetnsScan:
     sc = NATIVE.ffi.new("struct rdr_netns_scan *")
     rc = NATIVE.lib.rdr_scan_netns(sc, rt.RT_PROTO)
     if rc == -errno.E2BIG:
-        raise SetupError(f"backend=ebpf: the netns has more than {NATIVE.lib.RDR_SCAN_MAX} addresses (loopback,"
-                         " IPv6 link-local and ours aside), the most the eBPF backend registers; nftables and"
-                         " iptables take any number")
+        raise SetupError(f"backend=ebpf: the netns has more than {NATIVE.lib.RDR_SCAN_MAX} addresses (IPv6"
+                         " link-local ones included, loopback and ours aside), the most the eBPF backend"
+                         " registers; nftables and iptables take any number")
     check(rc, "scanning the netns (RTM_GETADDR)")
     buf = NATIVE.ffi.buffer
     raw = [(a.family, buf(a.addr, 4 if a.family == 4 else 16)[:], a.ifindex) for a in sc.a[0 : sc.n]]
