@@ -225,10 +225,10 @@ class IptablesBackend:
         try:
             return parse_save(self.save(variant, fam), fam)
         except Unreadable as e:
-            from ..kernel.netns import current_inode
+            from ..kernel.netns import current_name
 
             raise SetupError(
-                f"{self.name}: netns inode {current_inode()}: the {'ip' if fam == 4 else 'ip6'}tables-{variant}-save"
+                f"{self.name}: netns {current_name()!r}: the {'ip' if fam == 4 else 'ip6'}tables-{variant}-save"
                 f" dump cannot be read safely: {e}. Setup and teardown refuse and check reports it, nothing changed"
             ) from None
 

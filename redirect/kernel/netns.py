@@ -194,6 +194,13 @@ def current_fd() -> int | None:
     return stack[-1] if stack else None
 
 
+def current_name() -> str:
+    """The calling thread's netns for messages: as the innermost ``enter`` of this thread was given
+    it (``describe``), else by its inode."""
+    names: list[str] | None = getattr(_entered, "names", None)
+    return names[-1] if names else f"inode {current_inode()}"
+
+
 def current_inode() -> int:
     """The inode of the calling thread's netns (an fstat when inside ``enter``)."""
     fd = current_fd()
@@ -251,13 +258,16 @@ def enter(ref: NetnsRef) -> Iterator[int]:
                                  f"{_setns_hint(e)}") from None
         stack = _entered.__dict__.setdefault("fds", [])
         homes = _entered.__dict__.setdefault("homes", [])
+        names = _entered.__dict__.setdefault("names", [])
         stack.append(target)
         homes.append(home)
+        names.append(describe(ref))
         try:
             yield target
         finally:
             stack.pop()
             homes.pop()
+            names.pop()
             if moves:
                 try:
                     _setns(home)
