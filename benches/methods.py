@@ -220,18 +220,24 @@ def cni_method(backend: str, mode: str) -> Method:
                   listen=NO_LISTENER)
 
 
-def _verify_rules(ns: str, tool: str, count: int) -> None:
-    r = subprocess.run(["ip", "netns", "exec", ns, tool], capture_output=True, timeout=30)
-    if r.stdout.count(b"\n-A ") < count:
-        raise RuntimeError(f"reference rules not installed ({tool})")
+#: Each of Istio's per-pod sequences (``reference.py``): its setup, what it execs, and how many rules
+#: it leaves in ``iptables-nft-save``'s dump.
+REFERENCES: dict[str, tuple[Callable[[], None], str, int]] = {
+    "sidecar": (reference.setup, "istio-iptables: variant detection (16 execs), saves, restore --noflush x2, saves"
+                " again", reference.RULE_COUNT),
+    "core": (reference.setup_core, "the same without the detection: saves, restore --noflush x2, saves again",
+             reference.RULE_COUNT),
+    "ambient": (reference.setup_ambient, "istio-cni node agent: lo, 2 routes and 2 rules (netlink), saves, restore"
+                " --noflush x2 (mangle, nat)", reference.AMBIENT_RULE_COUNT),
+}
 
 
 def reference_method(kind: str = "sidecar") -> Method:
-    """Istio's per-pod sequence (``benches/reference.py``): ``sidecar`` (istio-iptables, its version
+    """Istio's per-pod sequence ``kind`` (``REFERENCES``): ``sidecar`` (istio-iptables, its variant
     detection included), ``core`` (the same without the detection) or ``ambient`` (istio-cni's node
     agent). The sidecar ones tear down as ``--cleanup-only`` does; Istio leaves a deleted ambient
     pod's netns alone, so the ambient one tears down the same way, for a figure to compare."""
-    do = {"sidecar": reference.setup, "core": reference.setup_core, "ambient": reference.setup_ambient}[kind]
+    do, note, rules = REFERENCES[kind]
 
     def setup(ns: str) -> None:
         with rnetns.enter(ns):
@@ -242,16 +248,9 @@ def reference_method(kind: str = "sidecar") -> Method:
             reference.teardown()
 
     def verify(ns: str) -> None:
-        if kind == "ambient":
-            _verify_rules(ns, "iptables-nft-save", reference.AMBIENT_RULE_COUNT)
-        else:
-            _verify_rules(ns, "iptables-nft-save", reference.RULE_COUNT)
+        r = subprocess.run(["ip", "netns", "exec", ns, "iptables-nft-save"], capture_output=True, timeout=30)
+        if r.stdout.count(b"\n-A ") < rules:
+            raise RuntimeError("reference rules not installed")
 
-    key, note = {
-        "sidecar": (REFERENCE_KEYS["sidecar"], "istio-iptables: variant detection (16 execs), saves, restore --noflush"
-                                                " x2, saves again"),
-        "core": (REFERENCE_KEYS["core"], "the same without the detection: saves, restore --noflush x2, saves again"),
-        "ambient": (REFERENCE_KEYS["ambient"], "istio-cni node agent: lo, 2 routes and 2 rules (netlink), saves,"
-                                                " restore --noflush x2 (mangle, nat)")}[kind]
-    return Method(key, "reference", "reference", "ambient" if kind == "ambient" else "sidecar", setup, teardown,
-                  verify, note=note, cleanup_by_delete=True)
+    return Method(REFERENCE_KEYS[kind], "reference", "reference", "ambient" if kind == "ambient" else "sidecar",
+                  setup, teardown, verify, note=note, cleanup_by_delete=True)

@@ -174,6 +174,7 @@ def install_rules() -> None:
 def setup_ambient() -> None:
     """What istio-cni's node agent does in the current netns for a pod joining the ambient mesh."""
     from redirect.kernel import netlink
+    from redirect.kernel import routes as rt
     from redirect.native import load
 
     netlink.link_index("lo")
@@ -182,11 +183,12 @@ def setup_ambient() -> None:
     native = load()
     ffi, lib = native.ffi, native.lib
     ops = ffi.new("struct rdr_route_op[]", 4)
-    # (the local default route first, then the rule: kind 0 route, 1 rule; RTPROT_BOOT, priority 32764)
-    for i, (kind, family) in enumerate(((0, 4), (0, 6), (1, 4), (1, 6))):
-        o = ops[i]
-        o.kind, o.add, o.family, o.proto, o.table = kind, 1, family, 3, AMBIENT_TABLE
-        o.fwmark, o.mask, o.priority, o.oif = ((AMBIENT_MARK, 0xFFF, 32764, 0) if kind else (0, 0, 0, 1))
+    # (as routes.route_ops lays them out, with the agent's protocol, RTPROT_BOOT, and rule priority: the
+    # local default routes first, then the rules)
+    for o, (kind, family) in zip(ops, ((rt.ROUTE, 4), (rt.ROUTE, 6), (rt.RULE, 4), (rt.RULE, 6)), strict=True):
+        o.kind, o.add, o.family, o.proto, o.table, o.fwmark, o.mask, o.priority, o.oif = (
+            (kind, 1, family, 3, AMBIENT_TABLE, AMBIENT_MARK, 0xFFF, 32764, 0) if kind == rt.RULE else
+            (kind, 1, family, 3, AMBIENT_TABLE, 0, 0, 0, rt.LOOPBACK_IFINDEX))
     errs = ffi.new("int[4]")
     ret = lib.rdr_route_ops(-1, ops, 4, errs)
     if ret < 0 or any(errs[i] < 0 for i in range(4)):

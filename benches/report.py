@@ -83,8 +83,8 @@ def _paired_ratio(case: dict[str, Any], base: dict[str, Any], runs: str, key: st
 def ratios(res: dict[str, Any]) -> dict[str, Any]:
     per_pod = res.get("per_pod", {})
     out: dict[str, Any] = {"setup_vs_reference": {}, "teardown_vs_reference": {}, "conn_rate_vs_direct": {},
-                           "conn_rate_vs_reference": {}, "nth_vs_first": {}, "sockmap_vs_direct": {}}
-    out["setup_vs_core"] = {}
+                           "conn_rate_vs_reference": {}, "nth_vs_first": {}, "sockmap_vs_direct": {},
+                           "setup_vs_core": {}}
     core = _median(per_pod, CORE_REFERENCE_KEY)
     for phase in ("setup", "teardown"):
         for key in per_pod:
@@ -122,6 +122,7 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
 def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     skipped = res.get("skipped_backends", {})
+    per_pod = res.get("per_pod", {})
 
     def add(name: str, target: str, measured: float | None, ok: bool | None, why: str = "") -> None:
         status = "n/a" if ok is None else ("PASS" if ok else "FAIL")
@@ -130,20 +131,19 @@ def targets(res: dict[str, Any], r: dict[str, Any]) -> list[dict[str, Any]]:
     for b, limit in SETUP_TARGETS.items():
         for mode in SETUP_TARGET_MODES.get(b, ("sidecar",)):
             key = f"api/{b}/{mode}"
-            name = f"{b}: per-pod setup vs reference" + ("" if mode == "sidecar" else f" ({mode})")
+            suffix = "" if mode == "sidecar" else f" ({mode})"
+            name = f"{b}: per-pod setup vs reference{suffix}"
             if b in skipped or key not in r["setup_vs_reference"]:
                 if b in skipped or b in ("nftables", "ebpf", "iptables"):
                     add(name, f"<= {limit:g}", None, None, skipped.get(b, "not measured in this run"))
                 continue
             v = r["setup_vs_reference"][key]
             add(name, f"<= {limit:g}", v, v <= limit,
-                "against istio-cni's ambient sequence" if reference_for(key, res.get("per_pod", {})) ==
-                AMBIENT_REFERENCE_KEY else "")
+                "against istio-cni's ambient sequence" if reference_for(key, per_pod) == AMBIENT_REFERENCE_KEY
+                else "")
             if (c := r.get("setup_vs_core", {}).get(key)) is not None:
-                add(f"{b}: per-pod setup vs Istio's sidecar sequence without its variant detection"
-                    + ("" if mode == "sidecar" else f" ({mode})"), "reported", c, None,
-                    "the 6 execs of saves and restores alone")
-    per_pod = res.get("per_pod", {})
+                add(f"{b}: per-pod setup vs Istio's sidecar sequence without its variant detection{suffix}",
+                    "reported", c, None, "the 6 execs of saves and restores alone")
     it_ms = _median(per_pod, "api/iptables/sidecar")
     for key, target in (("api/ebpf/sidecar", EBPF_VS_IPTABLES), ("api/ebpf/sidecar-forwarding", None)):
         ms = _median(per_pod, key)
