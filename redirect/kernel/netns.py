@@ -107,9 +107,9 @@ def describe(ref: NetnsRef) -> str:
     return path
 
 
-#: How a namespace file is opened once it is known to be one: ``O_NONBLOCK`` and ``O_NOCTTY`` so
-#: that, should the path be swapped for a FIFO or a device between the check and the open, the
-#: open neither blocks nor takes a terminal (what was opened is checked again before any use).
+#: How a namespace file is opened once it is known to be one (through its ``O_PATH`` fd: the very
+#: file looked at). ``O_NONBLOCK`` and ``O_NOCTTY`` all the same: that open never blocks nor takes
+#: a terminal, whatever it were to meet.
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
 
@@ -197,8 +197,8 @@ def current_fd() -> int | None:
 def current_name() -> str:
     """The calling thread's netns for messages: as the innermost ``enter`` of this thread was given
     it (``describe``), else by its inode."""
-    names: list[str] | None = getattr(_entered, "names", None)
-    return names[-1] if names else f"inode {current_inode()}"
+    refs: list[NetnsRef] | None = getattr(_entered, "refs", None)
+    return describe(refs[-1]) if refs else f"inode {current_inode()}"
 
 
 def current_inode() -> int:
@@ -258,16 +258,16 @@ def enter(ref: NetnsRef) -> Iterator[int]:
                                  f"{_setns_hint(e)}") from None
         stack = _entered.__dict__.setdefault("fds", [])
         homes = _entered.__dict__.setdefault("homes", [])
-        names = _entered.__dict__.setdefault("names", [])
+        refs = _entered.__dict__.setdefault("refs", [])  # (named only if a message needs it)
         stack.append(target)
         homes.append(home)
-        names.append(describe(ref))
+        refs.append(ref)
         try:
             yield target
         finally:
             stack.pop()
             homes.pop()
-            names.pop()
+            refs.pop()
             if moves:
                 try:
                     _setns(home)
