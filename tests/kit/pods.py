@@ -283,10 +283,6 @@ def set_forwarding(ns: str, on: bool) -> None:
 #: Our filters' names on an interface where a pod forwards (eBPF backend).
 OUR_TC = {"ingress": ["rdr_tc_ingress"], "egress": ["rdr_tc_egress"]}
 
-__all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
-           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "netlink_in",
-           "link_for", "make_pod", "vm_behind", "VM_NET", "tc_filters", "qdisc_kinds", "set_forwarding", "OUR_TC"]
-
 
 def repoint(link: str | os.PathLike[str], target: str) -> None:
     """Make the symlink ``link`` name ``target``, atomically (a rename over it)."""
@@ -320,3 +316,8 @@ def swapping(link: str | os.PathLike[str], targets: tuple[str, str], pause: floa
         stop.set()
         t.join(5)
 
+
+__all__ = ["T", "Addr", "NETNS_DIR", "PREFIX", "DEFAULT_TIMEOUT", "Link", "Pod", "require_root", "live_namespaces",
+           "existing_namespaces", "create_netns", "remove_netns", "wait_link_detached", "in_netns", "netlink_in",
+           "link_for", "make_pod", "vm_behind", "VM_NET", "tc_filters", "qdisc_kinds", "set_forwarding", "OUR_TC",
+           "link_local", "repoint", "swapping"]
