@@ -226,17 +226,17 @@ static int on_chain(void *arg, const struct nlmsghdr *h)
 	return 0;
 }
 
-/* Whether the interface's clsact qdisc holds anything not ours: a filter (ours: at our priority,
- * handle 1, by name), or a chain someone made (one but chain 0, or chain 0 with a template). 0
- * only when it holds nothing else (1 when that cannot be read: what cannot be read is not taken). */
-static int holds_others(int s, int ifindex)
+/* Whether the interface's clsact qdisc holds anything not ours, its sides as a whole look shows
+ * them (l): a filter (ours: at our priority, handle 1, by name), or a chain someone made (one but
+ * chain 0, or chain 0 with a template). 0 only when it holds nothing else (1 when that cannot be
+ * read: what cannot be read is not taken). */
+static int holds_others_in(int s, int ifindex, const struct look l[2])
 {
 	for (int side = 0; side < 2; side++) {
 		struct rdr_nlreq r;
-		struct look l;
-		int chains = 0, ret = look(s, ifindex, side, 1, &l);
+		int chains = 0, ret;
 
-		if (ret < 0 || l.beside || l.elsewhere)
+		if (l[side].beside || l[side].elsewhere)
 			return 1;
 		tc_req(&r, RTM_GETCHAIN, 0, ifindex, parent_of(side), 0, 0);
 		ret = nl_dump(s, &r, on_chain, &chains);
@@ -244,6 +244,17 @@ static int holds_others(int s, int ifindex)
 			return 1;
 	}
 	return 0;
+}
+
+/* holds_others_in, with a whole look of each side taken here. */
+static int holds_others(int s, int ifindex)
+{
+	struct look l[2];
+
+	for (int side = 0; side < 2; side++)
+		if (look(s, ifindex, side, 1, &l[side]) < 0)
+			return 1;
+	return holds_others_in(s, ifindex, l);
 }
 
 /* The interface's clsact qdisc, and whatever is in it: 0 (gone, or not there), or -errno. */
@@ -540,15 +551,15 @@ static int detach_on(int s, int ifindex)
 	struct look l[2];
 	int ret, mine = 0;
 
-	for (int side = 0; side < 2; side++) {
-		ret = look(s, ifindex, side, 0, &l[side]);
+	for (int side = 0; side < 2; side++) { /* (whole: what else the qdisc holds is seen in the same dump) */
+		ret = look(s, ifindex, side, 1, &l[side]);
 		if (ret < 0)
 			return ret;
 		mine |= l[side].ours && qdisc_ours(l[side].classid);
 	}
 	if (!l[0].ours && !l[1].ours)
 		return 0;
-	if (mine && !holds_others(s, ifindex)) {
+	if (mine && !holds_others_in(s, ifindex, l)) {
 		ret = del_qdisc(s, ifindex);
 		return ret < 0 ? ret : 1;
 	}
