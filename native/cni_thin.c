@@ -123,6 +123,16 @@ static void put(struct buf *b, const char *s, size_t n) {
 
 static void puts_(struct buf *b, const char *s) { put(b, s, strlen(s)); }
 
+/* SUPPORTED, joined by ", ", each between two quotes q. */
+static void put_supported(struct buf *b, const char *q) {
+    for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++) {
+        if (k) puts_(b, ", ");
+        puts_(b, q);
+        puts_(b, SUPPORTED[k]);
+        puts_(b, q);
+    }
+}
+
 /* `s` as a JSON string literal (s must be valid UTF-8). */
 static void put_json_string(struct buf *b, const char *s, size_t n) {
     put(b, "\"", 1);
@@ -757,10 +767,7 @@ int main(int argc, char **argv) {
     if (!command && argc == 2 && strcmp(argv[1], "--version") == 0) { /* for people: which build a node has */
         struct buf b = {0};
         puts_(&b, "redirect-cni " REDIRECT_VERSION " (thin plugin)\nCNI protocol versions supported: ");
-        for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++) {
-            if (k) puts_(&b, ", ");
-            puts_(&b, SUPPORTED[k]);
-        }
+        put_supported(&b, "");
         puts_(&b, "\n");
         write_all(1, b.p, b.n);
         return 0;
@@ -801,12 +808,7 @@ int main(int argc, char **argv) {
         else
             puts_(&b, "\"" LATEST "\"");
         puts_(&b, ", \"supportedVersions\": [");
-        for (size_t k = 0; k < sizeof SUPPORTED / sizeof SUPPORTED[0]; k++) {
-            if (k) puts_(&b, ", ");
-            puts_(&b, "\"");
-            puts_(&b, SUPPORTED[k]);
-            puts_(&b, "\"");
-        }
+        put_supported(&b, "\"");
         puts_(&b, "]}\n");
         write_all(1, b.p, b.n);
         return 0;
@@ -860,8 +862,12 @@ int main(int argc, char **argv) {
         char shown[256];
         show_value(vals[0], shown, sizeof shown);
         if (!is_string(vals[0])) fail(E_INVALID_CONFIG, "", "cniVersion=%s: missing or not a string", shown);
-        if (!version_ok)
-            fail(E_INCOMPATIBLE, "supported: 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0", "cniVersion=%s: unsupported", shown);
+        if (!version_ok) {
+            struct buf sup = {0};
+            puts_(&sup, "supported: ");
+            put_supported(&sup, "");
+            fail(E_INCOMPATIBLE, sup.p, "cniVersion=%s: unsupported", shown);
+        }
         if (check_too_old) fail(E_INCOMPATIBLE, "", "cniVersion=%s: CHECK needs 0.4.0 or later", shown);
         if (!sock_ok)
             fail(E_INVALID_CONFIG, "", "agentSocket=%.*s: expected a path of at most %zu bytes",
