@@ -9,7 +9,10 @@ the connection to the proxy on 15001. The proxy starts before capture is set up,
 eBPF backend needs its listeners then); an inbound listener on 15006 is held for eBPF. The proxy
 (``rdrt_echo``) echoes and never connects onward: the figure is the cost of reaching the proxy,
 which is what capture changes. A captured case is checked first: one request must come back,
-else nothing listens there and the case is reported as not captured.
+else nothing listens there and the case is reported as not captured. With eBPF, one more case,
+``pairing-floor``, is ``direct`` with the least sockmap pairing the kernel allows and no capture
+(``pairfloor.py``): what any pairing pays at connect; what its programs did (ends joined, sends
+redirected) is recorded with it.
 
 Four measures per case, the cases taking turns: ``crr`` (connect + 64-byte request/response +
 close: the connection rate), ``rr`` (64-byte request/response on one established connection:
@@ -33,7 +36,7 @@ from typing import Any
 import redirect
 from redirect.kernel import podkit
 
-from . import nsutil, reference
+from . import nsutil, pairfloor, reference
 from .methods import config_for, listen_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,13 +101,18 @@ def client(exe: str, pod: str, mode: str, addr: str, limit: int, seconds: float,
 
 
 class Case:
-    def __init__(self, name: str, install: Callable[[str], None] | None, listen: tuple[int, ...] = (),
-                 remove: Callable[[str], None] | None = None) -> None:
+    """``remove`` is given the pod and what ``install`` returned (None if it failed); ``addr``: where
+    the app connects (the proxy itself, 127.0.0.1, when nothing is installed)."""
+
+    def __init__(self, name: str, install: Callable[[str], Any] | None, listen: tuple[int, ...] = (),
+                 remove: Callable[[str, Any], None] | None = None, addr: str = "") -> None:
         self.name, self.install, self.listen, self.remove = name, install, listen, remove
         self.installed = False
+        self.handle: Any = None
+        self.counts: dict[str, int] = {}
         self.pod = self.peer = ""
         self.echo: subprocess.Popen[bytes] | None = None
-        self.addr = "127.0.0.1" if install is None else PEER_ADDR
+        self.addr = addr or ("127.0.0.1" if install is None else PEER_ADDR)
         self.crr: list[dict[str, Any]] = []
         self.rr: list[dict[str, Any]] = []
         self.rr1: list[dict[str, Any]] = []
@@ -125,10 +133,19 @@ def _install_backend(backend: str, mode: str = "sidecar", sockmap: bool = False)
     return install
 
 
-def _remove_backend(backend: str) -> Callable[[str], None]:
-    def remove(pod: str) -> None:
+def _remove_backend(backend: str) -> Callable[[str, Any], None]:
+    def remove(pod: str, _installed: Any) -> None:
         redirect.teardown(pod, backend=backend)
     return remove
+
+
+def _install_floor(pod: str) -> pairfloor.PairFloor:
+    return pairfloor.PairFloor(pod, PROXY_PORT)
+
+
+def _remove_floor(_pod: str, floor: pairfloor.PairFloor | None) -> None:
+    if floor is not None:
+        floor.close()
 
 
 def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_seconds: float,
@@ -144,6 +161,8 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
     if "ebpf" in backends:  # the app <-> proxy hop over a sockmap (sockmap=True)
         cases.append(Case("ebpf/sockmap", _install_backend("ebpf", sockmap=True), listen_for("ebpf", "sidecar"),
                           _remove_backend("ebpf")))
+        # What any pairing pays at connect: direct, with the least pairing the kernel allows.
+        cases.append(Case("pairing-floor", _install_floor, remove=_remove_floor, addr="127.0.0.1"))
     lifetime = int(rounds * len(cases) * (3 * seconds + bulk_seconds + 5) + 60)
     cpus = os.sched_getaffinity(0)
     cpu = max(cpus)  # where ``rr1`` runs: the last CPU this process may use
@@ -159,7 +178,7 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                 c.echo = start_echo(exes["rdrt_echo"], c.pod, lifetime)
                 if c.install:
                     c.installed = True  # (a failed setup may leave part: teardown is idempotent)
-                    c.install(c.pod)
+                    c.handle = c.install(c.pod)
                 client(exes["rdrt_client"], c.pod, "crr", c.addr, 1, 5, 64)  # captured, or it fails here
                 live.append(c)
             except Exception as e:  # noqa: BLE001 - recorded, the others go on
@@ -195,21 +214,25 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
         for c in cases:
             if c.echo is not None:
                 nsutil.stop(c.echo)
+            if isinstance(c.handle, pairfloor.PairFloor):
+                c.counts = c.handle.counts()
             if c.installed and c.remove is not None:
                 try:
-                    c.remove(c.pod)
+                    c.remove(c.pod, c.handle)
                 except Exception as e:  # noqa: BLE001 - the namespace goes anyway; say so
                     notes.append(f"data path {c.name}: teardown failed: {e}")
             nsutil.delete([n for n in (c.pod, c.peer) if n])
     for c in live:
         med = lambda key, runs: round(statistics.median(r[key] for r in runs), 2)  # noqa: E731
         results["cases"][c.name] = {
-            "target": f"{c.addr}:{APP_PORT if c.install else PROXY_PORT}",
+            "target": f"{c.addr}:{APP_PORT if c.addr != '127.0.0.1' else PROXY_PORT}",
             "conn_per_s": med("conn_per_s", c.crr), "p50_us": med("p50_us", c.crr), "p99_us": med("p99_us", c.crr),
             "rr_p50_us": med("p50_us", c.rr), "rr_p99_us": med("p99_us", c.rr),
             "rr1_p50_us": med("p50_us", c.rr1), "rr1_p99_us": med("p99_us", c.rr1),
             "bulk_gbit_per_s": med("gbit_per_s", c.bulk),
             "runs": {"crr": c.crr, "rr": c.rr, "rr1": c.rr1, "bulk": c.bulk},
         }
+        if c.counts:
+            results["cases"][c.name]["pairing"] = c.counts
     return results
 

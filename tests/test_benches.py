@@ -117,6 +117,13 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
         statistics.median(a["conn_per_s"] / b["conn_per_s"] for a, b in rounds), rel=1e-3)
     assert "iptables" in r["conn_rate_vs_reference"]
     assert "ebpf/ambient" in cases and "ebpf/ambient" in r["conn_rate_vs_direct"], res["notes"]
+    # The pairing floor paired: both ends of every connection joined, the sends went to the peer.
+    floor = cases[report.FLOOR_CASE]
+    conns = sum(run["count"] for run in floor["runs"]["crr"])
+    assert floor["pairing"]["joined"] >= 2 * conns > 0, floor["pairing"]
+    assert floor["pairing"]["redirected"] >= 2 * conns, floor["pairing"]  # (each request and each reply)
+    assert floor["pairing"]["no_peer"] * 100 <= floor["pairing"]["redirected"], floor["pairing"]
+    assert r["sockmap_vs_direct"]["floor_conn_rate"] > 0
     for c in cases.values():  # request/response on any CPU, and on one
         assert len(c["runs"]["rr1"]) == len(c["runs"]["rr"]) > 0 and c["rr1_p50_us"] > 0, c
     assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
@@ -400,3 +407,24 @@ def test_echo_proxy_must_be_the_process_the_data_path_pins(tmp_path: Path) -> No
             nsutil.stop(p)
     finally:
         nsutil.delete([pod])
+
+
+def test_the_pairing_floor_is_reported_only_when_its_programs_paired() -> None:
+    def case(rate: float) -> dict:
+        return {"conn_per_s": rate, "runs": {"crr": [{"conn_per_s": rate}]}}
+
+    floor = dict(case(960.0), pairing={"joined": 20, "redirected": 20, "no_peer": 0})
+    res = {"datapath": {"cases": {"direct": case(1000.0), "reference": case(1000.0), "ebpf": case(950.0),
+                                  "ebpf/sockmap": case(900.0), report.FLOOR_CASE: floor}}}
+    r = report.ratios(res)
+    assert r["sockmap_vs_direct"]["floor_conn_rate"] == pytest.approx(0.96)
+    assert r["sockmap_vs_direct"]["conn_rate_bound"] == pytest.approx(0.95 * 0.96, rel=1e-3)
+    assert report.FLOOR_CASE not in r["conn_rate_vs_reference"]  # (it has no capture to compare)
+    rows = {t["name"]: t for t in report.targets(res, r)}
+    failed = rows["ebpf/sockmap: connection rate vs direct"]
+    assert failed["status"] == "FAIL" and "the least pairing alone 0.96" in failed["note"], failed
+    # Programs that paired nothing measured plain TCP: no floor, and no row claims one.
+    floor["pairing"]["redirected"] = 0
+    r = report.ratios(res)
+    assert "floor_conn_rate" not in r["sockmap_vs_direct"]
+    assert not [t for t in report.targets(res, r) if report.FLOOR_CASE in t["name"]]

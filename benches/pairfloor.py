@@ -1,0 +1,67 @@
+"""The data path's ``pairing-floor`` case: plain loopback TCP with the least sockmap pairing the
+kernel allows (``fastpath/pairfloor.bpf.c``), no capture.
+
+It answers what any app <-> proxy pairing must pay at connect, whoever writes it: both ends of a
+connection joined to a sockhash when established (a psock each, their protocol operations
+switched, freed after an RCU grace period at close) and each send moved to the peer's receive
+queue. Its connection rate against ``direct`` is the kernel's own floor for pairing; with eBPF
+capture's rate against ``direct`` it bounds what ``sockmap=True`` can reach (``report.py``).
+
+The programs are compiled with bcc against the header tree the package carries, loaded in this
+process and attached with ``bpf_link``s (the cgroup's ``sock_ops`` and the sockhash's ``sk_msg``):
+closing the links detaches them, and a process that dies closes them too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+from redirect.backends.ebpf.abi import const
+from redirect.backends.ebpf.host.objects import HEADERS_DIR
+from redirect.backends.ebpf.host.pins import resolve_cgroup
+from redirect.backends.ebpf.host.syscalls import link_create
+from redirect.kernel import netns as rnetns
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastpath", "pairfloor.bpf.c")
+#: ``counts``' slots (see the source)
+COUNTS = ("joined", "redirected", "no_peer")
+
+
+class PairFloor:
+    """The floor programs, for TCP connections to ``port`` in netns ``pod`` (attached until ``close``)."""
+
+    def __init__(self, pod: str, port: int) -> None:
+        with rnetns.enter(pod):
+            cookie = rnetns.current_cookie()
+        os.environ["BCC_KERNEL_SOURCE"] = HEADERS_DIR  # (as the host programs' loader does)
+        from bcc import BPF, libbcc
+
+        self._bpf: Any = BPF(src_file=SOURCE.encode(), cflags=[f"-DNETNS={cookie}ULL", f"-DPORT={port}"])
+        self._links: list[int] = []
+        try:
+            ops = self._bpf.load_func(b"floor_ops", BPF.SOCK_OPS)
+            msg = self._bpf.load_func(b"floor_msg", BPF.SK_MSG)
+            ends = int(libbcc.lib.bpf_table_fd(self._bpf.module, b"ends"))  # (bcc has no Table for sockhash)
+            self._links.append(link_create(msg.fd, ends, const("BPF_SK_MSG_VERDICT")))
+            cg = os.open(resolve_cgroup(None), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._links.append(link_create(ops.fd, cg, const("BPF_CGROUP_SOCK_OPS")))
+            finally:
+                os.close(cg)
+        except BaseException:
+            self.close()
+            raise
+
+    def counts(self) -> dict[str, int]:
+        """What the programs did so far: ends joined, sends redirected, sends that found no peer."""
+        table = self._bpf[b"counts"]
+        return {name: int(sum(table[ctypes.c_int(i)])) for i, name in enumerate(COUNTS)}
+
+    def close(self) -> None:
+        """Detach (the links first: the cgroup's ``sock_ops`` stops before the programs go)."""
+        for fd in reversed(self._links):
+            os.close(fd)
+        self._links.clear()
+        self._bpf.cleanup()
