@@ -52,7 +52,7 @@ static int nft_tables(void)
 	if (s < 0)
 		return s == -EPROTONOSUPPORT || s == -EAFNOSUPPORT ? 0 : s;
 	rdr_nl_start(&req, (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE, 0, &g, sizeof(g));
-	ret = rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_table, NULL);
+	ret = rdr_nl_dump_whole(s, &req.h, buf[0], sizeof(buf[0]), on_table, NULL, NULL);
 	close(s);
 	/* No nf_tables subsystem: no tables. */
 	return ret == -EOPNOTSUPP || ret == -ENOENT || ret == -EPROTONOSUPPORT ? 0 : ret;
@@ -285,7 +285,7 @@ int rdr_nft_chain(int family, const char *table, const char *chain, struct rdr_n
 		free(buf);
 		return s;
 	}
-	ret = rdr_nl_dump(s, &req.h, buf, REPLY_MAX, on_rule, &want);
+	ret = rdr_nl_dump_whole(s, &req.h, buf, REPLY_MAX, on_rule, NULL, &want);
 	close(s);
 	free(buf);
 	if (ret < 0)

@@ -145,7 +145,7 @@ int rdr_nl_talk(int s, struct nlmsghdr *req, char *reply, size_t reply_len)
 int rdr_nl_dump(int s, struct nlmsghdr *req, char *buf, size_t each,
 		int (*on)(void *, const struct nlmsghdr *), void *arg)
 {
-	int lens[2], got = 0, at = 0;
+	int lens[2], got = 0, at = 0, intr = 0;
 
 	req->nlmsg_seq = next_seq(1);
 	req->nlmsg_flags |= NLM_F_REQUEST | NLM_F_DUMP;
@@ -167,8 +167,9 @@ int rdr_nl_dump(int s, struct nlmsghdr *req, char *buf, size_t each,
 		for (h = (const struct nlmsghdr *)(buf + (size_t)at * each); msg_ok(h, n); h = NLMSG_NEXT(h, n)) {
 			if (h->nlmsg_seq != req->nlmsg_seq)
 				continue;
+			intr |= h->nlmsg_flags & NLM_F_DUMP_INTR;
 			if (h->nlmsg_type == NLMSG_DONE)
-				return 0;
+				return intr ? -EINTR : 0;
 			if (h->nlmsg_type == NLMSG_ERROR)
 				return msg_error(h);
 			ret = on(arg, h);
@@ -177,6 +178,19 @@ int rdr_nl_dump(int s, struct nlmsghdr *req, char *buf, size_t each,
 		}
 	}
 	return -EPROTO;
+}
+
+int rdr_nl_dump_whole(int s, struct nlmsghdr *req, char *buf, size_t each,
+		      int (*on)(void *, const struct nlmsghdr *), void (*reset)(void *), void *arg)
+{
+	int ret = -EINTR;
+
+	for (int i = 0; i < RDR_NL_DUMP_TRIES && ret == -EINTR; i++) {
+		if (reset)
+			reset(arg);
+		ret = rdr_nl_dump(s, req, buf, each, on, arg);
+	}
+	return ret;
 }
 
 int rdr_nl_batch(int s, void *msgs, size_t len, int n, int *answers, char *buf, size_t each)

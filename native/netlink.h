@@ -48,9 +48,18 @@ int rdr_nl_talk(int s, struct nlmsghdr *req, char *reply, size_t reply_len);
 /* Send req as a dump request and pass each message of its answer to on(arg, message) until the
  * end, reading at most two datagrams of `each` bytes a call into buf (2 * each bytes). 0 at the
  * end; a value on returned that is not 0 (negative: an error; positive: enough was seen, the rest
- * is not read); the kernel's error; or -errno (-EMSGSIZE: a datagram did not fit). */
+ * is not read); the kernel's error; or -errno (-EMSGSIZE: a datagram did not fit). -EINTR: the
+ * whole answer was read, but the kernel flagged it inconsistent (NLM_F_DUMP_INTR: what it lists
+ * changed while it was dumped, so an object may be missing from it, or there twice): see
+ * rdr_nl_dump_whole. */
 int rdr_nl_dump(int s, struct nlmsghdr *req, char *buf, size_t each,
 		int (*on)(void *, const struct nlmsghdr *), void *arg);
+
+/* rdr_nl_dump again while it answers -EINTR, at most RDR_NL_DUMP_TRIES dumps in all, reset(arg)
+ * (if not NULL) before each: what on() gathers comes from one dump the kernel did not flag. */
+int rdr_nl_dump_whole(int s, struct nlmsghdr *req, char *buf, size_t each,
+		      int (*on)(void *, const struct nlmsghdr *), void (*reset)(void *), void *arg);
+#define RDR_NL_DUMP_TRIES 8
 
 /* Send the n requests in msgs (len bytes, one after another, each answered in a datagram of its
  * own) in one call, and read their answers, at most RDR_NL_RECV_MAX a call into buf (room for

@@ -151,7 +151,16 @@ static int on_address(void *arg, const struct nlmsghdr *h)
 }
 _Static_assert(RDR_SCAN_CAP == RDR_SCAN_MAX + RDR_SCAN_OURS, "room for the pod's addresses and ours");
 
-/* One RTM_GETADDR dump of every family: the pod's addresses (loopback aside), whether IPv6 is on.
+/* Before each dump of scan_addresses: nothing found yet (the cookie stays). */
+static void scan_reset(void *arg)
+{
+	struct rdr_netns_scan *sc = ((struct scan_ctx *)arg)->sc;
+
+	sc->v6_on = sc->n = sc->n_ours = 0;
+}
+
+/* One RTM_GETADDR dump of every family: the pod's addresses (loopback aside), whether IPv6 is on
+ * (made again while the kernel flags it inconsistent, rdr_nl_dump_whole: -EINTR when every one was).
  *
  * A buffer is one page: the kernel sizes each later batch of a dump by the largest buffer a
  * recv offered (up to 32 KB), and a batch over a page comes from the page allocator, a slower
@@ -164,8 +173,9 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint8_t ours_proto)
 	struct rdr_nlreq req;
 	char buf[2][4096] __attribute__((aligned(8)));
 
+
 	rdr_nl_start(&req, RTM_GETADDR, 0, &m, sizeof(m));
-	return rdr_nl_dump(s, &req.h, buf[0], sizeof(buf[0]), on_address, &x);
+	return rdr_nl_dump_whole(s, &req.h, buf[0], sizeof(buf[0]), on_address, scan_reset, &x);
 }
 
 int rdr_scan_netns(struct rdr_netns_scan *sc, uint8_t ours_proto)

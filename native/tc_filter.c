@@ -77,11 +77,16 @@ static int qdisc_ours(uint32_t classid)
 	return TC_H_MAJ(classid) == QDISC_OURS;
 }
 
-/* rdr_nl_dump of r with a buffer of two datagrams of a page each. */
-static int nl_dump(int s, struct rdr_nlreq *r, int (*each)(void *, const struct nlmsghdr *), void *arg)
+/* rdr_nl_dump of r with a buffer of two datagrams of two pages each; with reset, rdr_nl_dump_whole
+ * (a dump the kernel may flag inconsistent: tc's own dumps are not flagged, and a flagged one
+ * fails with -EINTR). */
+static int nl_dump(int s, struct rdr_nlreq *r, int (*each)(void *, const struct nlmsghdr *), void (*reset)(void *),
+		   void *arg)
 {
 	char buf[2][8192] __attribute__((aligned(8)));
 
+	if (reset)
+		return rdr_nl_dump_whole(s, &r->h, buf[0], sizeof(buf[0]), each, reset, arg);
 	return rdr_nl_dump(s, &r->h, buf[0], sizeof(buf[0]), each, arg);
 }
 
@@ -199,7 +204,7 @@ static int look(int s, int ifindex, int egress, int whole, struct look *l)
 	       whole ? 0 : TC_H_MAKE((uint32_t)RDR_TC_PRIO << 16, 0));
 	if (!whole)
 		rdr_nl_attr(&r, TCA_CHAIN, &chain, 4);
-	ret = nl_dump(s, &r, on_look, l);
+	ret = nl_dump(s, &r, on_look, NULL, l);
 	return ret == -EINVAL || ret == -ENOENT || ret == -ENODEV ? 0 : ret; /* (no qdisc, or no interface) */
 }
 
@@ -239,7 +244,7 @@ static int holds_others_in(int s, int ifindex, const struct look l[2])
 		if (l[side].beside || l[side].elsewhere)
 			return 1;
 		tc_req(&r, RTM_GETCHAIN, 0, ifindex, parent_of(side), 0, 0);
-		ret = nl_dump(s, &r, on_chain, &chains);
+		ret = nl_dump(s, &r, on_chain, NULL, &chains);
 		if ((ret < 0 && ret != -EINVAL && ret != -ENOENT) || chains)
 			return 1;
 	}
@@ -380,7 +385,7 @@ static int blame(int s, int ifindex, int egress, int err, struct rdr_tc_blame *b
 	memset(&found, 0, sizeof(found));
 	found.ifindex = ifindex;
 	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0); /* (a get of it went unanswered on 6.18: the dump) */
-	nl_dump(s, &r, on_ingress_qdisc, &found);
+	nl_dump(s, &r, on_ingress_qdisc, NULL, &found);
 	if (!found.what && look(s, ifindex, egress, 0, &l) == 0 && (l.beside || (l.kind[0] && !l.ours))) {
 		memset(&found, 0, sizeof(found));
 		found.what = RDR_TC_BLAME_FILTER;
@@ -629,7 +634,7 @@ static int clsact_interfaces(int s, struct idx_list *l)
 
 	memset(l, 0, sizeof(*l));
 	tc_req(&r, RTM_GETQDISC, 0, 0, 0, 0, 0);
-	ret = nl_dump(s, &r, on_qdisc, l);
+	ret = nl_dump(s, &r, on_qdisc, NULL, l);
 	return ret < 0 ? ret : 0;
 }
 
@@ -699,8 +704,16 @@ int rdr_tc_detach_all(void)
 
 struct netconf_cb {
 	void (*on)(void *, int, int, int);
+	void (*reset)(void *);
 	void *arg;
 };
+
+static void netconf_reset(void *arg)
+{
+	const struct netconf_cb *cb = arg;
+
+	cb->reset(cb->arg);
+}
 
 static int on_netconf(void *arg, const struct nlmsghdr *h)
 {
@@ -729,15 +742,16 @@ static int on_netconf(void *arg, const struct nlmsghdr *h)
 }
 
 /* One RTM_GETNETCONF dump of every family: each IPv4 and IPv6 entry's family, ifindex and
- * forwarding value go to on(). */
-static int netconf_dump(int s, void (*on)(void *, int, int, int), void *arg)
+ * forwarding value go to on(); made again, reset(arg) first, while the kernel flags it
+ * inconsistent (rdr_nl_dump_whole). */
+static int netconf_dump(int s, void (*on)(void *, int, int, int), void (*reset)(void *), void *arg)
 {
-	struct netconf_cb cb = {.on = on, .arg = arg};
+	struct netconf_cb cb = {.on = on, .reset = reset, .arg = arg};
 	struct netconfmsg nc = {.ncm_family = AF_UNSPEC};
 	struct rdr_nlreq r;
 
 	rdr_nl_start(&r, RTM_GETNETCONF, 0, &nc, sizeof(nc));
-	return nl_dump(s, &r, on_netconf, &cb);
+	return nl_dump(s, &r, on_netconf, netconf_reset, &cb);
 }
 
 struct fwd_acc {
@@ -776,10 +790,21 @@ static void on_forwarding(void *arg, int family, int idx, int fwd)
 	}
 }
 
+/* Before each dump: nothing found yet. */
+static void fwd_reset(void *arg)
+{
+	struct fwd_acc *a = arg;
+	int *out = a->out, max = a->max;
+
+	memset(a, 0, sizeof(*a));
+	a->out = out;
+	a->max = max;
+}
+
 int rdr_forwarding_on(int s, int *ifindexes, int max)
 {
 	struct fwd_acc a = {.out = ifindexes, .max = max < RDR_FWD_MAX ? max : RDR_FWD_MAX};
-	int ret = netconf_dump(s, on_forwarding, &a);
+	int ret = netconf_dump(s, on_forwarding, fwd_reset, &a);
 
 	if (ret < 0)
 		return ret;

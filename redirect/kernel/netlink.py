@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 NETLINK_ROUTE, NETLINK_SOCK_DIAG, NETLINK_NETFILTER = 0, 4, 12
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x4, 0x200, 0x400
+NLM_F_DUMP_INTR = 0x10  # (on a dump's messages: what it lists changed while it was dumped)
+#: Dumps made at most, while the kernel flags each inconsistent (as native/netlink.h's RDR_NL_DUMP_TRIES).
+DUMP_TRIES = 8
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 RTM_NEWLINK, RTM_GETLINK = 16, 18
 RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
@@ -106,22 +109,35 @@ class NetlinkSocket:
         return self._seq
 
     def dump(self, kind: int, body: bytes) -> list[tuple[int, bytes]]:
-        """Every message answering the dump request ``kind`` with ``body``: (type, payload)."""
+        """Every message answering the dump request ``kind`` with ``body``: (type, payload). A dump
+        the kernel flags inconsistent (``NLM_F_DUMP_INTR``: what it lists changed meanwhile, so an
+        object may be missing or there twice) is made again, at most ``DUMP_TRIES`` times in all,
+        then ``OSError(EINTR)``."""
+        for _ in range(DUMP_TRIES):
+            out, intr = self._dump_once(kind, body)
+            if not intr:
+                return out
+        raise OSError(errno.EINTR, f"netlink: what request type {kind} dumps kept changing while it was read"
+                                   f" ({DUMP_TRIES} dumps in a row flagged inconsistent)")
+
+    def _dump_once(self, kind: int, body: bytes) -> tuple[list[tuple[int, bytes]], bool]:
         seq = self._send(kind, NLM_F_DUMP, body)
         out: list[tuple[int, bytes]] = []
+        intr = False
         while True:
             data = self.sock.recv(1 << 16)
             off = 0
             while off + _HDR.size <= len(data):
-                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, off)
+                length, mtype, flags, mseq, _pid = _HDR.unpack_from(data, off)
                 if length < _HDR.size:
-                    return out
+                    return out, intr
                 if mseq == seq:
+                    intr = intr or bool(flags & NLM_F_DUMP_INTR)
                     if mtype == NLMSG_DONE:
-                        return out
+                        return out, intr
                     if mtype == NLMSG_ERROR:
                         _raise(data, off)
-                        return out
+                        return out, intr
                     out.append((mtype, data[off + _HDR.size : off + length]))
                 off += (length + 3) & ~3
 

@@ -56,6 +56,9 @@ def scan_netns() -> NetnsScan:
         raise SetupError(f"backend=ebpf: the netns has more than {NATIVE.lib.RDR_SCAN_MAX} addresses (IPv6"
                          " link-local ones included, loopback and ours aside), the most the eBPF backend"
                          " registers; nftables and iptables take any number")
+    if rc == -errno.EINTR:
+        raise SetupError("backend=ebpf: the netns's addresses kept changing while they were read (every dump"
+                         " of them flagged inconsistent by the kernel): run setup again")
     check(rc, "scanning the netns (RTM_GETADDR)")
     buf = NATIVE.ffi.buffer
     raw = [(a.family, buf(a.addr, 4 if a.family == 4 else 16)[:], a.ifindex) for a in sc.a[0 : sc.n]]

@@ -60,6 +60,9 @@ def forwarding() -> frozenset[int]:
     if n == -errno.E2BIG:
         raise SetupError(f"backend=ebpf: the netns forwards on more than {_MAX} interfaces, the most the eBPF"
                          " backend puts its tc filters on; nftables and iptables take any number")
+    if n == -errno.EINTR:
+        raise SetupError("backend=ebpf: the interfaces' forwarding settings kept changing while they were read"
+                         " (every dump of them flagged inconsistent by the kernel): run setup again")
     if n < 0:
         raise SetupError(f"backend=ebpf: read the interfaces' forwarding settings: {os.strerror(-n)}")
     return frozenset(buf[i] for i in range(n))
