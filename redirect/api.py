@@ -165,7 +165,7 @@ def _setup_general(impl: Backend, it: AnyIntent, netns: _netns.NetnsRef, name: s
     with _netns.enter(netns), one_nft_context():
         if not allow_host_netns:
             _refuse_host_netns(name)
-        with netns_lock(_netns.current_inode()):
+        with netns_lock(_netns.current_inode(), name=name):
             families = _families_for(impl, it)
             # Asked before apply: on a fresh pod listing the tables is cheap then, and costs a
             # refill of libnftables' cache of our new table after it.
@@ -288,7 +288,7 @@ def teardown(netns: _netns.NetnsRef, backend: str | None = None, *, allow_host_n
     with _netns.enter(netns), one_nft_context():
         if not allow_host_netns:
             _refuse_host_netns(name, "teardown")
-        with netns_lock(_netns.current_inode()):
+        with netns_lock(_netns.current_inode(), name=name):
             if not _any(backend):
                 impls = [get_backend(backend, None)]  # type: ignore[arg-type]
             else:  # each that may be here: its remove also takes leftovers of an interrupted setup

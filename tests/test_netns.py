@@ -221,6 +221,9 @@ def test_setup_waits_for_another_process_changing_the_same_netns(pod: Pod) -> No
         with pytest.raises(redirect.SetupError, match="another thread or process"):
             with api.netns_lock(rnetns.netns_inode(pod.name), wait_s=0.2):
                 pass
+        with pytest.raises(redirect.SetupError, match=f"^netns='{pod.name}' \\(inode "):  # as the caller named it
+            with api.netns_lock(rnetns.netns_inode(pod.name), wait_s=0.2, name=pod.name):
+                pass
         with api.netns_lock(rnetns.netns_inode(pod.name) + 1, wait_s=0.2):
             pass
     finally:

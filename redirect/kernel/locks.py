@@ -286,9 +286,10 @@ def _ofd_lock(fd: int, inode: int, lock: bool) -> None:
 
 
 @contextlib.contextmanager
-def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S, name: str = "") -> Iterator[None]:
     """Hold the netns ``inode`` against other threads and processes that use this library.
-    Waits at most ``wait_s`` for another holder, then raises ``SetupError``."""
+    Waits at most ``wait_s`` for another holder, then raises ``SetupError`` naming the netns
+    ``name`` (as the caller was given it) if given."""
     fd = thread_lock_fd()
     deadline = time.monotonic() + wait_s
     pause = 0.0005
@@ -300,7 +301,8 @@ def netns_lock(inode: int, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
             if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another thread or process
                 raise
         if time.monotonic() >= deadline:
-            raise SetupError(f"netns inode {inode}: another thread or process has been changing it for over"
+            which = f"netns={name!r} (inode {inode})" if name else f"netns inode {inode}"
+            raise SetupError(f"{which}: another thread or process has been changing it for over"
                              f" {wait_s:.0f} s (lock {os.path.join(run_dir_path(), NETNS_LOCK)}, byte {inode})")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
