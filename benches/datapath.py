@@ -11,8 +11,8 @@ eBPF backend needs its listeners then); an inbound listener on 15006 is held for
 which is what capture changes. A captured case is checked first: one request must come back,
 else nothing listens there and the case is reported as not captured. With eBPF, one more case,
 ``pairing-floor``, is ``direct`` with the least sockmap pairing the kernel allows and no capture
-(``pairfloor.py``): what any pairing pays at connect; what its programs did (ends joined, sends
-redirected) is recorded with it.
+(``pairfloor.py``): what any pairing pays at connect; its ``sock_ops`` program is on the cgroup
+during its own runs only, and what its programs did (ends joined, sends redirected) is recorded.
 
 Four measures per case, the cases taking turns: ``crr`` (connect + 64-byte request/response +
 close: the connection rate), ``rr`` (64-byte request/response on one established connection:
@@ -24,6 +24,7 @@ streaming 128 KB writes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -118,6 +119,10 @@ class Case:
         self.rr1: list[dict[str, Any]] = []
         self.bulk: list[dict[str, Any]] = []
 
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        """Around each of its runs: the pairing floor's ``sock_ops`` attached (for that run only)."""
+        return self.handle.attached() if isinstance(self.handle, pairfloor.PairFloor) else contextlib.nullcontext()
+
 
 def _install_reference(pod: str) -> None:
     from redirect.kernel import netns as rnetns
@@ -179,7 +184,8 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                 if c.install:
                     c.installed = True  # (a failed setup may leave part: teardown is idempotent)
                     c.handle = c.install(c.pod)
-                client(exes["rdrt_client"], c.pod, "crr", c.addr, 1, 5, 64)  # captured, or it fails here
+                with c.turn():
+                    client(exes["rdrt_client"], c.pod, "crr", c.addr, 1, 5, 64)  # captured, or it fails here
                 live.append(c)
             except Exception as e:  # noqa: BLE001 - recorded, the others go on
                 notes.append(f"data path {c.name}: skipped: {e}")
@@ -194,21 +200,25 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
         for i in range(rounds):
             for _ in range(slices):
                 for c in live[turn % len(live):] + live[:turn % len(live)] if live else []:
-                    c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max(1, max_conns // slices),
-                                        seconds / slices, 64))
+                    with c.turn():
+                        c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max(1, max_conns // slices),
+                                            seconds / slices, 64))
                 turn += 1
             order = live[i % len(live):] + live[:i % len(live)] if live else []  # (each round one case later)
             for c in order:
-                c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
+                with c.turn():
+                    c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
             for c in order:
                 assert c.echo is not None
                 os.sched_setaffinity(c.echo.pid, {cpu})
                 try:
-                    c.rr1.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64, cpu))
+                    with c.turn():
+                        c.rr1.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64, cpu))
                 finally:
                     os.sched_setaffinity(c.echo.pid, cpus)
             for c in order:
-                c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
+                with c.turn():
+                    c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
     finally:
         for c in cases:

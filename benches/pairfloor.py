@@ -8,14 +8,17 @@ queue. Its connection rate against ``direct`` is the kernel's own floor for pair
 capture's rate against ``direct`` it bounds what ``sockmap=True`` can reach (``report.py``).
 
 The programs are compiled with bcc against the header tree the package carries, loaded in this
-process and attached with ``bpf_link``s (the cgroup's ``sock_ops`` and the sockhash's ``sk_msg``):
-closing the links detaches them, and a process that dies closes them too.
+process and attached with ``bpf_link``s (the sockhash's ``sk_msg`` for the object's life, the
+cgroup's ``sock_ops`` only for each of the case's own runs: ``attached``, so the other cases'
+connections never run it): closing the links detaches them, and a process that dies closes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from redirect.backends.ebpf.abi import const
@@ -40,19 +43,25 @@ class PairFloor:
 
         self._bpf: Any = BPF(src_file=SOURCE.encode(), cflags=[f"-DNETNS={cookie}ULL", f"-DPORT={port}"])
         self._links: list[int] = []
+        self._cgroup = -1
         try:
-            ops = self._bpf.load_func(b"floor_ops", BPF.SOCK_OPS)
+            self._ops = self._bpf.load_func(b"floor_ops", BPF.SOCK_OPS)
             msg = self._bpf.load_func(b"floor_msg", BPF.SK_MSG)
             ends = int(libbcc.lib.bpf_table_fd(self._bpf.module, b"ends"))  # (bcc has no Table for sockhash)
             self._links.append(link_create(msg.fd, ends, const("BPF_SK_MSG_VERDICT")))
-            cg = os.open(resolve_cgroup(None), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                self._links.append(link_create(ops.fd, cg, const("BPF_CGROUP_SOCK_OPS")))
-            finally:
-                os.close(cg)
+            self._cgroup = os.open(resolve_cgroup(None), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except BaseException:
             self.close()
             raise
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[None]:
+        """The ``sock_ops`` program on the cgroup for the body (one of the case's runs) only."""
+        link = link_create(self._ops.fd, self._cgroup, const("BPF_CGROUP_SOCK_OPS"))
+        try:
+            yield
+        finally:
+            os.close(link)
 
     def counts(self) -> dict[str, int]:
         """What the programs did so far: ends joined, sends redirected, sends that found no peer."""
@@ -60,8 +69,11 @@ class PairFloor:
         return {name: int(sum(table[ctypes.c_int(i)])) for i, name in enumerate(COUNTS)}
 
     def close(self) -> None:
-        """Detach (the links first: the cgroup's ``sock_ops`` stops before the programs go)."""
+        """Detach (the links first), and let the programs go."""
         for fd in reversed(self._links):
             os.close(fd)
         self._links.clear()
+        if self._cgroup >= 0:
+            os.close(self._cgroup)
+            self._cgroup = -1
         self._bpf.cleanup()
