@@ -33,7 +33,8 @@ COUNTS = ("joined", "redirected", "no_peer")
 
 
 class PairFloor:
-    """The floor programs, for TCP connections to ``port`` in netns ``pod`` (attached until ``close``)."""
+    """The floor programs, for TCP connections to ``port`` in netns ``pod``: the ``sk_msg`` one on
+    its sockhash until ``close``, the ``sock_ops`` one on the cgroup within ``attached``."""
 
     def __init__(self, pod: str, port: int) -> None:
         with rnetns.enter(pod):
