@@ -119,9 +119,11 @@ class Case:
         self.rr1: list[dict[str, Any]] = []
         self.bulk: list[dict[str, Any]] = []
 
-    def turn(self) -> contextlib.AbstractContextManager[None]:
-        """Around each of its runs: the pairing floor's ``sock_ops`` attached (for that run only)."""
-        return self.handle.attached() if isinstance(self.handle, pairfloor.PairFloor) else contextlib.nullcontext()
+    def run(self, exe: str, mode: str, limit: int, seconds: float, size: int, cpu: int | None = None) -> dict[str, Any]:
+        """One run of the client (``client``) against this case: the pairing floor's ``sock_ops``
+        attached for that run only."""
+        with self.handle.attached() if isinstance(self.handle, pairfloor.PairFloor) else contextlib.nullcontext():
+            return client(exe, self.pod, mode, self.addr, limit, seconds, size, cpu)
 
 
 def _install_reference(pod: str) -> None:
@@ -184,8 +186,7 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
                 if c.install:
                     c.installed = True  # (a failed setup may leave part: teardown is idempotent)
                     c.handle = c.install(c.pod)
-                with c.turn():
-                    client(exes["rdrt_client"], c.pod, "crr", c.addr, 1, 5, 64)  # captured, or it fails here
+                c.run(exes["rdrt_client"], "crr", 1, 5, 64)  # captured, or it fails here
                 live.append(c)
             except Exception as e:  # noqa: BLE001 - recorded, the others go on
                 notes.append(f"data path {c.name}: skipped: {e}")
@@ -200,25 +201,20 @@ def run(backends: list[str], rounds: int, seconds: float, max_conns: int, bulk_s
         for i in range(rounds):
             for _ in range(slices):
                 for c in live[turn % len(live):] + live[:turn % len(live)] if live else []:
-                    with c.turn():
-                        c.crr.append(client(exes["rdrt_client"], c.pod, "crr", c.addr, max(1, max_conns // slices),
-                                            seconds / slices, 64))
+                    c.crr.append(c.run(exes["rdrt_client"], "crr", max(1, max_conns // slices), seconds / slices, 64))
                 turn += 1
             order = live[i % len(live):] + live[:i % len(live)] if live else []  # (each round one case later)
             for c in order:
-                with c.turn():
-                    c.rr.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64))
+                c.rr.append(c.run(exes["rdrt_client"], "rr", 1_000_000, seconds, 64))
             for c in order:
                 assert c.echo is not None
                 os.sched_setaffinity(c.echo.pid, {cpu})
                 try:
-                    with c.turn():
-                        c.rr1.append(client(exes["rdrt_client"], c.pod, "rr", c.addr, 1_000_000, seconds, 64, cpu))
+                    c.rr1.append(c.run(exes["rdrt_client"], "rr", 1_000_000, seconds, 64, cpu))
                 finally:
                     os.sched_setaffinity(c.echo.pid, cpus)
             for c in order:
-                with c.turn():
-                    c.bulk.append(client(exes["rdrt_client"], c.pod, "bulk", c.addr, 8 << 30, bulk_seconds, 1 << 17))
+                c.bulk.append(c.run(exes["rdrt_client"], "bulk", 8 << 30, bulk_seconds, 1 << 17))
                 progress(1)
     finally:
         for c in cases:

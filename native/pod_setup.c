@@ -173,7 +173,6 @@ static int scan_addresses(int s, struct rdr_netns_scan *sc, uint8_t ours_proto)
 	struct rdr_nlreq req;
 	char buf[2][4096] __attribute__((aligned(8)));
 
-
 	rdr_nl_start(&req, RTM_GETADDR, 0, &m, sizeof(m));
 	return rdr_nl_dump_whole(s, &req.h, buf[0], sizeof(buf[0]), on_address, scan_reset, &x);
 }
