@@ -419,27 +419,27 @@ def _netconf(seq: int, ifindex: int, flags: int) -> bytes:
 
 
 def _done(seq: int, flags: int) -> bytes:
-    return struct.pack("=IHHIIi", 20, 3, 0x2 | flags, seq, 0, 0)
+    return struct.pack("=IHHIIi", 20, netlink.NLMSG_DONE, 0x2 | flags, seq, 0, 0)
 
 
-@pytest.mark.parametrize("flagged", [1, 8])
+@pytest.mark.parametrize("flagged", [1, netlink.DUMP_TRIES])
 def test_the_native_dump_reads_again_what_the_kernel_flags(flagged: int) -> None:
     """The native dumps (the pod's addresses and forwarding settings of every eBPF setup) take the
     same flag (NLM_F_DUMP_INTR) alike: what a flagged dump gave is forgotten and the dump made again,
     at most RDR_NL_DUMP_TRIES times in all (then -EINTR). The peer here answers as the kernel does
-    to an interrupted netconf dump, ``flagged`` times, then whole (a flag cannot be timed on a
-    real kernel from here: the real dumps' tests are the eBPF ones)."""
+    to an interrupted netconf dump, ``flagged`` times, then whole (a native dump gives no place to
+    change the namespace between its parts: the test above shows the kernel's flag on a real one)."""
     from redirect.native import load
 
     native = load()
-    tries = 8  # (native/netlink.h: RDR_NL_DUMP_TRIES)
+    tries = netlink.DUMP_TRIES  # (native/netlink.h's RDR_NL_DUMP_TRIES, mirrored)
     ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
     def kernel() -> None:
         for i in range(min(flagged + 1, tries)):
             req = peer.recv(4096)
             seq = struct.unpack_from("=I", req, 8)[0]
-            intr = 0x10 if i < flagged else 0
+            intr = netlink.NLM_F_DUMP_INTR if i < flagged else 0
             peer.send(_netconf(seq, 5 + i, intr))
             peer.send(_done(seq, intr))
 
