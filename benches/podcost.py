@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -124,11 +125,27 @@ def per_pod(methods: Sequence[Method], samples: int, progress: Progress,
 #: Untimed setups and teardowns of a method before its scale levels.
 WARM_UP = 3
 
+#: The fixed work ``control_ms`` times: hashing this many bytes (a fraction of a millisecond).
+CONTROL_BYTES = 1 << 20
+_CONTROL_DATA = bytes(CONTROL_BYTES)
+
+
+def control_ms() -> float:
+    """The time of a fixed amount of CPU work that no pod changes (one SHA-256 of ``CONTROL_BYTES``).
+
+    Timed beside each scale sample: two levels are measured minutes apart, and a shared machine's
+    speed can move in between (another tenant's load, a CPU's clock); the ratio of the two levels'
+    medians of this is that move, which ``report`` takes out of the Nth pod's ratio to the first."""
+    t0 = time.perf_counter_ns()
+    hashlib.sha256(_CONTROL_DATA).digest()
+    return (time.perf_counter_ns() - t0) / 1e6
+
 
 def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) -> dict[str, Any]:
     """Setup/teardown of the Nth pod while N-1 pods with capture are live, for each N in ``levels``.
 
     The fill pods' own setup times are kept too (``fill_ms``: the k-th value is pod k+1's setup).
+    Each level also times ``control_ms`` after each sample (``control``): the machine's speed then.
     ``WARM_UP`` setups and teardowns of the method come first, not timed: the first pods of a method
     pay for what the phases before it left cold (its programs' pages, caches), which would count
     against the first level only and flatter every other level's ratio to it.
@@ -159,16 +176,19 @@ def scale(m: Method, levels: Sequence[int], samples: int, progress: Progress) ->
             names = nsutil.create(samples, "n")
             st: list[float] = []
             td: list[float] = []
+            ctl: list[float] = []
             try:
                 for ns in names:
                     nsutil.hold(ns, m.listen)
                     st.append(_timed(m.setup, ns))
                     nsutil.release(ns)
                     td.append(_timed(m.teardown, ns))
+                    ctl.append(control_ms())
                     progress(1)
             finally:
                 nsutil.delete(names)
-            res["levels"][str(n)] = {"live_pods": n - 1, "setup": stats(st), "teardown": stats(td)}
+            res["levels"][str(n)] = {"live_pods": n - 1, "setup": stats(st), "teardown": stats(td),
+                                     "control": stats(ctl)}
     finally:
         t0 = time.perf_counter()
         for ns in [] if m.cleanup_by_delete else live:

@@ -129,6 +129,11 @@ def test_tiny_run_writes_json_markdown_plots_and_ratios(tmp_path: Path) -> None:
     assert r["nth_vs_first"]["api/iptables/sidecar"]["n"] == 3
     assert set(res["scale"]["api/iptables/sidecar"]["levels"]) == {"1", "3"}
     assert res["scale"]["api/iptables/sidecar"]["warm_up"] == 3  # untimed, before the first level
+    # Beside each level's samples, the machine's speed (a fixed workload), taken out of the ratio.
+    ctl = [lv["control"]["median_ms"] for lv in res["scale"]["api/iptables/sidecar"]["levels"].values()]
+    assert len(ctl) == 2 and min(ctl) > 0, res["scale"]["api/iptables/sidecar"]["levels"]
+    d = r["nth_vs_first"]["api/iptables/sidecar"]
+    assert d["ratio"] == pytest.approx(d["raw"] / d["machine"], rel=1e-3)
     mem = res["memory"]["api/iptables/sidecar"]
     assert mem["kernel_objects_one_pod"]["iptables_nft_rules"] > 0
     assert mem["kmem_source"] is None or isinstance(mem["kmem_kib_per_pod"], float | int), mem
@@ -407,6 +412,22 @@ def test_echo_proxy_must_be_the_process_the_data_path_pins(tmp_path: Path) -> No
             nsutil.stop(p)
     finally:
         nsutil.delete([pod])
+
+
+def test_the_nth_pods_ratio_takes_out_the_machines_own_change_of_speed() -> None:
+    # Pod 1000 took 1.5 times pod 1, while the fixed workload timed beside the samples took 1.25
+    # times as long as it did beside pod 1's: the machine was slower, the setup grew by 1.2.
+    res = _synthetic({}, {}, {"api/iptables/sidecar": (10.0, 15.0), "api/nftables/sidecar": (2.0, 3.0)})
+    levels = res["scale"]["api/iptables/sidecar"]["levels"]
+    levels["1"]["control"], levels["1000"]["control"] = {"median_ms": 0.4}, {"median_ms": 0.5}
+    r = report.ratios(res)
+    d = r["nth_vs_first"]["api/iptables/sidecar"]
+    assert (d["raw"], d["machine"], d["ratio"]) == (1.5, 1.25, 1.2)
+    assert r["nth_vs_first"]["api/nftables/sidecar"] == {"n": 1000, "ratio": 1.5}  # no control measured
+    rows = {t["name"]: t for t in report.targets(res, r)}
+    row = rows["api/iptables/sidecar: pod 1000 setup vs pod 1"]
+    assert row["status"] == "PASS" and "1.5 before taking out" in row["note"] and "(1.25)" in row["note"], row
+    assert rows["api/nftables/sidecar: pod 1000 setup vs pod 1"]["status"] == "FAIL"
 
 
 def test_the_pairing_floor_is_reported_only_when_its_programs_paired() -> None:
