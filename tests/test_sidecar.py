@@ -587,7 +587,8 @@ def test_rerouted_interface_inbound_goes_to_the_outbound_port(pod_with_extra_ifa
         assert redirect.setup(pod.name, cfg, backend=backend).changed
         hit = landing(pod.peer_name, extra_pod, 8000, *L.values())
         assert hit.label == "proxy-out" and hit.orig_dst == (extra_pod, 8000), hit.result
-        cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,), outbound_cidrs=("10.99.0.0/16", "fd99::/64"))
+        # Documentation ranges: never a pod's subnet (those are 10.R.x.0/24 and fd00:R:x::/64).
+        cfg = RedirectConfig(reroute_interfaces=(extra.pod_if,), outbound_cidrs=("192.0.2.0/24", "2001:db8::/64"))
         assert redirect.setup(pod.name, cfg, backend=backend).changed
         assert landing(pod.peer_name, extra_pod, 8000, *L.values()).label == "pod-app"
         assert landing(pod.peer_name, pod.pod_ip(fam), 8000, *L.values()).label == "proxy-in"

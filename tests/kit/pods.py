@@ -87,10 +87,16 @@ def in_netns(ns: rnetns.NetnsRef, fn: Callable[..., T], *args: Any, timeout: flo
 # --------------------------------------------------------------------------- pods
 
 
+# Second octets of 10/8 that tests use for networks of their own (far hosts, services, addresses
+# added inside a pod): a pod's subnet is never taken from them, so no test's address is a pod's.
+TESTS_OWN_R = frozenset({77, 96, 201}) | frozenset(range(240, 256))
+_POD_R = [r for r in range(16, 256) if r not in TESTS_OWN_R]
+
+
 def _pick_subnet() -> tuple[int, int]:
     with _live_lock:
         while True:
-            r, x = random.randint(16, 250), random.randint(0, 255)
+            r, x = random.choice(_POD_R), random.randint(0, 255)
             if (r, x) not in _used_subnets:
                 _used_subnets.add((r, x))
                 return r, x
