@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -102,13 +103,24 @@ def pair_state(root: str, cookie: int, local: tuple[str, int], remote: tuple[str
     if raw is None:
         return None
     names = {const(f"RDR_PAIR_{n}"): n for n in ("PENDING", "OPEN", "JOINED", "TCP", "LEFT")}
-    return names[PAIR_STATE.unpack(raw)[0]]
+    return names[PAIR_STATE.unpack(raw)[0] & const("RDR_PAIR_STATE_MASK")]
 
 
 def cookie_of(pod: Pod) -> int:
     from redirect.backends.ebpf import current_netns_cookie
 
     return int(netkit.in_netns(pod.name, current_netns_cookie))
+
+
+def pair_state_after_close(root: str, cookie: int, local: tuple[str, int], remote: tuple[str, int]) -> str | None:
+    """``pair_state`` once both ends were closed: the connecting end's state goes with its socket,
+    when the peer's FIN takes it to CLOSE (in the kernel's own time: waited for, up to 10 s)."""
+    deadline = time.monotonic() + 10
+    left = pair_state(root, cookie, local, remote)
+    while left is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = pair_state(root, cookie, local, remote)
+    return left
 
 
 # --------------------------------------------------------------------------------- what apps see
@@ -236,12 +248,15 @@ def test_the_apps_captured_connection_and_the_proxys_end_of_it_are_paired(pod: P
             assert (addr, port) == (pod.peer_ip(fam), 8080)
             paired = pairs_of(ebpf_root, cookie_of(pod))
             assert paired == (_ends(c, s) if sockmap else set())
+            ends = _name(c), _name(s)
             if fam == 4:
-                assert pair_state(ebpf_root, cookie_of(pod), _name(c), _name(s)) == ("JOINED" if sockmap else None)
+                assert pair_state(ebpf_root, cookie_of(pod), *ends) == ("JOINED" if sockmap else None)
             _exchange(c, s)
         finally:
             for x in (c, s, lst):
                 x.close()
+        if fam == 4 and sockmap:
+            assert pair_state_after_close(ebpf_root, cookie_of(pod), *ends) is None
 
 
 @pytest.mark.parametrize("fam", [4, 6])
@@ -255,6 +270,9 @@ def test_the_proxys_connection_to_the_app_is_paired_an_apps_own_local_one_is_not
             p = _connect(pod, pod.pod_ip(fam), 9090, PROXY_UID, src="127.0.0.6" if fam == 4 else "::6")
             a, _ = app.accept()
             assert pairs_of(ebpf_root, cookie) == (_ends(p, a) if sockmap else set())
+            ends = _name(p), _name(a)
+            if fam == 4:
+                assert pair_state(ebpf_root, cookie, *ends) == ("JOINED" if sockmap else None)
             _exchange(p, a)
             # The app calling itself over lo: no proxy there, nothing paired.
             c = _connect(pod, "127.0.0.1" if fam == 4 else "::1", 9090, APP_UID)
@@ -263,6 +281,8 @@ def test_the_proxys_connection_to_the_app_is_paired_an_apps_own_local_one_is_not
             _exchange(c, b, 4096)
             for x in (p, a, c, b):
                 x.close()
+            if fam == 4 and sockmap:
+                assert pair_state_after_close(ebpf_root, cookie, *ends) is None
         finally:
             app.close()
 

@@ -176,14 +176,20 @@ struct pair_key {
 			    * accepted end stays out and the connecting end leaves `pairs` */
 #define RDR_PAIR_LEFT 5    /* ... which it did */
 
-/* The connection's pairing, keyed by the connecting end's pair_key. The accepted end joins only
- * if the handshake's sequence numbers match (an entry of an earlier connection with the same
- * addresses never counts); the two ends settle OPEN -> JOINED or OPEN -> TCP by one atomic
- * compare-and-swap on state (64 bits: what bcc compiles). */
+/* pair_state.state: the RDR_PAIR_* under this mask; above it, from OPEN on, the connection's
+ * identity: the connecting end's snd_nxt at ACTIVE_ESTABLISHED_CB (its ISN + 1), shifted left 32. */
+#define RDR_PAIR_STATE_MASK 0xff
+
+/* The connection's pairing, keyed by the connecting end's pair_key, for as long as the connecting
+ * end lives. The accepted end joins only if the handshake's sequence numbers match (an entry of
+ * an earlier connection with the same addresses never counts); the two ends settle OPEN -> JOINED
+ * or OPEN -> TCP by one atomic compare-and-swap on state (64 bits: what bcc compiles), which also
+ * compares the connection's identity: a compare-and-swap on an entry that meanwhile went and was
+ * reused for another connection fails. */
 struct pair_state {
-	__u64 state;  /* RDR_PAIR_* */
-	__u32 isn_c;  /* the connecting end's snd_nxt at ACTIVE_ESTABLISHED_CB: its ISN + 1 */
-	__u32 isn_a;  /* its rcv_nxt then: the accepted end's ISN + 1 */
+	__u64 state; /* RDR_PAIR_* | identity (RDR_PAIR_STATE_MASK) */
+	__u32 isn_a; /* the connecting end's rcv_nxt at ACTIVE_ESTABLISHED_CB: the accepted end's ISN + 1 */
+	__u32 _pad;
 };
 
 /* listener_key.kind: which of the proxy's listeners sk_lookup hands connections to */

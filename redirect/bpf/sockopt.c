@@ -206,6 +206,8 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 		 * first lookup that finds its entry says which, and the others would find nothing (a
 		 * lookup that misses still costs a cache miss on a random bucket). The app's side: */
 		cookie = bpf_get_netns_cookie(ctx);
+		if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_RTT_CB_FLAG)
+			pair_close(ctx, cookie);
 		tuple_of_local(ctx, &k, cookie);
 		o = orig_by_tuple.lookup(&k);
 		if (o) {
