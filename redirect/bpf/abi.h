@@ -176,8 +176,8 @@ struct pair_key {
 			    * accepted end stays out and the connecting end leaves `pairs` */
 #define RDR_PAIR_LEFT 5    /* ... which it did */
 
-/* pair_state.state: the RDR_PAIR_* under this mask; above it, from OPEN on, the connection's
- * identity: the connecting end's snd_nxt at ACTIVE_ESTABLISHED_CB (its ISN + 1), shifted left 32. */
+/* pair_state.state: the RDR_PAIR_* under this mask; above it, from ACTIVE_ESTABLISHED_CB on, the
+ * connection's identity: the connecting end's snd_nxt then (its ISN + 1), shifted left 32. */
 #define RDR_PAIR_STATE_MASK 0xff
 
 /* The connection's pairing, keyed by the connecting end's pair_key, for as long as the connecting

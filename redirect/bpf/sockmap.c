@@ -134,9 +134,9 @@ static __always_inline void pair_rtt(struct bpf_sock_ops *ctx)
 /* STATE_CB to TCP_CLOSE of a candidate (RTT callbacks on: see pair_candidate): its pairing state
  * goes with it. Nothing can use that entry any more: this socket's own programs run under its lock
  * (and the socket is done), and an accepted end that looked it up just before finds it gone or,
- * should it already hold another connection's state, that connection's handshake numbers: its
- * compare-and-swap can then only fail or take that connection to JOINED, whose ends then settle
- * on TCP (neither joins it again). A connection's key is its own while it lives: the kernel
+ * should the element already hold another connection's state, a word with that connection's
+ * identity: its compare-and-swap fails and it stays in the map (pair_passive), where what the
+ * closed end sent stays readable. A connection's key is its own while it lives: the kernel
  * releases the local port after this callback. */
 static __always_inline void pair_close(struct bpf_sock_ops *ctx, __u64 netns)
 {
