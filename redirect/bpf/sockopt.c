@@ -204,7 +204,10 @@ int rdr_sockops(struct bpf_sock_ops *ctx)
 	} else if (ctx->op == BPF_SOCK_OPS_STATE_CB && ctx->args[1] == BPF_TCP_CLOSE) {
 		/* Only sockets we flagged above get here (the netns is ours), each for one reason; the
 		 * first lookup that finds its entry says which, and the others would find nothing (a
-		 * lookup that misses still costs a cache miss on a random bucket). The app's side: */
+		 * lookup that misses still costs a cache miss on a random bucket). A pairing candidate
+		 * (sockmap.c) first deletes its pairing state; the proxy's connection to one of the
+		 * pod's own addresses was flagged for that alone, and misses every lookup below. The
+		 * app's side: */
 		cookie = bpf_get_netns_cookie(ctx);
 		if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_RTT_CB_FLAG)
 			pair_close(ctx, cookie);
